@@ -1,0 +1,3 @@
+from sidecar.cli._app import main
+
+main()

@@ -1,0 +1,1 @@
+"""api layer (see DESIGN.md §2)."""

@@ -1,0 +1,3 @@
+"""CLI: config_cmds commands (thin: parse, call the library, print)."""
+
+from sidecar.cli._app import app  # noqa: F401

@@ -1,0 +1,3 @@
+"""CLI: serve commands (thin: parse, call the library, print)."""
+
+from sidecar.cli._app import app  # noqa: F401

@@ -1,0 +1,1 @@
+"""emulator layer (see DESIGN.md §2)."""

@@ -1,0 +1,1 @@
+"""integrations layer (see DESIGN.md §2)."""

@@ -1,0 +1,1 @@
+"""upstream layer (see DESIGN.md §2)."""
