@@ -1,0 +1,93 @@
+"""The capture record: what the controller journals, the API serves and the client parses.
+
+States follow DESIGN.md §5: ``starting → active → stopping → collecting →
+completed | degraded | failed``. A capture's stage set is fixed at start.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import Enum
+
+from pydantic import BaseModel, Field
+
+
+class CaptureState(str, Enum):
+    starting = "starting"
+    active = "active"
+    stopping = "stopping"
+    collecting = "collecting"
+    completed = "completed"
+    degraded = "degraded"
+    failed = "failed"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (CaptureState.completed, CaptureState.degraded, CaptureState.failed)
+
+
+class StopReason(str, Enum):
+    explicit = "explicit"
+    duration = "duration"  # duration_s elapsed
+    lease_expired = "lease_expired"  # no heartbeat within lease_s
+    shutdown = "shutdown"  # the sidecar is exiting
+    stopped_on_recovery = "stopped_on_recovery"  # journal showed it active at start-up
+    rollback = "rollback"  # start failed or was ambiguous; the same set was stopped
+
+
+class Verdict(str, Enum):
+    ok = "ok"  # a trace file is present and non-empty
+    empty = "empty"  # a session folder appeared but holds no (non-empty) trace
+    missing = "missing"  # no new session folder for this stage
+    unverified = "unverified"  # the sidecar cannot see this stage's folder
+
+
+class ArtifactFile(BaseModel):
+    name: str  # path relative to the session folder
+    size: int
+
+
+class SessionFolder(BaseModel):
+    path: str  # as the server names it (under the stage's torch_profiler_dir)
+    local_path: str | None = None  # where the sidecar reads it (after --artifact-root mapping)
+    files: list[ArtifactFile] = Field(default_factory=list)
+
+
+class StageVerdict(BaseModel):
+    stage_id: int
+    profiler_dir: str | None = None
+    verdict: Verdict | None = None  # None until collecting has finished
+    sessions: list[SessionFolder] = Field(default_factory=list)
+    reason: str | None = None  # for a non-ok verdict: what happened and what to do
+
+
+class ErrorRecord(BaseModel):
+    code: str
+    message: str
+    at: datetime
+
+
+class Capture(BaseModel):
+    id: str
+    label: str | None = None
+    upstream: str
+    stages: list[int]
+    state: CaptureState = CaptureState.starting
+    duration_s: float | None = None
+    lease_s: float | None = None
+    stop_reason: StopReason | None = None
+    created_at: datetime
+    started_at: datetime | None = None  # upstream accepted start
+    last_heartbeat_at: datetime | None = None
+    stop_requested_at: datetime | None = None
+    stopped_at: datetime | None = None  # upstream answered stop
+    finished_at: datetime | None = None  # terminal state reached
+    verdicts: list[StageVerdict] = Field(default_factory=list)
+    errors: list[ErrorRecord] = Field(default_factory=list)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state.terminal
+
+    def verdict(self, stage_id: int) -> StageVerdict | None:
+        return next((v for v in self.verdicts if v.stage_id == stage_id), None)
