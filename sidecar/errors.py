@@ -210,3 +210,10 @@ class FleetError(SidecarError):
     """A fan-out failed on at least one target; ``details['targets']`` has each outcome."""
 
     code = "fleet_failed"
+
+
+class FleetInvalid(SidecarError):
+    """A fan-out or rollout-hook request is invalid before anything is sent (targets, steps,
+    ranks, a stage list some target cannot take); ``details`` name the offending items."""
+
+    code = "fleet_invalid"

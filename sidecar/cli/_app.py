@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from sidecar.errors import ConfigUnreadable, SidecarError
 
@@ -32,9 +33,9 @@ EXIT_UNREADABLE = 2  # input could not be read at all
 
 
 def print_error(err: SidecarError) -> None:
-    err_console.print(f"[bold red]error[/][{err.code}]: {err}", highlight=False)
+    err_console.print(f"[bold red]error[/]{escape(f'[{err.code}]')}: {escape(str(err))}", highlight=False)
     for finding in err.findings:
-        err_console.print(f"  {finding}", highlight=False)
+        err_console.print(f"  {escape(str(finding))}", highlight=False)
 
 
 @contextlib.contextmanager

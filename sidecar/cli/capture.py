@@ -1,3 +1,245 @@
-"""CLI: capture commands (thin: parse, call the library, print)."""
+"""CLI: ``omni-sidecar start|stop|status|capture|list`` — talk to a running sidecar through
+``SidecarClient``; show a spinner while a stop flushes and a verdict table at the end.
+Exit code: 0 for a completed capture, 1 for degraded/failed or any error.
+"""
 
-from sidecar.cli._app import app  # noqa: F401
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, parse_stage_list
+from sidecar.client import DEFAULT_URL, SidecarClient
+from sidecar.control.models import Capture, CaptureState
+
+SidecarOpt = Annotated[
+    str, typer.Option("--sidecar", envvar="OMNI_SIDECAR_URL", help="URL of a running `omni-sidecar serve`")
+]
+TokenFileOpt = Annotated[
+    Optional[Path],
+    typer.Option("--token-file", envvar="OMNI_SIDECAR_TOKEN_FILE", help="file holding the bearer token"),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
+StagesOpt = Annotated[
+    Optional[str], typer.Option("--stages", help="comma-separated stage ids, e.g. 0,2 (default: every profiled stage)")
+]
+
+
+def _client(sidecar: str, token_file: Path | None) -> SidecarClient:
+    from sidecar.config.settings import SidecarSettings
+
+    token = SidecarSettings(token_file=token_file).read_token() if token_file else None
+    return SidecarClient(sidecar, token=token)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def verdict_table(cap: Capture) -> Table:
+    """Stage, verdict, session folder, trace file + size, reason — one row per session folder."""
+    table = Table(title=f"capture {cap.id} — {cap.state.value}", title_justify="left")
+    for col in ("stage", "verdict", "session folder", "trace", "reason"):
+        table.add_column(col, overflow="fold")
+    for v in cap.verdicts:
+        verdict = v.verdict.value if v.verdict else "-"
+        style = {"ok": "green", "empty": "yellow", "missing": "red", "unverified": "yellow"}.get(verdict, "")
+        cell = f"[{style}]{verdict}[/]" if style else verdict
+        if not v.sessions:
+            table.add_row(str(v.stage_id), cell, "-", "-", v.reason or "")
+        for session in v.sessions:
+            traces = [f for f in session.files if Path(f.name).name.startswith("trace_")]
+            trace = ", ".join(f"{f.name} ({_size(f.size)})" for f in traces) or "-"
+            table.add_row(str(v.stage_id), cell, session.local_path or session.path, trace, v.reason or "")
+    if not cap.verdicts:
+        table.add_row("-", "-", "-", "-", "; ".join(e.message for e in cap.errors) or "no verdicts yet")
+    return table
+
+
+def print_capture(cap: Capture, as_json: bool) -> None:
+    if as_json:
+        console.print_json(cap.model_dump_json())
+        return
+    console.print(verdict_table(cap))
+    if cap.stop_reason:
+        console.print(f"stop reason: {cap.stop_reason.value}")
+    for err in cap.errors:
+        console.print(f"[red]{err.code}[/]: {err.message}", highlight=False)
+
+
+def exit_code(cap: Capture) -> int:
+    return EXIT_OK if cap.state is CaptureState.completed else EXIT_ERROR
+
+
+def wait_with_progress(client: SidecarClient, capture_id: str, timeout: float | None, quiet: bool) -> Capture:
+    """Poll until terminal, showing a spinner with elapsed time and the current state."""
+    if quiet:
+        return client.wait_capture(capture_id, timeout=timeout)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True
+    ) as progress:
+        task = progress.add_task(f"capture {capture_id}: stopping", total=None)
+        while True:
+            cap = client.get_capture(capture_id)
+            progress.update(task, description=f"capture {capture_id}: {cap.state.value}")
+            if cap.terminal:
+                return cap
+            if deadline is not None and time.monotonic() >= deadline:
+                return client.wait_capture(capture_id, timeout=0)  # raises WaitTimeout with the state
+            time.sleep(0.25)
+
+
+@app.command()
+def start(
+    sidecar: SidecarOpt = DEFAULT_URL,
+    stages: StagesOpt = None,
+    duration: Annotated[Optional[float], typer.Option("--duration", help="auto-stop after N seconds")] = None,
+    lease: Annotated[Optional[float], typer.Option("--lease", help="auto-stop without heartbeat for N s")] = None,
+    label: Annotated[Optional[str], typer.Option("--label")] = None,
+    token_file: TokenFileOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Start a capture on the sidecar (one at a time; the stage set is fixed now)."""
+    with cli_errors(), _client(sidecar, token_file) as client:
+        cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease)
+        if as_json:
+            console.print_json(cap.model_dump_json())
+        else:
+            console.print(f"capture [bold]{cap.id}[/] {cap.state.value}: stages {cap.stages}")
+
+
+@app.command()
+def stop(
+    capture_id: Annotated[Optional[str], typer.Argument(help="capture id (default: the active capture)")] = None,
+    sidecar: SidecarOpt = DEFAULT_URL,
+    wait: Annotated[bool, typer.Option("--wait", help="wait until traces are written and checked")] = False,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="with --wait: give up after N s")] = None,
+    token_file: TokenFileOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Stop a capture; with --wait show progress while the server flushes, then the verdicts."""
+    with cli_errors(), _client(sidecar, token_file) as client:
+        capture_id = capture_id or _active_id(client)
+        cap = client.stop_capture(capture_id)
+        if wait:
+            cap = wait_with_progress(client, capture_id, timeout, quiet=as_json)
+            print_capture(cap, as_json)
+            raise typer.Exit(exit_code(cap))
+        if as_json:
+            console.print_json(cap.model_dump_json())
+        else:
+            console.print(f"capture [bold]{cap.id}[/] {cap.state.value}; `omni-sidecar status {cap.id}` to follow")
+
+
+def _active_id(client: SidecarClient) -> str:
+    from sidecar.errors import CaptureNotFound
+
+    for cap in client.list_captures():
+        if not cap.terminal:
+            return cap.id
+    raise CaptureNotFound("no active capture on this sidecar; pass a capture id (see `omni-sidecar list`)")
+
+
+@app.command()
+def status(
+    capture_id: Annotated[Optional[str], typer.Argument(help="capture id (default: the newest)")] = None,
+    sidecar: SidecarOpt = DEFAULT_URL,
+    token_file: TokenFileOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Show one capture: state, verdicts, session folders and trace files."""
+    with cli_errors(), _client(sidecar, token_file) as client:
+        if capture_id is None:
+            captures = client.list_captures()
+            if not captures:
+                from sidecar.errors import CaptureNotFound
+
+                raise CaptureNotFound("no captures yet; start one with `omni-sidecar capture`")
+            cap = captures[0]
+        else:
+            cap = client.get_capture(capture_id)
+        print_capture(cap, as_json)
+        if cap.terminal:
+            raise typer.Exit(exit_code(cap))
+
+
+@app.command("list")
+def list_(
+    sidecar: SidecarOpt = DEFAULT_URL,
+    token_file: TokenFileOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """List captures, newest first (history survives sidecar restarts)."""
+    with cli_errors(), _client(sidecar, token_file) as client:
+        captures = client.list_captures()
+        if as_json:
+            console.print_json(json.dumps([c.model_dump(mode="json") for c in captures]))
+            return
+        table = Table(title=f"captures on {sidecar}", title_justify="left")
+        for col in ("id", "state", "stages", "label", "created", "stop reason"):
+            table.add_column(col)
+        for c in captures:
+            table.add_row(
+                c.id,
+                c.state.value,
+                ",".join(map(str, c.stages)),
+                c.label or "",
+                c.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                c.stop_reason.value if c.stop_reason else "",
+            )
+        console.print(table)
+
+
+@app.command()
+def capture(
+    sidecar: SidecarOpt = DEFAULT_URL,
+    stages: StagesOpt = None,
+    duration: Annotated[
+        Optional[float], typer.Option("--duration", help="capture for N seconds (default: until Ctrl-C)")
+    ] = None,
+    label: Annotated[Optional[str], typer.Option("--label")] = None,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="give up waiting for the stop after N s")] = None,
+    token_file: TokenFileOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Start, wait DURATION (or until Ctrl-C), stop, wait for the traces, print the verdicts."""
+    with cli_errors(), _client(sidecar, token_file) as client:
+        cap = client.start_capture(parse_stage_list(stages), label=label)
+        if not as_json:
+            console.print(f"capture [bold]{cap.id}[/] active: stages {cap.stages}")
+        try:
+            if duration is None:
+                if not as_json:
+                    console.print("profiling; press Ctrl-C to stop")
+                while True:
+                    time.sleep(3600)
+            else:
+                _countdown(duration, quiet=as_json)
+        except KeyboardInterrupt:
+            if not as_json:
+                console.print("stopping")
+        # stop even when interrupted: never leave a profiler running upstream
+        client.stop_capture(cap.id)
+        cap = wait_with_progress(client, cap.id, timeout, quiet=as_json)
+        print_capture(cap, as_json)
+        raise typer.Exit(exit_code(cap))
+
+
+def _countdown(seconds: float, quiet: bool) -> None:
+    if quiet:
+        time.sleep(seconds)
+        return
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as p:
+        p.add_task(f"profiling for {seconds:g}s", total=None)
+        time.sleep(seconds)

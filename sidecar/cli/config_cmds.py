@@ -1,3 +1,177 @@
-"""CLI: config_cmds commands (thin: parse, call the library, print)."""
+"""CLI: ``validate`` (check a deploy YAML, and optionally a verl trainer config, before a job
+starts) and ``render`` (turn a stage profile into a deploy overlay or ``--stage-overrides`` JSON).
+Exit codes: 0 clean (warnings allowed), 1 invalid, 2 unreadable input. Never a traceback.
+"""
 
-from sidecar.cli._app import app  # noqa: F401
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from sidecar.cli._app import EXIT_ERROR, EXIT_OK, EXIT_UNREADABLE, app, cli_errors, console, err_console, parse_stage_list
+from sidecar.config.deploy import PLATFORMS, load_deploy_config
+from sidecar.config.models import DeployConfig
+from sidecar.config.profiles import list_profiles, render_overlay, render_stage_overrides
+from sidecar.config.rules import validate_deploy
+from sidecar.config.verl import read_verl_config, verl_findings
+from sidecar.errors import ConfigUnreadable, Finding, SidecarError
+
+
+def _exit_code(err: SidecarError) -> int:
+    return EXIT_UNREADABLE if isinstance(err, ConfigUnreadable) else EXIT_ERROR
+
+
+def _print_error_line(err: SidecarError) -> None:
+    where = escape(f"{err.where}: ") if err.where else ""
+    err_console.print(
+        f"{where}[bold red]error[/]{escape(f'[{err.code}]: {err.message}')}", highlight=False, soft_wrap=True
+    )
+    for finding in err.findings:
+        err_console.print(f"  {escape(str(finding))}", highlight=False, soft_wrap=True)
+
+
+def _stage_rows(deploy: DeployConfig, findings: list[Finding]) -> list[dict[str, Any]]:
+    rows = []
+    for s in deploy.stages:
+        rows.append(
+            {
+                "stage_id": s.stage_id,
+                "kind": s.kind.value,
+                "profiler": s.profiler,
+                "dir": s.profiler_dir,
+                "devices": s.devices,
+                "num_replicas": s.num_replicas,
+                "findings": [f.code for f in findings if f.stage_id == s.stage_id],
+            }
+        )
+    return rows
+
+
+def _print_table(deploy: DeployConfig, rows: list[dict[str, Any]], findings: list[Finding]) -> None:
+    table = Table(title=f"{deploy.path} (platform {deploy.platform or 'none'})", title_justify="left")
+    for col in ("id", "kind", "profiler", "dir", "findings"):
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        codes = []
+        for f in findings:
+            if f.stage_id == row["stage_id"]:
+                style = "red" if f.is_error else "yellow"
+                codes.append(f"[{style}]{f.code}[/]")
+        table.add_row(
+            str(row["stage_id"]), row["kind"], row["profiler"] or "-", escape(row["dir"] or "-"), " ".join(codes) or "[green]ok[/]"
+        )
+    console.print(table)
+    for f in findings:
+        style = "red" if f.is_error else "yellow"
+        console.print(f"[{style}]{escape(str(f))}[/]", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def validate(
+    deploy_file: Annotated[Path, typer.Argument(metavar="DEPLOY", help="vLLM-Omni deploy YAML")],
+    stages: Annotated[
+        Optional[str], typer.Option("--stages", help="stages you mean to capture, e.g. 0,2 (default: all torch stages)")
+    ] = None,
+    verl_config: Annotated[
+        Optional[Path], typer.Option("--verl-config", help="verl / verl-omni trainer config (YAML or Hydra dump)")
+    ] = None,
+    role: Annotated[str, typer.Option("--role", help="verl profiler block to check: rollout or reward")] = "rollout",
+    platform: Annotated[str, typer.Option("--platform", help=f"platform overlay to apply: {', '.join(PLATFORMS)}")] = "cuda",
+    nsys: Annotated[bool, typer.Option("--nsys", help="the capture is an nsys one: cuda stages may be targeted")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="print a machine-readable report")] = False,
+) -> None:
+    """Check a deploy YAML (and a verl config) for discrete torch profiling before anything starts."""
+    with cli_errors():
+        stage_list = parse_stage_list(stages)
+        if role not in ("rollout", "reward"):
+            raise typer.BadParameter(f"--role must be rollout or reward, got {role!r}")
+        try:
+            deploy = load_deploy_config(deploy_file, platform=platform)
+            findings = validate_deploy(deploy, stages=stage_list, allow_cuda=nsys)
+            plan = None
+            if verl_config is not None:
+                plan = read_verl_config(verl_config, role=role)  # type: ignore[arg-type]
+                findings += verl_findings(plan)
+        except SidecarError as err:
+            if as_json:
+                console.print_json(json.dumps({"ok": False, "file": str(deploy_file), "error": err.to_dict()}))
+            else:
+                _print_error_line(err)
+            raise typer.Exit(_exit_code(err)) from None
+        rows = _stage_rows(deploy, findings)
+        ok = not any(f.is_error for f in findings)
+        if as_json:
+            report = {
+                "ok": ok,
+                "file": str(deploy_file),
+                "platform": platform,
+                "legacy_schema": deploy.legacy_schema,
+                "base_chain": [str(p) for p in deploy.base_chain],
+                "stages": rows,
+                "findings": [f.model_dump(mode="json") for f in findings],
+                "verl": plan.model_dump(mode="json") if plan else None,
+            }
+            console.print_json(json.dumps(report))
+        else:
+            _print_table(deploy, rows, findings)
+            if plan is not None:
+                console.print(
+                    f"verl {role}: steps={plan.steps} tool={plan.tool} discrete={plan.discrete} "
+                    f"enable={plan.enable} ranks={'all' if plan.all_ranks else plan.ranks or [0]}",
+                    highlight=False,
+                )
+            n_err = sum(f.is_error for f in findings)
+            n_warn = len(findings) - n_err
+            console.print(
+                f"[{'red' if n_err else 'green'}]{n_err} error(s)[/], {n_warn} warning(s)", highlight=False
+            )
+        raise typer.Exit(EXIT_OK if ok else EXIT_ERROR)
+
+
+@app.command()
+def render(
+    deploy_file: Annotated[Path, typer.Argument(metavar="DEPLOY", help="the deploy YAML to start from")],
+    profile: Annotated[str, typer.Option("--profile", help=f"preset ({', '.join(list_profiles())}) or a profile YAML")],
+    stages: Annotated[Optional[str], typer.Option("--stages", help="stages to profile, e.g. 0,2 (default: all)")] = None,
+    out_dir: Annotated[
+        Optional[Path], typer.Option("--dir", help="trace root; each stage writes to DIR/stage<id> (default: keep the stage's dir)")
+    ] = None,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="write the overlay YAML here")] = None,
+    stage_overrides: Annotated[
+        bool, typer.Option("--stage-overrides", help="print the JSON for `vllm serve --omni --stage-overrides`")
+    ] = False,
+    platform: Annotated[str, typer.Option("--platform", help="platform overlay to apply when reading DEPLOY")] = "cuda",
+) -> None:
+    """Render a stage profile for chosen stages as a deploy overlay (base_config) or --stage-overrides JSON."""
+    with cli_errors():
+        if output is not None and stage_overrides:
+            raise typer.BadParameter("use either -o OUT (overlay file) or --stage-overrides (JSON), not both")
+        stage_list = parse_stage_list(stages)
+        try:
+            if stage_list is None:
+                stage_list = load_deploy_config(deploy_file, platform=platform).stage_ids
+            if stage_overrides:
+                console.print(
+                    render_stage_overrides(deploy_file, profile, stage_list, out_dir=out_dir, platform=platform),
+                    highlight=False,
+                    soft_wrap=True,
+                )
+                return
+            target = output if output is not None else Path.cwd() / "overlay.yaml"
+            text = render_overlay(deploy_file, profile, stage_list, out_path=target, out_dir=out_dir, platform=platform)
+            if output is None:
+                console.print(text, highlight=False, soft_wrap=True, markup=False)
+                return
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text(text, encoding="utf-8")
+            # The overlay must load exactly like any deploy file; refuse to leave a broken one behind.
+            load_deploy_config(output, platform=platform)
+            err_console.print(f"wrote {output} (profile {profile}, stages {stage_list})", highlight=False)
+        except SidecarError as err:
+            _print_error_line(err)
+            raise typer.Exit(_exit_code(err)) from None

@@ -1,3 +1,72 @@
-"""CLI: emulate commands (thin: parse, call the library, print)."""
+"""CLI: ``omni-sidecar emulate``, a stand-in vLLM-Omni 0.30 server that profiles for real on CPU
+(thin: parse options, call ``sidecar.emulator.server.serve``). Needs the ``emulator`` extra.
+"""
 
-from sidecar.cli._app import app  # noqa: F401
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from sidecar.cli._app import EXIT_ERROR, app, parse_stage_list, print_error
+from sidecar.errors import SidecarError
+
+
+def emulate(
+    deploy_config: Path = typer.Option(..., "--deploy-config", help="vLLM-Omni deploy YAML (stages, profiler_config)."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8091, "--port"),
+    flavor: str = typer.Option("omni", "--flavor", help="omni: vLLM-Omni 0.30 semantics; vllm: plain vLLM 0.30."),
+    diffusion_stages: Optional[str] = typer.Option(
+        None, "--diffusion-stages", help="Stage ids to run as diffusion stages, e.g. 1,2."
+    ),
+    model: str = typer.Option("omni-emulator", "--model", help="Model name served by /v1/models."),
+    step_ms: float = typer.Option(5.0, "--step-ms", help="Minimum wall time of one engine step (ms)."),
+    gzip_delay: float = typer.Option(
+        0.5, "--gzip-delay", help="Seconds before the background gzip of a trace starts (models big traces)."
+    ),
+    fault_stop_delay: float = typer.Option(
+        0.0, "--fault-stop-delay", help="Test aid: extra seconds inside stop before replying."
+    ),
+    fault_dead_stage: Optional[int] = typer.Option(
+        None, "--fault-dead-stage", help="Test aid: this stage's worker dies after start-up (calls to it answer 500)."
+    ),
+    fault_hang_stop: bool = typer.Option(False, "--fault-hang-stop", help="Test aid: stop never replies."),
+    fault_start_500: bool = typer.Option(False, "--fault-start-500", help="Test aid: start answers 500."),
+) -> None:
+    """Run a stand-in vLLM-Omni 0.30 server: one CPU worker per stage, real torch profiler traces."""
+    if flavor not in ("omni", "vllm"):
+        raise typer.BadParameter(f"--flavor must be omni or vllm (got {flavor!r})")
+    try:
+        from sidecar.emulator.options import EmulatorOptions
+        from sidecar.emulator.server import serve
+
+        serve(
+            EmulatorOptions(
+                deploy_config=deploy_config,
+                host=host,
+                port=port,
+                flavor=flavor,  # type: ignore[arg-type]
+                diffusion_stages=parse_stage_list(diffusion_stages) or [],
+                model=model,
+                step_ms=step_ms,
+                gzip_delay_s=gzip_delay,
+                fault_stop_delay_s=fault_stop_delay,
+                fault_dead_stage=fault_dead_stage,
+                fault_hang_stop=fault_hang_stop,
+                fault_start_500=fault_start_500,
+            )
+        )
+    except SidecarError as err:
+        # The real server exits 1 for any refused deploy file, unreadable ones included.
+        print_error(err)
+        raise typer.Exit(EXIT_ERROR) from None
+
+
+app.command("emulate")(emulate)
+
+
+def run_standalone() -> None:
+    """Entry point of ``python -m sidecar.emulator`` (no subcommand name)."""
+    typer.run(emulate)

@@ -1,3 +1,186 @@
-"""CLI: fleet commands (thin: parse, call the library, print)."""
+"""CLI: ``omni-sidecar fleet start|stop|capture --targets T,T,...`` — the same fan-out as the
+rollout hook, by hand. A target is ``sidecar=URL`` (a bare URL is a sidecar) or ``upstream=URL``
+(driven in-process; needs ``--deploy-config``). Exit code: 0 when every target succeeded, else 1.
+"""
 
-from sidecar.cli._app import app  # noqa: F401
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.table import Table
+
+from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, parse_stage_list
+from sidecar.errors import FleetInvalid
+
+fleet_app = typer.Typer(
+    name="fleet",
+    help="Start, stop or run one capture on many replicas at once (sidecars or upstream servers).",
+    no_args_is_help=True,
+)
+app.add_typer(fleet_app, name="fleet")
+
+TargetsOpt = Annotated[
+    str,
+    typer.Option(
+        "--targets",
+        envvar="OMNI_SIDECAR_TARGETS",
+        help="comma-separated: sidecar=http://h:8092 (or a bare URL) and/or upstream=http://h:8091",
+    ),
+]
+StagesOpt = Annotated[
+    Optional[str], typer.Option("--stages", help="comma-separated stage ids, e.g. 0,2 (default: every torch stage)")
+]
+DeployOpt = Annotated[
+    Optional[Path], typer.Option("--deploy-config", help="deploy YAML of the upstream targets (upstream=URL only)")
+]
+FlavorOpt = Annotated[str, typer.Option("--flavor", help="upstream targets: omni or vllm (plain vLLM, no stages)")]
+TokenFileOpt = Annotated[
+    Optional[Path],
+    typer.Option("--token-file", envvar="OMNI_SIDECAR_TOKEN_FILE", help="bearer token for the sidecar targets"),
+]
+StateDirOpt = Annotated[
+    Optional[Path],
+    typer.Option("--state-dir", help="journal of upstream targets' captures, so `fleet stop` can find them"),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+
+
+def _default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "omni-sidecar" / "fleet"
+
+
+def _fleet(targets: str, stages: str | None, deploy_config: Path | None, flavor: str,
+           token_file: Path | None, state_dir: Path | None) -> Any:
+    from sidecar.fleet import Fleet
+
+    token = None
+    if token_file is not None:
+        from sidecar.config.settings import SidecarSettings
+
+        token = SidecarSettings(token_file=token_file).read_token()
+    if flavor not in ("omni", "vllm"):
+        raise FleetInvalid(f"--flavor must be omni or vllm, got {flavor!r}", code="target_invalid")
+    return Fleet(targets, stages=parse_stage_list(stages), deploy_config=deploy_config, flavor=flavor,  # type: ignore[arg-type]
+                 token=token, state_dir=state_dir or _default_state_dir())
+
+
+def _print(fc: Any, as_json: bool) -> None:
+    if as_json:
+        console.print_json(json.dumps({
+            "label": fc.label, "ok": fc.ok,
+            "targets": [{**r.model_dump(mode="json"), "folders": r.folders} for r in fc.targets.values()],
+        }))
+        return
+    table = Table(title=f"fleet {fc.label or ''}".rstrip(), title_justify="left")
+    for col in ("target", "outcome", "capture", "state", "stages", "session folders", "error"):
+        table.add_column(col, overflow="fold")
+    for r in fc.targets.values():
+        state = r.state.value if r.state else "-"
+        style = {"completed": "green", "degraded": "yellow", "failed": "red"}.get(state, "")
+        table.add_row(
+            r.target, r.outcome.value, r.capture_id or "-", f"[{style}]{state}[/]" if style else state,
+            ",".join(map(str, r.stages)) or "-", "\n".join(r.folders) or "-",
+            f"{r.error.code}: {r.error.message}" if r.error else "",
+        )
+    console.print(table)
+
+
+def _exit(fc: Any) -> None:
+    raise typer.Exit(EXIT_OK if fc.ok else EXIT_ERROR)
+
+
+@fleet_app.command("start")
+def start(
+    targets: TargetsOpt,
+    stages: StagesOpt = None,
+    duration: Annotated[Optional[float], typer.Option("--duration", help="sidecar targets: auto-stop after N s")] = None,
+    label: Annotated[Optional[str], typer.Option("--label")] = None,
+    deploy_config: DeployOpt = None,
+    flavor: FlavorOpt = "omni",
+    token_file: TokenFileOpt = None,
+    state_dir: StateDirOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Start on every target at once; all or nothing (a failure stops the ones that started)."""
+    with cli_errors():
+        fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir)
+        upstream = [t.name for t in fleet.targets if t.kind.value == "upstream"]
+        if duration is not None and upstream:
+            raise FleetInvalid(
+                f"--duration needs a process that stays to stop upstream targets ({', '.join(upstream)}); "
+                "use `omni-sidecar fleet capture --duration S`, or put sidecars in front of them",
+                code="duration_invalid",
+            )
+
+        async def run() -> Any:
+            await fleet.open()
+            try:
+                return await fleet.start(label=label, duration_s=duration)
+            finally:
+                await fleet.close(keep_live=True)  # `fleet stop` stops them (journal in --state-dir)
+
+        fc = asyncio.run(run())
+        _print(fc, as_json)
+
+
+@fleet_app.command("stop")
+def stop(
+    targets: TargetsOpt,
+    wait: Annotated[bool, typer.Option("--wait/--no-wait", help="wait for the artifact checks")] = True,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="bound on the artifact checks (s)")] = None,
+    deploy_config: DeployOpt = None,
+    flavor: FlavorOpt = "omni",
+    token_file: TokenFileOpt = None,
+    state_dir: StateDirOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Stop the live capture on every target at once, each within its own budget."""
+    with cli_errors():
+        fleet = _fleet(targets, None, deploy_config, flavor, token_file, state_dir)
+
+        async def run() -> Any:
+            await fleet.open()
+            try:
+                fc = await fleet.live()
+                return await fleet.stop(fc, wait_artifacts=wait, artifact_timeout_s=timeout)
+            finally:
+                await fleet.close()
+
+        fc = asyncio.run(run())
+        _print(fc, as_json)
+        _exit(fc)
+
+
+@fleet_app.command("capture")
+def capture(
+    targets: TargetsOpt,
+    duration: Annotated[float, typer.Option("--duration", help="seconds to keep the window open")] = 10.0,
+    stages: StagesOpt = None,
+    label: Annotated[Optional[str], typer.Option("--label")] = None,
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="bound on the artifact checks (s)")] = None,
+    deploy_config: DeployOpt = None,
+    flavor: FlavorOpt = "omni",
+    token_file: TokenFileOpt = None,
+    state_dir: StateDirOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Start everywhere, keep the window open --duration seconds (Ctrl-C stops early), stop
+    everywhere, check the traces and print where they are."""
+    with cli_errors():
+        if not duration > 0:
+            raise FleetInvalid(f"--duration must be > 0 seconds, got {duration}", code="duration_invalid")
+        fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir)
+
+        async def run() -> Any:
+            async with fleet:
+                return await fleet.capture(duration, label=label, artifact_timeout_s=timeout)
+
+        fc = asyncio.run(run())
+        _print(fc, as_json)
+        _exit(fc)

@@ -1,3 +1,97 @@
-"""CLI: serve commands (thin: parse, call the library, print)."""
+"""CLI: ``omni-sidecar serve`` — validate the deploy YAML (refuse errors, print warnings), then
+run the HTTP API under uvicorn. Flags override ``OMNI_SIDECAR_*`` environment settings.
+"""
 
-from sidecar.cli._app import app  # noqa: F401
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from sidecar.cli._app import app, cli_errors, err_console
+
+
+@app.command()
+def serve(
+    upstream: Annotated[
+        Optional[str], typer.Option("--upstream", help="URL of `vllm serve <model> --omni`, e.g. http://127.0.0.1:8000")
+    ] = None,
+    deploy_config: Annotated[
+        Optional[Path], typer.Option("--deploy-config", help="the deploy YAML the server was started with")
+    ] = None,
+    host: Annotated[Optional[str], typer.Option("--host", help="bind address (default 127.0.0.1)")] = None,
+    port: Annotated[Optional[int], typer.Option("--port", help="port (default 8092)")] = None,
+    state_dir: Annotated[Optional[Path], typer.Option("--state-dir", help="journal of captures")] = None,
+    token_file: Annotated[
+        Optional[Path], typer.Option("--token-file", help="bearer token required on mutating routes")
+    ] = None,
+    flavor: Annotated[Optional[str], typer.Option("--flavor", help="omni (stage lists) or vllm (no body)")] = None,
+    platform: Annotated[Optional[str], typer.Option("--platform", help="platforms.<name> overlay (default cuda)")] = None,
+    artifact_root: Annotated[
+        Optional[list[str]],
+        typer.Option("--artifact-root", help="SERVER_PATH=LOCAL_PATH where the server's trace dirs are mounted here"),
+    ] = None,
+    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+) -> None:
+    """Run the sidecar's HTTP API beside a vLLM-Omni server (OpenAPI at /docs)."""
+    with cli_errors():
+        from sidecar.config.deploy import load_deploy_config
+        from sidecar.config.rules import validate_deploy
+        from sidecar.config.settings import SidecarSettings
+        from sidecar.errors import ConfigError, ValidationFailed
+
+        given: dict[str, Any] = {
+            "upstream_url": upstream,
+            "deploy_config": deploy_config,
+            "host": host,
+            "port": port,
+            "state_dir": state_dir,
+            "token_file": token_file,
+            "flavor": flavor,
+            "platform": platform,
+            "artifact_roots": artifact_root or None,
+        }
+        try:
+            settings = SidecarSettings(**{k: v for k, v in given.items() if v is not None})
+        except ValueError as err:  # pydantic ValidationError: a flag or env value out of range
+            raise ConfigError(f"invalid setting: {err}") from None
+        if settings.deploy_config is None:
+            raise ConfigError(
+                "no deploy config: pass --deploy-config FILE (the YAML `vllm serve --omni` was started with)",
+                key="deploy_config",
+            )
+        settings.read_token()  # an unreadable token file must stop start-up, not open the routes
+        deploy = load_deploy_config(settings.deploy_config, platform=settings.platform)
+        findings = list(validate_deploy(deploy))
+        seen = {(f.code, f.stage_id, f.key, f.message) for f in findings}
+        findings += [f for f in deploy.findings if (f.code, f.stage_id, f.key, f.message) not in seen]
+        errors = [f for f in findings if f.is_error]
+        if errors:
+            raise ValidationFailed(
+                f"{settings.deploy_config} is not a valid deploy for profiling; fix the errors below "
+                f"(`omni-sidecar validate {settings.deploy_config}` checks it)",
+                findings=errors,
+            )
+        for finding in findings:
+            err_console.print(f"[yellow]{finding}[/]", highlight=False)
+
+        import uvicorn
+
+        from sidecar.api.app import build_app
+
+        fastapi_app = build_app(settings, deploy)
+        err_console.print(
+            f"omni-sidecar: upstream {settings.upstream_url}, deploy {settings.deploy_config}, "
+            f"http://{settings.host}:{settings.port} (docs at /docs)",
+            highlight=False,
+        )
+        # a short graceful window: a client blocked on ?wait=true must not delay the shutdown
+        # stop of the active capture (lifespan shutdown runs after connections close)
+        uvicorn.run(
+            fastapi_app,
+            host=settings.host,
+            port=settings.port,
+            log_level=log_level,
+            timeout_graceful_shutdown=5,
+        )

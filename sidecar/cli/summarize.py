@@ -1,3 +1,89 @@
-"""CLI: summarize commands (thin: parse, call the library, print)."""
+"""CLI: ``omni-sidecar summarize PATH...``: where a capture's time went, from its trace files.
 
-from sidecar.cli._app import app  # noqa: F401
+Thin: find and summarise with ``sidecar.analysis``, print rich tables (or ``--json``). Exit 1
+with the message when a file is unreadable or truncated (what could be read is still shown).
+"""
+
+from __future__ import annotations
+
+import json
+from enum import Enum
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from sidecar.analysis import CaptureSummary, SummaryBody, summarize_paths
+from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console
+
+
+class By(str, Enum):
+    op = "op"
+    kernel = "kernel"
+
+
+def _ms(us: float) -> str:
+    return f"{us / 1000:,.3f}"
+
+
+def _short(name: str, width: int = 80) -> str:
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def _tables(title: str, body: SummaryBody, by: By) -> None:
+    w, t = body.window, body.totals
+    steps = f", {w.steps} steps (mean {_ms(w.step_mean_us)} ms)" if w.steps and w.step_mean_us else ""
+    console.print(
+        f"[bold]{title}[/]: window {_ms(w.span_us)} ms{steps}; {t.events:,} events, "
+        f"{t.cpu_ops:,} CPU ops, {t.kernels:,} kernels ({_ms(t.kernel_us)} ms)"
+        + (" [red](truncated)[/]" if body.truncated else "")
+    )
+    if by is By.op:
+        tab = Table("CPU op", "count", "total ms", "self CPU ms", "self device ms", title="CPU ops by self CPU time")
+        for o in body.cpu_ops:
+            tab.add_row(_short(o.name), f"{o.count:,}", _ms(o.total_us), _ms(o.self_us), _ms(o.self_device_us))
+        console.print(tab)
+        if body.cpu_ops_by_device:
+            tab = Table("CPU op", "count", "self device ms", "self CPU ms", title="CPU ops by GPU time they launched")
+            for o in body.cpu_ops_by_device:
+                tab.add_row(_short(o.name), f"{o.count:,}", _ms(o.self_device_us), _ms(o.self_us))
+            console.print(tab)
+    else:
+        tab = Table("kind", "name", "count", "total ms", title="GPU kernels, memcpy, memset by total time")
+        rows = [("kernel", k) for k in body.kernels] + [("memcpy", k) for k in body.memcpy] + [("memset", k) for k in body.memset]
+        for kind, k in sorted(rows, key=lambda r: -r[1].total_us):
+            tab.add_row(kind, _short(k.name), f"{k.count:,}", _ms(k.total_us))
+        console.print(tab)
+    if body.devices:
+        tab = Table("rank", "device", "stream", "activities", "busy ms", "idle share", title="GPU busy / idle")
+        for d in body.devices:
+            tab.add_row(str(d.rank if d.rank is not None else "-"), str(d.device), "all", "", _ms(d.busy_us), f"{d.idle_share:.1%}")
+        for s in body.streams:
+            tab.add_row(str(s.rank if s.rank is not None else "-"), str(s.device), str(s.stream), f"{s.count:,}", _ms(s.busy_us), f"{s.idle_share:.1%}")
+        console.print(tab)
+
+
+@app.command("summarize")
+def summarize(
+    paths: list[Path] = typer.Argument(..., help="trace files (.json/.json.gz) or session/capture folders"),
+    top: int = typer.Option(20, "--top", min=1, help="rows per table"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+    by: By = typer.Option(By.op, "--by", help="op: CPU ops (self CPU / self device); kernel: GPU kernels"),
+) -> None:
+    """Summarise torch.profiler traces: window and steps, top CPU ops, top kernels, GPU idle, per stage."""
+    with cli_errors():
+        summary: CaptureSummary = summarize_paths(paths, top=top)
+    if as_json:
+        console.print_json(json.dumps(summary.model_dump(mode="json")))
+    else:
+        if len(summary.stages) > 1 or len(summary.files) > 1:
+            for st in summary.stages:
+                label = f"stage {st.stage_id}" if st.stage_id is not None else "stage ?"
+                _tables(f"{label} ({len(st.files)} file(s))", st, by)
+        elif summary.files:
+            _tables(summary.files[0].file, summary, by)
+    for msg in summary.errors:
+        err_console.print(f"[bold red]error[/]{escape('[trace_invalid]')}: {escape(msg)}", highlight=False)
+    if summary.errors:
+        raise typer.Exit(EXIT_ERROR)

@@ -1,6 +1,26 @@
 """Config layer: pure readers and rules. Reads files, returns typed models, raises typed errors."""
 
+from sidecar.config.deploy import load_deploy_config
 from sidecar.config.models import DeployConfig, Stage, StageKind
 from sidecar.config.profiler import ProfilerConfig
+from sidecar.config.profiles import StageProfile, list_profiles, load_profile, render_overlay, render_stage_overrides
+from sidecar.config.rules import select_stages, validate_deploy
+from sidecar.config.verl import VerlProfilerPlan, read_verl_config, verl_findings
 
-__all__ = ["DeployConfig", "ProfilerConfig", "Stage", "StageKind"]
+__all__ = [
+    "DeployConfig",
+    "ProfilerConfig",
+    "Stage",
+    "StageKind",
+    "StageProfile",
+    "VerlProfilerPlan",
+    "list_profiles",
+    "load_deploy_config",
+    "load_profile",
+    "read_verl_config",
+    "render_overlay",
+    "render_stage_overrides",
+    "select_stages",
+    "validate_deploy",
+    "verl_findings",
+]

@@ -33,6 +33,9 @@ class Stage(BaseModel):
     where: Where | None = None
     # Keys vLLM-Omni keeps as engine extras (e.g. the emulator-only ``emulator_stage_kind``).
     extras: dict[str, Any] = Field(default_factory=dict)
+    # Where each key was written ("stage_id", "profiler_config", "profiler_config.<field>"), for
+    # findings that point at file:line:col. Not part of the stage's value.
+    marks: dict[str, Where] = Field(default_factory=dict, repr=False, exclude=True)
 
     @property
     def profiler(self) -> str | None:
@@ -40,7 +43,8 @@ class Stage(BaseModel):
 
     @property
     def profiler_dir(self) -> str | None:
-        return self.profiler_config.torch_profiler_dir if self.profiler_config else None
+        # vLLM's default is "" (unset); callers test for None.
+        return (self.profiler_config.torch_profiler_dir or None) if self.profiler_config else None
 
 
 class DeployConfig(BaseModel):

@@ -1,22 +1,63 @@
 """ProfilerConfig: our mirror of vLLM 0.30's ``vllm.config.ProfilerConfig`` (same fields,
-defaults, ranges and error texts; extra keys forbidden). Contract tests diff it against the real
-class. Pure: no vllm import.
+defaults, ranges, path normalisation and error texts; extra keys forbidden). Contract tests diff
+it against the real class. Pure: no vllm import.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 ProfilerKind = Literal["torch", "cuda", "proton"]
+ProtonBackend = Literal["cupti"]
+ProtonContext = Literal["shadow", "python"]
+ProtonData = Literal["tree", "trace"]
+ProtonHook = Literal["triton"]
+ProtonOutputFormat = Literal["hatchet", "hatchet_msgpack", "chrome_trace"]
+
+# Fields vLLM-Omni's torch workers read; the proton_* fields exist in vLLM but Omni ignores them.
+TORCH_FIELDS: tuple[str, ...] = (
+    "profiler",
+    "torch_profiler_dir",
+    "torch_profiler_with_stack",
+    "torch_profiler_with_flops",
+    "torch_profiler_use_gzip",
+    "torch_profiler_dump_cuda_time_total",
+    "torch_profiler_record_shapes",
+    "torch_profiler_with_memory",
+    "capture_torch_profiler",
+    "detailed_trace_annotation",
+    "ignore_frontend",
+    "delay_iterations",
+    "max_iterations",
+    "warmup_iterations",
+    "active_iterations",
+    "wait_iterations",
+)
+
+
+def _is_uri_path(path: str) -> bool:
+    # Same rule as vLLM: "gs://x" is a URI, "C://x" is a Windows drive.
+    if "://" in path:
+        return len(path.split("://")[0]) > 1
+    return False
 
 
 class ProfilerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     profiler: ProfilerKind | None = None
-    torch_profiler_dir: str | None = None
+    torch_profiler_dir: str = ""
+    proton_profiler_dir: str = ""
+    proton_context: ProtonContext = "shadow"
+    proton_data: ProtonData = "tree"
+    proton_backend: ProtonBackend | None = None
+    proton_mode: str | None = None
+    proton_hook: ProtonHook | None = None
+    proton_output_format: ProtonOutputFormat | None = None
+    proton_graph_attribution: bool = False
     torch_profiler_with_stack: bool = True
     torch_profiler_with_flops: bool = False
     torch_profiler_use_gzip: bool = True
@@ -33,11 +74,62 @@ class ProfilerConfig(BaseModel):
     wait_iterations: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
-    def _vllm_rules(self) -> "ProfilerConfig":
+    def _vllm_rules(self) -> ProfilerConfig:
+        # Order and texts follow vllm/config/profiler.py::_validate_profiler_config.
+        if self.torch_profiler_dir and self.profiler != "torch":
+            raise ValueError("torch_profiler_dir is only applicable when profiler is set to 'torch'")
         if self.profiler == "torch" and not self.torch_profiler_dir:
             raise ValueError("torch_profiler_dir must be set when profiler is 'torch'")
-        if self.profiler != "torch" and self.torch_profiler_dir:
-            raise ValueError("torch_profiler_dir is only applicable when profiler is set to 'torch'")
-        if self.profiler != "torch" and self.capture_torch_profiler:
+        if self.torch_profiler_dir and not _is_uri_path(self.torch_profiler_dir):
+            # vLLM makes the dir absolute against the *server's* working directory.
+            object.__setattr__(
+                self, "torch_profiler_dir", os.path.abspath(os.path.expanduser(self.torch_profiler_dir))
+            )
+        non_default_proton = [
+            name
+            for name, value, default in (
+                ("proton_profiler_dir", self.proton_profiler_dir, ""),
+                ("proton_context", self.proton_context, "shadow"),
+                ("proton_data", self.proton_data, "tree"),
+                ("proton_backend", self.proton_backend, None),
+                ("proton_mode", self.proton_mode, None),
+                ("proton_hook", self.proton_hook, None),
+                ("proton_output_format", self.proton_output_format, None),
+                ("proton_graph_attribution", self.proton_graph_attribution, False),
+            )
+            if value != default
+        ]
+        if self.profiler != "proton" and non_default_proton:
+            raise ValueError(f"{', '.join(non_default_proton)} only applicable when profiler is set to 'proton'")
+        if self.profiler == "proton" and not self.proton_profiler_dir:
+            raise ValueError("proton_profiler_dir must be set when profiler is 'proton'")
+        if self.proton_profiler_dir:
+            if _is_uri_path(self.proton_profiler_dir):
+                raise ValueError("proton_profiler_dir must be a local directory")
+            object.__setattr__(
+                self, "proton_profiler_dir", os.path.abspath(os.path.expanduser(self.proton_profiler_dir))
+            )
+        if self.profiler == "proton":
+            fmt = self.proton_output_format
+            if self.proton_graph_attribution and self.proton_data != "tree":
+                raise ValueError("proton_graph_attribution requires proton_data='tree'")
+            if (
+                self.proton_graph_attribution
+                and self.proton_mode
+                and self.proton_mode.split(":", 1)[0].lower() == "periodic_flushing"
+            ):
+                raise ValueError(
+                    "proton_graph_attribution is incompatible with periodic_flushing: "
+                    "both manage Proton data phases."
+                )
+            if fmt == "chrome_trace" and self.proton_data != "trace":
+                raise ValueError("chrome_trace output requires proton_data='trace'")
+            if fmt in ("hatchet", "hatchet_msgpack") and self.proton_data != "tree":
+                raise ValueError(f"{fmt} output requires proton_data='tree'")
+        if self.capture_torch_profiler and self.profiler != "torch":
             raise ValueError("capture_torch_profiler is only applicable when profiler is set to 'torch'")
         return self
+
+    def torch_dict(self) -> dict[str, object]:
+        """The torch-relevant fields, every one explicit (what ``render`` writes)."""
+        return {k: getattr(self, k) for k in TORCH_FIELDS}

@@ -1,0 +1,196 @@
+"""Make torch.profiler traces for tests and benchmarks: real ones (CPU here, CUDA on a GPU box)
+and big ones by replicating a real trace's events with shifted timestamps and ids.
+
+  python3 bench/gen_traces.py cpu --out /tmp/traces --steps 4 8 32     # one trace per step count
+  python3 bench/gen_traces.py gpu --out $OUT                           # on the GPU machine
+  python3 bench/gen_traces.py replicate SRC.json[.gz] DST.json --size-mb 1000
+
+Each real trace is written with ``<name>.key_averages.json`` beside it: torch's own per-key
+count / self CPU / self device totals for the very same run (the correctness reference).
+Imports torch only for ``cpu``/``gpu``; not part of the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+
+def _model(torch, d_model: int, layers: int, device: str):
+    layer = torch.nn.TransformerEncoderLayer(d_model, nhead=4, dim_feedforward=4 * d_model, batch_first=True)
+    model = torch.nn.Sequential(torch.nn.TransformerEncoder(layer, num_layers=layers), torch.nn.Linear(d_model, 16))
+    return model.to(device)
+
+
+def key_averages_json(prof) -> dict:
+    """Per key: count, self CPU and self device totals in µs, as torch's key_averages() reports them."""
+    out = {}
+    for evt in prof.key_averages():
+        self_dev = getattr(evt, "self_device_time_total", None)
+        if self_dev is None:
+            self_dev = getattr(evt, "self_cuda_time_total", 0)
+        out[evt.key] = {
+            "count": int(evt.count),
+            "self_cpu_us": float(evt.self_cpu_time_total),
+            "cpu_total_us": float(evt.cpu_time_total),
+            "self_device_us": float(self_dev),
+            "device_type": str(evt.device_type),
+        }
+    return out
+
+
+def profile_run(out: Path, name: str, *, device: str, steps: int, d_model: int, layers: int,
+                batch: int, seq: int, with_stack: bool, gz: bool) -> Path:
+    """Train ``steps`` steps of a small transformer under torch.profiler; write trace + key_averages."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.manual_seed(0)
+    model = _model(torch, d_model, layers, device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x_host = torch.randn(batch, seq, d_model)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+
+    def step():
+        x = x_host.to(device, non_blocking=False)  # H2D memcpy on GPU
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        return loss.detach().to("cpu")  # D2H memcpy on GPU
+
+    for _ in range(2):  # warm up outside the window (cuBLAS handles, allocator)
+        step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    with profile(activities=activities, with_stack=with_stack) as prof:
+        for i in range(steps):
+            with record_function(f"ProfilerStep#{i + 1}"):
+                step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    prof.export_chrome_trace(str(path))
+    (out / f"{name}.key_averages.json").write_text(json.dumps(key_averages_json(prof), indent=1))
+    if gz:
+        with open(path, "rb") as src, gzip.open(str(path) + ".gz", "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+        path.unlink()
+        path = Path(str(path) + ".gz")
+    print(f"{path}: {path.stat().st_size / 1e6:.1f} MB", flush=True)
+    return path
+
+
+def _open(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+_ID_KEYS = ("External id", "correlation", "Record function id", "Ev Idx", "Python id", "Python parent id")
+
+
+def replicate(src: Path, dst: Path, size_mb: float) -> Path:
+    """Grow ``src`` to about ``size_mb`` MB of raw JSON by repeating its events.
+
+    Copy k shifts every ``ts`` by k × (span + 1 ms) and every id-like field (``External id``,
+    ``correlation``, flow ``id``, ...) by k × (that field's max + 1), so copies never overlap in
+    time nor share ids: nesting, steps and correlations stay as in the original, k+1 times over.
+    """
+    with _open(src) as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    meta = [e for e in events if e.get("ph") == "M"]
+    body = [e for e in events if e.get("ph") != "M"]
+    ts = [e["ts"] for e in body if isinstance(e.get("ts"), (int, float))]
+    t0, t1 = min(ts), max(e.get("ts", 0) + e.get("dur", 0) for e in body if isinstance(e.get("ts"), (int, float)))
+    shift = (t1 - t0) + 1000.0
+    # each id space shifts by its own largest value + 1, so ids stay as dense as in a real trace
+    id_shift = {k: 1 for k in (*_ID_KEYS, "id")}
+    for e in body:
+        args = e.get("args") or {}
+        for k in _ID_KEYS:
+            if isinstance(args.get(k), int):
+                id_shift[k] = max(id_shift[k], args[k] + 1)
+        if isinstance(e.get("id"), int):
+            id_shift["id"] = max(id_shift["id"], e["id"] + 1)
+    head = {k: v for k, v in doc.items() if k != "traceEvents"} if isinstance(doc, dict) else {}
+    target = int(size_mb * 1e6)
+    opener = gzip.open if dst.suffix == ".gz" else open
+    copies = 0
+    with opener(dst, "wt") as out:
+        out.write("{\n")
+        for k, v in head.items():
+            out.write(f'  {json.dumps(k)}: {json.dumps(v)},\n')
+        out.write('  "traceEvents": [\n')
+        written = 0
+        first = True
+        for e in meta:
+            s = json.dumps(e, indent=2)
+            out.write(s if first else ",\n" + s)
+            first = False
+        while written < target:
+            for e in body:
+                e2 = dict(e)
+                if isinstance(e2.get("ts"), (int, float)):
+                    e2["ts"] = round(e2["ts"] + copies * shift, 3)
+                if isinstance(e2.get("id"), int):
+                    e2["id"] = e2["id"] + copies * id_shift["id"]
+                args = e2.get("args")
+                if args:
+                    args = dict(args)
+                    for k in _ID_KEYS:
+                        if isinstance(args.get(k), int) and args[k] > 0:
+                            args[k] = args[k] + copies * id_shift[k]
+                    e2["args"] = args
+                s = ",\n" + json.dumps(e2, indent=2)
+                out.write(s)
+                written += len(s)
+            copies += 1
+        out.write("\n  ]\n}\n")
+    print(f"{dst}: {copies} copies, {dst.stat().st_size / 1e6:.1f} MB on disk", flush=True)
+    return dst
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("cpu", help="real CPU traces, one per step count")
+    c.add_argument("--out", type=Path, required=True)
+    c.add_argument("--steps", type=int, nargs="+", default=[2])
+    c.add_argument("--gz", action="store_true")
+    g = sub.add_parser("gpu", help="real CUDA traces: a small one to commit, a large one to bench")
+    g.add_argument("--out", type=Path, required=True)
+    g.add_argument("--large-steps", type=int, default=30)
+    r = sub.add_parser("replicate", help="grow a trace to a size by repeating its events")
+    r.add_argument("src", type=Path)
+    r.add_argument("dst", type=Path)
+    r.add_argument("--size-mb", type=float, required=True)
+    a = ap.parse_args(argv)
+    t = time.time()
+    if a.cmd == "cpu":
+        for s in a.steps:
+            profile_run(a.out, f"cpu_steps{s}", device="cpu", steps=s, d_model=64, layers=2,
+                        batch=4, seq=32, with_stack=False, gz=a.gz)
+    elif a.cmd == "gpu":
+        import torch
+
+        print(f"torch {torch.__version__}, cuda {torch.version.cuda}, {torch.cuda.get_device_name(0)}", flush=True)
+        profile_run(a.out, "cuda_small", device="cuda", steps=2, d_model=64, layers=1,
+                    batch=4, seq=32, with_stack=False, gz=True)
+        profile_run(a.out, "cuda_small_stack", device="cuda", steps=2, d_model=64, layers=1,
+                    batch=4, seq=32, with_stack=True, gz=True)
+        profile_run(a.out, "cuda_large", device="cuda", steps=a.large_steps, d_model=512, layers=4,
+                    batch=16, seq=256, with_stack=True, gz=True)
+    else:
+        replicate(a.src, a.dst, a.size_mb)
+    print(f"done in {time.time() - t:.1f}s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The summary of a capture, as pydantic models (JSON via ``model_dump(mode="json")``).
+
+All times are microseconds, as in the trace. ``truncated`` says a file ended early and the numbers
+cover the events read before that; ``errors`` says why, naming the file.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class OpStat(BaseModel):
+    """A CPU-side event name (op, annotation or CUDA API call): torch key_averages' columns."""
+
+    name: str
+    count: int
+    total_us: float
+    self_us: float  # total minus the CPU events nested directly inside it on the same thread
+    self_device_us: float = 0.0  # GPU time of the kernels/copies it launched itself (Self CUDA)
+
+
+class GpuStat(BaseModel):
+    """A kernel, memcpy or memset name."""
+
+    name: str
+    count: int
+    total_us: float
+
+
+class StreamStat(BaseModel):
+    rank: int | None = None
+    device: int
+    stream: int
+    count: int
+    busy_us: float  # sum of activity durations (one stream runs one at a time)
+    idle_share: float  # 1 - busy / window span
+
+
+class DeviceStat(BaseModel):
+    rank: int | None = None
+    device: int
+    busy_us: float  # union of activity intervals over all streams of the device
+    idle_share: float
+
+
+class Window(BaseModel):
+    start_us: float | None = None
+    end_us: float | None = None
+    span_us: float = 0.0
+    steps: int = 0  # ProfilerStep#N annotations (and engine step markers) found
+    step_mean_us: float | None = None
+    step_names: list[str] = Field(default_factory=list)  # the first few, to show which
+
+
+class TraceMeta(BaseModel):
+    rank: int | None = None
+    world_size: int | None = None
+    backend: str | None = None
+    host_name: str | None = None
+    trace_name: str | None = None
+    devices: list[str] = Field(default_factory=list)  # GPU names from deviceProperties
+    extra: dict[str, Any] = Field(default_factory=dict)  # other small scalar header keys
+
+
+class Totals(BaseModel):
+    events: int = 0
+    cpu_ops: int = 0
+    cpu_op_self_us: float = 0.0
+    kernels: int = 0
+    kernel_us: float = 0.0
+    memcpy_us: float = 0.0
+    memset_us: float = 0.0
+    runtime_us: float = 0.0
+    out_of_order: int = 0  # CPU events that started before an earlier one on their thread
+    profiler_overhead_us: float = 0.0  # CUPTI buffer requests/flushes (Kineto "overhead" events)
+
+
+class SummaryBody(BaseModel):
+    """What every level (file, stage, capture) reports; tables hold the top N by time."""
+
+    truncated: bool = False
+    errors: list[str] = Field(default_factory=list)
+    window: Window = Field(default_factory=Window)
+    totals: Totals = Field(default_factory=Totals)
+    cpu_ops: list[OpStat] = Field(default_factory=list)  # by self CPU time
+    cpu_ops_by_device: list[OpStat] = Field(default_factory=list)  # by self device time
+    annotations: list[OpStat] = Field(default_factory=list)  # user_annotation (steps, record_function)
+    runtime: list[OpStat] = Field(default_factory=list)  # cuda_runtime / cuda_driver calls
+    kernels: list[GpuStat] = Field(default_factory=list)
+    memcpy: list[GpuStat] = Field(default_factory=list)
+    memset: list[GpuStat] = Field(default_factory=list)
+    devices: list[DeviceStat] = Field(default_factory=list)
+    streams: list[StreamStat] = Field(default_factory=list)
+
+
+class TraceSummary(SummaryBody):
+    file: str
+    bytes_raw: int = 0  # decompressed JSON bytes read
+    meta: TraceMeta = Field(default_factory=TraceMeta)
+
+
+class StageSummary(SummaryBody):
+    """All files of one stage (every rank / replica / session folder of it) merged."""
+
+    stage_id: int | None = None  # None: files whose stage could not be inferred
+    files: list[str] = Field(default_factory=list)
+
+
+class CaptureSummary(SummaryBody):
+    """Every file merged, plus each stage and each file on its own."""
+
+    stages: list[StageSummary] = Field(default_factory=list)
+    files: list[TraceSummary] = Field(default_factory=list)

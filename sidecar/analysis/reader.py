@@ -1,0 +1,335 @@
+"""Streaming reader for Chrome-trace JSON as torch.profiler / Kineto writes it (``.json``, ``.json.gz``).
+
+``TraceReader(path).batches()`` yields lists of ``TraceEvent``, a few MB of raw JSON at a time, so
+a trace is never in memory whole. It splits the ``traceEvents`` array at event boundaries and
+decodes each slice with msgspec into typed ``TraceEvent`` structs holding only the fields the
+summary needs (chosen by measurement: see docs/summaries.md). Header keys
+(``distributedInfo``, ``deviceProperties``, ...) land in ``meta``. A file that ends early sets
+``truncated`` and ``error`` after yielding every complete event; unreadable input raises
+``TraceError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import msgspec
+
+from sidecar.errors import TraceError
+
+CHUNK = 4 << 20  # bytes of raw JSON parsed per batch: big enough to amortise, small for RSS
+_HEADER_LIMIT = 64 << 20  # metadata before "traceEvents" larger than this is not a trace
+_WS = b" \t\r\n"
+
+
+class EventArgs(msgspec.Struct):
+    """The ``args`` keys the summary reads; every other key is skipped by the decoder."""
+
+    external_id: int | None = msgspec.field(default=None, name="External id")
+    correlation: int | None = None
+    device: int | None = None
+    stream: int | None = None
+
+
+class TraceEvent(msgspec.Struct):
+    ph: str = ""
+    cat: str | None = None
+    name: str = ""
+    pid: int | str | None = None
+    tid: int | str | None = None
+    ts: float = 0.0
+    dur: float = 0.0
+    args: EventArgs | None = None
+
+
+_DECODE = msgspec.json.Decoder(list[TraceEvent]).decode
+_DECODE_ANY = msgspec.json.Decoder().decode
+_JSONError = msgspec.DecodeError
+
+
+def _int_or_none(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _coerce(d: Any) -> TraceEvent | None:
+    """Slow path for an event whose fields have unexpected types: keep what is usable."""
+    if not isinstance(d, dict):
+        return None
+    a = d.get("args")
+    args = None
+    if isinstance(a, dict):
+        args = EventArgs(
+            external_id=_int_or_none(a.get("External id")),
+            correlation=_int_or_none(a.get("correlation")),
+            device=_int_or_none(a.get("device")),
+            stream=_int_or_none(a.get("stream")),
+        )
+    ts, dur = d.get("ts"), d.get("dur")
+    pid, tid = d.get("pid"), d.get("tid")
+    return TraceEvent(
+        ph=d.get("ph") if isinstance(d.get("ph"), str) else "",
+        cat=d.get("cat") if isinstance(d.get("cat"), str) else None,
+        name=str(d.get("name", "")),
+        pid=pid if isinstance(pid, (int, str)) else None,
+        tid=tid if isinstance(tid, (int, str)) else None,
+        ts=float(ts) if isinstance(ts, (int, float)) else 0.0,
+        dur=float(dur) if isinstance(dur, (int, float)) else 0.0,
+        args=args,
+    )
+
+
+class _GunzipStream:
+    """Decompress a gzip file incrementally with zlib, so the bytes before a cut-off end are kept
+    (``gzip.GzipFile.read`` drops them when it raises). ``truncated`` is set at such an end."""
+
+    def __init__(self, path: Path, raw_chunk: int = 1 << 20) -> None:
+        self._f = open(path, "rb")
+        self._d = zlib.decompressobj(wbits=31)
+        self._raw_chunk = raw_chunk
+        self.truncated = False
+
+    def read(self, n: int) -> bytes:
+        out: list[bytes] = []
+        size = 0
+        while size < n:
+            raw = self._f.read(self._raw_chunk)
+            if not raw:
+                tail = self._d.flush()
+                if tail:
+                    out.append(tail)
+                if not self._d.eof:
+                    self.truncated = True
+                break
+            piece = self._d.decompress(raw)
+            while self._d.eof and self._d.unused_data:  # concatenated gzip members
+                rest = self._d.unused_data
+                self._d = zlib.decompressobj(wbits=31)
+                piece += self._d.decompress(rest)
+            out.append(piece)
+            size += len(piece)
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _is_gzip(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(2) == b"\x1f\x8b"
+
+
+class TraceReader:
+    """One pass over one trace file. Not reusable: call ``batches()`` once."""
+
+    def __init__(self, path: str | Path, *, chunk_size: int = CHUNK) -> None:
+        self.path = Path(path)
+        self.chunk_size = chunk_size
+        self.meta: dict[str, Any] = {}
+        self.truncated = False
+        self.error: str | None = None
+        self.events_read = 0
+        self.raw_bytes = 0  # bytes of (decompressed) JSON consumed
+        self._eof = False
+        self._f: IO[bytes] | _GunzipStream | None = None
+
+    # --- raw input ---------------------------------------------------------------------------
+
+    def _fail(self, what: str) -> TraceError:
+        return TraceError(f"{self.path}: {what}", details={"file": str(self.path)})
+
+    def _read(self) -> bytes:
+        """Next chunk of decompressed bytes; b"" at the end. A broken gzip stream ends the input
+        and marks it truncated (the bytes before the break are still used)."""
+        if self._eof or self._f is None:
+            return b""
+        try:
+            data = self._f.read(self.chunk_size)
+        except (zlib.error, OSError) as err:
+            self._eof = True
+            if self.raw_bytes == 0:
+                raise self._fail(f"cannot decompress: {err}") from None
+            self._truncate(f"gzip data corrupt after {self.raw_bytes} bytes: {err}")
+            return b""
+        if not data:
+            self._eof = True
+            if getattr(self._f, "truncated", False):
+                self._truncate("gzip stream ends early (file truncated while being written or copied?)")
+        self.raw_bytes += len(data)
+        return data
+
+    def _truncate(self, why: str) -> None:
+        if not self.truncated:
+            self.truncated = True
+            self.error = f"{self.path}: {why}; summary covers the {self.events_read} events read before it"
+
+    # --- parsing -----------------------------------------------------------------------------
+
+    def batches(self) -> Iterator[list[TraceEvent]]:
+        if not self.path.exists():
+            raise self._fail("no such file")
+        if self.path.is_dir():
+            raise self._fail("is a folder, not a trace file")
+        if self.path.stat().st_size == 0:
+            raise self._fail("is empty (0 bytes); the profiler may still be writing it")
+        self._f = _GunzipStream(self.path) if _is_gzip(self.path) else open(self.path, "rb")
+        try:
+            yield from self._batches()
+        finally:
+            self._f.close()
+
+    def _batches(self) -> Iterator[list[TraceEvent]]:
+        buf = self._read()
+        while not self._eof and len(buf.lstrip(_WS)) == 0:
+            buf += self._read()
+        stripped = buf.lstrip(_WS)
+        if not stripped:
+            if self.truncated:
+                raise self._fail("gzip stream ends before any data (file truncated?)")
+            raise self._fail("holds only whitespace, no JSON")
+        if stripped[:1] == b"[":  # bare array form of the Chrome trace format
+            pos = len(buf) - len(stripped) + 1
+        elif stripped[:1] == b"{":
+            pos = self._find_events(buf)
+            buf = self._buf
+        else:
+            raise self._fail("is not JSON (expected a Chrome trace object with traceEvents)")
+        yield from self._event_slices(buf[pos:])
+
+    def _find_events(self, buf: bytes) -> int:
+        """Position just after ``"traceEvents": [``; parse the header keys before it into meta."""
+        key = b'"traceEvents"'
+        while True:
+            idx = buf.find(key)
+            if idx >= 0:
+                j = idx + len(key)
+                while True:
+                    rest = buf[j:].lstrip(_WS)
+                    if len(rest) >= 2 or self._eof:
+                        break
+                    buf += self._read()
+                rest = buf[j:].lstrip(_WS)
+                if rest[:1] == b":" and rest[1:].lstrip(_WS)[:1] == b"[":
+                    after_colon = rest[1:].lstrip(_WS)
+                    pos = len(buf) - len(after_colon) + 1
+                    head = buf[buf.find(b"{") + 1 : idx].strip(_WS).rstrip(b",")
+                    if head:
+                        try:
+                            self.meta.update(_DECODE_ANY(b"{" + head + b"}"))
+                        except _JSONError:
+                            pass  # metadata is a nicety; the events are what matter
+                    self._buf = buf
+                    return pos
+            if self._eof or len(buf) > _HEADER_LIMIT:
+                break
+            buf += self._read()
+        # No traceEvents array: say what the file is instead.
+        if self.truncated:
+            raise TraceError(self.error or f"{self.path}: truncated", details={"file": str(self.path)})
+        try:
+            doc = _DECODE_ANY(buf)
+        except _JSONError as err:
+            raise self._fail(f"is not valid JSON ({err})") from None
+        keys = ", ".join(list(doc)[:6]) if isinstance(doc, dict) else type(doc).__name__
+        raise self._fail(f"is JSON but not a Chrome trace: no 'traceEvents' array (top-level keys: {keys})")
+
+    @staticmethod
+    def _last_boundary(data: bytes, end: int) -> int:
+        """Index just past the last ``}`` before ``end`` that is followed by ``,`` and ``{``
+        (an event boundary in the array), or -1."""
+        i = data.rfind(b"}", 0, end)
+        while i >= 0:
+            k = i + 1
+            n = len(data)
+            while k < n and data[k] in _WS:
+                k += 1
+            if k < n and data[k] == 0x2C:  # ','
+                k += 1
+                while k < n and data[k] in _WS:
+                    k += 1
+                if k < n and data[k] == 0x7B:  # '{'
+                    return i + 1
+            i = data.rfind(b"}", 0, i)
+        return -1
+
+    def _parse(self, body: bytes) -> list[TraceEvent]:
+        body = body.lstrip(_WS)
+        if body[:1] == b",":
+            body = body[1:]
+        doc = b"[" + body + b"]"
+        try:
+            return _DECODE(doc)
+        except msgspec.ValidationError:  # valid JSON, odd field types: take the slow path
+            raw = _DECODE_ANY(doc)
+            return [e for e in map(_coerce, raw) if e is not None]
+
+    def _event_slices(self, data: bytes) -> Iterator[list[TraceEvent]]:
+        while True:
+            if not self._eof:
+                more = self._read()
+                data += more
+                if not self._eof and len(data) < self.chunk_size // 2:
+                    continue
+            if self._eof:
+                yield from self._finish(data)
+                return
+            events, used = self._parse_prefix(data)
+            if used == 0:
+                continue  # no complete boundary yet (one very large event): read more
+            data = data[used:]
+            if events:
+                self.events_read += len(events)
+                yield events
+
+    def _parse_prefix(self, data: bytes, tries: int = 4) -> tuple[list[TraceEvent], int]:
+        """Parse complete events up to the last boundary. A ``},{`` inside a string makes a cut
+        invalid: then try the boundary before it."""
+        end = len(data)
+        for _ in range(tries):
+            b = self._last_boundary(data, end)
+            if b <= 0:
+                return [], 0
+            try:
+                return self._parse(data[:b]), b
+            except _JSONError:
+                end = b - 1
+        return [], 0
+
+    def _finish(self, data: bytes) -> Iterator[list[TraceEvent]]:
+        """The rest of the file: last events, ``]``, then the trailing keys (``traceName``)."""
+        j = data.rfind(b"]")
+        for _ in range(64):
+            if j < 0:
+                break
+            try:
+                events = self._parse(data[:j])
+            except _JSONError:
+                j = data.rfind(b"]", 0, j)
+                continue
+            tail = data[j + 1 :].strip(_WS)
+            if tail.startswith(b","):
+                try:
+                    extra = _DECODE_ANY(b"{" + tail[1:])
+                    if isinstance(extra, dict):
+                        self.meta.update(extra)
+                except _JSONError:
+                    self._truncate("trailing keys after traceEvents are cut off")
+            elif tail not in (b"}", b"") and not self.truncated:
+                self._truncate("unexpected text after the traceEvents array")
+            if events:
+                self.events_read += len(events)
+                yield events
+            return
+        # No closing bracket parses: the JSON stops mid-array. Keep every complete event.
+        events, _ = self._parse_prefix(data, tries=64)
+        if not events:
+            try:  # a single last event with nothing after it
+                events = self._parse(data.rstrip(_WS).rstrip(b","))
+            except _JSONError:
+                events = []
+        if events:
+            self.events_read += len(events)
+            yield events
+        self._truncate("JSON ends inside the traceEvents array (file truncated?)")

@@ -1,0 +1,85 @@
+"""Prometheus metrics served at ``GET /metrics``: request counts and latencies per route
+template, and capture counts per state read from the controller at scrape time (so they are
+right after a restart too). Each app has its own registry, so tests can build many apps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter as _Tally
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sidecar.control.models import Capture, CaptureState
+
+
+class _CaptureCollector(Collector):
+    def __init__(self, list_captures: Callable[[], Iterable[Capture]]) -> None:
+        self._list = list_captures
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        captures = list(self._list())
+        by_state = _Tally(c.state.value for c in captures)
+        family = GaugeMetricFamily("omni_sidecar_captures", "Captures known to the sidecar, by state", labels=["state"])
+        for state in CaptureState:
+            family.add_metric([state.value], by_state.get(state.value, 0))
+        yield family
+        active = GaugeMetricFamily("omni_sidecar_capture_active", "1 while a capture is not terminal")
+        active.add_metric([], 1 if any(not c.terminal for c in captures) else 0)
+        yield active
+
+
+class Metrics:
+    def __init__(self, list_captures: Callable[[], Iterable[Capture]]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "omni_sidecar_http_requests",
+            "HTTP requests served, by route template, method and status",
+            ["route", "method", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "omni_sidecar_http_request_seconds",
+            "HTTP request latency, by route template",
+            ["route", "method"],
+            registry=self.registry,
+        )
+        self.registry.register(_CaptureCollector(list_captures))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware) so streamed file downloads are not buffered."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status: dict[str, Any] = {"code": 500}
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        began = time.perf_counter()
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            # the template, not the raw path: ids would make unbounded label sets
+            template = getattr(route, "path", None) or "<unmatched>"
+            method = scope.get("method", "")
+            self.metrics.requests.labels(template, method, str(status["code"])).inc()
+            self.metrics.latency.labels(template, method).observe(time.perf_counter() - began)

@@ -1,0 +1,161 @@
+"""A YAML reader that remembers where every key and value came from.
+
+``load_yaml(path)`` returns plain ``dict``/``list`` subclasses (``MarkedDict``, ``MarkedList``)
+carrying ``Where`` marks, resolves scalars the way OmegaConf does (vLLM-Omni reads deploy files
+with OmegaConf), refuses duplicate keys, and raises ``ConfigUnreadable`` for anything unparsable.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from sidecar.errors import ConfigUnreadable, Where
+
+_BaseLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class MarkedDict(dict):
+    """A mapping that knows its own place and the place of each key and value."""
+
+    where: Where | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.key_where: dict[Any, Where] = {}
+        self.value_where: dict[Any, Where] = {}
+
+    def where_of(self, key: Any, *, value: bool = False) -> Where | None:
+        marks = self.value_where if value else self.key_where
+        return marks.get(key) or self.key_where.get(key) or self.where
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MarkedDict:
+        new = MarkedDict({copy.deepcopy(k, memo): copy.deepcopy(v, memo) for k, v in self.items()})
+        new.where = self.where
+        new.key_where = dict(self.key_where)
+        new.value_where = dict(self.value_where)
+        return new
+
+
+class MarkedList(list):
+    where: Where | None = None
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.item_where: list[Where | None] = []
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> MarkedList:
+        new = MarkedList(copy.deepcopy(v, memo) for v in self)
+        new.where = self.where
+        new.item_where = list(self.item_where)
+        return new
+
+
+def where_of(obj: Any) -> Where | None:
+    return getattr(obj, "where", None)
+
+
+class _MarkedLoader(_BaseLoader):  # type: ignore[misc, valid-type]
+    file_name: str = "<input>"
+
+    def _where(self, node: yaml.Node) -> Where:
+        return Where(file=self.file_name, line=node.start_mark.line + 1, column=node.start_mark.column + 1)
+
+    def construct_yaml_map(self, node: yaml.MappingNode) -> Any:  # type: ignore[override]
+        data = MarkedDict()
+        data.where = self._where(node)
+        yield data
+        self.flatten_mapping(node)
+        for key_node, value_node in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, "found an unhashable key", key_node.start_mark
+                ) from None
+            if key in data:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key!r}",
+                    key_node.start_mark,
+                )
+            data[key] = self.construct_object(value_node, deep=True)
+            data.key_where[key] = self._where(key_node)
+            data.value_where[key] = self._where(value_node)
+
+    def construct_yaml_seq(self, node: yaml.SequenceNode) -> Any:  # type: ignore[override]
+        data = MarkedList()
+        data.where = self._where(node)
+        yield data
+        for child in node.value:
+            data.append(self.construct_object(child, deep=True))
+            data.item_where.append(self._where(child))
+
+
+_MarkedLoader.add_constructor("tag:yaml.org,2002:map", _MarkedLoader.construct_yaml_map)
+_MarkedLoader.add_constructor("tag:yaml.org,2002:seq", _MarkedLoader.construct_yaml_seq)
+# OmegaConf's loader: YAML 1.2-style floats ("1e-3" is a float) and no timestamp parsing.
+_MarkedLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:
+     [-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+_MarkedLoader.yaml_implicit_resolvers = {
+    key: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for key, resolvers in _MarkedLoader.yaml_implicit_resolvers.items()
+}
+
+
+def load_yaml_text(text: str, *, file_name: str = "<input>") -> Any:
+    """Parse YAML text with marks; ``ConfigUnreadable`` (with line:col) when it is not YAML."""
+    loader = _MarkedLoader(text)
+    loader.file_name = file_name
+    try:
+        return loader.get_single_data()
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = Where(file=file_name, line=mark.line + 1, column=mark.column + 1) if mark else Where(file=file_name)
+        problem = " ".join(p for p in (err.context, err.problem) if p)
+        raise ConfigUnreadable(
+            f"not valid YAML: {problem}; fix the syntax at this line",
+            code="yaml_invalid",
+            where=where,
+        ) from None
+    except yaml.YAMLError as err:
+        raise ConfigUnreadable(f"not valid YAML: {err}", code="yaml_invalid", where=Where(file=file_name)) from None
+    finally:
+        loader.dispose()
+
+
+def load_yaml(path: str | Path) -> Any:
+    """Read a YAML file with marks; ``ConfigUnreadable`` when missing, unreadable or not YAML."""
+    p = Path(path)
+    where = Where(file=str(p))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigUnreadable(f"file not found: {p}; check the path", code="file_not_found", where=where) from None
+    except IsADirectoryError:
+        raise ConfigUnreadable(f"{p} is a directory; pass a YAML file", code="file_unreadable", where=where) from None
+    except UnicodeDecodeError:
+        raise ConfigUnreadable(
+            f"{p} is not UTF-8 text; pass a YAML file", code="yaml_invalid", where=where
+        ) from None
+    except OSError as err:
+        raise ConfigUnreadable(f"cannot read {p}: {err.strerror}", code="file_unreadable", where=where) from None
+    return load_yaml_text(text, file_name=str(p))

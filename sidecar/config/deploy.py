@@ -1,0 +1,505 @@
+"""Deploy YAML loader: reads a vLLM-Omni 0.30 deploy file the way the server does
+(``base_config`` chains, flat keys with ``engine_args:`` merged over them, ``runtime:``,
+``platforms.<name>.stages[]`` overlays, legacy ``stage_args:``) and returns a typed
+``DeployConfig`` whose stages carry their effective, validated ``ProfilerConfig``.
+
+Raises ``ConfigUnreadable`` (cannot read or parse) or ``ConfigError`` (invalid content); both name
+file:line:col and the key. Merge rules mirror ``vllm_omni/config/stage_config.py`` (0.30.0).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from sidecar.config._yaml import MarkedDict, MarkedList, load_yaml
+from sidecar.config.models import DeployConfig, Stage, StageKind
+from sidecar.config.profiler import ProfilerConfig, _is_uri_path
+from sidecar.errors import ConfigError, ConfigUnreadable, Finding, Severity, Where
+
+__all__ = ["PLATFORMS", "STAGE_KIND_KEYS", "load_deploy_config", "profiler_config_error", "resolve_deploy"]
+
+PLATFORMS = ("cuda", "rocm", "npu", "xpu", "musa")
+# The emulator-only key wins over ``stage_type`` (the legacy schema's own field).
+STAGE_KIND_KEYS = ("emulator_stage_kind", "stage_type")
+
+# vllm_omni.config.stage_config._STAGE_RESERVED_KEYS: not engine args.
+_STAGE_RESERVED_KEYS = frozenset(
+    {
+        "async_chunk",
+        "stage_id",
+        "devices",
+        "num_replicas",
+        "env",
+        "output_connectors",
+        "input_connectors",
+        "default_sampling_params",
+        "default_pooling_params",
+        "engine_extras",
+        "engine_args",
+        "runtime",
+    }
+)
+# vllm_omni.config.stage_config._DEEP_MERGE_KEYS: merged key by key across base_config.
+_DEEP_MERGE_KEYS = frozenset(
+    {"default_sampling_params", "default_pooling_params", "subtalker_sampling_params", "engine_extras", "engine_args"}
+)
+_LEGACY_MIGRATION = (
+    "rename the top-level `stage_args:` key to `stages:` (each stage's `engine_args:` and `runtime:` "
+    "blocks are still read there)"
+)
+
+
+# --- merging with marks -------------------------------------------------------------------
+
+
+def _marked(src: Any = None) -> MarkedDict:
+    new = MarkedDict(src or {})
+    if isinstance(src, MarkedDict):
+        new.where = src.where
+        new.key_where = dict(src.key_where)
+        new.value_where = dict(src.value_where)
+    return new
+
+
+def _set(dst: MarkedDict, key: Any, value: Any, src: Any) -> None:
+    dst[key] = value
+    if isinstance(src, MarkedDict):
+        if key in src.key_where:
+            dst.key_where[key] = src.key_where[key]
+        if key in src.value_where:
+            dst.value_where[key] = src.value_where[key]
+
+
+def _merge(original: Any, update: Any) -> MarkedDict:
+    """``_get_recursively_merged_dict``: nested dicts merge, anything else is replaced."""
+    merged = _marked(original)
+    for key, value in update.items():
+        old = merged.get(key)
+        if isinstance(old, dict) and isinstance(value, dict):
+            _set(merged, key, _merge(old, value), update)
+        else:
+            _set(merged, key, value, update)
+    return merged
+
+
+def _deep_merge_stage(base: MarkedDict, overlay: MarkedDict) -> MarkedDict:
+    merged = _marked(base)
+    for key, value in overlay.items():
+        _set(merged, key, value, overlay)
+    base_sub = {k: v for k, v in base.items() if k in _DEEP_MERGE_KEYS}
+    over_sub = _marked({k: v for k, v in overlay.items() if k in _DEEP_MERGE_KEYS})
+    over_sub.key_where = dict(overlay.key_where)
+    over_sub.value_where = dict(overlay.value_where)
+    for key, value in _merge(_marked(base_sub), over_sub).items():
+        merged[key] = value
+    return merged
+
+
+def _merge_stage_lists(base: list[Any] | None, overlay: list[Any] | None) -> MarkedList:
+    by_id: dict[int, MarkedDict] = {s["stage_id"]: s for s in (base or [])}
+    for stage in overlay or []:
+        sid = stage["stage_id"]
+        by_id[sid] = _deep_merge_stage(by_id[sid], stage) if sid in by_id else stage
+    out = MarkedList(by_id.values())
+    out.where = getattr(overlay, "where", None) or getattr(base, "where", None)
+    return out
+
+
+def _merge_platforms(base: Any, overlay: Any) -> MarkedDict | None:
+    if not base and not overlay:
+        return None
+    base, overlay = base or {}, overlay or {}
+    merged = _marked(overlay if isinstance(overlay, MarkedDict) else base)
+    merged.clear()
+    for plat in list(base) + [p for p in overlay if p not in base]:
+        bp, op = base.get(plat) or {}, overlay.get(plat) or {}
+        plat_merged = _marked(bp)
+        for k, v in op.items():
+            if k != "stages":
+                _set(plat_merged, k, v, op)
+        plat_merged["stages"] = _merge_stage_lists(bp.get("stages"), op.get("stages"))
+        merged[plat] = plat_merged
+    return merged
+
+
+# --- shape checks (per file, before merging) ---------------------------------------------
+
+
+def _check_stage_list(doc: MarkedDict, key: str, file: str) -> None:
+    """A ``stages``-like list: mappings with a unique, non-negative int ``stage_id``."""
+    stages = doc.get(key)
+    if stages is None:
+        return
+    if not isinstance(stages, list):
+        raise ConfigError(
+            f"`{key}` must be a list of stage entries (`- stage_id: 0 ...`), got {type(stages).__name__}",
+            code="stages_invalid",
+            where=doc.where_of(key, value=True),
+            key=key,
+        )
+    seen: dict[int, Where | None] = {}
+    for i, entry in enumerate(stages):
+        item_where = stages.item_where[i] if isinstance(stages, MarkedList) and i < len(stages.item_where) else None
+        if not isinstance(entry, dict):
+            raise ConfigError(
+                f"`{key}[{i}]` must be a mapping with a `stage_id`, got {type(entry).__name__}",
+                code="stage_invalid",
+                where=item_where or Where(file=file),
+                key=f"{key}[{i}]",
+            )
+        if "stage_id" not in entry:
+            raise ConfigError(
+                f"`{key}[{i}]` has no `stage_id`; add `stage_id: <int>` to the entry",
+                code="stage_id_missing",
+                where=getattr(entry, "where", None) or item_where,
+                key=f"{key}[{i}].stage_id",
+            )
+        sid = entry["stage_id"]
+        sid_where = entry.where_of("stage_id", value=True) if isinstance(entry, MarkedDict) else item_where
+        if isinstance(sid, bool) or not isinstance(sid, int) or sid < 0:
+            raise ConfigError(
+                f"stage_id must be a non-negative integer, got {sid!r} ({type(sid).__name__}); "
+                f"write e.g. `stage_id: {i}` without quotes",
+                code="stage_id_invalid",
+                where=sid_where,
+                key=f"{key}[{i}].stage_id",
+            )
+        if sid in seen:
+            first = seen[sid]
+            raise ConfigError(
+                f"duplicate stage_id {sid} (first at {first}); each stage entry needs its own id "
+                "(vLLM-Omni would silently keep only the last one)",
+                code="stage_id_duplicate",
+                where=sid_where,
+                key=f"{key}[{i}].stage_id",
+                details={"stage_id": sid},
+            )
+        seen[sid] = sid_where
+        for block in ("engine_args", "runtime", "profiler_config"):
+            if block in entry and entry[block] is not None and not isinstance(entry[block], dict):
+                raise ConfigError(
+                    f"stage {sid}: `{block}` must be a mapping, got {type(entry[block]).__name__}",
+                    code="profiler_config_invalid" if block == "profiler_config" else "stage_invalid",
+                    where=entry.where_of(block, value=True) if isinstance(entry, MarkedDict) else sid_where,
+                    key=f"{key}[{i}].{block}",
+                )
+
+
+def _check_platforms(doc: MarkedDict) -> None:
+    platforms = doc.get("platforms")
+    if platforms is None:
+        return
+    if not isinstance(platforms, dict):
+        raise ConfigError(
+            "`platforms` must be a mapping of platform name to overrides (e.g. `platforms: {npu: {stages: [...]}}`)",
+            code="platforms_invalid",
+            where=doc.where_of("platforms", value=True),
+            key="platforms",
+        )
+    for name, section in platforms.items():
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise ConfigError(
+                f"`platforms.{name}` must be a mapping with a `stages:` list",
+                code="platforms_invalid",
+                where=platforms.where_of(name, value=True) if isinstance(platforms, MarkedDict) else None,
+                key=f"platforms.{name}",
+            )
+        _check_stage_list(section, "stages", str(doc.where.file if doc.where else ""))
+
+
+def _read_document(path: Path) -> MarkedDict:
+    doc = load_yaml(path)
+    where = Where(file=str(path), line=1, column=1)
+    if doc is None:
+        raise ConfigUnreadable(
+            f"{path} is empty; a deploy file needs a top-level `stages:` list", code="config_empty", where=where
+        )
+    if not isinstance(doc, dict):
+        raise ConfigUnreadable(
+            f"{path}: the top level must be a mapping (`stages: [...]`), got a {type(doc).__name__}",
+            code="config_not_mapping",
+            where=getattr(doc, "where", None) or where,
+        )
+    _check_stage_list(doc, "stages", str(path))
+    _check_stage_list(doc, "stage_args", str(path))
+    _check_platforms(doc)
+    return doc
+
+
+def _resolve(path: Path, chain: list[Path]) -> tuple[MarkedDict, list[Path]]:
+    """``resolve_deploy_yaml`` with cycle detection; returns the merged doc and the base chain."""
+    doc = _read_document(path)
+    base = doc.pop("base_config", None)
+    if base is None:
+        return doc, []
+    base_where = doc.where_of("base_config", value=True)
+    if not isinstance(base, str) or not base:
+        raise ConfigError(
+            f"base_config must be a file path (relative to {path.parent}), got {base!r}",
+            code="base_config_invalid",
+            where=base_where,
+            key="base_config",
+        )
+    base_path = path.parent / base
+    if not base_path.is_file():
+        raise ConfigError(
+            f"base_config {base!r} not found (looked for {base_path}); the path is relative to the folder "
+            "of the file that names it",
+            code="base_config_missing",
+            where=base_where,
+            key="base_config",
+        )
+    resolved = base_path.resolve()
+    seen = [p.resolve() for p in chain] + [path.resolve()]
+    if resolved in seen:
+        cycle = " -> ".join(str(p) for p in [*seen, resolved])
+        raise ConfigError(
+            f"base_config cycle: {cycle}; one of these files must stop naming a base_config",
+            code="base_config_cycle",
+            where=base_where,
+            key="base_config",
+        )
+    base_doc, base_chain = _resolve(base_path, [*chain, path])
+    merged = _marked(base_doc)
+    for k, v in doc.items():
+        if k not in ("connectors", "stages", "platforms"):
+            _set(merged, k, v, doc)
+    if base_doc.get("connectors") or doc.get("connectors"):
+        merged["connectors"] = _merge(base_doc.get("connectors") or {}, doc.get("connectors") or {})
+    merged["stages"] = _merge_stage_lists(base_doc.get("stages"), doc.get("stages"))
+    platforms = _merge_platforms(base_doc.get("platforms"), doc.get("platforms"))
+    if platforms is not None:
+        merged["platforms"] = platforms
+    return merged, [base_path, *base_chain]
+
+
+def resolve_deploy(path: str | Path) -> MarkedDict:
+    """The merged raw document after ``base_config`` inheritance (what vLLM-Omni parses)."""
+    return _resolve(Path(path), [])[0]
+
+
+# --- per stage ----------------------------------------------------------------------------
+
+
+def _flatten_stage(entry: MarkedDict) -> MarkedDict:
+    """``_parse_stage_deploy``: flat keys, then ``engine_args`` merged over them."""
+    flat = _marked()
+    flat.where = getattr(entry, "where", None)
+    for k, v in entry.items():
+        if k not in _STAGE_RESERVED_KEYS:
+            _set(flat, k, v, entry)
+    engine_args = entry.get("engine_args") or {}
+    for k, v in engine_args.items():
+        old = flat.get(k)
+        _set(flat, k, _merge(old, v) if isinstance(v, dict) and isinstance(old, dict) else v, engine_args)
+    # An explicit engine_extras block never supplies the profiler_config field.
+    extras = {k: v for k, v in (entry.get("engine_extras") or {}).items() if k != "profiler_config"}
+    return _merge(extras, flat) if extras else flat
+
+
+def _runtime(entry: MarkedDict) -> dict[str, Any]:
+    runtime = entry.get("runtime") or {}
+    return {
+        "devices": runtime.get("devices", entry.get("devices")),
+        "num_replicas": runtime.get("num_replicas", entry.get("num_replicas", 1)),
+        "env": runtime.get("env", entry.get("env")),
+    }
+
+
+def _apply_platform(stage: dict[str, Any], ps: MarkedDict) -> None:
+    """``_apply_platform_overrides`` for one stage: replaces keys (profiler_config included)."""
+    if "engine_args" in ps:
+        overrides = dict(ps["engine_args"] or {})
+        runtime = ps.get("runtime") or {}
+        if "num_replicas" in runtime:
+            overrides["num_replicas"] = runtime["num_replicas"]
+        devices = runtime.get("devices")
+        src = ps["engine_args"]
+    else:
+        overrides = {k: v for k, v in ps.items() if k not in ("stage_id", "devices", "env")}
+        devices = ps.get("devices")
+        src = ps
+    if devices is not None:
+        stage["devices"] = devices
+    for key, value in overrides.items():
+        if key == "num_replicas":
+            stage["num_replicas"] = value
+        elif key in _DEEP_MERGE_KEYS and isinstance(value, dict) and isinstance(stage["flat"].get(key), dict):
+            stage["flat"][key] = {**stage["flat"][key], **value}
+        else:
+            _set(stage["flat"], key, value, src)
+
+
+def _did_you_mean(key: str) -> str:
+    close = difflib.get_close_matches(key, list(ProfilerConfig.model_fields), n=1, cutoff=0.6)
+    return f"; did you mean `{close[0]}`?" if close else f"; valid keys: {', '.join(ProfilerConfig.model_fields)}"
+
+
+def profiler_config_error(err: ValidationError) -> tuple[str, str | None]:
+    """vLLM's error text for the first problem, and the ProfilerConfig key it is about."""
+    first = err.errors()[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    msg = first.get("msg", str(err))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if first.get("type") == "extra_forbidden" and loc:
+        return f"unknown key `{loc[0]}`{_did_you_mean(loc[0])}", loc[0]
+    if loc:
+        return f"`{loc[0]}`: {msg}", loc[0]
+    key = next((f for f in ProfilerConfig.model_fields if msg.startswith(f)), None)
+    return msg, key
+
+
+def _build_stage(stage: dict[str, Any], file: str) -> tuple[Stage, list[Finding]]:
+    flat: MarkedDict = stage["flat"]
+    sid: int = stage["stage_id"]
+    findings: list[Finding] = []
+    marks: dict[str, Where] = {}
+    entry_where = stage["where"]
+    if entry_where:
+        marks["stage"] = entry_where
+    if "stage_id" in stage["marks"]:
+        marks["stage_id"] = stage["marks"]["stage_id"]
+    raw_pc = flat.get("profiler_config")
+    pc_where = flat.where_of("profiler_config") if "profiler_config" in flat else entry_where
+    profiler: ProfilerConfig | None = None
+    if raw_pc is not None:
+        if not isinstance(raw_pc, dict):
+            raise ConfigError(
+                f"stage {sid}: profiler_config must be a mapping (e.g. `{{profiler: torch, torch_profiler_dir: /tmp/x}}`)",
+                code="profiler_config_invalid",
+                where=pc_where,
+                key="profiler_config",
+            )
+        if pc_where:
+            marks["profiler_config"] = pc_where
+        for k in raw_pc:
+            w = raw_pc.where_of(k) if isinstance(raw_pc, MarkedDict) else None
+            if w:
+                marks[f"profiler_config.{k}"] = w
+        try:
+            profiler = ProfilerConfig(**{str(k): v for k, v in raw_pc.items()})
+        except ValidationError as err:
+            message, key = profiler_config_error(err)
+            where = marks.get(f"profiler_config.{key}") if key else None
+            raise ConfigError(
+                f"stage {sid}: profiler_config: {message}",
+                code="profiler_config_invalid",
+                where=where or pc_where,
+                key=f"profiler_config.{key}" if key else "profiler_config",
+                details={"stage_id": sid, "vllm_error": err.errors()[0].get("msg")},
+            ) from None
+        raw_dir = raw_pc.get("torch_profiler_dir")
+        if isinstance(raw_dir, str) and raw_dir and not _is_uri_path(raw_dir) and not os.path.isabs(
+            os.path.expanduser(raw_dir)
+        ):
+            findings.append(
+                Finding(
+                    code="profiler_dir_relative",
+                    severity=Severity.warning,
+                    message=(
+                        f"torch_profiler_dir {raw_dir!r} is relative: vLLM resolves it against the server's working "
+                        "directory, which the sidecar cannot see; write an absolute path"
+                    ),
+                    stage_id=sid,
+                    key="profiler_config.torch_profiler_dir",
+                    where=marks.get("profiler_config.torch_profiler_dir") or pc_where,
+                )
+            )
+    replicas = stage["num_replicas"]
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        try:
+            replicas = int(replicas)
+            if replicas < 1:
+                raise ValueError
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"stage {sid}: num_replicas must be a positive integer, got {stage['num_replicas']!r}",
+                code="num_replicas_invalid",
+                where=entry_where,
+                key="num_replicas",
+            ) from None
+    extras = {str(k): v for k, v in flat.items() if k != "profiler_config"}
+    kind = StageKind.unknown
+    for kind_key in STAGE_KIND_KEYS:
+        if kind_key in extras:
+            value = str(extras[kind_key]).lower()
+            if value not in ("llm", "diffusion"):
+                raise ConfigError(
+                    f"stage {sid}: {kind_key} must be `llm` or `diffusion`, got {extras[kind_key]!r}",
+                    code="stage_kind_invalid",
+                    where=flat.where_of(kind_key, value=True),
+                    key=kind_key,
+                )
+            kind = StageKind(value)
+            break
+    devices = stage["devices"]
+    return (
+        Stage(
+            stage_id=sid,
+            kind=kind,
+            profiler_config=profiler,
+            devices=None if devices is None else str(devices),
+            num_replicas=replicas,
+            where=entry_where,
+            extras=extras,
+            marks=marks,
+        ),
+        findings,
+    )
+
+
+def load_deploy_config(path: str | Path, *, platform: str | None = "cuda") -> DeployConfig:
+    """Read a deploy YAML as vLLM-Omni 0.30 would on ``platform`` (``None``: no platform overlay)."""
+    path = Path(path)
+    doc, chain = _resolve(path, [])
+    findings: list[Finding] = []
+    legacy = "stage_args" in doc
+    if legacy:
+        entries = doc.get("stage_args") or []
+        findings.append(
+            Finding(
+                code="legacy_schema",
+                severity=Severity.warning,
+                message=f"uses the removed `stage_args` schema, which vLLM-Omni 0.30 rejects at start-up; {_LEGACY_MIGRATION}",
+                key="stage_args",
+                where=doc.where_of("stage_args"),
+            )
+        )
+    else:
+        entries = doc.get("stages") or []
+    stages: dict[int, dict[str, Any]] = {}
+    for entry in entries:
+        rt = _runtime(entry)
+        stages[entry["stage_id"]] = {
+            "stage_id": entry["stage_id"],
+            "flat": _flatten_stage(entry),
+            "where": getattr(entry, "where", None),
+            "marks": {"stage_id": entry.where_of("stage_id", value=True)} if isinstance(entry, MarkedDict) else {},
+            **rt,
+        }
+    if platform is not None and isinstance(doc.get("platforms"), dict):
+        section = doc["platforms"].get(platform) or {}
+        for ps in section.get("stages") or []:
+            if ps["stage_id"] in stages:
+                _apply_platform(stages[ps["stage_id"]], ps)
+    built: list[Stage] = []
+    for stage in stages.values():
+        s, f = _build_stage(stage, str(path))
+        built.append(s)
+        findings.extend(f)
+    return DeployConfig(
+        path=path,
+        platform=platform or "",
+        stages=built,
+        legacy_schema=legacy,
+        base_chain=chain,
+        findings=findings,
+    )

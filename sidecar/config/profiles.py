@@ -1,0 +1,177 @@
+"""Stage profiles: named per-stage profiler presets (light, ops, shapes, memory, stacks, nsys)
+and rendering them for chosen stages into a deploy overlay (``base_config:`` + per-stage
+``engine_args.profiler_config``) or the ``--stage-overrides`` JSON of ``vllm serve --omni``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from sidecar.config._yaml import MarkedDict, load_yaml
+from sidecar.config.deploy import load_deploy_config, profiler_config_error
+from sidecar.config.models import DeployConfig
+from sidecar.config.profiler import ProfilerConfig
+from sidecar.errors import ConfigError, ConfigUnreadable, StageSelectionError, Where
+
+__all__ = [
+    "StageProfile",
+    "list_profiles",
+    "load_profile",
+    "profiles_dir",
+    "render_overlay",
+    "render_stage_overrides",
+    "stage_profiler_configs",
+]
+
+
+class StageProfile(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    description: str = ""
+    # Keys of ProfilerConfig, without torch_profiler_dir (chosen per stage at render time).
+    profiler_config: dict[str, Any]
+    source: str | None = None
+
+
+def profiles_dir() -> Path:
+    """The presets shipped inside the package (the top-level ``stage_profiles/`` holds the same files)."""
+    return Path(str(resources.files("sidecar") / "_data" / "stage_profiles"))
+
+
+def list_profiles() -> list[str]:
+    return sorted(p.stem for p in profiles_dir().glob("*.yaml"))
+
+
+def load_profile(name_or_path: str | Path) -> StageProfile:
+    """A preset by name (``light``) or a profile YAML by path; the preset is validated here."""
+    candidate = Path(name_or_path)
+    if candidate.suffix in (".yaml", ".yml") or candidate.exists():
+        path = candidate
+    else:
+        path = profiles_dir() / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise ConfigError(
+                f"unknown stage profile {str(name_or_path)!r}; choose one of {', '.join(list_profiles())} "
+                "or pass a profile YAML path",
+                code="profile_unknown",
+                details={"profiles": list_profiles()},
+            )
+    doc = load_yaml(path)
+    if not isinstance(doc, dict) or not isinstance(doc.get("profiler_config"), dict):
+        raise ConfigUnreadable(
+            f"{path}: a stage profile is a mapping with a `profiler_config:` mapping",
+            code="profile_invalid",
+            where=getattr(doc, "where", None) or Where(file=str(path)),
+        )
+    pc = dict(doc["profiler_config"])
+    if "torch_profiler_dir" in pc:
+        raise ConfigError(
+            f"{path}: a stage profile must not set torch_profiler_dir (render chooses one per stage with --dir)",
+            code="profile_invalid",
+            where=doc["profiler_config"].where_of("torch_profiler_dir")
+            if isinstance(doc["profiler_config"], MarkedDict)
+            else None,
+            key="profiler_config.torch_profiler_dir",
+        )
+    probe = {**pc, "torch_profiler_dir": "/probe"} if pc.get("profiler") == "torch" else pc
+    try:
+        ProfilerConfig(**probe)
+    except ValidationError as err:
+        message, key = profiler_config_error(err)
+        raise ConfigError(
+            f"{path}: profiler_config: {message}", code="profile_invalid", where=Where(file=str(path)), key=key
+        ) from None
+    return StageProfile(
+        name=str(doc.get("name") or path.stem), description=str(doc.get("description") or ""), profiler_config=pc,
+        source=str(path),
+    )
+
+
+def stage_profiler_configs(
+    deploy: DeployConfig, profile: StageProfile, stages: list[int], *, out_dir: str | Path | None = None
+) -> dict[int, dict[str, Any]]:
+    """The full profiler_config to write for each stage (every torch field explicit, so nothing from
+    the base file's own profiler_config leaks through the merge)."""
+    if not stages:
+        raise StageSelectionError("render needs at least one stage (e.g. --stages 0,2)", code="stages_empty")
+    if len(set(stages)) != len(stages):
+        raise StageSelectionError(f"stage ids listed more than once: {stages}", code="stage_duplicate")
+    unknown = [s for s in stages if deploy.stage(s) is None]
+    if unknown:
+        raise StageSelectionError(
+            f"unknown stage ids {unknown}; the deploy file has stages {deploy.stage_ids}",
+            code="stage_unknown",
+            details={"stages": unknown, "valid": deploy.stage_ids},
+        )
+    out: dict[int, dict[str, Any]] = {}
+    for sid in stages:
+        pc = dict(profile.profiler_config)
+        if pc.get("profiler") == "torch":
+            if out_dir is not None:
+                pc["torch_profiler_dir"] = os.path.join(os.path.abspath(os.path.expanduser(str(out_dir))), f"stage{sid}")
+            else:
+                existing = deploy.stage(sid).profiler_dir  # type: ignore[union-attr]
+                if not existing:
+                    raise ConfigError(
+                        f"stage {sid} has no torch_profiler_dir to keep; pass --dir DIR "
+                        f"(each stage writes to DIR/stage<id>)",
+                        code="profile_dir_missing",
+                        key="torch_profiler_dir",
+                    )
+                pc["torch_profiler_dir"] = existing
+        try:
+            full = ProfilerConfig(**pc)
+        except ValidationError as err:
+            message, key = profiler_config_error(err)
+            raise ConfigError(f"stage {sid}: profile {profile.name}: {message}", code="profile_invalid", key=key) from None
+        out[sid] = full.torch_dict()
+    return out
+
+
+def render_overlay(
+    deploy_path: str | Path,
+    profile: str | StageProfile,
+    stages: list[int],
+    *,
+    out_path: str | Path,
+    out_dir: str | Path | None = None,
+    platform: str | None = "cuda",
+) -> str:
+    """YAML text of an overlay for ``out_path``: ``base_config`` points back at ``deploy_path``
+    (relative to ``out_path``'s folder) and the chosen stages get the profile's profiler_config."""
+    prof = profile if isinstance(profile, StageProfile) else load_profile(profile)
+    deploy = load_deploy_config(deploy_path, platform=platform)
+    configs = stage_profiler_configs(deploy, prof, stages, out_dir=out_dir)
+    base = os.path.relpath(Path(deploy_path).resolve(), Path(out_path).resolve().parent)
+    doc = {
+        "base_config": base,
+        "stages": [{"stage_id": sid, "engine_args": {"profiler_config": pc}} for sid, pc in configs.items()],
+    }
+    header = (
+        f"# Rendered by `omni-sidecar render`: profile {prof.name!r} on stages {stages}.\n"
+        "# Inherits everything else from base_config; use with `vllm serve <model> --omni --deploy-config <this file>`.\n"
+    )
+    return header + yaml.safe_dump(doc, sort_keys=False)
+
+
+def render_stage_overrides(
+    deploy_path: str | Path,
+    profile: str | StageProfile,
+    stages: list[int],
+    *,
+    out_dir: str | Path | None = None,
+    platform: str | None = "cuda",
+) -> str:
+    """The JSON for ``vllm serve --omni --stage-overrides '<json>'``."""
+    prof = profile if isinstance(profile, StageProfile) else load_profile(profile)
+    deploy = load_deploy_config(deploy_path, platform=platform)
+    configs = stage_profiler_configs(deploy, prof, stages, out_dir=out_dir)
+    return json.dumps({str(sid): {"profiler_config": pc} for sid, pc in configs.items()}, separators=(",", ":"))

@@ -1,0 +1,229 @@
+"""Discrete-torch rules (DESIGN.md §4): which stages a capture may target, and what a deploy
+file gets refused or warned for. ``select_stages`` is the one place the stage-selection rule
+lives; the controller, API, CLI and rollout hook all call it. Pure functions over ``DeployConfig``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from sidecar.config.models import DeployConfig, Stage
+from sidecar.errors import Finding, Severity, StageSelectionError, Where
+
+__all__ = ["select_stages", "validate_deploy", "selection_finding"]
+
+
+def select_stages(deploy: DeployConfig, stages: list[int] | None, *, allow_cuda: bool = False) -> list[int]:
+    """The explicit stage list to send upstream (never empty, never ``None``).
+
+    ``None`` means every torch-profiled stage (plus ``cuda`` ones when ``allow_cuda``), listed
+    explicitly. A given list must be non-empty, without duplicates, and name only stages that exist
+    and are profiled with torch (``cuda`` too when ``allow_cuda``, i.e. an nsys capture).
+    Raises ``StageSelectionError`` whose ``details`` name the offending and the valid ids.
+    """
+    allowed_kinds = ("torch", "cuda") if allow_cuda else ("torch",)
+    valid = [s.stage_id for s in deploy.stages if s.profiler in allowed_kinds]
+    what = "torch- or cuda-profiled" if allow_cuda else "torch-profiled"
+    if stages is None:
+        if not valid:
+            profiled = {s.stage_id: s.profiler for s in deploy.profiled_stages}
+            hint = (
+                f" (profiled with another profiler: {profiled})"
+                if profiled
+                else "; add `profiler_config: {profiler: torch, torch_profiler_dir: /abs/dir}` to the stages to capture"
+            )
+            raise StageSelectionError(
+                f"no stage is {what}{hint}",
+                code="stage_not_profiled",
+                details={"stages": [], "valid": valid, "known": deploy.stage_ids},
+            )
+        return list(valid)
+    if len(stages) == 0:
+        raise StageSelectionError(
+            "the stage list is empty: the server would profile nothing and still answer SUCCESS; "
+            f"name at least one stage (valid: {valid}) or omit `stages` for all of them",
+            code="stages_empty",
+            details={"stages": [], "valid": valid},
+        )
+    bad_type = [s for s in stages if isinstance(s, bool) or not isinstance(s, int)]
+    if bad_type:
+        raise StageSelectionError(
+            f"stage ids must be integers, got {bad_type}; valid: {valid}",
+            code="stage_unknown",
+            details={"stages": bad_type, "valid": valid},
+        )
+    dupes = sorted(sid for sid, n in Counter(stages).items() if n > 1)
+    if dupes:
+        raise StageSelectionError(
+            f"stage ids listed more than once: {dupes}; list each stage once",
+            code="stage_duplicate",
+            details={"stages": dupes, "valid": valid},
+        )
+    unknown = [s for s in stages if deploy.stage(s) is None]
+    if unknown:
+        raise StageSelectionError(
+            f"unknown stage ids {unknown}: the deploy file has stages {deploy.stage_ids} "
+            f"(the server would skip them and still answer SUCCESS); valid: {valid}",
+            code="stage_unknown",
+            details={"stages": unknown, "valid": valid, "known": deploy.stage_ids},
+        )
+    unprofiled = [s for s in stages if deploy.stage(s).profiler is None]  # type: ignore[union-attr]
+    if unprofiled:
+        raise StageSelectionError(
+            f"stages {unprofiled} have no profiler_config.profiler (the server would fail inside the worker "
+            f"and still answer SUCCESS); set `profiler: torch` and `torch_profiler_dir` there, or pick from {valid}",
+            code="stage_not_profiled",
+            details={"stages": unprofiled, "valid": valid},
+        )
+    wrong = [s for s in stages if deploy.stage(s).profiler not in allowed_kinds]  # type: ignore[union-attr]
+    if wrong:
+        kinds = {s: deploy.stage(s).profiler for s in wrong}  # type: ignore[union-attr]
+        fix = (
+            "cuda stages write no trace files; use an nsys capture for them"
+            if not allow_cuda and all(k == "cuda" for k in kinds.values())
+            else "set `profiler: torch` there"
+        )
+        raise StageSelectionError(
+            f"stages {kinds} are not profiled with torch; {fix}; torch stages: {valid}",
+            code="stage_not_torch",
+            details={"stages": wrong, "valid": valid, "profilers": {str(k): v for k, v in kinds.items()}},
+        )
+    return list(stages)
+
+
+def selection_finding(err: StageSelectionError, where: Where | None = None) -> Finding:
+    stages = err.details.get("stages") or []
+    return Finding(
+        code=err.code,
+        severity=Severity.error,
+        message=err.message,
+        stage_id=stages[0] if len(stages) == 1 and isinstance(stages[0], int) else None,
+        key="stages",
+        where=where,
+    )
+
+
+def _w(stage: Stage, key: str) -> Where | None:
+    return stage.marks.get(f"profiler_config.{key}") or stage.marks.get("profiler_config") or stage.where
+
+
+def _stage_findings(stage: Stage, window_iterations: int | None) -> list[Finding]:
+    pc = stage.profiler_config
+    assert pc is not None
+    out: list[Finding] = []
+
+    def warn(code: str, key: str, message: str) -> None:
+        out.append(
+            Finding(
+                code=code,
+                severity=Severity.warning,
+                message=message,
+                stage_id=stage.stage_id,
+                key=f"profiler_config.{key}",
+                where=_w(stage, key),
+            )
+        )
+
+    if pc.torch_profiler_with_stack:
+        warn(
+            "stack_enabled",
+            "torch_profiler_with_stack",
+            "Python stacks are on (vLLM's default): traces get several times larger and stop takes minutes "
+            "per ~100 requests; set `torch_profiler_with_stack: false` unless you need stacks",
+        )
+    if pc.max_iterations == 0:
+        warn(
+            "max_iterations_unbounded",
+            "max_iterations",
+            "max_iterations is 0 (unbounded): the trace grows until stop; set e.g. `max_iterations: 64`",
+        )
+    if pc.delay_iterations > 0:
+        if window_iterations is not None and pc.delay_iterations >= window_iterations:
+            warn(
+                "delay_exceeds_window",
+                "delay_iterations",
+                f"delay_iterations={pc.delay_iterations} is not below the capture window of {window_iterations} "
+                "iterations: the trace will be empty; lower delay_iterations",
+            )
+        elif pc.max_iterations and pc.delay_iterations >= pc.max_iterations:
+            warn(
+                "delay_exceeds_window",
+                "delay_iterations",
+                f"delay_iterations={pc.delay_iterations} is not below max_iterations={pc.max_iterations}: a short "
+                "capture records nothing before stop; lower delay_iterations",
+            )
+    if (pc.delay_iterations > 0 or pc.max_iterations > 0) and not pc.ignore_frontend:
+        warn(
+            "frontend_overhead",
+            "ignore_frontend",
+            "delay/max_iterations with ignore_frontend false: the front-end profiler ignores the iteration bounds "
+            "and records the whole window (vLLM warns of high overhead); set `ignore_frontend: true`",
+        )
+    schedule = {
+        k: getattr(pc, k)
+        for k, default in (("warmup_iterations", 0), ("active_iterations", 5), ("wait_iterations", 0))
+        if getattr(pc, k) != default
+    }
+    if schedule:
+        key = next(iter(schedule))
+        warn(
+            "schedule_ignored",
+            key,
+            f"{schedule} set, but vLLM-Omni workers use no profiler schedule and ignore them; "
+            "use delay_iterations / max_iterations instead",
+        )
+    return out
+
+
+def validate_deploy(
+    deploy: DeployConfig,
+    *,
+    stages: list[int] | None = None,
+    window_iterations: int | None = None,
+    allow_cuda: bool = False,
+) -> list[Finding]:
+    """Refusals (errors) and caveats (warnings) for capturing ``stages`` (``None``: all torch stages).
+
+    Loader findings (``legacy_schema``, ``profiler_dir_relative``) come first; then stage selection;
+    (``allow_cuda``: an nsys capture, cuda stages may be targeted); then per targeted torch stage
+    ``stack_enabled``, ``max_iterations_unbounded``, ``delay_exceeds_window``,
+    ``frontend_overhead``, ``schedule_ignored``; and ``proton_not_wired`` for proton stages.
+    """
+    findings: list[Finding] = list(deploy.findings)
+    if not deploy.stages:
+        findings.append(
+            Finding(
+                code="no_stages",
+                severity=Severity.error,
+                message="the deploy file defines no stages; add a `stages:` list with profiler_config per stage",
+                where=Where(file=str(deploy.path)) if deploy.path else None,
+            )
+        )
+        return findings
+    try:
+        targets = select_stages(deploy, stages, allow_cuda=allow_cuda)
+    except StageSelectionError as err:
+        findings.append(selection_finding(err, Where(file=str(deploy.path)) if deploy.path else None))
+        targets = [
+            s
+            for s in (stages if stages is not None else [])
+            if isinstance(s, int) and not isinstance(s, bool) and (st := deploy.stage(s)) and st.profiler == "torch"
+        ]
+    for stage in deploy.stages:
+        if stage.profiler == "proton":
+            findings.append(
+                Finding(
+                    code="proton_not_wired",
+                    severity=Severity.warning,
+                    message="profiler 'proton' is accepted by vLLM but not wired in vLLM-Omni workers: no profile "
+                    "will be written; use `profiler: torch`",
+                    stage_id=stage.stage_id,
+                    key="profiler_config.profiler",
+                    where=_w(stage, "profiler"),
+                )
+            )
+    for sid in dict.fromkeys(targets):
+        stage = deploy.stage(sid)
+        if stage is not None and stage.profiler == "torch":
+            findings.extend(_stage_findings(stage, window_iterations))
+    return findings

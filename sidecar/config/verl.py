@@ -1,0 +1,253 @@
+"""Reading a verl / verl-omni trainer config (plain YAML, a Hydra-composed dump, a dict or an
+OmegaConf object) into the rollout or reward profiler plan the sidecar hook must follow, and the
+rules for what verl would silently skip (DESIGN.md §3 "The RL side", §4).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sidecar.config._yaml import MarkedDict, load_yaml
+from sidecar.errors import ConfigError, ConfigUnreadable, Finding, Severity, Where
+
+__all__ = ["VerlProfilerPlan", "read_verl_config", "verl_findings", "ROLE_PATHS"]
+
+Role = Literal["rollout", "reward"]
+
+# Where each role's profiler block lives in the composed trainer config.
+ROLE_PATHS: dict[str, str] = {
+    "rollout": "actor_rollout_ref.rollout.profiler",
+    "reward": "reward.reward_model.rollout.profiler",
+}
+_INTERP = re.compile(r"^\$\{(?:oc\.select:)?([^,}]+)(?:,([^}]*))?\}$")
+
+
+class VerlProfilerPlan(BaseModel):
+    """What verl will do for one role: profile ``steps`` (1-based) with ``tool`` on ``replica_ranks``."""
+
+    model_config = ConfigDict(frozen=True)
+
+    role: Role = "rollout"
+    steps: list[int] = Field(default_factory=list)
+    enable: bool = False
+    tool: str | None = None
+    discrete: bool = False
+    all_ranks: bool = False
+    ranks: list[int] = Field(default_factory=list)
+    save_path: str | None = None
+    resume_mode: str = "auto"
+    source: str | None = None
+    # Where each dotted key was written, for findings (only when read from a file).
+    marks: dict[str, Where] = Field(default_factory=dict, repr=False, exclude=True)
+
+    def replica_ranks(self, n_replicas: int) -> list[int]:
+        """verl's rank choice: every replica with ``all_ranks``, else ``ranks``, else ``[0]``."""
+        if self.all_ranks:
+            return list(range(n_replicas))
+        if self.ranks:
+            return [r for r in self.ranks if 0 <= r < n_replicas]
+        return [0] if n_replicas > 0 else []
+
+    @property
+    def trace_dir(self) -> str | None:
+        """verl puts reward-model traces under ``<save_path>/reward_model/``."""
+        if self.save_path is None:
+            return None
+        return str(Path(self.save_path) / "reward_model") if self.role == "reward" else self.save_path
+
+
+def _to_plain(src: Any) -> Any:
+    """An OmegaConf object becomes plain containers without resolving (we resolve ourselves)."""
+    mod = type(src).__module__
+    if mod.startswith("omegaconf"):
+        from omegaconf import OmegaConf  # only reachable when the caller passes one
+
+        return OmegaConf.to_container(src, resolve=False)
+    return src
+
+
+def _get(root: Any, dotted: str) -> tuple[bool, Any]:
+    node = root
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False, None
+        node = node[part]
+    return True, node
+
+
+def _literal(text: str) -> Any:
+    t = text.strip()
+    if t in ("null", "None", "~", ""):
+        return None
+    if t.lower() in ("true", "false"):
+        return t.lower() == "true"
+    try:
+        return int(t)
+    except ValueError:
+        pass
+    return t.strip("'\"")
+
+
+def _resolve(root: Any, value: Any, depth: int = 0) -> Any:
+    """Resolve ``${a.b}`` and ``${oc.select:a.b,default}`` (what verl's YAMLs use for profiler keys)."""
+    if not isinstance(value, str) or depth > 10:
+        return value
+    m = _INTERP.match(value.strip())
+    if not m:
+        return value
+    found, target = _get(root, m.group(1).strip())
+    if not found:
+        if m.group(2) is not None:
+            return _literal(m.group(2))
+        raise ConfigError(
+            f"interpolation {value!r} points at a missing key {m.group(1)!r}; pass the composed config "
+            "(e.g. dump it with `OmegaConf.to_yaml(cfg, resolve=True)`)",
+            code="verl_interpolation",
+        )
+    return _resolve(root, target, depth + 1)
+
+
+def _where(root: Any, dotted: str) -> Where | None:
+    parent, _, leaf = dotted.rpartition(".")
+    found, node = _get(root, parent) if parent else (True, root)
+    if found and isinstance(node, MarkedDict):
+        return node.where_of(leaf)
+    return None
+
+
+def _as_bool(value: Any, key: str, where: Where | None) -> bool:
+    if isinstance(value, bool):
+        return value
+    if value is None:
+        return False
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ConfigError(f"{key} must be true or false, got {value!r}", code="verl_config_invalid", where=where, key=key)
+
+
+def _as_int_list(value: Any, key: str, where: Where | None) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return list(value)
+    raise ConfigError(
+        f"{key} must be a list of integers (e.g. [1, 3]), got {value!r}", code="verl_config_invalid", where=where, key=key
+    )
+
+
+def read_verl_config(src: dict[str, Any] | str | Path | Any, *, role: Role = "rollout") -> VerlProfilerPlan:
+    """Read ``global_profiler.steps`` and the role's profiler block from a verl trainer config."""
+    if role not in ROLE_PATHS:
+        raise ConfigError(f"role must be one of {sorted(ROLE_PATHS)}, got {role!r}", code="verl_role_invalid")
+    source: str | None = None
+    if isinstance(src, (str, Path)):
+        source = str(src)
+        root = load_yaml(src)
+        if root is None:
+            raise ConfigUnreadable(f"{src} is empty; pass a verl trainer config", code="config_empty", where=Where(file=source))
+    else:
+        root = _to_plain(src)
+    if not isinstance(root, dict):
+        raise ConfigUnreadable(
+            f"a verl trainer config must be a mapping, got {type(root).__name__}",
+            code="config_not_mapping",
+            where=Where(file=source, line=1, column=1) if source else None,
+        )
+    base = ROLE_PATHS[role]
+    marks: dict[str, Where] = {}
+
+    def value(dotted: str, default: Any = None) -> Any:
+        found, raw = _get(root, dotted)
+        w = _where(root, dotted)
+        if w:
+            marks[dotted] = w
+        return _resolve(root, raw) if found else default
+
+    found, block = _get(root, base)
+    if found and block is not None and not isinstance(block, dict):
+        raise ConfigError(f"{base} must be a mapping", code="verl_config_invalid", where=_where(root, base), key=base)
+    steps = _as_int_list(value("global_profiler.steps"), "global_profiler.steps", marks.get("global_profiler.steps"))
+    tool = value(f"{base}.tool")
+    if tool is None:
+        tool = value("global_profiler.tool")
+    save_path = value(f"{base}.save_path")
+    if save_path is None:
+        save_path = value("global_profiler.save_path")
+    plan = VerlProfilerPlan(
+        role=role,
+        steps=steps,
+        enable=_as_bool(value(f"{base}.enable"), f"{base}.enable", marks.get(f"{base}.enable")),
+        tool=None if tool is None else str(tool),
+        discrete=_as_bool(
+            value(f"{base}.tool_config.torch.discrete"),
+            f"{base}.tool_config.torch.discrete",
+            marks.get(f"{base}.tool_config.torch.discrete"),
+        ),
+        all_ranks=_as_bool(value(f"{base}.all_ranks"), f"{base}.all_ranks", marks.get(f"{base}.all_ranks")),
+        ranks=_as_int_list(value(f"{base}.ranks"), f"{base}.ranks", marks.get(f"{base}.ranks")),
+        save_path=None if save_path is None else str(save_path),
+        resume_mode=str(value("trainer.resume_mode", "auto")),
+        source=source,
+        marks=marks,
+    )
+    return plan
+
+
+def verl_findings(plan: VerlProfilerPlan) -> list[Finding]:
+    """Refuse what verl would silently skip for the plan's role; warn on resume past the step."""
+    base = ROLE_PATHS[plan.role]
+    src = Where(file=plan.source) if plan.source else None
+    out: list[Finding] = []
+
+    def add(code: str, key: str, message: str, severity: Severity = Severity.error) -> None:
+        out.append(
+            Finding(code=code, severity=severity, message=message, key=key, where=plan.marks.get(key) or src)
+        )
+
+    if not plan.steps:
+        add(
+            "verl_steps_empty",
+            "global_profiler.steps",
+            "global_profiler.steps is empty: verl profiles no step; set e.g. `global_profiler.steps=[1]`",
+        )
+    if any(s < 1 for s in plan.steps):
+        add(
+            "verl_steps_invalid",
+            "global_profiler.steps",
+            f"global_profiler.steps are 1-based training steps, got {plan.steps}",
+        )
+    if not plan.enable:
+        add(
+            "verl_profiler_disabled",
+            f"{base}.enable",
+            f"{base}.enable is false: verl never calls start/stop for {plan.role}; set `{base}.enable=True`",
+        )
+    if plan.tool != "torch":
+        add(
+            "verl_tool_not_torch",
+            f"{base}.tool",
+            f"{base}.tool is {plan.tool!r}: the vLLM-Omni {plan.role} server is profiled only with torch "
+            f"(verl records nothing otherwise); set `{base}.tool=torch` (or `global_profiler.tool=torch`)",
+        )
+    if not plan.discrete:
+        add(
+            "verl_not_discrete",
+            f"{base}.tool_config.torch.discrete",
+            f"{base}.tool_config.torch.discrete is false: verl skips server profiling in continuous mode without "
+            f"an error; set `{base}.tool_config.torch.discrete=True`",
+        )
+    if plan.resume_mode != "disable":
+        add(
+            "verl_resume_enabled",
+            "trainer.resume_mode",
+            f"trainer.resume_mode is {plan.resume_mode!r}: a leftover checkpoint resumes past the profiled step; "
+            "set `trainer.resume_mode=disable` for a profiling run",
+            Severity.warning,
+        )
+    return out

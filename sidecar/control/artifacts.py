@@ -1,0 +1,290 @@
+"""Artifact finder and checker: snapshot each stage's ``torch_profiler_dir`` before start, find the
+NEW session folders of that stage after stop (LLM and diffusion naming, exact stage id), wait for gzip
+and stable sizes within a bound, then give a per-stage ``StageVerdict``. Filesystem work is sync
+here and run through ``asyncio.to_thread`` by :func:`collect`, so big folders never block the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sidecar.config.models import Stage, StageKind
+from sidecar.control.models import ArtifactFile, SessionFolder, StageVerdict, Verdict
+
+# DESIGN.md §3 Artifacts; read from vllm_omni/worker/base.py and diffusion/stage_diffusion_client.py.
+LLM_SESSION = re.compile(r"^\d{8}-\d{6}_stage(?P<sid>\d+)_rank(?P<rank>\d+)_(?P<epoch>\d+)$")
+DIFFUSION_SESSION = re.compile(
+    r"^\d{8}-\d{6}_stage_(?P<sid>\d+)_rep_(?P<rep>\d+)_diffusion_(?P<epoch>\d+)$"
+)
+TRACE_FILE = re.compile(r"^trace_rank\d+\.json(\.gz)?$")
+_URI = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+
+
+def session_stage(name: str, kind: StageKind = StageKind.unknown) -> int | None:
+    """The stage id a session folder name belongs to, or None when it is not a session folder
+    of that kind. Ids are matched as whole numbers, so ``stage1`` never matches ``stage10``."""
+    patterns = {
+        StageKind.llm: (LLM_SESSION,),
+        StageKind.diffusion: (DIFFUSION_SESSION,),
+    }.get(kind, (LLM_SESSION, DIFFUSION_SESSION))
+    for pattern in patterns:
+        m = pattern.match(name)
+        if m:
+            return int(m.group("sid"))
+    return None
+
+
+def map_server_path(server_path: str, roots: dict[str, str]) -> Path | None:
+    """Where the sidecar reads a server path: the longest ``--artifact-root`` prefix that matches
+    (whole path components only), else the path itself. None for URIs (gs://, s3://, ...)."""
+    if _URI.match(server_path):
+        return None
+    path = os.path.expanduser(server_path)
+    best: tuple[str, str] | None = None
+    for server_root, local_root in roots.items():
+        root = server_root.rstrip("/") or "/"
+        if path == root or path.startswith(root.rstrip("/") + "/"):
+            if best is None or len(root) > len(best[0]):
+                best = (root, local_root)
+    if best is not None:
+        rest = path[len(best[0]) :].lstrip("/")
+        return Path(os.path.expanduser(best[1])) / rest
+    # vLLM makes the dir absolute against the server's cwd; the sidecar assumes it shares that cwd.
+    return Path(os.path.abspath(path))
+
+
+@dataclass
+class StageWatch:
+    """One targeted stage: where its folders are, and what was there before start."""
+
+    stage_id: int
+    kind: StageKind
+    server_dir: str | None
+    local_dir: Path | None
+    use_gzip: bool = True
+    baseline: set[str] | None = None  # entry names before start; None: not snapshotted
+    baseline_visible: bool = False
+
+    def to_json(self) -> dict:
+        return {
+            "stage_id": self.stage_id,
+            "kind": self.kind.value,
+            "server_dir": self.server_dir,
+            "local_dir": str(self.local_dir) if self.local_dir else None,
+            "use_gzip": self.use_gzip,
+            "baseline": sorted(self.baseline) if self.baseline is not None else None,
+            "baseline_visible": self.baseline_visible,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> StageWatch:
+        return cls(
+            stage_id=int(data["stage_id"]),
+            kind=StageKind(data.get("kind", "unknown")),
+            server_dir=data.get("server_dir"),
+            local_dir=Path(data["local_dir"]) if data.get("local_dir") else None,
+            use_gzip=bool(data.get("use_gzip", True)),
+            baseline=set(data["baseline"]) if data.get("baseline") is not None else None,
+            baseline_visible=bool(data.get("baseline_visible", False)),
+        )
+
+
+def watch_stage(stage: Stage, roots: dict[str, str]) -> StageWatch:
+    server_dir = stage.profiler_dir
+    pc = stage.profiler_config
+    return StageWatch(
+        stage_id=stage.stage_id,
+        kind=stage.kind,
+        server_dir=server_dir,
+        local_dir=map_server_path(server_dir, roots) if server_dir else None,
+        use_gzip=pc.torch_profiler_use_gzip if pc is not None else True,
+    )
+
+
+def snapshot(watch: StageWatch) -> StageWatch:
+    """Record the entries of the stage's folder before start (blocking; run in a thread)."""
+    names: set[str] = set()
+    visible = False
+    if watch.local_dir is not None:
+        try:
+            with os.scandir(watch.local_dir) as it:
+                names = {e.name for e in it}
+            visible = True
+        except OSError:
+            # The server creates the folder at the first start, so absent now is not yet a problem.
+            pass
+    watch.baseline = names
+    watch.baseline_visible = visible
+    return watch
+
+
+@dataclass
+class _Scan:
+    visible: bool
+    dir_exists: bool = True
+    sessions: list[SessionFolder] = field(default_factory=list)
+    gzip_pending: list[str] = field(default_factory=list)  # files still being compressed
+
+    def signature(self) -> tuple:
+        return tuple((s.path, tuple((f.name, f.size) for f in s.files)) for s in self.sessions)
+
+
+def _list_files(folder: Path) -> list[ArtifactFile]:
+    out: list[ArtifactFile] = []
+    for dirpath, dirnames, filenames in os.walk(folder):  # os.walk does not follow symlinks
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            try:
+                st = os.lstat(full)
+            except OSError:
+                continue  # removed meanwhile (gzip deletes the .json when done)
+            if not os.path.isfile(full) or os.path.islink(full):
+                continue
+            out.append(ArtifactFile(name=os.path.relpath(full, folder), size=st.st_size))
+        dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
+    out.sort(key=lambda f: f.name)
+    return out
+
+
+def scan(watch: StageWatch) -> _Scan:
+    """The stage's new session folders and their files now (blocking; run in a thread)."""
+    if watch.local_dir is None:
+        return _Scan(visible=False)
+    try:
+        with os.scandir(watch.local_dir) as it:
+            entries = [e for e in it if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        # Never created: the server makes it at the first start of that stage. If its parent is
+        # visible we can see the server's files, so the stage made nothing (missing); if not, the
+        # path is probably not mounted here (unverified).
+        return _Scan(visible=watch.local_dir.parent.is_dir(), dir_exists=False)
+    except OSError:
+        return _Scan(visible=False)
+    baseline = watch.baseline or set()
+    result = _Scan(visible=True)
+    for entry in sorted(entries, key=lambda e: e.name):
+        if entry.name in baseline or session_stage(entry.name, watch.kind) != watch.stage_id:
+            continue
+        local = Path(entry.path)
+        files = _list_files(local)
+        server_path = (
+            os.path.join(watch.server_dir, entry.name) if watch.server_dir else str(local)
+        )
+        result.sessions.append(SessionFolder(path=server_path, local_path=str(local), files=files))
+        if watch.use_gzip:
+            # gzip -f removes trace_rank<N>.json only once the .gz is complete.
+            result.gzip_pending += [
+                f"{entry.name}/{f.name}" for f in files if TRACE_FILE.match(f.name) and f.name.endswith(".json")
+            ]
+    return result
+
+
+def _verdict(watch: StageWatch, found: _Scan, timed_out: bool, collect_timeout_s: float) -> StageVerdict:
+    sv = StageVerdict(stage_id=watch.stage_id, profiler_dir=watch.server_dir, sessions=found.sessions)
+    where = watch.server_dir or "<no torch_profiler_dir>"
+    if watch.local_dir is None:
+        sv.verdict = Verdict.unverified
+        sv.reason = (
+            f"stage {watch.stage_id}'s torch_profiler_dir {where} is not a local path the sidecar can "
+            "read; mount it and pass --artifact-root SERVER_PATH=LOCAL_PATH"
+        )
+        return sv
+    if not found.visible:
+        sv.verdict = Verdict.unverified
+        sv.reason = (
+            f"the sidecar cannot see stage {watch.stage_id}'s folder {where} (looked at "
+            f"{watch.local_dir}); if the server runs elsewhere or in a container, mount the folder and "
+            "pass --artifact-root SERVER_PATH=LOCAL_PATH"
+        )
+        return sv
+    if not found.sessions:
+        sv.verdict = Verdict.missing
+        absent = "" if found.dir_exists else " (the folder does not even exist)"
+        sv.reason = (
+            f"no new session folder for stage {watch.stage_id} under {where}{absent} after stop: the stage's "
+            "worker did not start its profiler (dead or restarted worker, or a profiler error swallowed "
+            "by the server); check the server log for this stage"
+        )
+        return sv
+    without_trace = [
+        s.path for s in found.sessions if not any(TRACE_FILE.match(f.name) and f.size > 0 for f in s.files)
+    ]
+    if without_trace:
+        sv.verdict = Verdict.empty
+        sv.reason = (
+            f"stage {watch.stage_id}: session folder(s) {', '.join(without_trace)} hold no non-empty "
+            "trace_rank*.json[.gz]: the profiler started but exported nothing; check that requests "
+            "reached this stage during the window and that max_iterations/delay_iterations allow a trace"
+        )
+        return sv
+    sv.verdict = Verdict.ok
+    if timed_out and found.gzip_pending:
+        sv.reason = (
+            f"gzip had not finished within {collect_timeout_s:g}s for {', '.join(found.gzip_pending)}; "
+            "the traces are uncompressed or still being compressed"
+        )
+    elif timed_out:
+        sv.reason = f"file sizes were still changing after {collect_timeout_s:g}s; the listing may be incomplete"
+    return sv
+
+
+async def collect(
+    watches: list[StageWatch],
+    *,
+    collect_timeout_s: float = 120,
+    settle_s: float = 1.0,
+    poll_s: float = 0.2,
+) -> list[StageVerdict]:
+    """Wait until no trace is still being gzipped and the listing is unchanged for ``settle_s``
+    (bounded by ``collect_timeout_s``), then return a verdict per stage, in ``watches`` order."""
+    deadline = time.monotonic() + collect_timeout_s
+    last_sig: tuple | None = None
+    stable_since = time.monotonic()
+    while True:
+        scans = await asyncio.to_thread(lambda: [scan(w) for w in watches])
+        now = time.monotonic()
+        sig = tuple(s.signature() for s in scans)
+        if sig != last_sig:
+            last_sig, stable_since = sig, now
+        pending = any(s.gzip_pending for s in scans)
+        if not pending and now - stable_since >= settle_s:
+            return [_verdict(w, s, False, collect_timeout_s) for w, s in zip(watches, scans)]
+        if now >= deadline:
+            return [_verdict(w, s, True, collect_timeout_s) for w, s in zip(watches, scans)]
+        await asyncio.sleep(min(poll_s, max(deadline - now, 0.0)) or poll_s)
+
+
+def trace_paths(verdicts: list[StageVerdict]) -> list[Path]:
+    """Local paths of every trace file of the given verdicts (for summaries)."""
+    out: list[Path] = []
+    for v in verdicts:
+        for s in v.sessions:
+            if s.local_path is None:
+                continue
+            out += [Path(s.local_path) / f.name for f in s.files if TRACE_FILE.match(os.path.basename(f.name))]
+    return out
+
+
+def resolve_artifact(verdicts: list[StageVerdict], relpath: str) -> Path | None:
+    """``<session folder name>/<file>`` → a local file inside that session folder, or None when it
+    is not one (absolute, ``..``, a symlink that leaves the folder, a folder, or absent)."""
+    if not relpath or "\x00" in relpath or relpath.startswith(("/", "\\")):
+        return None
+    parts = Path(relpath).parts
+    if len(parts) < 2 or any(p in ("..", ".", "") for p in parts):
+        return None
+    for v in verdicts:
+        for s in v.sessions:
+            if s.local_path is None or os.path.basename(s.local_path.rstrip("/")) != parts[0]:
+                continue
+            root = Path(s.local_path).resolve()
+            target = (root.joinpath(*parts[1:])).resolve()
+            if not target.is_relative_to(root) or not target.is_file():
+                return None
+            return target
+    return None

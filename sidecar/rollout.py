@@ -1,0 +1,471 @@
+"""The rollout hook: ``with prof.step(n):`` (or ``async with prof.astep(n):``) around generation
+profiles exactly the chosen steps, replicas and stages through a :class:`~sidecar.fleet.Fleet`.
+Outside those steps it costs nothing (no I/O, no thread, no event loop). Failures are logged and
+recorded by default (training goes on); ``strict=True`` raises. An exception inside the block is
+re-raised unchanged after the stop was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import logging
+import numbers
+import threading
+import weakref
+from collections.abc import Coroutine, Iterable
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, Field
+
+from sidecar.errors import FleetError, FleetInvalid, SidecarError, ValidationFailed
+from sidecar.fleet import Fleet, FleetCapture, Target, TargetError, TargetResult, parse_targets
+
+__all__ = ["RolloutProfiler", "StepResult"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_NULL = contextlib.nullcontext(None)  # one shared no-op for every step that is not profiled
+
+
+class StepResult(BaseModel):
+    """What one profiled step produced: per target (replica) its capture id, verdicts and the
+    session folders holding the traces. ``error`` is set when the step could not be profiled."""
+
+    step: int
+    label: str
+    targets: dict[str, TargetResult] = Field(default_factory=dict)
+    error: TargetError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.targets) and all(r.ok for r in self.targets.values())
+
+    @property
+    def done(self) -> bool:
+        """Every artifact check is over (always true when the step failed to start)."""
+        return all(r.done for r in self.targets.values())
+
+    @property
+    def folders(self) -> dict[str, list[str]]:
+        """Session folders per target."""
+        return {name: r.folders for name, r in self.targets.items()}
+
+
+def _as_step(value: Any, what: str) -> int:
+    # numpy integers are fine (verl's meta_info may carry them); bools and floats are not steps.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise FleetInvalid(
+            f"{what} must be an integer training step (1-based, as verl's global_steps), got {value!r} "
+            f"of type {type(value).__name__}",
+            code="steps_invalid",
+            details={"value": repr(value)},
+        )
+    return int(value)
+
+
+class _LoopThread:
+    """A private event loop on a daemon thread: lets sync callers (a plain trainer loop, or a
+    thread that already runs its own loop) drive the async fleet without touching their loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._main, name="omni-sidecar-rollout", daemon=True)
+        self.thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self.thread:
+            coro.close()
+            raise RuntimeError("RolloutProfiler's own loop cannot wait on itself; use `async with prof.astep(n)`")
+        return self.submit(coro).result()
+
+    async def arun(self, coro: Coroutine[Any, Any, T], *, shield: bool = False) -> T:
+        fut = asyncio.wrap_future(self.submit(coro))
+        # A cancelled caller must not cancel a stop: the profiler would be left running.
+        return await (asyncio.shield(fut) if shield else fut)
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout)
+        if not self.thread.is_alive():
+            self.loop.close()
+
+
+def _close_at_exit(ref: weakref.ReferenceType[RolloutProfiler]) -> None:
+    prof = ref()
+    if prof is not None:
+        prof.close(timeout=30.0)
+
+
+class RolloutProfiler:
+    """Profile generation at ``steps`` on the selected replicas (``targets`` in replica order).
+
+    Replica selection mirrors verl: every target with ``all_ranks``, else ``ranks``, else ``[0]``.
+    ``stages=None`` profiles every torch-profiled stage of each target (sent explicitly).
+    ``wait_artifacts=False`` returns from the block once every upstream answered stop; the
+    artifact check then finishes in the background (see :meth:`results`, :meth:`wait`).
+    ``lease_s`` (sidecar targets) makes a sidecar stop the capture itself if this process dies:
+    heartbeats are sent while the block runs.
+    Other keyword arguments (``deploy_config``, ``flavor``, ``token``, ``stop_budget_s``,
+    ``client_timeout_s``, ``control_settings``, ``state_dir``) go to :class:`Fleet`.
+    """
+
+    def __init__(
+        self,
+        targets: Iterable[str | Target] | str,
+        steps: Iterable[int],
+        stages: list[int] | None = None,
+        *,
+        strict: bool = False,
+        wait_artifacts: bool = True,
+        ranks: list[int] | None = None,
+        all_ranks: bool = False,
+        artifact_timeout_s: float | None = 600.0,
+        lease_s: float | None = None,
+        label_prefix: str = "step",
+        **fleet_options: Any,
+    ) -> None:
+        parse_opts = {k: fleet_options[k] for k in ("deploy_config", "flavor", "token") if k in fleet_options}
+        all_targets = parse_targets(targets, **parse_opts)
+        if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
+            raise FleetInvalid(f"steps must be a list of training steps, e.g. [1, 5]; got {steps!r}",
+                               code="steps_invalid")
+        self.steps: frozenset[int] = frozenset(_as_step(s, "each of steps") for s in steps)
+        if not self.steps:
+            raise FleetInvalid("steps is empty: nothing would be profiled; pass e.g. steps=[1]", code="steps_empty")
+        if min(self.steps) < 1:
+            raise FleetInvalid(f"steps are 1-based training steps (as verl's global_steps), got {sorted(self.steps)}",
+                               code="steps_invalid")
+        self.ranks = self._select(len(all_targets), ranks, all_ranks)
+        if len(all_targets) > 1 and not all_ranks and ranks is None:
+            log.info("RolloutProfiler: profiling replica 0 only (verl's default); pass all_ranks=True or ranks=[...]")
+        self.targets = [all_targets[r] for r in self.ranks]
+        self.stages = stages
+        self.strict = strict
+        self.wait_artifacts = wait_artifacts
+        self.artifact_timeout_s = artifact_timeout_s
+        self.lease_s = lease_s
+        self.label_prefix = label_prefix
+        # Built now so every input error surfaces here; nothing is contacted until a profiled step.
+        self._fleet = Fleet(self.targets, stages=stages, **fleet_options)
+        self._results: dict[int, StepResult] = {}
+        self._checks: set[asyncio.Task[None]] = set()  # background artifact checks (private loop)
+        self._loop: _LoopThread | None = None
+        self._lock = threading.Lock()
+        self._opened = False
+        self._closed = False
+
+    @staticmethod
+    def _select(n: int, ranks: list[int] | None, all_ranks: bool) -> list[int]:
+        if all_ranks:
+            return list(range(n))
+        if ranks is None or len(ranks) == 0:
+            return [0]
+        chosen = [_as_step(r, "each of ranks") for r in ranks]
+        bad = [r for r in chosen if not 0 <= r < n]
+        if bad:
+            raise FleetInvalid(
+                f"ranks {bad} name no replica: there are {n} targets (ranks 0..{n - 1}, in the order given)",
+                code="ranks_invalid",
+                details={"ranks": chosen, "targets": n},
+            )
+        return sorted(set(chosen))
+
+    # --- construction from a verl config ------------------------------------------------------
+
+    @classmethod
+    def from_verl_config(
+        cls,
+        cfg: Any,
+        targets: Iterable[str | Target] | str,
+        *,
+        role: Literal["rollout", "reward"] = "rollout",
+        **kwargs: Any,
+    ) -> RolloutProfiler:
+        """Steps and replicas from a verl / verl-omni trainer config (dict, OmegaConf, or a YAML
+        path): ``global_profiler.steps`` and the role's profiler block. Refuses what verl would
+        silently skip (``ValidationFailed`` with the rule's message); logs the resume warning."""
+        from sidecar.config.verl import read_verl_config, verl_findings
+
+        plan = read_verl_config(cfg, role=role)
+        findings = verl_findings(plan)
+        for f in findings:
+            if not f.is_error:
+                log.warning("%s", f)
+        errors = [f for f in findings if f.is_error]
+        if errors:
+            raise ValidationFailed("; ".join(f.message for f in errors), code=errors[0].code, findings=errors)
+        parse_opts = {k: kwargs[k] for k in ("deploy_config", "flavor", "token") if k in kwargs}
+        n = len(parse_targets(targets, **parse_opts))
+        if plan.all_ranks:
+            return cls(targets, plan.steps, all_ranks=True, **kwargs)
+        chosen = plan.replica_ranks(n)
+        if not chosen:
+            raise FleetInvalid(
+                f"{role} profiler ranks {plan.ranks} name no replica among the {n} targets given",
+                code="ranks_invalid",
+                details={"ranks": plan.ranks, "targets": n},
+            )
+        return cls(targets, plan.steps, ranks=chosen, **kwargs)
+
+    # --- the hook -----------------------------------------------------------------------------
+
+    def _wanted(self, n: Any) -> int | None:
+        step = _as_step(n, "the step")
+        if step not in self.steps:
+            return None
+        if step in self._results:
+            # verl may generate more than once per step (filter_groups, REMAX); one trace set per step.
+            log.debug("step %d was profiled already; not profiling it again", step)
+            return None
+        if self._closed:
+            raise FleetInvalid("this RolloutProfiler is closed", code="fleet_closed")
+        return step
+
+    def step(self, n: int) -> contextlib.AbstractContextManager[StepResult | None]:
+        """Sync hook: ``with prof.step(global_step): generate(...)``. Yields the step's
+        :class:`StepResult` (updated in place in :meth:`results`) or ``None`` when not profiled."""
+        step = self._wanted(n)
+        if step is None:
+            return _NULL
+        return _SyncStep(self, step)
+
+    def astep(self, n: int) -> contextlib.AbstractAsyncContextManager[StepResult | None]:
+        """Async hook: ``async with prof.astep(global_step): await generate(...)``."""
+        step = self._wanted(n)
+        if step is None:
+            return _NULL  # nullcontext is an async context manager too
+        return _AsyncStep(self, step)
+
+    def results(self) -> dict[int, StepResult]:
+        """Per profiled step (ascending), per target: capture id, verdicts, artifact folders.
+        With ``wait_artifacts=False`` a step may still be checking (``done`` is false)."""
+        return {k: self._results[k] for k in sorted(self._results)}
+
+    def wait(self, timeout: float | None = None) -> dict[int, StepResult]:
+        """Wait for background artifact checks (``wait_artifacts=False``), then :meth:`results`."""
+        if self._loop is not None and self._checks:
+            try:
+                self._loop.submit(self._await_checks()).result(timeout)
+            except concurrent.futures.TimeoutError:
+                pass
+        return self.results()
+
+    def close(self, timeout: float | None = 60.0) -> None:
+        """Finish background checks (within ``timeout``), close clients and controllers, stop the
+        private loop. Safe to call more than once; also runs at interpreter exit."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._loop is None:
+            return
+        self.wait(timeout)
+        try:
+            self._loop.submit(self._fleet.close()).result(timeout)
+        except Exception as exc:  # closing must not raise into a trainer's shutdown
+            log.warning("RolloutProfiler: closing the fleet failed: %s", exc)
+        self._loop.close()
+
+    def __enter__(self) -> RolloutProfiler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- internals (run on the private loop) --------------------------------------------------
+
+    def _ensure_loop(self) -> _LoopThread:
+        with self._lock:
+            if self._loop is None:
+                self._loop = _LoopThread()
+                atexit.register(_close_at_exit, weakref.ref(self))
+            return self._loop
+
+    async def _astart(self, step: int) -> tuple[StepResult, FleetCapture | None, asyncio.Task[None] | None]:
+        label = f"{self.label_prefix}{step}"
+        result = StepResult(step=step, label=label)
+        self._results[step] = result
+        # One capture at a time per server: the previous step's artifact check must end first.
+        await self._await_checks()
+        try:
+            if not self._opened:
+                await self._fleet.open()
+                self._opened = True
+            fc = await self._fleet.start(label=label, lease_s=self.lease_s)
+        except SidecarError as exc:
+            details = exc.details.get("targets")
+            targets = {}
+            if isinstance(details, list):
+                targets = {d["target"]: TargetResult.model_validate(d) for d in details
+                           if isinstance(d, dict) and "kind" in d}
+            self._results[step] = result.model_copy(update={
+                "targets": targets, "error": TargetError(code=exc.code, message=exc.message)})
+            raise
+        except Exception as exc:
+            self._results[step] = result.model_copy(update={
+                "error": TargetError(code="internal_error", message=f"{type(exc).__name__}: {exc}")})
+            raise
+        self._results[step] = result.model_copy(update={"targets": dict(fc.targets)})
+        beat = None
+        if self.lease_s is not None:
+            beat = asyncio.get_running_loop().create_task(self._heartbeats(fc))
+        return self._results[step], fc, beat
+
+    async def _await_checks(self) -> None:
+        if self._checks:
+            await asyncio.gather(*list(self._checks), return_exceptions=True)
+
+    async def _heartbeats(self, fc: FleetCapture) -> None:
+        assert self.lease_s is not None
+        while True:
+            await asyncio.sleep(self.lease_s / 3)
+            await self._fleet.heartbeat(fc)
+
+    async def _astop(self, step: int, fc: FleetCapture, beat: asyncio.Task[None] | None) -> StepResult:
+        if beat is not None:
+            beat.cancel()
+        fc = await self._fleet.stop(fc, wait_artifacts=self.wait_artifacts,
+                                    artifact_timeout_s=self.artifact_timeout_s)
+        result = self._results[step].model_copy(update={"targets": dict(fc.targets)})
+        self._results[step] = result
+        if not self.wait_artifacts and not fc.done:
+            task = asyncio.get_running_loop().create_task(self._afinish(step, fc))
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
+        elif not result.ok:
+            log.warning("%s", self._describe(result))
+        return result
+
+    async def _afinish(self, step: int, fc: FleetCapture) -> None:
+        fc = await self._fleet.refresh(fc, wait=True, timeout=self.artifact_timeout_s)
+        result = self._results[step].model_copy(update={"targets": dict(fc.targets)})
+        self._results[step] = result
+        if not result.ok:
+            log.warning("%s", self._describe(result))
+
+    @staticmethod
+    def _describe(result: StepResult) -> str:
+        bad = [r for r in result.targets.values() if not r.ok]
+        parts = []
+        for r in bad:
+            why = r.error.message if r.error else (
+                "; ".join(v.reason or f"stage {v.stage_id}: {v.verdict}" for v in r.verdicts
+                          if v.verdict is not None and v.verdict.value != "ok") or (r.state.value if r.state else "?"))
+            parts.append(f"{r.target}: {why}")
+        return f"rollout profiling of {result.label}: " + ("; ".join(parts) or "no target profiled")
+
+    def _start_failed(self, step: int, exc: BaseException) -> None:
+        """Best effort: log and go on (the result already records the error)."""
+        log.warning("rollout profiling of step %d did not start; generation runs unprofiled: %s", step, exc)
+
+    def _stop_failed(self, step: int, exc: BaseException) -> None:
+        prev = self._results.get(step)
+        if prev is not None and prev.error is None:
+            code = exc.code if isinstance(exc, SidecarError) else "internal_error"
+            msg = exc.message if isinstance(exc, SidecarError) else f"{type(exc).__name__}: {exc}"
+            self._results[step] = prev.model_copy(update={"error": TargetError(code=code, message=msg)})
+        log.warning("rollout profiling of step %d: stop failed: %s", step, exc)
+
+    def _strict_error(self, result: StepResult) -> FleetError | None:
+        if not self.strict or result.ok:
+            return None
+        if result.error is not None:
+            return FleetError(f"step {result.step}: {result.error.message}", code=result.error.code,
+                              details={"step": result.step, "targets": [r.model_dump(mode="json")
+                                                                         for r in result.targets.values()]})
+        if not self.wait_artifacts and not result.done:
+            # Only start/stop failures are known yet; verdicts land later in results().
+            if all(r.error is None for r in result.targets.values()):
+                return None
+        fc = FleetCapture(label=result.label, targets=result.targets)
+        return fc.to_error(f"rollout profiling of {result.label}")
+
+
+class _SyncStep:
+    __slots__ = ("prof", "step", "fc", "beat")
+
+    def __init__(self, prof: RolloutProfiler, step: int) -> None:
+        self.prof = prof
+        self.step = step
+        self.fc: FleetCapture | None = None
+        self.beat: asyncio.Task[None] | None = None
+
+    def __enter__(self) -> StepResult:
+        loop = self.prof._ensure_loop()
+        try:
+            _, self.fc, self.beat = loop.run(self.prof._astart(self.step))
+        except Exception as exc:
+            if self.prof.strict:
+                raise
+            self.prof._start_failed(self.step, exc)
+        return self.prof._results[self.step]
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> Literal[False]:
+        if self.fc is None:
+            return False
+        loop = self.prof._loop
+        assert loop is not None
+        try:
+            result = loop.run(self.prof._astop(self.step, self.fc, self.beat))
+        except Exception as stop_exc:
+            self.prof._stop_failed(self.step, stop_exc)
+            if self.prof.strict and exc is None:
+                raise
+            return False
+        err = self.prof._strict_error(result)
+        if err is not None and exc is None:
+            raise err
+        return False  # the block's own exception propagates unchanged
+
+
+class _AsyncStep:
+    __slots__ = ("prof", "step", "fc", "beat")
+
+    def __init__(self, prof: RolloutProfiler, step: int) -> None:
+        self.prof = prof
+        self.step = step
+        self.fc: FleetCapture | None = None
+        self.beat: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> StepResult:
+        loop = self.prof._ensure_loop()
+        try:
+            _, self.fc, self.beat = await loop.arun(self.prof._astart(self.step))
+        except Exception as exc:
+            if self.prof.strict:
+                raise
+            self.prof._start_failed(self.step, exc)
+        return self.prof._results[self.step]
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> Literal[False]:
+        if self.fc is None:
+            return False
+        loop = self.prof._loop
+        assert loop is not None
+        try:
+            result = await loop.arun(self.prof._astop(self.step, self.fc, self.beat), shield=True)
+        except Exception as stop_exc:
+            self.prof._stop_failed(self.step, stop_exc)
+            if self.prof.strict and exc is None:
+                raise
+            return False
+        err = self.prof._strict_error(result)
+        if err is not None and exc is None:
+            raise err
+        return False

@@ -1,0 +1,285 @@
+"""Async client for one vLLM-Omni (or plain vLLM) server: readiness, a probe that changes nothing,
+and ``start_profile``/``stop_profile`` that always send an explicit, non-empty stage list.
+
+HTTP 200 only means "delivered" (DESIGN.md §3). Errors: ``UpstreamUnreachable`` (never delivered),
+``UpstreamTimeout`` (sent, effect unknown), ``UpstreamError`` (non-2xx; details ``status``, ``body``).
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from pydantic import BaseModel, Field
+from tenacity import (
+    AsyncRetrying,
+    RetryError,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
+
+from sidecar.errors import StageSelectionError, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+
+if TYPE_CHECKING:
+    from sidecar.config.settings import SidecarSettings
+
+# Upstream error bodies end up in journals and API replies; a stack dump is not useful there.
+_BODY_LIMIT = 2000
+
+
+class Flavor(str, Enum):
+    omni = "omni"  # vLLM-Omni: body {"stages": [...]}
+    vllm = "vllm"  # plain vLLM: no body (one engine, no stages)
+
+
+class UpstreamTimeouts(BaseModel):
+    """Seconds. ``start``/``stop`` are read timeouts: both calls block server-side with no limit."""
+
+    connect: float = Field(default=5, gt=0)
+    start: float = Field(default=300, gt=0)
+    stop: float = Field(default=1800, gt=0)
+    probe: float = Field(default=5, gt=0)
+
+    @classmethod
+    def from_settings(cls, settings: SidecarSettings) -> UpstreamTimeouts:
+        return cls(
+            connect=settings.connect_timeout_s,
+            start=settings.start_timeout_s,
+            stop=settings.stop_timeout_s,
+            probe=settings.probe_timeout_s,
+        )
+
+
+class ProbeResult(BaseModel):
+    healthy: bool
+    profiler_mounted: bool | None  # None: unknown (server unhealthy or an unexpected status)
+    reason: str | None = None  # why it is not ready, in words a person can act on
+
+    @property
+    def ready(self) -> bool:
+        return self.healthy and self.profiler_mounted is True
+
+
+def _is_5xx(exc: BaseException) -> bool:
+    return type(exc) is UpstreamError and int(exc.details.get("status", 0)) >= 500
+
+
+class UpstreamServer:
+    """One upstream server. Owns an ``httpx.AsyncClient``; close it with :meth:`aclose`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        flavor: Flavor = Flavor.omni,
+        timeouts: UpstreamTimeouts | None = None,
+        stop_budget_s: float = 1800,
+        transport: httpx.AsyncBaseTransport | None = None,
+        start_attempts: int = 3,
+        stop_5xx_attempts: int = 5,
+        retry_wait_max_s: float = 10.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.flavor = Flavor(flavor)
+        self.timeouts = timeouts or UpstreamTimeouts()
+        self.stop_budget_s = stop_budget_s
+        self.start_attempts = start_attempts
+        self.stop_5xx_attempts = stop_5xx_attempts
+        self.retry_wait_max_s = retry_wait_max_s
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            transport=transport,
+            timeout=httpx.Timeout(self.timeouts.probe, connect=self.timeouts.connect),
+            # The upstream is a local server; a proxy from the environment would only get in the way.
+            trust_env=False,
+        )
+
+    @classmethod
+    def from_settings(cls, settings: SidecarSettings, **kwargs: Any) -> UpstreamServer:
+        return cls(
+            settings.upstream_url,
+            flavor=Flavor(settings.flavor),
+            timeouts=UpstreamTimeouts.from_settings(settings),
+            stop_budget_s=settings.stop_budget_s,
+            **kwargs,
+        )
+
+    def __repr__(self) -> str:
+        return f"UpstreamServer({self.base_url!r}, flavor={self.flavor.value})"
+
+    async def __aenter__(self) -> UpstreamServer:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    # --- readiness ------------------------------------------------------------------------
+
+    async def probe(self) -> ProbeResult:
+        """``GET /health`` then ``GET /start_profile`` (405 = mounted, 404 = not configured)."""
+        timeout = httpx.Timeout(self.timeouts.probe, connect=min(self.timeouts.connect, self.timeouts.probe))
+        try:
+            health = await self._client.get("/health", timeout=timeout)
+        except httpx.HTTPError as exc:
+            return ProbeResult(
+                healthy=False,
+                profiler_mounted=None,
+                reason=f"upstream {self.base_url} is not reachable ({type(exc).__name__}); "
+                "check that `vllm serve` is running and --upstream points at it",
+            )
+        if health.status_code != 200:
+            return ProbeResult(
+                healthy=False,
+                profiler_mounted=None,
+                reason=f"upstream {self.base_url}/health answered {health.status_code}; "
+                "the server is still loading or unhealthy",
+            )
+        try:
+            mounted = await self._client.get("/start_profile", timeout=timeout)
+        except httpx.HTTPError as exc:
+            return ProbeResult(
+                healthy=True,
+                profiler_mounted=None,
+                reason=f"GET {self.base_url}/start_profile failed ({type(exc).__name__})",
+            )
+        if mounted.status_code == 405:
+            return ProbeResult(healthy=True, profiler_mounted=True, reason=None)
+        if mounted.status_code == 404:
+            return ProbeResult(
+                healthy=True,
+                profiler_mounted=False,
+                reason="the profiler endpoints are not mounted: no stage of the server's deploy config "
+                "sets profiler_config.profiler; add one (e.g. profiler: torch with torch_profiler_dir) "
+                "and restart the server",
+            )
+        return ProbeResult(
+            healthy=True,
+            profiler_mounted=None,
+            reason=f"GET /start_profile answered {mounted.status_code} (expected 405 when mounted, "
+            "404 when not); is --upstream a vLLM-Omni server?",
+        )
+
+    # --- profiling ------------------------------------------------------------------------
+
+    async def start_profile(self, stages: list[int]) -> None:
+        """Start the profiler on exactly ``stages``. Retried only when never delivered."""
+        body = self._body(stages)
+        timeout = httpx.Timeout(self.timeouts.start, connect=self.timeouts.connect)
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception(lambda e: isinstance(e, UpstreamUnreachable)),
+                stop=stop_after_attempt(self.start_attempts),
+                wait=wait_exponential(multiplier=0.2, max=self.retry_wait_max_s),
+                reraise=True,
+            ):
+                with attempt:
+                    await self._post("/start_profile", body, timeout)
+        except RetryError as exc:  # pragma: no cover - reraise=True makes this unreachable
+            raise exc.last_attempt.exception() from None  # type: ignore[misc]
+
+    async def stop_profile(self, stages: list[int], *, budget_s: float | None = None) -> None:
+        """Stop the profiler on exactly ``stages``; retried on connect errors and (up to
+        ``stop_5xx_attempts`` times) 5xx, with backoff, within ``budget_s`` (default ``stop_budget_s``). Each attempt's read timeout is cut to what is left
+        of the budget, so a hung stop ends as ``UpstreamTimeout`` when the budget does."""
+        body = self._body(stages)
+        budget = self.stop_budget_s if budget_s is None else budget_s
+        deadline = time.monotonic() + budget
+        failures_5xx = 0
+
+        def retryable(exc: BaseException) -> bool:
+            # stop is a no-op when idle, so repeating it is safe. Connection errors are retried for
+            # the whole budget (a restarting server); a 5xx only a few times, because a dead stage
+            # answers 500 to every stop and waiting out a 30-minute budget would not change that.
+            nonlocal failures_5xx
+            if isinstance(exc, UpstreamUnreachable):
+                return True
+            if _is_5xx(exc):
+                failures_5xx += 1
+                return failures_5xx < self.stop_5xx_attempts
+            return False
+
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception(retryable),
+            stop=stop_after_delay(budget),
+            wait=wait_exponential(multiplier=0.2, max=self.retry_wait_max_s),
+            reraise=True,
+        ):
+            with attempt:
+                left = max(deadline - time.monotonic(), 0.05)
+                read = min(self.timeouts.stop, left)
+                timeout = httpx.Timeout(read, connect=min(self.timeouts.connect, left))
+                await self._post("/stop_profile", body, timeout)
+
+    # --- plumbing -------------------------------------------------------------------------
+
+    def _body(self, stages: list[int]) -> dict[str, Any] | None:
+        if isinstance(stages, (str, bytes)) or not isinstance(stages, (list, tuple)):
+            raise StageSelectionError(
+                f"stages must be a list of stage ids, got {type(stages).__name__}",
+                code="stages_invalid",
+            )
+        if not stages:
+            # {"stages": []} profiles nothing and still answers SUCCESS upstream (DESIGN.md §3).
+            raise StageSelectionError(
+                "the stage list is empty: an empty list profiles nothing upstream; name the stages "
+                "to profile (e.g. [0, 2])",
+                code="stages_empty",
+            )
+        if any(isinstance(s, bool) or not isinstance(s, int) for s in stages):
+            raise StageSelectionError(f"stage ids must be integers, got {list(stages)!r}", code="stages_invalid")
+        if self.flavor is Flavor.vllm:
+            return None
+        return {"stages": [int(s) for s in stages]}
+
+    async def _post(self, path: str, body: dict[str, Any] | None, timeout: httpx.Timeout) -> None:
+        url = f"{self.base_url}{path}"
+        try:
+            if body is None:
+                resp = await self._client.post(path, timeout=timeout)
+            else:
+                resp = await self._client.post(path, json=body, timeout=timeout)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise UpstreamUnreachable(
+                f"could not connect to {url} ({exc.__class__.__name__}); the request was not delivered. "
+                "Check that the server is running and --upstream is right",
+                details={"url": url},
+            ) from None
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimeout(
+                f"{url} did not answer within {timeout.read:.0f}s ({exc.__class__.__name__}); the request "
+                "was sent and its effect is unknown",
+                details={"url": url, "timeout_s": timeout.read},
+            ) from None
+        except httpx.HTTPError as exc:
+            # A dropped connection mid-request: delivered or not, nobody knows.
+            raise UpstreamTimeout(
+                f"{url} failed mid-request ({exc.__class__.__name__}: {exc}); its effect is unknown",
+                details={"url": url},
+            ) from None
+        if resp.is_success:
+            return
+        text = resp.text[:_BODY_LIMIT]
+        detail = text
+        try:
+            payload = resp.json()
+            # FastAPI's {"detail": ...} or vLLM's ErrorResponse {"error": {"message": ...}}
+            if isinstance(payload, dict) and "detail" in payload:
+                detail = str(payload["detail"])[:_BODY_LIMIT]
+            elif isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+                detail = str(payload["error"].get("message", text))[:_BODY_LIMIT]
+        except ValueError:
+            pass
+        hint = ""
+        if resp.status_code == 404:
+            hint = "; the profiler endpoints are not mounted (no stage sets profiler_config.profiler)"
+        raise UpstreamError(
+            f"POST {url} answered {resp.status_code}: {detail}{hint}",
+            details={"status": resp.status_code, "body": text, "url": url},
+        )

@@ -1,0 +1,1 @@
+"""Contract tests against the real vllm / vllm-omni packages (pytest -m contract)."""

@@ -1,0 +1,209 @@
+"""The sidecar as users run it: ``omni-sidecar serve`` under uvicorn on a free port, in front of
+the emulated vLLM-Omni server, driven over real sockets (curl-level)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sidecar.api.launcher import SidecarProcess
+from sidecar.client import SidecarClient
+from tests.fixtures.emulator import emulator_state, make_deploy
+
+pytestmark = pytest.mark.slow
+
+FAST = {  # small bounds so fault tests end quickly; the defaults are minutes
+    "OMNI_SIDECAR_COLLECT_TIMEOUT_S": "5",
+    "OMNI_SIDECAR_SETTLE_S": "0.3",
+    "OMNI_SIDECAR_CLOSE_TIMEOUT_S": "20",
+}
+SESSION = re.compile(r"^\d{8}-\d{6}_stage(\d+)_rank0_\d+$")
+
+
+@pytest.fixture
+def deploy(tmp_path: Path) -> Path:
+    """Three stages like Qwen2.5-Omni: 0 and 2 profiled with torch, 1 without a profiler."""
+    return make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
+
+
+@pytest.fixture
+def stack(
+    deploy: Path, emulator_factory: Callable[..., Any], sidecar_factory: Callable[..., SidecarProcess]
+) -> Callable[..., tuple[Any, SidecarProcess]]:
+    """``stack(emulator_args=[...], env={...}, **sidecar opts)`` → (emulator, sidecar), both torn down."""
+
+    def make(emulator_args: list[str] | None = None, env: dict[str, str] | None = None, **opts: Any) -> tuple[Any, SidecarProcess]:
+        emu = emulator_factory(deploy, extra_args=emulator_args or [])
+        sc = sidecar_factory(emu.url, deploy, env={**FAST, **(env or {})}, **opts)
+        return emu, sc
+
+    return make
+
+
+def upstream_calls(emu: Any, path: str) -> list[dict[str, Any]]:
+    return [c for c in emulator_state(emu)["calls"] if c["method"] == "POST" and c["path"] == path]
+
+
+def profiling(emu: Any) -> dict[str, bool]:
+    return {sid: st["profiling"] for sid, st in emulator_state(emu)["stages"].items()}
+
+
+def poll(check: Callable[[], bool], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_start_overlap_stop_completes_with_traces(stack: Any) -> None:
+    _, sc = stack()
+    first = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]})
+    overlap = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]})
+    done = httpx.post(f"{sc.url}/v1/captures/{first.json()['id']}/stop?wait=true", timeout=60).json()
+    names = {
+        v["stage_id"]: (v["verdict"], Path(s["path"]).name, sorted(f["name"] for f in s["files"]))
+        for v in done["verdicts"]
+        for s in v["sessions"]
+    }
+    assert (first.status_code, overlap.status_code, overlap.json()["error"]["code"], done["state"]) == (
+        201, 409, "capture_active", "completed"
+    )
+    for sid, (verdict, folder, files) in names.items():
+        assert verdict == "ok" and SESSION.match(folder) and SESSION.match(folder).group(1) == str(sid)
+        assert "trace_rank0.json.gz" in files
+    assert sorted(names) == [0, 2]
+
+
+@pytest.mark.parametrize("stages", [[], [9], [1]], ids=["empty", "unknown", "unprofiled"])
+def test_bad_stages_are_422_and_never_reach_the_server(stack: Any, stages: list[int]) -> None:
+    emu, sc = stack()
+    reply = httpx.post(f"{sc.url}/v1/captures", json={"stages": stages})
+    assert (reply.status_code, upstream_calls(emu, "/start_profile")) == (422, [])
+
+
+def test_slow_stop_stays_stopping_and_api_answers(stack: Any) -> None:
+    _, sc = stack(emulator_args=["--fault-stop-delay", "6"])
+    with SidecarClient(sc.url) as client:
+        cap = client.start_capture([0])
+        client.stop_capture(cap.id)
+        time.sleep(1.0)  # the upstream stop is now in flight for several more seconds
+        health = httpx.get(f"{sc.url}/healthz", timeout=2).status_code
+        state = client.get_capture(cap.id).state.value
+        final = client.wait_capture(cap.id, timeout=60).state.value
+    assert (health, state, final) == (200, "stopping", "completed")
+
+
+def test_hung_stop_fails_with_reason_when_budget_ends(stack: Any) -> None:
+    _, sc = stack(
+        emulator_args=["--fault-hang-stop"],
+        env={"OMNI_SIDECAR_STOP_TIMEOUT_S": "1", "OMNI_SIDECAR_STOP_BUDGET_S": "2", "OMNI_SIDECAR_CLOSE_TIMEOUT_S": "1"},
+    )
+    with SidecarClient(sc.url) as client:
+        cap = client.start_capture([0])
+        client.stop_capture(cap.id)
+        final = client.wait_capture(cap.id, timeout=60)
+    assert final.state.value == "failed"
+    assert final.errors and "stop" in final.errors[-1].message
+
+
+def test_dead_stage_fails_the_start_and_rolls_back(stack: Any) -> None:
+    # the server answers 500 when a targeted worker is dead: the start is refused and rolled back
+    emu, sc = stack(emulator_args=["--fault-dead-stage", "2"], env={"OMNI_SIDECAR_STOP_BUDGET_S": "2"})
+    reply = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]}, timeout=120)
+    captures = httpx.get(f"{sc.url}/v1/captures").json()["captures"]
+    assert (reply.status_code, [c["state"] for c in captures], profiling(emu)["0"]) == (502, ["failed"], False)
+
+
+def test_start_500_is_502_and_the_capture_failed(stack: Any) -> None:
+    emu, sc = stack(emulator_args=["--fault-start-500"])
+    reply = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]})
+    captures = httpx.get(f"{sc.url}/v1/captures").json()["captures"]
+    assert (reply.status_code, [c["state"] for c in captures]) == (502, ["failed"])
+    assert upstream_calls(emu, "/stop_profile"), "start failure must roll back with a stop"
+
+
+def test_lease_expiry_stops_the_capture(stack: Any) -> None:
+    _, sc = stack()
+    with SidecarClient(sc.url) as client:
+        cap = client.start_capture([0], lease_s=1)
+        final = client.wait_capture(cap.id, timeout=60)
+    assert (final.state.value, final.stop_reason.value if final.stop_reason else None) == ("completed", "lease_expired")
+
+
+def test_duration_stops_the_capture(stack: Any) -> None:
+    _, sc = stack()
+    with SidecarClient(sc.url) as client:
+        cap = client.start_capture([2], duration_s=1)
+        final = client.wait_capture(cap.id, timeout=60)
+    assert (final.state.value, final.stop_reason.value if final.stop_reason else None) == ("completed", "duration")
+
+
+def test_sigterm_stops_the_active_capture_before_exit(stack: Any) -> None:
+    emu, sc = stack()
+    with SidecarClient(sc.url) as client:
+        client.start_capture([0, 2])
+    assert profiling(emu) == {"0": True, "1": False, "2": True}
+    code = sc.stop(grace=30)
+    assert (code, profiling(emu), len(upstream_calls(emu, "/stop_profile"))) == (0, {"0": False, "1": False, "2": False}, 1)
+
+
+def test_kill9_then_restart_stops_on_recovery(stack: Any, sidecar_factory: Any, deploy: Path, tmp_path: Path) -> None:
+    state_dir = tmp_path / "shared-state"
+    emu, sc = stack(state_dir=state_dir)
+    with SidecarClient(sc.url) as client:
+        cap = client.start_capture([0, 2])
+    sc.kill()
+    still = profiling(emu)
+    again = sidecar_factory(emu.url, deploy, state_dir=state_dir, env=FAST)
+    with SidecarClient(again.url) as client:
+        final = client.wait_capture(cap.id, timeout=60)
+    assert still == {"0": True, "1": False, "2": True}
+    assert (final.stop_reason.value if final.stop_reason else None, final.terminal) == ("stopped_on_recovery", True)
+    assert profiling(emu) == {"0": False, "1": False, "2": False}
+
+
+def test_fifty_concurrent_starts_make_one_capture(stack: Any) -> None:
+    emu, sc = stack()
+
+    async def burst() -> list[int]:
+        async with httpx.AsyncClient(base_url=sc.url, timeout=60) as http:
+            replies = await asyncio.gather(*(http.post("/v1/captures", json={"stages": [0]}) for _ in range(50)))
+        return [r.status_code for r in replies]
+
+    codes = asyncio.run(burst())
+    assert (codes.count(201), codes.count(409), len(upstream_calls(emu, "/start_profile"))) == (1, 49, 1)
+
+
+def test_token_required_on_mutating_routes(stack: Any, tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("tok-0123456789\n")
+    _, sc = stack(token_file=token_file)
+    without = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]})
+    with SidecarClient(sc.url, token="tok-0123456789") as client:
+        cap = client.start_capture([0])
+    assert (without.status_code, without.json()["error"]["code"], cap.state.value) == (401, "unauthorized", "active")
+
+
+def test_file_download_is_confined_to_the_capture(stack: Any, tmp_path: Path) -> None:
+    (tmp_path / "secret.txt").write_text("not yours")
+    _, sc = stack()
+    with SidecarClient(sc.url) as client:
+        cap = client.start_capture([0])
+        done = client.stop_capture(cap.id, wait=True, timeout=60)
+    folder = Path(done.verdicts[0].sessions[0].path).name
+    ok = httpx.get(f"{sc.url}/v1/captures/{cap.id}/files/{folder}/trace_rank0.json.gz")
+    escapes = [
+        httpx.get(f"{sc.url}/v1/captures/{cap.id}/files/{folder}/../../../secret.txt"),
+        httpx.get(f"{sc.url}/v1/captures/{cap.id}/files/{folder}/..%2F..%2F..%2Fsecret.txt"),
+    ]
+    assert ok.status_code == 200 and ok.content[:2] == b"\x1f\x8b"
+    assert [r.status_code for r in escapes] == [404, 404]

@@ -1,0 +1,100 @@
+"""``omni-sidecar start|stop|status|capture|list`` against a real sidecar and emulator, and
+``serve`` refusing an invalid deploy. Exit codes: 0 completed, 1 degraded/failed/error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sidecar.api.launcher import SidecarProcess, free_port
+from sidecar.cli import app
+from sidecar.client import SidecarClient
+from sidecar.emulator.launcher import EmulatorProcess
+from tests.fixtures.emulator import make_deploy
+
+pytestmark = pytest.mark.slow
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("cli")
+    deploy = make_deploy(root, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
+    with EmulatorProcess(deploy) as emu, SidecarProcess(
+        emu.url, deploy, state_dir=root / "state", env={"OMNI_SIDECAR_SETTLE_S": "0.3"}
+    ) as sc:
+        yield sc.url
+
+
+@pytest.fixture
+def sidecar(url: str) -> Iterator[str]:
+    yield url
+    with SidecarClient(url) as client:
+        for cap in client.list_captures():
+            if not cap.terminal:
+                client.stop_capture(cap.id, wait=True, timeout=60)
+
+
+def test_capture_prints_json_and_exits_0(sidecar: str) -> None:
+    result = runner.invoke(app, ["capture", "--sidecar", sidecar, "--stages", "0,2", "--duration", "0.5", "--json"])
+    cap = json.loads(result.stdout)
+    assert (result.exit_code, cap["state"], sorted(v["stage_id"] for v in cap["verdicts"])) == (0, "completed", [0, 2])
+
+
+def test_capture_prints_the_verdict_table(sidecar: str) -> None:
+    result = runner.invoke(app, ["capture", "--sidecar", sidecar, "--stages", "2", "--duration", "0.5"])
+    assert result.exit_code == 0
+    assert "completed" in result.stdout and "trace_rank0.json.gz" in result.stdout and " ok " in result.stdout
+
+
+def test_start_then_stop_wait(sidecar: str) -> None:
+    started = runner.invoke(app, ["start", "--sidecar", sidecar, "--stages", "0", "--json"])
+    cap_id = json.loads(started.stdout)["id"]
+    stopped = runner.invoke(app, ["stop", cap_id, "--sidecar", sidecar, "--wait", "--json"])
+    assert (started.exit_code, stopped.exit_code, json.loads(stopped.stdout)["state"]) == (0, 0, "completed")
+
+
+def test_status_and_list_show_history(sidecar: str) -> None:
+    runner.invoke(app, ["capture", "--sidecar", sidecar, "--stages", "0", "--duration", "0.2", "--json"])
+    listed = json.loads(runner.invoke(app, ["list", "--sidecar", sidecar, "--json"]).stdout)
+    status = runner.invoke(app, ["status", listed[0]["id"], "--sidecar", sidecar, "--json"])
+    assert (status.exit_code, json.loads(status.stdout)["id"]) == (0, listed[0]["id"])
+
+
+def test_unprofiled_stage_is_an_error_not_a_traceback(sidecar: str) -> None:
+    result = runner.invoke(app, ["start", "--sidecar", sidecar, "--stages", "1"])
+    assert result.exit_code == 1
+    assert "stage_not_profiled" in result.stderr and "Traceback" not in result.output
+
+
+def test_unknown_capture_status_exits_1(sidecar: str) -> None:
+    result = runner.invoke(app, ["status", "nope", "--sidecar", sidecar])
+    assert (result.exit_code, "capture_not_found" in result.stderr) == (1, True)
+
+
+def test_bad_stage_list_is_a_usage_error() -> None:
+    result = runner.invoke(app, ["start", "--stages", "a,b"])
+    assert result.exit_code == 2
+
+
+def test_unreachable_sidecar_exits_1() -> None:
+    result = runner.invoke(app, ["list", "--sidecar", f"http://127.0.0.1:{free_port()}"])
+    assert (result.exit_code, "sidecar_unreachable" in result.stderr) == (1, True)
+
+
+def test_serve_refuses_an_invalid_deploy(tmp_path: Path) -> None:
+    deploy = tmp_path / "bad.yaml"
+    deploy.write_text("stages:\n  - stage_id: 0\n    profiler_config:\n      profiler: torch\n      bogus_key: 1\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar", "serve", "--upstream", "http://127.0.0.1:9", "--deploy-config", str(deploy),
+         "--port", str(free_port()), "--state-dir", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1
+    assert "bogus_key" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,113 @@
+"""SidecarClient / AsyncSidecarClient against a real sidecar and emulator (module-scoped: each
+test leaves no capture running). Error replies must come back as typed SidecarErrors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.api.launcher import SidecarProcess, free_port
+from sidecar.client import AsyncSidecarClient, SidecarClient, SidecarUnreachable, WaitTimeout
+from sidecar.emulator.launcher import EmulatorProcess
+from sidecar.errors import CaptureActive, CaptureNotFound, StageSelectionError
+from tests.fixtures.emulator import make_deploy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def sidecar_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("client")
+    deploy = make_deploy(root, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
+    with EmulatorProcess(deploy) as emu, SidecarProcess(
+        emu.url, deploy, state_dir=root / "state", env={"OMNI_SIDECAR_SETTLE_S": "0.3"}
+    ) as sc:
+        yield sc.url
+
+
+@pytest.fixture
+def client(sidecar_url: str) -> Iterator[SidecarClient]:
+    with SidecarClient(sidecar_url) as c:
+        yield c
+        for cap in c.list_captures():  # never leave a capture running for the next test
+            if not cap.terminal:
+                c.stop_capture(cap.id, wait=True, timeout=60)
+
+
+def test_capture_round_trip_completes(client: SidecarClient) -> None:
+    cap = client.start_capture([0, 2], label="round-trip")
+    final = client.stop_capture(cap.id, wait=True, timeout=60)
+    assert (final.id, final.label, final.state.value, [v.verdict.value for v in final.verdicts if v.verdict]) == (
+        cap.id, "round-trip", "completed", ["ok", "ok"]
+    )
+
+
+async def test_async_client_round_trip_completes(sidecar_url: str) -> None:
+    async with AsyncSidecarClient(sidecar_url) as client:
+        cap = await client.start_capture([2])
+        await client.heartbeat(cap.id)
+        final = await client.stop_capture(cap.id, wait=True, timeout=60)
+        fetched = await client.get_capture(cap.id)
+    assert (final.state.value, fetched.state.value) == ("completed", "completed")
+
+
+def test_overlap_raises_capture_active_with_the_active_id(client: SidecarClient) -> None:
+    cap = client.start_capture([0])
+    with pytest.raises(CaptureActive) as err:
+        client.start_capture([2])
+    assert err.value.details["active_id"] == cap.id
+
+
+@pytest.mark.parametrize(("stages", "code"), [([], "stages_empty"), ([1], "stage_not_profiled")])
+def test_bad_stages_raise_stage_selection_error(client: SidecarClient, stages: list[int], code: str) -> None:
+    with pytest.raises(StageSelectionError) as err:
+        client.start_capture(stages)
+    assert (err.value.code, err.value.details["status"]) == (code, 422)
+
+
+def test_unknown_capture_raises_not_found(client: SidecarClient) -> None:
+    with pytest.raises(CaptureNotFound):
+        client.get_capture("nope")
+
+
+def test_wait_timeout_while_active(client: SidecarClient) -> None:
+    cap = client.start_capture([0])
+    with pytest.raises(WaitTimeout) as err:
+        client.wait_capture(cap.id, timeout=0.3, poll_s=0.1)
+    assert err.value.details["state"] == "active"
+
+
+def test_list_is_newest_first(client: SidecarClient) -> None:
+    first = client.stop_capture(client.start_capture([0]).id, wait=True, timeout=60)
+    second = client.stop_capture(client.start_capture([2]).id, wait=True, timeout=60)
+    ids = [c.id for c in client.list_captures()]
+    assert ids.index(second.id) < ids.index(first.id)
+
+
+def test_health_ready_and_stages(client: SidecarClient) -> None:
+    assert client.healthz()["status"] == "ok"
+    assert client.readyz()["status"] == "ready"
+    assert [s["stage_id"] for s in client.stages()["stages"]] == [0, 1, 2]
+
+
+def test_summary_has_top_ops_per_stage(client: SidecarClient) -> None:
+    analysis = pytest.importorskip("sidecar.analysis")
+    if not hasattr(analysis, "summarize_paths"):
+        pytest.skip("sidecar.analysis.summarize_paths not available")
+    final = client.stop_capture(client.start_capture([0, 2]).id, wait=True, timeout=60)
+    summary = client.summary(final.id, top=5)
+    assert {s["stage_id"] for s in summary["stages"]} == {0, 2}
+    assert all(0 < len(s["cpu_ops"]) <= 5 for s in summary["stages"])
+
+
+def test_unreachable_sidecar_raises_a_typed_error() -> None:
+    with SidecarClient(f"http://127.0.0.1:{free_port()}", timeout=2) as client, pytest.raises(SidecarUnreachable):
+        client.healthz()
+
+
+async def test_async_unreachable_sidecar_raises_a_typed_error() -> None:
+    async with AsyncSidecarClient(f"http://127.0.0.1:{free_port()}", timeout=2) as client:
+        with pytest.raises(SidecarUnreachable):
+            await client.healthz()

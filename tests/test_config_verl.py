@@ -1,0 +1,110 @@
+"""Reading verl / verl-omni trainer configs and refusing what verl would silently skip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from sidecar.config import read_verl_config, verl_findings
+from sidecar.errors import ConfigError, ConfigUnreadable
+
+GOOD = {
+    "trainer": {"resume_mode": "disable"},
+    "global_profiler": {"tool": "torch", "steps": [1, 3], "save_path": "/tmp/prof"},
+    "actor_rollout_ref": {
+        "rollout": {
+            "profiler": {
+                "tool": "${oc.select:global_profiler.tool,null}",
+                "enable": True,
+                "all_ranks": False,
+                "ranks": [1],
+                "save_path": "${oc.select:global_profiler.save_path,null}",
+                "tool_config": {"torch": {"discrete": True, "contents": ["cpu", "cuda"]}},
+            }
+        }
+    },
+    "reward": {"reward_model": {"rollout": {"profiler": {"enable": False, "tool_config": {"torch": {"discrete": True}}}}}},
+}
+
+
+def test_rollout_plan_resolves_interpolations() -> None:
+    plan = read_verl_config(GOOD)
+    assert (plan.steps, plan.tool, plan.discrete, plan.enable, plan.save_path) == ([1, 3], "torch", True, True, "/tmp/prof")
+
+
+def test_good_rollout_plan_has_no_findings() -> None:
+    assert verl_findings(read_verl_config(GOOD)) == []
+
+
+@pytest.mark.parametrize(
+    ("all_ranks", "ranks", "expected"), [(True, [1], [0, 1, 2, 3]), (False, [1, 9], [1]), (False, [], [0])]
+)
+def test_replica_ranks_mirror_verl(all_ranks: bool, ranks: list[int], expected: list[int]) -> None:
+    cfg = yaml.safe_load(yaml.safe_dump(GOOD))
+    cfg["actor_rollout_ref"]["rollout"]["profiler"].update(all_ranks=all_ranks, ranks=ranks)
+    assert read_verl_config(cfg).replica_ranks(4) == expected
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "code"),
+    [
+        (("global_profiler", "tool"), "nsys", "verl_tool_not_torch"),
+        (("global_profiler", "steps"), None, "verl_steps_empty"),
+        (("actor_rollout_ref", "rollout", "profiler", "enable"), False, "verl_profiler_disabled"),
+        (("actor_rollout_ref", "rollout", "profiler", "tool_config", "torch", "discrete"), False, "verl_not_discrete"),
+    ],
+)
+def test_silent_skips_are_refused(path: tuple[str, ...], value: object, code: str) -> None:
+    cfg = yaml.safe_load(yaml.safe_dump(GOOD))
+    node = cfg
+    for part in path[:-1]:
+        node = node[part]
+    node[path[-1]] = value
+    findings = verl_findings(read_verl_config(cfg))
+    assert [(f.code, f.is_error) for f in findings] == [(code, True)]
+
+
+def test_resume_mode_auto_warns() -> None:
+    cfg = yaml.safe_load(yaml.safe_dump(GOOD))
+    del cfg["trainer"]
+    (f,) = verl_findings(read_verl_config(cfg))
+    assert (f.code, f.is_error) == ("verl_resume_enabled", False)
+
+
+def test_reward_role_reads_its_own_block_and_dir() -> None:
+    plan = read_verl_config(GOOD, role="reward")
+    assert (plan.enable, plan.tool, plan.trace_dir) == (False, "torch", "/tmp/prof/reward_model")
+    assert "verl_profiler_disabled" in [f.code for f in verl_findings(plan)]
+
+
+def test_file_findings_carry_lines(tmp_path: Path) -> None:
+    cfg = yaml.safe_load(yaml.safe_dump(GOOD))
+    cfg["actor_rollout_ref"]["rollout"]["profiler"]["tool_config"]["torch"]["discrete"] = False
+    path = tmp_path / "ppo.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    (f,) = verl_findings(read_verl_config(path))
+    text = path.read_text().splitlines()
+    assert f.where.file == str(path) and "discrete: false" in text[f.where.line - 1]
+
+
+def test_omegaconf_object_is_accepted() -> None:
+    omegaconf = pytest.importorskip("omegaconf")
+    plan = read_verl_config(omegaconf.OmegaConf.create(GOOD))
+    assert (plan.tool, plan.ranks) == ("torch", [1])
+
+
+def test_steps_of_wrong_type_are_an_error() -> None:
+    cfg = yaml.safe_load(yaml.safe_dump(GOOD))
+    cfg["global_profiler"]["steps"] = "one"
+    with pytest.raises(ConfigError) as info:
+        read_verl_config(cfg)
+    assert info.value.key == "global_profiler.steps"
+
+
+def test_non_mapping_file_is_unreadable(tmp_path: Path) -> None:
+    path = tmp_path / "v.yaml"
+    path.write_text("- 1\n")
+    with pytest.raises(ConfigUnreadable):
+        read_verl_config(path)

@@ -1,0 +1,453 @@
+"""CaptureController against FakeOmni (a real HTTP server on a free port): lifecycle, validation
+before any upstream call, overlap, rollback, background stop, watchdogs, journal and recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from sidecar.control.controller import CaptureController, ControlSettings
+from sidecar.control.models import CaptureState, StopReason, Verdict
+from sidecar.errors import (
+    ArtifactNotFound,
+    CaptureActive,
+    CaptureError,
+    CaptureNotFound,
+    CaptureStateError,
+    StageSelectionError,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from sidecar.upstream.server import UpstreamServer
+from tests.fixtures.control import FakeOmni
+
+FAST = ControlSettings(collect_timeout_s=10, settle_s=0.1, poll_s=0.02)
+
+
+@pytest.fixture
+async def upstream(fake_omni):
+    up = UpstreamServer(fake_omni.url, stop_budget_s=5, retry_wait_max_s=0.05)
+    yield up
+    await up.aclose()
+
+
+@pytest.fixture
+async def ctl(upstream, control_deploy, tmp_path):
+    c = CaptureController(upstream, control_deploy, state_dir=tmp_path / "state", settings=FAST)
+    await c.open()
+    yield c
+    await c.close()
+
+
+async def _run(ctl, **kw):
+    cap = await ctl.start(**kw)
+    await ctl.stop(cap.id)
+    return await ctl.wait(cap.id, timeout=20)
+
+
+# --- happy path ---------------------------------------------------------------------------
+
+
+async def test_start_returns_active_capture(ctl):
+    cap = await ctl.start([0, 2], label="step-3")
+    assert (cap.state, cap.stages, cap.label) == (CaptureState.active, [0, 2], "step-3")
+
+
+async def test_default_stages_are_every_torch_stage_sent_explicitly(ctl, fake_omni):
+    await ctl.start()
+    assert fake_omni.starts()[0]["stages"] == [0, 2]
+
+
+async def test_stop_sends_the_same_stage_set(ctl, fake_omni):
+    await _run(ctl, stages=[2])
+    assert [c["stages"] for c in fake_omni.calls] == [[2], [2]]
+
+
+async def test_full_capture_completes_with_ok_verdicts(ctl):
+    done = await _run(ctl, stages=[0, 2])
+    assert (done.state, [v.verdict for v in done.verdicts]) == (CaptureState.completed, [Verdict.ok, Verdict.ok])
+
+
+async def test_completed_capture_lists_gzipped_trace(ctl):
+    done = await _run(ctl, stages=[0])
+    names = [f.name for f in done.verdicts[0].sessions[0].files]
+    assert names == ["profiler_out_0.txt", "trace_rank0.json.gz"]
+
+
+async def test_session_folder_named_like_the_llm_worker(ctl):
+    done = await _run(ctl, stages=[0])
+    assert Path(done.verdicts[0].sessions[0].path).name.split("_", 1)[1].startswith("stage0_rank0_")
+
+
+async def test_collect_waits_for_slow_gzip(ctl, fake_omni):
+    fake_omni.gzip_delay = 0.6
+    done = await _run(ctl, stages=[0])
+    assert [f.name for f in done.verdicts[0].sessions[0].files][-1] == "trace_rank0.json.gz"
+
+
+async def test_stop_returns_at_once_while_upstream_flushes(ctl, fake_omni):
+    fake_omni.stop_delay = 1.0
+    cap = await ctl.start([0])
+    stopping = await ctl.stop(cap.id)
+    assert stopping.state is CaptureState.stopping
+
+
+async def test_controller_stays_responsive_during_slow_stop(ctl, fake_omni):
+    fake_omni.stop_delay = 1.0
+    cap = await ctl.start([0])
+    await ctl.stop(cap.id)
+    still = await ctl.wait(cap.id, timeout=0.2)
+    assert still.state is CaptureState.stopping and ctl.get(cap.id).state is CaptureState.stopping
+
+
+async def test_timings_are_recorded(ctl):
+    done = await _run(ctl, stages=[0])
+    assert done.created_at <= done.started_at <= done.stop_requested_at <= done.stopped_at <= done.finished_at
+
+
+# --- validation before any upstream call --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("stages", "code"),
+    [([], "stages_empty"), ([0, 0], "stage_duplicate"), ([7], "stage_unknown"), ([1], "stage_not_profiled")],
+)
+async def test_bad_stage_list_is_refused_without_upstream_call(ctl, fake_omni, stages, code):
+    with pytest.raises(StageSelectionError) as err:
+        await ctl.start(stages)
+    assert (err.value.code, fake_omni.calls, ctl.active) == (code, [], None)
+
+
+async def test_non_positive_duration_is_refused(ctl, fake_omni):
+    with pytest.raises(CaptureError) as err:
+        await ctl.start([0], duration_s=0)
+    assert (err.value.code, fake_omni.calls) == ("duration_invalid", [])
+
+
+# --- one at a time ------------------------------------------------------------------------
+
+
+async def test_overlapping_start_names_the_active_capture(ctl):
+    first = await ctl.start([0])
+    with pytest.raises(CaptureActive) as err:
+        await ctl.start([2])
+    assert err.value.details["active_id"] == first.id
+
+
+async def test_fifty_concurrent_starts_make_one_upstream_start(ctl, fake_omni):
+    fake_omni.start_delay = 0.2
+    results = await asyncio.gather(*(ctl.start([0]) for _ in range(50)), return_exceptions=True)
+    won = [r for r in results if not isinstance(r, BaseException)]
+    lost = [r for r in results if isinstance(r, CaptureActive)]
+    assert (len(won), len(lost), len(fake_omni.starts())) == (1, 49, 1)
+
+
+async def test_new_capture_can_start_after_the_last_one_finished(ctl):
+    await _run(ctl, stages=[0])
+    second = await ctl.start([0])
+    assert second.state is CaptureState.active
+
+
+# --- start failures -----------------------------------------------------------------------
+
+
+async def test_start_500_rolls_back_and_fails(ctl, fake_omni):
+    fake_omni.start_status = 500
+    with pytest.raises(UpstreamError) as err:
+        await ctl.start([0, 2])
+    cap = ctl.get(err.value.details["capture_id"])
+    assert (cap.state, cap.stop_reason, fake_omni.stops()[0]["stages"]) == (
+        CaptureState.failed, StopReason.rollback, [0, 2])
+
+
+async def test_start_failure_records_upstream_reason(ctl, fake_omni):
+    fake_omni.start_status = 500
+    with pytest.raises(UpstreamError) as err:
+        await ctl.start([0])
+    assert "boom" in ctl.get(err.value.details["capture_id"]).errors[0].message
+
+
+async def test_ambiguous_start_rolls_back(fake_omni, control_deploy, tmp_path):
+    from sidecar.upstream.server import UpstreamTimeouts
+
+    fake_omni.start_delay = 1.0
+    up = UpstreamServer(fake_omni.url, timeouts=UpstreamTimeouts(start=0.2), stop_budget_s=5)
+    async with up, CaptureController(up, control_deploy, settings=FAST) as c:
+        with pytest.raises(UpstreamTimeout) as err:
+            await c.start([0])
+        cap = c.get(err.value.details["capture_id"])
+    assert (cap.state, cap.stop_reason, len(fake_omni.stops())) == (CaptureState.failed, StopReason.rollback, 1)
+
+
+async def test_failed_start_frees_the_slot(ctl, fake_omni):
+    fake_omni.start_status = 500
+    with pytest.raises(UpstreamError):
+        await ctl.start([0])
+    fake_omni.start_status = 200
+    assert (await ctl.start([0])).state is CaptureState.active
+
+
+# --- stop faults --------------------------------------------------------------------------
+
+
+async def test_hung_stop_fails_when_budget_ends(fake_omni, control_deploy):
+    fake_omni.stop_delay = 30
+    up = UpstreamServer(fake_omni.url, stop_budget_s=0.5)
+    async with up, CaptureController(up, control_deploy, settings=FAST) as c:
+        cap = await c.start([0])
+        await c.stop(cap.id)
+        done = await c.wait(cap.id, timeout=10)
+    assert (done.state, done.errors[-1].code) == (CaptureState.failed, "upstream_timeout")
+
+
+async def test_hung_stop_reason_says_what_to_do(fake_omni, control_deploy):
+    fake_omni.stop_delay = 30
+    up = UpstreamServer(fake_omni.url, stop_budget_s=0.5)
+    async with up, CaptureController(up, control_deploy, settings=FAST) as c:
+        cap = await c.start([0])
+        await c.stop(cap.id)
+        done = await c.wait(cap.id, timeout=10)
+    assert "POST /stop_profile" in done.errors[-1].message
+
+
+async def test_transient_stop_errors_are_retried(ctl, fake_omni):
+    fake_omni.stop_fail_times = 2
+    done = await _run(ctl, stages=[0])
+    assert (done.state, len(fake_omni.stops())) == (CaptureState.completed, 3)
+
+
+async def test_dead_stage_is_missing_and_capture_degraded(ctl, fake_omni):
+    fake_omni.dead_stages = {2}
+    done = await _run(ctl, stages=[0, 2])
+    assert (done.state, done.verdict(0).verdict, done.verdict(2).verdict) == (
+        CaptureState.degraded, Verdict.ok, Verdict.missing)
+
+
+async def test_stage_without_trace_is_empty(ctl, fake_omni):
+    fake_omni.empty_stages = {0}
+    done = await _run(ctl, stages=[0])
+    assert (done.state, done.verdict(0).verdict) == (CaptureState.degraded, Verdict.empty)
+
+
+async def test_non_ok_verdict_has_a_reason(ctl, fake_omni, control_deploy):
+    Path(control_deploy.stage(0).profiler_dir).parent.mkdir(parents=True)
+    fake_omni.dead_stages = {0}
+    done = await _run(ctl, stages=[0])
+    assert "no new session folder" in done.verdict(0).reason
+
+
+async def test_stop_twice_is_idempotent(ctl, fake_omni):
+    cap = await ctl.start([0])
+    await ctl.stop(cap.id)
+    await ctl.stop(cap.id)
+    await ctl.wait(cap.id, timeout=20)
+    assert len(fake_omni.stops()) == 1
+
+
+async def test_unknown_capture_is_not_found(ctl):
+    with pytest.raises(CaptureNotFound):
+        await ctl.stop("nope")
+
+
+async def test_folder_the_sidecar_cannot_see_is_unverified(fake_omni, upstream, control_deploy, tmp_path):
+    root = str(Path(control_deploy.stage(0).profiler_dir).parent)
+    settings = FAST.model_copy(update={"artifact_roots": {root: str(tmp_path / "not-mounted" / "x")}})
+    async with CaptureController(upstream, control_deploy, settings=settings) as c:
+        done = await _run(c, stages=[0])
+    assert (done.state, done.verdict(0).verdict) == (CaptureState.degraded, Verdict.unverified)
+
+
+async def test_artifact_root_mapping_reads_the_mounted_copy(fake_omni, upstream, control_deploy, tmp_path):
+    root = Path(control_deploy.stage(0).profiler_dir).parent
+    root.mkdir(parents=True)
+    mount = tmp_path / "mnt"  # the same folder seen under another path, as a container mount would
+    mount.symlink_to(root, target_is_directory=True)
+    settings = FAST.model_copy(update={"artifact_roots": {str(root): str(mount)}})
+    async with CaptureController(upstream, control_deploy, settings=settings) as c:
+        done = await _run(c, stages=[0])
+    assert (done.verdict(0).verdict, done.verdict(0).sessions[0].local_path.startswith(str(mount))) == (
+        Verdict.ok, True)
+
+
+# --- watchdogs ----------------------------------------------------------------------------
+
+
+async def test_duration_elapsed_stops_the_capture(ctl):
+    cap = await ctl.start([0], duration_s=0.3)
+    done = await ctl.wait(cap.id, timeout=20)
+    assert (done.state, done.stop_reason) == (CaptureState.completed, StopReason.duration)
+
+
+async def test_lease_without_heartbeat_expires(ctl):
+    cap = await ctl.start([0], lease_s=0.3)
+    done = await ctl.wait(cap.id, timeout=20)
+    assert done.stop_reason is StopReason.lease_expired
+
+
+async def test_heartbeats_keep_a_lease_alive(ctl):
+    cap = await ctl.start([0], lease_s=0.5)
+    for _ in range(6):
+        await asyncio.sleep(0.15)
+        await ctl.heartbeat(cap.id)
+    assert ctl.get(cap.id).state is CaptureState.active
+
+
+async def test_heartbeat_on_finished_capture_is_a_state_error(ctl):
+    done = await _run(ctl, stages=[0])
+    with pytest.raises(CaptureStateError):
+        await ctl.heartbeat(done.id)
+
+
+async def test_default_lease_applies(fake_omni, upstream, control_deploy):
+    settings = FAST.model_copy(update={"default_lease_s": 0.2})
+    async with CaptureController(upstream, control_deploy, settings=settings) as c:
+        cap = await c.start([0])
+        done = await c.wait(cap.id, timeout=20)
+    assert done.stop_reason is StopReason.lease_expired
+
+
+async def test_max_duration_bounds_open_windows(fake_omni, upstream, control_deploy):
+    settings = FAST.model_copy(update={"max_duration_s": 0.2})
+    async with CaptureController(upstream, control_deploy, settings=settings) as c:
+        cap = await c.start([0])
+        done = await c.wait(cap.id, timeout=20)
+    assert done.stop_reason is StopReason.duration
+
+
+# --- shutdown, journal, recovery ----------------------------------------------------------
+
+
+async def test_close_stops_the_active_capture(fake_omni, upstream, control_deploy):
+    c = CaptureController(upstream, control_deploy, settings=FAST)
+    await c.open()
+    cap = await c.start([0])
+    await c.close()
+    assert (c.get(cap.id).stop_reason, fake_omni.stops()[0]["stages"]) == (StopReason.shutdown, [0])
+
+
+async def test_history_survives_restart(fake_omni, upstream, control_deploy, tmp_path):
+    async with CaptureController(upstream, control_deploy, state_dir=tmp_path / "s", settings=FAST) as c:
+        done = await _run(c, stages=[0])
+    async with CaptureController(upstream, control_deploy, state_dir=tmp_path / "s", settings=FAST) as c2:
+        again = c2.get(done.id)
+    assert (again.state, again.verdicts) == (done.state, done.verdicts)
+
+
+async def test_list_is_newest_first(ctl):
+    a = await _run(ctl, stages=[0])
+    b = await _run(ctl, stages=[2])
+    assert [c.id for c in ctl.list()] == [b.id, a.id]
+
+
+async def test_journal_file_is_json_per_capture(ctl, tmp_path):
+    done = await _run(ctl, stages=[0])
+    data = json.loads((tmp_path / "state" / "captures" / f"{done.id}.json").read_text())
+    assert (data["id"], data["state"]) == (done.id, "completed")
+
+
+async def test_journal_never_holds_secrets(ctl, fake_omni, tmp_path):
+    await ctl.start([0], label="run HF_TOKEN=hf_abcdefghijklmnopqrstuvwx")
+    text = "".join(p.read_text() for p in (tmp_path / "state" / "captures").glob("*.json"))
+    assert "hf_abcdefghijklmnopqrstuvwx" not in text
+
+
+async def _crash_mid_capture(fake_omni, control_deploy, state_dir) -> str:
+    """Start a capture and drop the controller without close(), as a kill -9 would."""
+    up = UpstreamServer(fake_omni.url)
+    c = CaptureController(up, control_deploy, state_dir=state_dir, settings=FAST)
+    await c.open()
+    cap = await c.start([0, 2])
+    await up.aclose()
+    return cap.id
+
+
+async def test_recovery_stops_capture_left_active(fake_omni, upstream, control_deploy, tmp_path):
+    cid = await _crash_mid_capture(fake_omni, control_deploy, tmp_path / "s")
+    async with CaptureController(upstream, control_deploy, state_dir=tmp_path / "s", settings=FAST) as c:
+        recovered = await c.open() or [c.get(cid)]
+        done = await c.wait(cid, timeout=20)
+    assert ([r.id for r in recovered], done.stop_reason, fake_omni.stops()[-1]["stages"]) == (
+        [cid], StopReason.stopped_on_recovery, [0, 2])
+
+
+async def test_recovered_capture_checks_its_artifacts(fake_omni, upstream, control_deploy, tmp_path):
+    cid = await _crash_mid_capture(fake_omni, control_deploy, tmp_path / "s")
+    async with CaptureController(upstream, control_deploy, state_dir=tmp_path / "s", settings=FAST) as c:
+        done = await c.wait(cid, timeout=20)
+    assert (done.state, [v.verdict for v in done.verdicts]) == (CaptureState.completed, [Verdict.ok, Verdict.ok])
+
+
+async def test_recovery_returns_the_recovered_captures(fake_omni, upstream, control_deploy, tmp_path):
+    cid = await _crash_mid_capture(fake_omni, control_deploy, tmp_path / "s")
+    c = CaptureController(upstream, control_deploy, state_dir=tmp_path / "s", settings=FAST)
+    recovered = await c.open()
+    await c.close()
+    assert [(r.id, r.stop_reason) for r in recovered] == [(cid, StopReason.stopped_on_recovery)]
+
+
+async def test_recovery_blocks_new_starts_until_stopped(fake_omni, upstream, control_deploy, tmp_path):
+    cid = await _crash_mid_capture(fake_omni, control_deploy, tmp_path / "s")
+    fake_omni.stop_delay = 0.5
+    async with CaptureController(upstream, control_deploy, state_dir=tmp_path / "s", settings=FAST) as c:
+        with pytest.raises(CaptureActive) as err:
+            await c.start([0])
+    assert err.value.details["active_id"] == cid
+
+
+async def test_corrupt_journal_file_is_set_aside(upstream, control_deploy, tmp_path):
+    d = tmp_path / "s" / "captures"
+    d.mkdir(parents=True)
+    (d / "bad.json").write_text("{not json")
+    async with CaptureController(upstream, control_deploy, state_dir=tmp_path / "s", settings=FAST) as c:
+        listed = c.list()
+    assert (listed, (d / "bad.json.corrupt").exists()) == ([], True)
+
+
+# --- artifact downloads -------------------------------------------------------------------
+
+
+async def test_artifact_path_serves_a_capture_file(ctl):
+    done = await _run(ctl, stages=[0])
+    folder = Path(done.verdicts[0].sessions[0].path).name
+    assert ctl.artifact_path(done.id, f"{folder}/trace_rank0.json.gz").read_bytes()[:2] == b"\x1f\x8b"
+
+
+@pytest.mark.parametrize("rel", ["../../etc/passwd", "/etc/passwd", "{folder}/../../x", "{folder}", "other/f"])
+async def test_artifact_path_refuses_escapes(ctl, rel):
+    done = await _run(ctl, stages=[0])
+    folder = Path(done.verdicts[0].sessions[0].path).name
+    with pytest.raises(ArtifactNotFound):
+        ctl.artifact_path(done.id, rel.format(folder=folder))
+
+
+async def test_artifact_path_refuses_symlink_escape(ctl, tmp_path):
+    done = await _run(ctl, stages=[0])
+    session = Path(done.verdicts[0].sessions[0].local_path)
+    (tmp_path / "secret.txt").write_text("s")
+    (session / "link.txt").symlink_to(tmp_path / "secret.txt")
+    with pytest.raises(ArtifactNotFound):
+        ctl.artifact_path(done.id, f"{session.name}/link.txt")
+
+
+# --- listeners ----------------------------------------------------------------------------
+
+
+async def test_subscribers_see_every_state(ctl):
+    seen: list[str] = []
+    ctl.subscribe(lambda cap: seen.append(cap.state.value))
+    await _run(ctl, stages=[0])
+    assert seen == ["starting", "active", "stopping", "collecting", "completed"]
+
+
+async def test_diffusion_stage_folders_are_found(tmp_path):
+    from sidecar.config.models import StageKind
+    from tests.fixtures.control import make_deploy
+
+    deploy = make_deploy(tmp_path / "t", {0: "torch"}, kinds={0: StageKind.diffusion})
+    with FakeOmni(deploy) as fake:
+        async with UpstreamServer(fake.url) as up, CaptureController(up, deploy, settings=FAST) as c:
+            done = await _run(c, stages=[0])
+    assert ("_rep_0_diffusion_" in done.verdicts[0].sessions[0].path, done.state) == (True, CaptureState.completed)

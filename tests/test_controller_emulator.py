@@ -1,0 +1,239 @@
+"""CaptureController driving the real emulator (a vLLM-Omni stand-in in child processes, torch
+profilers in its stage workers) on free ports: the capture lifecycle, validation with no upstream
+call, the fault knobs, watchdogs, 50 concurrent starts, and recovery after a kill -9."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.config.deploy import load_deploy_config
+from sidecar.control.controller import CaptureController, ControlSettings
+from sidecar.control.models import CaptureState, StopReason, Verdict
+from sidecar.emulator.launcher import EmulatorProcess
+from sidecar.errors import CaptureActive, StageSelectionError, UpstreamError
+from sidecar.upstream.server import UpstreamServer
+from tests.fixtures.emulator import emulator_state, make_deploy
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = ControlSettings(collect_timeout_s=30, settle_s=0.3, poll_s=0.05, rollback_budget_s=5)
+WAIT = 120  # generous: the shared CI box runs torch profilers on CPU
+
+
+def _deploy(root: Path) -> Path:
+    # stage 0: LLM, torch; stage 1: no profiler; stage 2: diffusion, torch.
+    return make_deploy(root, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}}, diffusion=[2])
+
+
+def _emulator(root: Path, *faults: str) -> EmulatorProcess:
+    """Not started yet: use it as a context manager, so it is stopped even when a test fails."""
+    return EmulatorProcess(_deploy(root), extra_args=list(faults), startup_timeout=120)
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory) -> Iterator[EmulatorProcess]:
+    with _emulator(tmp_path_factory.mktemp("emu")) as emu:
+        yield emu
+
+
+def _posts(emu: EmulatorProcess, path: str) -> list[dict]:
+    return [c for c in emulator_state(emu)["calls"] if c["method"] == "POST" and c["path"] == path]
+
+
+async def _controller(emu: EmulatorProcess, *, state_dir: Path | None = None, stop_budget_s: float = 60,
+                      settings: ControlSettings = SETTINGS) -> tuple[UpstreamServer, CaptureController]:
+    up = UpstreamServer(emu.url, stop_budget_s=stop_budget_s, retry_wait_max_s=0.5)
+    ctl = CaptureController(up, load_deploy_config(emu.deploy_config), state_dir=state_dir, settings=settings)
+    await ctl.open()
+    return up, ctl
+
+
+@pytest.fixture
+async def ctl(emulator, tmp_path):
+    up, c = await _controller(emulator, state_dir=tmp_path / "state")
+    yield c
+    await c.close()
+    await up.aclose()
+
+
+async def _capture(ctl: CaptureController, stages: list[int]):
+    cap = await ctl.start(stages)
+    await ctl.stop(cap.id)
+    return await ctl.wait(cap.id, timeout=WAIT)
+
+
+# --- the normal path ----------------------------------------------------------------------
+
+
+async def test_capture_completes_with_ok_verdicts_and_worker_file_names(ctl):
+    done = await _capture(ctl, [0, 2])
+    names = [(Path(v.sessions[0].path).name.split("_", 1)[1].rsplit("_", 1)[0], [f.name for f in v.sessions[0].files
+              if f.name.startswith("trace")]) for v in done.verdicts]
+    assert (done.state, [v.verdict for v in done.verdicts], names) == (
+        CaptureState.completed,
+        [Verdict.ok, Verdict.ok],
+        [("stage0_rank0", ["trace_rank0.json.gz"]), ("stage_2_rep_0_diffusion", ["trace_rank0.json.gz"])],
+    )
+
+
+async def test_upstream_got_the_same_explicit_set_for_start_and_stop(ctl, emulator):
+    before = len(_posts(emulator, "/start_profile"))
+    await _capture(ctl, [2])
+    starts, stops = _posts(emulator, "/start_profile")[before:], _posts(emulator, "/stop_profile")[-1:]
+    assert [c["stages"] for c in starts + stops] == [[2], [2]]
+
+
+@pytest.mark.parametrize(("stages", "code"), [([], "stages_empty"), ([9], "stage_unknown"), ([1], "stage_not_profiled")])
+async def test_bad_stages_make_no_upstream_call(ctl, emulator, stages, code):
+    before = len(emulator_state(emulator)["calls"])
+    with pytest.raises(StageSelectionError) as err:
+        await ctl.start(stages)
+    assert (err.value.code, emulator_state(emulator)["calls"][before:]) == (code, [])
+
+
+async def test_fifty_concurrent_starts_one_wins_one_upstream_start(ctl, emulator):
+    before = len(_posts(emulator, "/start_profile"))
+    results = await asyncio.gather(*(ctl.start([0]) for _ in range(50)), return_exceptions=True)
+    won = [r for r in results if not isinstance(r, BaseException)]
+    refused = [r for r in results if isinstance(r, CaptureActive)]
+    await ctl.stop(won[0].id)
+    await ctl.wait(won[0].id, timeout=WAIT)
+    assert (len(won), len(refused), len(_posts(emulator, "/start_profile")) - before) == (1, 49, 1)
+
+
+async def test_duration_auto_stops_and_upstream_stops_profiling(ctl, emulator):
+    cap = await ctl.start([0], duration_s=1)
+    done = await ctl.wait(cap.id, timeout=WAIT)
+    assert (done.stop_reason, done.state, emulator_state(emulator)["stages"]["0"]["profiling"]) == (
+        StopReason.duration, CaptureState.completed, False)
+
+
+async def test_lease_expiry_stops_the_capture(ctl):
+    cap = await ctl.start([0], lease_s=1)
+    done = await ctl.wait(cap.id, timeout=WAIT)
+    assert (done.stop_reason, done.state) == (StopReason.lease_expired, CaptureState.completed)
+
+
+_CRASHER = textwrap.dedent(
+    """
+    import asyncio, sys, time
+    from pathlib import Path
+    from sidecar.config.deploy import load_deploy_config
+    from sidecar.control.controller import CaptureController
+    from sidecar.upstream.server import UpstreamServer
+
+    async def main():
+        up = UpstreamServer(sys.argv[1])
+        ctl = CaptureController(up, load_deploy_config(sys.argv[2]), state_dir=Path(sys.argv[3]))
+        await ctl.open()
+        cap = await ctl.start([0, 2])
+        print(cap.id, flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_kill_9_mid_capture_is_recovered_and_upstream_stopped(emulator, tmp_path):
+    state = tmp_path / "state"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CRASHER, emulator.url, str(emulator.deploy_config), str(state)],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1],
+    )
+    try:
+        cid = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), WAIT)
+        cid = cid.strip()
+        assert emulator_state(emulator)["stages"]["0"]["profiling"], "precondition: capture is recording"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    up, ctl = await _controller(emulator, state_dir=state)
+    try:
+        done = await ctl.wait(cid, timeout=WAIT)
+    finally:
+        await ctl.close()
+        await up.aclose()
+    profiling = [emulator_state(emulator)["stages"][s]["profiling"] for s in ("0", "2")]
+    assert (done.stop_reason, done.state, profiling) == (
+        StopReason.stopped_on_recovery, CaptureState.completed, [False, False])
+
+
+# --- faults (one emulator per knob) -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_stop_emulator(tmp_path_factory) -> Iterator[EmulatorProcess]:
+    with _emulator(tmp_path_factory.mktemp("slow"), "--fault-stop-delay", "4") as emu:
+        yield emu
+
+
+async def test_slow_stop_stays_stopping_and_controller_answers(slow_stop_emulator):
+    up, ctl = await _controller(slow_stop_emulator)
+    try:
+        cap = await ctl.start([0])
+        await ctl.stop(cap.id)
+        await asyncio.sleep(1.0)
+        during = (ctl.get(cap.id).state, [c.id for c in ctl.list()], ctl.active.id)
+        done = await ctl.wait(cap.id, timeout=WAIT)
+    finally:
+        await ctl.close()
+        await up.aclose()
+    assert (during, done.state) == ((CaptureState.stopping, [cap.id], cap.id), CaptureState.completed)
+
+
+async def test_hung_stop_fails_when_the_budget_ends(tmp_path_factory):
+    with _emulator(tmp_path_factory.mktemp("hang"), "--fault-hang-stop") as emu:
+        up, ctl = await _controller(emu, stop_budget_s=3)
+        try:
+            cap = await ctl.start([0])
+            await ctl.stop(cap.id)
+            done = await ctl.wait(cap.id, timeout=WAIT)
+        finally:
+            await ctl.close()
+            await up.aclose()
+    assert (done.state, done.errors[-1].code, "stop budget" in done.errors[-1].message) == (
+        CaptureState.failed, "upstream_timeout", True)
+
+
+async def test_dead_stage_fails_the_start_and_rolls_back(tmp_path_factory):
+    # vLLM-Omni raises EngineDeadError for a dead stage and the route turns it into a 500
+    # ("Failed to start profiler: ..."), and the emulator does the same: so a stage dead before the
+    # start is a failed start (rolled back), not a degraded capture. A stage that dies during the
+    # window yields no session folder instead: `missing`, tested with FakeOmni in test_controller.py.
+    with _emulator(tmp_path_factory.mktemp("dead"), "--fault-dead-stage", "2") as emu:
+        up, ctl = await _controller(emu)
+        try:
+            with pytest.raises(UpstreamError) as err:
+                await ctl.start([0, 2])
+            cap = ctl.get(err.value.details["capture_id"])
+            stage0 = emulator_state(emu)["stages"]["0"]["profiling"]
+        finally:
+            await ctl.close()
+            await up.aclose()
+    assert (cap.state, cap.stop_reason, "dead" in cap.errors[0].message, stage0) == (
+        CaptureState.failed, StopReason.rollback, True, False)
+
+
+async def test_start_500_rolls_back_and_fails(tmp_path_factory):
+    with _emulator(tmp_path_factory.mktemp("s500"), "--fault-start-500") as emu:
+        up, ctl = await _controller(emu)
+        try:
+            with pytest.raises(UpstreamError) as err:
+                await ctl.start([0, 2])
+            cap = ctl.get(err.value.details["capture_id"])
+            stops = [c["stages"] for c in _posts(emu, "/stop_profile")]
+        finally:
+            await ctl.close()
+            await up.aclose()
+    assert (cap.state, cap.stop_reason, stops, "injected fault" in cap.errors[0].message) == (
+        CaptureState.failed, StopReason.rollback, [[0, 2]], True)

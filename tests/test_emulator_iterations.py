@@ -1,0 +1,107 @@
+"""delay_iterations / max_iterations as vLLM's WorkerProfiler honours them (counted in engine
+steps), and ``profiler: cuda`` writing nothing. Stage 0: LLM, torch, delay 2, max 3; stage 1: cuda.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sidecar.emulator.launcher import EmulatorProcess
+from tests.fixtures.emulator import emulator_state, make_deploy
+
+
+@pytest.fixture(scope="module")
+def deploy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("iters")
+
+
+@pytest.fixture(scope="module")
+def emu(deploy_dir: Path) -> Iterator[EmulatorProcess]:
+    deploy = make_deploy(
+        deploy_dir,
+        {0: {"profiler": "torch", "delay_iterations": 2, "max_iterations": 3}, 1: {"profiler": "cuda"}},
+    )
+    with EmulatorProcess(deploy, extra_args=["--gzip-delay", "0", "--step-ms", "1"]) as e:
+        yield e
+
+
+@pytest.fixture(autouse=True)
+def _all_stopped(emu: EmulatorProcess) -> Iterator[None]:
+    time.sleep(1.1)  # each test's session folder gets a second of its own
+    yield
+    httpx.post(f"{emu.url}/stop_profile", timeout=60)
+
+
+def post(emu: EmulatorProcess, path: str, body: Any = None) -> httpx.Response:
+    return httpx.post(f"{emu.url}{path}", json=body, timeout=60)
+
+
+def chat(emu: EmulatorProcess, max_tokens: int) -> None:
+    post(emu, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": max_tokens})
+
+
+def stage(emu: EmulatorProcess, sid: str) -> dict[str, Any]:
+    return emulator_state(emu)["stages"][sid]
+
+
+def test_recording_starts_after_delay_iterations_steps(emu: EmulatorProcess) -> None:
+    post(emu, "/start_profile", {"stages": [0]})
+    seen = [stage(emu, "0")["profiling"]]
+    chat(emu, 1)
+    seen.append(stage(emu, "0")["profiling"])
+    chat(emu, 1)
+    seen.append(stage(emu, "0")["profiling"])
+    assert seen == [False, False, True]
+
+
+def test_max_iterations_stops_inside_a_step_and_writes_artifacts(emu: EmulatorProcess) -> None:
+    before = set(stage(emu, "0")["sessions"])
+    post(emu, "/start_profile", {"stages": [0]})
+    chat(emu, 10)
+    s = stage(emu, "0")
+    (session,) = (Path(p) for p in s["sessions"] if p not in before)
+    assert (s["profiling"], s["active"], (session / "profiler_out_0.txt").exists()) == (False, False, True)
+
+
+def test_max_iterations_records_exactly_that_many_steps(emu: EmulatorProcess) -> None:
+    before = set(stage(emu, "0")["sessions"])
+    post(emu, "/start_profile", {"stages": [0]})
+    chat(emu, 10)
+    (session,) = (Path(p) for p in stage(emu, "0")["sessions"] if p not in before)
+    gz = session / "trace_rank0.json.gz"
+    deadline = time.monotonic() + 20
+    while not gz.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    events = json.loads(gzip.decompress(gz.read_bytes()))["traceEvents"]
+    steps = [e for e in events if e.get("cat") == "user_annotation" and e["name"] == "execute_model"]
+    assert len(steps) == 3
+
+
+def test_stop_after_auto_stop_is_a_noop(emu: EmulatorProcess) -> None:
+    post(emu, "/start_profile", {"stages": [0]})
+    chat(emu, 10)
+    (session,) = (Path(p) for p in stage(emu, "0")["sessions"][-1:])
+    files = sorted(session.iterdir())
+    r = post(emu, "/stop_profile", {"stages": [0]})
+    assert (r.json(), sorted(session.iterdir())) == ({"status": "SUCCESS"}, files)
+
+
+def test_cuda_profiler_stage_writes_nothing(emu: EmulatorProcess, deploy_dir: Path) -> None:
+    r1 = post(emu, "/start_profile", {"stages": [1]})
+    chat(emu, 2)
+    r2 = post(emu, "/stop_profile", {"stages": [1]})
+    written = [p for p in deploy_dir.rglob("*") if p.is_file() and "stage0" not in p.parts and p.name != "deploy.yaml"]
+    assert (r1.json(), r2.json(), stage(emu, "1")["sessions"], written) == (
+        {"status": "SUCCESS"},
+        {"status": "SUCCESS"},
+        [],
+        [],
+    )

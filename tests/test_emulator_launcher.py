@@ -1,0 +1,90 @@
+"""``EmulatorProcess``: start waits for health, stop reaps the server and its stage workers,
+workers die with a SIGKILLed server, start-up failures carry the log, no torch in the API process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sidecar.emulator.launcher import EmulatorProcess, EmulatorStartError, free_port
+from tests.fixtures.emulator import make_deploy
+
+psutil = pytest.importorskip("psutil")
+
+
+def _gone(pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def deploy(tmp_path: Path) -> Path:
+    return make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: None})
+
+
+def test_healthy_after_start_with_url_and_port(deploy: Path, emulator_factory: Any) -> None:
+    emu = emulator_factory(deploy)
+    assert (emu.url, httpx.get(f"{emu.url}/health").status_code) == (f"http://127.0.0.1:{emu.port}", 200)
+
+
+def test_stop_reaps_server_and_workers(deploy: Path) -> None:
+    emu = EmulatorProcess(deploy).start()
+    pids = [emu.pid] + [c.pid for c in psutil.Process(emu.pid).children(recursive=True)]
+    emu.stop()
+    assert len(pids) >= 3 and _gone(pids)
+
+
+def test_workers_die_with_a_sigkilled_server(deploy: Path) -> None:
+    emu = EmulatorProcess(deploy).start()
+    try:
+        workers = [c.pid for c in psutil.Process(emu.pid).children(recursive=True)]
+        os.kill(emu.pid, signal.SIGKILL)
+        assert workers and _gone(workers)
+    finally:
+        emu.stop()
+
+
+def test_api_process_never_loads_torch(deploy: Path, emulator_factory: Any) -> None:
+    emu = emulator_factory(deploy)
+
+    def loads_torch(proc: Any) -> bool:
+        return any("libtorch" in m.path for m in proc.memory_maps())
+
+    server = psutil.Process(emu.pid)
+    # the workers do load it, which shows the check can see it
+    assert (loads_torch(server), any(loads_torch(c) for c in server.children())) == (False, True)
+
+
+def test_start_failure_raises_with_the_log_tail(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages:\n  - stage_id: 0\n    profiler_config: {profiler: torch}\n")
+    with pytest.raises(EmulatorStartError, match="torch_profiler_dir must be set"):
+        EmulatorProcess(bad).start()
+
+
+def test_launcher_imports_neither_torch_nor_fastapi() -> None:
+    code = "import sys, sidecar.emulator.launcher; print('torch' in sys.modules, 'fastapi' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_free_port_can_be_bound() -> None:
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        assert s.getsockname()[1] == port

@@ -1,0 +1,320 @@
+"""The emulator's profiler endpoints over HTTP: every trap row of DESIGN.md §3, folder and file
+names, gzip after the reply, and real torch artifacts. One emulator serves the module (stage 0:
+LLM + torch, stage 1: LLM without profiler, stage 2: diffusion + torch); each test stops all.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sidecar.emulator.launcher import EmulatorProcess
+from tests.fixtures.emulator import emulator_state, make_deploy
+
+LLM_FOLDER = re.compile(r"^(\d{8}-\d{6})_stage0_rank0_(\d+)$")
+DIFFUSION_FOLDER = re.compile(r"^(\d{8}-\d{6})_stage_2_rep_0_diffusion_(\d+)$")
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorProcess]:
+    tmp = tmp_path_factory.mktemp("emu")
+    deploy = make_deploy(tmp, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}}, diffusion=[2])
+    with EmulatorProcess(deploy, extra_args=["--gzip-delay", "1.0", "--step-ms", "1"]) as e:
+        yield e
+
+
+@pytest.fixture(autouse=True)
+def _all_stopped(emu: EmulatorProcess) -> Iterator[None]:
+    yield
+    httpx.post(f"{emu.url}/stop_profile", timeout=60)
+
+
+def post(emu: EmulatorProcess, path: str, body: Any = None, **kw: Any) -> httpx.Response:
+    if body is not None:
+        kw["json"] = body
+    return httpx.post(f"{emu.url}{path}", timeout=60, **kw)
+
+
+def chat(emu: EmulatorProcess, max_tokens: int = 3) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
+    return post(emu, "/v1/chat/completions", body)
+
+
+def stages(emu: EmulatorProcess) -> dict[str, dict[str, Any]]:
+    return emulator_state(emu)["stages"]
+
+
+def sessions(emu: EmulatorProcess) -> dict[str, list[str]]:
+    return {sid: s["sessions"] for sid, s in stages(emu).items()}
+
+
+def profiling(emu: EmulatorProcess) -> dict[str, bool]:
+    return {sid: s["profiling"] for sid, s in stages(emu).items()}
+
+
+def wait_for(predicate: Any, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def gzipped_trace(session: Path) -> dict[str, Any]:
+    gz = session / "trace_rank0.json.gz"
+    assert wait_for(lambda: gz.exists() and not (session / "trace_rank0.json").exists())
+    return json.loads(gzip.decompress(gz.read_bytes()))
+
+
+def log_text(emu: EmulatorProcess) -> str:
+    return emu.log_path.read_text(errors="replace")
+
+
+# --- mounting, body, reply ---------------------------------------------------------------------
+
+
+def test_get_on_mounted_endpoint_is_405(emu: EmulatorProcess) -> None:
+    assert httpx.get(f"{emu.url}/start_profile").status_code == 405
+
+
+def test_start_reply_is_success_json(emu: EmulatorProcess) -> None:
+    r = post(emu, "/start_profile", {"stages": [0]})
+    assert (r.status_code, r.json()) == (200, {"status": "SUCCESS"})
+
+
+def test_missing_body_means_all_profiled_stages(emu: EmulatorProcess) -> None:
+    post(emu, "/start_profile")
+    assert profiling(emu) == {"0": True, "1": False, "2": True}
+
+
+def test_null_body_means_all_stages(emu: EmulatorProcess) -> None:
+    post(emu, "/start_profile", {"stages": [0, 2]})
+    post(emu, "/stop_profile", content=b"null", headers={"content-type": "application/json"})
+    assert profiling(emu) == {"0": False, "1": False, "2": False}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b'{"stages": "0"}', b'{"stages": [0, "x"]}', b"[0, 2]", b"{not json"],
+    ids=["string", "bad-item", "list-body", "not-json"],
+)
+def test_bad_body_is_400_and_profiles_nothing(emu: EmulatorProcess, content: bytes) -> None:
+    r = post(emu, "/start_profile", content=content, headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()["error"]["code"], any(profiling(emu).values())) == (400, 400, False)
+
+
+# --- traps ---------------------------------------------------------------------------------
+
+
+def test_empty_list_profiles_nothing_but_succeeds(emu: EmulatorProcess) -> None:
+    before = sessions(emu)
+    r = post(emu, "/start_profile", {"stages": []})
+    assert (r.json(), profiling(emu), sessions(emu)) == (
+        {"status": "SUCCESS"},
+        {"0": False, "1": False, "2": False},
+        before,
+    )
+
+
+def test_unknown_stage_id_is_skipped_with_warning(emu: EmulatorProcess) -> None:
+    r = post(emu, "/start_profile", {"stages": [0, 7]})
+    assert r.json() == {"status": "SUCCESS"}
+    assert profiling(emu)["0"] is True
+    assert "collective_rpc: ignoring invalid stage_id 7" in log_text(emu)
+
+
+def test_unprofiled_llm_stage_fails_in_worker_but_succeeds(emu: EmulatorProcess) -> None:
+    r = post(emu, "/start_profile", {"stages": [1]})
+    assert (r.status_code, r.json(), profiling(emu)["1"]) == (200, {"status": "SUCCESS"}, False)
+    assert "stage=1 replica=0 method=profile: RuntimeError: Profiling is not enabled" in log_text(emu)
+
+
+def test_double_start_makes_a_fresh_empty_session_folder(emu: EmulatorProcess) -> None:
+    before = set(sessions(emu)["0"])
+    time.sleep(1.1)  # a start within the same second as an earlier one reuses its folder name
+    post(emu, "/start_profile", {"stages": [0]})
+    time.sleep(1.1)  # folder names have one-second resolution
+    post(emu, "/start_profile", {"stages": [0]})
+    new = [Path(p) for p in sessions(emu)["0"] if p not in before]
+    assert len(new) == 2 and all(p.is_dir() and not any(p.iterdir()) for p in new)
+
+
+def test_double_start_keeps_recording_into_the_latest_folder(emu: EmulatorProcess) -> None:
+    before = set(sessions(emu)["0"])
+    time.sleep(1.1)
+    post(emu, "/start_profile", {"stages": [0]})
+    time.sleep(1.1)
+    post(emu, "/start_profile", {"stages": [0]})
+    chat(emu)
+    post(emu, "/stop_profile", {"stages": [0]})
+    first, second = (Path(p) for p in sessions(emu)["0"] if p not in before)
+    assert (list(first.iterdir()), (second / "profiler_out_0.txt").exists()) == ([], True)
+
+
+def test_stop_without_start_is_a_noop_success(emu: EmulatorProcess) -> None:
+    before = sessions(emu)
+    r = post(emu, "/stop_profile", {"stages": [0, 2]})
+    assert (r.json(), sessions(emu)) == ({"status": "SUCCESS"}, before)
+
+
+def test_stop_of_a_subset_leaves_the_others_recording(emu: EmulatorProcess) -> None:
+    post(emu, "/start_profile", {"stages": [0, 2]})
+    post(emu, "/stop_profile", {"stages": [0]})
+    assert profiling(emu) == {"0": False, "1": False, "2": True}
+
+
+def test_stop_returns_after_trace_and_table_are_written(emu: EmulatorProcess) -> None:
+    before = set(sessions(emu)["0"])
+    time.sleep(1.1)
+    post(emu, "/start_profile", {"stages": [0]})
+    chat(emu)
+    post(emu, "/stop_profile", {"stages": [0]})
+    (session,) = (Path(p) for p in sessions(emu)["0"] if p not in before)
+    # the trace may already be gzipped under load; either name proves it was written
+    assert sorted(f.name.removesuffix(".gz") for f in session.iterdir()) == ["profiler_out_0.txt", "trace_rank0.json"]
+
+
+def test_gzip_replaces_the_trace_only_after_the_stop_reply(emu: EmulatorProcess) -> None:
+    before = set(sessions(emu)["2"])
+    time.sleep(1.1)
+    post(emu, "/start_profile", {"stages": [2]})
+    post(emu, "/stop_profile", {"stages": [2]})
+    (session,) = (Path(p) for p in sessions(emu)["2"] if p not in before)
+    at_reply = (session / "trace_rank0.json").exists(), (session / "trace_rank0.json.gz").exists()
+    later = wait_for(lambda: not (session / "trace_rank0.json").exists() and (session / "trace_rank0.json.gz").exists())
+    assert (at_reply, later) == ((True, False), True)
+
+
+def test_calls_are_recorded_with_stages_and_status(emu: EmulatorProcess) -> None:
+    n = len(emulator_state(emu)["calls"])
+    post(emu, "/start_profile", {"stages": [2]})
+    post(emu, "/stop_profile", {"stages": [2]})
+    calls = emulator_state(emu)["calls"][n:]
+    assert [(c["path"], c["stages"], c["status"]) for c in calls] == [
+        ("/start_profile", [2], 200),
+        ("/stop_profile", [2], 200),
+    ]
+
+
+# --- artifacts -------------------------------------------------------------------------------
+
+
+def _one_capture(emu: EmulatorProcess, stage_ids: list[int]) -> tuple[float, float, dict[str, list[Path]]]:
+    before = sessions(emu)
+    time.sleep(1.1)  # a fresh second, so the session folder is a new one
+    t0 = time.time()
+    post(emu, "/start_profile", {"stages": stage_ids})
+    t1 = time.time()
+    chat(emu)
+    post(emu, "/stop_profile", {"stages": stage_ids})
+    new = {sid: [Path(p) for p in ps if p not in before[sid]] for sid, ps in sessions(emu).items()}
+    return t0, t1, new
+
+
+def test_llm_session_folder_name_and_place(emu: EmulatorProcess) -> None:
+    t0, t1, new = _one_capture(emu, [0])
+    (folder,) = new["0"]
+    m = LLM_FOLDER.match(folder.name)
+    assert m and int(t0) <= int(m.group(2)) <= int(t1) and folder.parent.name == "stage0"
+
+
+def test_diffusion_session_folder_name_and_place(emu: EmulatorProcess) -> None:
+    t0, t1, new = _one_capture(emu, [2])
+    (folder,) = new["2"]
+    m = DIFFUSION_FOLDER.match(folder.name)
+    assert m and int(t0) <= int(m.group(2)) <= int(t1) and folder.parent.name == "stage2"
+
+
+def test_trace_is_chrome_json_with_cpu_ops_of_the_workload(emu: EmulatorProcess) -> None:
+    _, _, new = _one_capture(emu, [0])
+    events = gzipped_trace(new["0"][0])["traceEvents"]
+    cpu_ops = {e["name"] for e in events if e.get("cat") == "cpu_op"}
+    annotations = {e["name"] for e in events if e.get("cat") == "user_annotation"}
+    assert {"aten::linear", "aten::embedding"} <= cpu_ops and "execute_model" in annotations
+
+
+def test_diffusion_trace_has_conv_ops_and_step_annotation(emu: EmulatorProcess) -> None:
+    _, _, new = _one_capture(emu, [2])
+    events = gzipped_trace(new["2"][0])["traceEvents"]
+    assert "aten::conv2d" in {e["name"] for e in events if e.get("cat") == "cpu_op"}
+    assert "diffusion_forward" in {e["name"] for e in events if e.get("cat") == "user_annotation"}
+
+
+def test_profiler_out_is_a_key_averages_table(emu: EmulatorProcess) -> None:
+    torch = pytest.importorskip("torch")
+    _, _, new = _one_capture(emu, [0])
+    ours = (new["0"][0] / "profiler_out_0.txt").read_text().splitlines()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(2) + 1
+    ref = prof.key_averages().table(sort_by="self_cuda_time_total").splitlines()
+
+    def header(lines: list[str]) -> list[str]:
+        return re.split(r"\s{2,}", lines[1].strip())
+
+    assert header(ours) == header(ref)
+    assert re.fullmatch(r"Self CPU time total: [\d.]+(us|ms|s)", ours[-2 if ours[-1] == "" else -1])
+
+
+# --- requests --------------------------------------------------------------------------------
+
+
+def test_chat_completion_steps_every_stage(emu: EmulatorProcess) -> None:
+    before = {sid: s["iterations"] for sid, s in stages(emu).items()}
+    r = chat(emu, max_tokens=5)
+    after = {sid: s["iterations"] for sid, s in stages(emu).items()}
+    assert r.json()["usage"]["completion_tokens"] == 5
+    assert {sid: after[sid] - before[sid] for sid in after} == {"0": 5, "1": 5, "2": 4}
+
+
+def test_models_and_health(emu: EmulatorProcess) -> None:
+    models = httpx.get(f"{emu.url}/v1/models").json()
+    assert (httpx.get(f"{emu.url}/health").status_code, models["data"][0]["id"]) == (200, "omni-emulator")
+
+
+def test_chat_without_messages_is_400(emu: EmulatorProcess) -> None:
+    assert post(emu, "/v1/chat/completions", {"max_tokens": 2}).status_code == 400
+
+
+# --- separate servers -------------------------------------------------------------------------
+
+
+def test_endpoints_are_404_when_no_stage_has_a_profiler(tmp_path: Path, emulator_factory: Any) -> None:
+    emu = emulator_factory(make_deploy(tmp_path, {0: None, 1: None}))
+    codes = httpx.get(f"{emu.url}/start_profile").status_code, httpx.post(f"{emu.url}/stop_profile").status_code
+    assert codes == (404, 404)
+
+
+def test_invalid_deploy_exits_1_with_the_loader_message(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages:\n  - stage_id: 0\n    profiler_config: {profiler: torch}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar.emulator", "--deploy-config", str(bad), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    out = proc.stdout + proc.stderr
+    assert (proc.returncode, "torch_profiler_dir must be set" in out, "Traceback" in out) == (1, True, False)
+
+
+def test_legacy_schema_is_refused_at_start_up(tmp_path: Path) -> None:
+    bad = tmp_path / "legacy.yaml"
+    bad.write_text("stage_args:\n  - stage_id: 0\n    engine_args: {}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar.emulator", "--deploy-config", str(bad), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (proc.returncode, "stage_args" in proc.stderr + proc.stdout) == (1, True)

@@ -1,0 +1,126 @@
+"""Fleet fan-out over real emulators and sidecars on free ports: per-target results, all-or-
+nothing start, per-target stop budgets, input refused before anything is sent, and the CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sidecar.cli import app
+from sidecar.control.controller import ControlSettings
+from sidecar.control.models import CaptureState, Verdict
+from sidecar.errors import FleetError, FleetInvalid
+from sidecar.fleet import Fleet, Target, TargetKind, TargetOutcome, parse_targets
+from tests.fixtures.emulator import make_deploy
+
+FAST = ControlSettings(settle_s=0.3, collect_timeout_s=30, close_timeout_s=3, summarize=False)
+
+
+@pytest.mark.slow
+async def test_sidecar_and_upstream_targets_report_capture_verdicts_and_folders(replica_factory, sidecar_factory):
+    a, b = replica_factory(2, stages=(0, 1))
+    side = sidecar_factory(a.url, a.deploy)
+    targets = [Target.sidecar(side.url), Target.upstream(b.url, b.deploy)]
+    async with Fleet(targets, stages=[1], control_settings=FAST) as fleet:
+        fc = await fleet.start(label="both")
+        a.generate()
+        b.generate()
+        fc = await fleet.stop(fc)
+    assert fc.ok
+    for replica, target in ((a, targets[0]), (b, targets[1])):
+        res = fc.targets[target.name]
+        assert res.capture_id and res.state is CaptureState.completed and res.stages == [1]
+        assert [(v.stage_id, v.verdict) for v in res.verdicts] == [(1, Verdict.ok)]
+        assert res.folders == [str(p) for p in replica.sessions(1)] and replica.sessions(0) == []
+
+
+@pytest.mark.slow
+async def test_a_refused_start_stops_the_started_targets_and_lists_every_outcome(replica_factory):
+    good, bad = replica_factory(2, stages=(0,), faults={1: ["--fault-start-500"]})
+    targets = [Target.upstream(good.url, good.deploy), Target.upstream(bad.url, bad.deploy)]
+    async with Fleet(targets, control_settings=FAST) as fleet:
+        with pytest.raises(FleetError) as info:
+            await fleet.start()
+    outcomes = {t["target"]: t["outcome"] for t in info.value.details["targets"]}
+    assert outcomes == {targets[0].name: "rolled_back", targets[1].name: "start_failed"}
+    assert good.profiling() == {0: False} and len(good.calls("/stop_profile")) == 1
+
+
+@pytest.mark.slow
+async def test_each_target_stops_within_its_own_budget(replica_factory):
+    hung, fine = replica_factory(2, stages=(0,), faults={0: ["--fault-hang-stop"]})
+    targets = [Target.upstream(hung.url, hung.deploy), Target.upstream(fine.url, fine.deploy)]
+    async with Fleet(targets, control_settings=FAST, stop_budget_s=3) as fleet:
+        fc = await fleet.start()
+        fc = await fleet.stop(fc)
+    assert fc.targets[targets[0].name].outcome is TargetOutcome.stop_timeout
+    ok = fc.targets[targets[1].name]
+    assert ok.outcome is TargetOutcome.stopped and ok.state is CaptureState.completed
+
+
+@pytest.mark.slow
+def test_cli_capture_and_split_start_stop(replica_factory, tmp_path):
+    (r,) = replica_factory(1, stages=(0,))
+    runner = CliRunner()
+    common = ["--targets", f"upstream={r.url}", "--deploy-config", str(r.deploy), "--state-dir", str(tmp_path / "st")]
+    out = runner.invoke(app, ["fleet", "capture", *common, "--duration", "0.5", "--json"])
+    assert out.exit_code == 0, out.output
+    (target,) = json.loads(out.output)["targets"]
+    assert target["state"] == "completed" and target["folders"] == [str(p) for p in r.sessions(0)]
+
+    started = runner.invoke(app, ["fleet", "start", *common, "--json"])
+    assert started.exit_code == 0, started.output
+    assert r.profiling() == {0: True}  # left running for `fleet stop`, journaled in --state-dir
+    stopped = runner.invoke(app, ["fleet", "stop", *common, "--json"])
+    assert stopped.exit_code == 0, stopped.output
+    assert r.profiling() == {0: False} and len(r.sessions(0)) == 2
+
+
+# --- input refused before anything is sent -----------------------------------------------
+
+
+def test_target_strings_name_their_kind():
+    side, up, bare = parse_targets(
+        ["sidecar=http://h1:8092/", "upstream=http://h2:8091", "http://h3:8092"], deploy_config="d.yaml"
+    )
+    assert (side.kind, side.url) == (TargetKind.sidecar, "http://h1:8092")
+    assert (up.kind, up.deploy_config) == (TargetKind.upstream, Path("d.yaml"))
+    assert bare.kind is TargetKind.sidecar
+
+
+@pytest.mark.parametrize(
+    ("targets", "code"),
+    [
+        ([], "targets_empty"),
+        ("", "targets_empty"),
+        (["sidecar=http://localhost:8092", "http://127.0.0.1:8092/"], "target_duplicate"),
+        (["replica=http://h:1"], "target_invalid"),
+        (["sidecar=h:8092"], "target_invalid"),
+        (["upstream=http://h:8091"], "target_invalid"),  # no deploy YAML
+        ([42], "target_invalid"),
+    ],
+)
+def test_bad_target_lists_are_refused(targets, code):
+    with pytest.raises(FleetInvalid) as info:
+        Fleet(targets)
+    assert info.value.code == code
+
+
+def test_plain_vllm_targets_cannot_share_a_stage_list(tmp_path):
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}})
+    targets = [Target.upstream("http://h1:1", deploy), Target.upstream("http://h2:1", deploy, flavor="vllm")]
+    with pytest.raises(FleetInvalid) as info:
+        Fleet(targets, stages=[0])
+    assert info.value.code == "flavors_mixed"
+
+
+def test_a_stage_list_one_upstream_cannot_take_is_refused(tmp_path):
+    two = make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: {"profiler": "torch"}}, name="two.yaml")
+    one = make_deploy(tmp_path, {0: {"profiler": "torch"}}, name="one.yaml")
+    with pytest.raises(FleetInvalid) as info:
+        Fleet([Target.upstream("http://h1:1", two), Target.upstream("http://h2:1", one)], stages=[0, 1])
+    assert info.value.code == "stages_not_shared"
+    assert list(info.value.details["targets"]) == ["upstream=http://h2:1"]

@@ -1,0 +1,216 @@
+"""RolloutProfiler against real emulators on free ports (upstream targets driven in-process):
+only the chosen steps are profiled, on every selected replica and stage; failures are best
+effort by default and raised in strict mode; an exception in the block still stops every target.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+
+from sidecar import RolloutProfiler
+from sidecar.control.controller import ControlSettings
+from sidecar.control.models import CaptureState, Verdict
+from sidecar.errors import FleetError, FleetInvalid, ValidationFailed
+from sidecar.fleet import TargetOutcome
+
+pytestmark = pytest.mark.slow
+
+FAST = ControlSettings(settle_s=0.3, collect_timeout_s=30, close_timeout_s=5, summarize=False)
+
+
+def _profiler(replicas, **kwargs) -> RolloutProfiler:
+    kwargs.setdefault("control_settings", FAST)
+    targets = [f"upstream={r.url}" for r in replicas]
+    return RolloutProfiler(targets, deploy_config=replicas[0].deploy, **kwargs)
+
+
+def _upstream_profilers(replicas, **kwargs) -> RolloutProfiler:
+    """Each replica has its own deploy file (its own trace folders): one Target per replica."""
+    from sidecar.fleet import Target
+
+    kwargs.setdefault("control_settings", FAST)
+    targets = [Target.upstream(r.url, r.deploy) for r in replicas]
+    return RolloutProfiler(targets, **kwargs)
+
+
+class Boom(Exception):
+    pass
+
+
+def test_profiles_exactly_the_chosen_steps_on_every_replica_and_stage(replica_factory):
+    replicas = replica_factory(4, stages=(0, 1))
+    with _upstream_profilers(replicas, steps=[1, 3], stages=[0, 1], all_ranks=True) as prof:
+        for step in range(1, 5):
+            with prof.step(step):
+                for r in replicas:
+                    r.generate()
+        results = prof.results()
+
+    assert sorted(results) == [1, 3]
+    for step, res in results.items():
+        assert res.label == f"step{step}" and res.ok
+        assert len(res.targets) == 4
+        for target in res.targets.values():
+            assert {v.stage_id: v.verdict for v in target.verdicts} == {0: Verdict.ok, 1: Verdict.ok}
+    # On disk: one session folder per profiled step, replica and stage; none for steps 2 and 4.
+    for r in replicas:
+        for stage in (0, 1):
+            on_disk = {str(p) for p in r.sessions(stage)}
+            reported = {f for res in results.values()
+                        for f in res.targets[f"upstream={r.url}"].folders if f"stage{stage}_" in f}
+            assert len(on_disk) == 2 and on_disk == reported
+
+
+def test_outside_the_steps_nothing_is_sent_and_no_thread_starts(replica_factory):
+    (replica,) = replica_factory(1, stages=(0,))
+    threads = threading.active_count()
+    prof = _profiler([replica], steps=[5])
+    with prof.step(1) as res:
+        replica.generate()
+    assert res is None
+    assert prof._loop is None and threading.active_count() == threads
+    assert replica.calls("/start_profile") == [] and replica.calls("/stop_profile") == []
+    prof.close()
+
+
+def test_one_replica_refusing_start_stops_the_others_and_training_goes_on(replica_factory, caplog):
+    replicas = replica_factory(3, stages=(0,), faults={1: ["--fault-start-500"]})
+    ran = []
+    with caplog.at_level(logging.WARNING, logger="sidecar.rollout"):
+        with _upstream_profilers(replicas, steps=[1], all_ranks=True) as prof:
+            with prof.step(1):
+                ran.append(True)
+            res = prof.results()[1]
+    assert ran == [True]  # best effort: the block ran unprofiled
+    assert res.error is not None and res.error.code == "fleet_failed"
+    outcomes = {name: t.outcome for name, t in res.targets.items()}
+    assert outcomes[f"upstream={replicas[1].url}"] is TargetOutcome.start_failed
+    assert {outcomes[f"upstream={replicas[i].url}"] for i in (0, 2)} == {TargetOutcome.rolled_back}
+    for r in replicas:
+        assert not any(r.profiling().values())
+    assert any("did not start" in rec.message for rec in caplog.records)
+
+
+def test_strict_mode_raises_when_a_replica_refuses_start(replica_factory):
+    replicas = replica_factory(2, stages=(0,), faults={0: ["--fault-start-500"]})
+    ran = []
+    with _upstream_profilers(replicas, steps=[1], all_ranks=True, strict=True) as prof:
+        with pytest.raises(FleetError) as info:
+            with prof.step(1):
+                ran.append(True)
+    assert ran == []  # strict: the start failure is raised before the block
+    assert {t["outcome"] for t in info.value.details["targets"]} == {"start_failed", "rolled_back"}
+    assert not any(replicas[1].profiling().values())
+
+
+def test_an_exception_in_the_block_stops_every_target_and_propagates_unchanged(replica_factory):
+    replicas = replica_factory(2, stages=(0,))
+    boom = Boom("generation failed")
+    with _upstream_profilers(replicas, steps=[2], all_ranks=True) as prof:
+        with pytest.raises(Boom) as info:
+            with prof.step(2):
+                assert all(r.profiling() == {0: True} for r in replicas)
+                raise boom
+        res = prof.results()[2]
+    assert info.value is boom
+    assert all(r.profiling() == {0: False} for r in replicas)
+    assert {t.outcome for t in res.targets.values()} == {TargetOutcome.stopped}
+
+
+async def test_async_hook_and_sync_hook_inside_a_running_loop(replica_factory):
+    (replica,) = replica_factory(1, stages=(0,))
+    prof = _profiler([replica], steps=[1, 2])
+    async with prof.astep(1):
+        await asyncio.to_thread(replica.generate)
+    with prof.step(2):  # a sync trainer called from a thread whose loop is running
+        replica.generate()
+    prof.close()
+    assert [r.ok for r in prof.results().values()] == [True, True]
+
+
+def test_without_waiting_for_artifacts_the_check_finishes_in_the_background(replica_factory):
+    (replica,) = replica_factory(1, stages=(0,))
+    prof = _profiler([replica], steps=[1], wait_artifacts=False)
+    with prof.step(1):
+        replica.generate()
+    right_after = prof.results()[1]
+    final = prof.wait(timeout=60)[1]
+    prof.close()
+    (target,) = right_after.targets.values()
+    assert target.outcome is TargetOutcome.stopped and target.state is not CaptureState.stopping
+    assert final.done and final.ok
+
+
+def test_default_replica_selection_is_rank_zero_like_verl(replica_factory):
+    replicas = replica_factory(2, stages=(0,))
+    with _upstream_profilers(replicas, steps=[1]) as prof:
+        with prof.step(1):
+            pass
+        res = prof.results()[1]
+    assert list(res.targets) == [f"upstream={replicas[0].url}"]
+    assert replicas[1].calls("/start_profile") == []
+
+
+# --- bad input: refused before anything is sent (no server needed) ------------------------
+
+UNREACHABLE = ["sidecar=http://127.0.0.1:9", "sidecar=http://127.0.0.1:10"]
+
+
+@pytest.mark.parametrize("steps", [["1"], [1.5], [True], [0], [], "1,2", None])
+def test_bad_steps_are_refused(steps):
+    with pytest.raises(FleetInvalid) as info:
+        RolloutProfiler(UNREACHABLE, steps=steps)
+    assert info.value.code in ("steps_invalid", "steps_empty")
+
+
+@pytest.mark.parametrize("step", ["1", 2.0, None])
+def test_a_step_of_the_wrong_type_is_refused_at_the_hook(step):
+    prof = RolloutProfiler(UNREACHABLE, steps=[1])
+    with pytest.raises(FleetInvalid):
+        prof.step(step)
+
+
+def test_ranks_outside_the_target_list_are_refused():
+    with pytest.raises(FleetInvalid) as info:
+        RolloutProfiler(UNREACHABLE, steps=[1], ranks=[0, 2])
+    assert info.value.code == "ranks_invalid"
+
+
+# --- from a verl config -------------------------------------------------------------------
+
+
+def _verl_cfg(**rollout_profiler):
+    """Shaped like verl's composed ppo_trainer config (the keys the hook reads)."""
+    prof = {"tool": "torch", "enable": True, "all_ranks": False, "ranks": [], "save_path": "/tmp/p",
+            "tool_config": {"torch": {"contents": [], "discrete": True}}}
+    prof.update(rollout_profiler)
+    return {
+        "global_profiler": {"tool": None, "steps": [1, 3], "profile_continuous_steps": False, "save_path": "outputs/profile"},
+        "actor_rollout_ref": {"rollout": {"profiler": prof}},
+        "trainer": {"resume_mode": "disable"},
+    }
+
+
+def test_from_verl_config_takes_steps_and_ranks():
+    prof = RolloutProfiler.from_verl_config(_verl_cfg(ranks=[1]), UNREACHABLE)
+    assert prof.steps == {1, 3} and prof.ranks == [1]
+
+
+def test_from_verl_config_refuses_what_verl_would_skip_with_the_rule_message():
+    with pytest.raises(ValidationFailed) as info:
+        RolloutProfiler.from_verl_config(
+            _verl_cfg(tool_config={"torch": {"discrete": False}}), UNREACHABLE)
+    assert "discrete is false" in info.value.message and info.value.code == "verl_not_discrete"
+
+
+def test_from_verl_config_warns_when_a_resume_would_skip_the_step(caplog):
+    cfg = _verl_cfg(all_ranks=True)
+    cfg["trainer"]["resume_mode"] = "auto"
+    with caplog.at_level(logging.WARNING, logger="sidecar.rollout"):
+        prof = RolloutProfiler.from_verl_config(cfg, UNREACHABLE)
+    assert prof.ranks == [0, 1]
+    assert any("resume_mode" in r.message for r in caplog.records)

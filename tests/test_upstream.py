@@ -1,0 +1,157 @@
+"""UpstreamServer: probe, explicit stage lists, flavors, error types and retries. Real sockets
+(FakeOmni) where a server can show the behaviour; respx for faults it cannot (drops, timeouts)."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import pytest
+import respx
+
+from sidecar.errors import StageSelectionError, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from sidecar.upstream.server import Flavor, UpstreamServer
+
+BASE = "http://upstream.test"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_probe_reports_mounted_profiler(fake_omni):
+    async with UpstreamServer(fake_omni.url) as up:
+        result = await up.probe()
+    assert (result.healthy, result.profiler_mounted, result.ready) == (True, True, True)
+
+
+async def test_probe_reports_unmounted_profiler_with_fix(fake_omni):
+    fake_omni.mounted = False
+    async with UpstreamServer(fake_omni.url) as up:
+        result = await up.probe()
+    assert result.profiler_mounted is False and "profiler_config.profiler" in result.reason
+
+
+async def test_probe_changes_nothing_upstream(fake_omni):
+    async with UpstreamServer(fake_omni.url) as up:
+        await up.probe()
+    assert fake_omni.calls == []
+
+
+async def test_probe_of_dead_server_is_unhealthy():
+    async with UpstreamServer(f"http://127.0.0.1:{_free_port()}") as up:
+        result = await up.probe()
+    assert not result.healthy and "not reachable" in result.reason
+
+
+async def test_start_sends_explicit_stage_list(fake_omni):
+    async with UpstreamServer(fake_omni.url) as up:
+        await up.start_profile([0, 2])
+    assert [c["stages"] for c in fake_omni.calls] == [[0, 2]]
+
+
+@pytest.mark.parametrize("method", ["start_profile", "stop_profile"])
+async def test_empty_stage_list_is_refused_before_any_call(fake_omni, method):
+    async with UpstreamServer(fake_omni.url) as up:
+        with pytest.raises(StageSelectionError) as err:
+            await getattr(up, method)([])
+    assert (err.value.code, fake_omni.calls) == ("stages_empty", [])
+
+
+@respx.mock
+async def test_vllm_flavor_sends_no_body():
+    route = respx.post(f"{BASE}/start_profile").mock(return_value=httpx.Response(200, json={"status": "SUCCESS"}))
+    async with UpstreamServer(BASE, flavor=Flavor.vllm) as up:
+        await up.start_profile([0])
+    assert route.calls.last.request.content == b""
+
+
+@respx.mock
+async def test_omni_flavor_body_is_stage_json():
+    route = respx.post(f"{BASE}/stop_profile").mock(return_value=httpx.Response(200, json={"status": "SUCCESS"}))
+    async with UpstreamServer(BASE) as up:
+        await up.stop_profile([1, 3])
+    assert json.loads(route.calls.last.request.content) == {"stages": [1, 3]}
+
+
+async def test_start_500_is_upstream_error_with_status_and_body(fake_omni):
+    fake_omni.start_status = 500
+    async with UpstreamServer(fake_omni.url) as up:
+        with pytest.raises(UpstreamError) as err:
+            await up.start_profile([0])
+    assert err.value.details["status"] == 500 and "boom" in err.value.details["body"]
+
+
+async def test_start_to_closed_port_is_unreachable():
+    async with UpstreamServer(f"http://127.0.0.1:{_free_port()}", start_attempts=2) as up:
+        with pytest.raises(UpstreamUnreachable):
+            await up.start_profile([0])
+
+
+@respx.mock
+async def test_start_retries_only_undelivered_requests():
+    route = respx.post(f"{BASE}/start_profile").mock(
+        side_effect=[httpx.ConnectError("refused"), httpx.Response(200, json={"status": "SUCCESS"})]
+    )
+    async with UpstreamServer(BASE, retry_wait_max_s=0.01) as up:
+        await up.start_profile([0])
+    assert route.call_count == 2
+
+
+@respx.mock
+async def test_start_read_timeout_is_ambiguous_and_not_retried():
+    route = respx.post(f"{BASE}/start_profile").mock(side_effect=httpx.ReadTimeout("slow"))
+    async with UpstreamServer(BASE) as up:
+        with pytest.raises(UpstreamTimeout):
+            await up.start_profile([0])
+    assert route.call_count == 1
+
+
+@respx.mock
+async def test_start_5xx_is_not_retried():
+    route = respx.post(f"{BASE}/start_profile").mock(return_value=httpx.Response(500, json={"detail": "x"}))
+    async with UpstreamServer(BASE) as up:
+        with pytest.raises(UpstreamError):
+            await up.start_profile([0])
+    assert route.call_count == 1
+
+
+async def test_stop_retries_5xx_until_success(fake_omni):
+    fake_omni.stop_fail_times = 2
+    async with UpstreamServer(fake_omni.url, retry_wait_max_s=0.01) as up:
+        await up.stop_profile([0])
+    assert len(fake_omni.stops()) == 3
+
+
+@respx.mock
+async def test_stop_does_not_retry_4xx():
+    route = respx.post(f"{BASE}/stop_profile").mock(return_value=httpx.Response(422, json={"detail": "bad"}))
+    async with UpstreamServer(BASE) as up:
+        with pytest.raises(UpstreamError):
+            await up.stop_profile([0])
+    assert route.call_count == 1
+
+
+async def test_hung_stop_ends_as_timeout_within_budget(fake_omni):
+    fake_omni.stop_delay = 30
+    async with UpstreamServer(fake_omni.url, stop_budget_s=0.5) as up:
+        with pytest.raises(UpstreamTimeout):
+            await up.stop_profile([0])
+
+
+async def test_stop_budget_gives_up_on_dead_server():
+    async with UpstreamServer(f"http://127.0.0.1:{_free_port()}", stop_budget_s=0.5, retry_wait_max_s=0.05) as up:
+        with pytest.raises(UpstreamUnreachable):
+            await up.stop_profile([0])
+
+
+
+async def test_persistent_5xx_on_stop_gives_up_before_the_budget(fake_omni):
+    fake_omni.stop_status = 500
+    async with UpstreamServer(fake_omni.url, stop_budget_s=600, stop_5xx_attempts=3, retry_wait_max_s=0.01) as up:
+        with pytest.raises(UpstreamError):
+            await up.stop_profile([0])
+    assert len(fake_omni.stops()) == 3
