@@ -36,6 +36,12 @@ def three_stage_deploy(tmp: Path) -> Path:
     return path
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds spent so far by the server and its workers: start-up cost independent of load."""
+    root = psutil.Process(pid)
+    return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
+
+
 def rss_mb(pid: int) -> tuple[float, int]:
     root = psutil.Process(pid)
     procs = [root, *root.children(recursive=True)]
@@ -49,12 +55,13 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="emu-bench-"))
     deploy = args.deploy or three_stage_deploy(tmp)
-    startups, rss, rss_busy = [], [], []
+    startups, cpus, rss, rss_busy = [], [], [], []
     nprocs = 0
     for _ in range(args.runs):
         t0 = time.perf_counter()
         with EmulatorProcess(deploy) as emu:
             startups.append(time.perf_counter() - t0)
+            cpus.append(cpu_s(emu.pid))
             mb, nprocs = rss_mb(emu.pid)
             rss.append(mb)
             # after one profiled request: profiler buffers and traces are in memory too
@@ -64,10 +71,13 @@ def main() -> None:
             httpx.post(f"{emu.url}/stop_profile", timeout=120)
     rows = [
         ("start-up to healthy (s)", statistics.median(startups), max(startups), TARGET_STARTUP_S),
+        ("start-up CPU time, all procs (s)", statistics.median(cpus), max(cpus), TARGET_STARTUP_S),
         ("RSS idle, all processes (MB)", statistics.median(rss), max(rss), TARGET_RSS_MB),
         ("RSS while profiling (MB)", statistics.median(rss_busy), max(rss_busy), TARGET_RSS_MB),
     ]
+    load = psutil.getloadavg()[0]
     print(f"deploy: {deploy}  runs: {args.runs}  processes: {nprocs} (server + workers + helpers)")
+    print(f"cores: {psutil.cpu_count()}  load average (1 min): {load:.1f}  (wall times grow with load)")
     print(f"{'metric':32} {'median':>9} {'max':>9} {'target':>9} {'max/target':>11}")
     for name, med, worst, target in rows:
         print(f"{name:32} {med:9.2f} {worst:9.2f} {target:9.1f} {worst / target:11.2f}")

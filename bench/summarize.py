@@ -180,22 +180,24 @@ def main() -> None:
         names.remove("hta")
     if a.no_json_load and "json.load+python" in names:
         names.remove("json.load+python")
-    print(f"{'trace':28} {'raw MB':>8} {'contender':28} {'seconds':>8} {'MB/s':>7} {'peak RSS MB':>11} {'time ×ours':>10} {'RSS ×ours':>9}  note")
+    ref_name = "ours" if "ours" in names else names[0]
+    print(f"ratios are against {ref_name!r}; base = RSS after imports, before the work")
+    print(f"{'trace':22} {'raw MB':>7} {'contender':27} {'seconds':>8} {'MB/s':>7} {'peak RSS MB':>11} {'base MB':>7} {'time ×':>7} {'RSS ×':>6}  note")
     for path in a.traces:
         raw_mb = _raw_size(path) / 1e6
         results = {n: measure(n, path) for n in names}
-        ref = results.get("ours") or results[names[0]]
+        ref = results[ref_name]
         for n in names:
             r = results[n]
             if r.get("error") and "seconds" not in r:
-                print(f"{path.name:28} {raw_mb:8.1f} {n:28} {'-':>8} {'-':>7} {'-':>11} {'-':>10} {'-':>9}  {r['error']}")
+                print(f"{path.name:22} {raw_mb:7.1f} {n:27} {'-':>8} {'-':>7} {'-':>11} {'-':>7} {'-':>7} {'-':>6}  {r['error']}")
                 continue
             note = r.get("error") or f"{r.get('events', '?')} events"
             tx = r["seconds"] / ref["seconds"] if ref.get("seconds") else float("nan")
             rx = r["peak_rss_mb"] / ref["peak_rss_mb"] if ref.get("peak_rss_mb") else float("nan")
             print(
-                f"{path.name:28} {raw_mb:8.1f} {n:28} {r['seconds']:8.2f} {raw_mb / r['seconds']:7.1f} "
-                f"{r['peak_rss_mb']:11.0f} {tx:10.1f} {rx:9.1f}  {note}"
+                f"{path.name:22} {raw_mb:7.1f} {n:27} {r['seconds']:8.2f} {raw_mb / r['seconds']:7.1f} "
+                f"{r['peak_rss_mb']:11.0f} {r.get('base_rss_mb', 0):7.0f} {tx:7.1f} {rx:6.1f}  {note}"
             )
 
 

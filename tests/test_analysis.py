@@ -239,3 +239,37 @@ def test_cli_missing_path_exits_1(tmp_path):
     r = _cli(str(tmp_path / "nope"))
     err = r.stderr.replace("\n", "")
     assert (r.returncode, "no such file" in err, "Traceback" in err) == (1, True, False)
+
+
+def test_rank_falls_back_to_the_file_name(write_trace, x_event):
+    s = summarize_trace(write_trace([x_event("k", 0, 5, cat="kernel", device=0, stream=7)], "trace_rank5.json"))
+    assert (s.meta.rank, [d.rank for d in s.devices]) == (5, [5])
+
+
+def test_engine_step_markers_of_vllm_are_counted(write_trace, x_event):
+    events = [
+        x_event("execute_context_1(17)_generation_0(0)", 0, 10, cat="user_annotation"),
+        x_event("execute_40_context_0(sq0sk0sqsq0sqsk0)_generation_2(sq2sk40sqsq2sqsk40)", 20, 30, cat="user_annotation"),
+        x_event("diffusion_forward", 60, 20, cat="user_annotation"),
+        x_event("diffusion_step", 61, 5, cat="user_annotation"),  # a denoising step inside one forward
+    ]
+    w = summarize_trace(write_trace(events)).window
+    assert (w.engine_steps, w.engine_step_mean_us, w.steps) == (3, 20.0, 0)
+
+
+def test_huge_external_ids_still_attribute_device_time(write_trace, x_event):
+    events = [
+        x_event("op", 0, 100, External_id=2**40),
+        x_event("k", 10, 20, cat="kernel", External_id=2**40, device=0, stream=7),
+    ]
+    rows = _all_rows(summarize_trace(write_trace(events)))
+    assert rows["op"].self_device_us == 20.0
+
+
+def test_gpu_totals_agree_with_key_averages(trace_data):
+    ref = json.loads((trace_data / "cuda_small.key_averages.json").read_text())
+    s = summarize_trace(trace_data / "cuda_small.json.gz", top=100_000)
+    rows = s.kernels + s.memcpy + s.memset
+    off = {r.name[:60]: (r.count, r.total_us, ref.get(r.name)) for r in rows
+           if r.name not in ref or ref[r.name]["count"] != r.count or abs(ref[r.name]["self_device_us"] - r.total_us) > 1e-3}
+    assert (len(rows) > 40, off) == (True, {})

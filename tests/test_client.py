@@ -4,8 +4,8 @@ test leaves no capture running). Error replies must come back as typed SidecarEr
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
+import httpx
 import pytest
 
 from sidecar.api.launcher import SidecarProcess, free_port
@@ -18,13 +18,19 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def sidecar_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(sidecar url, emulator url)."""
     root = tmp_path_factory.mktemp("client")
     deploy = make_deploy(root, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
     with EmulatorProcess(deploy) as emu, SidecarProcess(
         emu.url, deploy, state_dir=root / "state", env={"OMNI_SIDECAR_SETTLE_S": "0.3"}
     ) as sc:
-        yield sc.url
+        yield sc.url, emu.url
+
+
+@pytest.fixture(scope="module")
+def sidecar_url(urls: tuple[str, str]) -> str:
+    return urls[0]
 
 
 @pytest.fixture
@@ -92,11 +98,14 @@ def test_health_ready_and_stages(client: SidecarClient) -> None:
     assert [s["stage_id"] for s in client.stages()["stages"]] == [0, 1, 2]
 
 
-def test_summary_has_top_ops_per_stage(client: SidecarClient) -> None:
+def test_summary_has_top_ops_per_stage(client: SidecarClient, urls: tuple[str, str]) -> None:
     analysis = pytest.importorskip("sidecar.analysis")
     if not hasattr(analysis, "summarize_paths"):
         pytest.skip("sidecar.analysis.summarize_paths not available")
-    final = client.stop_capture(client.start_capture([0, 2]).id, wait=True, timeout=60)
+    cap = client.start_capture([0, 2])
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    httpx.post(f"{urls[1]}/v1/chat/completions", json=chat, timeout=60).raise_for_status()
+    final = client.stop_capture(cap.id, wait=True, timeout=60)
     summary = client.summary(final.id, top=5)
     assert {s["stage_id"] for s in summary["stages"]} == {0, 2}
     assert all(0 < len(s["cpu_ops"]) <= 5 for s in summary["stages"])

@@ -121,10 +121,19 @@ async def test_bad_stage_list_is_refused_without_upstream_call(ctl, fake_omni, s
     assert (err.value.code, fake_omni.calls, ctl.active) == (code, [], None)
 
 
-async def test_non_positive_duration_is_refused(ctl, fake_omni):
+@pytest.mark.parametrize("duration", [0, -1, float("inf"), float("nan")])
+async def test_bad_duration_is_refused(ctl, fake_omni, duration):
     with pytest.raises(CaptureError) as err:
-        await ctl.start([0], duration_s=0)
+        await ctl.start([0], duration_s=duration)
     assert (err.value.code, fake_omni.calls) == ("duration_invalid", [])
+
+
+async def test_duration_above_the_limit_is_refused(fake_omni, upstream, control_deploy):
+    settings = FAST.model_copy(update={"max_duration_s": 10})
+    async with CaptureController(upstream, control_deploy, settings=settings) as c:
+        with pytest.raises(CaptureError) as err:
+            await c.start([0], duration_s=11)
+    assert (err.value.details["max_duration_s"], fake_omni.calls) == (10, [])
 
 
 # --- one at a time ------------------------------------------------------------------------
@@ -135,6 +144,17 @@ async def test_overlapping_start_names_the_active_capture(ctl):
     with pytest.raises(CaptureActive) as err:
         await ctl.start([2])
     assert err.value.details["active_id"] == first.id
+
+
+async def test_overlapping_start_is_refused_while_the_first_is_still_starting(ctl, fake_omni):
+    fake_omni.start_delay = 1.0
+    first = asyncio.create_task(ctl.start([0]))
+    await asyncio.sleep(0.1)
+    with pytest.raises(CaptureActive):
+        await ctl.start([0])
+    refused_while_starting = not first.done()
+    await first
+    assert refused_while_starting
 
 
 async def test_fifty_concurrent_starts_make_one_upstream_start(ctl, fake_omni):
@@ -367,10 +387,8 @@ async def _crash_mid_capture(fake_omni, control_deploy, state_dir) -> str:
 async def test_recovery_stops_capture_left_active(fake_omni, upstream, control_deploy, tmp_path):
     cid = await _crash_mid_capture(fake_omni, control_deploy, tmp_path / "s")
     async with CaptureController(upstream, control_deploy, state_dir=tmp_path / "s", settings=FAST) as c:
-        recovered = await c.open() or [c.get(cid)]
         done = await c.wait(cid, timeout=20)
-    assert ([r.id for r in recovered], done.stop_reason, fake_omni.stops()[-1]["stages"]) == (
-        [cid], StopReason.stopped_on_recovery, [0, 2])
+    assert (done.stop_reason, fake_omni.stops()[-1]["stages"]) == (StopReason.stopped_on_recovery, [0, 2])
 
 
 async def test_recovered_capture_checks_its_artifacts(fake_omni, upstream, control_deploy, tmp_path):
@@ -451,3 +469,33 @@ async def test_diffusion_stage_folders_are_found(tmp_path):
         async with UpstreamServer(fake.url) as up, CaptureController(up, deploy, settings=FAST) as c:
             done = await _run(c, stages=[0])
     assert ("_rep_0_diffusion_" in done.verdicts[0].sessions[0].path, done.state) == (True, CaptureState.completed)
+
+
+# --- summaries ----------------------------------------------------------------------------
+
+
+async def _summary(ctl, cid):
+    for _ in range(200):
+        data = ctl.summary(cid)
+        if data is not None:
+            return data
+        await asyncio.sleep(0.05)
+    return None
+
+
+async def test_summary_is_cached_after_completion(ctl, tmp_path):
+    done = await _run(ctl, stages=[0, 2])
+    data = await _summary(ctl, done.id)
+    assert (data is not None, (tmp_path / "state" / "summaries" / f"{done.id}.json").is_file()) == (True, True)
+
+
+async def test_summary_failure_leaves_the_verdict_alone(ctl, monkeypatch):
+    import sidecar.analysis
+
+    def broken(paths, **kw):
+        raise RuntimeError("summarizer bug")
+
+    monkeypatch.setattr(sidecar.analysis, "summarize_paths", broken)
+    done = await _run(ctl, stages=[0])
+    await asyncio.sleep(0.2)
+    assert (ctl.get(done.id).state, ctl.summary(done.id)) == (CaptureState.completed, None)

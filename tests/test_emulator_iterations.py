@@ -105,3 +105,14 @@ def test_cuda_profiler_stage_writes_nothing(emu: EmulatorProcess, deploy_dir: Pa
         [],
         [],
     )
+
+
+def test_diffusion_stages_option_and_replicas_name_one_folder_per_replica(
+    tmp_path: Path, emulator_factory: Any
+) -> None:
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}}, extra={0: {"num_replicas": 2}})
+    emu = emulator_factory(deploy, extra_args=["--diffusion-stages", "0", "--gzip-delay", "0"])
+    post(emu, "/start_profile", {"stages": [0]})
+    post(emu, "/stop_profile", {"stages": [0]})
+    names = sorted(Path(p).name.split("_", 1)[1].rsplit("_", 1)[0] for p in stage(emu, "0")["sessions"])
+    assert names == ["stage_0_rep_0_diffusion", "stage_0_rep_1_diffusion"]

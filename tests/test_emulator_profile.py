@@ -186,14 +186,15 @@ def test_stop_returns_after_trace_and_table_are_written(emu: EmulatorProcess) ->
 
 
 def test_gzip_replaces_the_trace_only_after_the_stop_reply(emu: EmulatorProcess) -> None:
-    before = set(sessions(emu)["2"])
+    stage_dir = emu.deploy_config.parent / "traces" / "stage2"  # make_deploy's default
+    before = set(stage_dir.glob("*"))
     time.sleep(1.1)
     post(emu, "/start_profile", {"stages": [2]})
     post(emu, "/stop_profile", {"stages": [2]})
-    (session,) = (Path(p) for p in sessions(emu)["2"] if p not in before)
-    at_reply = (session / "trace_rank0.json").exists(), (session / "trace_rank0.json.gz").exists()
+    (session,) = set(stage_dir.glob("*")) - before  # the disk first, before any other round trip
+    at_reply = sorted(p.name for p in session.iterdir())
     later = wait_for(lambda: not (session / "trace_rank0.json").exists() and (session / "trace_rank0.json.gz").exists())
-    assert (at_reply, later) == ((True, False), True)
+    assert ("trace_rank0.json" in at_reply, "trace_rank0.json.gz" in at_reply, later) == (True, False, True)
 
 
 def test_calls_are_recorded_with_stages_and_status(emu: EmulatorProcess) -> None:

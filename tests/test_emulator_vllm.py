@@ -5,7 +5,6 @@ double start/stop silently accepted, tensorboard-style trace files in torch_prof
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 

@@ -155,3 +155,23 @@ async def test_persistent_5xx_on_stop_gives_up_before_the_budget(fake_omni):
         with pytest.raises(UpstreamError):
             await up.stop_profile([0])
     assert len(fake_omni.stops()) == 3
+
+
+@respx.mock
+async def test_stop_retries_a_dropped_connection():
+    route = respx.post(f"{BASE}/stop_profile").mock(
+        side_effect=[httpx.RemoteProtocolError("Server disconnected"), httpx.Response(200, json={"status": "SUCCESS"})]
+    )
+    async with UpstreamServer(BASE, retry_wait_max_s=0.01) as up:
+        await up.stop_profile([0])
+    assert route.call_count == 2
+
+
+@respx.mock
+async def test_stop_retries_after_a_read_timeout_within_budget():
+    route = respx.post(f"{BASE}/stop_profile").mock(
+        side_effect=[httpx.ReadTimeout("slow"), httpx.Response(200, json={"status": "SUCCESS"})]
+    )
+    async with UpstreamServer(BASE, retry_wait_max_s=0.01) as up:
+        await up.stop_profile([0])
+    assert route.call_count == 2

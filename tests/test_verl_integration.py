@@ -150,7 +150,9 @@ def fake_verl(tmp_path, monkeypatch):
     yield
     for name in [m for m in sys.modules if m == "verl" or m.startswith("verl.")]:
         del sys.modules[name]
-    importlib.reload(importlib.import_module("sidecar.integrations.verl"))  # drop the built classes
+    module = importlib.import_module("sidecar.integrations.verl")
+    for name in module._LAZY:  # the classes built on the stand-in
+        module.__dict__.pop(name, None)
 
 
 def load_class_from_fqn(fqn: str) -> type:

@@ -49,9 +49,11 @@ class Window(BaseModel):
     start_us: float | None = None
     end_us: float | None = None
     span_us: float = 0.0
-    steps: int = 0  # ProfilerStep#N annotations (and engine step markers) found
+    steps: int = 0  # ProfilerStep#N annotations (torch.profiler schedule steps)
     step_mean_us: float | None = None
     step_names: list[str] = Field(default_factory=list)  # the first few, to show which
+    engine_steps: int = 0  # vLLM engine step markers: execute_context_*, diffusion_forward*
+    engine_step_mean_us: float | None = None
 
 
 class TraceMeta(BaseModel):

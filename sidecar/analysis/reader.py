@@ -85,7 +85,7 @@ class _GunzipStream:
     """Decompress a gzip file incrementally with zlib, so the bytes before a cut-off end are kept
     (``gzip.GzipFile.read`` drops them when it raises). ``truncated`` is set at such an end."""
 
-    def __init__(self, path: Path, raw_chunk: int = 1 << 20) -> None:
+    def __init__(self, path: Path, raw_chunk: int = 256 << 10) -> None:
         self._f = open(path, "rb")
         self._d = zlib.decompressobj(wbits=31)
         self._raw_chunk = raw_chunk
@@ -95,19 +95,23 @@ class _GunzipStream:
         out: list[bytes] = []
         size = 0
         while size < n:
-            raw = self._f.read(self._raw_chunk)
-            if not raw:
-                tail = self._d.flush()
-                if tail:
-                    out.append(tail)
-                if not self._d.eof:
-                    self.truncated = True
-                break
-            piece = self._d.decompress(raw)
-            while self._d.eof and self._d.unused_data:  # concatenated gzip members
-                rest = self._d.unused_data
-                self._d = zlib.decompressobj(wbits=31)
-                piece += self._d.decompress(rest)
+            d = self._d
+            if d.eof:  # end of a gzip member: another may follow (concatenated gzip)
+                rest = d.unused_data
+                if not rest:
+                    rest = self._f.read(self._raw_chunk)
+                    if not rest:
+                        break
+                d = self._d = zlib.decompressobj(wbits=31)
+                inp = rest
+            elif d.unconsumed_tail:
+                inp = d.unconsumed_tail
+            else:
+                inp = self._f.read(self._raw_chunk)
+                if not inp:
+                    self.truncated = True  # the stream stops before its end-of-member marker
+                    break
+            piece = d.decompress(inp, n - size)  # bounded: a 1 MB block can inflate to 100 MB+
             out.append(piece)
             size += len(piece)
         return b"".join(out)

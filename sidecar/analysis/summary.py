@@ -30,10 +30,16 @@ OP, ANNOTATION, RUNTIME = "cpu_op", "user_annotation", "runtime"
 KERNEL, MEMCPY, MEMSET = "kernel", "gpu_memcpy", "gpu_memset"
 _RUNTIME_CATS = frozenset({"cuda_runtime", "cuda_driver"})
 _STEP = re.compile(r"^ProfilerStep#\d+$")
+# vLLM's worker wraps every engine step in "execute_context_<n>(<tok>)_generation_<n>(<tok>)"
+# ("execute_<tok>_context_..." with detailed_trace_annotation); vLLM-Omni's diffusion worker in
+# "diffusion_forward" / "diffusion_forward_batch".
+_ENGINE_STEP = re.compile(r"^execute_(\d+_)?context_\d+|^diffusion_forward(_batch)?$")
+_RANK_IN_NAME = re.compile(r"^trace_rank(\d+)\.json")
 _EPS = 5e-4  # µs: timestamps carry ns precision; float sums must not un-nest siblings
 _BLOCK = 65536  # device intervals merged per sorted block
 _OVERHEAD_GAP = 200.0  # µs between a CUPTI buffer request and the API call that caused it
-_EXT_DENSE_LIMIT = 1 << 26  # External ids above this go to a dict instead of the array
+_EXT_DENSE_LIMIT = 1 << 23  # External ids above this go to a dict (the array stays <= 32 MB)
+_UNSET = array("i", [-1])
 
 # A stat row: [name, count, total, self, self_device]
 _NAME, _COUNT, _TOTAL, _SELF, _SELF_DEV = range(5)
@@ -86,6 +92,8 @@ class Aggregate:
         self.steps = 0
         self.step_total = 0.0
         self.step_names: list[str] = []
+        self.engine_steps = 0
+        self.engine_step_total = 0.0
         self.events = 0
         self.out_of_order = 0
         self.truncated = False
@@ -120,7 +128,7 @@ class Aggregate:
         if 0 <= ext < _EXT_DENSE_LIMIT:
             ext_arr = self._ext
             if ext >= len(ext_arr):
-                ext_arr.extend([-1] * max(ext + 1 - len(ext_arr), len(ext_arr) // 4 + 1024))
+                ext_arr.extend(_UNSET * max(ext + 1 - len(ext_arr), len(ext_arr) // 4 + 1024))
             ext_arr[ext] = pos
         else:
             self._ext_sparse[ext] = pos
@@ -177,11 +185,15 @@ class Aggregate:
                 a = e.args
                 if a is not None and a.external_id:
                     self._remember(a.external_id, row)
-                if cat == ANNOTATION and _STEP.match(e.name):
-                    self.steps += 1
-                    self.step_total += dur
-                    if len(self.step_names) < 8:
-                        self.step_names.append(e.name)
+                if cat == ANNOTATION:
+                    if _STEP.match(e.name):
+                        self.steps += 1
+                        self.step_total += dur
+                        if len(self.step_names) < 8:
+                            self.step_names.append(e.name)
+                    elif _ENGINE_STEP.match(e.name):
+                        self.engine_steps += 1
+                        self.engine_step_total += dur
             elif cat in _RUNTIME_CATS:
                 row = row_of(RUNTIME, e.name)
                 row[1] += 1
@@ -270,6 +282,8 @@ class Aggregate:
         self.steps += other.steps
         self.step_total += other.step_total
         self.step_names = (self.step_names + other.step_names)[:8]
+        self.engine_steps += other.engine_steps
+        self.engine_step_total += other.engine_step_total
         self.events += other.events
         self.out_of_order += other.out_of_order
         self.overhead_us += other.overhead_us
@@ -306,6 +320,8 @@ class Aggregate:
                 steps=self.steps,
                 step_mean_us=(self.step_total / self.steps) if self.steps else None,
                 step_names=self.step_names,
+                engine_steps=self.engine_steps,
+                engine_step_mean_us=(self.engine_step_total / self.engine_steps) if self.engine_steps else None,
             ),
             totals=Totals(
                 events=self.events,
@@ -363,6 +379,9 @@ def aggregate_trace(path: str | Path) -> tuple[Aggregate, TraceMeta, int]:
     for batch in reader.batches():
         agg.add_batch(batch)
     meta = _meta(reader.meta)
+    if meta.rank is None:  # no distributedInfo (single process): vLLM still names the file by rank
+        m = _RANK_IN_NAME.match(Path(path).name)
+        meta.rank = int(m.group(1)) if m else None
     agg.finish(meta.rank)
     agg.files = [str(path)]
     if reader.truncated:

@@ -28,7 +28,7 @@ from sidecar.config.models import DeployConfig
 from sidecar.control.artifacts import trace_paths
 from sidecar.control.journal import atomic_write_text
 from sidecar.control.models import Capture, CaptureState
-from sidecar.errors import CaptureError, CaptureStateError
+from sidecar.errors import CaptureError
 
 if TYPE_CHECKING:
     from sidecar.config.settings import SidecarSettings
@@ -71,10 +71,6 @@ class _JsonByDefault:
         await self.app(scope, receive, send)
 
 
-def _setting(settings: Any, name: str, default: Any = None) -> Any:
-    return getattr(settings, name, default) if settings is not None else default
-
-
 def create_app(
     controller: CaptureController,
     deploy: DeployConfig,
@@ -87,8 +83,7 @@ def create_app(
     scrubber = Scrubber([token] if token else [])
     auth = BearerAuth(token)
     metrics = Metrics(controller.list)
-    state_dir = _setting(settings, "state_dir")
-    summary_dir = Path(state_dir) / "summaries" if state_dir else None
+    summary_dir = Path(settings.state_dir) / "summaries" if settings is not None else None
     summaries: dict[str, dict[str, Any]] = {}
     summary_locks: dict[str, asyncio.Lock] = {}
 
@@ -207,13 +202,8 @@ def create_app(
         wait: bool = Query(False, description="block until the capture is terminal"),
         timeout: float | None = Query(None, gt=0, description="with wait: give up waiting after this many seconds"),
     ) -> JSONResponse:
-        try:
-            cap = await controller.stop(capture_id)
-        except CaptureStateError:
-            # already stopping/collecting (duration, lease): stopping again is a no-op, not an error
-            cap = controller.get(capture_id)
-            if cap.terminal:
-                raise
+        # stopping a capture that is already stopping or finished returns it unchanged
+        cap = await controller.stop(capture_id)
         if wait and not cap.terminal:
             cap = await controller.wait(capture_id, timeout=timeout)
         return capture_response(cap, 200 if cap.terminal else 202)
@@ -312,10 +302,7 @@ def create_app(
                 code="stage_set_mismatch",
                 details={"active_id": active.id, "active_stages": active.stages, "requested": body.stages},
             )
-        try:
-            await controller.stop(active.id)
-        except CaptureStateError:
-            pass  # already stopping: wait for it like the upstream's blocking stop would
+        await controller.stop(active.id)  # already stopping: a no-op; wait like the upstream's stop blocks
         cap = await controller.wait(active.id)
         status = "SUCCESS" if cap.state is CaptureState.completed else cap.state.value.upper()
         return JSONResponse({"status": status, "capture_id": cap.id, "capture": capture_json(cap)})

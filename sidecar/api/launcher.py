@@ -104,7 +104,10 @@ class SidecarProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115  (closed in stop/kill)
         env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
-        self._proc = subprocess.Popen(self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        # own session: a terminal Ctrl-C reaches the parent, which then stops us in order (SIGTERM)
+        self._proc = subprocess.Popen(
+            self.command(), stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
             self._wait_healthy()
         except BaseException:

@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from pydantic import ValidationError
 
-from sidecar.cli._app import EXIT_ERROR, app, parse_stage_list, print_error
+from sidecar.cli._app import EXIT_ERROR, app, err_console, parse_stage_list, print_error
 from sidecar.errors import SidecarError
 
 
@@ -58,6 +59,11 @@ def emulate(
                 fault_start_500=fault_start_500,
             )
         )
+    except ValidationError as err:  # an out-of-range option value
+        for e in err.errors():
+            option = "--" + "-".join(map(str, e["loc"])).replace("_", "-")
+            err_console.print(f"[bold red]error[/][invalid_option]: {option}: {e['msg']}", highlight=False)
+        raise typer.Exit(EXIT_ERROR) from None
     except SidecarError as err:
         # The real server exits 1 for any refused deploy file, unreadable ones included.
         print_error(err)

@@ -34,6 +34,8 @@ def _short(name: str, width: int = 80) -> str:
 def _tables(title: str, body: SummaryBody, by: By) -> None:
     w, t = body.window, body.totals
     steps = f", {w.steps} steps (mean {_ms(w.step_mean_us)} ms)" if w.steps and w.step_mean_us else ""
+    if w.engine_steps and w.engine_step_mean_us:
+        steps += f", {w.engine_steps} engine steps (mean {_ms(w.engine_step_mean_us)} ms)"
     console.print(
         f"[bold]{title}[/]: window {_ms(w.span_us)} ms{steps}; {t.events:,} events, "
         f"{t.cpu_ops:,} CPU ops, {t.kernels:,} kernels ({_ms(t.kernel_us)} ms)"

@@ -7,6 +7,7 @@ here and run through ``asyncio.to_thread`` by :func:`collect`, so big folders ne
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import re
 import time
@@ -67,7 +68,9 @@ class StageWatch:
     server_dir: str | None
     local_dir: Path | None
     use_gzip: bool = True
-    baseline: set[str] | None = None  # entry names before start; None: not snapshotted
+    # Entry name -> content digest before start (digest only for this stage's session folders,
+    # "" for other entries); None: not snapshotted.
+    baseline: dict[str, str] | None = None
     baseline_visible: bool = False
 
     def to_json(self) -> dict:
@@ -77,7 +80,7 @@ class StageWatch:
             "server_dir": self.server_dir,
             "local_dir": str(self.local_dir) if self.local_dir else None,
             "use_gzip": self.use_gzip,
-            "baseline": sorted(self.baseline) if self.baseline is not None else None,
+            "baseline": dict(sorted(self.baseline.items())) if self.baseline is not None else None,
             "baseline_visible": self.baseline_visible,
         }
 
@@ -89,9 +92,33 @@ class StageWatch:
             server_dir=data.get("server_dir"),
             local_dir=Path(data["local_dir"]) if data.get("local_dir") else None,
             use_gzip=bool(data.get("use_gzip", True)),
-            baseline=set(data["baseline"]) if data.get("baseline") is not None else None,
+            baseline=_baseline_from_json(data.get("baseline")),
             baseline_visible=bool(data.get("baseline_visible", False)),
         )
+
+
+def _baseline_from_json(raw: object) -> dict[str, str] | None:
+    if raw is None:
+        return None
+    if isinstance(raw, list):
+        return {str(n): "" for n in raw}
+    return {str(k): str(v) for k, v in dict(raw).items()}  # type: ignore[call-overload]
+
+
+def _digest(folder: str) -> str:
+    """What a session folder holds now: changes when any file is added, removed or rewritten."""
+    h = hashlib.blake2b(digest_size=8)
+    try:
+        with os.scandir(folder) as it:
+            for e in sorted(it, key=lambda e: e.name):
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                h.update(f"{e.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    except OSError:
+        return ""
+    return h.hexdigest()
 
 
 def watch_stage(stage: Stage, roots: dict[str, str]) -> StageWatch:
@@ -107,13 +134,17 @@ def watch_stage(stage: Stage, roots: dict[str, str]) -> StageWatch:
 
 
 def snapshot(watch: StageWatch) -> StageWatch:
-    """Record the entries of the stage's folder before start (blocking; run in a thread)."""
-    names: set[str] = set()
+    """Record the entries of the stage's folder before start (blocking; run in a thread). This
+    stage's session folders also get a content digest: two starts within the same second get the
+    same folder name (second-resolution timestamp and epoch), and the server then reuses it."""
+    names: dict[str, str] = {}
     visible = False
     if watch.local_dir is not None:
         try:
             with os.scandir(watch.local_dir) as it:
-                names = {e.name for e in it}
+                for e in it:
+                    ours = session_stage(e.name, watch.kind) == watch.stage_id
+                    names[e.name] = _digest(e.path) if ours and e.is_dir(follow_symlinks=False) else ""
             visible = True
         except OSError:
             # The server creates the folder at the first start, so absent now is not yet a problem.
@@ -165,11 +196,13 @@ def scan(watch: StageWatch) -> _Scan:
         return _Scan(visible=watch.local_dir.parent.is_dir(), dir_exists=False)
     except OSError:
         return _Scan(visible=False)
-    baseline = watch.baseline or set()
+    baseline = watch.baseline or {}
     result = _Scan(visible=True)
     for entry in sorted(entries, key=lambda e: e.name):
-        if entry.name in baseline or session_stage(entry.name, watch.kind) != watch.stage_id:
+        if session_stage(entry.name, watch.kind) != watch.stage_id:
             continue
+        if entry.name in baseline and (not baseline[entry.name] or _digest(entry.path) == baseline[entry.name]):
+            continue  # there before start and untouched since
         local = Path(entry.path)
         files = _list_files(local)
         server_path = (
@@ -260,13 +293,21 @@ async def collect(
 
 
 def trace_paths(verdicts: list[StageVerdict]) -> list[Path]:
-    """Local paths of every trace file of the given verdicts (for summaries)."""
+    """Local paths of every trace file of the given verdicts that exists now (for summaries).
+    A trace listed as ``.json`` whose gzip finished later is returned as the ``.json.gz``."""
     out: list[Path] = []
     for v in verdicts:
         for s in v.sessions:
             if s.local_path is None:
                 continue
-            out += [Path(s.local_path) / f.name for f in s.files if TRACE_FILE.match(os.path.basename(f.name))]
+            for f in s.files:
+                if not TRACE_FILE.match(os.path.basename(f.name)):
+                    continue
+                path = Path(s.local_path) / f.name
+                if not path.is_file() and path.suffix == ".json":
+                    path = path.with_name(path.name + ".gz")
+                if path.is_file() and path not in out:
+                    out.append(path)
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable
@@ -30,7 +31,6 @@ from sidecar.errors import (
     CaptureError,
     CaptureNotFound,
     CaptureStateError,
-    SidecarError,
     UpstreamError,
     UpstreamUnreachable,
 )
@@ -247,14 +247,9 @@ class CaptureController:
             raise CaptureError("the sidecar is shutting down; start the capture after restart",
                                code="sidecar_closing")
         duration_s, lease_s = self._check_window(duration_s, lease_s)
+        self._refuse_overlap()  # fast path: don't queue behind a start that may take minutes
         async with self._start_lock:
-            if self._busy:
-                active = self._busy[-1]
-                raise CaptureActive(
-                    f"capture {active} is {self._captures[active].state.value} on {self.upstream.base_url}; "
-                    f"stop it first (POST /v1/captures/{active}/stop) or wait for it to finish",
-                    details={"active_id": active},
-                )
+            self._refuse_overlap()
             # Validation comes before anything reaches the server (DESIGN.md §4).
             selected = select_stages(self.deploy, stages, allow_cuda=False)
             now = _now()
@@ -271,9 +266,9 @@ class CaptureController:
             rt.watches = self._watches(cap.stages)
             self._captures[cap.id] = cap
             self._busy.append(cap.id)
-            await asyncio.to_thread(lambda: [artifacts.snapshot(w) for w in rt.watches])
-            self._changed(cap)
             try:
+                await asyncio.to_thread(lambda: [artifacts.snapshot(w) for w in rt.watches])
+                self._changed(cap)  # journaled with the baselines before anything can start upstream
                 await self.upstream.start_profile(cap.stages)
             except UpstreamError as exc:
                 await self._rollback(cap, exc.code, exc.message, delivered=not isinstance(exc, UpstreamUnreachable))
@@ -301,8 +296,17 @@ class CaptureController:
                 rt.watchdog = asyncio.create_task(self._watchdog(cap.id), name=f"watchdog-{cap.id}")
             return cap.model_copy(deep=True)
 
+    def _refuse_overlap(self) -> None:
+        if self._busy:
+            active = self._busy[-1]
+            raise CaptureActive(
+                f"capture {active} is {self._captures[active].state.value} on {self.upstream.base_url}; "
+                f"stop it first (POST /v1/captures/{active}/stop) or wait for it to finish",
+                details={"active_id": active},
+            )
+
     def _check_window(self, duration_s: float | None, lease_s: float | None) -> tuple[float | None, float | None]:
-        if duration_s is not None and not duration_s > 0:
+        if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
             raise CaptureError(f"duration_s must be > 0 seconds, got {duration_s}", code="duration_invalid",
                                key="duration_s")
         limit = self.settings.max_duration_s
@@ -319,7 +323,7 @@ class CaptureController:
                 )
         if lease_s is None:
             lease_s = self.settings.default_lease_s
-        elif not lease_s > 0:
+        elif not (lease_s > 0 and math.isfinite(lease_s)):
             raise CaptureError(f"lease_s must be > 0 seconds, got {lease_s}", code="lease_invalid", key="lease_s")
         return duration_s, lease_s
 

@@ -6,7 +6,6 @@ emulator-only ``GET /emulator/state`` for tests. Torch never runs here; workers 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 import uuid
@@ -20,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sidecar.config.models import DeployConfig
 from sidecar.emulator.options import EmulatorOptions
-from sidecar.emulator.worker import WorkerDead, WorkerHandle
+from sidecar.emulator.worker import StageRuntime, WorkerDead
 
 logger = logging.getLogger("sidecar.emulator")
 
@@ -40,33 +39,6 @@ class ChatRequest(BaseModel):
     num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
 
 
-class StageRuntime:
-    """One deploy stage in the API process: its kind, profiler and replica workers."""
-
-    def __init__(self, stage_id: int, kind: str, profiler: str | None, workers: list[WorkerHandle]) -> None:
-        self.stage_id = stage_id
-        self.kind = kind
-        self.profiler = profiler
-        self.workers = workers
-        self._rr = itertools.cycle(range(len(workers)))
-
-    def next_worker(self) -> WorkerHandle:
-        return self.workers[next(self._rr)]
-
-    def state(self) -> dict[str, Any]:
-        states = [w.last_state for w in self.workers]
-        return {
-            "kind": self.kind,
-            "profiler": self.profiler,
-            "profiling": any(s["profiling"] for s in states),
-            "active": any(s["active"] for s in states),
-            "iterations": sum(s["iterations"] for s in states),
-            "sessions": [p for s in states for p in s["sessions"]],
-            "alive": all(w.alive for w in self.workers),
-            "pids": [w.process.pid for w in self.workers],
-        }
-
-
 class Emulator:
     """Everything the routes need: the stages in deploy order, the options, the call log."""
 
@@ -75,6 +47,9 @@ class Emulator:
         self.options = options
         self.stages = stages
         self.calls: list[dict[str, Any]] = []
+        # Held for a whole control call: the real orchestrator dispatches no new request while
+        # it is busy with one (DESIGN.md §3 "new requests are not dispatched meanwhile").
+        self.control = asyncio.Lock()
 
     @property
     def profiler_mounted(self) -> bool:
@@ -92,17 +67,24 @@ class Emulator:
                     logger.warning("[Orchestrator] collective_rpc: ignoring invalid stage_id %s", lid)
                     continue
                 targets.append(self.stages[lid])
-        for stage in targets:
-            for worker in stage.workers:
-                reply = await worker.call("profile", is_start=is_start)
-                if not reply["ok"]:
-                    # StagePool.collective_rpc swallows worker errors into {"supported": False}.
-                    logger.warning(
-                        "[StagePool] collective_rpc failed: stage=%s replica=%s method=profile: %s",
-                        stage.stage_id,
-                        worker.spec.replica,
-                        reply["error"],
-                    )
+        async with self.control:
+            for stage in targets:
+                for worker in stage.workers:
+                    reply = await worker.call("profile", is_start=is_start)
+                    if not reply["ok"]:
+                        # StagePool.collective_rpc swallows worker errors into {"supported": False}.
+                        logger.warning(
+                            "[StagePool] collective_rpc failed: stage=%s replica=%s method=profile: %s",
+                            stage.stage_id,
+                            worker.spec.replica,
+                            reply["error"],
+                        )
+
+    async def dispatch_steps(self, stage: StageRuntime, n: int) -> dict[str, Any]:
+        """Hand one request's steps to a stage, once no control call is in progress."""
+        async with self.control:
+            worker = stage.next_worker()
+        return await worker.call("steps", n=n)
 
     def state(self) -> dict[str, Any]:
         return {
@@ -200,11 +182,12 @@ def _vllm_profiler_router(emu: Emulator) -> APIRouter:
 async def _vllm_profile(emu: Emulator, is_start: bool) -> None:
     action = "start" if is_start else "stop"
     try:
-        for stage in emu.stages:
-            for worker in stage.workers:
-                reply = await worker.call("profile", is_start=is_start)
-                if not reply["ok"]:
-                    raise RuntimeError(reply["error"])
+        async with emu.control:
+            for stage in emu.stages:
+                for worker in stage.workers:
+                    reply = await worker.call("profile", is_start=is_start)
+                    if not reply["ok"]:
+                        raise RuntimeError(reply["error"])
     except Exception as e:
         raise HTTPException(status_code=500, detail=f"Failed to {action} profiler: {e}") from None
 
@@ -258,9 +241,8 @@ def build_app(emu: Emulator) -> FastAPI:
         tokens: list[int] = []
         try:
             for stage in emu.stages:
-                worker = stage.next_worker()
                 n = (request.num_inference_steps or 4) if stage.kind == "diffusion" else max_tokens
-                reply = await worker.call("steps", n=n)
+                reply = await emu.dispatch_steps(stage, n)
                 if not reply["ok"]:
                     raise RuntimeError(reply["error"])
                 if not tokens:

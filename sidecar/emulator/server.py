@@ -10,10 +10,9 @@ import sys
 import time
 
 from sidecar.config.models import DeployConfig, StageKind
-from sidecar.emulator.app import Emulator, StageRuntime, build_app
-from sidecar.emulator.options import EmulatorOptions
-from sidecar.emulator.worker import WorkerDead, WorkerHandle, WorkerSpec
 from sidecar.emulator.launcher import EmulatorStartError
+from sidecar.emulator.options import EmulatorOptions
+from sidecar.emulator.worker import StageRuntime, WorkerDead, WorkerHandle, WorkerSpec
 from sidecar.errors import ConfigError
 
 logger = logging.getLogger("sidecar.emulator")
@@ -77,8 +76,6 @@ def _shutdown(stages: list[StageRuntime]) -> None:
 
 def serve(options: EmulatorOptions) -> None:
     """Block serving until SIGINT/SIGTERM. Raises ``SidecarError`` for a refused deploy file."""
-    import uvicorn
-
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s")
     deploy = load_deploy(options)
     stages = plan_stages(deploy, options)
@@ -87,6 +84,11 @@ def serve(options: EmulatorOptions) -> None:
         for stage in stages:  # spawn all first: their torch imports overlap
             for worker in stage.workers:
                 worker.start()
+        # FastAPI and uvicorn load while the workers import torch.
+        import uvicorn
+
+        from sidecar.emulator.app import Emulator, build_app
+
         deadline = time.monotonic() + options.startup_timeout_s
         for stage in stages:
             for worker in stage.workers:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -281,3 +282,30 @@ class WorkerHandle:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(1.0)
+
+
+class StageRuntime:
+    """One deploy stage in the API process: its kind, profiler and replica workers."""
+
+    def __init__(self, stage_id: int, kind: str, profiler: str | None, workers: list[WorkerHandle]) -> None:
+        self.stage_id = stage_id
+        self.kind = kind
+        self.profiler = profiler
+        self.workers = workers
+        self._rr = itertools.cycle(range(len(workers)))
+
+    def next_worker(self) -> WorkerHandle:
+        return self.workers[next(self._rr)]
+
+    def state(self) -> dict[str, Any]:
+        states = [w.last_state for w in self.workers]
+        return {
+            "kind": self.kind,
+            "profiler": self.profiler,
+            "profiling": any(s["profiling"] for s in states),
+            "active": any(s["active"] for s in states),
+            "iterations": sum(s["iterations"] for s in states),
+            "sessions": [p for s in states for p in s["sessions"]],
+            "alive": all(w.alive for w in self.workers),
+            "pids": [w.process.pid for w in self.workers],
+        }

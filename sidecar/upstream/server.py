@@ -200,6 +200,10 @@ class UpstreamServer:
             nonlocal failures_5xx
             if isinstance(exc, UpstreamUnreachable):
                 return True
+            if isinstance(exc, UpstreamTimeout):
+                # The server handles stops one after another, so a repeated stop waits behind the
+                # first and answers once it is done: asking again is harmless and informative.
+                return True
             if _is_5xx(exc):
                 failures_5xx += 1
                 return failures_5xx < self.stop_5xx_attempts
@@ -253,7 +257,7 @@ class UpstreamServer:
             ) from None
         except httpx.TimeoutException as exc:
             raise UpstreamTimeout(
-                f"{url} did not answer within {timeout.read:.0f}s ({exc.__class__.__name__}); the request "
+                f"{url} did not answer within {timeout.read:g}s ({exc.__class__.__name__}); the request "
                 "was sent and its effect is unknown",
                 details={"url": url, "timeout_s": timeout.read},
             ) from None
@@ -261,7 +265,7 @@ class UpstreamServer:
             # A dropped connection mid-request: delivered or not, nobody knows.
             raise UpstreamTimeout(
                 f"{url} failed mid-request ({exc.__class__.__name__}: {exc}); its effect is unknown",
-                details={"url": url},
+                details={"url": url, "dropped": True},
             ) from None
         if resp.is_success:
             return

@@ -1,0 +1,205 @@
+"""Artifact finder/checker on real folders: session-folder naming (both kinds, exact stage ids),
+baseline snapshots, gzip and size settling, verdicts and their reasons, path mapping, downloads."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import os
+from pathlib import Path
+
+import pytest
+
+from sidecar.config.models import StageKind
+from sidecar.control import artifacts
+from sidecar.control.artifacts import StageWatch, collect, map_server_path, resolve_artifact, session_stage, snapshot
+from sidecar.control.models import Verdict
+
+LLM = "20261130-120000_stage{sid}_rank0_1796000000"
+DIFF = "20261130-120000_stage_{sid}_rep_0_diffusion_1796000000"
+
+
+def _watch(d: Path, sid: int = 1, kind: StageKind = StageKind.unknown, gzip_on: bool = True) -> StageWatch:
+    return snapshot(StageWatch(stage_id=sid, kind=kind, server_dir=str(d), local_dir=d, use_gzip=gzip_on))
+
+
+def _session(d: Path, name: str, trace: bytes | None = b"{}", gz: bool = True) -> Path:
+    folder = d / name
+    folder.mkdir(parents=True)
+    if trace is not None:
+        if gz:
+            (folder / "trace_rank0.json.gz").write_bytes(gzip.compress(trace))
+        else:
+            (folder / "trace_rank0.json").write_bytes(trace)
+    return folder
+
+
+async def _collect(*watches: StageWatch, **kw):
+    kw = {"collect_timeout_s": 5, "settle_s": 0.1, "poll_s": 0.02} | kw
+    return await collect(list(watches), **kw)
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("20261130-120000_stage1_rank0_1796000000", 1),
+        ("20261130-120000_stage10_rank3_1796000000", 10),
+        ("20261130-120000_stage_1_rep_2_diffusion_1796000000", 1),
+        ("20261130-120000_stage_12_rep_0_diffusion_1796000000", 12),
+        ("stage1_rank0_1796000000", None),  # no timestamp: not a session folder
+        ("20261130-120000_diffusion_rank0_1796000000", None),  # a worker without stage prefix
+        ("20261130-120000_stage1_rank0_1796000000.tmp", None),
+    ],
+)
+def test_session_folder_names(name, expected):
+    assert session_stage(name) == expected
+
+
+def test_kind_restricts_the_naming():
+    assert (session_stage(DIFF.format(sid=1), StageKind.llm), session_stage(LLM.format(sid=1), StageKind.diffusion)) == (
+        None, None)
+
+
+async def test_stage1_does_not_take_stage10_folders(tmp_path):
+    w = _watch(tmp_path, sid=1)
+    _session(tmp_path, LLM.format(sid=10))
+    [v] = await _collect(w)
+    assert v.verdict is Verdict.missing
+
+
+async def test_folders_from_before_start_are_ignored(tmp_path):
+    _session(tmp_path, LLM.format(sid=1))
+    w = _watch(tmp_path)
+    [v] = await _collect(w)
+    assert (v.verdict, v.sessions) == (Verdict.missing, [])
+
+
+async def test_new_llm_and_diffusion_folders_are_both_found(tmp_path):
+    w = _watch(tmp_path)
+    _session(tmp_path, LLM.format(sid=1))
+    _session(tmp_path, DIFF.format(sid=1).replace("rep_0", "rep_1"))
+    [v] = await _collect(w)
+    assert (v.verdict, len(v.sessions)) == (Verdict.ok, 2)
+
+
+async def test_folder_without_trace_is_empty(tmp_path):
+    w = _watch(tmp_path)
+    _session(tmp_path, LLM.format(sid=1), trace=None)
+    [v] = await _collect(w)
+    assert (v.verdict, "no non-empty trace" in v.reason) == (Verdict.empty, True)
+
+
+async def test_zero_byte_trace_is_empty(tmp_path):
+    w = _watch(tmp_path, gzip_on=False)
+    _session(tmp_path, LLM.format(sid=1), trace=b"", gz=False)
+    [v] = await _collect(w)
+    assert v.verdict is Verdict.empty
+
+
+async def test_one_replica_without_trace_makes_the_stage_empty(tmp_path):
+    w = _watch(tmp_path)
+    _session(tmp_path, DIFF.format(sid=1))
+    _session(tmp_path, DIFF.format(sid=1).replace("rep_0", "rep_1"), trace=None)
+    [v] = await _collect(w)
+    assert v.verdict is Verdict.empty
+
+
+async def test_collect_waits_until_gzip_is_done(tmp_path):
+    w = _watch(tmp_path)
+    folder = _session(tmp_path, LLM.format(sid=1), gz=False)
+
+    async def gzip_later() -> None:
+        await asyncio.sleep(0.5)
+        raw = (folder / "trace_rank0.json").read_bytes()
+        (folder / "trace_rank0.json.gz").write_bytes(gzip.compress(raw))
+        os.unlink(folder / "trace_rank0.json")
+
+    task = asyncio.create_task(gzip_later())
+    [v] = await _collect(w)
+    await task
+    assert [f.name for f in v.sessions[0].files] == ["trace_rank0.json.gz"]
+
+
+async def test_gzip_that_never_finishes_is_bounded_and_explained(tmp_path):
+    w = _watch(tmp_path)
+    _session(tmp_path, LLM.format(sid=1), gz=False)
+    [v] = await _collect(w, collect_timeout_s=0.3)
+    assert (v.verdict, "gzip had not finished" in v.reason) == (Verdict.ok, True)
+
+
+async def test_plain_json_is_final_when_gzip_is_off(tmp_path):
+    w = _watch(tmp_path, gzip_on=False)
+    _session(tmp_path, LLM.format(sid=1), gz=False)
+    [v] = await _collect(w, collect_timeout_s=30)
+    assert (v.verdict, v.reason) == (Verdict.ok, None)
+
+
+async def test_missing_folder_with_visible_parent_is_missing(tmp_path):
+    w = _watch(tmp_path / "never-created")
+    [v] = await _collect(w)
+    assert (v.verdict, "does not even exist" in v.reason) == (Verdict.missing, True)
+
+
+async def test_invisible_folder_is_unverified_and_names_the_flag(tmp_path):
+    w = _watch(tmp_path / "not" / "mounted")
+    [v] = await _collect(w)
+    assert (v.verdict, "--artifact-root" in v.reason) == (Verdict.unverified, True)
+
+
+async def test_uri_profiler_dir_is_unverified(tmp_path):
+    w = StageWatch(stage_id=1, kind=StageKind.llm, server_dir="gs://bucket/traces",
+                   local_dir=map_server_path("gs://bucket/traces", {}))
+    [v] = await _collect(snapshot(w))
+    assert v.verdict is Verdict.unverified
+
+
+def test_artifact_root_maps_longest_prefix():
+    roots = {"/srv": "/mnt/a", "/srv/traces": "/mnt/b"}
+    assert map_server_path("/srv/traces/stage0", roots) == Path("/mnt/b/stage0")
+
+
+def test_artifact_root_matches_whole_components_only():
+    assert map_server_path("/srv2/x", {"/srv": "/mnt/a"}) == Path("/srv2/x")
+
+
+async def test_verdicts_keep_the_stage_order(tmp_path):
+    a, b = _watch(tmp_path / "a", sid=2), _watch(tmp_path / "b", sid=0)
+    _session(tmp_path / "a", LLM.format(sid=2))
+    _session(tmp_path / "b", LLM.format(sid=0))
+    verdicts = await _collect(a, b)
+    assert [v.stage_id for v in verdicts] == [2, 0]
+
+
+async def test_watch_round_trips_through_json(tmp_path):
+    _session(tmp_path, LLM.format(sid=1))
+    w = _watch(tmp_path)
+    assert StageWatch.from_json(w.to_json()) == w
+
+
+async def test_resolve_artifact_finds_a_file_and_refuses_others(tmp_path):
+    w = _watch(tmp_path)
+    folder = _session(tmp_path, LLM.format(sid=1))
+    (tmp_path / "outside.txt").write_text("x")
+    verdicts = await _collect(w)
+    ok = resolve_artifact(verdicts, f"{folder.name}/trace_rank0.json.gz")
+    refused = [resolve_artifact(verdicts, r) for r in (f"{folder.name}/../outside.txt", "outside.txt",
+                                                          f"{folder.name}/nope", folder.name, "")]
+    assert (ok, refused) == (folder / "trace_rank0.json.gz", [None] * 5)
+
+
+async def test_trace_paths_follow_a_late_gzip(tmp_path):
+    w = _watch(tmp_path)
+    folder = _session(tmp_path, LLM.format(sid=1), gz=False)
+    verdicts = await _collect(w, collect_timeout_s=0.2)  # listed as .json
+    (folder / "trace_rank0.json.gz").write_bytes(gzip.compress(b"{}"))
+    os.unlink(folder / "trace_rank0.json")
+    assert artifacts.trace_paths(verdicts) == [folder / "trace_rank0.json.gz"]
+
+
+async def test_folder_reused_by_a_start_in_the_same_second_counts_as_new(tmp_path):
+    # Session names have second resolution: a start in the same second reuses the old folder.
+    folder = _session(tmp_path, LLM.format(sid=1), gz=False)
+    w = _watch(tmp_path, gzip_on=False)
+    (folder / "trace_rank0.json").write_bytes(b'{"traceEvents": []}')
+    [v] = await _collect(w)
+    assert (v.verdict, len(v.sessions)) == (Verdict.ok, 1)
