@@ -203,3 +203,31 @@ async def test_folder_reused_by_a_start_in_the_same_second_counts_as_new(tmp_pat
     (folder / "trace_rank0.json").write_bytes(b'{"traceEvents": []}')
     [v] = await _collect(w)
     assert (v.verdict, len(v.sessions)) == (Verdict.ok, 1)
+
+
+# --- plain vLLM layout (flavor vllm): trace files straight in the dir --------------------
+
+
+async def test_flat_layout_finds_only_new_trace_files(tmp_path):
+    (tmp_path / "dp0_rank0.1700000000000.pt.trace.json.gz").write_bytes(b"old")
+    w = snapshot(StageWatch(stage_id=0, kind=StageKind.llm, server_dir=str(tmp_path), local_dir=tmp_path, flat=True))
+    (tmp_path / "dp0_rank0.1800000000000.pt.trace.json.gz").write_bytes(gzip.compress(b"{}"))
+    (tmp_path / "profiler_out_0.txt").write_text("table")
+    [v] = await _collect(w)
+    assert (v.verdict, [f.name for f in v.sessions[0].files]) == (
+        Verdict.ok, ["dp0_rank0.1800000000000.pt.trace.json.gz", "profiler_out_0.txt"])
+
+
+async def test_flat_layout_without_new_trace_is_missing(tmp_path):
+    w = snapshot(StageWatch(stage_id=0, kind=StageKind.llm, server_dir=str(tmp_path), local_dir=tmp_path, flat=True))
+    [v] = await _collect(w)
+    assert (v.verdict, "pt.trace.json" in v.reason) == (Verdict.missing, True)
+
+
+async def test_flat_layout_downloads_only_this_captures_files(tmp_path):
+    (tmp_path / "old.1.pt.trace.json.gz").write_bytes(b"old")
+    w = snapshot(StageWatch(stage_id=0, kind=StageKind.llm, server_dir=str(tmp_path), local_dir=tmp_path, flat=True))
+    (tmp_path / "new.2.pt.trace.json.gz").write_bytes(b"new")
+    verdicts = await _collect(w)
+    got = [resolve_artifact(verdicts, f"{tmp_path.name}/{n}") for n in ("new.2.pt.trace.json.gz", "old.1.pt.trace.json.gz")]
+    assert got == [tmp_path / "new.2.pt.trace.json.gz", None]

@@ -398,6 +398,18 @@ async def test_recovered_capture_checks_its_artifacts(fake_omni, upstream, contr
     assert (done.state, [v.verdict for v in done.verdicts]) == (CaptureState.completed, [Verdict.ok, Verdict.ok])
 
 
+async def test_recovery_counts_only_folders_made_after_the_journaled_start(fake_omni, upstream, control_deploy,
+                                                                          tmp_path):
+    old = Path(control_deploy.stage(0).profiler_dir) / "20200101-000000_stage0_rank0_1577836800"
+    old.mkdir(parents=True)
+    (old / "trace_rank0.json.gz").write_bytes(b"old")
+    cid = await _crash_mid_capture(fake_omni, control_deploy, tmp_path / "s")
+    async with CaptureController(upstream, control_deploy, state_dir=tmp_path / "s", settings=FAST) as c:
+        done = await c.wait(cid, timeout=20)
+    names = [Path(s.path).name for s in done.verdict(0).sessions]
+    assert (len(names), old.name in names) == (1, False)
+
+
 async def test_recovery_returns_the_recovered_captures(fake_omni, upstream, control_deploy, tmp_path):
     cid = await _crash_mid_capture(fake_omni, control_deploy, tmp_path / "s")
     c = CaptureController(upstream, control_deploy, state_dir=tmp_path / "s", settings=FAST)

@@ -20,7 +20,7 @@ from sidecar.control.controller import CaptureController, ControlSettings
 from sidecar.control.models import CaptureState, StopReason, Verdict
 from sidecar.emulator.launcher import EmulatorProcess
 from sidecar.errors import CaptureActive, StageSelectionError, UpstreamError
-from sidecar.upstream.server import UpstreamServer
+from sidecar.upstream.server import Flavor, UpstreamServer
 from tests.fixtures.emulator import emulator_state, make_deploy
 
 pytestmark = pytest.mark.slow
@@ -237,3 +237,18 @@ async def test_start_500_rolls_back_and_fails(tmp_path_factory):
             await up.aclose()
     assert (cap.state, cap.stop_reason, stops, "injected fault" in cap.errors[0].message) == (
         CaptureState.failed, StopReason.rollback, [[0, 2]], True)
+
+
+async def test_plain_vllm_flavor_finds_trace_files_in_the_dir(tmp_path):
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}})
+    with EmulatorProcess(deploy, flavor="vllm", startup_timeout=120) as emu:
+        up = UpstreamServer(emu.url, flavor=Flavor.vllm, stop_budget_s=60)
+        ctl = CaptureController(up, load_deploy_config(deploy), settings=SETTINGS)
+        try:
+            await ctl.open()
+            done = await _capture(ctl, [0])
+        finally:
+            await ctl.close()
+            await up.aclose()
+    traces = [f.name for f in done.verdict(0).sessions[0].files if ".pt.trace.json" in f.name]
+    assert (done.state, len(traces)) == (CaptureState.completed, 1)

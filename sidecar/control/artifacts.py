@@ -23,6 +23,10 @@ DIFFUSION_SESSION = re.compile(
     r"^\d{8}-\d{6}_stage_(?P<sid>\d+)_rep_(?P<rep>\d+)_diffusion_(?P<epoch>\d+)$"
 )
 TRACE_FILE = re.compile(r"^trace_rank\d+\.json(\.gz)?$")
+# Plain vLLM (flavor vllm): torch's tensorboard_trace_handler writes straight into the dir, gzipped
+# inline: ``<worker>.<ms>.pt.trace.json[.gz]`` (vllm/profiler/wrapper.py).
+VLLM_TRACE_FILE = re.compile(r"^.+\.pt\.trace\.json(\.gz)?$")
+VLLM_TABLE_FILE = re.compile(r"^profiler_out_\d+\.txt$")
 _URI = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 
@@ -72,6 +76,7 @@ class StageWatch:
     # "" for other entries); None: not snapshotted.
     baseline: dict[str, str] | None = None
     baseline_visible: bool = False
+    flat: bool = False  # plain vLLM layout: trace files directly in the dir, no session folders
 
     def to_json(self) -> dict:
         return {
@@ -82,6 +87,7 @@ class StageWatch:
             "use_gzip": self.use_gzip,
             "baseline": dict(sorted(self.baseline.items())) if self.baseline is not None else None,
             "baseline_visible": self.baseline_visible,
+            "flat": self.flat,
         }
 
     @classmethod
@@ -94,6 +100,7 @@ class StageWatch:
             use_gzip=bool(data.get("use_gzip", True)),
             baseline=_baseline_from_json(data.get("baseline")),
             baseline_visible=bool(data.get("baseline_visible", False)),
+            flat=bool(data.get("flat", False)),
         )
 
 
@@ -121,10 +128,38 @@ def _digest(folder: str) -> str:
     return h.hexdigest()
 
 
-def watch_stage(stage: Stage, roots: dict[str, str]) -> StageWatch:
+def _file_digest(entry: os.DirEntry) -> str:
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except OSError:
+        return ""
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def _scan_flat(watch: StageWatch, local: Path) -> _Scan:
+    baseline = watch.baseline or {}
+    files: list[ArtifactFile] = []
+    with os.scandir(local) as it:
+        for e in sorted(it, key=lambda e: e.name):
+            if not (VLLM_TRACE_FILE.match(e.name) or VLLM_TABLE_FILE.match(e.name)):
+                continue
+            if not e.is_file(follow_symlinks=False) or baseline.get(e.name) == _file_digest(e):
+                continue  # there before start and untouched since
+            try:
+                files.append(ArtifactFile(name=e.name, size=e.stat(follow_symlinks=False).st_size))
+            except OSError:
+                continue
+    result = _Scan(visible=True)
+    if any(VLLM_TRACE_FILE.match(f.name) for f in files):
+        result.sessions.append(SessionFolder(path=watch.server_dir or str(local), local_path=str(local), files=files))
+    return result
+
+
+def watch_stage(stage: Stage, roots: dict[str, str], *, flat: bool = False) -> StageWatch:
     server_dir = stage.profiler_dir
     pc = stage.profiler_config
     return StageWatch(
+        flat=flat,
         stage_id=stage.stage_id,
         kind=stage.kind,
         server_dir=server_dir,
@@ -143,6 +178,9 @@ def snapshot(watch: StageWatch) -> StageWatch:
         try:
             with os.scandir(watch.local_dir) as it:
                 for e in it:
+                    if watch.flat:
+                        names[e.name] = _file_digest(e)
+                        continue
                     ours = session_stage(e.name, watch.kind) == watch.stage_id
                     names[e.name] = _digest(e.path) if ours and e.is_dir(follow_symlinks=False) else ""
             visible = True
@@ -196,6 +234,11 @@ def scan(watch: StageWatch) -> _Scan:
         return _Scan(visible=watch.local_dir.parent.is_dir(), dir_exists=False)
     except OSError:
         return _Scan(visible=False)
+    if watch.flat:
+        try:
+            return _scan_flat(watch, watch.local_dir)
+        except OSError:
+            return _Scan(visible=False)
     baseline = watch.baseline or {}
     result = _Scan(visible=True)
     for entry in sorted(entries, key=lambda e: e.name):
@@ -235,6 +278,13 @@ def _verdict(watch: StageWatch, found: _Scan, timed_out: bool, collect_timeout_s
             "pass --artifact-root SERVER_PATH=LOCAL_PATH"
         )
         return sv
+    if not found.sessions and watch.flat:
+        sv.verdict = Verdict.missing
+        sv.reason = (
+            f"no new *.pt.trace.json[.gz] in {where} after stop: the worker did not start its profiler "
+            "or exported nothing; check the server log"
+        )
+        return sv
     if not found.sessions:
         sv.verdict = Verdict.missing
         absent = "" if found.dir_exists else " (the folder does not even exist)"
@@ -244,8 +294,9 @@ def _verdict(watch: StageWatch, found: _Scan, timed_out: bool, collect_timeout_s
             "by the server); check the server log for this stage"
         )
         return sv
+    trace = VLLM_TRACE_FILE if watch.flat else TRACE_FILE
     without_trace = [
-        s.path for s in found.sessions if not any(TRACE_FILE.match(f.name) and f.size > 0 for f in s.files)
+        s.path for s in found.sessions if not any(trace.match(f.name) and f.size > 0 for f in s.files)
     ]
     if without_trace:
         sv.verdict = Verdict.empty
@@ -301,7 +352,8 @@ def trace_paths(verdicts: list[StageVerdict]) -> list[Path]:
             if s.local_path is None:
                 continue
             for f in s.files:
-                if not TRACE_FILE.match(os.path.basename(f.name)):
+                name = os.path.basename(f.name)
+                if not (TRACE_FILE.match(name) or VLLM_TRACE_FILE.match(name)):
                     continue
                 path = Path(s.local_path) / f.name
                 if not path.is_file() and path.suffix == ".json":
@@ -323,6 +375,8 @@ def resolve_artifact(verdicts: list[StageVerdict], relpath: str) -> Path | None:
         for s in v.sessions:
             if s.local_path is None or os.path.basename(s.local_path.rstrip("/")) != parts[0]:
                 continue
+            if session_stage(parts[0]) is None and "/".join(parts[1:]) not in {f.name for f in s.files}:
+                return None  # a flat (plain vLLM) dir: only this capture's files, not its neighbours
             root = Path(s.local_path).resolve()
             target = (root.joinpath(*parts[1:])).resolve()
             if not target.is_relative_to(root) or not target.is_file():

@@ -34,7 +34,7 @@ from sidecar.errors import (
     UpstreamError,
     UpstreamUnreachable,
 )
-from sidecar.upstream.server import UpstreamServer
+from sidecar.upstream.server import Flavor, UpstreamServer
 
 if TYPE_CHECKING:
     from sidecar.config.settings import SidecarSettings
@@ -334,7 +334,8 @@ class CaptureController:
             if stage is None:  # a journaled capture from an older deploy config
                 out.append(StageWatch(stage_id=sid, kind=artifacts.StageKind.unknown, server_dir=None, local_dir=None))
             else:
-                out.append(artifacts.watch_stage(stage, self.settings.artifact_roots))
+                flat = self.upstream.flavor is Flavor.vllm
+                out.append(artifacts.watch_stage(stage, self.settings.artifact_roots, flat=flat))
         return out
 
     async def _rollback(self, cap: Capture, code: str, message: str, *, delivered: bool) -> None:
