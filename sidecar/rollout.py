@@ -232,7 +232,10 @@ class RolloutProfiler:
             log.debug("step %d was profiled already; not profiling it again", step)
             return None
         if self._closed:
-            raise FleetInvalid("this RolloutProfiler is closed", code="fleet_closed")
+            if self.strict:
+                raise FleetInvalid(f"step {step}: this RolloutProfiler is closed", code="fleet_closed")
+            log.warning("step %d is not profiled: this RolloutProfiler is closed", step)
+            return None
         return step
 
     def step(self, n: int) -> contextlib.AbstractContextManager[StepResult | None]:
@@ -253,7 +256,8 @@ class RolloutProfiler:
     def results(self) -> dict[int, StepResult]:
         """Per profiled step (ascending), per target: capture id, verdicts, artifact folders.
         With ``wait_artifacts=False`` a step may still be checking (``done`` is false)."""
-        return {k: self._results[k] for k in sorted(self._results)}
+        snapshot = dict(self._results)  # the private loop thread may be adding a step right now
+        return {k: snapshot[k] for k in sorted(snapshot)}
 
     def wait(self, timeout: float | None = None) -> dict[int, StepResult]:
         """Wait for background artifact checks (``wait_artifacts=False``), then :meth:`results`."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -198,7 +199,7 @@ async def test_trace_paths_follow_a_late_gzip(tmp_path):
 
 async def test_folder_reused_by_a_start_in_the_same_second_counts_as_new(tmp_path):
     # Session names have second resolution: a start in the same second reuses the old folder.
-    folder = _session(tmp_path, LLM.format(sid=1), gz=False)
+    folder = _session(tmp_path, f"20261130-120000_stage1_rank0_{int(time.time())}", gz=False)
     w = _watch(tmp_path, gzip_on=False)
     (folder / "trace_rank0.json").write_bytes(b'{"traceEvents": []}')
     [v] = await _collect(w)
@@ -231,3 +232,11 @@ async def test_flat_layout_downloads_only_this_captures_files(tmp_path):
     verdicts = await _collect(w)
     got = [resolve_artifact(verdicts, f"{tmp_path.name}/{n}") for n in ("new.2.pt.trace.json.gz", "old.1.pt.trace.json.gz")]
     assert got == [tmp_path / "new.2.pt.trace.json.gz", None]
+
+
+async def test_an_old_folder_is_not_taken_for_a_reused_one(tmp_path):
+    folder = _session(tmp_path, LLM.format(sid=1), gz=False)  # epoch long past
+    w = _watch(tmp_path, gzip_on=False)
+    (folder / "stray.txt").write_text("x")
+    [v] = await _collect(w)
+    assert v.verdict is Verdict.missing

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -98,3 +99,24 @@ def test_serve_refuses_an_invalid_deploy(tmp_path: Path) -> None:
     )  # fmt: skip
     assert proc.returncode == 1
     assert "bogus_key" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_capture_until_ctrl_c_still_stops_and_reports(sidecar: str) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+    )  # fmt: skip
+    try:
+        seen = ""
+        while "Ctrl-C" not in seen:
+            line = proc.stdout.readline() if proc.stdout else ""
+            assert line, f"capture ended early:\n{seen}"
+            seen += line
+        proc.send_signal(signal.SIGINT)
+        seen += proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, seen
+    assert "completed" in seen and "trace_rank0.json.gz" in seen

@@ -259,6 +259,16 @@ async def test_non_ok_verdict_has_a_reason(ctl, fake_omni, control_deploy):
     assert "no new session folder" in done.verdict(0).reason
 
 
+async def test_stop_during_start_takes_effect_once_started(ctl, fake_omni):
+    fake_omni.start_delay = 0.5
+    starting = asyncio.create_task(ctl.start([0]))
+    await asyncio.sleep(0.1)
+    await ctl.stop(ctl.active.id)
+    cap = await starting
+    done = await ctl.wait(cap.id, timeout=20)
+    assert (done.state, done.stop_reason, len(fake_omni.stops())) == (CaptureState.completed, StopReason.explicit, 1)
+
+
 async def test_stop_twice_is_idempotent(ctl, fake_omni):
     cap = await ctl.start([0])
     await ctl.stop(cap.id)

@@ -129,6 +129,48 @@ FAKE_VERL = {
                 self.calls.append(dict(prompts.meta_info))
                 return prompts
     ''',
+    # verl's RayPPOTrainer, reduced to what touches rollout profiling: init_workers builds the
+    # LLMServerManager, then the manager class named by agent_loop_manager_class; fit() calls
+    # llm_server_manager.start_profile()/stop_profile() around generate_sequences at profiled steps.
+    "verl/trainer/__init__.py": "",
+    "verl/trainer/ppo/__init__.py": "",
+    "verl/trainer/ppo/ray_trainer.py": '''
+        import importlib
+        from verl.utils.ray_utils import auto_await
+
+        class LLMServerManager:
+            def __init__(self, urls):
+                self.urls, self.profile_calls = urls, []
+
+            @auto_await
+            async def start_profile(self, **kwargs):
+                self.profile_calls.append("start")
+
+            @auto_await
+            async def stop_profile(self):
+                self.profile_calls.append("stop")
+
+        class RayPPOTrainer:
+            def __init__(self, config, urls):
+                self.config, self.urls = config, urls
+
+            def init_workers(self):
+                self.llm_server_manager = LLMServerManager(self.urls)
+                fqn = self.config.actor_rollout_ref.rollout.agent.get("agent_loop_manager_class")
+                module, _, name = fqn.rpartition(".")
+                manager_cls = getattr(importlib.import_module(module), name)
+                self.async_rollout_manager = manager_cls.create(config=self.config, llm_client=self.urls)
+
+            def fit(self, batches, steps):
+                for self.global_steps, batch in enumerate(batches, start=1):
+                    batch.meta_info["global_steps"] = self.global_steps
+                    profiled = self.global_steps in (self.config.global_profiler.steps or [])
+                    if profiled:
+                        self.llm_server_manager.start_profile()
+                    self.async_rollout_manager.generate_sequences(batch)
+                    if profiled:
+                        self.llm_server_manager.stop_profile()
+    ''',
 }
 
 
@@ -175,6 +217,24 @@ PROFILE_ROLLOUT = [
     "trainer.resume_mode=disable",
     f"actor_rollout_ref.rollout.agent.agent_loop_manager_class={FQN}",
 ]
+
+
+@pytest.mark.slow
+def test_in_a_verl_trainer_the_hook_drives_the_profiled_steps_instead_of_verl(fake_verl, replica_factory):
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    (replica,) = replica_factory(1, stages=(0,))
+    cfg = trainer_config(*PROFILE_ROLLOUT)
+    cfg.omni_sidecar = {"targets": [f"upstream={replica.url}"], "deploy_config": str(replica.deploy)}
+    trainer = RayPPOTrainer(cfg, [replica.url])
+    trainer.init_workers()
+    trainer.fit([DataProto({}) for _ in range(3)], steps=3)
+    prof = trainer.async_rollout_manager._omni_sidecar
+    results = prof.wait(timeout=60)
+    prof.close()
+    assert trainer.llm_server_manager.profile_calls == []  # verl's own start/stop were skipped
+    assert sorted(results) == [1, 3] and all(r.ok for r in results.values())
+    assert [c["stages"] for c in replica.calls("/start_profile")] == [[0], [0]]
 
 
 @pytest.mark.slow

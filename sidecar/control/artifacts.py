@@ -112,6 +112,15 @@ def _baseline_from_json(raw: object) -> dict[str, str] | None:
     return {str(k): str(v) for k, v in dict(raw).items()}  # type: ignore[call-overload]
 
 
+# Session names carry the start's epoch second; allow for clock skew between server and sidecar.
+_REUSE_WINDOW_S = 120
+
+
+def _session_epoch(name: str) -> int:
+    m = LLM_SESSION.match(name) or DIFFUSION_SESSION.match(name)
+    return int(m.group("epoch")) if m else 0
+
+
 def _digest(folder: str) -> str:
     """What a session folder holds now: changes when any file is added, removed or rewritten."""
     h = hashlib.blake2b(digest_size=8)
@@ -177,12 +186,18 @@ def snapshot(watch: StageWatch) -> StageWatch:
     if watch.local_dir is not None:
         try:
             with os.scandir(watch.local_dir) as it:
+                recent = time.time() - _REUSE_WINDOW_S
                 for e in it:
+                    # Only entries a scan could report are kept: the journal stays small.
                     if watch.flat:
-                        names[e.name] = _file_digest(e)
+                        if VLLM_TRACE_FILE.match(e.name) or VLLM_TABLE_FILE.match(e.name):
+                            names[e.name] = _file_digest(e)
                         continue
-                    ours = session_stage(e.name, watch.kind) == watch.stage_id
-                    names[e.name] = _digest(e.path) if ours and e.is_dir(follow_symlinks=False) else ""
+                    if session_stage(e.name, watch.kind) != watch.stage_id:
+                        continue
+                    # Only a folder named in the last moments can be reused by the coming start.
+                    fresh = _session_epoch(e.name) >= recent and e.is_dir(follow_symlinks=False)
+                    names[e.name] = _digest(e.path) if fresh else ""
             visible = True
         except OSError:
             # The server creates the folder at the first start, so absent now is not yet a problem.

@@ -240,7 +240,8 @@ class CaptureController:
         lease_s: float | None = None,
     ) -> Capture:
         """Start a capture of ``stages`` (default: every profiled torch stage, sent explicitly).
-        Returns once the upstream accepted (state ``active``). On an upstream failure or an
+        Returns once the upstream accepted (state ``active``, or ``stopping`` when a stop was asked
+        for while it was starting). On an upstream failure or an
         ambiguous start the same set is stopped (rollback), the capture ends ``failed`` and the
         upstream error is raised with ``details['capture_id']``."""
         if self._closed:

@@ -58,6 +58,10 @@ class SidecarHookConfig(BaseModel):
     flavor: Literal["omni", "vllm"] = "omni"
     token_file: str | None = None  # bearer token of the sidecar targets
     lease_s: float | None = Field(default=None, gt=0)
+    # verl's trainer calls llm_server_manager.start_profile()/stop_profile() itself at its profiled
+    # steps; on the same servers that is a second start (an empty session folder). By default the
+    # hook takes over: those two calls become no-ops on the trainer that builds this manager.
+    take_over: bool = True
 
 
 def _block(config: Any) -> dict[str, Any] | None:
@@ -116,6 +120,33 @@ def profiled_step(prompts: Any) -> Any | None:
     return meta.get("global_steps")
 
 
+def _take_over(frame: Any, depth: int = 40) -> bool:
+    """Make verl's own rollout start/stop no-ops on the trainer building this manager (found up
+    the call stack as the object with ``llm_server_manager``), keeping their calling convention."""
+    try:
+        from verl.utils.ray_utils import auto_await
+    except ImportError:  # older verl: plain sync methods
+
+        def skipped(*_: Any, **__: Any) -> None:
+            return None
+    else:
+
+        @auto_await
+        async def skipped(*_: Any, **__: Any) -> None:
+            return None
+
+    while frame is not None and depth > 0:
+        owner = frame.f_locals.get("self")
+        manager = getattr(owner, "llm_server_manager", None)
+        if manager is not None and hasattr(manager, "start_profile") and hasattr(manager, "stop_profile"):
+            manager.start_profile = skipped
+            manager.stop_profile = skipped
+            log.info("omni-sidecar: drives rollout profiling; verl's llm_server_manager start/stop are skipped")
+            return True
+        frame, depth = frame.f_back, depth - 1
+    return False
+
+
 class _SidecarHooked:
     """What both manager classes add: a profiler built from the trainer config in ``__init__``."""
 
@@ -123,6 +154,13 @@ class _SidecarHooked:
 
     def _omni_sidecar_init(self, config: Any) -> None:
         self._omni_sidecar = profiler_from_trainer_config(config)
+        block = _block(config) or {}
+        if self._omni_sidecar is not None and block.get("take_over", True):
+            if not _take_over(inspect.currentframe()):
+                log.warning(
+                    "omni-sidecar: no verl trainer found up the stack; if verl's own rollout profiler "
+                    "also drives these servers, each profiled step is started twice (empty session folder)"
+                )
 
 
 def _manager_class(base: type, name: str, *, workers: Any = None) -> type:
