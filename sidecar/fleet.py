@@ -492,6 +492,13 @@ class Fleet:
         if self._opened:
             return
         self._opened = True
+        try:
+            await self._open()
+        except BaseException:
+            await self.close()  # a later open() starts over (e.g. the next profiled step)
+            raise
+
+    async def _open(self) -> None:
         for t in self.targets:
             if t.kind is TargetKind.sidecar:
                 self._drivers[t.name] = _SidecarDriver(t, timeout_s=self.client_timeout_s, poll_s=self.poll_s)

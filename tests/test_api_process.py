@@ -123,6 +123,19 @@ def test_dead_stage_fails_the_start_and_rolls_back(stack: Any) -> None:
     assert (reply.status_code, [c["state"] for c in captures], profiling(emu)["0"]) == (502, ["failed"], False)
 
 
+def test_stage_dead_mid_window_degrades_with_that_stage_missing(stack: Any) -> None:
+    # stage 2's worker acknowledges the start, then exits: stop answers 500 after stopping stage 0
+    emu, sc = stack(emulator_args=["--fault-die-after-start", "2", "--gzip-delay", "0"])
+    created = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]}, timeout=120).json()
+    poll(lambda: not emulator_state(emu)["stages"]["2"]["alive"])
+    done = httpx.post(f"{sc.url}/v1/captures/{created['id']}/stop?wait=true", timeout=120).json()
+    verdicts = {v["stage_id"]: v["verdict"] for v in done["verdicts"]}
+    reason = next(v["reason"] for v in done["verdicts"] if v["stage_id"] == 2) or ""
+    assert (done["state"], verdicts, "Failed to stop profiler" in reason) == (
+        "degraded", {0: "ok", 2: "missing"}, True
+    )
+
+
 def test_start_500_is_502_and_the_capture_failed(stack: Any) -> None:
     emu, sc = stack(emulator_args=["--fault-start-500"])
     reply = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]})

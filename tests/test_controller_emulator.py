@@ -209,7 +209,7 @@ async def test_dead_stage_fails_the_start_and_rolls_back(tmp_path_factory):
     # vLLM-Omni raises EngineDeadError for a dead stage and the route turns it into a 500
     # ("Failed to start profiler: ..."), and the emulator does the same: so a stage dead before the
     # start is a failed start (rolled back), not a degraded capture. A stage that dies during the
-    # window yields no session folder instead: `missing`, tested with FakeOmni in test_controller.py.
+    # window is the next test.
     with _emulator(tmp_path_factory.mktemp("dead"), "--fault-dead-stage", "2") as emu:
         up, ctl = await _controller(emu)
         try:
@@ -222,6 +222,44 @@ async def test_dead_stage_fails_the_start_and_rolls_back(tmp_path_factory):
             await up.aclose()
     assert (cap.state, cap.stop_reason, "dead" in cap.errors[0].message, stage0) == (
         CaptureState.failed, StopReason.rollback, True, False)
+
+
+@pytest.fixture(scope="module")
+def died_mid_window(tmp_path_factory):
+    """A capture of [0, 2] whose stage 2 worker exits right after acknowledging the start:
+    (the finished capture, the emulator's state after it)."""
+
+    async def run(emu: EmulatorProcess):
+        up, ctl = await _controller(emu)
+        try:
+            cap = await ctl.start([0, 2])
+            await asyncio.sleep(1.0)  # the worker exits 0.2 s after its start reply
+            await ctl.stop(cap.id)
+            return await ctl.wait(cap.id, timeout=WAIT), emulator_state(emu)
+        finally:
+            await ctl.close()
+            await up.aclose()
+
+    with _emulator(tmp_path_factory.mktemp("midwin"), "--fault-die-after-start", "2", "--gzip-delay", "0") as emu:
+        return asyncio.run(run(emu))
+
+
+async def test_stage_dead_mid_window_degrades_with_that_stage_missing(died_mid_window):
+    done, _ = died_mid_window
+    assert (done.state, done.verdict(0).verdict, done.verdict(2).verdict) == (
+        CaptureState.degraded, Verdict.ok, Verdict.missing)
+
+
+async def test_stage_dead_mid_window_reason_names_the_stop_error(died_mid_window):
+    done, _ = died_mid_window
+    reason = done.verdict(2).reason or ""
+    assert ("Failed to stop profiler" in reason, "server log for stage 2" in reason,
+            done.errors[-1].code) == (True, True, "stop_server_error")
+
+
+async def test_stage_dead_mid_window_leaves_no_profiler_running(died_mid_window):
+    _, state = died_mid_window
+    assert (state["stages"]["0"]["profiling"], state["stages"]["2"]["alive"]) == (False, False)
 
 
 async def test_start_500_rolls_back_and_fails(tmp_path_factory):

@@ -94,3 +94,39 @@ def test_start_500_fault_and_hanging_stop(broken: EmulatorProcess) -> None:
         "/stop_profile",
         None,
     )
+
+
+# --- a worker that dies during the window ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def died(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Response, httpx.Response, dict[str, Any]]]:
+    """Stages 0 and 1, stage 0's worker exits after acknowledging its start; start [0, 1] and
+    stop [0, 1]: (start reply, stop reply, state after the stop)."""
+    deploy = make_deploy(tmp_path_factory.mktemp("died"), {0: {"profiler": "torch"}, 1: {"profiler": "torch"}})
+    with EmulatorProcess(deploy, extra_args=["--fault-die-after-start", "0", "--gzip-delay", "0"]) as emu:
+        started = post(emu, "/start_profile", {"stages": [0, 1]})
+        deadline = time.monotonic() + 30
+        while emulator_state(emu)["stages"]["0"]["alive"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stopped = post(emu, "/stop_profile", {"stages": [0, 1]})
+        yield started, stopped, emulator_state(emu)
+
+
+def test_die_after_start_acknowledges_the_start(died: tuple[httpx.Response, httpx.Response, dict[str, Any]]) -> None:
+    started, _, _ = died
+    assert (started.status_code, started.json()) == (200, {"status": "SUCCESS"})
+
+
+def test_die_after_start_makes_the_later_stop_500(died: tuple[httpx.Response, httpx.Response, dict[str, Any]]) -> None:
+    _, stopped, _ = died
+    assert (stopped.status_code, stopped.json()["error"]["message"].startswith("Failed to stop profiler: ")) == (
+        500, True)
+
+
+def test_die_after_start_still_stops_the_stages_after_the_dead_one(
+    died: tuple[httpx.Response, httpx.Response, dict[str, Any]],
+) -> None:
+    _, _, state = died
+    stage1 = state["stages"]["1"]
+    assert (state["stages"]["0"]["alive"], stage1["profiling"], len(stage1["sessions"])) == (False, False, 1)

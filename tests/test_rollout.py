@@ -155,6 +155,26 @@ def test_default_replica_selection_is_rank_zero_like_verl(replica_factory):
     assert replicas[1].calls("/start_profile") == []
 
 
+def test_an_unreachable_replica_is_logged_and_recorded_in_best_effort_mode(caplog):
+    prof = RolloutProfiler(["sidecar=http://127.0.0.1:9"], steps=[1])
+    ran = []
+    with caplog.at_level(logging.WARNING, logger="sidecar.rollout"):
+        with prof.step(1) as res:
+            ran.append(True)
+    prof.close()
+    assert ran == [True] and res.error is not None and res.error.code == "fleet_failed"
+    assert prof.results()[1].error.code == "fleet_failed"
+    assert any("did not start" in rec.message for rec in caplog.records)
+
+
+def test_an_unreachable_replica_raises_in_strict_mode():
+    prof = RolloutProfiler(["sidecar=http://127.0.0.1:9"], steps=[1], strict=True)
+    with pytest.raises(FleetError):
+        with prof.step(1):
+            pass
+    prof.close()
+
+
 # --- bad input: refused before anything is sent (no server needed) ------------------------
 
 UNREACHABLE = ["sidecar=http://127.0.0.1:9", "sidecar=http://127.0.0.1:10"]

@@ -33,6 +33,11 @@ def emulate(
     fault_dead_stage: Optional[int] = typer.Option(
         None, "--fault-dead-stage", help="Test aid: this stage's worker dies after start-up (calls to it answer 500)."
     ),
+    fault_die_after_start: Optional[int] = typer.Option(
+        None,
+        "--fault-die-after-start",
+        help="Test aid: this stage's worker acknowledges a profiler start, then exits (a later stop answers 500).",
+    ),
     fault_hang_stop: bool = typer.Option(False, "--fault-hang-stop", help="Test aid: stop never replies."),
     fault_start_500: bool = typer.Option(False, "--fault-start-500", help="Test aid: start answers 500."),
 ) -> None:
@@ -55,6 +60,7 @@ def emulate(
                 gzip_delay_s=gzip_delay,
                 fault_stop_delay_s=fault_stop_delay,
                 fault_dead_stage=fault_dead_stage,
+                fault_die_after_start=fault_die_after_start,
                 fault_hang_stop=fault_hang_stop,
                 fault_start_500=fault_start_500,
             )

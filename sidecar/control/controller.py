@@ -24,7 +24,7 @@ from sidecar.config.rules import select_stages
 from sidecar.control import artifacts
 from sidecar.control.artifacts import StageWatch
 from sidecar.control.journal import CaptureJournal, atomic_write_text, scrub_secrets
-from sidecar.control.models import Capture, CaptureState, ErrorRecord, StopReason, Verdict
+from sidecar.control.models import Capture, CaptureState, ErrorRecord, StageVerdict, StopReason, Verdict
 from sidecar.errors import (
     ArtifactNotFound,
     CaptureActive,
@@ -32,6 +32,7 @@ from sidecar.errors import (
     CaptureNotFound,
     CaptureStateError,
     UpstreamError,
+    UpstreamTimeout,
     UpstreamUnreachable,
 )
 from sidecar.upstream.server import Flavor, UpstreamServer
@@ -67,6 +68,31 @@ class ControlSettings(BaseModel):
             max_duration_s=settings.max_duration_s,
             close_timeout_s=settings.close_timeout_s,
         )
+
+
+def _is_server_error(exc: UpstreamError) -> bool:
+    """A 5xx answer: the request reached the server (unlike unreachable) and it replied (unlike a hang)."""
+    if isinstance(exc, (UpstreamTimeout, UpstreamUnreachable)):
+        return False
+    return int(exc.details.get("status", 0)) >= 500
+
+
+def _after_stop_error(v: StageVerdict, stop_error: UpstreamError) -> StageVerdict:
+    """A stage without a trace after a failed stop is ``missing`` for that reason (its worker most
+    likely died), whatever the folder shows; ``ok`` and ``unverified`` stand as found."""
+    if v.verdict in (Verdict.ok, Verdict.unverified):
+        return v
+    return v.model_copy(
+        update={
+            "verdict": Verdict.missing,
+            "reason": (
+                f"stage {v.stage_id} wrote no trace and the stop failed on the server "
+                f"({stop_error.message}): its worker most likely died during the window. Check the "
+                f"server log for stage {v.stage_id} (a crash, an OOM kill) and whether the server still "
+                "serves requests; the other stages' traces are kept"
+            ),
+        }
+    )
 
 
 def _now() -> datetime:
@@ -423,20 +449,27 @@ class CaptureController:
     async def _run_stop(self, capture_id: str, *, collect: bool = True) -> None:
         cap = self._captures[capture_id]
         rt = self._rt[capture_id]
+        stop_error: UpstreamError | None = None
         try:
             try:
                 await self.upstream.stop_profile(cap.stages)
             except UpstreamError as exc:
-                self._error(
-                    cap,
-                    exc.code,
-                    f"stop failed within the {self.upstream.stop_budget_s:g}s stop budget: {exc.message}. "
-                    f"The profiler may still be running on stages {cap.stages}; the server may still be "
-                    "flushing traces. Check the server, then POST /stop_profile with "
-                    f"{{\"stages\": {cap.stages}}}",
-                )
-                self._finish(cap, CaptureState.failed)
-                return
+                if not (collect and _is_server_error(exc)):
+                    self._error(
+                        cap,
+                        exc.code,
+                        f"stop failed within the {self.upstream.stop_budget_s:g}s stop budget: {exc.message}. "
+                        f"The profiler may still be running on stages {cap.stages}; the server may still be "
+                        "flushing traces. Check the server, then POST /stop_profile with "
+                        f"{{\"stages\": {cap.stages}}}",
+                    )
+                    self._finish(cap, CaptureState.failed)
+                    return
+                # Delivered, and the server still said 5xx after the retries: a definitive answer (a
+                # stage died mid-window), not a hang. The server visits every listed stage even when
+                # one fails, so the others wrote their traces: collect them rather than fail.
+                stop_error = exc
+                self._error(cap, "stop_server_error", f"stop was delivered but failed on the server: {exc.message}")
             cap.stopped_at = _now()
             if not collect:
                 self._finish(cap, CaptureState.failed)
@@ -449,8 +482,10 @@ class CaptureController:
                 settle_s=self.settings.settle_s,
                 poll_s=self.settings.poll_s,
             )
+            if stop_error is not None:
+                verdicts = [_after_stop_error(v, stop_error) for v in verdicts]
             cap.verdicts = verdicts
-            ok = all(v.verdict is Verdict.ok for v in verdicts)
+            ok = stop_error is None and all(v.verdict is Verdict.ok for v in verdicts)
             self._finish(cap, CaptureState.completed if ok else CaptureState.degraded)
             if self.settings.summarize and any(v.verdict is Verdict.ok for v in verdicts):
                 self._schedule_summary(cap)

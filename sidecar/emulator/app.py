@@ -67,10 +67,20 @@ class Emulator:
                     logger.warning("[Orchestrator] collective_rpc: ignoring invalid stage_id %s", lid)
                     continue
                 targets.append(self.stages[lid])
+        dead: list[WorkerDead] = []
         async with self.control:
             for stage in targets:
                 for worker in stage.workers:
-                    reply = await worker.call("profile", is_start=is_start)
+                    try:
+                        reply = await worker.call("profile", is_start=is_start)
+                    except WorkerDead as e:
+                        # The orchestrator's loop goes on to the next stage and replica whatever one
+                        # of them did (orchestrator.py `_handle_collective_rpc`), so the stages after
+                        # a dead one are still started/stopped; the failure surfaces once all are done.
+                        logger.warning("[StagePool] collective_rpc failed: stage=%s replica=%s method=profile: %s",
+                                       stage.stage_id, worker.spec.replica, e)
+                        dead.append(e)
+                        continue
                     if not reply["ok"]:
                         # StagePool.collective_rpc swallows worker errors into {"supported": False}.
                         logger.warning(
@@ -79,6 +89,10 @@ class Emulator:
                             worker.spec.replica,
                             reply["error"],
                         )
+        if dead:
+            # Emulator choice, not 0.30 (see docs/emulator.md): 0.30's StagePool swallows this too
+            # and answers SUCCESS; the emulator lets it escape so the failure is visible (HTTP 500).
+            raise dead[0]
 
     async def dispatch_steps(self, stage: StageRuntime, n: int) -> dict[str, Any]:
         """Hand one request's steps to a stage, once no control call is in progress."""

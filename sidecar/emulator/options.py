@@ -26,5 +26,7 @@ class EmulatorOptions(BaseModel):
     # --- fault knobs (test aids; a real server has none of these) ---
     fault_stop_delay_s: float = Field(default=0.0, ge=0)
     fault_dead_stage: int | None = None
+    # This stage's worker acknowledges its next profiler start, then exits: a worker that dies mid-window.
+    fault_die_after_start: int | None = None
     fault_hang_stop: bool = False
     fault_start_500: bool = False

@@ -60,6 +60,7 @@ def plan_stages(deploy: DeployConfig, options: EmulatorOptions) -> list[StageRun
                     step_ms=options.step_ms,
                     gzip_delay_s=options.gzip_delay_s,
                     die_after_start=options.fault_dead_stage == stage.stage_id,
+                    die_after_profile_start=options.fault_die_after_start == stage.stage_id,
                 )
             )
             for r in range(replicas)

@@ -41,6 +41,7 @@ class WorkerSpec:
     step_ms: float = 5.0
     gzip_delay_s: float = 0.0
     die_after_start: bool = False
+    die_after_profile_start: bool = False
     parent_pid: int = field(default_factory=os.getpid)
 
 
@@ -159,6 +160,15 @@ class _null:
         return None
 
 
+def _die_soon(stage_id: int, after_s: float = 0.2) -> None:
+    # The start was acknowledged first (SUCCESS upstream); the exit comes a moment later, so the
+    # session folder exists but the trace is never written, as when a GPU worker crashes mid-window.
+    logger.warning("fault injected (--fault-die-after-start %s): worker exits in %.1fs", stage_id, after_s)
+    timer = threading.Timer(after_s, os._exit, args=(1,))
+    timer.daemon = True
+    timer.start()
+
+
 def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     """Entry point of a worker process: build, say ready, then serve commands until shutdown."""
     _die_with_parent(spec.parent_pid)
@@ -197,6 +207,8 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
             elif op != "state":
                 raise ValueError(f"unknown op {op!r}")
             conn.send({"ok": True, "result": result, "state": stage.state()})
+            if op == "profile" and msg["is_start"] and spec.die_after_profile_start:
+                _die_soon(spec.stage_id)
         except Exception as e:
             logger.warning("%s failed: %s", op, e)
             conn.send({"ok": False, "error": f"{type(e).__name__}: {e}", "state": stage.state()})
