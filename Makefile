@@ -9,7 +9,7 @@ install-demo:
 	$(PY) -m pip install -q $(TORCH) -e '.[emulator]'
 
 demo: install-demo
-	omni-sidecar demo
+	$(PY) -m sidecar demo  # = `omni-sidecar demo`, without relying on PATH
 
 # vllm + vllm-omni are installed for the contract tests; their registry builds of torchvision,
 # torchaudio and torchcodec are CUDA builds that break imports beside CPU torch, so they go.
