@@ -317,8 +317,10 @@ def _verdict(watch: StageWatch, found: _Scan, timed_out: bool, collect_timeout_s
         sv.verdict = Verdict.empty
         sv.reason = (
             f"stage {watch.stage_id}: session folder(s) {', '.join(without_trace)} hold no non-empty "
-            "trace_rank*.json[.gz]: the profiler started but exported nothing; check that requests "
-            "reached this stage during the window and that max_iterations/delay_iterations allow a trace"
+            "trace_rank*.json[.gz]: the profiler started but exported nothing. Either the stage's worker "
+            "died or failed during the window (vLLM-Omni swallows that and still answers SUCCESS: check "
+            "the server log for this stage), a second start opened a fresh folder, or no request reached "
+            "this stage and max_iterations/delay_iterations left nothing to trace"
         )
         return sv
     sv.verdict = Verdict.ok

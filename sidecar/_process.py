@@ -1,0 +1,187 @@
+"""A server run as a child process on 127.0.0.1 (the emulator, the sidecar): spawn it in its own
+process group with output to a log file, wait until its health route answers 200 (tenacity),
+and stop it with SIGTERM then SIGKILL of the whole group. A failed start raises the subclass's
+error with the log tail. Imports neither torch nor FastAPI.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from types import TracebackType
+from typing import ClassVar, Self
+
+import httpx
+from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
+
+from sidecar.errors import SidecarError
+
+_ROOT = str(Path(__file__).resolve().parents[1])  # the folder that holds the `sidecar` package
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class ManagedProcess:
+    """One server in a child process; a context manager (start on enter, stop on exit).
+    Subclasses set ``name``, ``health_path`` and ``start_error`` and provide ``argv()``."""
+
+    name: ClassVar[str] = "server"  # how messages call it
+    health_path: ClassVar[str] = "/health"
+    start_error: ClassVar[type[SidecarError]] = SidecarError
+    log_noise: ClassVar[tuple[str, ...]] = ()  # log line prefixes that never explain a failed start
+
+    def __init__(
+        self,
+        *,
+        host: str,
+        port: int | None,
+        log_path: Path,
+        env: Mapping[str, str] | None,
+        startup_timeout: float,
+        stop_grace: float,
+    ) -> None:
+        self.host = host
+        self.port = port if port else free_port(host)
+        self.log_path = log_path
+        self.env = dict(env) if env is not None else None
+        self.startup_timeout = startup_timeout
+        self.stop_grace = stop_grace
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def argv(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc else None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return "<no log>"
+        kept = [ln for ln in text.splitlines() if not ln.startswith(self.log_noise)] if self.log_noise else text.splitlines()
+        return "\n".join(kept[-lines:])
+
+    def start(self) -> Self:
+        if self._proc is not None:
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
+        # The child must import the same `sidecar` as this process, installed or not.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+        with open(self.log_path, "ab") as log:
+            # Own process group: a terminal Ctrl-C reaches only the parent, which then stops us in
+            # order, and stop() can kill the server's own children with it in one call.
+            self._proc = subprocess.Popen(
+                self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                start_new_session=True,
+            )  # fmt: skip
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def _healthy_or_exited(self) -> bool:
+        if self.returncode is not None:
+            return True
+        try:
+            return httpx.get(f"{self.url}{self.health_path}", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _wait_healthy(self) -> None:
+        wait = Retrying(
+            stop=stop_after_delay(self.startup_timeout),
+            wait=wait_fixed(0.1),
+            retry=retry_if_result(lambda done: not done),
+        )
+        try:
+            wait(self._healthy_or_exited)
+        except RetryError:
+            raise self.start_error(
+                f"{self.name} did not answer {self.health_path} within {self.startup_timeout:g}s "
+                f"(log {self.log_path}):\n{self.log_tail()}",
+                details={"log": str(self.log_path)},
+            ) from None
+        code = self.returncode
+        if code is not None:
+            raise self.start_error(
+                f"{self.name} exited with code {code} during start-up (log {self.log_path}):\n{self.log_tail()}",
+                details={"log": str(self.log_path), "exit_code": code, "returncode": code},
+            )
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Wait for the process to exit on its own; returns its exit code."""
+        return self._proc.wait(timeout=timeout) if self._proc is not None else None
+
+    def terminate(self) -> None:
+        """Send SIGTERM without waiting (tests watch what happens next)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+
+    def stop(self, grace: float | None = None) -> int | None:
+        """SIGTERM, wait up to ``grace`` seconds (default ``stop_grace``) for a clean exit, then
+        SIGKILL whatever is left of the process group. Returns the exit code."""
+        if self._proc is None:
+            return None
+        self.terminate()
+        try:
+            self._proc.wait(self.stop_grace if grace is None else grace)
+        except subprocess.TimeoutExpired:
+            pass
+        return self.kill()
+
+    def kill(self) -> int | None:
+        """SIGKILL the process group: no shutdown hook runs (what a crash looks like)."""
+        proc = self._proc
+        if proc is None:
+            return None
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        code = proc.wait()
+        _wait_group_gone(proc.pid)
+        return code
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _wait_group_gone(pgid: int, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
+
+
+__all__ = ["ManagedProcess", "free_port"]
