@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -70,19 +71,110 @@ def _auth_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def _capture_body(
-    stages: list[int] | None, label: str | None, duration_s: float | None, lease_s: float | None
-) -> dict[str, Any]:
-    body: dict[str, Any] = {"stages": stages, "label": label, "duration_s": duration_s, "lease_s": lease_s}
-    return {k: v for k, v in body.items() if v is not None}
-
-
 def _unreachable(base_url: str, err: httpx.TransportError) -> SidecarUnreachable:
     kind = "timed out" if isinstance(err, httpx.TimeoutException) else "is not reachable"
     return SidecarUnreachable(
         f"sidecar at {base_url} {kind} ({type(err).__name__}); is `omni-sidecar serve` running there?",
         details={"url": base_url},
     )
+
+
+# --- the API as data: both clients send these and parse the replies the same way ---------------
+
+
+def _json(response: httpx.Response) -> Any:
+    return response.json()
+
+
+def _capture(response: httpx.Response) -> Capture:
+    return Capture.model_validate(response.json())
+
+
+def _captures(response: httpx.Response) -> list[Capture]:
+    return [Capture.model_validate(c) for c in response.json()["captures"]]
+
+
+def _content(response: httpx.Response) -> bytes:
+    return response.content
+
+
+class _Call(NamedTuple):
+    """One request and how to read its reply."""
+
+    method: str
+    path: str
+    parse: Callable[[httpx.Response], Any]
+    json: dict[str, Any] | None = None
+    params: dict[str, Any] | None = None
+    min_timeout: float | None = None  # a call that blocks server-side waits at least this long
+
+    def send_kwargs(self, timeout: float) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if self.json is not None:
+            kwargs["json"] = self.json
+        if self.params is not None:
+            kwargs["params"] = self.params
+        if self.min_timeout is not None:
+            kwargs["timeout"] = max(timeout, self.min_timeout)
+        return kwargs
+
+    def reply(self, response: httpx.Response) -> Any:
+        if response.is_error:
+            raise error_from_response(response)
+        return self.parse(response)
+
+
+class _Calls:
+    """Every route the clients use, built once."""
+
+    healthz = _Call("GET", "/healthz", _json)
+    readyz = _Call("GET", "/readyz", _json)
+    stages = _Call("GET", "/v1/stages", _json)
+    list_captures = _Call("GET", "/v1/captures", _captures)
+
+    @staticmethod
+    def start_capture(
+        stages: list[int] | None, label: str | None, duration_s: float | None, lease_s: float | None
+    ) -> _Call:
+        body: dict[str, Any] = {"stages": stages, "label": label, "duration_s": duration_s, "lease_s": lease_s}
+        body = {k: v for k, v in body.items() if v is not None}
+        return _Call("POST", "/v1/captures", _capture, json=body, min_timeout=START_TIMEOUT)
+
+    @staticmethod
+    def stop_capture(capture_id: str) -> _Call:
+        return _Call("POST", f"/v1/captures/{capture_id}/stop", _capture)
+
+    @staticmethod
+    def get_capture(capture_id: str) -> _Call:
+        return _Call("GET", f"/v1/captures/{capture_id}", _capture)
+
+    @staticmethod
+    def heartbeat(capture_id: str) -> _Call:
+        return _Call("POST", f"/v1/captures/{capture_id}/heartbeat", _capture)
+
+    @staticmethod
+    def summary(capture_id: str, top: int) -> _Call:
+        return _Call("GET", f"/v1/captures/{capture_id}/summary", _json, params={"top": top})
+
+    @staticmethod
+    def download(capture_id: str, relpath: str) -> _Call:
+        return _Call("GET", f"/v1/captures/{capture_id}/files/{relpath}", _content)
+
+
+def _deadline(timeout: float | None) -> float | None:
+    return None if timeout is None else time.monotonic() + timeout
+
+
+def _wait_over(cap: Capture, timeout: float | None, deadline: float | None) -> bool:
+    """True once ``cap`` is terminal; ``WaitTimeout`` past the deadline; False: poll again."""
+    if cap.terminal:
+        return True
+    if deadline is not None and time.monotonic() >= deadline:
+        raise WaitTimeout(
+            f"capture {cap.id} still {cap.state.value} after {timeout:g}s; wait again or check it later",
+            details={"capture_id": cap.id, "state": cap.state.value},
+        )
+    return False
 
 
 class AsyncSidecarClient:
@@ -111,23 +203,21 @@ class AsyncSidecarClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def _send(self, call: _Call) -> Any:
         try:
-            response = await self._http.request(method, path, **kwargs)
+            response = await self._http.request(call.method, call.path, **call.send_kwargs(self.timeout))
         except httpx.TransportError as err:
             raise _unreachable(self.base_url, err) from None
-        if response.is_error:
-            raise error_from_response(response)
-        return response
+        return call.reply(response)
 
     async def healthz(self) -> dict[str, Any]:
-        return (await self._request("GET", "/healthz")).json()
+        return await self._send(_Calls.healthz)
 
     async def readyz(self) -> dict[str, Any]:
-        return (await self._request("GET", "/readyz")).json()
+        return await self._send(_Calls.readyz)
 
     async def stages(self) -> dict[str, Any]:
-        return (await self._request("GET", "/v1/stages")).json()
+        return await self._send(_Calls.stages)
 
     async def start_capture(
         self,
@@ -136,50 +226,40 @@ class AsyncSidecarClient:
         duration_s: float | None = None,
         lease_s: float | None = None,
     ) -> Capture:
-        body = _capture_body(stages, label, duration_s, lease_s)
-        reply = await self._request("POST", "/v1/captures", json=body, timeout=max(self.timeout, START_TIMEOUT))
-        return Capture.model_validate(reply.json())
+        return await self._send(_Calls.start_capture(stages, label, duration_s, lease_s))
 
     async def stop_capture(self, capture_id: str, wait: bool = False, timeout: float | None = None) -> Capture:
         """Ask for a stop (returns at once); with ``wait`` poll until the capture is terminal."""
-        cap = Capture.model_validate((await self._request("POST", f"/v1/captures/{capture_id}/stop")).json())
+        cap: Capture = await self._send(_Calls.stop_capture(capture_id))
         if wait and not cap.terminal:
             cap = await self.wait_capture(capture_id, timeout=timeout)
         return cap
 
     async def get_capture(self, capture_id: str) -> Capture:
-        return Capture.model_validate((await self._request("GET", f"/v1/captures/{capture_id}")).json())
+        return await self._send(_Calls.get_capture(capture_id))
 
     async def wait_capture(self, capture_id: str, timeout: float | None = None, poll_s: float = 0.5) -> Capture:
         """Poll until terminal. Polling, not one long request: a flush can outlast any HTTP timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            cap = await self.get_capture(capture_id)
-            if cap.terminal:
-                return cap
-            if deadline is not None and time.monotonic() >= deadline:
-                raise WaitTimeout(
-                    f"capture {capture_id} still {cap.state.value} after {timeout:g}s; wait again or check it later",
-                    details={"capture_id": capture_id, "state": cap.state.value},
-                )
+        deadline = _deadline(timeout)
+        while not _wait_over(cap := await self.get_capture(capture_id), timeout, deadline):
             await asyncio.sleep(poll_s)
+        return cap
 
     async def list_captures(self) -> list[Capture]:
-        data = (await self._request("GET", "/v1/captures")).json()
-        return [Capture.model_validate(c) for c in data["captures"]]
+        return await self._send(_Calls.list_captures)
 
     async def heartbeat(self, capture_id: str) -> Capture:
-        return Capture.model_validate((await self._request("POST", f"/v1/captures/{capture_id}/heartbeat")).json())
+        return await self._send(_Calls.heartbeat(capture_id))
 
     async def summary(self, capture_id: str, top: int = 20) -> dict[str, Any]:
-        return (await self._request("GET", f"/v1/captures/{capture_id}/summary", params={"top": top})).json()
+        return await self._send(_Calls.summary(capture_id, top))
 
     async def download(self, capture_id: str, relpath: str) -> bytes:
-        return (await self._request("GET", f"/v1/captures/{capture_id}/files/{relpath}")).content
+        return await self._send(_Calls.download(capture_id, relpath))
 
 
 class SidecarClient:
-    """Sync twin of ``AsyncSidecarClient`` (same methods, same errors)."""
+    """Sync twin of ``AsyncSidecarClient`` (same methods, same errors, same ``_Calls``)."""
 
     def __init__(
         self,
@@ -202,23 +282,21 @@ class SidecarClient:
     def close(self) -> None:
         self._http.close()
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _send(self, call: _Call) -> Any:
         try:
-            response = self._http.request(method, path, **kwargs)
+            response = self._http.request(call.method, call.path, **call.send_kwargs(self.timeout))
         except httpx.TransportError as err:
             raise _unreachable(self.base_url, err) from None
-        if response.is_error:
-            raise error_from_response(response)
-        return response
+        return call.reply(response)
 
     def healthz(self) -> dict[str, Any]:
-        return self._request("GET", "/healthz").json()
+        return self._send(_Calls.healthz)
 
     def readyz(self) -> dict[str, Any]:
-        return self._request("GET", "/readyz").json()
+        return self._send(_Calls.readyz)
 
     def stages(self) -> dict[str, Any]:
-        return self._request("GET", "/v1/stages").json()
+        return self._send(_Calls.stages)
 
     def start_capture(
         self,
@@ -227,43 +305,36 @@ class SidecarClient:
         duration_s: float | None = None,
         lease_s: float | None = None,
     ) -> Capture:
-        body = _capture_body(stages, label, duration_s, lease_s)
-        reply = self._request("POST", "/v1/captures", json=body, timeout=max(self.timeout, START_TIMEOUT))
-        return Capture.model_validate(reply.json())
+        return self._send(_Calls.start_capture(stages, label, duration_s, lease_s))
 
     def stop_capture(self, capture_id: str, wait: bool = False, timeout: float | None = None) -> Capture:
-        cap = Capture.model_validate(self._request("POST", f"/v1/captures/{capture_id}/stop").json())
+        """Ask for a stop (returns at once); with ``wait`` poll until the capture is terminal."""
+        cap: Capture = self._send(_Calls.stop_capture(capture_id))
         if wait and not cap.terminal:
             cap = self.wait_capture(capture_id, timeout=timeout)
         return cap
 
     def get_capture(self, capture_id: str) -> Capture:
-        return Capture.model_validate(self._request("GET", f"/v1/captures/{capture_id}").json())
+        return self._send(_Calls.get_capture(capture_id))
 
     def wait_capture(self, capture_id: str, timeout: float | None = None, poll_s: float = 0.5) -> Capture:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            cap = self.get_capture(capture_id)
-            if cap.terminal:
-                return cap
-            if deadline is not None and time.monotonic() >= deadline:
-                raise WaitTimeout(
-                    f"capture {capture_id} still {cap.state.value} after {timeout:g}s; wait again or check it later",
-                    details={"capture_id": capture_id, "state": cap.state.value},
-                )
+        """Poll until terminal. Polling, not one long request: a flush can outlast any HTTP timeout."""
+        deadline = _deadline(timeout)
+        while not _wait_over(cap := self.get_capture(capture_id), timeout, deadline):
             time.sleep(poll_s)
+        return cap
 
     def list_captures(self) -> list[Capture]:
-        return [Capture.model_validate(c) for c in self._request("GET", "/v1/captures").json()["captures"]]
+        return self._send(_Calls.list_captures)
 
     def heartbeat(self, capture_id: str) -> Capture:
-        return Capture.model_validate(self._request("POST", f"/v1/captures/{capture_id}/heartbeat").json())
+        return self._send(_Calls.heartbeat(capture_id))
 
     def summary(self, capture_id: str, top: int = 20) -> dict[str, Any]:
-        return self._request("GET", f"/v1/captures/{capture_id}/summary", params={"top": top}).json()
+        return self._send(_Calls.summary(capture_id, top))
 
     def download(self, capture_id: str, relpath: str) -> bytes:
-        return self._request("GET", f"/v1/captures/{capture_id}/files/{relpath}").content
+        return self._send(_Calls.download(capture_id, relpath))
 
 
 __all__ = ["AsyncSidecarClient", "SidecarClient", "SidecarUnreachable", "WaitTimeout", "error_from_response"]

@@ -12,7 +12,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
@@ -23,6 +23,7 @@ from sidecar.control.models import Capture, CaptureState, StageVerdict, StopReas
 from sidecar.errors import FleetError, FleetInvalid, SidecarError, StageSelectionError
 
 __all__ = [
+    "FanOutResult",
     "Fleet",
     "FleetCapture",
     "Target",
@@ -258,12 +259,12 @@ def _error_of(exc: BaseException) -> TargetError:
     return TargetError(code="internal_error", message=f"{type(exc).__name__}: {exc}")
 
 
-class FleetCapture(BaseModel):
-    """A started fan-out: one capture per target, keyed by target name (in target order)."""
+class FanOutResult:
+    """The per-target roll-up of a fan-out (``FleetCapture``, the rollout hook's ``StepResult``):
+    a mixin over the model's own ``targets`` field, so each model keeps its field order."""
 
-    label: str | None = None
-    stages: list[int] | None = None  # as asked; each target's own list is in its result
-    targets: dict[str, TargetResult]
+    if TYPE_CHECKING:
+        targets: dict[str, TargetResult]
 
     @property
     def ok(self) -> bool:
@@ -271,10 +272,12 @@ class FleetCapture(BaseModel):
 
     @property
     def done(self) -> bool:
+        """Every artifact check is over (or nothing is left to check)."""
         return all(r.done for r in self.targets.values())
 
     @property
     def folders(self) -> dict[str, list[str]]:
+        """Session folders per target."""
         return {name: r.folders for name, r in self.targets.items()}
 
     def failures(self) -> list[TargetResult]:
@@ -288,6 +291,14 @@ class FleetCapture(BaseModel):
             f"{what} failed on {len(bad)} of {len(self.targets)} targets: {names}",
             details={"targets": [r.model_dump(mode="json") for r in self.targets.values()]},
         )
+
+
+class FleetCapture(BaseModel, FanOutResult):
+    """A started fan-out: one capture per target, keyed by target name (in target order)."""
+
+    label: str | None = None
+    stages: list[int] | None = None  # as asked; each target's own list is in its result
+    targets: dict[str, TargetResult]
 
 
 # --- drivers: one per target kind -------------------------------------------------------

@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, Field
 
 from sidecar.errors import FleetError, FleetInvalid, SidecarError, ValidationFailed
-from sidecar.fleet import Fleet, FleetCapture, Target, TargetError, TargetResult, parse_targets
+from sidecar.fleet import FanOutResult, Fleet, FleetCapture, Target, TargetError, TargetResult, parse_targets
 
 __all__ = ["RolloutProfiler", "StepResult"]
 
@@ -32,9 +32,10 @@ T = TypeVar("T")
 _NULL = contextlib.nullcontext(None)  # one shared no-op for every step that is not profiled
 
 
-class StepResult(BaseModel):
+class StepResult(BaseModel, FanOutResult):
     """What one profiled step produced: per target (replica) its capture id, verdicts and the
-    session folders holding the traces. ``error`` is set when the step could not be profiled."""
+    session folders holding the traces (``folders``). ``error`` is set when the step could not be
+    profiled; ``done`` once every artifact check is over (always when the step failed to start)."""
 
     step: int
     label: str
@@ -43,17 +44,8 @@ class StepResult(BaseModel):
 
     @property
     def ok(self) -> bool:
-        return self.error is None and bool(self.targets) and all(r.ok for r in self.targets.values())
-
-    @property
-    def done(self) -> bool:
-        """Every artifact check is over (always true when the step failed to start)."""
-        return all(r.done for r in self.targets.values())
-
-    @property
-    def folders(self) -> dict[str, list[str]]:
-        """Session folders per target."""
-        return {name: r.folders for name, r in self.targets.items()}
+        # unlike a fleet capture, a step with no target profiled is not a success
+        return self.error is None and bool(self.targets) and super().ok
 
 
 def _as_step(value: Any, what: str) -> int:
@@ -363,9 +355,8 @@ class RolloutProfiler:
 
     @staticmethod
     def _describe(result: StepResult) -> str:
-        bad = [r for r in result.targets.values() if not r.ok]
         parts = []
-        for r in bad:
+        for r in result.failures():
             why = r.error.message if r.error else (
                 "; ".join(v.reason or f"stage {v.stage_id}: {v.verdict}" for v in r.verdicts
                           if v.verdict is not None and v.verdict.value != "ok") or (r.state.value if r.state else "?"))
@@ -395,11 +386,13 @@ class RolloutProfiler:
             # Only start/stop failures are known yet; verdicts land later in results().
             if all(r.error is None for r in result.targets.values()):
                 return None
-        fc = FleetCapture(label=result.label, targets=result.targets)
-        return fc.to_error(f"rollout profiling of {result.label}")
+        return result.to_error(f"rollout profiling of {result.label}")
 
 
-class _SyncStep:
+class _Step:
+    """One profiled step's block. The sync and async hooks differ only in how they wait on the
+    private loop; what a failure means (strict raises, best effort records and goes on) is here."""
+
     __slots__ = ("prof", "step", "fc", "beat")
 
     def __init__(self, prof: RolloutProfiler, step: int) -> None:
@@ -407,69 +400,67 @@ class _SyncStep:
         self.step = step
         self.fc: FleetCapture | None = None
         self.beat: asyncio.Task[None] | None = None
+
+    def _start_failed(self, exc: Exception) -> StepResult:
+        if self.prof.strict:
+            raise exc
+        self.prof._start_failed(self.step, exc)
+        return self.prof._results[self.step]
+
+    def _stopped(self, outcome: StepResult | Exception, exc: BaseException | None) -> Literal[False]:
+        """``outcome``: the stop's result, or what it raised. The block's own exception ``exc``
+        always wins: it propagates unchanged (return False) whatever the stop did."""
+        if isinstance(outcome, Exception):
+            self.prof._stop_failed(self.step, outcome)
+            if self.prof.strict and exc is None:
+                raise outcome
+            return False
+        err = self.prof._strict_error(outcome)
+        if err is not None and exc is None:
+            raise err
+        return False
+
+
+class _SyncStep(_Step):
+    __slots__ = ()
 
     def __enter__(self) -> StepResult:
         loop = self.prof._ensure_loop()
         try:
             _, self.fc, self.beat = loop.run(self.prof._astart(self.step))
         except Exception as exc:
-            if self.prof.strict:
-                raise
-            self.prof._start_failed(self.step, exc)
+            return self._start_failed(exc)
         return self.prof._results[self.step]
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> Literal[False]:
         if self.fc is None:
             return False
-        loop = self.prof._loop
-        assert loop is not None
         try:
-            result = loop.run(self.prof._astop(self.step, self.fc, self.beat))
+            result = self.prof._ensure_loop().run(self.prof._astop(self.step, self.fc, self.beat))
         except Exception as stop_exc:
-            self.prof._stop_failed(self.step, stop_exc)
-            if self.prof.strict and exc is None:
-                raise
-            return False
-        err = self.prof._strict_error(result)
-        if err is not None and exc is None:
-            raise err
-        return False  # the block's own exception propagates unchanged
+            return self._stopped(stop_exc, exc)
+        return self._stopped(result, exc)
 
 
-class _AsyncStep:
-    __slots__ = ("prof", "step", "fc", "beat")
-
-    def __init__(self, prof: RolloutProfiler, step: int) -> None:
-        self.prof = prof
-        self.step = step
-        self.fc: FleetCapture | None = None
-        self.beat: asyncio.Task[None] | None = None
+class _AsyncStep(_Step):
+    __slots__ = ()
 
     async def __aenter__(self) -> StepResult:
         loop = self.prof._ensure_loop()
         try:
             _, self.fc, self.beat = await loop.arun(self.prof._astart(self.step))
         except Exception as exc:
-            if self.prof.strict:
-                raise
-            self.prof._start_failed(self.step, exc)
+            return self._start_failed(exc)
         return self.prof._results[self.step]
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> Literal[False]:
         if self.fc is None:
             return False
-        loop = self.prof._loop
-        assert loop is not None
         try:
-            result = await loop.arun(self.prof._astop(self.step, self.fc, self.beat), shield=True)
+            # shielded: a cancelled caller must not leave the profiler running
+            result = await self.prof._ensure_loop().arun(self.prof._astop(self.step, self.fc, self.beat), shield=True)
         except Exception as stop_exc:
-            self.prof._stop_failed(self.step, stop_exc)
-            if self.prof.strict and exc is None:
-                raise
-            return False
-        err = self.prof._strict_error(result)
-        if err is not None and exc is None:
-            raise err
-        return False
+            return self._stopped(stop_exc, exc)
+        return self._stopped(result, exc)

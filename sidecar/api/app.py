@@ -7,12 +7,9 @@ controller's. Lifespan: ``controller.open()`` (recovery) at start-up, ``controll
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Body, Depends, FastAPI, Query, Response
@@ -25,10 +22,7 @@ from sidecar.api.auth import BearerAuth
 from sidecar.api.errors import Scrubber, error_response, install_error_handlers
 from sidecar.api.metrics import Metrics, MetricsMiddleware
 from sidecar.config.models import DeployConfig
-from sidecar.control.artifacts import trace_paths
-from sidecar.control.journal import atomic_write_text
 from sidecar.control.models import Capture, CaptureState
-from sidecar.errors import CaptureError
 
 if TYPE_CHECKING:
     from sidecar.config.settings import SidecarSettings
@@ -83,9 +77,6 @@ def create_app(
     scrubber = Scrubber([token] if token else [])
     auth = BearerAuth(token)
     metrics = Metrics(controller.list)
-    summary_dir = Path(settings.state_dir) / "summaries" if settings is not None else None
-    summaries: dict[str, dict[str, Any]] = {}
-    summary_locks: dict[str, asyncio.Lock] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -215,8 +206,7 @@ def create_app(
         summary="Extend the capture's lease",
     )
     async def heartbeat(capture_id: str) -> JSONResponse:
-        cap = await controller.heartbeat(capture_id)
-        return capture_response(cap if isinstance(cap, Capture) else controller.get(capture_id))
+        return capture_response(await controller.heartbeat(capture_id))
 
     @app.get(
         "/v1/captures/{capture_id}/files/{relpath:path}",
@@ -229,48 +219,7 @@ def create_app(
 
     @app.get("/v1/captures/{capture_id}/summary", tags=["captures"], summary="Top ops per stage (cached)")
     async def summary(capture_id: str, top: int = Query(20, ge=1, le=500)) -> JSONResponse:
-        cap = controller.get(capture_id)
-        if not cap.terminal:
-            raise CaptureError(
-                f"capture {capture_id} is {cap.state.value}; the summary exists once it is terminal "
-                f"(wait with POST /v1/captures/{capture_id}/stop?wait=true)",
-                code="capture_not_terminal",
-                details={"state": cap.state.value},
-            )
-        lock = summary_locks.setdefault(capture_id, asyncio.Lock())
-        async with lock:  # one summarizer per capture, however many callers
-            data = await _summary(cap, top)
-        return JSONResponse(scrubber.data(data))
-
-    async def _summary(cap: Capture, top: int) -> dict[str, Any]:
-        key = f"{cap.id}:{top}"
-        if key in summaries:
-            return summaries[key]
-        # the controller caches the default summary after completion; other `top`s are computed here
-        data = controller.summary(cap.id) if top == 20 else None
-        cache = summary_dir / f"{cap.id}.top{top}.json" if summary_dir else None
-        if data is None and cache is not None and cache.is_file():
-            data = json.loads(cache.read_text(encoding="utf-8"))
-        if data is None:
-            paths = trace_paths(cap.verdicts)
-            if not paths:
-                raise CaptureError(
-                    f"capture {cap.id} has no readable trace (state {cap.state.value}); see its verdicts",
-                    code="summary_unavailable",
-                )
-            try:
-                from sidecar.analysis import summarize_paths
-            except ImportError:
-                raise CaptureError(
-                    "this sidecar has no trace summarizer installed; download the traces instead",
-                    code="summary_unavailable",
-                ) from None
-            result = await asyncio.to_thread(summarize_paths, paths, top=top)
-            data = result.model_dump(mode="json")
-            if cache is not None:
-                await asyncio.to_thread(atomic_write_text, cache, json.dumps(data))
-        summaries[key] = data
-        return data
+        return JSONResponse(scrubber.data(await controller.summarize(capture_id, top=top)))
 
     # --- compat: the upstream's own endpoints, with the sidecar's safety -------------------
 
@@ -291,19 +240,10 @@ def create_app(
         summary="Upstream-compatible stop: stops the active capture and waits until its traces are checked",
     )
     async def compat_stop(body: CompatProfileRequest | None = Body(default=None)) -> JSONResponse:
-        active = controller.active
-        if active is None:
+        cap = await controller.stop_active(body.stages if body else None)
+        if cap is None:
             # the upstream answers SUCCESS to a stop without a start; so do we, and say so
             return JSONResponse({"status": "SUCCESS", "capture_id": None, "capture": None})
-        if body is not None and body.stages is not None and sorted(body.stages) != sorted(active.stages):
-            raise CaptureError(
-                f"stop_profile names stages {body.stages} but capture {active.id} profiles {active.stages}; "
-                "send the same stages or no body (a different set would leave stages recording)",
-                code="stage_set_mismatch",
-                details={"active_id": active.id, "active_stages": active.stages, "requested": body.stages},
-            )
-        await controller.stop(active.id)  # already stopping: a no-op; wait like the upstream's stop blocks
-        cap = await controller.wait(active.id)
         status = "SUCCESS" if cap.state is CaptureState.completed else cap.state.value.upper()
         return JSONResponse({"status": status, "capture_id": cap.id, "capture": capture_json(cap)})
 

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 OnChange = Callable[[Capture], Any]
+# The summary computed after completion and served by default; other ``top``s are computed on demand.
+SUMMARY_TOP = 20
 _LIVE = (CaptureState.starting, CaptureState.active, CaptureState.stopping, CaptureState.collecting)
 
 
@@ -141,7 +143,8 @@ class CaptureController:
         self._start_lock = asyncio.Lock()
         self._listeners: list[OnChange] = []
         self._summary_tasks: set[asyncio.Task[None]] = set()
-        self._memory_summaries: dict[str, dict[str, Any]] = {}  # summaries when there is no state_dir
+        self._summaries: dict[tuple[str, int], dict[str, Any]] = {}  # (capture id, top) -> summary
+        self._summary_locks: dict[str, asyncio.Lock] = {}
         self._opened = False
         self._closed = False
 
@@ -508,6 +511,24 @@ class CaptureController:
             pass
         return self.get(capture_id)
 
+    async def stop_active(self, stages: list[int] | None = None) -> Capture | None:
+        """The upstream's own stop semantics: stop the live capture and return once it is terminal
+        (the upstream's stop blocks too). ``stages``, when given, must be the capture's own set: a
+        different set would leave stages recording (``CaptureError`` ``stage_set_mismatch``).
+        None when nothing is live: the upstream answers a stop without a start with success too."""
+        active = self.active
+        if active is None:
+            return None
+        if stages is not None and sorted(stages) != sorted(active.stages):
+            raise CaptureError(
+                f"stop_profile names stages {stages} but capture {active.id} profiles {active.stages}; "
+                "send the same stages or no body (a different set would leave stages recording)",
+                code="stage_set_mismatch",
+                details={"active_id": active.id, "active_stages": active.stages, "requested": stages},
+            )
+        await self.stop(active.id)  # already stopping: a no-op
+        return await self.wait(active.id)
+
     # --- artifacts ------------------------------------------------------------------------
 
     def artifact_path(self, capture_id: str, relpath: str) -> Path:
@@ -523,37 +544,76 @@ class CaptureController:
             )
         return path
 
-    def summary(self, capture_id: str) -> dict[str, Any] | None:
+    def summary(self, capture_id: str, *, top: int = SUMMARY_TOP) -> dict[str, Any] | None:
         """The cached trace summary of a finished capture, or None (not computed, or failed)."""
         self.get(capture_id)
-        if self.journal is None:
-            return self._memory_summaries.get(capture_id)
-        p = self.journal.summary_path(capture_id)
-        try:
-            return json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return None
+        return self._cached_summary(capture_id, top)
 
-    def _schedule_summary(self, cap: Capture) -> None:
-        try:
-            from sidecar.analysis import summarize_paths  # type: ignore[attr-defined]
-        except ImportError:
-            return
+    async def summarize(self, capture_id: str, *, top: int = SUMMARY_TOP) -> dict[str, Any]:
+        """The trace summary (``top`` ops per stage) of a terminal capture: the cached one, else
+        computed in a thread and cached in the state dir. One summarizer per capture at a time,
+        however many callers. ``CaptureError``: ``capture_not_terminal``, ``summary_unavailable``."""
+        cap = self.get(capture_id)
+        if not cap.terminal:
+            raise CaptureError(
+                f"capture {capture_id} is {cap.state.value}; the summary exists once it is terminal "
+                f"(wait with POST /v1/captures/{capture_id}/stop?wait=true)",
+                code="capture_not_terminal",
+                details={"state": cap.state.value},
+            )
+        async with self._summary_locks.setdefault(capture_id, asyncio.Lock()):
+            data = self._cached_summary(capture_id, top)
+            if data is None:
+                data = await self._compute_summary(cap, top)
+        return data
+
+    def _summary_file(self, capture_id: str, top: int) -> Path | None:
+        if self.journal is None:
+            return None
+        path = self.journal.summary_path(capture_id)
+        return path if top == SUMMARY_TOP else path.with_name(f"{capture_id}.top{top}.json")
+
+    def _cached_summary(self, capture_id: str, top: int) -> dict[str, Any] | None:
+        data = self._summaries.get((capture_id, top))
+        path = self._summary_file(capture_id, top)
+        if data is None and path is not None:
+            try:
+                data = self._summaries[(capture_id, top)] = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                return None
+        return data
+
+    async def _compute_summary(self, cap: Capture, top: int) -> dict[str, Any]:
         paths = artifacts.trace_paths(cap.verdicts)
         if not paths:
-            return
+            raise CaptureError(
+                f"capture {cap.id} has no readable trace (state {cap.state.value}); see its verdicts",
+                code="summary_unavailable",
+            )
+        try:
+            from sidecar.analysis import summarize_paths
+        except ImportError:
+            raise CaptureError(
+                "this sidecar has no trace summarizer installed; download the traces instead",
+                code="summary_unavailable",
+            ) from None
+        result = await asyncio.to_thread(summarize_paths, paths, top=top)
+        data: dict[str, Any] = result.model_dump(mode="json")
+        path = self._summary_file(cap.id, top)
+        if path is not None:
+            await asyncio.to_thread(atomic_write_text, path, json.dumps(data))
+        self._summaries[(cap.id, top)] = data
+        return data
 
+    def _schedule_summary(self, cap: Capture) -> None:
         async def run() -> None:
             try:
-                result = await asyncio.to_thread(summarize_paths, paths)
-                data = result.model_dump(mode="json") if hasattr(result, "model_dump") else result
-                text = json.dumps(data, default=str)
-                if self.journal is None:
-                    self._memory_summaries[cap.id] = json.loads(text)
-                else:
-                    await asyncio.to_thread(atomic_write_text, self.journal.summary_path(cap.id), text)
+                await self.summarize(cap.id)
             except asyncio.CancelledError:
                 raise
+            except CaptureError as exc:
+                if exc.code != "summary_unavailable":  # no summarizer or no trace: nothing to cache
+                    log.warning("capture %s: summary failed: %s", cap.id, exc)
             except Exception as exc:  # a summary never changes the verdict
                 log.warning("capture %s: summary failed: %s", cap.id, exc)
 

@@ -18,6 +18,19 @@ from sidecar.config.profiler import ProfilerConfig
 logger = logging.getLogger("sidecar.emulator.worker")
 
 
+def _torch_profile(config: ProfilerConfig, on_trace_ready: Any) -> torch.profiler.profile:
+    """The ``torch.profiler.profile`` both torch wrappers build from ``config``. CPU only: the
+    emulator has no device activity (the real default is CPU+CUDA)."""
+    return torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU],
+        record_shapes=config.torch_profiler_record_shapes,
+        profile_memory=config.torch_profiler_with_memory,
+        with_stack=config.torch_profiler_with_stack,
+        with_flops=config.torch_profiler_with_flops,
+        on_trace_ready=on_trace_ready,
+    )
+
+
 class WorkerProfiler:
     """vllm/profiler/wrapper.py ``WorkerProfiler``: delayed start, max-iteration auto-stop,
     start-while-active and stop-while-idle ignored."""
@@ -124,15 +137,7 @@ class OmniTorchProfiler(WorkerProfiler):
         self._session_dir: str | None = None
         self._pending_gzip: str | None = None
         self.sessions: list[str] = []
-        # CPU only: the emulator has no device activity (the real default is CPU+CUDA).
-        self.profiler = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU],
-            record_shapes=config.torch_profiler_record_shapes,
-            profile_memory=config.torch_profiler_with_memory,
-            with_stack=config.torch_profiler_with_stack,
-            with_flops=config.torch_profiler_with_flops,
-            on_trace_ready=self._on_trace_ready,
-        )
+        self.profiler = _torch_profile(config, self._on_trace_ready)
 
     def set_trace_filename(self, filename: str) -> None:
         # Called on every start, even one the state machine ignores: that is why a second start
@@ -257,13 +262,9 @@ class PlainVllmTorchProfiler(WorkerProfiler):
         self.local_rank = local_rank
         self.sessions: list[str] = []
         trace_dir = config.torch_profiler_dir or "."
-        self.profiler = torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CPU],
-            record_shapes=config.torch_profiler_record_shapes,
-            profile_memory=config.torch_profiler_with_memory,
-            with_stack=config.torch_profiler_with_stack,
-            with_flops=config.torch_profiler_with_flops,
-            on_trace_ready=torch.profiler.tensorboard_trace_handler(
+        self.profiler = _torch_profile(
+            config,
+            torch.profiler.tensorboard_trace_handler(
                 trace_dir, worker_name=worker_name, use_gzip=config.torch_profiler_use_gzip
             ),
         )
