@@ -146,6 +146,13 @@ async def test_overlapping_start_names_the_active_capture(ctl):
     assert err.value.details["active_id"] == first.id
 
 
+async def test_a_bad_stage_list_is_refused_as_such_even_while_a_capture_is_active(ctl):
+    await ctl.start([0])
+    with pytest.raises(StageSelectionError) as err:
+        await ctl.start([])
+    assert err.value.code == "stages_empty"
+
+
 async def test_overlapping_start_is_refused_while_the_first_is_still_starting(ctl, fake_omni):
     fake_omni.start_delay = 1.0
     first = asyncio.create_task(ctl.start([0]))

@@ -277,11 +277,12 @@ class CaptureController:
             raise CaptureError("the sidecar is shutting down; start the capture after restart",
                                code="sidecar_closing")
         duration_s, lease_s = self._check_window(duration_s, lease_s)
+        # Validation comes before anything reaches the server (DESIGN.md §4), and before the
+        # overlap check: a bad stage list is wrong whatever else is running.
+        selected = select_stages(self.deploy, stages, allow_cuda=False)
         self._refuse_overlap()  # fast path: don't queue behind a start that may take minutes
         async with self._start_lock:
             self._refuse_overlap()
-            # Validation comes before anything reaches the server (DESIGN.md §4).
-            selected = select_stages(self.deploy, stages, allow_cuda=False)
             now = _now()
             cap = Capture(
                 id=_new_id(),
