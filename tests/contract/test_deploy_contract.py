@@ -48,7 +48,7 @@ def _effective(vllm_pc: type, raw: dict[str, Any] | None) -> dict[str, Any] | No
     return None if raw is None else dataclasses.asdict(vllm_pc(**raw))
 
 
-def _compare(sc: Any, vllm_pc: type, path: Path, platform: str = "cuda") -> None:
+def assert_same_as_real_loader(sc: Any, vllm_pc: type, path: Path, platform: str = "cuda") -> None:
     theirs = _real(sc, path, platform)
     ours = load_deploy_config(path, platform=platform)
     assert ours.stage_ids == list(theirs)
@@ -73,18 +73,18 @@ def test_wheel_ships_the_deploy_files() -> None:
 def test_bundled_deploy_matches_real_loader(omni_stage_config, vllm_profiler_config, path: Path) -> None:
     if path.name in REAL_LOADER_FAILS:
         pytest.xfail(REAL_LOADER_FAILS[path.name])
-    _compare(omni_stage_config, vllm_profiler_config, path)
+    assert_same_as_real_loader(omni_stage_config, vllm_profiler_config, path)
 
 
 @pytest.mark.parametrize("path", OURS, ids=[p.name for p in OURS])
 def test_our_files_match_real_loader(omni_stage_config, vllm_profiler_config, path: Path) -> None:
-    _compare(omni_stage_config, vllm_profiler_config, path)
+    assert_same_as_real_loader(omni_stage_config, vllm_profiler_config, path)
 
 
 @pytest.mark.parametrize("platform", ["npu", "xpu", "rocm"])
 def test_platform_overlays_match(omni_stage_config, vllm_profiler_config, platform: str) -> None:
     for path in [REPO / "tests" / "data" / "deploy" / "base.yaml", *(p for p in BUNDLED if "qwen" in p.name)]:
-        _compare(omni_stage_config, vllm_profiler_config, path, platform)
+        assert_same_as_real_loader(omni_stage_config, vllm_profiler_config, path, platform)
 
 
 @pytest.mark.parametrize("profile", ["light", "ops", "shapes", "memory", "stacks", "nsys"])
@@ -92,7 +92,7 @@ def test_rendered_overlay_loads_in_vllm_omni(omni_stage_config, vllm_profiler_co
     out = tmp_path / "nested" / "overlay.yaml"
     out.parent.mkdir()
     out.write_text(render_overlay(REPO / "configs" / "qwen2_5_omni.yaml", profile, [0, 2], out_path=out, out_dir=tmp_path / "perf"))
-    _compare(omni_stage_config, vllm_profiler_config, out)
+    assert_same_as_real_loader(omni_stage_config, vllm_profiler_config, out)
 
 
 def _with_profilers(bundled: Path, tmp_path: Path) -> Path:
@@ -113,7 +113,7 @@ def test_bundled_with_profilers_matches_real_loader(
     omni_stage_config, vllm_profiler_config, tmp_path: Path, monkeypatch, path: Path
 ) -> None:
     monkeypatch.chdir(tmp_path)  # relative dirs resolve against the cwd on both sides
-    _compare(omni_stage_config, vllm_profiler_config, _with_profilers(path, tmp_path))
+    assert_same_as_real_loader(omni_stage_config, vllm_profiler_config, _with_profilers(path, tmp_path))
 
 
 def test_legacy_schema_is_rejected_by_real_loader(omni_stage_config) -> None:
