@@ -14,7 +14,10 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import ClassVar, Self
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:  # typing.Self is 3.11+; the package supports 3.10
+    from typing_extensions import Self
 
 import httpx
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
