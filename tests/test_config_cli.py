@@ -42,6 +42,13 @@ def test_broken_file_exits_1_with_file_line_col(deploy_data: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
+def test_serve_refuses_a_broken_deploy_naming_the_error_code(deploy_data: Path) -> None:
+    # the shared CLI error path (cli_errors/print_error): the [code] must survive rich markup
+    proc = run("serve", "--upstream", "http://127.0.0.1:9", "--deploy-config", deploy_data / "unknown_key.yaml")
+    assert proc.returncode == 1
+    assert "error[profiler_config_invalid]" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_unreadable_file_exits_2(deploy_data: Path) -> None:
     proc = run("validate", deploy_data / "not_yaml.yaml")
     assert (proc.returncode, "Traceback" in proc.stderr) == (2, False)

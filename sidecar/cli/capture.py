@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -74,7 +75,7 @@ def print_capture(cap: Capture, as_json: bool) -> None:
     if cap.stop_reason:
         console.print(f"stop reason: {cap.stop_reason.value}")
     for err in cap.errors:
-        console.print(f"[red]{err.code}[/]: {err.message}", highlight=False)
+        console.print(f"[red]{escape(err.code)}[/]: {escape(err.message)}", highlight=False)
 
 
 def exit_code(cap: Capture) -> int:

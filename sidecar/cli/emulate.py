@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from pydantic import ValidationError
 
 from sidecar.cli._app import EXIT_ERROR, app, err_console, parse_stage_list, print_error
@@ -68,7 +69,8 @@ def emulate(
     except ValidationError as err:  # an out-of-range option value
         for e in err.errors():
             option = "--" + "-".join(map(str, e["loc"])).replace("_", "-")
-            err_console.print(f"[bold red]error[/][invalid_option]: {option}: {e['msg']}", highlight=False)
+            detail = escape(f"[invalid_option]: {option}: {e['msg']}")
+            err_console.print(f"[bold red]error[/]{detail}", highlight=False)
         raise typer.Exit(EXIT_ERROR) from None
     except SidecarError as err:
         # The real server exits 1 for any refused deploy file, unreadable ones included.

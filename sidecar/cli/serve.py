@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 
 from sidecar.cli._app import app, cli_errors, err_console
 
@@ -63,9 +64,7 @@ def serve(
             )
         settings.read_token()  # an unreadable token file must stop start-up, not open the routes
         deploy = load_deploy_config(settings.deploy_config, platform=settings.platform)
-        findings = list(validate_deploy(deploy))
-        seen = {(f.code, f.stage_id, f.key, f.message) for f in findings}
-        findings += [f for f in deploy.findings if (f.code, f.stage_id, f.key, f.message) not in seen]
+        findings = validate_deploy(deploy)  # includes the loader's own findings
         errors = [f for f in findings if f.is_error]
         if errors:
             raise ValidationFailed(
@@ -74,7 +73,7 @@ def serve(
                 findings=errors,
             )
         for finding in findings:
-            err_console.print(f"[yellow]{finding}[/]", highlight=False)
+            err_console.print(f"[yellow]{escape(str(finding))}[/]", highlight=False)
 
         import uvicorn
 
