@@ -5,7 +5,7 @@
 #   docker build -t omni-sidecar .
 #   docker run --rm -p 8092:8092 -v /tmp/omni-sidecar/perf:/tmp/omni-sidecar/perf \
 #     -v $PWD/configs:/configs:ro omni-sidecar \
-#     --host 0.0.0.0 --upstream http://vllm:8000 --deploy-config /configs/qwen2_5_omni.yaml
+#     --upstream http://vllm:8000 --deploy-config /configs/qwen2_5_omni.yaml
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -33,5 +33,8 @@ EXPOSE 8092
 # A capture journal survives restarts only on a volume.
 VOLUME ["/home/sidecar/state"]
 
+# Settings come from flags or OMNI_SIDECAR_* variables; these two keep working when `docker run`
+# arguments replace CMD.
+ENV OMNI_SIDECAR_HOST=0.0.0.0 \
+    OMNI_SIDECAR_STATE_DIR=/home/sidecar/state
 ENTRYPOINT ["omni-sidecar", "serve"]
-CMD ["--host", "0.0.0.0", "--state-dir", "/home/sidecar/state"]
