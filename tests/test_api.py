@@ -244,6 +244,15 @@ async def test_readyz_503_with_reason_when_not_mounted(api: AppClient, fake_omni
     assert (reply.status_code, err["code"], bool(err["message"])) == (503, "upstream_not_ready", True)
 
 
+async def test_readyz_503_when_the_probe_cannot_tell_the_profiler_is_mounted(api: AppClient, fake_omni: Any) -> None:
+    # e.g. an auth proxy answering 401: not proven ready, and the reason says what was seen
+    client = await api()
+    fake_omni.probe_status = 401
+    reply = await client.get("/readyz")
+    err = error_of(reply)
+    assert (reply.status_code, err["code"], "401" in err["message"]) == (503, "upstream_not_ready", True)
+
+
 async def test_stages_lists_profilers_and_dirs(api: AppClient, control_deploy: DeployConfig) -> None:
     client = await api()
     stages = (await client.get("/v1/stages")).json()["stages"]

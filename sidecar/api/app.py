@@ -121,11 +121,10 @@ def create_app(
         if upstream is None:
             return error_response("upstream_not_ready", "no upstream configured", scrubber=scrubber)
         probe = await upstream.probe()
-        if not probe.healthy or probe.profiler_mounted is False:
-            reason = probe.reason or ("upstream unhealthy" if not probe.healthy else "profiler not mounted")
+        if not probe.ready:  # the readiness rule is the probe's (ProbeResult.ready)
             return error_response(
                 "upstream_not_ready",
-                reason,
+                probe.reason or "upstream not ready",
                 {"healthy": probe.healthy, "profiler_mounted": probe.profiler_mounted, "upstream": upstream.base_url},
                 scrubber=scrubber,
             )
