@@ -134,8 +134,7 @@ def create_app(
 
     # --- stages --------------------------------------------------------------------------
 
-    @app.get("/v1/stages", tags=["stages"], summary="Stages of the deploy, their profiler and findings")
-    async def stages() -> dict[str, Any]:
+    def stages_report() -> dict[str, Any]:
         from sidecar.config.rules import validate_deploy
 
         findings = [f.model_dump(mode="json") for f in validate_deploy(deploy)]
@@ -158,6 +157,13 @@ def create_app(
                 "findings": findings,
             }
         )
+
+    # the deploy is fixed for the app's lifetime, so its report is computed once, not per request
+    stages_json = stages_report()
+
+    @app.get("/v1/stages", tags=["stages"], summary="Stages of the deploy, their profiler and findings")
+    async def stages() -> dict[str, Any]:
+        return stages_json
 
     # --- captures ------------------------------------------------------------------------
 
