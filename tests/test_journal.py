@@ -8,7 +8,8 @@ from datetime import datetime, timezone
 
 import pytest
 
-from sidecar.control.journal import CaptureJournal, atomic_write_text, scrub_secrets
+from sidecar.control.journal import CaptureJournal, atomic_write_text
+from sidecar.scrub import scrub_secrets
 from sidecar.control.models import Capture, CaptureState
 
 

@@ -19,10 +19,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 import sidecar
 from sidecar.api.auth import BearerAuth
-from sidecar.api.errors import Scrubber, error_response, install_error_handlers
+from sidecar.api.errors import error_response, install_error_handlers
 from sidecar.api.metrics import Metrics, MetricsMiddleware
 from sidecar.config.models import DeployConfig
 from sidecar.control.models import Capture, CaptureState
+from sidecar.scrub import Scrubber
 
 if TYPE_CHECKING:
     from sidecar.config.settings import SidecarSettings

@@ -5,9 +5,6 @@ and plain 404/405s alike. Secret values are scrubbed from anything that leaves t
 
 from __future__ import annotations
 
-import os
-import re
-from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -15,8 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sidecar.control.journal import scrub_secrets
 from sidecar.errors import SidecarError
+from sidecar.scrub import Scrubber
 
 # code → HTTP status. Unknown codes of a known family fall back on the family default below.
 STATUS_BY_CODE: dict[str, int] = {
@@ -54,41 +51,10 @@ STATUS_BY_CODE: dict[str, int] = {
     "method_not_allowed": 405,
 }
 
-_SECRET_NAME = re.compile(r"(TOKEN|SECRET|PASSWORD|API_KEY|ACCESS_KEY|CREDENTIAL)", re.IGNORECASE)
-_MIN_SECRET_LEN = 6  # shorter values ("1", "true") would scrub ordinary words
 
 
 def status_for(code: str) -> int:
     return STATUS_BY_CODE.get(code, 500)
-
-
-class Scrubber:
-    """Replaces known secret values (HF_TOKEN-like env vars, the bearer token) with ``***``."""
-
-    def __init__(self, extra: Iterable[str] = ()) -> None:
-        values = {v for k, v in os.environ.items() if _SECRET_NAME.search(k) and len(v) >= _MIN_SECRET_LEN}
-        values.update(v for v in extra if v and len(v) >= _MIN_SECRET_LEN)
-        # longest first so a secret containing another is replaced whole
-        self._values = sorted(values, key=len, reverse=True)
-
-    def add(self, value: str | None) -> None:
-        if value and len(value) >= _MIN_SECRET_LEN and value not in self._values:
-            self._values = sorted([*self._values, value], key=len, reverse=True)
-
-    def text(self, value: str) -> str:
-        for secret in self._values:
-            if secret in value:
-                value = value.replace(secret, "***")
-        return scrub_secrets(value)  # credential-shaped text the environment does not name
-
-    def data(self, value: Any) -> Any:
-        if isinstance(value, str):
-            return self.text(value)
-        if isinstance(value, dict):
-            return {k: self.data(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [self.data(v) for v in value]
-        return value
 
 
 def error_body(code: str, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -23,7 +23,8 @@ from sidecar.config.models import DeployConfig
 from sidecar.config.rules import select_stages
 from sidecar.control import artifacts
 from sidecar.control.artifacts import StageWatch
-from sidecar.control.journal import CaptureJournal, atomic_write_text, scrub_secrets
+from sidecar.control.journal import CaptureJournal, atomic_write_text
+from sidecar.scrub import scrub_secrets
 from sidecar.control.models import Capture, CaptureState, ErrorRecord, StageVerdict, StopReason, Verdict
 from sidecar.errors import (
     ArtifactNotFound,

@@ -16,52 +16,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from sidecar.control.models import Capture
+from sidecar.scrub import Scrubber
 
 log = logging.getLogger(__name__)
 
 _CAPTURE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-# Tokens that must never reach disk or an API reply: HF tokens, bearer headers, key=value secrets.
-_SECRET_PATTERNS = [
-    re.compile(r"\bhf_[A-Za-z0-9]{16,}\b"),
-    re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]{8,}"),
-    re.compile(
-        r"(?i)\b([A-Z0-9_]*(?:TOKEN|API_KEY|APIKEY|SECRET|PASSWORD|PASSWD))(['\"]?\s*[=:]\s*)(['\"]?)[^\s'\",}]+"
-    ),
-    re.compile(r"\bsk-[A-Za-z0-9]{16,}\b"),
-]
-
-
-_SECRET_ENV = re.compile(r"(?i)(TOKEN|API_?KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)")
-
-
-def env_secret_values() -> list[str]:
-    """Values of secret-named environment variables (HF_TOKEN, ...), longest first."""
-    values = {v for k, v in os.environ.items() if _SECRET_ENV.search(k) and len(v) >= 8}
-    return sorted(values, key=len, reverse=True)
-
-
-def scrub_secrets(text: str, values: list[str] | None = None) -> str:
-    """Replace anything that looks like a credential, and the values of secret-named
-    environment variables (or ``values`` when given), with ``***``."""
-    for secret in env_secret_values() if values is None else values:
-        if secret in text:
-            text = text.replace(secret, "***")
-    text = _SECRET_PATTERNS[0].sub("***", text)
-    text = _SECRET_PATTERNS[1].sub(lambda m: f"{m.group(1)} ***", text)
-    text = _SECRET_PATTERNS[2].sub(lambda m: f"{m.group(1)}{m.group(2)}{m.group(3)}***", text)
-    return _SECRET_PATTERNS[3].sub("***", text)
-
-
-def _scrub(value: Any, values: list[str]) -> Any:
-    if isinstance(value, str):
-        return scrub_secrets(value, values)
-    if isinstance(value, dict):
-        return {k: _scrub(v, values) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_scrub(v, values) for v in value]
-    return value
-
-
 def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -113,10 +72,10 @@ class CaptureJournal:
         return self.dir / f"{capture_id}.json"
 
     def write(self, capture: Capture, extra: dict[str, Any] | None = None) -> None:
-        values = env_secret_values()
-        data = _scrub(capture.model_dump(mode="json"), values)
+        scrubber = Scrubber()  # the environment is read once per write, not per string
+        data = scrubber.data(capture.model_dump(mode="json"))
         if extra:
-            data["_recovery"] = _scrub(extra, values)
+            data["_recovery"] = scrubber.data(extra)
         atomic_write_text(self.path(capture.id), json.dumps(data, indent=1, sort_keys=True))
 
     def load(self) -> list[JournalEntry]:

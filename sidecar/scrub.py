@@ -1,0 +1,66 @@
+"""Secrets never leave the sidecar: the values of secret-named environment variables (HF_TOKEN,
+...), extra known values (the bearer token) and credential-shaped text are replaced by ``***`` in
+everything it writes (journal, error records) or serves (every HTTP reply). One rule, used by all.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from typing import Any
+
+SECRET_ENV_NAME = re.compile(r"(?i)(TOKEN|API_?KEY|ACCESS_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)")
+MIN_SECRET_LEN = 6  # shorter values ("1", "true") would scrub ordinary words
+
+_HF_TOKEN = re.compile(r"\bhf_[A-Za-z0-9]{16,}\b")
+_BEARER = re.compile(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]{8,}")
+_KEY_VALUE = re.compile(
+    r"(?i)\b([A-Z0-9_]*(?:TOKEN|API_KEY|APIKEY|SECRET|PASSWORD|PASSWD))(['\"]?\s*[=:]\s*)(['\"]?)[^\s'\",}]+"
+)
+_OPENAI_KEY = re.compile(r"\bsk-[A-Za-z0-9]{16,}\b")
+
+
+def env_secret_values() -> list[str]:
+    """Values of secret-named environment variables, longest first (a secret containing another
+    is replaced whole)."""
+    values = {v for k, v in os.environ.items() if SECRET_ENV_NAME.search(k) and len(v) >= MIN_SECRET_LEN}
+    return sorted(values, key=len, reverse=True)
+
+
+def scrub_secrets(text: str, values: Iterable[str] | None = None) -> str:
+    """``text`` with the known secret ``values`` (default: the environment's, read now) and anything
+    credential-shaped replaced by ``***``."""
+    for secret in env_secret_values() if values is None else values:
+        if secret in text:
+            text = text.replace(secret, "***")
+    text = _HF_TOKEN.sub("***", text)
+    text = _BEARER.sub(lambda m: f"{m.group(1)} ***", text)
+    text = _KEY_VALUE.sub(lambda m: f"{m.group(1)}{m.group(2)}{m.group(3)}***", text)
+    return _OPENAI_KEY.sub("***", text)
+
+
+class Scrubber:
+    """Scrubs strings anywhere in JSON-like data with the secret values known at construction
+    (the environment's plus ``extra``), so a hot path does not re-read the environment per string."""
+
+    def __init__(self, extra: Iterable[str] = ()) -> None:
+        values = set(env_secret_values())
+        values.update(v for v in extra if v and len(v) >= MIN_SECRET_LEN)
+        self._values = sorted(values, key=len, reverse=True)
+
+    def add(self, value: str | None) -> None:
+        if value and len(value) >= MIN_SECRET_LEN and value not in self._values:
+            self._values = sorted([*self._values, value], key=len, reverse=True)
+
+    def text(self, value: str) -> str:
+        return scrub_secrets(value, self._values)
+
+    def data(self, value: Any) -> Any:
+        if isinstance(value, str):
+            return self.text(value)
+        if isinstance(value, dict):
+            return {k: self.data(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.data(v) for v in value]
+        return value
