@@ -18,7 +18,8 @@ from sidecar.config._yaml import MarkedDict, load_yaml
 from sidecar.config.deploy import load_deploy_config, profiler_config_error
 from sidecar.config.models import DeployConfig
 from sidecar.config.profiler import ProfilerConfig
-from sidecar.errors import ConfigError, ConfigUnreadable, StageSelectionError, Where
+from sidecar.config.rules import check_stage_ids
+from sidecar.errors import ConfigError, ConfigUnreadable, Where
 
 __all__ = [
     "StageProfile",
@@ -100,17 +101,7 @@ def stage_profiler_configs(
 ) -> dict[int, dict[str, Any]]:
     """The full profiler_config to write for each stage (every torch field explicit, so nothing from
     the base file's own profiler_config leaks through the merge)."""
-    if not stages:
-        raise StageSelectionError("render needs at least one stage (e.g. --stages 0,2)", code="stages_empty")
-    if len(set(stages)) != len(stages):
-        raise StageSelectionError(f"stage ids listed more than once: {stages}", code="stage_duplicate")
-    unknown = [s for s in stages if deploy.stage(s) is None]
-    if unknown:
-        raise StageSelectionError(
-            f"unknown stage ids {unknown}; the deploy file has stages {deploy.stage_ids}",
-            code="stage_unknown",
-            details={"stages": unknown, "valid": deploy.stage_ids},
-        )
+    check_stage_ids(deploy, stages, valid=deploy.stage_ids)  # any stage may be given a profiler
     out: dict[int, dict[str, Any]] = {}
     for sid in stages:
         pc = dict(profile.profiler_config)

@@ -13,31 +13,9 @@ from sidecar.errors import Finding, Severity, StageSelectionError, Where
 __all__ = ["select_stages", "validate_deploy", "selection_finding"]
 
 
-def select_stages(deploy: DeployConfig, stages: list[int] | None, *, allow_cuda: bool = False) -> list[int]:
-    """The explicit stage list to send upstream (never empty, never ``None``).
-
-    ``None`` means every torch-profiled stage (plus ``cuda`` ones when ``allow_cuda``), listed
-    explicitly. A given list must be non-empty, without duplicates, and name only stages that exist
-    and are profiled with torch (``cuda`` too when ``allow_cuda``, i.e. an nsys capture).
-    Raises ``StageSelectionError`` whose ``details`` name the offending and the valid ids.
-    """
-    allowed_kinds = ("torch", "cuda") if allow_cuda else ("torch",)
-    valid = [s.stage_id for s in deploy.stages if s.profiler in allowed_kinds]
-    what = "torch- or cuda-profiled" if allow_cuda else "torch-profiled"
-    if stages is None:
-        if not valid:
-            profiled = {s.stage_id: s.profiler for s in deploy.profiled_stages}
-            hint = (
-                f" (profiled with another profiler: {profiled})"
-                if profiled
-                else "; add `profiler_config: {profiler: torch, torch_profiler_dir: /abs/dir}` to the stages to capture"
-            )
-            raise StageSelectionError(
-                f"no stage is {what}{hint}",
-                code="stage_not_profiled",
-                details={"stages": [], "valid": valid, "known": deploy.stage_ids},
-            )
-        return list(valid)
+def check_stage_ids(deploy: DeployConfig, stages: list[int], *, valid: list[int]) -> None:
+    """The part of the stage-list rule every caller shares (capture, render): non-empty, integers,
+    each once, each a stage of ``deploy``. ``valid`` is what the error messages offer instead."""
     if len(stages) == 0:
         raise StageSelectionError(
             "the stage list is empty: the server would profile nothing and still answer SUCCESS; "
@@ -67,6 +45,34 @@ def select_stages(deploy: DeployConfig, stages: list[int] | None, *, allow_cuda:
             code="stage_unknown",
             details={"stages": unknown, "valid": valid, "known": deploy.stage_ids},
         )
+
+
+def select_stages(deploy: DeployConfig, stages: list[int] | None, *, allow_cuda: bool = False) -> list[int]:
+    """The explicit stage list to send upstream (never empty, never ``None``).
+
+    ``None`` means every torch-profiled stage (plus ``cuda`` ones when ``allow_cuda``), listed
+    explicitly. A given list must be non-empty, without duplicates, and name only stages that exist
+    and are profiled with torch (``cuda`` too when ``allow_cuda``, i.e. an nsys capture).
+    Raises ``StageSelectionError`` whose ``details`` name the offending and the valid ids.
+    """
+    allowed_kinds = ("torch", "cuda") if allow_cuda else ("torch",)
+    valid = [s.stage_id for s in deploy.stages if s.profiler in allowed_kinds]
+    what = "torch- or cuda-profiled" if allow_cuda else "torch-profiled"
+    if stages is None:
+        if not valid:
+            profiled = {s.stage_id: s.profiler for s in deploy.profiled_stages}
+            hint = (
+                f" (profiled with another profiler: {profiled})"
+                if profiled
+                else "; add `profiler_config: {profiler: torch, torch_profiler_dir: /abs/dir}` to the stages to capture"
+            )
+            raise StageSelectionError(
+                f"no stage is {what}{hint}",
+                code="stage_not_profiled",
+                details={"stages": [], "valid": valid, "known": deploy.stage_ids},
+            )
+        return list(valid)
+    check_stage_ids(deploy, stages, valid=valid)
     unprofiled = [s for s in stages if deploy.stage(s).profiler is None]  # type: ignore[union-attr]
     if unprofiled:
         raise StageSelectionError(
