@@ -20,6 +20,7 @@ __all__ = [
     "RankMode",
     "VerlProfilerPlan",
     "format_replicas",
+    "installed_rank_mode",
     "read_verl_config",
     "verl_findings",
 ]
@@ -365,3 +366,24 @@ def verl_findings(
             Severity.warning,
         )
     return out
+
+
+def installed_rank_mode() -> RankMode:
+    """How the installed verl reads rollout ``ranks``, found without importing it (verl takes
+    seconds to import): ``global`` where verl has ``build_rollout_dist_profiler`` (0.9.1), or when
+    no verl is installed (the registry release's rule); ``replica`` for an older verl."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("verl")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return "global"
+    for root in spec.submodule_search_locations:
+        profile = Path(root) / "utils" / "profiler" / "profile.py"
+        try:
+            return "global" if "def build_rollout_dist_profiler" in profile.read_text(encoding="utf-8") else "replica"
+        except OSError:
+            continue
+    return "global"
