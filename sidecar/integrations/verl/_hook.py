@@ -373,15 +373,24 @@ class RolloutHook:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def install(self) -> None:
-        from verl.utils.ray_utils import auto_await
+        """verl's calling convention is kept: ``auto_await`` (a sync call runs it, an awaiting
+        caller gets a coroutine); a verl without it calls plain sync methods."""
+        try:
+            from verl.utils.ray_utils import auto_await
+        except ImportError:
+            def start_profile(**_: Any) -> None:
+                self.start()
 
-        @auto_await
-        async def start_profile(**_: Any) -> None:
-            await asyncio.to_thread(self.start)
+            def stop_profile(**_: Any) -> None:
+                self.stop()
+        else:
+            @auto_await
+            async def start_profile(**_: Any) -> None:
+                await asyncio.to_thread(self.start)
 
-        @auto_await
-        async def stop_profile(**_: Any) -> None:
-            await asyncio.to_thread(self.stop)
+            @auto_await
+            async def stop_profile(**_: Any) -> None:
+                await asyncio.to_thread(self.stop)
 
         for manager in self.managers:
             manager.start_profile = start_profile
