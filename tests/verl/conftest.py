@@ -26,18 +26,26 @@ collect_ignore.append("_standin.py")
 FQN = "sidecar.integrations.verl.SidecarAgentLoopManager"
 
 
-def recipe(save_path: Path, steps: str = "[1,3]", **extra: str) -> list[str]:
-    """docs/rl.md's recipe for verl's default trainer, as Hydra overrides."""
-    out = [
-        f"++actor_rollout_ref.rollout.agent.agent_loop_manager_class={FQN}",
-        "global_profiler.tool=torch",
-        f"global_profiler.steps={steps}",
-        f"global_profiler.save_path={save_path}",
-        "actor_rollout_ref.rollout.profiler.enable=True",
-        "actor_rollout_ref.rollout.profiler.all_ranks=True",
-        "actor_rollout_ref.rollout.profiler.tool_config.torch.discrete=True",
-        "trainer.resume_mode=disable",
-    ]
+def docs_recipe() -> list[str]:
+    """The overrides of docs/rl.md's recipe block (``<!-- recipe: verl -->``), as a shell passes them."""
+    import re
+    import shlex
+
+    text = (ROOT / "docs" / "rl.md").read_text()
+    block = re.search(r"<!-- recipe: verl -->\s*```bash\n(.*?)```", text, re.S).group(1)  # type: ignore[union-attr]
+    return [w for w in shlex.split(block.replace("<your usual overrides>", "")) if "=" in w]
+
+
+def recipe(save_path: Path | str, steps: str = "[1,3]", **extra: str) -> list[str]:
+    """docs/rl.md's recipe, pasted, with this test's ``save_path`` (and ``steps``)."""
+    out = []
+    for o in docs_recipe():
+        key = o.split("=", 1)[0]
+        if key == "global_profiler.save_path":
+            o = f"{key}={save_path}"
+        elif key == "global_profiler.steps":
+            o = f"{key}={steps}"
+        out.append(o)
     return out + [f"{k}={v}" for k, v in extra.items()]
 
 

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from sidecar.config.verl import format_replicas, installed_rank_mode, read_verl_config, verl_findings
 from tests.fixtures.emulator import make_deploy
-from tests.verl.conftest import FQN, compose, recipe
+from tests.verl.conftest import FQN, compose, docs_recipe, recipe
 
 pytestmark = pytest.mark.verl
 
@@ -96,3 +96,16 @@ def test_validate_prints_the_replicas_verl_profiles(tmp_path):
     dump.write_text(yaml.safe_dump(data))
     out = CliRunner().invoke(app, ["validate", str(deploy), "--verl-config", str(dump)])
     assert out.exit_code != 0 and "verl_ranks_past_replicas" in out.output
+
+
+@pytest.mark.parametrize("extra", [[], ["trainer.use_v1=False"]])
+def test_the_docs_recipe_pasted_composes_with_verls_config(extra):
+    from verl.utils.import_utils import load_class_from_fqn
+
+    overrides = docs_recipe()
+    assert any(o.startswith("++actor_rollout_ref.rollout.agent.agent_loop_manager_class=") for o in overrides)
+    cfg = compose(*overrides, *extra)
+    plan = read_verl_config(cfg)
+    assert verl_findings(plan) == [] and plan.steps == [1, 3] and plan.use_v1 is (not extra)
+    cls = load_class_from_fqn(cfg.actor_rollout_ref.rollout.agent.agent_loop_manager_class, "AgentLoopManager")
+    assert f"{cls.__module__}.{cls.__qualname__}" == FQN
