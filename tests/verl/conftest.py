@@ -32,7 +32,7 @@ def docs_recipe() -> list[str]:
     import shlex
 
     text = (ROOT / "docs" / "rl.md").read_text()
-    block = re.search(r"<!-- recipe: verl -->\s*```bash\n(.*?)```", text, re.S).group(1)  # type: ignore[union-attr]
+    block = re.search(r"<!-- recipe: verl -->\s*```bash\n(.*?)```", text, re.DOTALL).group(1)  # type: ignore[union-attr]
     return [w for w in shlex.split(block.replace("<your usual overrides>", "")) if "=" in w]
 
 

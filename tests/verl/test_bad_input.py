@@ -101,3 +101,14 @@ def test_no_trainer_up_the_stack_is_refused(tmp_path):
     with pytest.raises(ValidationFailed) as info:
         attach(SimpleNamespace(), _cfg(tmp_path, "+omni_sidecar.strict=True"), sys._getframe())
     assert info.value.code == "verl_trainer_not_found"
+
+
+def test_reward_servers_are_not_followed_in_verl(tmp_path):
+    # verl 0.9.1 never profiles reward-model servers: nothing to follow without sidecar targets.
+    cfg = _cfg(tmp_path, "+omni_sidecar.strict=True", "+omni_sidecar.role=reward",
+               "++reward.reward_model.rollout.profiler.enable=True",
+               "++reward.reward_model.rollout.profiler.tool=torch",
+               "++reward.reward_model.rollout.profiler.tool_config.torch.discrete=True")
+    with pytest.raises(ValidationFailed) as info:
+        Trainer(cfg).init_workers(strict=True)
+    assert info.value.code == "verl_reward_not_followed"

@@ -9,7 +9,12 @@ import yaml
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
-from sidecar.config.verl import format_replicas, installed_rank_mode, read_verl_config, verl_findings
+from sidecar.config.verl import (
+    format_replicas,
+    installed_rank_mode,
+    read_verl_config,
+    verl_findings,
+)
 from tests.fixtures.emulator import make_deploy
 from tests.verl.conftest import FQN, compose, docs_recipe, recipe
 

@@ -31,8 +31,9 @@ def servers(ray_cluster):
     made: list[Any] = []
 
     def make(cfg: Any, world_size: int) -> Any:
-        import tests.verl._standin as standin
         from verl.workers.rollout.llm_server import LLMServerManager
+
+        import tests.verl._standin as standin
 
         wg = standin.WorkerGroup(world_size)
         manager = LLMServerManager.create(config=cfg, worker_group=wg)
@@ -77,9 +78,10 @@ def _check_steps(hook: Any, save: Path, n_replicas: int) -> None:
 
 def test_v1_default_trainer(servers, tmp_path):
     import ray
-    import tests.verl._standin as standin
     from verl.trainer.main_ppo import TaskRunnerV1
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    import tests.verl._standin as standin
 
     save = tmp_path / "profile"
     cfg = compose(*recipe(save), *STANDIN, *FAST, "trainer.test_freq=1",
@@ -128,9 +130,10 @@ def test_v1_default_trainer(servers, tmp_path):
 
 
 def test_v0_trainer_with_global_ranks(servers, tmp_path):
-    import tests.verl._standin as standin
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
     from verl.utils.import_utils import load_class_from_fqn
+
+    import tests.verl._standin as standin
 
     save = tmp_path / "profile"
     # tp=2 on 4 GPUs: 2 replicas; global GPU rank 2 is replica 1's first GPU (verl 0.9.1's rule).
@@ -148,7 +151,7 @@ def test_v0_trainer_with_global_ranks(servers, tmp_path):
     def init_workers_tail(self: Any) -> None:
         # RayPPOTrainer.init_workers (ray_trainer.py), the lines that build the agent-loop manager
         manager_class_fqn = self.config.actor_rollout_ref.rollout.get("agent", {}).get("agent_loop_manager_class")
-        AgentLoopManager = load_class_from_fqn(manager_class_fqn, "AgentLoopManager")  # noqa: N806
+        AgentLoopManager = load_class_from_fqn(manager_class_fqn, "AgentLoopManager")
         self.async_rollout_manager = AgentLoopManager.create(
             config=self.config, llm_client=self.llm_server_manager.get_client(), teacher_client=None,
             reward_loop_worker_handles=None,

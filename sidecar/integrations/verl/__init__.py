@@ -19,7 +19,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sidecar.config.verl import CONFIG_KEY, installed_rank_mode, read_verl_config, verl_findings
+from sidecar.config.verl import (
+    CONFIG_KEY,
+    installed_rank_mode,
+    read_verl_config,
+    verl_findings,
+)
 from sidecar.errors import ConfigError, ValidationFailed
 from sidecar.rollout import DEFAULT_LEASE_S, RolloutProfiler
 
@@ -159,6 +164,11 @@ def attach(agent_loop_manager: Any, config: Any, frame: Any) -> Any:
         return None
     chosen = plan.requested_replicas(rank_mode)
     base = ROLE_PATHS[hook.role]
+    if hook.role == "reward" and not hook.targets:
+        _refuse(hook, "verl_reward_not_followed",
+                "verl drives no step-scoped profiling of reward-model servers (their profiler block is "
+                f"verl-omni's `{base}`); name the reward servers' sidecars in `+{CONFIG_KEY}.targets=[...]`")
+        return None
     if hook.targets:
         prof = profiler_from_trainer_config(config, rank_mode=rank_mode)
         captures: Any = TargetCaptures(prof)
@@ -204,7 +214,8 @@ def attach(agent_loop_manager: Any, config: Any, frame: Any) -> Any:
             artifact_timeout_s=hook.collect_timeout_s + 60,
         )
     rollout_hook = RolloutHook(trainer=trainer, managers=managers, captures=captures, save_path=plan.trace_dir,
-                               strict=hook.strict, wait_artifacts=hook.wait_artifacts)
+                               strict=hook.strict, wait_artifacts=hook.wait_artifacts,
+                               last_step=max(plan.steps) if plan.steps else None)
     rollout_hook.install()
     log.info("omni-sidecar: follows verl's rollout profiling at steps %s on replicas %s (%s ranks); verl's own "
              "engine start/stop is replaced", plan.steps, format_replicas(chosen), rank_mode)

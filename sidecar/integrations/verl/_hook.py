@@ -366,6 +366,9 @@ class RolloutHook:
     save_path: str | None
     strict: bool = False
     wait_artifacts: bool = False
+    # The last step verl profiles: its check is waited for (bounded), so the result is written
+    # before a run that ends right after it exits.
+    last_step: int | None = None
     results: dict[int, StepResult] = field(default_factory=dict)
     top_ops: dict[int, dict[str, Any]] = field(default_factory=dict)
     _open: StepResult | None = None
@@ -373,7 +376,7 @@ class RolloutHook:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def install(self) -> None:
-        """verl's calling convention is kept: ``auto_await`` (a sync call runs it, an awaiting
+        """Replace each manager's ``start_profile``/``stop_profile``. verl's calling convention is kept: ``auto_await`` (a sync call runs it, an awaiting
         caller gets a coroutine); a verl without it calls plain sync methods."""
         try:
             from verl.utils.ray_utils import auto_await
@@ -428,7 +431,7 @@ class RolloutHook:
         with self._lock:
             self.results[result.step] = stopped
         failures = [t for t in stopped.targets.values() if t.error is not None]
-        if self.wait_artifacts:
+        if self.wait_artifacts or (self.last_step is not None and result.step >= self.last_step):
             self._finish(finish)
         else:
             self._finishing = threading.Thread(target=self._finish, args=(finish,), daemon=True,
