@@ -92,3 +92,24 @@ def test_the_package_imports_without_verl_and_says_what_is_missing():
     with pytest.raises(ImportError, match="needs verl"):
         module.SidecarAgentLoopManager.create(config={"trainer": {}})
     assert "verl" not in sys.modules
+
+
+@pytest.mark.slow
+def test_best_effort_a_failed_start_is_in_the_steps_result_and_one_log_line(replica_factory, tmp_path, caplog):
+    import logging
+
+    replicas = replica_factory(2, stages=(0,), faults={1: ["--fault-start-500"]})
+    save = tmp_path / "profile"
+    trainer = Trainer(_trainer_config(str(save), [f"upstream={r.url}" for r in replicas], str(replicas[0].deploy)))
+    hook = trainer.init_workers()
+    trainer.global_steps = 1
+    with caplog.at_level(logging.WARNING, logger="sidecar.integrations.verl"):
+        trainer.llm_server_manager.start_profile()  # does not raise: training goes on
+        trainer.llm_server_manager.stop_profile()
+    results = hook.wait(timeout=120)
+    hook.close()
+    assert results[1].error is not None and not results[1].ok
+    ours = [r for r in caplog.records if r.name == "sidecar.integrations.verl"]
+    assert len(ours) == 1 and "rollout step 1" in ours[0].getMessage()
+    assert json.loads((save / "omni_sidecar" / "step1.json").read_text())["ok"] is False
+    assert not any(r.profiling()[0] for r in replicas)  # the started replica was rolled back
