@@ -64,7 +64,7 @@ def ray_cluster() -> Iterator[Any]:
     import ray
 
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT), "OMNI_SIDECAR_CACHE": os.environ.get("OMNI_SIDECAR_CACHE", "")}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})  # the actors import sidecar and tests/
     try:
         yield ray
     finally:
