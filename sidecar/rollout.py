@@ -24,7 +24,11 @@ from pydantic import BaseModel, Field
 from sidecar.errors import FleetError, FleetInvalid, SidecarError, ValidationFailed
 from sidecar.fleet import FanOutResult, Fleet, FleetCapture, Target, TargetError, TargetResult, parse_targets
 
-__all__ = ["RolloutProfiler", "StepResult"]
+__all__ = ["DEFAULT_LEASE_S", "RolloutProfiler", "StepResult"]
+
+# A hook's window is bounded by default: a trainer that dies mid-step leaves no profiler running
+# past this (its heartbeats stop). Generous: a rollout step takes minutes; heartbeats keep it open.
+DEFAULT_LEASE_S = 120.0
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +113,9 @@ class RolloutProfiler:
     ``stages=None`` profiles every torch-profiled stage of each target (sent explicitly).
     ``wait_artifacts=False`` returns from the block once every upstream answered stop; the
     artifact check then finishes in the background (see :meth:`results`, :meth:`wait`).
-    ``lease_s`` (sidecar targets) makes a sidecar stop the capture itself if this process dies:
-    heartbeats are sent while the block runs.
+    ``lease_s`` (default :data:`DEFAULT_LEASE_S`; ``None`` for none) makes each target's controller
+    stop the capture itself when heartbeats stop (a dead or hung trainer): they are sent every
+    ``lease_s / 3`` while the window is open.
     Other keyword arguments (``deploy_config``, ``flavor``, ``token``, ``stop_budget_s``,
     ``client_timeout_s``, ``control_settings``, ``state_dir``) go to :class:`Fleet`.
     """
@@ -126,7 +131,7 @@ class RolloutProfiler:
         ranks: list[int] | None = None,
         all_ranks: bool = False,
         artifact_timeout_s: float | None = 600.0,
-        lease_s: float | None = None,
+        lease_s: float | None = DEFAULT_LEASE_S,
         label_prefix: str = "step",
         **fleet_options: Any,
     ) -> None:
@@ -185,33 +190,29 @@ class RolloutProfiler:
         targets: Iterable[str | Target] | str,
         *,
         role: Literal["rollout", "reward"] = "rollout",
+        rank_mode: Literal["global", "replica"] = "global",
         **kwargs: Any,
     ) -> RolloutProfiler:
         """Steps and replicas from a verl / verl-omni trainer config (dict, OmegaConf, or a YAML
-        path): ``global_profiler.steps`` and the role's profiler block. Refuses what verl would
-        silently skip (``ValidationFailed`` with the rule's message); logs the resume warning."""
+        path): ``global_profiler.steps`` and the role's profiler block, ``targets`` in replica order.
+        ``rank_mode`` is how this verl reads ``ranks`` (``global``: verl 0.9.1 GPU ranks;
+        ``replica``: older verl's replica indices). Refuses what verl would silently skip (``ValidationFailed`` with the rule's message); logs the resume warning."""
         from sidecar.config.verl import read_verl_config, verl_findings
 
         plan = read_verl_config(cfg, role=role)
-        findings = verl_findings(plan)
+        parse_opts = {k: kwargs[k] for k in ("deploy_config", "flavor", "token") if k in kwargs}
+        n = len(parse_targets(targets, **parse_opts))
+        findings = verl_findings(plan, n_replicas=n, rank_mode=rank_mode)
         for f in findings:
             if not f.is_error:
                 log.warning("%s", f)
         errors = [f for f in findings if f.is_error]
         if errors:
             raise ValidationFailed("; ".join(f.message for f in errors), code=errors[0].code, findings=errors)
-        parse_opts = {k: kwargs[k] for k in ("deploy_config", "flavor", "token") if k in kwargs}
-        n = len(parse_targets(targets, **parse_opts))
         if plan.all_ranks:
             return cls(targets, plan.steps, all_ranks=True, **kwargs)
-        chosen = plan.replica_ranks(n)
-        if not chosen:
-            raise FleetInvalid(
-                f"{role} profiler ranks {plan.ranks} name no replica among the {n} targets given",
-                code="ranks_invalid",
-                details={"ranks": plan.ranks, "targets": n},
-            )
-        return cls(targets, plan.steps, ranks=chosen, **kwargs)
+        # The one rank rule (config/verl.py); ranks naming no target are refused there.
+        return cls(targets, plan.steps, ranks=plan.replica_ranks(n, rank_mode), **kwargs)
 
     # --- the hook -----------------------------------------------------------------------------
 

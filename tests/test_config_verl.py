@@ -39,7 +39,7 @@ def test_good_rollout_plan_has_no_findings() -> None:
 
 
 @pytest.mark.parametrize(
-    ("all_ranks", "ranks", "expected"), [(True, [1], [0, 1, 2, 3]), (False, [1, 9], [1]), (False, [], [0])]
+    ("all_ranks", "ranks", "expected"), [(True, [1], [0, 1, 2, 3]), (False, [3, 1], [1, 3]), (False, [], [0])]
 )
 def test_replica_ranks_mirror_verl(all_ranks: bool, ranks: list[int], expected: list[int]) -> None:
     cfg = yaml.safe_load(yaml.safe_dump(GOOD))
@@ -108,3 +108,25 @@ def test_non_mapping_file_is_unreadable(tmp_path: Path) -> None:
     path.write_text("- 1\n")
     with pytest.raises(ConfigUnreadable):
         read_verl_config(path)
+
+
+def test_ranks_past_the_replicas_are_refused_not_dropped() -> None:
+    cfg = yaml.safe_load(yaml.safe_dump(GOOD))
+    cfg["actor_rollout_ref"]["rollout"]["profiler"]["ranks"] = [1, 9]
+    with pytest.raises(ConfigError) as info:
+        read_verl_config(cfg).replica_ranks(4)
+    assert info.value.code == "verl_ranks_past_replicas"
+
+
+def test_ranks_past_the_replica_count_of_the_config_are_a_finding() -> None:
+    cfg = yaml.safe_load(yaml.safe_dump(GOOD))
+    cfg["trainer"].update(n_gpus_per_node=8, nnodes=1)
+    cfg["actor_rollout_ref"]["rollout"].update(tensor_model_parallel_size=4)
+    cfg["actor_rollout_ref"]["rollout"]["profiler"]["ranks"] = [4, 8]  # replicas 1 and 2 of 2
+    assert [f.code for f in verl_findings(read_verl_config(cfg))] == ["verl_ranks_past_replicas"]
+
+
+def test_a_trainer_without_step_profiling_is_refused() -> None:
+    cfg = yaml.safe_load(yaml.safe_dump(GOOD))
+    cfg["omni_sidecar"] = {"trainer": "verl_omni.trainer.main_diffusion_v1"}
+    assert [f.code for f in verl_findings(read_verl_config(cfg))] == ["verl_no_step_profiling"]

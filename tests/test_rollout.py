@@ -234,3 +234,24 @@ def test_from_verl_config_warns_when_a_resume_would_skip_the_step(caplog):
         prof = RolloutProfiler.from_verl_config(cfg, UNREACHABLE)
     assert prof.ranks == [0, 1]
     assert any("resume_mode" in r.message for r in caplog.records)
+
+
+def _with_tp(cfg, tp):
+    cfg["actor_rollout_ref"]["rollout"]["tensor_model_parallel_size"] = tp
+    return cfg
+
+
+@pytest.mark.parametrize(("ranks", "tp", "rank_mode", "replicas"), [
+    ([0, 8], 8, "global", [0, 1]),   # verl 0.9.1: global GPU ranks 0 and 8 live on replicas 0 and 1
+    ([1], 2, "global", [0]),         # GPU 1 is replica 0's second GPU
+    ([1], 2, "replica", [1]),        # older verl (verl-omni's): replica indices
+])
+def test_from_verl_config_maps_ranks_as_verl_does(ranks, tp, rank_mode, replicas):
+    prof = RolloutProfiler.from_verl_config(_with_tp(_verl_cfg(ranks=ranks), tp), UNREACHABLE, rank_mode=rank_mode)
+    assert prof.ranks == replicas
+
+
+def test_from_verl_config_refuses_ranks_past_the_replicas():
+    with pytest.raises(ValidationFailed) as info:
+        RolloutProfiler.from_verl_config(_with_tp(_verl_cfg(ranks=[16]), 8), UNREACHABLE)
+    assert info.value.code == "verl_ranks_past_replicas" and "only 2 rollout replicas" in info.value.message

@@ -18,7 +18,7 @@ from sidecar.config.deploy import PLATFORMS, load_deploy_config
 from sidecar.config.models import DeployConfig
 from sidecar.config.profiles import list_profiles, render_overlay, render_stage_overrides
 from sidecar.config.rules import validate_deploy
-from sidecar.config.verl import read_verl_config, verl_findings
+from sidecar.config.verl import format_replicas, installed_rank_mode, read_verl_config, verl_findings
 from sidecar.errors import ConfigUnreadable, Finding, SidecarError
 
 
@@ -96,7 +96,8 @@ def validate(
             plan = None
             if verl_config is not None:
                 plan = read_verl_config(verl_config, role=role)  # type: ignore[arg-type]
-                findings += verl_findings(plan)
+                rank_mode = installed_rank_mode()  # how the installed verl reads `ranks`
+                findings += verl_findings(plan, rank_mode=rank_mode)
         except SidecarError as err:
             if as_json:
                 console.print_json(json.dumps({"ok": False, "file": str(deploy_file), "error": err.to_dict()}))
@@ -115,6 +116,8 @@ def validate(
                 "stages": rows,
                 "findings": [f.model_dump(mode="json") for f in findings],
                 "verl": plan.model_dump(mode="json") if plan else None,
+                # the replicas verl profiles: indices, "all", or null when it profiles none
+                "verl_replicas": (plan.requested_replicas(rank_mode) or "all") if plan and plan.enable else None,
             }
             console.print_json(json.dumps(report))
         else:
@@ -125,6 +128,9 @@ def validate(
                     f"enable={plan.enable} ranks={'all' if plan.all_ranks else plan.ranks or [0]}",
                     highlight=False,
                 )
+                if plan.enable:
+                    console.print(f"{role} replicas profiled: {format_replicas(plan.requested_replicas(rank_mode))}",
+                                  highlight=False)
             n_err = sum(f.is_error for f in findings)
             n_warn = len(findings) - n_err
             console.print(

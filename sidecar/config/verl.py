@@ -14,15 +14,38 @@ from pydantic import BaseModel, ConfigDict, Field
 from sidecar.config._yaml import MarkedDict, load_yaml
 from sidecar.errors import ConfigError, ConfigUnreadable, Finding, Severity, Where
 
-__all__ = ["VerlProfilerPlan", "read_verl_config", "verl_findings", "ROLE_PATHS"]
+__all__ = [
+    "NO_STEP_PROFILING",
+    "ROLE_PATHS",
+    "RankMode",
+    "VerlProfilerPlan",
+    "format_replicas",
+    "installed_rank_mode",
+    "read_verl_config",
+    "verl_findings",
+]
 
 Role = Literal["rollout", "reward"]
+# How verl reads ``profiler.ranks`` for rollout servers: verl 0.9.1 maps global GPU ranks to the
+# replica that owns them (``rank // (tp*dp*pp)``, verl/utils/profiler/profile.py
+# ``build_rollout_dist_profiler``); older verl (the one verl-omni pins) reads them as replica indices.
+RankMode = Literal["global", "replica"]
+
+# Trainer entry points that never drive step-scoped rollout profiling: verl calls no start/stop,
+# so nothing can follow it. Keyed by module; the value says what to run instead.
+NO_STEP_PROFILING: dict[str, str] = {
+    "verl_omni.trainer.main_diffusion_v1": (
+        "verl-omni's main_diffusion_v1 trainer does not drive step-scoped profiling; run "
+        "`python -m verl_omni.trainer.main_diffusion` (trainer.use_v1=False) for a profiled run"
+    ),
+}
 
 # Where each role's profiler block lives in the composed trainer config.
 ROLE_PATHS: dict[str, str] = {
     "rollout": "actor_rollout_ref.rollout.profiler",
     "reward": "reward.reward_model.rollout.profiler",
 }
+CONFIG_KEY = "omni_sidecar"  # the integration's own block of the trainer config
 _INTERP = re.compile(r"^\$\{(?:oc\.select:)?([^,}]+)(?:,([^}]*))?\}$")
 
 
@@ -40,17 +63,58 @@ class VerlProfilerPlan(BaseModel):
     ranks: list[int] = Field(default_factory=list)
     save_path: str | None = None
     resume_mode: str = "auto"
+    profile_continuous_steps: bool = False
+    # Rollout parallelism: one replica spans tp*dp*pp GPUs (verl's ``replica_world_size``).
+    tp: int = Field(default=1, ge=1)
+    dp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    # GPUs of the rollout (hybrid engine: the trainer's ``n_gpus_per_node * nnodes``); None: unknown.
+    n_gpus: int | None = None
+    use_v1: bool = True
+    # ``omni_sidecar.trainer``: the entry point module, when the user names it (the composed config
+    # does not say which one runs it).
+    trainer_entry: str | None = None
     source: str | None = None
     # Where each dotted key was written, for findings (only when read from a file).
     marks: dict[str, Where] = Field(default_factory=dict, repr=False, exclude=True)
 
-    def replica_ranks(self, n_replicas: int) -> list[int]:
-        """verl's rank choice: every replica with ``all_ranks``, else ``ranks``, else ``[0]``."""
+    @property
+    def replica_world_size(self) -> int:
+        """GPUs per rollout replica, as verl computes it (tp * dp * pp)."""
+        return self.tp * self.dp * self.pp
+
+    @property
+    def n_replicas(self) -> int | None:
+        """Rollout replicas verl launches (``world_size // replica_world_size``), when known."""
+        if self.n_gpus is None:
+            return None
+        return self.n_gpus // self.replica_world_size
+
+    def requested_replicas(self, rank_mode: RankMode = "global") -> list[int] | None:
+        """The one rank rule: the replica indices verl profiles (``None``: every replica, with
+        ``all_ranks``). ``ranks`` empty → replica 0; ``rank_mode="global"`` (verl 0.9.1): each
+        global GPU rank → ``rank // (tp*dp*pp)``; ``"replica"`` (older verl): replica indices."""
         if self.all_ranks:
+            return None
+        if not self.ranks:
+            return [0]
+        if rank_mode == "global":
+            return sorted({r // self.replica_world_size for r in self.ranks})
+        return sorted(set(self.ranks))
+
+    def replica_ranks(self, n_replicas: int, rank_mode: RankMode = "global") -> list[int]:
+        """The profiled replicas among ``n_replicas``. A rank naming no replica is refused (verl
+        would silently profile fewer replicas than asked): ``ConfigError`` ``verl_ranks_past_replicas``."""
+        wanted = self.requested_replicas(rank_mode)
+        if wanted is None:
             return list(range(n_replicas))
-        if self.ranks:
-            return [r for r in self.ranks if 0 <= r < n_replicas]
-        return [0] if n_replicas > 0 else []
+        past = [r for r in wanted if r >= n_replicas]
+        if past:
+            raise ConfigError(
+                _past_message(self, past, n_replicas, rank_mode), code="verl_ranks_past_replicas",
+                key=f"{ROLE_PATHS[self.role]}.ranks", where=self.marks.get(f"{ROLE_PATHS[self.role]}.ranks"),
+            )
+        return wanted
 
     @property
     def trace_dir(self) -> str | None:
@@ -58,6 +122,25 @@ class VerlProfilerPlan(BaseModel):
         if self.save_path is None:
             return None
         return str(Path(self.save_path) / "reward_model") if self.role == "reward" else self.save_path
+
+
+def format_replicas(replicas: list[int] | None) -> str:
+    """``0, 1`` (or ``all``): how ``validate`` and the logs name the profiled replicas."""
+    return "all" if replicas is None else ", ".join(str(r) for r in replicas)
+
+
+def _past_message(plan: VerlProfilerPlan, past: list[int], n: int, rank_mode: RankMode) -> str:
+    key = f"{ROLE_PATHS[plan.role]}.ranks"
+    how = (
+        f"global GPU ranks {plan.ranks} map to replicas {plan.requested_replicas(rank_mode)} "
+        f"(rank // {plan.replica_world_size}, tp*dp*pp)"
+        if rank_mode == "global" else f"ranks {plan.ranks} are replica indices in this verl"
+    )
+    return (
+        f"{key}: {how}, but there are only {n} rollout replicas (0..{n - 1}); replica(s) {past} do not exist. "
+        f"Name ranks below {n * plan.replica_world_size if rank_mode == 'global' else n}, or set "
+        f"`{ROLE_PATHS[plan.role]}.all_ranks=True`"
+    )
 
 
 def _to_plain(src: Any) -> Any:
@@ -179,6 +262,16 @@ def read_verl_config(src: dict[str, Any] | str | Path | Any, *, role: Role = "ro
     save_path = value(f"{base}.save_path")
     if save_path is None:
         save_path = value("global_profiler.save_path")
+    def int_of(dotted: str, default: int) -> int:
+        v = value(dotted, default)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else default
+
+    rollout = "actor_rollout_ref.rollout"
+    n_gpus = None
+    gpus, nodes = value("trainer.n_gpus_per_node"), value("trainer.nnodes")
+    if isinstance(gpus, int) and isinstance(nodes, int) and gpus > 0 and nodes > 0:
+        n_gpus = gpus * nodes
+    entry = value(f"{CONFIG_KEY}.trainer")
     plan = VerlProfilerPlan(
         role=role,
         steps=steps,
@@ -193,14 +286,27 @@ def read_verl_config(src: dict[str, Any] | str | Path | Any, *, role: Role = "ro
         ranks=_as_int_list(value(f"{base}.ranks"), f"{base}.ranks", marks.get(f"{base}.ranks")),
         save_path=None if save_path is None else str(save_path),
         resume_mode=str(value("trainer.resume_mode", "auto")),
+        profile_continuous_steps=_as_bool(value("global_profiler.profile_continuous_steps"),
+                                          "global_profiler.profile_continuous_steps", None),
+        tp=int_of(f"{rollout}.tensor_model_parallel_size", 1),
+        dp=int_of(f"{rollout}.data_parallel_size", 1),
+        pp=int_of(f"{rollout}.pipeline_model_parallel_size", 1),
+        n_gpus=n_gpus,
+        use_v1=_as_bool(value("trainer.use_v1", True), "trainer.use_v1", marks.get("trainer.use_v1")),
+        trainer_entry=None if entry is None else str(entry),
         source=source,
         marks=marks,
     )
     return plan
 
 
-def verl_findings(plan: VerlProfilerPlan) -> list[Finding]:
-    """Refuse what verl would silently skip for the plan's role; warn on resume past the step."""
+def verl_findings(
+    plan: VerlProfilerPlan, *, n_replicas: int | None = None, rank_mode: RankMode = "global",
+    trainer: str | None = None,
+) -> list[Finding]:
+    """Refuse what verl would silently skip for the plan's role, ranks naming no replica
+    (``n_replicas``, else the count the config implies) and a trainer with no step profiling
+    (``trainer``: its entry module, else ``omni_sidecar.trainer``); warn on resume past the step."""
     base = ROLE_PATHS[plan.role]
     src = Where(file=plan.source) if plan.source else None
     out: list[Finding] = []
@@ -242,6 +348,15 @@ def verl_findings(plan: VerlProfilerPlan) -> list[Finding]:
             f"{base}.tool_config.torch.discrete is false: verl skips server profiling in continuous mode without "
             f"an error; set `{base}.tool_config.torch.discrete=True`",
         )
+    n = n_replicas if n_replicas is not None else plan.n_replicas
+    if n is not None and plan.enable:
+        try:
+            plan.replica_ranks(n, rank_mode)
+        except ConfigError as err:
+            add("verl_ranks_past_replicas", f"{base}.ranks", err.message)
+    entry = trainer or plan.trainer_entry
+    if entry is not None and entry in NO_STEP_PROFILING:
+        add("verl_no_step_profiling", f"{CONFIG_KEY}.trainer", NO_STEP_PROFILING[entry])
     if plan.resume_mode != "disable":
         add(
             "verl_resume_enabled",
@@ -251,3 +366,24 @@ def verl_findings(plan: VerlProfilerPlan) -> list[Finding]:
             Severity.warning,
         )
     return out
+
+
+def installed_rank_mode() -> RankMode:
+    """How the installed verl reads rollout ``ranks``, found without importing it (verl takes
+    seconds to import): ``global`` where verl has ``build_rollout_dist_profiler`` (0.9.1), or when
+    no verl is installed (the registry release's rule); ``replica`` for an older verl."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("verl")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        return "global"
+    for root in spec.submodule_search_locations:
+        profile = Path(root) / "utils" / "profiler" / "profile.py"
+        try:
+            return "global" if "def build_rollout_dist_profiler" in profile.read_text(encoding="utf-8") else "replica"
+        except OSError:
+            continue
+    return "global"

@@ -1,0 +1,140 @@
+"""Stand-ins for what needs a GPU, each built on verl's own classes and functions:
+
+- ``EmulatedServer`` stands in for verl's ``vLLMHttpServer`` (a vLLM engine on GPUs): it builds
+  its profiler rule exactly as that class does (``build_rollout_dist_profiler`` with
+  ``replica_world_size = tp*dp*pp``), launches an ``omni-sidecar emulate --flavor vllm`` server
+  with the ``--profiler-config`` verl's ``build_vllm_profiler_args`` gives (trace dir
+  ``<save_path>/agent_loop_rollout_replica_<rank>``), only on the replicas that rule selects, and
+  its ``start_profile``/``stop_profile`` (verl's engine-level calls) are recorded and forwarded.
+- ``EmulatedReplica`` is a real ``verl.workers.rollout.replica.RolloutReplica`` whose
+  ``launch_servers`` starts that server on this node (registered as rollout name ``emulator``).
+- ``WorkerGroup`` stands in for the FSDP training workers (start/stop_profile calls recorded).
+- ``CheckpointManager`` stands in for weight sync: ``sleep_replicas`` puts every replica to sleep.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ray
+import yaml
+from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.profiler import build_rollout_dist_profiler, build_vllm_profiler_args
+from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry
+
+
+class EmulatedServer:
+    def __init__(self, config: Any, replica_rank: int) -> None:
+        self.config = config
+        self.replica_rank = replica_rank
+        profiler_config = config.profiler
+        tool_config = None
+        if profiler_config is not None and profiler_config.tool in ("torch", "npu"):
+            tool_config = omega_conf_to_dataclass((profiler_config.tool_config or {}).get(profiler_config.tool))
+        else:
+            profiler_config = None
+        self.replica_world_size = (
+            config.tensor_model_parallel_size * config.data_parallel_size * config.pipeline_model_parallel_size
+        )
+        self.profiler_controller = build_rollout_dist_profiler(
+            replica_rank, self.replica_world_size, config=profiler_config, tool_config=tool_config
+        )
+        self.engine_calls: list[str] = []
+        self.emulator: Any = None
+
+    def _should_profile(self) -> bool:
+        c = self.profiler_controller
+        return c.check_enable() and c.check_this_rank() and c.is_discrete_mode()
+
+    def launch_server(self) -> str:
+        from sidecar.emulator.launcher import EmulatorProcess
+
+        stage: dict[str, Any] = {"stage_id": 0}
+        if self._should_profile():
+            args = build_vllm_profiler_args(self.profiler_controller.config, self.profiler_controller.tool_config,
+                                            self.replica_rank, legacy_env=False)
+            stage["profiler_config"] = json.loads(args["profiler_config"])
+        folder = Path(tempfile.mkdtemp(prefix=f"verl-replica{self.replica_rank}-"))
+        deploy = folder / "deploy.yaml"
+        deploy.write_text(yaml.safe_dump({"stages": [stage]}))
+        self.emulator = EmulatorProcess(deploy, flavor="vllm", startup_timeout=300).start()
+        return f"127.0.0.1:{self.emulator.port}"
+
+    async def start_profile(self, **kwargs: Any) -> None:  # verl's engine.start_profile()
+        self.engine_calls.append("start")
+        if self._should_profile():
+            async with httpx.AsyncClient(timeout=120) as c:
+                await c.post(f"{self.emulator.url}/start_profile")
+
+    async def stop_profile(self) -> None:  # verl's engine.stop_profile()
+        self.engine_calls.append("stop")
+        if self._should_profile():
+            async with httpx.AsyncClient(timeout=600) as c:
+                await c.post(f"{self.emulator.url}/stop_profile")
+
+    def sleep(self) -> None:
+        return None
+
+    def get_engine_calls(self) -> list[str]:
+        return list(self.engine_calls)
+
+    def calls(self) -> list[dict[str, Any]]:
+        return httpx.get(f"{self.emulator.url}/emulator/state", timeout=30).json()["calls"]
+
+    def shutdown(self) -> None:
+        if self.emulator is not None:
+            self.emulator.stop()
+            self.emulator = None
+
+
+class EmulatedReplica(RolloutReplica):
+    async def launch_servers(self) -> None:
+        node = ray.get_runtime_context().get_node_id()
+        server = ray.remote(num_cpus=0)(EmulatedServer).options(
+            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node_id=node, soft=False),
+        ).remote(self.config, self.replica_rank)
+        self._server_address = await server.launch_server.remote()
+        self._server_handle = server
+        self.servers = [server]
+
+    async def sleep(self) -> None:
+        await asyncio.gather(*[s.sleep.remote() for s in self.servers])
+
+
+RolloutReplicaRegistry.register("emulator", lambda: EmulatedReplica)
+
+
+class WorkerGroup:
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.workers = [f"worker{i}" for i in range(world_size)]
+        self.profile_calls: list[tuple[str, Any]] = []
+
+    def start_profile(self, **kwargs: Any) -> None:
+        self.profile_calls.append(("start", kwargs.get("profile_step")))
+
+    def stop_profile(self, **kwargs: Any) -> None:
+        self.profile_calls.append(("stop", None))
+
+
+class CheckpointManager:
+    def __init__(self, replicas: list[Any]) -> None:
+        self.replicas = replicas
+
+    def sleep_replicas(self) -> None:
+        async def all_sleep() -> None:
+            await asyncio.gather(*[r.sleep() for r in self.replicas])
+
+        asyncio.run(all_sleep())
+
+
+def generate(address: str, max_tokens: int = 4) -> None:
+    """One chat request (what verl's agent-loop workers send a rollout server)."""
+    r = httpx.post(f"http://{address}/v1/chat/completions", timeout=120,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens})
+    r.raise_for_status()

@@ -1,0 +1,183 @@
+"""Both verl trainers, with their real profiling methods, the real ``LLMServerManager`` and the
+real agent-loop manager loaded by name, on a local Ray cluster. Stand-ins only for what needs a
+GPU (tests/verl/_standin.py): the rollout servers are emulators launched by a real
+``RolloutReplica``; the training workers and weight sync are recorders. Steps [1, 3] of 1..4,
+validation after every step: captures at steps 1 and 3 only, on every profiled replica, checked on
+the replica's node; validation never inside a window; verl's own engine start/stop never sent.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from tests.verl.conftest import compose, recipe
+
+pytestmark = pytest.mark.verl
+
+FAST = ["+omni_sidecar.settle_s=0.3", "+omni_sidecar.collect_timeout_s=60"]
+STANDIN = ["actor_rollout_ref.rollout.name=emulator", "actor_rollout_ref.rollout.agent.num_workers=0"]
+
+
+@pytest.fixture
+def servers(ray_cluster):
+    """``make(cfg, world_size)`` → the real LLMServerManager over emulated replicas."""
+    import ray
+
+    made: list[Any] = []
+
+    def make(cfg: Any, world_size: int) -> Any:
+        from verl.workers.rollout.llm_server import LLMServerManager
+
+        import tests.verl._standin as standin
+
+        wg = standin.WorkerGroup(world_size)
+        manager = LLMServerManager.create(config=cfg, worker_group=wg)
+        made.append(manager)
+        return manager, wg
+
+    yield make
+    for manager in made:
+        hook = getattr(manager, "_omni_sidecar", None)
+        if hook is not None:
+            hook.close()
+        for rep in manager.get_replicas():
+            for s in rep.servers:
+                ray.get(s.shutdown.remote(), timeout=120)
+                ray.kill(s)
+
+
+def _posts(server: Any) -> list[str]:
+    import ray
+
+    calls = ray.get(server.calls.remote(), timeout=60)
+    short = {"/start_profile": "start", "/stop_profile": "stop", "/v1/chat/completions": "gen"}
+    return [short[c["path"]] for c in calls if c["method"] == "POST" and c["path"] in short]
+
+
+def _engine_calls(manager: Any) -> list[list[str]]:
+    import ray
+
+    return [ray.get(r.servers[0].get_engine_calls.remote(), timeout=60) for r in manager.get_replicas()]
+
+
+def _check_steps(hook: Any, save: Path, n_replicas: int) -> None:
+    results = hook.wait(timeout=300)
+    assert sorted(results) == [1, 3]
+    for step, res in results.items():
+        assert res.ok, res.model_dump_json(indent=1)
+        assert len(res.targets) == n_replicas
+        body = json.loads((save / "omni_sidecar" / f"step{step}.json").read_text())
+        assert body["ok"] and body["step"] == step and body["top_ops"]
+    assert sorted(p.name for p in (save / "omni_sidecar").iterdir()) == ["step1.json", "step3.json"]
+
+
+def test_v1_default_trainer(servers, tmp_path):
+    import ray
+    from verl.trainer.main_ppo import TaskRunnerV1
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    import tests.verl._standin as standin
+
+    save = tmp_path / "profile"
+    cfg = compose(*recipe(save), *STANDIN, *FAST, "trainer.test_freq=1",
+                  "actor_rollout_ref.rollout.tensor_model_parallel_size=1")
+    manager, wg = servers(cfg, world_size=2)  # 2 replicas of tp=1
+    replicas = manager.get_replicas()
+
+    # The v1 trainer as TaskRunnerV1.run builds it (its workers need GPUs: stand-ins).
+    trainer = object.__new__(PPOTrainerSync)
+    trainer.config = cfg
+    trainer.actor_rollout_wg, trainer.use_reference_policy, trainer.use_critic = wg, False, False
+    trainer.use_teacher_policy = False
+    trainer.llm_server_manager = manager
+    trainer.checkpoint_manager = standin.CheckpointManager(replicas)
+    trainer.reward_loop_manager = SimpleNamespace(reward_loop_worker_handles=None)
+    trainer.total_training_steps = 4
+    runner_cls = TaskRunnerV1.__ray_metadata__.modified_class
+    runner = object.__new__(runner_cls)
+    runner.config, runner.trainer, runner.agent_loop_manager = cfg, trainer, None
+    runner_cls.init_agent_loop_manager(runner)  # verl's own code: loads our class by name
+    assert type(runner.agent_loop_manager).__name__ == "AgentLoopManagerTQ"  # verl's manager, unchanged
+    hook = manager._omni_sidecar
+
+    # PPOTrainer.fit's order (trainer_base.py): _start_profiling → step (sample; on_sample_end →
+    # sleep_replicas → _stop_rollout_profiling) → _stop_profiling → validation (test_freq=1).
+    trainer.global_steps = 1
+    trainer.prev_step_profile, trainer.next_step_profile = False, False
+    trainer.curr_step_profile = trainer.global_steps in cfg.global_profiler.steps
+    for _ in range(4):
+        trainer._start_profiling()
+        for r in replicas:
+            standin.generate(r.server_address)  # the step's rollout
+        trainer.on_sample_end()
+        trainer._stop_profiling()
+        for r in replicas:
+            standin.generate(r.server_address, max_tokens=2)  # validation
+        trainer.global_steps += 1
+
+    _check_steps(hook, save, n_replicas=2)
+    assert _engine_calls(manager) == [[], []]  # verl's own engine-level start/stop never ran
+    for r in replicas:
+        assert _posts(r.servers[0]) == ["start", "gen", "stop", "gen", "gen", "gen"] * 2
+        assert list((save / f"agent_loop_rollout_replica_{r.replica_rank}").glob("*.pt.trace.json*"))
+    assert wg.profile_calls == [("start", 1), ("stop", None), ("start", 3), ("stop", None)]  # verl's own, kept
+    assert ray.is_initialized()
+
+
+def test_v0_trainer_with_global_ranks(servers, tmp_path):
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.utils.import_utils import load_class_from_fqn
+
+    import tests.verl._standin as standin
+
+    save = tmp_path / "profile"
+    # tp=2 on 4 GPUs: 2 replicas; global GPU rank 2 is replica 1's first GPU (verl 0.9.1's rule).
+    cfg = compose(*recipe(save), *STANDIN, *FAST, "trainer.use_v1=False",
+                  "actor_rollout_ref.rollout.profiler.all_ranks=False", "actor_rollout_ref.rollout.profiler.ranks=[2]",
+                  "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
+    manager, wg = servers(cfg, world_size=4)
+    replicas = manager.get_replicas()
+    trainer = object.__new__(RayPPOTrainer)
+    trainer.config = cfg
+    trainer.actor_rollout_wg, trainer.use_reference_policy, trainer.use_critic = wg, False, False
+    trainer.llm_server_manager = manager
+    trainer.checkpoint_manager = standin.CheckpointManager(replicas)
+
+    def init_workers_tail(self: Any) -> None:
+        # RayPPOTrainer.init_workers (ray_trainer.py), the lines that build the agent-loop manager
+        manager_class_fqn = self.config.actor_rollout_ref.rollout.get("agent", {}).get("agent_loop_manager_class")
+        AgentLoopManager = load_class_from_fqn(manager_class_fqn, "AgentLoopManager")
+        self.async_rollout_manager = AgentLoopManager.create(
+            config=self.config, llm_client=self.llm_server_manager.get_client(), teacher_client=None,
+            reward_loop_worker_handles=None,
+        )
+
+    init_workers_tail(trainer)
+    assert type(trainer.async_rollout_manager).__name__ == "AgentLoopManager"
+    hook = manager._omni_sidecar
+
+    # RayPPOTrainer.fit's order around generation (ray_trainer.py), validation after each step.
+    for step in range(1, 5):
+        trainer.global_steps = step
+        curr_step_profile = step in cfg.global_profiler.steps
+        trainer._start_profiling(curr_step_profile)
+        if curr_step_profile:
+            trainer.llm_server_manager.start_profile()
+        for r in replicas:
+            standin.generate(r.server_address)
+        trainer.checkpoint_manager.sleep_replicas()
+        if curr_step_profile:
+            trainer.llm_server_manager.stop_profile()
+        trainer._stop_profiling(curr_step_profile)
+        for r in replicas:
+            standin.generate(r.server_address, max_tokens=2)
+
+    _check_steps(hook, save, n_replicas=1)
+    assert _engine_calls(manager) == [[], []]
+    assert _posts(replicas[0].servers[0]) == ["gen", "gen"] * 4  # replica 0 is not profiled
+    assert _posts(replicas[1].servers[0]) == ["start", "gen", "stop", "gen", "gen", "gen"] * 2
