@@ -35,4 +35,4 @@ test-live:
 	$(PY) $(PYTEST) -m live tests/live
 
 test-verl:
-	VERL_PY=$$(bash tools/verl-env.sh | tail -n 1) && $$VERL_PY $(PYTEST) -m verl tests/verl
+	VERL_PY=$$(bash tools/verl-env.sh | tail -n 1) && PYTHONPATH=$(CURDIR) $$VERL_PY $(PYTEST) -m verl tests/verl
