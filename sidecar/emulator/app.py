@@ -142,17 +142,20 @@ class Emulator:
                         await asyncio.to_thread(worker.kill)
 
     async def reset(self, request: ResetRequest) -> None:
-        """Emulator-only: as if freshly started (start-up faults, idle profilers, dead workers
-        replaced, empty call log), optionally with new profiler dirs per stage id."""
+        """Emulator-only: as if freshly started (start-up faults and trace dirs, idle profilers,
+        dead workers replaced, empty call log), optionally with new profiler dirs per stage id."""
         self.release_hung.set()
         dirs = request.profiler_dirs or {}
         async with self.control:
             self.release_hung = asyncio.Event()
             deadline = time.monotonic() + self.options.startup_timeout_s
             for stage in self.stages:
-                reconfigure = stage.stage_id in dirs and stage.profiler_config is not None
-                if reconfigure:
-                    stage.profiler_config = {**(stage.profiler_config or {}), "torch_profiler_dir": dirs[stage.stage_id]}
+                # a dir given, or else the start-up config (a reset is a fresh start)
+                target = stage.startup_profiler_config
+                if stage.stage_id in dirs and target is not None:
+                    target = {**target, "torch_profiler_dir": dirs[stage.stage_id]}
+                reconfigure = target != stage.profiler_config
+                stage.profiler_config = target
                 for worker in stage.workers:
                     respawned = not worker.alive
                     if respawned:  # its spec holds the start-up config: give it the current one

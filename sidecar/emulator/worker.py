@@ -452,6 +452,7 @@ class StageRuntime:
         self.kind = kind
         self.profiler = profiler
         self.profiler_config = profiler_config
+        self.startup_profiler_config = profiler_config
         self.workers = workers
         self._rr = itertools.cycle(range(len(workers)))
 
