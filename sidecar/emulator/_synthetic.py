@@ -79,7 +79,7 @@ class SyntheticRecorder:
         return [e for e in self._events if e["cat"] == "cpu_op"]
 
     def export_chrome_trace(self, path: str) -> None:
-        span = {"ph": "X", "cat": "Trace", "name": f"PyTorch Profiler (0)", "pid": "Spans", "tid": "PyTorch Profiler",
+        span = {"ph": "X", "cat": "Trace", "name": "PyTorch Profiler (0)", "pid": "Spans", "tid": "PyTorch Profiler",
                 "ts": self._t0, "dur": max(self._t1 - self._t0, 0.0), "args": {"Op count": 0}}  # fmt: skip
         doc = {
             "schemaVersion": 1,
