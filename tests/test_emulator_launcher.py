@@ -38,7 +38,7 @@ def deploy(tmp_path: Path) -> Path:
 
 
 def test_healthy_after_start_with_url_and_port(deploy: Path, emulator_factory: Any) -> None:
-    emu = emulator_factory(deploy)
+    emu = emulator_factory(deploy, extra_args=["--workers", "thread"])
     assert (emu.url, httpx.get(f"{emu.url}/health").status_code) == (f"http://127.0.0.1:{emu.port}", 200)
 
 

@@ -301,7 +301,7 @@ def test_chat_without_messages_is_400(emu: EmulatorProcess) -> None:
 
 
 def test_endpoints_are_404_when_no_stage_has_a_profiler(tmp_path: Path, emulator_factory: Any) -> None:
-    emu = emulator_factory(make_deploy(tmp_path, {0: None, 1: None}))
+    emu = emulator_factory(make_deploy(tmp_path, {0: None, 1: None}), extra_args=["--workers", "thread"])
     codes = httpx.get(f"{emu.url}/start_profile").status_code, httpx.post(f"{emu.url}/stop_profile").status_code
     assert codes == (404, 404)
 
