@@ -1,5 +1,7 @@
-"""Emulator start-up time (to healthy) and memory (RSS of server + stage workers), printed side
-by side with the targets (< 10 s, < 1.5 GB for 3 stages). A measurement, never an assertion.
+"""Emulator start-up, side by side: spawned workers (each imports torch: the old way), forkserver
+workers (torch imported once, workers forked), thread workers (no torch), and what a pooled
+emulator costs per test instead (``POST /emulator/reset``). Also CPU seconds and RSS of server +
+workers. Rounds are interleaved so load hits every mode alike. A measurement, never an assertion.
 
     python3 bench/emulator_startup.py [--runs 3] [--deploy configs/qwen2_5_omni.yaml]
 """
@@ -21,7 +23,11 @@ import yaml
 
 from sidecar.emulator.launcher import EmulatorProcess
 
-TARGET_STARTUP_S = 10.0
+MODES = {
+    "spawn (before)": ["--worker-start", "spawn"],
+    "forkserver": ["--worker-start", "forkserver"],
+    "thread": ["--workers", "thread"],
+}
 TARGET_RSS_MB = 1536.0
 
 
@@ -36,16 +42,36 @@ def three_stage_deploy(tmp: Path) -> Path:
     return path
 
 
+def procs(pid: int) -> list[psutil.Process]:
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
 def cpu_s(pid: int) -> float:
     """CPU seconds spent so far by the server and its workers: start-up cost independent of load."""
-    root = psutil.Process(pid)
-    return sum(sum(p.cpu_times()[:2]) for p in [root, *root.children(recursive=True)])
+    return sum(sum(p.cpu_times()[:2]) for p in procs(pid))
 
 
-def rss_mb(pid: int) -> tuple[float, int]:
-    root = psutil.Process(pid)
-    procs = [root, *root.children(recursive=True)]
-    return sum(p.memory_info().rss for p in procs) / 2**20, len(procs)
+def rss_mb(pid: int) -> float:
+    return sum(p.memory_info().rss for p in procs(pid)) / 2**20
+
+
+def one_run(deploy: Path, args: list[str]) -> dict[str, float]:
+    t0 = time.perf_counter()
+    with EmulatorProcess(deploy, extra_args=args, startup_timeout=300) as emu:
+        out = {"startup": time.perf_counter() - t0, "cpu": cpu_s(emu.pid), "rss": rss_mb(emu.pid)}
+        httpx.post(f"{emu.url}/start_profile", timeout=120)
+        httpx.post(f"{emu.url}/v1/chat/completions", json={"messages": [], "max_tokens": 16}, timeout=120)
+        httpx.post(f"{emu.url}/stop_profile", timeout=120)
+        out["rss_busy"] = rss_mb(emu.pid)
+        t1 = time.perf_counter()
+        emu.reset()  # what a pooled emulator costs per test
+        out["reset"] = time.perf_counter() - t1
+        emu.set_faults(dead_stage=0)
+        t2 = time.perf_counter()
+        emu.reset()  # ... when the previous test killed a stage (the worker is replaced)
+        out["reset_dead"] = time.perf_counter() - t2
+    return out
 
 
 def main() -> None:
@@ -55,32 +81,28 @@ def main() -> None:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="emu-bench-"))
     deploy = args.deploy or three_stage_deploy(tmp)
-    startups, cpus, rss, rss_busy = [], [], [], []
-    nprocs = 0
+    results: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     for _ in range(args.runs):
-        t0 = time.perf_counter()
-        with EmulatorProcess(deploy) as emu:
-            startups.append(time.perf_counter() - t0)
-            cpus.append(cpu_s(emu.pid))
-            mb, nprocs = rss_mb(emu.pid)
-            rss.append(mb)
-            # after one profiled request: profiler buffers and traces are in memory too
-            httpx.post(f"{emu.url}/start_profile", timeout=120)
-            httpx.post(f"{emu.url}/v1/chat/completions", json={"messages": [], "max_tokens": 16}, timeout=120)
-            rss_busy.append(rss_mb(emu.pid)[0])
-            httpx.post(f"{emu.url}/stop_profile", timeout=120)
-    rows = [
-        ("start-up to healthy (s)", statistics.median(startups), max(startups), TARGET_STARTUP_S),
-        ("start-up CPU time, all procs (s)", statistics.median(cpus), max(cpus), TARGET_STARTUP_S),
-        ("RSS idle, all processes (MB)", statistics.median(rss), max(rss), TARGET_RSS_MB),
-        ("RSS while profiling (MB)", statistics.median(rss_busy), max(rss_busy), TARGET_RSS_MB),
-    ]
+        for mode, extra in MODES.items():
+            results[mode].append(one_run(deploy, extra))
+
+    def med(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[mode])
+
     load = psutil.getloadavg()[0]
-    print(f"deploy: {deploy}  runs: {args.runs}  processes: {nprocs} (server + workers + helpers)")
+    base = "spawn (before)"
+    print(f"deploy: {deploy}  runs: {args.runs} per mode (interleaved)")
     print(f"cores: {psutil.cpu_count()}  load average (1 min): {load:.1f}  (wall times grow with load)")
-    print(f"{'metric':32} {'median':>9} {'max':>9} {'target':>9} {'max/target':>11}")
-    for name, med, worst, target in rows:
-        print(f"{name:32} {med:9.2f} {worst:9.2f} {target:9.1f} {worst / target:11.2f}")
+    print(f"{'mode':16} {'start s':>8} {'vs spawn':>9} {'CPU s':>7} {'vs spawn':>9} {'RSS MB':>7} "
+          f"{'busy MB':>8} {'reset s':>8} {'reset+respawn s':>16} {'start/reset':>12}")  # fmt: skip
+    for mode in MODES:
+        s, c = med(mode, "startup"), med(mode, "cpu")
+        print(
+            f"{mode:16} {s:8.2f} {s / med(base, 'startup'):9.2f} {c:7.2f} {c / med(base, 'cpu'):9.2f} "
+            f"{med(mode, 'rss'):7.0f} {med(mode, 'rss_busy'):8.0f} {med(mode, 'reset'):8.3f} "
+            f"{med(mode, 'reset_dead'):16.3f} {s / med(mode, 'reset'):12.0f}"
+        )
+    print(f"RSS target {TARGET_RSS_MB:.0f} MB for 3 stages; 'start/reset': how many resets one fresh start costs")
 
 
 if __name__ == "__main__":

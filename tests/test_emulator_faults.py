@@ -1,5 +1,7 @@
-"""The emulator's fault knobs (test aids for the controller): a dead stage worker, a stop that
-is held or never replies, a start that answers 500 — each the way the real server shows it.
+"""The emulator's fault knobs, set at run time through ``POST /emulator/faults`` on one emulator
+(real process workers) reset between tests: a dead stage worker as 0.30 shows it (SUCCESS, no
+trace, /health 503), a worker dying mid-window, a stop held or hung, start/stop 500 — and the
+reset that makes one emulator serve a whole module.
 """
 
 from __future__ import annotations
@@ -16,117 +18,209 @@ import pytest
 from sidecar.emulator.launcher import EmulatorProcess
 from tests.fixtures.emulator import emulator_state, make_deploy
 
+TIMEOUT = 60
+
 
 @pytest.fixture(scope="module")
-def dead(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorProcess]:
-    deploy = make_deploy(tmp_path_factory.mktemp("dead"), {0: {"profiler": "torch"}, 1: {"profiler": "torch"}})
-    args = ["--fault-dead-stage", "1", "--fault-stop-delay", "3", "--gzip-delay", "0"]
-    with EmulatorProcess(deploy, extra_args=args) as e:
+def emu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorProcess]:
+    tmp = tmp_path_factory.mktemp("faults")
+    deploy = make_deploy(tmp, {0: {"profiler": "torch"}, 1: {"profiler": "torch"}, 2: {"profiler": "torch"}})
+    with EmulatorProcess(deploy, extra_args=["--gzip-delay", "0", "--step-ms", "1"]) as e:
         yield e
 
 
 @pytest.fixture(autouse=True)
-def _stage0_stopped(dead: EmulatorProcess) -> Iterator[None]:
+def _reset(emu: EmulatorProcess) -> Iterator[None]:
+    emu.reset()
     yield
-    httpx.post(f"{dead.url}/stop_profile", json={"stages": [0]}, timeout=60)
+    emu.reset()
 
 
-def post(emu: EmulatorProcess, path: str, body: Any = None, timeout: float = 60) -> httpx.Response:
+def post(emu: EmulatorProcess, path: str, body: Any = None, timeout: float = TIMEOUT) -> httpx.Response:
     return httpx.post(f"{emu.url}{path}", json=body, timeout=timeout)
 
 
-def test_dead_stage_is_reported_not_alive(dead: EmulatorProcess) -> None:
-    stages = emulator_state(dead)["stages"]
-    assert (stages["0"]["alive"], stages["1"]["alive"]) == (True, False)
+def sessions(emu: EmulatorProcess) -> dict[str, list[str]]:
+    return {sid: s["sessions"] for sid, s in emulator_state(emu)["stages"].items()}
 
 
-def test_start_targeting_a_dead_stage_is_500(dead: EmulatorProcess) -> None:
-    r = post(dead, "/start_profile", {"stages": [1]})
-    assert (r.status_code, r.json()["error"]["message"].startswith("Failed to start profiler: ")) == (500, True)
-
-
-def test_stop_targeting_a_dead_stage_is_500(dead: EmulatorProcess) -> None:
-    r = post(dead, "/stop_profile", {"stages": [1]})
-    assert (r.status_code, r.json()["error"]["message"].startswith("Failed to stop profiler: ")) == (500, True)
-
-
-def test_start_all_has_started_the_stages_before_the_dead_one(dead: EmulatorProcess) -> None:
-    r = post(dead, "/start_profile")
-    assert (r.status_code, emulator_state(dead)["stages"]["0"]["profiling"]) == (500, True)
-
-
-def test_stop_delay_holds_the_reply_after_workers_are_done(dead: EmulatorProcess) -> None:
-    post(dead, "/start_profile", {"stages": [0]})
-    n = len(emulator_state(dead)["calls"])
-    replies: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: replies.append(post(dead, "/stop_profile", {"stages": [0]})))
-    t.start()
-    seen_pending = False
-    deadline = time.monotonic() + 30
-    while t.is_alive() and time.monotonic() < deadline:
-        state = emulator_state(dead)
-        calls = state["calls"][n:]
-        if calls and calls[0]["status"] is None and not state["stages"]["0"]["profiling"]:
-            seen_pending = True  # the worker has stopped; the reply is still held
-            break
+def wait_for(predicate: Any, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
         time.sleep(0.05)
-    t.join(60)
-    assert (seen_pending, replies[0].json()) == (True, {"status": "SUCCESS"})
+    return bool(predicate())
 
 
-# --- start 500 / hanging stop ----------------------------------------------------------------
+def files(folder: str) -> list[str]:
+    return sorted(p.name.removesuffix(".gz") for p in Path(folder).iterdir())
 
 
-@pytest.fixture
-def broken(tmp_path: Path, emulator_factory: Any) -> EmulatorProcess:
-    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}})
-    return emulator_factory(deploy, extra_args=["--fault-start-500", "--fault-hang-stop"])
+# --- a dead worker, as 0.30 shows it ---------------------------------------------------------
 
 
-def test_start_500_fault_and_hanging_stop(broken: EmulatorProcess) -> None:
-    r = post(broken, "/start_profile", {"stages": [0]})
-    with pytest.raises(httpx.ReadTimeout):
-        post(broken, "/stop_profile", {"stages": [0]}, timeout=2)
-    last = emulator_state(broken)["calls"][-1]
-    assert (r.status_code, r.json()["error"]["message"], last["path"], last["status"]) == (
-        500,
-        "Failed to start profiler: injected fault (--fault-start-500)",
-        "/stop_profile",
-        None,
+def test_dead_stage_start_and_stop_answer_success(emu: EmulatorProcess) -> None:
+    emu.set_faults(dead_stage=1)
+    replies = [post(emu, "/start_profile"), post(emu, "/stop_profile")]
+    assert [(r.status_code, r.json()) for r in replies] == [(200, {"status": "SUCCESS"})] * 2
+
+
+def test_dead_stage_writes_no_trace_while_the_others_do(emu: EmulatorProcess) -> None:
+    emu.set_faults(dead_stage=1)
+    post(emu, "/start_profile")
+    post(emu, "/stop_profile")
+    got = sessions(emu)
+    assert (len(got["1"]), [files(got[s][0]) for s in ("0", "2")]) == (
+        0,
+        [["profiler_out_0.txt", "trace_rank0.json"]] * 2,
+    )
+
+
+def test_dead_stage_failure_is_logged_as_the_stage_pool_does(emu: EmulatorProcess) -> None:
+    emu.set_faults(dead_stage=1)
+    post(emu, "/start_profile", {"stages": [1]})
+    log = emu.log_path.read_text(errors="replace")
+    assert "[StagePool] collective_rpc failed: stage=1 replica=0 method=profile: EngineDeadError" in log
+
+
+def test_health_is_503_unhealthy_with_a_dead_stage_and_ready_stays_200(emu: EmulatorProcess) -> None:
+    before = httpx.get(f"{emu.url}/health", timeout=TIMEOUT)
+    emu.set_faults(dead_stage=2)
+    health = httpx.get(f"{emu.url}/health", timeout=TIMEOUT)
+    ready = httpx.get(f"{emu.url}/emulator/ready", timeout=TIMEOUT)
+    assert [(r.status_code, r.json().get("status")) for r in (before, health)] == [(200, "healthy"), (503, "unhealthy")]
+    assert ready.status_code == 200
+
+
+def test_dead_stage_from_the_command_line(tmp_path: Path, emulator_factory: Any) -> None:
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: {"profiler": "torch"}})
+    e = emulator_factory(deploy, extra_args=["--fault-dead-stage", "1", "--workers", "thread"])
+    alive = {sid: s["alive"] for sid, s in emulator_state(e)["stages"].items()}
+    r = post(e, "/start_profile", {"stages": [1]})
+    assert (alive, httpx.get(f"{e.url}/health", timeout=TIMEOUT).status_code, r.status_code) == (
+        {"0": True, "1": False},
+        503,
+        200,
     )
 
 
 # --- a worker that dies during the window ----------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def died(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Response, httpx.Response, dict[str, Any]]]:
-    """Stages 0 and 1, stage 0's worker exits after acknowledging its start; start [0, 1] and
-    stop [0, 1]: (start reply, stop reply, state after the stop)."""
-    deploy = make_deploy(tmp_path_factory.mktemp("died"), {0: {"profiler": "torch"}, 1: {"profiler": "torch"}})
-    with EmulatorProcess(deploy, extra_args=["--fault-die-after-start", "0", "--gzip-delay", "0"]) as emu:
-        started = post(emu, "/start_profile", {"stages": [0, 1]})
-        deadline = time.monotonic() + 30
-        while emulator_state(emu)["stages"]["0"]["alive"] and time.monotonic() < deadline:
-            time.sleep(0.05)
-        stopped = post(emu, "/stop_profile", {"stages": [0, 1]})
-        yield started, stopped, emulator_state(emu)
+def test_die_after_start_acknowledges_then_leaves_an_empty_folder(emu: EmulatorProcess) -> None:
+    emu.set_faults(die_after_start=0)
+    started = post(emu, "/start_profile", {"stages": [0, 1]})
+    assert wait_for(lambda: not emulator_state(emu)["stages"]["0"]["alive"])
+    stopped = post(emu, "/stop_profile", {"stages": [0, 1]})
+    got = sessions(emu)
+    assert [(r.status_code, r.json()) for r in (started, stopped)] == [(200, {"status": "SUCCESS"})] * 2
+    assert (files(got["0"][0]), files(got["1"][0])) == ([], ["profiler_out_0.txt", "trace_rank0.json"])
 
 
-def test_die_after_start_acknowledges_the_start(died: tuple[httpx.Response, httpx.Response, dict[str, Any]]) -> None:
-    started, _, _ = died
-    assert (started.status_code, started.json()) == (200, {"status": "SUCCESS"})
+# --- knobs that still give a 500 -------------------------------------------------------------
 
 
-def test_die_after_start_makes_the_later_stop_500(died: tuple[httpx.Response, httpx.Response, dict[str, Any]]) -> None:
-    _, stopped, _ = died
-    assert (stopped.status_code, stopped.json()["error"]["message"].startswith("Failed to stop profiler: ")) == (
-        500, True)
+def test_start_500_reaches_no_worker(emu: EmulatorProcess) -> None:
+    emu.set_faults(start_500=True)
+    r = post(emu, "/start_profile", {"stages": [0]})
+    state = emulator_state(emu)
+    assert (r.status_code, r.json()["error"]["message"], state["stages"]["0"]["active"]) == (
+        500,
+        "Failed to start profiler: injected fault (--fault-start-500)",
+        False,
+    )
 
 
-def test_die_after_start_still_stops_the_stages_after_the_dead_one(
-    died: tuple[httpx.Response, httpx.Response, dict[str, Any]],
-) -> None:
-    _, _, state = died
-    stage1 = state["stages"]["1"]
-    assert (state["stages"]["0"]["alive"], stage1["profiling"], len(stage1["sessions"])) == (False, False, 1)
+def test_stop_500_reaches_no_worker(emu: EmulatorProcess) -> None:
+    post(emu, "/start_profile", {"stages": [0]})
+    emu.set_faults(stop_500=True)
+    r = post(emu, "/stop_profile", {"stages": [0]})
+    assert (r.status_code, r.json()["error"]["message"], emulator_state(emu)["stages"]["0"]["profiling"]) == (
+        500,
+        "Failed to stop profiler: injected fault (--fault-stop-500)",
+        True,
+    )
+
+
+# --- held and hung stops -----------------------------------------------------------------------
+
+
+def _stop_in_background(emu: EmulatorProcess) -> tuple[threading.Thread, list[httpx.Response]]:
+    replies: list[httpx.Response] = []
+    t = threading.Thread(target=lambda: replies.append(post(emu, "/stop_profile", {"stages": [0]}, timeout=120)))
+    t.start()
+    return t, replies
+
+
+def test_stop_delay_holds_the_reply_after_workers_are_done(emu: EmulatorProcess) -> None:
+    post(emu, "/start_profile", {"stages": [0]})
+    emu.set_faults(stop_delay_s=3)
+    t, replies = _stop_in_background(emu)
+
+    def held() -> bool:
+        state = emulator_state(emu)
+        pending = [c for c in state["calls"] if c["path"] == "/stop_profile" and c["status"] is None]
+        return bool(pending) and not state["stages"]["0"]["profiling"]
+
+    seen = wait_for(held)
+    t.join(120)
+    assert (seen, replies[0].json()) == (True, {"status": "SUCCESS"})
+
+
+def test_hang_stop_replies_only_after_a_reset(emu: EmulatorProcess) -> None:
+    post(emu, "/start_profile", {"stages": [0]})
+    emu.set_faults(hang_stop=True)
+    with pytest.raises(httpx.ReadTimeout):
+        post(emu, "/stop_profile", {"stages": [0]}, timeout=2)
+    t, replies = _stop_in_background(emu)
+    assert wait_for(lambda: sum(c["status"] is None for c in emulator_state(emu)["calls"]) == 2)
+    emu.reset()
+    t.join(120)
+    assert replies[0].status_code == 200
+
+
+# --- the test routes themselves ------------------------------------------------------------------
+
+
+def test_faults_route_changes_only_the_knobs_given(emu: EmulatorProcess) -> None:
+    emu.set_faults(start_500=True)
+    now = emu.set_faults(stop_delay_s=1.5)
+    got = httpx.get(f"{emu.url}/emulator/faults", timeout=TIMEOUT).json()
+    assert (now, got["start_500"], got["stop_delay_s"]) == (got, True, 1.5)
+
+
+@pytest.mark.parametrize("body", [{"no_such_knob": 1}, {"stop_delay_s": -1}], ids=["unknown", "negative"])
+def test_bad_fault_settings_are_400(emu: EmulatorProcess, body: dict[str, Any]) -> None:
+    r = post(emu, "/emulator/faults", body)
+    assert (r.status_code, r.json()["error"]["message"].startswith("bad fault settings")) == (400, True)
+
+
+def test_reset_replaces_dead_workers_and_clears_faults_calls_and_sessions(emu: EmulatorProcess) -> None:
+    emu.set_faults(dead_stage=0, start_500=True)
+    post(emu, "/start_profile", {"stages": [0]})
+    state = emu.reset()
+    r = post(emu, "/start_profile", {"stages": [0]})
+    assert (
+        [s["alive"] for s in state["stages"].values()],
+        any(state["faults"].values()),
+        state["calls"],
+        [s["sessions"] for s in state["stages"].values()],
+        r.status_code,
+        emulator_state(emu)["stages"]["0"]["profiling"],
+    ) == ([True] * 3, False, [], [[]] * 3, 200, True)
+
+
+def test_reset_leaves_the_profiler_idle_without_writing(emu: EmulatorProcess) -> None:
+    post(emu, "/start_profile", {"stages": [0]})
+    folder = sessions(emu)["0"][0]
+    state = emu.reset()
+    assert (state["stages"]["0"]["profiling"], state["stages"]["0"]["active"], files(folder)) == (False, False, [])
+
+
+def test_reset_points_stages_at_new_trace_dirs(emu: EmulatorProcess, tmp_path: Path) -> None:
+    emu.reset(profiler_dirs={0: tmp_path / "fresh0"})
+    post(emu, "/start_profile", {"stages": [0]})
+    post(emu, "/stop_profile", {"stages": [0]})
+    (folder,) = sessions(emu)["0"]
+    assert Path(folder).parent == tmp_path / "fresh0" and files(folder) == ["profiler_out_0.txt", "trace_rank0.json"]

@@ -111,7 +111,7 @@ def test_diffusion_stages_option_and_replicas_name_one_folder_per_replica(
     tmp_path: Path, emulator_factory: Any
 ) -> None:
     deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}}, extra={0: {"num_replicas": 2}})
-    emu = emulator_factory(deploy, extra_args=["--diffusion-stages", "0", "--gzip-delay", "0"])
+    emu = emulator_factory(deploy, extra_args=["--diffusion-stages", "0", "--gzip-delay", "0", "--workers", "thread"])
     post(emu, "/start_profile", {"stages": [0]})
     post(emu, "/stop_profile", {"stages": [0]})
     names = sorted(Path(p).name.split("_", 1)[1].rsplit("_", 1)[0] for p in stage(emu, "0")["sessions"])

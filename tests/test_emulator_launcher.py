@@ -38,7 +38,7 @@ def deploy(tmp_path: Path) -> Path:
 
 
 def test_healthy_after_start_with_url_and_port(deploy: Path, emulator_factory: Any) -> None:
-    emu = emulator_factory(deploy)
+    emu = emulator_factory(deploy, extra_args=["--workers", "thread"])
     assert (emu.url, httpx.get(f"{emu.url}/health").status_code) == (f"http://127.0.0.1:{emu.port}", 200)
 
 
@@ -49,25 +49,36 @@ def test_stop_reaps_server_and_workers(deploy: Path) -> None:
     assert len(pids) >= 3 and _gone(pids)
 
 
-def test_workers_die_with_a_sigkilled_server(deploy: Path) -> None:
-    emu = EmulatorProcess(deploy).start()
+@pytest.mark.parametrize("start", ["forkserver", "spawn"])
+def test_workers_die_with_a_sigkilled_server(deploy: Path, start: str) -> None:
+    emu = EmulatorProcess(deploy, extra_args=["--worker-start", start]).start()
     try:
-        workers = [c.pid for c in psutil.Process(emu.pid).children(recursive=True)]
+        workers = [int(p) for p in emu.state()["stages"]["0"]["pids"]]
+        others = [c.pid for c in psutil.Process(emu.pid).children(recursive=True)]  # the forkserver too
         os.kill(emu.pid, signal.SIGKILL)
-        assert workers and _gone(workers)
+        assert workers and _gone(workers + others)
     finally:
         emu.stop()
 
 
+def loads_torch(proc: Any) -> bool:
+    return any("libtorch" in m.path for m in proc.memory_maps())
+
+
 def test_api_process_never_loads_torch(deploy: Path, emulator_factory: Any) -> None:
     emu = emulator_factory(deploy)
-
-    def loads_torch(proc: Any) -> bool:
-        return any("libtorch" in m.path for m in proc.memory_maps())
-
     server = psutil.Process(emu.pid)
+    workers = [psutil.Process(p) for p in emu.state()["stages"]["0"]["pids"]]
     # the workers do load it, which shows the check can see it
-    assert (loads_torch(server), any(loads_torch(c) for c in server.children())) == (False, True)
+    assert (loads_torch(server), all(loads_torch(w) for w in workers)) == (False, True)
+
+
+def test_thread_workers_run_in_the_server_without_torch(deploy: Path, emulator_factory: Any) -> None:
+    emu = emulator_factory(deploy, extra_args=["--workers", "thread"])
+    server = psutil.Process(emu.pid)
+    state = emu.state()
+    assert (state["workers"], state["stages"]["0"]["pids"], loads_torch(server), server.children(recursive=True)) == (
+        "thread", [emu.pid], False, [])  # fmt: skip
 
 
 def test_start_failure_raises_with_the_log_tail(tmp_path: Path) -> None:

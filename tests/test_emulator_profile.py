@@ -252,6 +252,16 @@ def test_diffusion_trace_has_conv_ops_and_step_annotation(emu: EmulatorProcess) 
     assert "diffusion_forward" in {e["name"] for e in events if e.get("cat") == "user_annotation"}
 
 
+def test_idle_window_writes_a_valid_trace_with_zero_ops(emu: EmulatorProcess) -> None:
+    before = sessions(emu)
+    time.sleep(1.1)
+    post(emu, "/start_profile", {"stages": [0, 2]})
+    post(emu, "/stop_profile", {"stages": [0, 2]})
+    new = [Path(p) for sid in ("0", "2") for p in sessions(emu)[sid] if p not in before[sid]]
+    events = [gzipped_trace(folder)["traceEvents"] for folder in new]
+    assert len(new) == 2 and [sum(e.get("cat") == "cpu_op" for e in ev) for ev in events] == [0, 0]
+
+
 def test_profiler_out_is_a_key_averages_table(emu: EmulatorProcess) -> None:
     torch = pytest.importorskip("torch")
     _, _, new = _one_capture(emu, [0])
@@ -291,7 +301,7 @@ def test_chat_without_messages_is_400(emu: EmulatorProcess) -> None:
 
 
 def test_endpoints_are_404_when_no_stage_has_a_profiler(tmp_path: Path, emulator_factory: Any) -> None:
-    emu = emulator_factory(make_deploy(tmp_path, {0: None, 1: None}))
+    emu = emulator_factory(make_deploy(tmp_path, {0: None, 1: None}), extra_args=["--workers", "thread"])
     codes = httpx.get(f"{emu.url}/start_profile").status_code, httpx.post(f"{emu.url}/stop_profile").status_code
     assert codes == (404, 404)
 
@@ -319,3 +329,22 @@ def test_legacy_schema_is_refused_at_start_up(tmp_path: Path) -> None:
         timeout=60,
     )
     assert (proc.returncode, "stage_args" in proc.stderr + proc.stdout) == (1, True)
+
+
+# --- an LLM stage with num_replicas > 1 ------------------------------------------------------------
+
+
+def test_llm_replicas_write_one_folder_and_the_last_trace_wins(tmp_path: Path, emulator_factory: Any) -> None:
+    """0.30: every replica is rank 0 of its own engine, called one after another within ms: the
+    same folder name, the same trace_rank0.json; replica 1 (stopped last) overwrites replica 0."""
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}}, extra={0: {"num_replicas": 2}})
+    e = emulator_factory(deploy, extra_args=["--gzip-delay", "1", "--step-ms", "1"])
+    post(e, "/start_profile", {"stages": [0]})
+    chat(e, max_tokens=2)  # round robin: replica 0
+    chat(e, max_tokens=5)  # replica 1
+    post(e, "/stop_profile", {"stages": [0]})
+    listed = sessions(e)["0"]
+    on_disk = list((tmp_path / "traces" / "stage0").iterdir())
+    steps = [ev for ev in gzipped_trace(on_disk[0])["traceEvents"] if ev.get("name") == "execute_model"]
+    assert (len(listed), len(on_disk), sorted(p.name for p in on_disk[0].iterdir()), len(steps)) == (
+        1, 1, ["profiler_out_0.txt", "trace_rank0.json.gz"], 5)  # fmt: skip

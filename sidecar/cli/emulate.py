@@ -32,15 +32,29 @@ def emulate(
         0.0, "--fault-stop-delay", help="Test aid: extra seconds inside stop before replying."
     ),
     fault_dead_stage: Optional[int] = typer.Option(
-        None, "--fault-dead-stage", help="Test aid: this stage's worker dies after start-up (calls to it answer 500)."
+        None,
+        "--fault-dead-stage",
+        help="Test aid: this stage's workers die after start-up (start/stop still answer SUCCESS, no trace; /health 503).",
     ),
     fault_die_after_start: Optional[int] = typer.Option(
         None,
         "--fault-die-after-start",
-        help="Test aid: this stage's worker acknowledges a profiler start, then exits (a later stop answers 500).",
+        help="Test aid: this stage's workers acknowledge a profiler start, then exit (no trace is written).",
     ),
     fault_hang_stop: bool = typer.Option(False, "--fault-hang-stop", help="Test aid: stop never replies."),
     fault_start_500: bool = typer.Option(False, "--fault-start-500", help="Test aid: start answers 500."),
+    fault_stop_500: bool = typer.Option(
+        False, "--fault-stop-500", help="Test aid: stop answers 500 and reaches no worker."
+    ),
+    workers: str = typer.Option(
+        "process",
+        "--workers",
+        help="process: a process per stage replica with real torch traces; "
+        "thread: in the server process, torch-free synthetic traces (fast start, for tests).",
+    ),
+    worker_start: str = typer.Option(
+        "forkserver", "--worker-start", help="How process workers start: forkserver (torch preloaded once) or spawn."
+    ),
 ) -> None:
     """Run a stand-in vLLM-Omni 0.30 server: one CPU worker per stage, real torch profiler traces."""
     if flavor not in ("omni", "vllm"):
@@ -64,6 +78,9 @@ def emulate(
                 fault_die_after_start=fault_die_after_start,
                 fault_hang_stop=fault_hang_stop,
                 fault_start_500=fault_start_500,
+                fault_stop_500=fault_stop_500,
+                workers=workers,  # type: ignore[arg-type]
+                worker_start=worker_start,  # type: ignore[arg-type]
             )
         )
     except ValidationError as err:  # an out-of-range option value

@@ -1,6 +1,9 @@
-"""Worker-side profilers, mirroring vLLM 0.30's ``WorkerProfiler`` state machine and
-vLLM-Omni 0.30's ``OmniTorchProfilerWrapper`` (session folders, file names, background gzip,
-tables) line by line, minus vllm. Imported only inside worker processes (needs torch).
+"""Worker-side profilers, mirroring vLLM 0.30's ``WorkerProfiler`` state machine, vLLM-Omni 0.30's
+``OmniTorchProfilerWrapper`` (session folders, file names, background gzip, tables) and plain
+vLLM 0.30's ``TorchProfilerWrapper`` (tensorboard-style names flat in the dir), minus vllm.
+
+Imports no torch: what records is a ``Recorder`` from a backend (``_torch_backend``: real
+``torch.profiler``; ``_synthetic``: a torch-free stand-in that writes the same files).
 """
 
 from __future__ import annotations
@@ -8,32 +11,41 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime
-from typing import Any
-
-import torch
+from typing import Any, Protocol
 
 from sidecar.config.profiler import ProfilerConfig
 
 logger = logging.getLogger("sidecar.emulator.worker")
 
+VLLM_VERSION = "0.30.0"
 
-def _torch_profile(config: ProfilerConfig, on_trace_ready: Any) -> torch.profiler.profile:
-    """The ``torch.profiler.profile`` both torch wrappers build from ``config``. CPU only: the
-    emulator has no device activity (the real default is CPU+CUDA)."""
-    return torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU],
-        record_shapes=config.torch_profiler_record_shapes,
-        profile_memory=config.torch_profiler_with_memory,
-        with_stack=config.torch_profiler_with_stack,
-        with_flops=config.torch_profiler_with_flops,
-        on_trace_ready=on_trace_ready,
-    )
+
+class Recorder(Protocol):
+    """What both backends offer: one recording window at a time, exported after ``stop``."""
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def discard(self) -> None: ...  # stop without keeping anything (the emulator's reset)
+    def export_chrome_trace(self, path: str) -> None: ...  # gzip when the path ends in .gz
+    def export_stacks(self, path: str, metric: str) -> None: ...
+    def table(self, sort_by: str, row_limit: int = 100) -> str: ...
+    def write_excel(self, path: str, config: ProfilerConfig) -> None: ...
+    def add_metadata_json(self, key: str, value: str) -> None: ...
+    def annotate(self, name: str) -> AbstractContextManager[Any]: ...
+
+
+RecorderFactory = Callable[[ProfilerConfig], Recorder]
 
 
 class WorkerProfiler:
     """vllm/profiler/wrapper.py ``WorkerProfiler``: delayed start, max-iteration auto-stop,
     start-while-active and stop-while-idle ignored."""
+
+    recorder: Recorder | None = None
 
     def __init__(self, config: ProfilerConfig) -> None:
         self._delay_iters = config.delay_iterations
@@ -42,6 +54,7 @@ class WorkerProfiler:
         self._active = False
         self._profiling_for_iters = 0
         self._running = False
+        self.sessions: list[str] = []
 
     @property
     def is_running(self) -> bool:
@@ -103,8 +116,19 @@ class WorkerProfiler:
         if self._running:
             self._call_stop()
 
-    def annotate(self, name: str) -> Any:
-        return torch.profiler.record_function(name)
+    def discard(self) -> None:
+        """Emulator-only (reset between tests): back to idle, nothing written."""
+        if self._running and self.recorder is not None:
+            self.recorder.discard()
+        self._active = self._running = False
+        self._active_iteration_count = self._profiling_for_iters = 0
+        self.sessions = []
+
+    def set_trace_filename(self, filename: str, at: float | None = None) -> None:
+        return None  # only the Omni wrapper names its output per start
+
+    def annotate(self, name: str) -> AbstractContextManager[Any]:
+        return self.recorder.annotate(name) if self.recorder is not None else nullcontext()
 
 
 class CudaRangeProfiler(WorkerProfiler):
@@ -124,10 +148,17 @@ class OmniTorchProfiler(WorkerProfiler):
     process), ``stacks_cpu_rank<N>.txt``, ``ops_rank<N>.xlsx``, ``profiler_out_<N>.txt``."""
 
     def __init__(
-        self, config: ProfilerConfig, worker_name: str, local_rank: int, *, gzip_delay_s: float = 0.0
+        self,
+        config: ProfilerConfig,
+        recorder: Recorder,
+        worker_name: str,
+        local_rank: int,
+        *,
+        gzip_delay_s: float = 0.0,
     ) -> None:
         super().__init__(config)
         self.config = config
+        self.recorder = recorder
         self.local_rank = local_rank
         self._worker_name = worker_name
         self._trace_dir = config.torch_profiler_dir or "."
@@ -135,22 +166,25 @@ class OmniTorchProfiler(WorkerProfiler):
         self._gzip_delay_s = gzip_delay_s
         self._trace_filename: str | None = None
         self._session_dir: str | None = None
+        self._session_at: float | None = None
         self._pending_gzip: str | None = None
-        self.sessions: list[str] = []
-        self.profiler = _torch_profile(config, self._on_trace_ready)
 
-    def set_trace_filename(self, filename: str) -> None:
+    def set_trace_filename(self, filename: str, at: float | None = None) -> None:
         # Called on every start, even one the state machine ignores: that is why a second start
-        # makes a fresh (and, as it stays, empty-until-stop) session folder.
+        # makes a fresh session folder, the one the trace then lands in (the first stays empty).
+        # ``at``: the second the folder is named after (the emulator gives all replicas of one
+        # call the same one; real replicas, called within milliseconds, nearly always share it).
         self._trace_filename = filename
         self._session_dir = None
+        self._session_at = at
         self._ensure_session_dir()
 
     def _ensure_session_dir(self) -> str:
         if self._session_dir is not None:
             os.makedirs(self._session_dir, exist_ok=True)
             return self._session_dir
-        ts = datetime.now().strftime("%Y%m%d-%H%M%S")
+        now = datetime.fromtimestamp(self._session_at) if self._session_at is not None else datetime.now()
+        ts = now.strftime("%Y%m%d-%H%M%S")
         base = self._trace_filename or self._worker_name
         self._session_dir = os.path.join(self._trace_dir, f"{ts}_{base}")
         os.makedirs(self._session_dir, exist_ok=True)
@@ -161,10 +195,10 @@ class OmniTorchProfiler(WorkerProfiler):
     def _artifact_path(self, stem: str, suffix: str) -> str:
         return os.path.join(self._ensure_session_dir(), f"{stem}_rank{self.local_rank}{suffix}")
 
-    def _on_trace_ready(self, prof: Any) -> None:
+    def _export_trace(self) -> None:
         json_file = self._artifact_path("trace", ".json")
         try:
-            prof.export_chrome_trace(json_file)
+            self.recorder.export_chrome_trace(json_file)
             logger.info("[Rank %s] Trace exported to %s", self.local_rank, json_file)
             if self._use_gzip:
                 self._pending_gzip = json_file
@@ -179,7 +213,7 @@ class OmniTorchProfiler(WorkerProfiler):
         else:
             cmd = ["gzip", "-f", json_file]
         try:
-            subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL)
+            subprocess.Popen(cmd, start_new_session=True, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             logger.info("[Rank %s] Triggered background compression for %s", self.local_rank, json_file)
         except Exception as e:
             logger.warning("[Rank %s] Background gzip failed to start: %s", self.local_rank, e)
@@ -194,11 +228,12 @@ class OmniTorchProfiler(WorkerProfiler):
                 self.local_rank,
                 self.local_rank,
             )
-        self.profiler.start()
+        self.recorder.start()
 
     def _stop(self) -> None:
         try:
-            self.profiler.stop()
+            self.recorder.stop()
+            self._export_trace()
             self._on_stop_hook()
         finally:
             # The real worker starts gzip right after the export; the emulator starts it once the
@@ -212,73 +247,58 @@ class OmniTorchProfiler(WorkerProfiler):
         rank = self.local_rank
         if self.config.torch_profiler_with_stack:
             try:
-                self.profiler.export_stacks(self._artifact_path("stacks_cpu", ".txt"), metric="self_cpu_time_total")
+                self.recorder.export_stacks(self._artifact_path("stacks_cpu", ".txt"), "self_cpu_time_total")
             except Exception as e:
                 logger.warning("[Rank %s] export_stacks(cpu) failed: %s", rank, e)
-        self._write_excel()
+        try:
+            self.recorder.write_excel(self._artifact_path("ops", ".xlsx"), self.config)
+        except Exception as e:
+            logger.warning("[Rank %s] Failed to export Excel workbook: %s", rank, e)
         if self.config.torch_profiler_dump_cuda_time_total:
-            table = self.profiler.key_averages().table(sort_by="self_cuda_time_total")
+            table = self.recorder.table("self_cuda_time_total")
             with open(os.path.join(self._ensure_session_dir(), f"profiler_out_{rank}.txt"), "w") as f:
                 print(table, file=f)
 
-    def _write_excel(self) -> None:
-        try:
-            import pandas as pd  # noqa: F401
-            import openpyxl  # noqa: F401
-        except Exception as e:
-            logger.info("[Rank %s] pandas/openpyxl not available, skip Excel export: %s", self.local_rank, e)
-            return
-        sheets: dict[str, Any] = {"summary": self.profiler.key_averages()}
-        if self.config.torch_profiler_record_shapes:
-            sheets["by_shape"] = self.profiler.key_averages(group_by_input_shape=True)
-        if self.config.torch_profiler_with_stack:
-            sheets["by_stack"] = self.profiler.key_averages(group_by_stack_n=8)
-        try:
-            with pd.ExcelWriter(self._artifact_path("ops", ".xlsx"), engine="openpyxl") as writer:
-                for name, events in sheets.items():
-                    rows = [
-                        {
-                            "name": e.key,
-                            "count": e.count,
-                            "self_cpu_time_total_us": e.self_cpu_time_total,
-                            "cpu_time_total_us": e.cpu_time_total,
-                            "input_shapes": str(getattr(e, "input_shapes", None)),
-                            "stack": "\n".join(getattr(e, "stack", []) or []),
-                        }
-                        for e in events
-                    ]
-                    pd.DataFrame(rows).to_excel(writer, sheet_name=name, index=False)
-        except Exception as e:
-            logger.warning("[Rank %s] Failed to export Excel workbook: %s", self.local_rank, e)
-
 
 class PlainVllmTorchProfiler(WorkerProfiler):
-    """Plain vLLM 0.30 ``TorchProfilerWrapper``: tensorboard_trace_handler files straight in
-    ``torch_profiler_dir`` (``<worker>.<ms>.pt.trace.json[.gz]``) and ``profiler_out_<rank>.txt``."""
+    """Plain vLLM 0.30 ``TorchProfilerWrapper`` with CPU activity only (the CPU worker, and the
+    API server's ``AsyncLLM`` front-end profiler): ``tensorboard_trace_handler`` names,
+    ``<worker_name>.<time_ns>.pt.trace.json[.gz]`` flat in ``torch_profiler_dir``, the vLLM
+    version stamped into the trace, and ``profiler_out_<rank>.txt`` rewritten by every stop."""
 
-    def __init__(self, config: ProfilerConfig, worker_name: str, local_rank: int) -> None:
+    def __init__(
+        self, config: ProfilerConfig, recorder: Recorder, worker_name: str, local_rank: int, *, write_table: bool = True
+    ) -> None:
         super().__init__(config)
+        # The front-end profiler (rank 0 too) writes the same profiler_out_0.txt as the worker,
+        # concurrently; the emulator keeps the worker's table (real ops) and skips the front-end's.
+        self.write_table = write_table
         self.config = config
+        self.recorder = recorder
         self.local_rank = local_rank
-        self.sessions: list[str] = []
-        trace_dir = config.torch_profiler_dir or "."
-        self.profiler = _torch_profile(
-            config,
-            torch.profiler.tensorboard_trace_handler(
-                trace_dir, worker_name=worker_name, use_gzip=config.torch_profiler_use_gzip
-            ),
-        )
-
-    def set_trace_filename(self, filename: str) -> None:  # plain vLLM names once, at creation
-        return None
+        self.worker_name = worker_name
+        self._dir = config.torch_profiler_dir or "."
 
     def _start(self) -> None:
-        os.makedirs(self.config.torch_profiler_dir or ".", exist_ok=True)
-        self.profiler.start()
+        self.recorder.start()
+        self.recorder.add_metadata_json("vllm_version", f'"{VLLM_VERSION}"')
 
     def _stop(self) -> None:
-        self.profiler.stop()
-        out = os.path.join(self.config.torch_profiler_dir or ".", f"profiler_out_{self.local_rank}.txt")
+        self.recorder.stop()
+        os.makedirs(self._dir, exist_ok=True)
+        name = f"{self.worker_name}.{time.time_ns()}.pt.trace.json"
+        if self.config.torch_profiler_use_gzip:
+            name += ".gz"
+        path = os.path.join(self._dir, name)
+        self.recorder.export_chrome_trace(path)
+        self.sessions.append(path)
+        if not self.write_table:
+            return
+        out = os.path.join(self._dir, f"profiler_out_{self.local_rank}.txt")
+        # Both tables go to the same file, the CPU one last: with CPU activity only, vLLM writes
+        # the cuda-sorted table (if dump_cuda_time_total) and then overwrites it (50 rows).
         if self.config.torch_profiler_dump_cuda_time_total:
             with open(out, "w") as f:
-                print(self.profiler.key_averages().table(sort_by="self_cuda_time_total"), file=f)
+                print(self.recorder.table("self_cuda_time_total"), file=f)
+        with open(out, "w") as f:
+            print(self.recorder.table("self_cpu_time_total", row_limit=50), file=f)

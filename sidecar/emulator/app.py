@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import time
 import uuid
 from http import HTTPStatus
@@ -15,10 +17,10 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sidecar.config.models import DeployConfig
-from sidecar.emulator.options import EmulatorOptions
+from sidecar.emulator.options import EmulatorOptions, Faults
 from sidecar.emulator.worker import StageRuntime, WorkerDead
 
 logger = logging.getLogger("sidecar.emulator")
@@ -39,25 +41,59 @@ class ChatRequest(BaseModel):
     num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
 
 
+class ResetRequest(BaseModel):
+    """``POST /emulator/reset``: optionally point stages at new profiler dirs (by stage id)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    profiler_dirs: dict[int, str] | None = None
+
+
 class Emulator:
-    """Everything the routes need: the stages in deploy order, the options, the call log."""
+    """Everything the routes need: the stages in deploy order, the options, faults, the call log."""
 
     def __init__(self, deploy: DeployConfig, options: EmulatorOptions, stages: list[StageRuntime]) -> None:
         self.deploy = deploy
         self.options = options
         self.stages = stages
         self.calls: list[dict[str, Any]] = []
+        self.faults: Faults = options.faults
         # Held for a whole control call: the real orchestrator dispatches no new request while
         # it is busy with one (DESIGN.md §3 "new requests are not dispatched meanwhile").
         self.control = asyncio.Lock()
+        self.release_hung = asyncio.Event()  # a reset lets hung stops go
+        self.frontend = self._make_frontend()
+
+    def _make_frontend(self) -> Any:
+        """Plain vLLM's ``AsyncLLM`` front-end profiler (API process, CPU), unless
+        ``ignore_frontend``. Its trace is synthetic: the API process never imports torch."""
+        if self.options.flavor != "vllm" or not self.stages:
+            return None
+        raw = self.stages[0].profiler_config
+        if not raw or raw.get("profiler") != "torch" or raw.get("ignore_frontend"):
+            return None
+        from sidecar.config.profiler import ProfilerConfig
+        from sidecar.emulator._profiler import PlainVllmTorchProfiler
+        from sidecar.emulator._synthetic import SyntheticRecorder
+
+        cfg = ProfilerConfig(**raw)
+        name = f"{socket.gethostname()}_{os.getpid()}.async_llm"
+        return PlainVllmTorchProfiler(cfg, SyntheticRecorder(cfg), name, 0, write_table=False)
 
     @property
     def profiler_mounted(self) -> bool:
         return any(s.profiler is not None for s in self.stages)
 
+    @property
+    def dead_stages(self) -> list[int]:
+        return [s.stage_id for s in self.stages if not s.alive]
+
     async def collective_profile(self, is_start: bool, stage_ids: list[int] | None) -> None:
         """The orchestrator's ``collective_rpc("profile")``: positional stage ids, invalid ones
-        skipped with a warning, stages then replicas one after another, no timeout."""
+        skipped with a warning, stages then replicas one after another, no timeout. Whatever a
+        replica does (fails, is dead), the loop goes on and the call succeeds: 0.30's
+        ``StagePool.collective_rpc`` turns the failure into ``{"supported": False, "error"}``,
+        which ``AsyncOmni.start_profile`` / ``stop_profile`` return unchecked."""
         if stage_ids is None:
             targets = list(self.stages)
         else:
@@ -67,32 +103,23 @@ class Emulator:
                     logger.warning("[Orchestrator] collective_rpc: ignoring invalid stage_id %s", lid)
                     continue
                 targets.append(self.stages[lid])
-        dead: list[WorkerDead] = []
         async with self.control:
             for stage in targets:
+                at = time.time()  # one name for every replica of this stage (they are called within ms)
+                die_after = is_start and self.faults.die_after_start == stage.stage_id
                 for worker in stage.workers:
                     try:
-                        reply = await worker.call("profile", is_start=is_start)
+                        reply = await worker.call("profile", is_start=is_start, at=at, die_after=die_after)
+                        error = None if reply["ok"] else reply["error"]
                     except WorkerDead as e:
-                        # The orchestrator's loop goes on to the next stage and replica whatever one
-                        # of them did (orchestrator.py `_handle_collective_rpc`), so the stages after
-                        # a dead one are still started/stopped; the failure surfaces once all are done.
-                        logger.warning("[StagePool] collective_rpc failed: stage=%s replica=%s method=profile: %s",
-                                       stage.stage_id, worker.spec.replica, e)
-                        dead.append(e)
-                        continue
-                    if not reply["ok"]:
-                        # StagePool.collective_rpc swallows worker errors into {"supported": False}.
+                        error = f"EngineDeadError: {e}"
+                    if error is not None:
                         logger.warning(
                             "[StagePool] collective_rpc failed: stage=%s replica=%s method=profile: %s",
                             stage.stage_id,
                             worker.spec.replica,
-                            reply["error"],
+                            error,
                         )
-        if dead:
-            # Emulator choice, not 0.30 (see docs/emulator.md): 0.30's StagePool swallows this too
-            # and answers SUCCESS; the emulator lets it escape so the failure is visible (HTTP 500).
-            raise dead[0]
 
     async def dispatch_steps(self, stage: StageRuntime, n: int) -> dict[str, Any]:
         """Hand one request's steps to a stage, once no control call is in progress."""
@@ -100,10 +127,58 @@ class Emulator:
             worker = stage.next_worker()
         return await worker.call("steps", n=n)
 
+    async def apply_faults(self, update: dict[str, Any]) -> Faults:
+        self.faults = Faults(**{**self.faults.model_dump(), **update})
+        await self._kill_dead_stage()
+        return self.faults
+
+    async def _kill_dead_stage(self) -> None:
+        sid = self.faults.dead_stage
+        for stage in self.stages:
+            if stage.stage_id == sid:
+                for worker in stage.workers:
+                    if worker.alive:
+                        logger.warning("fault injected (dead_stage %s): %s worker killed", sid, worker.label)
+                        await asyncio.to_thread(worker.kill)
+
+    async def reset(self, request: ResetRequest) -> None:
+        """Emulator-only: as if freshly started (start-up faults and trace dirs, idle profilers,
+        dead workers replaced, empty call log), optionally with new profiler dirs per stage id."""
+        self.release_hung.set()
+        dirs = request.profiler_dirs or {}
+        async with self.control:
+            self.release_hung = asyncio.Event()
+            deadline = time.monotonic() + self.options.startup_timeout_s
+            for stage in self.stages:
+                # a dir given, or else the start-up config (a reset is a fresh start)
+                target = stage.startup_profiler_config
+                if stage.stage_id in dirs and target is not None:
+                    target = {**target, "torch_profiler_dir": dirs[stage.stage_id]}
+                reconfigure = target != stage.profiler_config
+                stage.profiler_config = target
+                for worker in stage.workers:
+                    respawned = not worker.alive
+                    if respawned:  # its spec holds the start-up config: give it the current one
+                        await asyncio.to_thread(worker.respawn, deadline)
+                    reply = await worker.call(
+                        "reset", profiler_config=stage.profiler_config, reconfigure=reconfigure or respawned
+                    )
+                    if not reply["ok"]:
+                        raise RuntimeError(f"{worker.label}: reset failed: {reply['error']}")
+            if self.frontend is not None:
+                self.frontend.discard()
+            self.frontend = self._make_frontend()
+            self.calls.clear()
+            self.faults = self.options.faults
+        await self._kill_dead_stage()
+
     def state(self) -> dict[str, Any]:
         return {
             "flavor": self.options.flavor,
+            "workers": self.options.workers,
             "stages": {str(s.stage_id): s.state() for s in self.stages},
+            "frontend_traces": list(self.frontend.sessions) if self.frontend is not None else [],
+            "faults": self.faults.model_dump(),
             "calls": list(self.calls),
         }
 
@@ -129,9 +204,17 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
 
 
+async def _hold_stop_reply(emu: Emulator) -> None:
+    faults = emu.faults
+    if faults.stop_delay_s:
+        await asyncio.sleep(faults.stop_delay_s)
+    if faults.hang_stop:
+        logger.warning("fault injected (hang_stop): this stop does not reply until the emulator is reset")
+        await emu.release_hung.wait()
+
+
 def _omni_profiler_router(emu: Emulator) -> APIRouter:
     router = APIRouter()
-    opts = emu.options
 
     @router.post("/start_profile")
     async def start_profile(raw_request: Request, request: ProfileRequest | None = None) -> JSONResponse:
@@ -139,7 +222,7 @@ def _omni_profiler_router(emu: Emulator) -> APIRouter:
         raw_request.state.emulator_stages = stages
         logger.info("Starting profiler for stages: %s", stages if stages else "all")
         try:
-            if opts.fault_start_500:
+            if emu.faults.start_500:
                 raise RuntimeError("injected fault (--fault-start-500)")
             await emu.collective_profile(True, stages)
         except Exception as e:
@@ -154,15 +237,13 @@ def _omni_profiler_router(emu: Emulator) -> APIRouter:
         raw_request.state.emulator_stages = stages
         logger.info("Stopping profiler for stages: %s", stages if stages else "all")
         try:
+            if emu.faults.stop_500:
+                raise RuntimeError("injected fault (--fault-stop-500)")
             await emu.collective_profile(False, stages)
         except Exception as e:
             logger.error("Failed to stop profiler: %s", e)
             raise HTTPException(status_code=500, detail=f"Failed to stop profiler: {e}") from None
-        if opts.fault_stop_delay_s:
-            await asyncio.sleep(opts.fault_stop_delay_s)
-        if opts.fault_hang_stop:
-            logger.warning("fault injected (--fault-hang-stop): this stop never replies")
-            await asyncio.Event().wait()
+        await _hold_stop_reply(emu)
         logger.info("Profiler stopped.")
         return JSONResponse(content={"status": "SUCCESS"})
 
@@ -172,31 +253,33 @@ def _omni_profiler_router(emu: Emulator) -> APIRouter:
 def _vllm_profiler_router(emu: Emulator) -> APIRouter:
     """vllm/entrypoints/serve/profile/api_router.py: no body, empty 200, all workers."""
     router = APIRouter()
-    opts = emu.options
 
     @router.post("/start_profile")
     async def start_profile(raw_request: Request) -> Response:
-        if opts.fault_start_500:
+        if emu.faults.start_500:
             raise HTTPException(status_code=500, detail="Failed to start profiler: injected fault (--fault-start-500)")
         await _vllm_profile(emu, True)
         return Response(status_code=200)
 
     @router.post("/stop_profile")
     async def stop_profile(raw_request: Request) -> Response:
+        if emu.faults.stop_500:
+            raise HTTPException(status_code=500, detail="Failed to stop profiler: injected fault (--fault-stop-500)")
         await _vllm_profile(emu, False)
-        if opts.fault_stop_delay_s:
-            await asyncio.sleep(opts.fault_stop_delay_s)
-        if opts.fault_hang_stop:
-            await asyncio.Event().wait()
+        await _hold_stop_reply(emu)
         return Response(status_code=200)
 
     return router
 
 
 async def _vllm_profile(emu: Emulator, is_start: bool) -> None:
+    """``AsyncLLM.start_profile`` / ``stop_profile``: the engine core's workers and the front-end
+    profiler. A dead engine core raises (no stage pool to swallow it): 500."""
     action = "start" if is_start else "stop"
     try:
         async with emu.control:
+            if emu.frontend is not None:
+                await asyncio.to_thread(emu.frontend.start if is_start else emu.frontend.stop)
             for stage in emu.stages:
                 for worker in stage.workers:
                     reply = await worker.call("profile", is_start=is_start)
@@ -204,6 +287,40 @@ async def _vllm_profile(emu: Emulator, is_start: bool) -> None:
                         raise RuntimeError(reply["error"])
     except Exception as e:
         raise HTTPException(status_code=500, detail=f"Failed to {action} profiler: {e}") from None
+
+
+def _emulator_router(emu: Emulator) -> APIRouter:
+    """Emulator-only routes for tests (a real server has none of these)."""
+    router = APIRouter(prefix="/emulator")
+
+    @router.get("/ready")
+    async def ready() -> dict[str, Any]:
+        # Serving means every worker was ready; unlike /health it stays 200 with a dead stage.
+        return {"ready": True, "pid": os.getpid()}
+
+    @router.get("/state")
+    async def state() -> dict[str, Any]:
+        return emu.state()
+
+    @router.get("/faults")
+    async def get_faults() -> dict[str, Any]:
+        return emu.faults.model_dump()
+
+    @router.post("/faults")
+    async def set_faults(update: dict[str, Any]) -> JSONResponse:
+        """Change some knobs (the others keep their value); answers all of them."""
+        try:
+            faults = await emu.apply_faults(update)
+        except ValidationError as e:
+            return _error_response(f"bad fault settings: {e.errors(include_url=False)}", 400)
+        return JSONResponse(faults.model_dump())
+
+    @router.post("/reset")
+    async def reset(request: ResetRequest | None = None) -> dict[str, Any]:
+        await emu.reset(request or ResetRequest())
+        return emu.state()
+
+    return router
 
 
 def build_app(emu: Emulator) -> FastAPI:
@@ -230,7 +347,14 @@ def build_app(emu: Emulator) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        # 0.30: OmniBase.check_health raises EngineDeadError for a stage with no live replica;
+        # the Omni route answers 503 {"status": "unhealthy"}. Plain vLLM: empty 200 / 503.
+        dead = emu.dead_stages
+        if emu.options.flavor == "vllm":
+            return Response(status_code=503 if dead else 200)
+        if dead:
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return JSONResponse({"status": "healthy"})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -281,10 +405,7 @@ def build_app(emu: Emulator) -> FastAPI:
             }
         )
 
-    @app.get("/emulator/state")
-    async def emulator_state() -> dict[str, Any]:
-        """Emulator-only introspection for tests (a real server has no such route)."""
-        return emu.state()
+    app.include_router(_emulator_router(emu))
 
     if emu.profiler_mounted:
         if emu.options.flavor == "omni":

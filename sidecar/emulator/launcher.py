@@ -1,5 +1,5 @@
 """Start and stop an emulator as a child process (tests, demo, benchmarks). Imports no torch and
-no FastAPI: it runs ``python -m sidecar.emulator`` and waits for ``GET /health`` to answer 200.
+no FastAPI: it runs ``python -m sidecar.emulator`` and waits for ``GET /emulator/ready`` to answer 200.
 Stop is SIGTERM, then SIGKILL of the whole process group, so stage workers never outlive it.
 """
 
@@ -10,6 +10,9 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+import httpx
 
 from sidecar._process import ManagedProcess, free_port
 from sidecar.errors import SidecarError
@@ -25,7 +28,8 @@ class EmulatorProcess(ManagedProcess):
     """One emulator server in a child process; a context manager (start on enter, stop on exit)."""
 
     name = "emulator"
-    health_path = "/health"
+    # Ready = serving (every worker was ready). Not /health: with a dead stage it is 503, as in 0.30.
+    health_path = "/emulator/ready"
     start_error = EmulatorStartError
     log_noise = ("USDT:",)  # kineto's chatter says nothing about why a start failed
 
@@ -50,6 +54,28 @@ class EmulatorProcess(ManagedProcess):
         self.deploy_config = Path(deploy_config)
         self.flavor = flavor
         self.extra_args = list(extra_args)
+
+    # --- emulator-only test routes (sync; generous timeouts: a reset may respawn workers) ---
+
+    def state(self) -> dict[str, Any]:
+        """``GET /emulator/state``."""
+        return self._call("GET", "/emulator/state")
+
+    def set_faults(self, **knobs: Any) -> dict[str, Any]:
+        """``POST /emulator/faults``: change some fault knobs now (names as in ``Faults``, e.g.
+        ``start_500=True``, ``dead_stage=2``, ``stop_delay_s=3``); returns all of them."""
+        return self._call("POST", "/emulator/faults", knobs)
+
+    def reset(self, profiler_dirs: Mapping[int, str | Path] | None = None) -> dict[str, Any]:
+        """``POST /emulator/reset``: start-up faults, idle profilers, dead workers replaced, empty
+        call log; ``profiler_dirs`` points stages (by id) at new trace dirs. Returns the state."""
+        body = {"profiler_dirs": {str(k): str(v) for k, v in profiler_dirs.items()}} if profiler_dirs else {}
+        return self._call("POST", "/emulator/reset", body)
+
+    def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        r = httpx.request(method, f"{self.url}{path}", json=body, timeout=120)
+        r.raise_for_status()
+        return r.json()  # type: ignore[no-any-return]
 
     @property
     def command(self) -> list[str]:

@@ -1,5 +1,7 @@
-"""Options of one emulator run (what ``omni-sidecar emulate`` parses). The fault knobs are test
-aids: they make the emulator show failures a real server shows only under load or breakage.
+"""Options of one emulator run (what ``omni-sidecar emulate`` parses) and its fault knobs. The
+knobs are test aids: they make the emulator show failures a real server shows only under load or
+breakage. The start-up values come from the CLI; ``POST /emulator/faults`` changes them at run
+time and ``POST /emulator/reset`` puts them back.
 """
 
 from __future__ import annotations
@@ -8,6 +10,25 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+
+class Faults(BaseModel):
+    """The fault knobs, one field per ``--fault-*`` flag (same names, without the prefix)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # stop holds its reply this long after the workers are done
+    stop_delay_s: float = Field(default=0.0, ge=0)
+    # this stage's workers die (at start-up, or at once when set at run time); 0.30 then answers
+    # SUCCESS to start/stop and the stage writes no trace, /health is 503
+    dead_stage: int | None = None
+    # this stage's workers acknowledge their next profiler start, then exit: a death mid-window
+    die_after_start: int | None = None
+    # stop is delivered to the workers, then never replies (until a reset)
+    hang_stop: bool = False
+    # start / stop answer 500 "Failed to start/stop profiler: ..." and reach no worker
+    start_500: bool = False
+    stop_500: bool = False
 
 
 class EmulatorOptions(BaseModel):
@@ -23,10 +44,26 @@ class EmulatorOptions(BaseModel):
     step_ms: float = Field(default=5.0, ge=0, description="minimum wall time of one engine step")
     gzip_delay_s: float = Field(default=0.5, ge=0, description="models the seconds a real trace takes to gzip")
     startup_timeout_s: float = Field(default=60.0, gt=0)
-    # --- fault knobs (test aids; a real server has none of these) ---
+    # process: one process per stage replica, real torch.profiler traces;
+    # thread: in the API process, torch-free synthetic traces (same files, made-up ops)
+    workers: Literal["process", "thread"] = "process"
+    # how process workers start: forked from a forkserver with torch preloaded, or spawned
+    worker_start: Literal["forkserver", "spawn"] = "forkserver"
+    # --- fault knobs at start-up (test aids; a real server has none of these) ---
     fault_stop_delay_s: float = Field(default=0.0, ge=0)
     fault_dead_stage: int | None = None
-    # This stage's worker acknowledges its next profiler start, then exits: a worker that dies mid-window.
     fault_die_after_start: int | None = None
     fault_hang_stop: bool = False
     fault_start_500: bool = False
+    fault_stop_500: bool = False
+
+    @property
+    def faults(self) -> Faults:
+        return Faults(
+            stop_delay_s=self.fault_stop_delay_s,
+            dead_stage=self.fault_dead_stage,
+            die_after_start=self.fault_die_after_start,
+            hang_stop=self.fault_hang_stop,
+            start_500=self.fault_start_500,
+            stop_500=self.fault_stop_500,
+        )

@@ -7,12 +7,21 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 
 from sidecar.config.models import DeployConfig, StageKind
 from sidecar.emulator.launcher import EmulatorStartError
 from sidecar.emulator.options import EmulatorOptions
-from sidecar.emulator.worker import StageRuntime, WorkerDead, WorkerHandle, WorkerSpec
+from sidecar.emulator.worker import (
+    ProcessWorker,
+    StageRuntime,
+    ThreadWorker,
+    WorkerDead,
+    WorkerHandle,
+    WorkerSpec,
+    worker_context,
+)
 from sidecar.errors import ConfigError
 
 logger = logging.getLogger("sidecar.emulator")
@@ -43,30 +52,39 @@ def _stage_kind(stage_id: int, kind: StageKind, options: EmulatorOptions) -> str
 
 def plan_stages(deploy: DeployConfig, options: EmulatorOptions) -> list[StageRuntime]:
     stages = deploy.stages[:1] if options.flavor == "vllm" else deploy.stages
+    ctx = worker_context(options.worker_start) if options.workers == "process" else None
+    instance_id = str(time.time_ns())  # plain vLLM's VllmConfig.instance_id, one per server
     runtimes: list[StageRuntime] = []
     for stage in stages:
         kind = "llm" if options.flavor == "vllm" else _stage_kind(stage.stage_id, stage.kind, options)
         cfg = stage.profiler_config.model_dump() if stage.profiler_config else None
         replicas = 1 if options.flavor == "vllm" else max(1, stage.num_replicas)
-        workers = [
-            WorkerHandle(
-                WorkerSpec(
-                    stage_id=stage.stage_id,
-                    kind=kind,
-                    profiler_config=cfg,
-                    replica=r,
-                    rank=0,
-                    flavor=options.flavor,
-                    step_ms=options.step_ms,
-                    gzip_delay_s=options.gzip_delay_s,
-                    die_after_start=options.fault_dead_stage == stage.stage_id,
-                    die_after_profile_start=options.fault_die_after_start == stage.stage_id,
-                )
+        workers: list[WorkerHandle] = []
+        for r in range(replicas):
+            spec = WorkerSpec(
+                stage_id=stage.stage_id,
+                kind=kind,
+                profiler_config=cfg,
+                replica=r,
+                rank=0,  # every replica is rank 0 of its own engine
+                flavor=options.flavor,
+                step_ms=options.step_ms,
+                gzip_delay_s=options.gzip_delay_s,
+                backend="torch" if ctx is not None else "synthetic",
+                instance_id=instance_id,
             )
-            for r in range(replicas)
-        ]
-        runtimes.append(StageRuntime(stage.stage_id, kind, stage.profiler, workers))
+            workers.append(ProcessWorker(spec, ctx) if ctx is not None else ThreadWorker(spec))
+        runtimes.append(StageRuntime(stage.stage_id, kind, stage.profiler, workers, cfg))
     return runtimes
+
+
+def _start_all(stages: list[StageRuntime], errors: list[BaseException]) -> None:
+    try:
+        for stage in stages:
+            for worker in stage.workers:
+                worker.start()
+    except BaseException as e:  # reported by the main thread
+        errors.append(e)
 
 
 def _shutdown(stages: list[StageRuntime]) -> None:
@@ -82,13 +100,18 @@ def serve(options: EmulatorOptions) -> None:
     stages = plan_stages(deploy, options)
     t0 = time.monotonic()
     try:
-        for stage in stages:  # spawn all first: their torch imports overlap
-            for worker in stage.workers:
-                worker.start()
-        # FastAPI and uvicorn load while the workers import torch.
+        # Start the workers in a thread (with a forkserver, the first start waits for its torch
+        # import) while FastAPI and uvicorn load here.
+        errors: list[BaseException] = []
+        starting = threading.Thread(target=_start_all, args=(stages, errors), name="start-workers")
+        starting.start()
         import uvicorn
 
         from sidecar.emulator.app import Emulator, build_app
+
+        starting.join()
+        if errors:
+            raise WorkerDead(f"a stage worker could not be started: {errors[0]!r}")
 
         deadline = time.monotonic() + options.startup_timeout_s
         for stage in stages:
@@ -98,13 +121,20 @@ def serve(options: EmulatorOptions) -> None:
         _shutdown(stages)
         raise EmulatorStartError(str(e)) from None
     logger.info(
-        "emulator: %d stage worker(s) ready in %.1fs (flavor %s, stages %s)",
+        "emulator: %d stage worker(s) ready in %.1fs (flavor %s, %s workers%s, stages %s)",
         sum(len(s.workers) for s in stages),
         time.monotonic() - t0,
         options.flavor,
+        options.workers,
+        f" via {options.worker_start}" if options.workers == "process" else "",
         [f"{s.stage_id}:{s.kind}:{s.profiler}" for s in stages],
     )
     emu = Emulator(deploy, options, stages)
+    for stage in stages:  # --fault-dead-stage: the stage's workers die once start-up is done
+        if stage.stage_id == options.fault_dead_stage:
+            for worker in stage.workers:
+                logger.warning("fault injected (--fault-dead-stage %s): %s worker killed", stage.stage_id, worker.label)
+                worker.kill()
     app = build_app(emu)
     config = uvicorn.Config(
         app,

@@ -1,7 +1,13 @@
-"""One worker process per stage replica (multiprocessing, spawn) and its handle in the API
-process. The worker owns the torch workload and profiler and handles one command at a time, so
-a long stop blocks that stage exactly as a real engine core does. This module imports no torch:
-``worker_main`` imports it inside the child.
+"""Stage workers and their handles in the API process. A worker owns one stage replica's workload
+and profiler and handles one command at a time, so a long stop blocks that stage exactly as a
+real engine core does. Two kinds of handle:
+
+- ``ProcessWorker``: a child process with real torch (forked from a forkserver that has torch
+  preloaded, or spawned), dying with the API process, also on SIGKILL;
+- ``ThreadWorker``: the same command loop in the API process on the torch-free synthetic
+  backend (``--workers thread``): starts at once, for tests that do not read trace contents.
+
+This module imports no torch: the torch backend is imported inside the worker (or forkserver).
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
 from typing import Any
 
 logger = logging.getLogger("sidecar.emulator")
@@ -26,6 +33,8 @@ PROFILING_NOT_ENABLED = (
     "Profiling is not enabled. For diffusion models, set --profiler-config via CLI. "
     "For omni models, add profiler_config to the relevant deploy config stage."
 )
+DIE_AFTER_START_S = 0.2
+IDLE_STATE: dict[str, Any] = {"profiling": False, "active": False, "iterations": 0, "sessions": []}
 
 
 @dataclass(frozen=True)
@@ -40,81 +49,67 @@ class WorkerSpec:
     flavor: str = "omni"
     step_ms: float = 5.0
     gzip_delay_s: float = 0.0
-    die_after_start: bool = False
-    die_after_profile_start: bool = False
-    parent_pid: int = field(default_factory=os.getpid)
+    backend: str = "torch"  # "torch" | "synthetic"
+    instance_id: str = ""  # plain vLLM's VllmConfig.instance_id (time_ns at start-up)
 
 
 class WorkerDead(RuntimeError):
-    """The worker process is gone; the real server reports it as a failed RPC (HTTP 500)."""
+    """The worker is gone; the real stage pool turns the failed RPC into a logged non-result."""
 
 
-# --- child side -----------------------------------------------------------------------------
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    # PR_SET_PDEATHSIG covers SIGKILL of the parent; the poll covers races and non-Linux.
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
-
-    def watch() -> None:
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(1)
-            time.sleep(0.5)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+# --- the engine core of one stage replica (both kinds) ------------------------------------------
 
 
 class _Stage:
-    """The engine core of one stage replica: workload, step counter, profiler."""
-
     def __init__(self, spec: WorkerSpec) -> None:
-        import torch
+        self.spec = spec
+        if spec.backend == "torch":
+            from sidecar.emulator._torch_backend import TorchBackend
 
+            self.backend: Any = TorchBackend()
+        else:
+            from sidecar.emulator._synthetic import SyntheticBackend
+
+            self.backend = SyntheticBackend()
+        self.model = self.backend.workload(spec.kind)
+        self.iterations = 0
+        self.profiler: Any = self._make_profiler(spec.profiler_config)
+
+    def _make_profiler(self, raw: dict[str, Any] | None) -> Any:
         from sidecar.config.profiler import ProfilerConfig
         from sidecar.emulator import _profiler
-        from sidecar.emulator._workload import build_workload
 
-        torch.set_num_threads(1)  # several workers share a couple of cores
-        self.spec = spec
-        self.model = build_workload(spec.kind)
-        self.model.step()  # warm-up outside any capture
-        self.iterations = 0
-        self.profiler: Any = None
-        cfg = ProfilerConfig(**spec.profiler_config) if spec.profiler_config else None
+        spec = self.spec
+        cfg = ProfilerConfig(**raw) if raw else None
         if cfg is None or cfg.profiler is None:
-            self.profiler = None
-        elif cfg.profiler == "torch" and spec.flavor == "vllm":
-            self.profiler = _profiler.PlainVllmTorchProfiler(cfg, f"dp0_pp0_tp0_dcp0_ep0_rank{spec.rank}", spec.rank)
-        elif cfg.profiler == "torch":
-            self.profiler = _profiler.OmniTorchProfiler(
-                cfg, f"stage{spec.stage_id}_rank{spec.rank}", spec.rank, gzip_delay_s=spec.gzip_delay_s
-            )
-        elif cfg.profiler == "cuda":
-            self.profiler = _profiler.CudaRangeProfiler(cfg)
-        else:  # proton is not wired in Omni workers
-            logger.warning("Unknown profiler backend %r on stage %s worker", cfg.profiler, spec.stage_id)
+            return None
+        if cfg.profiler == "torch" and spec.flavor == "vllm":
+            # vllm/v1/worker/cpu_worker.py: worker_name = f"{instance_id}-rank-{rank}"
+            name = f"{spec.instance_id}-rank-{spec.rank}"
+            return _profiler.PlainVllmTorchProfiler(cfg, self.backend.recorder(cfg), name, spec.rank)
+        if cfg.profiler == "torch":
+            return _profiler.OmniTorchProfiler(
+                cfg, self.backend.recorder(cfg), f"stage{spec.stage_id}_rank{spec.rank}", spec.rank,
+                gzip_delay_s=spec.gzip_delay_s,
+            )  # fmt: skip
+        if cfg.profiler == "cuda":
+            return _profiler.CudaRangeProfiler(cfg)
+        logger.warning("Unknown profiler backend %r on stage %s worker", cfg.profiler, spec.stage_id)
+        return None  # proton is not wired in Omni workers
 
-    def profile(self, is_start: bool) -> None:
+    def profile(self, is_start: bool, at: float | None = None) -> None:
         spec = self.spec
         if self.profiler is None:
             if spec.kind == "diffusion":
                 return  # the diffusion worker returns silently
             raise RuntimeError(PROFILING_NOT_ENABLED)
         if is_start:
-            if hasattr(self.profiler, "set_trace_filename"):
-                epoch = int(time.time())
-                if spec.kind == "diffusion":
-                    name = f"stage_{spec.stage_id}_rep_{spec.replica}_diffusion_{epoch}"
-                else:
-                    name = f"stage{spec.stage_id}_rank{spec.rank}_{epoch}"
-                self.profiler.set_trace_filename(name)
+            at = time.time() if at is None else at
+            if spec.kind == "diffusion":
+                name = f"stage_{spec.stage_id}_rep_{spec.replica}_diffusion_{int(at)}"
+            else:
+                name = f"stage{spec.stage_id}_rank{spec.rank}_{int(at)}"
+            self.profiler.set_trace_filename(name, at)
             self.profiler.start()
         else:
             self.profiler.stop()
@@ -142,6 +137,19 @@ class _Stage:
                 time.sleep(spare)
         return out
 
+    def reset(self, profiler_config: dict[str, Any] | None, reconfigure: bool) -> None:
+        """Emulator-only: profiler idle (a window in progress is dropped, nothing written), no
+        sessions, step count 0; with ``reconfigure``, a new profiler config (e.g. a fresh dir)."""
+        if self.profiler is not None:
+            self.profiler.discard()
+        if reconfigure:
+            self.profiler = self._make_profiler(profiler_config)
+        self.iterations = 0
+
+    def shutdown(self) -> None:
+        if self.profiler is not None and self.profiler.is_running:
+            self.profiler.stop()
+
     def state(self) -> dict[str, Any]:
         p = self.profiler
         return {
@@ -160,23 +168,65 @@ class _null:
         return None
 
 
-def _die_soon(stage_id: int, after_s: float = 0.2) -> None:
+def handle(stage: _Stage, msg: dict[str, Any]) -> dict[str, Any]:
+    """One command; every failure is an ``ok: False`` reply (the engine core survives it)."""
+    op = msg.get("op")
+    try:
+        result: Any = None
+        if op == "profile":
+            stage.profile(bool(msg["is_start"]), msg.get("at"))
+        elif op == "steps":
+            result = stage.run_steps(int(msg["n"]))
+        elif op == "reset":
+            stage.reset(msg.get("profiler_config"), bool(msg.get("reconfigure")))
+        elif op != "state":
+            raise ValueError(f"unknown op {op!r}")
+        return {"ok": True, "result": result, "state": stage.state()}
+    except Exception as e:
+        logger.warning("%s failed: %s", op, e)
+        return {"ok": False, "error": f"{type(e).__name__}: {e}", "state": stage.state()}
+
+
+# --- process workers ------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    # PR_SET_PDEATHSIG covers SIGKILL of the parent (the API process, or the forkserver, which
+    # exits when the API process is gone); the poll covers races.
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(1)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _die_soon(stage_id: int) -> None:
     # The start was acknowledged first (SUCCESS upstream); the exit comes a moment later, so the
     # session folder exists but the trace is never written, as when a GPU worker crashes mid-window.
-    logger.warning("fault injected (--fault-die-after-start %s): worker exits in %.1fs", stage_id, after_s)
-    timer = threading.Timer(after_s, os._exit, args=(1,))
+    logger.warning("fault injected (die_after_start %s): worker exits in %.1fs", stage_id, DIE_AFTER_START_S)
+    timer = threading.Timer(DIE_AFTER_START_S, os._exit, args=(1,))
     timer.daemon = True
     timer.start()
 
 
 def worker_main(conn: Connection, spec: WorkerSpec) -> None:
     """Entry point of a worker process: build, say ready, then serve commands until shutdown."""
-    _die_with_parent(spec.parent_pid)
+    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format=f"%(asctime)s %(levelname)s [stage {spec.stage_id} rep {spec.replica}] %(message)s",
+        force=True,
     )
     try:
         stage = _Stage(spec)
@@ -184,37 +234,31 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
         conn.send({"ok": False, "error": f"{type(e).__name__}: {e}"})
         return
     conn.send({"ok": True, "state": stage.state(), "pid": os.getpid()})
-    if spec.die_after_start:
-        logger.warning("fault injected (--fault-dead-stage %s): worker exits now", spec.stage_id)
-        os._exit(1)
     while True:
         try:
             msg = conn.recv()
         except (EOFError, OSError):
             return
-        op = msg.get("op")
-        if op == "shutdown":
-            if stage.profiler is not None and stage.profiler.is_running:
-                stage.profiler.stop()
+        if msg.get("op") == "shutdown":
+            stage.shutdown()
             conn.send({"ok": True, "state": stage.state()})
             return
-        try:
-            result: Any = None
-            if op == "profile":
-                stage.profile(bool(msg["is_start"]))
-            elif op == "steps":
-                result = stage.run_steps(int(msg["n"]))
-            elif op != "state":
-                raise ValueError(f"unknown op {op!r}")
-            conn.send({"ok": True, "result": result, "state": stage.state()})
-            if op == "profile" and msg["is_start"] and spec.die_after_profile_start:
-                _die_soon(spec.stage_id)
-        except Exception as e:
-            logger.warning("%s failed: %s", op, e)
-            conn.send({"ok": False, "error": f"{type(e).__name__}: {e}", "state": stage.state()})
+        reply = handle(stage, msg)
+        conn.send(reply)
+        if msg.get("die_after") and reply["ok"]:
+            _die_soon(spec.stage_id)
 
 
-# --- parent side ----------------------------------------------------------------------------
+_PRELOAD = ["sidecar.emulator._torch_backend"]
+
+
+def worker_context(start_method: str) -> BaseContext:
+    """``forkserver``: one interpreter imports torch once and forks every worker from it;
+    ``spawn``: each worker is a fresh interpreter importing torch itself (slower, no sharing)."""
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)  # type: ignore[attr-defined]
+    return ctx
 
 
 class WorkerHandle:
@@ -222,35 +266,81 @@ class WorkerHandle:
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        ctx = mp.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe()
-        self.process = ctx.Process(
-            target=worker_main,
-            args=(child_conn, spec),
-            name=f"omni-emulator-stage{spec.stage_id}-rep{spec.replica}",
-            daemon=True,
-        )
-        self._child_conn = child_conn
         self._lock: asyncio.Lock | None = None
-        self.last_state: dict[str, Any] = {"profiling": False, "active": False, "iterations": 0, "sessions": []}
+        self.last_state: dict[str, Any] = dict(IDLE_STATE)
 
     @property
     def label(self) -> str:
         return f"stage {self.spec.stage_id} replica {self.spec.replica}"
 
+    @property
+    def pid(self) -> int | None:
+        raise NotImplementedError
+
+    @property
+    def alive(self) -> bool:
+        raise NotImplementedError
+
     def start(self) -> None:
-        self.process.start()
-        self._child_conn.close()
+        raise NotImplementedError
 
     def wait_ready(self, deadline: float) -> None:
-        if not self._poll_until(deadline):
-            raise WorkerDead(f"{self.label} worker did not start within the start-up timeout")
-        reply = self._conn.recv()
-        if not reply.get("ok"):
-            raise WorkerDead(f"{self.label} worker failed to start: {reply.get('error')}")
-        self.last_state = reply["state"]
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        """Fault injection: the worker is gone from now on."""
+        raise NotImplementedError
+
+    def shutdown(self, timeout: float = 3.0) -> None:
+        raise NotImplementedError
+
+    def _roundtrip(self, msg: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def respawn(self, deadline: float) -> None:
+        self.shutdown()
+        self.start()
+        self.wait_ready(deadline)
+
+    async def call(self, op: str, **kwargs: Any) -> dict[str, Any]:
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            reply = await asyncio.to_thread(self._roundtrip, {"op": op, **kwargs})
+        if "state" in reply:
+            self.last_state = reply["state"]
+        return reply
+
+
+class ProcessWorker(WorkerHandle):
+    def __init__(self, spec: WorkerSpec, ctx: BaseContext) -> None:
+        super().__init__(spec)
+        self._ctx = ctx
+        self.process: Any = None
+        self._conn: Connection | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def start(self) -> None:
+        self._conn, child_conn = self._ctx.Pipe()
+        self.process = self._ctx.Process(  # type: ignore[attr-defined]
+            target=worker_main,
+            args=(child_conn, self.spec),
+            name=f"omni-emulator-stage{self.spec.stage_id}-rep{self.spec.replica}",
+            daemon=True,
+        )
+        self.process.start()
+        child_conn.close()
+        self.last_state = dict(IDLE_STATE)
 
     def _poll_until(self, deadline: float | None) -> bool:
+        assert self._conn is not None
         while deadline is None or time.monotonic() < deadline:
             if self._conn.poll(0.1):
                 return True
@@ -258,34 +348,38 @@ class WorkerHandle:
                 return self._conn.poll(0)
         return False
 
-    @property
-    def alive(self) -> bool:
-        return self.process.is_alive()
+    def wait_ready(self, deadline: float) -> None:
+        if not self._poll_until(deadline):
+            raise WorkerDead(f"{self.label} worker did not start within the start-up timeout")
+        assert self._conn is not None
+        reply = self._conn.recv()
+        if not reply.get("ok"):
+            raise WorkerDead(f"{self.label} worker failed to start: {reply.get('error')}")
+        self.last_state = reply["state"]
+
+    def _dead(self) -> WorkerDead:
+        return WorkerDead(f"{self.label} worker process is dead (exit code {self.process.exitcode})")
 
     def _roundtrip(self, msg: dict[str, Any]) -> dict[str, Any]:
-        dead = WorkerDead(f"{self.label} worker process is dead (exit code {self.process.exitcode})")
-        if not self.process.is_alive():
-            raise dead
+        if not self.alive or self._conn is None:
+            raise self._dead()
         try:
             self._conn.send(msg)
             if not self._poll_until(None):
-                raise dead
-            reply = self._conn.recv()
+                raise self._dead()
+            return self._conn.recv()  # type: ignore[no-any-return]
         except (EOFError, OSError, BrokenPipeError):
-            dead = WorkerDead(f"{self.label} worker process is dead (exit code {self.process.exitcode})")
-            raise dead from None
-        if "state" in reply:
-            self.last_state = reply["state"]
-        return reply
+            raise self._dead() from None
 
-    async def call(self, op: str, **kwargs: Any) -> dict[str, Any]:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        async with self._lock:
-            return await asyncio.to_thread(self._roundtrip, {"op": op, **kwargs})
+    def kill(self) -> None:
+        if self.alive:
+            self.process.kill()
+            self.process.join(5.0)
 
     def shutdown(self, timeout: float = 3.0) -> None:
-        if self.process.is_alive():
+        if self.process is None:
+            return
+        if self.process.is_alive() and self._conn is not None:
             try:
                 self._conn.send({"op": "shutdown"})
             except (OSError, BrokenPipeError):
@@ -294,30 +388,95 @@ class WorkerHandle:
         if self.process.is_alive():
             self.process.kill()
             self.process.join(1.0)
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class ThreadWorker(WorkerHandle):
+    """The command loop of a worker, run in the API process on the synthetic backend."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(spec)
+        self._stage: _Stage | None = None
+        self._dead_flag = True
+        self._timer: threading.Timer | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return os.getpid()
+
+    @property
+    def alive(self) -> bool:
+        return not self._dead_flag
+
+    def start(self) -> None:
+        self._stage = _Stage(self.spec)
+        self._dead_flag = False
+        self.last_state = self._stage.state()
+
+    def wait_ready(self, deadline: float) -> None:
+        return None
+
+    def _roundtrip(self, msg: dict[str, Any]) -> dict[str, Any]:
+        if self._dead_flag or self._stage is None:
+            raise WorkerDead(f"{self.label} worker is dead (thread worker killed by a fault)")
+        reply = handle(self._stage, msg)
+        if msg.get("die_after") and reply["ok"]:
+            logger.warning("fault injected (die_after_start %s): worker dies in %.1fs", self.spec.stage_id,
+                           DIE_AFTER_START_S)  # fmt: skip
+            self._timer = threading.Timer(DIE_AFTER_START_S, self.kill)
+            self._timer.daemon = True
+            self._timer.start()
+        return reply
+
+    def kill(self) -> None:
+        self._dead_flag = True
+
+    def shutdown(self, timeout: float = 3.0) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._stage is not None and not self._dead_flag:
+            self._stage.shutdown()
+        self._dead_flag = True
 
 
 class StageRuntime:
     """One deploy stage in the API process: its kind, profiler and replica workers."""
 
-    def __init__(self, stage_id: int, kind: str, profiler: str | None, workers: list[WorkerHandle]) -> None:
+    def __init__(
+        self, stage_id: int, kind: str, profiler: str | None, workers: list[WorkerHandle],
+        profiler_config: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
         self.stage_id = stage_id
         self.kind = kind
         self.profiler = profiler
+        self.profiler_config = profiler_config
+        self.startup_profiler_config = profiler_config
         self.workers = workers
         self._rr = itertools.cycle(range(len(workers)))
 
     def next_worker(self) -> WorkerHandle:
         return self.workers[next(self._rr)]
 
+    @property
+    def alive(self) -> bool:
+        """Some replica is alive (0.30's ``check_health``: a stage with no live replica is dead)."""
+        return any(w.alive for w in self.workers)
+
     def state(self) -> dict[str, Any]:
         states = [w.last_state for w in self.workers]
+        sessions: list[str] = []
+        for s in states:  # LLM replicas of one call share one folder: list it once
+            sessions += [p for p in s["sessions"] if p not in sessions]
         return {
             "kind": self.kind,
             "profiler": self.profiler,
             "profiling": any(s["profiling"] for s in states),
             "active": any(s["active"] for s in states),
             "iterations": sum(s["iterations"] for s in states),
-            "sessions": [p for s in states for p in s["sessions"]],
+            "sessions": sessions,
             "alive": all(w.alive for w in self.workers),
-            "pids": [w.process.pid for w in self.workers],
+            "replicas_alive": [w.alive for w in self.workers],
+            "pids": [w.pid for w in self.workers],
         }
