@@ -11,6 +11,8 @@ summary needs (chosen by measurement: see docs/summaries.md). Header keys
 
 from __future__ import annotations
 
+import queue
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,12 +22,21 @@ import msgspec
 
 from sidecar.errors import TraceError
 
+try:  # ISA-L's inflate is 2-3x zlib's; same API (python-isal), optional
+    from isal import isal_zlib as _inflate
+except ImportError:  # pragma: no cover - the fallback is the standard library
+    _inflate = zlib  # type: ignore[assignment]
+
+_INFLATE_ERRORS: tuple[type[BaseException], ...] = (zlib.error, OSError) + (
+    (_inflate.error,) if _inflate is not zlib else ()
+)
+
 CHUNK = 4 << 20  # bytes of raw JSON parsed per batch: big enough to amortise, small for RSS
 _HEADER_LIMIT = 64 << 20  # metadata before "traceEvents" larger than this is not a trace
 _WS = b" \t\r\n"
 
 
-class EventArgs(msgspec.Struct):
+class EventArgs(msgspec.Struct, gc=False):
     """The ``args`` keys the summary reads; every other key is skipped by the decoder."""
 
     external_id: int | None = msgspec.field(default=None, name="External id")
@@ -34,7 +45,7 @@ class EventArgs(msgspec.Struct):
     stream: int | None = None
 
 
-class TraceEvent(msgspec.Struct):
+class TraceEvent(msgspec.Struct, gc=False):
     ph: str = ""
     cat: str | None = None
     name: str = ""
@@ -82,12 +93,13 @@ def _coerce(d: Any) -> TraceEvent | None:
 
 
 class _GunzipStream:
-    """Decompress a gzip file incrementally with zlib, so the bytes before a cut-off end are kept
-    (``gzip.GzipFile.read`` drops them when it raises). ``truncated`` is set at such an end."""
+    """Decompress a gzip file incrementally (ISA-L when installed, else zlib), so the bytes before
+    a cut-off end are kept (``gzip.GzipFile.read`` drops them when it raises). ``truncated`` is set
+    at such an end."""
 
-    def __init__(self, path: Path, raw_chunk: int = 256 << 10) -> None:
+    def __init__(self, path: Path, raw_chunk: int = 1 << 20) -> None:
         self._f = open(path, "rb")
-        self._d = zlib.decompressobj(wbits=31)
+        self._d = _inflate.decompressobj(wbits=31)
         self._raw_chunk = raw_chunk
         self.truncated = False
 
@@ -102,7 +114,7 @@ class _GunzipStream:
                     rest = self._f.read(self._raw_chunk)
                     if not rest:
                         break
-                d = self._d = zlib.decompressobj(wbits=31)
+                d = self._d = _inflate.decompressobj(wbits=31)
                 inp = rest
             elif d.unconsumed_tail:
                 inp = d.unconsumed_tail
@@ -120,6 +132,58 @@ class _GunzipStream:
         self._f.close()
 
 
+class _ReadAhead:
+    """Reads (and decompresses) the next chunks in a thread while the caller decodes this one.
+    zlib, ISA-L and file reads release the GIL, so on two cores inflate and decode overlap; the
+    queue holds at most ``depth`` chunks (bounded memory). Errors surface on the caller's read."""
+
+    _END = object()
+
+    def __init__(self, src: Any, chunk: int, depth: int = 2) -> None:
+        self._src = src
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self.truncated = False
+        self._done = False
+        self._t = threading.Thread(target=self._run, args=(chunk,), name="trace-read-ahead", daemon=True)
+        self._t.start()
+
+    def _run(self, chunk: int) -> None:
+        try:
+            while not self._stop.is_set():
+                data = self._src.read(chunk)
+                self._put(data)
+                if not data:
+                    break
+        except BaseException as err:  # handed to the reader, which decides what it means
+            self._put(err)
+
+    def _put(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def read(self, n: int) -> bytes:
+        if self._done:
+            return b""
+        item = self._q.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if not item:
+            self._done = True
+            self.truncated = getattr(self._src, "truncated", False)
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(timeout=5)
+        self._src.close()
+
+
 def _is_gzip(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(2) == b"\x1f\x8b"
@@ -128,8 +192,9 @@ def _is_gzip(path: Path) -> bool:
 class TraceReader:
     """One pass over one trace file. Not reusable: call ``batches()`` once."""
 
-    def __init__(self, path: str | Path, *, chunk_size: int = CHUNK) -> None:
+    def __init__(self, path: str | Path, *, chunk_size: int = CHUNK, read_ahead: bool = True) -> None:
         self.path = Path(path)
+        self.read_ahead = read_ahead
         self.chunk_size = chunk_size
         self.meta: dict[str, Any] = {}
         self.truncated = False
@@ -151,7 +216,7 @@ class TraceReader:
             return b""
         try:
             data = self._f.read(self.chunk_size)
-        except (zlib.error, OSError) as err:
+        except _INFLATE_ERRORS as err:
             self._eof = True
             if self.raw_bytes == 0:
                 raise self._fail(f"cannot decompress: {err}") from None
@@ -178,7 +243,8 @@ class TraceReader:
             raise self._fail("is a folder, not a trace file")
         if self.path.stat().st_size == 0:
             raise self._fail("is empty (0 bytes); the profiler may still be writing it")
-        self._f = _GunzipStream(self.path) if _is_gzip(self.path) else open(self.path, "rb")
+        src: Any = _GunzipStream(self.path) if _is_gzip(self.path) else open(self.path, "rb")
+        self._f = _ReadAhead(src, self.chunk_size) if self.read_ahead else src
         try:
             yield from self._batches()
         finally:
