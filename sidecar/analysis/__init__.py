@@ -4,12 +4,16 @@
 takes files and session folders and merges per stage and per capture. Depends on nothing above it.
 """
 
-from sidecar.analysis.capture import find_traces, stage_of, summarize_paths
+from sidecar.analysis.capture import TraceSource, find_sources, find_traces, source_of, stage_of, stragglers, summarize_paths
 from sidecar.analysis.models import (
     CaptureSummary,
     DeviceStat,
+    GpuSplit,
     GpuStat,
     OpStat,
+    ReplicaStat,
+    StepKindStat,
+    Straggler,
     StageSummary,
     StreamStat,
     SummaryBody,
@@ -24,8 +28,13 @@ from sidecar.analysis.summary import summarize_trace
 __all__ = [
     "CaptureSummary",
     "DeviceStat",
+    "GpuSplit",
     "GpuStat",
     "OpStat",
+    "ReplicaStat",
+    "StepKindStat",
+    "Straggler",
+    "TraceSource",
     "StageSummary",
     "StreamStat",
     "SummaryBody",
@@ -34,7 +43,10 @@ __all__ = [
     "TraceSummary",
     "Totals",
     "Window",
+    "find_sources",
     "find_traces",
+    "source_of",
+    "stragglers",
     "stage_of",
     "summarize_paths",
     "summarize_trace",
