@@ -324,34 +324,61 @@ class TraceReader:
             i = data.rfind(b"}", 0, i)
         return -1
 
-    def _parse(self, body: bytes) -> list[TraceEvent]:
-        body = body.lstrip(_WS)
-        if body[:1] == b",":
-            body = body[1:]
-        doc = b"[" + body + b"]"
+    def _decode_doc(self, doc: Any) -> list[Any]:
+        """A whole JSON array of events (bytes or a memoryview) → events."""
         try:
             return _DECODE(doc)
         except msgspec.ValidationError:  # valid JSON, odd field types: take the slow path
             raw = _DECODE_ANY(doc)
             return [e for e in map(_coerce, raw) if e is not None]
 
-    def _event_slices(self, data: bytes) -> Iterator[list[TraceEvent]]:
+    def _parse(self, body: bytes) -> list[Any]:
+        body = body.lstrip(_WS)
+        if body[:1] == b",":
+            body = body[1:]
+        return self._decode_doc(b"[" + body + b"]")
+
+    def _event_slices(self, data: bytes) -> Iterator[list[Any]]:
+        # One bytearray, parsed in place: the "," before a slice's first event becomes "[" and the
+        # character after its last "}" becomes "]" for the decode, then both are put back. No
+        # slice is copied; consumed bytes leave from the front (cheap for a bytearray).
+        buf = bytearray(b",")
+        buf += data
         while True:
             if not self._eof:
-                more = self._read()
-                data += more
-                if not self._eof and len(data) < self.chunk_size // 2:
+                buf += self._read()
+                if not self._eof and len(buf) < self.chunk_size // 2:
                     continue
             if self._eof:
-                yield from self._finish(data)
+                yield from self._finish(bytes(buf))
                 return
-            events, used = self._parse_prefix(data)
+            events, used = self._parse_in_place(buf)
             if used == 0:
                 continue  # no complete boundary yet (one very large event): read more
-            data = data[used:]
+            del buf[:used]
             if events:
                 self.events_read += len(events)
                 yield events
+
+    def _parse_in_place(self, buf: bytearray, tries: int = 4) -> tuple[list[Any], int]:
+        """Events up to the last boundary of ``buf`` (which starts with whitespace and ","). A
+        ``},{`` inside a string makes a cut invalid: then try the boundary before it."""
+        c = buf.find(b",")
+        end = len(buf)
+        for _ in range(tries):
+            b = self._last_boundary(buf, end)
+            if b <= c or c < 0:
+                return [], 0
+            saved_c, saved_b = buf[c], buf[b]
+            buf[c], buf[b] = 0x5B, 0x5D  # "[", "]"
+            try:
+                with memoryview(buf)[c : b + 1] as view:
+                    return self._decode_doc(view), b
+            except _JSONError:
+                end = b - 1
+            finally:
+                buf[c], buf[b] = saved_c, saved_b
+        return [], 0
 
     def _parse_prefix(self, data: bytes, tries: int = 4) -> tuple[list[TraceEvent], int]:
         """Parse complete events up to the last boundary. A ``},{`` inside a string makes a cut
@@ -412,11 +439,8 @@ class RawTraceReader(TraceReader):
     def __init__(self, path: str | Path, *, chunk_size: int = 1 << 20, read_ahead: bool = True) -> None:
         super().__init__(path, chunk_size=chunk_size, read_ahead=read_ahead)
 
-    def _parse(self, body: bytes) -> list[Any]:  # type: ignore[override]
-        body = body.lstrip(_WS)
-        if body[:1] == b",":
-            body = body[1:]
-        return [e for e in _DECODE_ANY(b"[" + body + b"]") if isinstance(e, dict)]
+    def _decode_doc(self, doc: Any) -> list[Any]:
+        return [e for e in _DECODE_ANY(doc) if isinstance(e, dict)]
 
 
 def read_header(path: str | Path) -> dict[str, Any]:
