@@ -19,6 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
 from sidecar.analysis.models import CaptureSummary, ReplicaStat, StageSummary, Straggler, TraceMeta, TraceSummary
 from sidecar.analysis.summary import Aggregate, aggregate_trace, trace_summary
@@ -147,15 +148,30 @@ def aggregate_sources(
     n = default_workers(sources) if workers is None else max(1, min(workers, len(sources)))
     if n <= 1:
         return [_aggregate(s) for s in sources]
-    ctx = get_context("forkserver") if "forkserver" in _start_methods() else get_context("spawn")
-    with ProcessPoolExecutor(max_workers=n, mp_context=ctx) as pool:
-        return list(pool.map(_aggregate, sources))
+    with ProcessPoolExecutor(max_workers=n, mp_context=_pool_context()) as pool:
+        # biggest first: the last file to start should be a short one
+        order = sorted(range(len(sources)), key=lambda i: -_size(sources[i]))
+        done = dict(zip(order, pool.map(_aggregate, [sources[i] for i in order])))
+    return [done[i] for i in range(len(sources))]
 
 
-def _start_methods() -> list[str]:
+def _size(src: TraceSource) -> int:
+    try:
+        return src.path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _pool_context() -> Any:
+    """forkserver with the summarizer imported once in the server, so each worker starts
+    warm (a fork of it), not by re-importing pydantic and msgspec; spawn where there is none."""
     import multiprocessing
 
-    return multiprocessing.get_all_start_methods()
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return get_context("spawn")
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload(["sidecar.analysis.summary"])
+    return ctx
 
 
 def _replica_stats(sources: Sequence[TraceSource], results: Sequence[tuple[Aggregate, TraceMeta, int] | str]) -> list[ReplicaStat]:

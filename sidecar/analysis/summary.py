@@ -130,8 +130,7 @@ class Aggregate:
         self.replica: int | None = None
         self.overhead_us = 0.0
         # per-trace state, dropped by finish()
-        self._stacks: dict[tuple[Any, Any], list[tuple[float, list[Any]]]] = {}
-        self._last_start: dict[tuple[Any, Any], float] = {}
+        self._stacks: dict[tuple[Any, Any], list[Any]] = {}  # (pid, tid) -> [last start, open ops]
         self._ext = array("i")
         self._ext_sparse: dict[int, int] = {}
         self._rows: list[list[Any]] = []  # rows named by External ids, by _POS
@@ -189,7 +188,7 @@ class Aggregate:
             self._ov.insert(i, [ts, te, dur, None, None])
 
     def add_batch(self, events: list[TraceEvent]) -> None:
-        stacks, last_start = self._stacks, self._last_start
+        stacks = self._stacks
         tables = self.tables
         t_op, t_ann, t_rt = tables[OP], tables[ANNOTATION], tables[RUNTIME]
         ext_arr = self._ext
@@ -221,12 +220,13 @@ class Aggregate:
                 row[2] += dur
                 row[3] += dur
                 key = (e.pid, e.tid)
-                st = stacks.get(key)
-                if st is None:
-                    st = stacks[key] = []
-                elif ts < last_start[key] - _EPS:
+                th = stacks.get(key)  # [start of the last op seen, open ops as (end, row)]
+                if th is None:
+                    th = stacks[key] = [ts, []]
+                elif ts < th[0] - _EPS:
                     self.out_of_order += 1
-                last_start[key] = ts
+                th[0] = ts
+                st = th[1]
                 while st and st[-1][0] <= ts + _EPS:
                     st.pop()
                 if st:
@@ -349,7 +349,7 @@ class Aggregate:
             self.devices[(stage_id, replica, rank, dev)] = [b.total(), span]
         for (dev, stream), v in self._stream_of.items():
             self.streams[(stage_id, replica, rank, dev, stream)] = v
-        self._stacks, self._last_start, self._busy, self._stream_of = {}, {}, {}, {}
+        self._stacks, self._busy, self._stream_of = {}, {}, {}
         self._ext, self._ext_sparse, self._rows = array("i"), {}, []
         self._ov, self._ov_ends = [], []
 
