@@ -241,3 +241,16 @@ def test_cli_slim_and_diff(trace_data, tmp_path):
 def test_cli_slim_bad_window_exits_1(trace_data, tmp_path):
     r = _cli("slim", str(trace_data / "cuda_small.json.gz"), "-o", str(tmp_path / "s.json"), "--window", "soon")
     assert (r.returncode, "slim_window_invalid" in r.stderr, "Traceback" in r.stderr) == (1, True, False)
+
+
+@pytest.mark.parametrize("chunk", [4096, 65536])
+def test_python_stack_events_are_counted_without_decoding_and_nothing_else_is_lost(trace_data, chunk):
+    from sidecar.analysis.reader import TraceReader
+
+    path = trace_data / "cuda_small_stack.json.gz"
+    every = [e for b in TraceReader(path, chunk_size=chunk).batches() for e in b]
+    fast = TraceReader(path, chunk_size=chunk, skip_python=True)
+    kept = [e for b in fast.batches() for e in b]
+    others = [e for e in every if e.cat != "python_function"]
+    assert (len(kept) + fast.skipped, [(e.name, e.ts) for e in kept if e.cat != "python_function"],
+            fast.skipped > 0) == (len(every), [(e.name, e.ts) for e in others], True)

@@ -34,6 +34,7 @@ _INFLATE_ERRORS: tuple[type[BaseException], ...] = (zlib.error, OSError) + (
 CHUNK = 4 << 20  # bytes of raw JSON parsed per batch: big enough to amortise, small for RSS
 _HEADER_LIMIT = 64 << 20  # metadata before "traceEvents" larger than this is not a trace
 _WS = b" \t\r\n"
+_PYFN = b'"cat": "python_function"'
 
 
 class EventArgs(msgspec.Struct, gc=False):
@@ -192,9 +193,15 @@ def _is_gzip(path: Path) -> bool:
 class TraceReader:
     """One pass over one trace file. Not reusable: call ``batches()`` once."""
 
-    def __init__(self, path: str | Path, *, chunk_size: int = CHUNK, read_ahead: bool = True) -> None:
+    def __init__(
+        self, path: str | Path, *, chunk_size: int = CHUNK, read_ahead: bool = True, skip_python: bool = False
+    ) -> None:
         self.path = Path(path)
         self.read_ahead = read_ahead
+        # Python stack events (with_stack) are often most of a trace and no summary needs them:
+        # runs of them are counted at the byte level and never decoded.
+        self.skip_python = skip_python
+        self.skipped = 0  # events counted but not decoded
         self.chunk_size = chunk_size
         self.meta: dict[str, Any] = {}
         self.truncated = False
@@ -365,6 +372,13 @@ class TraceReader:
         ``},{`` inside a string makes a cut invalid: then try the boundary before it."""
         c = buf.find(b",")
         end = len(buf)
+        if self.skip_python and c >= 0:
+            b = self._last_boundary(buf, end)
+            if b > c:
+                cut = self._python_run(buf, c, b)
+                if cut < 0:  # the slice starts with a run of Python events: skip it
+                    return [], -cut
+                end = cut
         for _ in range(tries):
             b = self._last_boundary(buf, end)
             if b <= c or c < 0:
@@ -393,6 +407,47 @@ class TraceReader:
             except _JSONError:
                 end = b - 1
         return [], 0
+
+    def _python_run(self, buf: bytearray, c: int, b: int) -> int:
+        """Where ``buf[c:b]`` (whole events) meets Python events: ``-e`` when it starts with a run
+        of them ending at ``e`` (counted into ``skipped``), else the index where the first one
+        starts (decode up to there), else ``b``. Verified by counting: every ``"ph"`` in a
+        skipped run belongs to a python_function event, or nothing is skipped."""
+        p = buf.find(_PYFN, c, b)
+        if p < 0:
+            return b
+        first = buf.find(b'"ph"', c, b)
+        second = buf.find(b'"ph"', first + 4, b) if first >= 0 else -1
+        if second >= 0 and second < p:  # Python events start later: stop the slice before them
+            cut = self._last_boundary(buf, p)
+            return cut if cut > c else b
+        last = buf.rfind(_PYFN, c, b)
+        e = self._next_boundary(buf, last, b)
+        e = b if e < 0 else e
+        n = buf.count(b'"ph"', c, e)
+        if n and n == buf.count(_PYFN, c, e):
+            self.skipped += n
+            self.events_read += n
+            return -e
+        return b
+
+    @staticmethod
+    def _next_boundary(data: bytearray, start: int, end: int) -> int:
+        """Index just past the first ``}`` after ``start`` followed by ``,`` and ``{``, or -1."""
+        i = data.find(b"}", start, end)
+        n = len(data)
+        while i >= 0:
+            k = i + 1
+            while k < n and data[k] in _WS:
+                k += 1
+            if k < n and data[k] == 0x2C:
+                k += 1
+                while k < n and data[k] in _WS:
+                    k += 1
+                if k < n and data[k] == 0x7B:
+                    return i + 1
+            i = data.find(b"}", i + 1, end)
+        return -1
 
     def _finish(self, data: bytes) -> Iterator[list[TraceEvent]]:
         """The rest of the file: last events, ``]``, then the trailing keys (``traceName``)."""

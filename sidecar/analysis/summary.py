@@ -512,7 +512,7 @@ def aggregate_trace(
 ) -> tuple[Aggregate, TraceMeta, int]:
     """One pass over ``path``. Raises ``TraceError`` when nothing usable was read. ``stage_id``
     and ``replica`` key its devices (with the rank from the trace)."""
-    reader = TraceReader(path)
+    reader = TraceReader(path, skip_python=True)
     agg = Aggregate()
     # The pass allocates millions of short-lived structs and no cycles: the cyclic GC would only
     # rescan the growing tables on every generation-0 threshold.
@@ -528,6 +528,7 @@ def aggregate_trace(
     if meta.rank is None:  # no distributedInfo (single process): vLLM still names the file by rank
         m = _RANK_IN_NAME.match(Path(path).name)
         meta.rank = int(m.group(1)) if m else None
+    agg.events += reader.skipped  # Python stack events: counted, never needed
     agg.finish(meta.rank, stage_id=stage_id, replica=replica)
     agg.files = [str(path)]
     agg.bytes_raw = reader.raw_bytes
