@@ -163,11 +163,17 @@ def _size(src: TraceSource) -> int:
 
 
 def _pool_context() -> Any:
-    """forkserver with the summarizer imported once in the server, so each worker starts
-    warm (a fork of it), not by re-importing pydantic and msgspec; spawn where there is none."""
+    """``fork`` when this process runs no other thread (the CLI, a script): workers start in
+    milliseconds with everything imported. Otherwise (the sidecar server) ``forkserver`` with the
+    summarizer preloaded in the server, never a fork of a threaded process; spawn where neither
+    exists."""
     import multiprocessing
+    import threading
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    methods = multiprocessing.get_all_start_methods()
+    if "fork" in methods and threading.active_count() == 1:
+        return get_context("fork")
+    if "forkserver" not in methods:
         return get_context("spawn")
     ctx = get_context("forkserver")
     ctx.set_forkserver_preload(["sidecar.analysis.summary"])

@@ -11,6 +11,7 @@ summary needs (chosen by measurement: see docs/summaries.md). Header keys
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import zlib
@@ -185,6 +186,13 @@ class _ReadAhead:
         self._src.close()
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _is_gzip(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(2) == b"\x1f\x8b"
@@ -194,10 +202,11 @@ class TraceReader:
     """One pass over one trace file. Not reusable: call ``batches()`` once."""
 
     def __init__(
-        self, path: str | Path, *, chunk_size: int = CHUNK, read_ahead: bool = True, skip_python: bool = False
+        self, path: str | Path, *, chunk_size: int = CHUNK, read_ahead: bool | None = None, skip_python: bool = False
     ) -> None:
         self.path = Path(path)
-        self.read_ahead = read_ahead
+        # a read-ahead thread pays off only with a second core to run on
+        self.read_ahead = _cores() > 1 if read_ahead is None else read_ahead
         # Python stack events (with_stack) are often most of a trace and no summary needs them:
         # runs of them are counted at the byte level and never decoded.
         self.skip_python = skip_python
@@ -491,7 +500,7 @@ class RawTraceReader(TraceReader):
     """``TraceReader`` that yields every event whole, as dicts (for tools that rewrite traces:
     timeline, slim). Slices are smaller, since dicts of every field take more memory."""
 
-    def __init__(self, path: str | Path, *, chunk_size: int = 1 << 20, read_ahead: bool = True) -> None:
+    def __init__(self, path: str | Path, *, chunk_size: int = 1 << 20, read_ahead: bool | None = None) -> None:
         super().__init__(path, chunk_size=chunk_size, read_ahead=read_ahead)
 
     def _decode_doc(self, doc: Any) -> list[Any]:
