@@ -17,7 +17,7 @@ async def _capture(client: Any, stages: list[int]) -> str:
     return cap["id"]
 
 
-async def test_timeline_route_serves_one_process_per_stage(api: AppClient) -> None:
+async def test_timeline_route_serves_one_process_per_stage(api: AppClient) -> None:  # noqa: F811
     client = await api()
     cid = await _capture(client, [0, 2])
     reply = await client.get(f"/v1/captures/{cid}/timeline", timeout=60)
@@ -26,7 +26,7 @@ async def test_timeline_route_serves_one_process_per_stage(api: AppClient) -> No
     assert (reply.status_code, names) == (200, ["stage 0 · replica 0 · rank 0 (llm)", "stage 2 · replica 0 · rank 0 (llm)"])
 
 
-async def test_diff_route_compares_two_captures_per_stage(api: AppClient) -> None:
+async def test_diff_route_compares_two_captures_per_stage(api: AppClient) -> None:  # noqa: F811
     client = await api()
     a = await _capture(client, [0, 2])
     b = await _capture(client, [0])
@@ -35,7 +35,7 @@ async def test_diff_route_compares_two_captures_per_stage(api: AppClient) -> Non
     assert (reply.status_code, body["a"], [s["stage_id"] for s in body["stages"]]) == (200, a, [0, 2])
 
 
-async def test_timeline_of_an_active_capture_is_409(api: AppClient) -> None:
+async def test_timeline_of_an_active_capture_is_409(api: AppClient) -> None:  # noqa: F811
     client = await api()
     cap = (await client.post("/v1/captures", json={"stages": [0]})).json()
     reply = await client.get(f"/v1/captures/{cap['id']}/timeline")

@@ -3,7 +3,6 @@ traces (committed), hand-built traces, the CLI and the HTTP routes."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import re
 import shutil

@@ -4,7 +4,15 @@
 takes files and session folders and merges per stage and per capture. Depends on nothing above it.
 """
 
-from sidecar.analysis.capture import TraceSource, find_sources, find_traces, source_of, stage_of, stragglers, summarize_paths
+from sidecar.analysis.capture import (
+    TraceSource,
+    find_sources,
+    find_traces,
+    source_of,
+    stage_of,
+    stragglers,
+    summarize_paths,
+)
 from sidecar.analysis.models import (
     CaptureSummary,
     DeviceStat,
@@ -12,14 +20,14 @@ from sidecar.analysis.models import (
     GpuStat,
     OpStat,
     ReplicaStat,
+    StageSummary,
     StepKindStat,
     Straggler,
-    StageSummary,
     StreamStat,
     SummaryBody,
+    Totals,
     TraceMeta,
     TraceSummary,
-    Totals,
     Window,
 )
 from sidecar.analysis.reader import TraceReader

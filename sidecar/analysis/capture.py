@@ -21,7 +21,14 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from sidecar.analysis.models import CaptureSummary, ReplicaStat, StageSummary, Straggler, TraceMeta, TraceSummary
+from sidecar.analysis.models import (
+    CaptureSummary,
+    ReplicaStat,
+    StageSummary,
+    Straggler,
+    TraceMeta,
+    TraceSummary,
+)
 from sidecar.analysis.summary import Aggregate, aggregate_trace, trace_summary
 from sidecar.errors import TraceError
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import re
 from array import array
-from bisect import bisect_left, insort
+from bisect import bisect_left
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +23,9 @@ from sidecar.analysis.models import (
     OpStat,
     StepKindStat,
     StreamStat,
+    Totals,
     TraceMeta,
     TraceSummary,
-    Totals,
     Window,
 )
 from sidecar.analysis.reader import TraceEvent, TraceReader
