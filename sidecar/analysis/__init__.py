@@ -1,7 +1,9 @@
 """Analysis layer: streaming, bounded-memory summaries of torch.profiler / Kineto traces.
 
 ``summarize_trace(path)`` summarises one ``.json``/``.json.gz`` file; ``summarize_paths(paths)``
-takes files and session folders and merges per stage and per capture. Depends on nothing above it.
+takes files, session folders and ``TraceSource``s, summarises them in parallel and merges per
+stage, replica and capture. ``timeline``, ``slim`` and ``diff`` (submodules) rewrite and compare
+traces. Loading (``reader``, ``writer``) is apart from analysing. Depends on nothing above it.
 """
 
 from sidecar.analysis.capture import (
