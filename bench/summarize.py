@@ -1,12 +1,16 @@
-"""Benchmark: our streaming summarizer vs ``json.load`` + plain Python vs HTA, side by side.
+"""Benchmark: our streaming summarizer vs ``json.load`` + plain Python vs HTA, side by side, and
+the speedup of a capture's files summarised in parallel.
 
-  python3 bench/summarize.py TRACE.json [TRACE ...]             # ours, json.load, HTA (if importable)
-  python3 bench/summarize.py --parsers TRACE.json               # the parser candidates alone
-  HTA_PATH=/tmp/hta python3 bench/summarize.py TRACE.json       # HTA installed with pip --target
+  python3 bench/summarize.py TRACE.json.gz                      # one trace, every contender
+  python3 bench/summarize.py TRACE.json.gz --files A B C D      # + 4 files on 1 core vs 2 cores
+  python3 bench/summarize.py TRACE.json.gz --repeats 5 --no-hta
 
-Every contender runs in its own fresh subprocess, so its peak RSS (ru_maxrss) is its own; the
-time is the work alone (imports excluded). Prints seconds, MB/s of raw JSON, peak RSS, and ratios
-against ours. Not a test: nothing is asserted. Make inputs with bench/gen_traces.py.
+Each measurement runs in its own fresh subprocess pinned to the cores it is given
+(``sched_setaffinity``), so its peak RSS (ru_maxrss) is its own and "one core" means one core (our
+read-ahead thread then shares it). Time is the work alone (imports excluded). Contenders are
+interleaved, ``--repeats`` times, and the table shows medians; the load average before and after
+is printed, since the machine may be shared. Not a test: nothing is asserted. Inputs: see
+bench/gen_traces.py (``gpu --large-steps N`` for a real CUDA trace of any size).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import gzip
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,20 +43,30 @@ def _raw_size(path: Path) -> int:
 # --- contenders (run in the child) -----------------------------------------------------------
 
 
-def run_ours(path: str) -> dict:
-    from sidecar.analysis import summarize_trace
+def run_ours(paths: list[str], workers: int = 1) -> dict:
+    from sidecar.analysis import summarize_paths, summarize_trace
 
-    s = summarize_trace(path)
-    return {"events": s.totals.events}
+    if len(paths) == 1:
+        return {"events": summarize_trace(paths[0]).totals.events}
+    return {"events": summarize_paths(paths, workers=workers).totals.events}
+
+
+def run_ours_no_isal(paths: list[str]) -> dict:
+    import zlib
+
+    from sidecar.analysis import reader
+
+    reader._inflate = zlib
+    return run_ours(paths)
 
 
 def _open(path: str):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
-def run_json_load(path: str) -> dict:
+def run_json_load(paths: list[str]) -> dict:
     """The obvious script: load it all, then count/total/self per name in plain Python."""
-    with _open(path) as f:
+    with _open(paths[0]) as f:
         doc = json.load(f)
     events = doc["traceEvents"] if isinstance(doc, dict) else doc
     per_thread: dict = {}
@@ -78,10 +93,11 @@ def run_json_load(path: str) -> dict:
     return {"events": len(events)}
 
 
-def run_hta(path: str) -> dict:
+def run_hta(paths: list[str]) -> dict:
     """HTA's load (TraceAnalysis parses every trace in a folder); its analyses are not timed."""
     from hta.trace_analysis import TraceAnalysis
 
+    path = paths[0]
     with tempfile.TemporaryDirectory() as d:
         os.symlink(os.path.abspath(path), os.path.join(d, "rank0" + "".join(Path(path).suffixes[-2:])))
         t0 = time.perf_counter()
@@ -91,114 +107,123 @@ def run_hta(path: str) -> dict:
     return {"events": n, "seconds_override": load}
 
 
-def _parse_with(path: str, kind: str) -> dict:
-    if kind == "ijson":
-        import ijson
-
-        with _open(path) as f:
-            return {"events": sum(1 for _ in ijson.items(f, "traceEvents.item", use_float=True))}
-    from sidecar.analysis import reader as r
-
-    rd = r.TraceReader(path)
-    if kind == "orjson":
-        import orjson
-
-        rd._parse = lambda body: orjson.loads(b"[" + body.lstrip(r._WS).lstrip(b",") + b"]")
-    elif kind == "msgspec_untyped":
-        rd._parse = lambda body: r._DECODE_ANY(b"[" + body.lstrip(r._WS).lstrip(b",") + b"]")
-    return {"events": sum(len(b) for b in rd.batches())}
-
-
 CONTENDERS = {
-    "ours": run_ours,
+    "ours": lambda p: run_ours(p),
+    "ours, zlib instead of ISA-L": run_ours_no_isal,
     "json.load+python": run_json_load,
     "hta": run_hta,
-    "parse:ijson(yajl2_c)": lambda p: _parse_with(p, "ijson"),
-    "parse:chunks+orjson": lambda p: _parse_with(p, "orjson"),
-    "parse:chunks+msgspec": lambda p: _parse_with(p, "msgspec_untyped"),
-    "parse:chunks+msgspec-typed": lambda p: _parse_with(p, "msgspec_typed"),
+    "ours, files one by one": lambda p: run_ours(p, workers=1),
+    "ours, files in 2 processes": lambda p: run_ours(p, workers=2),
 }
 
 
-def _prepare(name: str) -> None:
-    """Imports happen before the clock starts: we time the work, not the interpreter."""
-    if name in ("ours",) or name.startswith("parse:"):
-        import sidecar.analysis  # noqa: F401
-    if name == "parse:ijson(yajl2_c)":
-        import ijson  # noqa: F401
-    if name == "parse:chunks+orjson":
-        import orjson  # noqa: F401
-    if name == "hta":
-        import hta.trace_analysis  # noqa: F401
-
-
-def child(name: str, path: str) -> None:
-    fn = CONTENDERS[name]
+def child(name: str, cpus: list[int], paths: list[str]) -> None:
+    if cpus and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, cpus)
     try:
-        _prepare(name)
+        if name.startswith("ours"):
+            import sidecar.analysis  # noqa: F401
+        if name == "hta":
+            import hta.trace_analysis  # noqa: F401
     except ImportError as exc:
         print(json.dumps({"error": f"not installed: {exc}"}))
         return
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     t0 = time.perf_counter()
     try:
-        out = fn(path)
+        out = CONTENDERS[name](paths)
         err = None
-    except Exception as exc:  # report, don't crash the table (HTA on CPU-only traces)
+    except Exception as exc:  # report, don't crash the table
         out, err = {}, f"{type(exc).__name__}: {str(exc)[:160]}"
     secs = out.pop("seconds_override", None) or (time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"seconds": secs, "peak_rss_mb": peak, "base_rss_mb": base, "error": err, **out}))
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    print(json.dumps({"seconds": secs, "peak_rss_mb": max(peak, kids), "base_rss_mb": base, "error": err, **out}))
 
 
 # --- parent ----------------------------------------------------------------------------------
 
 
-def measure(name: str, path: Path) -> dict:
+def measure(name: str, cpus: list[int], paths: list[Path]) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("HTA_PATH", "") if name == "hta" else "", env.get("PYTHONPATH", "")) if p)
-    r = subprocess.run([sys.executable, __file__, "--child", name, str(path)], capture_output=True, text=True, env=env)
+    cmd = [sys.executable, __file__, "--child", name, "--cpus", ",".join(map(str, cpus)), str(paths[0])]
+    if len(paths) > 1:
+        cmd += ["--files", *map(str, paths[1:])]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if not lines:
         return {"error": (r.stderr.strip().splitlines() or ["no output"])[-1][:160]}
     return json.loads(lines[-1])
 
 
+def _runs(rs: list[dict]) -> str:
+    return ", ".join(f"{r['seconds']:.2f}" if "seconds" in r else "-" for r in rs)
+
+
+def _load() -> str:
+    try:
+        return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} CPUs"
+    except OSError:
+        return "load average unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("traces", nargs="+", type=Path)
-    ap.add_argument("--parsers", action="store_true", help="compare the parser candidates instead")
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--files", type=Path, nargs="*", default=[], help="a capture's files, for the multi-file speedup")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--hta-repeats", type=int, default=1)
     ap.add_argument("--no-hta", action="store_true")
-    ap.add_argument("--no-json-load", action="store_true", help="skip json.load (needs RAM ~10x the file)")
+    ap.add_argument("--no-json-load", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--cpus", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        child(a.child, str(a.traces[0]))
+        child(a.child, [int(c) for c in a.cpus.split(",") if c], [str(a.trace), *map(str, a.files)])
         return
-    names = [n for n in CONTENDERS if n.startswith("parse:")] if a.parsers else ["ours", "json.load+python", "hta"]
-    if a.no_hta and "hta" in names:
-        names.remove("hta")
-    if a.no_json_load and "json.load+python" in names:
-        names.remove("json.load+python")
-    ref_name = "ours" if "ours" in names else names[0]
-    print(f"ratios are against {ref_name!r}; base = RSS after imports, before the work")
-    print(f"{'trace':22} {'raw MB':>7} {'contender':27} {'seconds':>8} {'MB/s':>7} {'peak RSS MB':>11} {'base MB':>7} {'time ×':>7} {'RSS ×':>6}  note")
-    for path in a.traces:
-        raw_mb = _raw_size(path) / 1e6
-        results = {n: measure(n, path) for n in names}
-        ref = results[ref_name]
-        for n in names:
-            r = results[n]
-            if r.get("error") and "seconds" not in r:
-                print(f"{path.name:22} {raw_mb:7.1f} {n:27} {'-':>8} {'-':>7} {'-':>11} {'-':>7} {'-':>7} {'-':>6}  {r['error']}")
-                continue
-            note = r.get("error") or f"{r.get('events', '?')} events"
-            tx = r["seconds"] / ref["seconds"] if ref.get("seconds") else float("nan")
-            rx = r["peak_rss_mb"] / ref["peak_rss_mb"] if ref.get("peak_rss_mb") else float("nan")
-            print(
-                f"{path.name:22} {raw_mb:7.1f} {n:27} {r['seconds']:8.2f} {raw_mb / r['seconds']:7.1f} "
-                f"{r['peak_rss_mb']:11.0f} {r.get('base_rss_mb', 0):7.0f} {tx:7.1f} {rx:6.1f}  {note}"
-            )
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    one, two = cores[-1:], cores[-2:]
+    print(f"before: {_load()}; one core = CPU {one}, two cores = CPUs {two}")
+    single = [("ours", one), ("ours", two), ("ours, zlib instead of ISA-L", one)]
+    if not a.no_json_load:
+        single.append(("json.load+python", one))
+    raw_mb = _raw_size(a.trace) / 1e6
+    results: dict[tuple[str, tuple[int, ...]], list[dict]] = {}
+    for _ in range(a.repeats):
+        for name, cpus in single:
+            results.setdefault((name, tuple(cpus)), []).append(measure(name, cpus, [a.trace]))
+    if not a.no_hta:
+        for _ in range(a.hta_repeats):
+            results.setdefault(("hta", tuple(one)), []).append(measure("hta", one, [a.trace]))
+    multi: dict[str, list[dict]] = {}
+    files_mb = 0.0
+    if a.files:
+        files_mb = sum(_raw_size(f) for f in a.files) / 1e6
+        for _ in range(a.repeats):
+            multi.setdefault("1 core, one by one", []).append(measure("ours, files one by one", one, a.files))
+            multi.setdefault("2 cores, 2 processes", []).append(measure("ours, files in 2 processes", two, a.files))
+
+    def med(rs: list[dict], key: str) -> float:
+        vals = [r[key] for r in rs if key in r and not r.get("error")]
+        return statistics.median(vals) if vals else float("nan")
+
+    ref = med(results[("ours", tuple(one))], "seconds")
+    print(f"\n{a.trace.name}: {raw_mb:.1f} MB raw JSON; medians of {a.repeats} (HTA: {a.hta_repeats}); time × = against ours on one core")
+    print(f"{'contender':32} {'cores':>5} {'seconds':>8} {'MB/s':>7} {'peak RSS MB':>11} {'time ×':>7}  runs / note")
+    for (name, cpus), rs in results.items():
+        s = med(rs, "seconds")
+        err = next((r["error"] for r in rs if r.get("error")), "")
+        print(f"{name:32} {len(cpus):5d} {s:8.2f} {raw_mb / s:7.1f} {med(rs, 'peak_rss_mb'):11.0f} {s / ref:7.1f}  "
+              f"{_runs(rs)} {err}")
+    if multi:
+        base = med(multi["1 core, one by one"], "seconds")
+        print(f"\n{len(a.files)} files, {files_mb:.1f} MB raw in all; speedup against 1 core")
+        for label, rs in multi.items():
+            s = med(rs, "seconds")
+            print(f"{label:32} {s:8.2f} s {files_mb / s:7.1f} MB/s  peak RSS {med(rs, 'peak_rss_mb'):5.0f} MB  "
+                  f"speedup {base / s:4.2f}x  runs {_runs(rs)}")
+    print(f"\nafter: {_load()}")
 
 
 if __name__ == "__main__":

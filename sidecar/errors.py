@@ -199,6 +199,13 @@ class TraceError(SidecarError):
     code = "trace_invalid"
 
 
+class SlimWindowInvalid(TraceError):
+    """``slim --window`` is neither ``step:N`` nor ``START..END`` (ms), or names a missing step."""
+
+    code = "slim_window_invalid"
+    http_status = 422
+
+
 # --- surfaces -----------------------------------------------------------------------------
 
 

@@ -1,37 +1,98 @@
 """Summaries of many trace files at once: files and session folders in, one ``CaptureSummary`` out.
 
-A folder is searched (recursively) for ``trace_rank*.json[.gz]``. Files are merged per stage when
-the session folder's name gives the stage (``<ts>_stage<sid>_rank<r>_<epoch>`` for LLM stages,
-``<ts>_stage_<sid>_rep_<rep>_diffusion_<epoch>`` for diffusion stages), and all into one total.
-A bad file becomes an entry in ``errors``; it never hides the others.
+A folder is searched (recursively) for ``trace_rank*.json[.gz]`` (vLLM-Omni) and
+``*.pt.trace.json[.gz]`` (plain vLLM). Each file becomes a ``TraceSource``: its stage and replica
+come from the session folder's name (``<ts>_stage<sid>_rank<r>_<epoch>`` for LLM stages,
+``<ts>_stage_<sid>_rep_<rep>_diffusion_<epoch>`` for diffusion stages; a ``replica_<n>`` /
+``rep_<n>`` folder above it names the replica of a fleet capture) or are given by the caller.
+Files are summarised in parallel (a process pool) and merged per stage and into one total. A bad
+file becomes an entry in ``errors``; it never hides the others.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Iterable
+import statistics
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
+from typing import Any
 
-from sidecar.analysis.models import CaptureSummary, StageSummary, TraceSummary
-from sidecar.analysis.summary import Aggregate, aggregate_trace
+from sidecar.analysis.models import (
+    CaptureSummary,
+    ReplicaStat,
+    StageSummary,
+    Straggler,
+    TraceMeta,
+    TraceSummary,
+)
+from sidecar.analysis.summary import Aggregate, aggregate_trace, trace_summary
 from sidecar.errors import TraceError
 
 _LLM_SESSION = re.compile(r"_stage(\d+)_rank(\d+)_\d+$")
 _DIFFUSION_SESSION = re.compile(r"_stage_(\d+)_rep_(\d+)_diffusion_\d+$")
+_REPLICA_DIR = re.compile(r"(?:^|_)(?:replica|rep)[_-]?(\d+)$")
 _TRACE = re.compile(r"^trace_rank\d+\.json(\.gz)?$")
+_VLLM_TRACE = re.compile(r"^.+\.pt\.trace\.json(\.gz)?$")
+PARALLEL_MIN_BYTES = 8 << 20  # below this (on disk, all files) a pool costs more than it saves
+
+
+@dataclass(frozen=True)
+class TraceSource:
+    """One trace file and where it sits in the pipeline: stage, replica and the stage's kind
+    (``llm`` / ``diffusion``; None when unknown). The rank comes from the trace itself."""
+
+    path: Path
+    stage_id: int | None = None
+    replica: int | None = None
+    kind: str | None = None
+
+    @property
+    def label(self) -> str:
+        """``stage 0 · replica 0`` (the rank is added by who knows it)."""
+        st = f"stage {self.stage_id}" if self.stage_id is not None else "stage ?"
+        return f"{st} · replica {self.replica if self.replica is not None else 0}"
 
 
 def stage_of(path: Path) -> int | None:
     """Stage id from the session folder holding ``path`` (or from ``path`` if it is one)."""
-    for part in (path.name, path.parent.name):
-        m = _LLM_SESSION.search(part) or _DIFFUSION_SESSION.search(part)
+    return source_of(path).stage_id
+
+
+def source_of(path: str | Path, *, stage_id: int | None = None, replica: int | None = None) -> TraceSource:
+    """A ``TraceSource`` for ``path``, the stage/replica/kind read from its folder names unless
+    given."""
+    p = Path(path)
+    sid = rep = kind = None
+    for part in (p.name, p.parent.name):
+        m = _DIFFUSION_SESSION.search(part)
         if m:
-            return int(m.group(1))
-    return None
+            sid, rep, kind = int(m.group(1)), int(m.group(2)), "diffusion"
+            break
+        m = _LLM_SESSION.search(part)
+        if m:
+            sid, kind = int(m.group(1)), "llm"
+            break
+    if rep is None:
+        for part in p.parent.parts[::-1]:
+            m = _REPLICA_DIR.search(part)
+            if m:
+                rep = int(m.group(1))
+                break
+    return TraceSource(
+        path=p,
+        stage_id=stage_id if stage_id is not None else sid,
+        replica=replica if replica is not None else rep,
+        kind=kind,
+    )
 
 
 def find_traces(paths: Iterable[str | Path]) -> list[Path]:
-    """Trace files named by ``paths``: files as given, folders searched for ``trace_rank*``.
+    """Trace files named by ``paths``: files as given, folders searched for ``trace_rank*`` and
+    ``*.pt.trace.json[.gz]``.
 
     When both ``trace_rankN.json`` and ``.json.gz`` exist the gzip is still being written (vLLM
     compresses after replying to stop): the plain file is the complete one.
@@ -40,7 +101,7 @@ def find_traces(paths: Iterable[str | Path]) -> list[Path]:
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            hits = sorted(f for f in p.rglob("trace_rank*") if f.is_file() and _TRACE.match(f.name))
+            hits = sorted(f for f in p.rglob("*.json*") if f.is_file() and (_TRACE.match(f.name) or _VLLM_TRACE.match(f.name)))
             plain = {f for f in hits if f.suffix == ".json"}
             hits = [f for f in hits if not (f.suffix == ".gz" and f.with_suffix("") in plain)]
             if not hits:
@@ -53,28 +114,155 @@ def find_traces(paths: Iterable[str | Path]) -> list[Path]:
     return found
 
 
-def summarize_paths(paths: Iterable[str | Path], *, top: int = 20) -> CaptureSummary:
-    """Summaries of every trace under ``paths``: per file, per stage, and all merged.
+def find_sources(paths: Iterable[str | Path | TraceSource]) -> list[TraceSource]:
+    """``TraceSource`` per trace under ``paths`` (given sources are kept as they are)."""
+    out: list[TraceSource] = []
+    for p in paths:
+        if isinstance(p, TraceSource):
+            out.append(p)
+        else:
+            out.extend(source_of(f) for f in find_traces([p]))
+    return out
 
-    Raises ``TraceError`` only when a path does not exist or a folder holds no trace; a file that
-    cannot be read is reported in ``errors`` (and ``truncated`` where part of it was used).
+
+def _aggregate(src: TraceSource) -> tuple[Aggregate, TraceMeta, int] | str:
+    """One file, in a worker: the aggregate, or the error message."""
+    try:
+        return aggregate_trace(src.path, stage_id=src.stage_id, replica=src.replica)
+    except TraceError as err:
+        return str(err)
+
+
+def default_workers(sources: Sequence[TraceSource]) -> int:
+    """One process per file up to the cores this process may use; 1 when the files are small."""
+    if len(sources) < 2:
+        return 1
+    try:
+        size = sum(s.path.stat().st_size for s in sources)
+    except OSError:
+        size = 0
+    if size < PARALLEL_MIN_BYTES:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(len(sources), cores))
+
+
+def aggregate_sources(
+    sources: Sequence[TraceSource], *, workers: int | None = None
+) -> list[tuple[Aggregate, TraceMeta, int] | str]:
+    """Aggregate every source, in order; ``workers`` processes (default: ``default_workers``).
+    The pool uses ``forkserver`` (never ``fork``: callers run event loops and threads)."""
+    n = default_workers(sources) if workers is None else max(1, min(workers, len(sources)))
+    if n <= 1:
+        return [_aggregate(s) for s in sources]
+    with ProcessPoolExecutor(max_workers=n, mp_context=_pool_context()) as pool:
+        # biggest first: the last file to start should be a short one
+        order = sorted(range(len(sources)), key=lambda i: -_size(sources[i]))
+        done = dict(zip(order, pool.map(_aggregate, [sources[i] for i in order])))
+    return [done[i] for i in range(len(sources))]
+
+
+def _size(src: TraceSource) -> int:
+    try:
+        return src.path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _pool_context() -> Any:
+    """``fork`` when this process runs no other thread (the CLI, a script): workers start in
+    milliseconds with everything imported. Otherwise (the sidecar server) ``forkserver`` with the
+    summarizer preloaded in the server, never a fork of a threaded process; spawn where neither
+    exists."""
+    import multiprocessing
+    import threading
+
+    methods = multiprocessing.get_all_start_methods()
+    if "fork" in methods and threading.active_count() == 1:
+        return get_context("fork")
+    if "forkserver" not in methods:
+        return get_context("spawn")
+    ctx = get_context("forkserver")
+    ctx.set_forkserver_preload(["sidecar.analysis.summary"])
+    return ctx
+
+
+def _replica_stats(sources: Sequence[TraceSource], results: Sequence[tuple[Aggregate, TraceMeta, int] | str]) -> list[ReplicaStat]:
+    groups: dict[tuple[int | None, int | None, int | None], Aggregate] = {}
+    for src, res in zip(sources, results):
+        if isinstance(res, str):
+            continue
+        agg, meta, _ = res
+        groups.setdefault((src.stage_id, src.replica, meta.rank), Aggregate()).merge(agg)
+    out = []
+    for (sid, rep, rank), agg in sorted(groups.items(), key=lambda kv: tuple(-1 if v is None else v for v in kv[0])):
+        span = (agg.end - agg.start) if agg.start is not None and agg.end is not None else 0.0
+        if agg.engine_steps:
+            metric, value = "engine_step_mean", agg.engine_step_total / agg.engine_steps
+        elif agg.steps:
+            metric, value = "step_mean", agg.step_total / agg.steps
+        elif agg.devices:
+            metric, value = "device_busy", sum(v[0] for v in agg.devices.values())
+        else:
+            metric, value = "span", span
+        out.append(ReplicaStat(stage_id=sid, replica=rep, rank=rank, files=agg.files, span_us=span, metric=metric, value_us=value))
+    return out
+
+
+def stragglers(replicas: Sequence[ReplicaStat]) -> list[Straggler]:
+    """Per stage with two or more replicas/ranks measured the same way: the slowest against the
+    median of all of them."""
+    by_stage: dict[int | None, list[ReplicaStat]] = {}
+    for r in replicas:
+        by_stage.setdefault(r.stage_id, []).append(r)
+    out = []
+    for sid, members in sorted(by_stage.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+        metric = members[0].metric
+        same = [m for m in members if m.metric == metric]
+        if len(same) < 2:
+            continue
+        slow = max(same, key=lambda m: m.value_us)
+        med = statistics.median(m.value_us for m in same)
+        out.append(Straggler(
+            stage_id=sid, metric=metric, slowest_replica=slow.replica, slowest_rank=slow.rank,
+            slowest_us=slow.value_us, median_us=med, ratio=(slow.value_us / med) if med > 0 else 1.0,
+            members=len(same),
+        ))
+    return out
+
+
+def summarize_paths(
+    paths: Iterable[str | Path | TraceSource], *, top: int = 20, workers: int | None = None
+) -> CaptureSummary:
+    """Summaries of every trace under ``paths``: per file, per stage, per replica, and all merged.
+
+    ``paths`` are files, folders or ``TraceSource`` (a caller that knows each file's stage and
+    replica). ``workers`` processes summarise the files in parallel (default: one per file up to
+    the usable cores, 1 for small captures). Raises ``TraceError`` only when a path does not
+    exist or a folder holds no trace; a file that cannot be read is reported in ``errors`` (and
+    ``truncated`` where part of it was used).
     """
-    files = find_traces(paths)
+    sources = find_sources(paths)
+    results = aggregate_sources(sources, workers=workers)
     total = Aggregate()
     stages: dict[int | None, Aggregate] = {}
     per_file: list[TraceSummary] = []
     errors: list[str] = []
-    for f in files:
-        try:
-            agg, meta, raw = aggregate_trace(f)
-        except TraceError as err:
-            errors.append(str(err))
+    warnings: list[str] = []
+    for src, res in zip(sources, results):
+        if isinstance(res, str):
+            errors.append(res)
             continue
-        per_file.append(TraceSummary(file=str(f), bytes_raw=raw, meta=meta, **agg.body(top)))
-        stages.setdefault(stage_of(f), Aggregate()).merge(agg)
+        agg, meta, raw = res
+        ts = trace_summary(src.path, agg, meta, raw, top)
+        warnings += ts.warnings
+        per_file.append(ts)
+        stages.setdefault(src.stage_id, Aggregate()).merge(agg)
         total.merge(agg)
     body = total.body(top)
     body["errors"] = errors + body["errors"]
+    body["warnings"] = warnings
+    replicas = _replica_stats(sources, results)
     return CaptureSummary(
         **body,
         stages=[
@@ -82,4 +270,6 @@ def summarize_paths(paths: Iterable[str | Path], *, top: int = 20) -> CaptureSum
             for sid, agg in sorted(stages.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
         ],
         files=per_file,
+        replicas=replicas,
+        stragglers=stragglers(replicas),
     )

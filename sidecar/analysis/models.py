@@ -30,6 +30,8 @@ class GpuStat(BaseModel):
 
 
 class StreamStat(BaseModel):
+    stage_id: int | None = None
+    replica: int | None = None
     rank: int | None = None
     device: int
     stream: int
@@ -39,10 +41,64 @@ class StreamStat(BaseModel):
 
 
 class DeviceStat(BaseModel):
+    """One GPU of one process: stage, replica and rank tell apart the processes that all call
+    their GPU ``cuda:0``."""
+
+    stage_id: int | None = None
+    replica: int | None = None
     rank: int | None = None
     device: int
     busy_us: float  # union of activity intervals over all streams of the device
-    idle_share: float
+    span_us: float = 0.0  # the window of the trace this device was recorded in
+    busy_share: float = 0.0  # busy / span
+    idle_share: float  # 1 - busy / span
+
+
+class StepKindStat(BaseModel):
+    """Engine steps of one kind: ``prefill`` (context tokens only), ``decode`` (generation only),
+    ``mixed`` (both in one step), ``diffusion`` (one diffusion forward)."""
+
+    kind: str
+    count: int
+    total_us: float
+    mean_us: float
+    share: float  # of all engine-step time
+
+
+class GpuSplit(BaseModel):
+    """GPU time by activity kind (sums over streams, so overlap counts twice)."""
+
+    kernel_us: float = 0.0
+    memcpy_us: float = 0.0
+    memset_us: float = 0.0
+    kernel_share: float = 0.0
+    memcpy_share: float = 0.0
+    memset_share: float = 0.0
+
+
+class ReplicaStat(BaseModel):
+    """One stage process (stage, replica, rank) of a capture, for telling stragglers apart."""
+
+    stage_id: int | None = None
+    replica: int | None = None
+    rank: int | None = None
+    files: list[str] = Field(default_factory=list)
+    span_us: float = 0.0
+    metric: str = "span"  # engine_step_mean | step_mean | device_busy | span
+    value_us: float = 0.0
+
+
+class Straggler(BaseModel):
+    """Within one stage: the slowest of its replicas/ranks against their median."""
+
+    stage_id: int | None = None
+    metric: str
+    slowest_replica: int | None = None
+    slowest_rank: int | None = None
+    slowest_us: float
+    median_us: float
+    ratio: float  # slowest / median (1.0 = no straggler)
+    members: int
 
 
 class Window(BaseModel):
@@ -68,6 +124,7 @@ class TraceMeta(BaseModel):
 
 class Totals(BaseModel):
     events: int = 0
+    bytes_raw: int = 0
     cpu_ops: int = 0
     cpu_op_self_us: float = 0.0
     kernels: int = 0
@@ -95,12 +152,19 @@ class SummaryBody(BaseModel):
     memset: list[GpuStat] = Field(default_factory=list)
     devices: list[DeviceStat] = Field(default_factory=list)
     streams: list[StreamStat] = Field(default_factory=list)
+    engine_step_kinds: list[StepKindStat] = Field(default_factory=list)
+    gpu_split: GpuSplit = Field(default_factory=GpuSplit)
+    warnings: list[str] = Field(default_factory=list)  # e.g. a trace too big to open in Perfetto
 
 
 class TraceSummary(SummaryBody):
     file: str
     bytes_raw: int = 0  # decompressed JSON bytes read
     meta: TraceMeta = Field(default_factory=TraceMeta)
+    stage_id: int | None = None
+    replica: int | None = None
+    too_big: bool = False  # raw JSON above the size Perfetto's UI opens comfortably
+    slim_command: str | None = None  # what to run to get a trace that opens
 
 
 class StageSummary(SummaryBody):
@@ -115,3 +179,5 @@ class CaptureSummary(SummaryBody):
 
     stages: list[StageSummary] = Field(default_factory=list)
     files: list[TraceSummary] = Field(default_factory=list)
+    replicas: list[ReplicaStat] = Field(default_factory=list)
+    stragglers: list[Straggler] = Field(default_factory=list)

@@ -11,6 +11,9 @@ summary needs (chosen by measurement: see docs/summaries.md). Header keys
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,12 +23,22 @@ import msgspec
 
 from sidecar.errors import TraceError
 
+try:  # ISA-L's inflate is 2-3x zlib's; same API (python-isal), optional
+    from isal import isal_zlib as _inflate
+except ImportError:  # pragma: no cover - the fallback is the standard library
+    _inflate = zlib  # type: ignore[assignment]
+
+_INFLATE_ERRORS: tuple[type[BaseException], ...] = (zlib.error, OSError) + (
+    (_inflate.error,) if _inflate is not zlib else ()
+)
+
 CHUNK = 4 << 20  # bytes of raw JSON parsed per batch: big enough to amortise, small for RSS
 _HEADER_LIMIT = 64 << 20  # metadata before "traceEvents" larger than this is not a trace
 _WS = b" \t\r\n"
+_PYFN = b'"cat": "python_function"'
 
 
-class EventArgs(msgspec.Struct):
+class EventArgs(msgspec.Struct, gc=False):
     """The ``args`` keys the summary reads; every other key is skipped by the decoder."""
 
     external_id: int | None = msgspec.field(default=None, name="External id")
@@ -34,7 +47,7 @@ class EventArgs(msgspec.Struct):
     stream: int | None = None
 
 
-class TraceEvent(msgspec.Struct):
+class TraceEvent(msgspec.Struct, gc=False):
     ph: str = ""
     cat: str | None = None
     name: str = ""
@@ -82,12 +95,13 @@ def _coerce(d: Any) -> TraceEvent | None:
 
 
 class _GunzipStream:
-    """Decompress a gzip file incrementally with zlib, so the bytes before a cut-off end are kept
-    (``gzip.GzipFile.read`` drops them when it raises). ``truncated`` is set at such an end."""
+    """Decompress a gzip file incrementally (ISA-L when installed, else zlib), so the bytes before
+    a cut-off end are kept (``gzip.GzipFile.read`` drops them when it raises). ``truncated`` is set
+    at such an end."""
 
-    def __init__(self, path: Path, raw_chunk: int = 256 << 10) -> None:
+    def __init__(self, path: Path, raw_chunk: int = 1 << 20) -> None:
         self._f = open(path, "rb")
-        self._d = zlib.decompressobj(wbits=31)
+        self._d = _inflate.decompressobj(wbits=31)
         self._raw_chunk = raw_chunk
         self.truncated = False
 
@@ -102,7 +116,7 @@ class _GunzipStream:
                     rest = self._f.read(self._raw_chunk)
                     if not rest:
                         break
-                d = self._d = zlib.decompressobj(wbits=31)
+                d = self._d = _inflate.decompressobj(wbits=31)
                 inp = rest
             elif d.unconsumed_tail:
                 inp = d.unconsumed_tail
@@ -120,6 +134,65 @@ class _GunzipStream:
         self._f.close()
 
 
+class _ReadAhead:
+    """Reads (and decompresses) the next chunks in a thread while the caller decodes this one.
+    zlib, ISA-L and file reads release the GIL, so on two cores inflate and decode overlap; the
+    queue holds at most ``depth`` chunks (bounded memory). Errors surface on the caller's read."""
+
+    _END = object()
+
+    def __init__(self, src: Any, chunk: int, depth: int = 2) -> None:
+        self._src = src
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self.truncated = False
+        self._done = False
+        self._t = threading.Thread(target=self._run, args=(chunk,), name="trace-read-ahead", daemon=True)
+        self._t.start()
+
+    def _run(self, chunk: int) -> None:
+        try:
+            while not self._stop.is_set():
+                data = self._src.read(chunk)
+                self._put(data)
+                if not data:
+                    break
+        except BaseException as err:  # handed to the reader, which decides what it means
+            self._put(err)
+
+    def _put(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def read(self, n: int) -> bytes:
+        if self._done:
+            return b""
+        item = self._q.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if not item:
+            self._done = True
+            self.truncated = getattr(self._src, "truncated", False)
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(timeout=5)
+        self._src.close()
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _is_gzip(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(2) == b"\x1f\x8b"
@@ -128,8 +201,16 @@ def _is_gzip(path: Path) -> bool:
 class TraceReader:
     """One pass over one trace file. Not reusable: call ``batches()`` once."""
 
-    def __init__(self, path: str | Path, *, chunk_size: int = CHUNK) -> None:
+    def __init__(
+        self, path: str | Path, *, chunk_size: int = CHUNK, read_ahead: bool | None = None, skip_python: bool = False
+    ) -> None:
         self.path = Path(path)
+        # a read-ahead thread pays off only with a second core to run on
+        self.read_ahead = _cores() > 1 if read_ahead is None else read_ahead
+        # Python stack events (with_stack) are often most of a trace and no summary needs them:
+        # runs of them are counted at the byte level and never decoded.
+        self.skip_python = skip_python
+        self.skipped = 0  # events counted but not decoded
         self.chunk_size = chunk_size
         self.meta: dict[str, Any] = {}
         self.truncated = False
@@ -151,7 +232,7 @@ class TraceReader:
             return b""
         try:
             data = self._f.read(self.chunk_size)
-        except (zlib.error, OSError) as err:
+        except _INFLATE_ERRORS as err:
             self._eof = True
             if self.raw_bytes == 0:
                 raise self._fail(f"cannot decompress: {err}") from None
@@ -178,7 +259,8 @@ class TraceReader:
             raise self._fail("is a folder, not a trace file")
         if self.path.stat().st_size == 0:
             raise self._fail("is empty (0 bytes); the profiler may still be writing it")
-        self._f = _GunzipStream(self.path) if _is_gzip(self.path) else open(self.path, "rb")
+        src: Any = _GunzipStream(self.path) if _is_gzip(self.path) else open(self.path, "rb")
+        self._f = _ReadAhead(src, self.chunk_size) if self.read_ahead else src
         try:
             yield from self._batches()
         finally:
@@ -258,34 +340,68 @@ class TraceReader:
             i = data.rfind(b"}", 0, i)
         return -1
 
-    def _parse(self, body: bytes) -> list[TraceEvent]:
-        body = body.lstrip(_WS)
-        if body[:1] == b",":
-            body = body[1:]
-        doc = b"[" + body + b"]"
+    def _decode_doc(self, doc: Any) -> list[Any]:
+        """A whole JSON array of events (bytes or a memoryview) → events."""
         try:
             return _DECODE(doc)
         except msgspec.ValidationError:  # valid JSON, odd field types: take the slow path
             raw = _DECODE_ANY(doc)
             return [e for e in map(_coerce, raw) if e is not None]
 
-    def _event_slices(self, data: bytes) -> Iterator[list[TraceEvent]]:
+    def _parse(self, body: bytes) -> list[Any]:
+        body = body.lstrip(_WS)
+        if body[:1] == b",":
+            body = body[1:]
+        return self._decode_doc(b"[" + body + b"]")
+
+    def _event_slices(self, data: bytes) -> Iterator[list[Any]]:
+        # One bytearray, parsed in place: the "," before a slice's first event becomes "[" and the
+        # character after its last "}" becomes "]" for the decode, then both are put back. No
+        # slice is copied; consumed bytes leave from the front (cheap for a bytearray).
+        buf = bytearray(b",")
+        buf += data
         while True:
             if not self._eof:
-                more = self._read()
-                data += more
-                if not self._eof and len(data) < self.chunk_size // 2:
+                buf += self._read()
+                if not self._eof and len(buf) < self.chunk_size // 2:
                     continue
             if self._eof:
-                yield from self._finish(data)
+                yield from self._finish(bytes(buf))
                 return
-            events, used = self._parse_prefix(data)
+            events, used = self._parse_in_place(buf)
             if used == 0:
                 continue  # no complete boundary yet (one very large event): read more
-            data = data[used:]
+            del buf[:used]
             if events:
                 self.events_read += len(events)
                 yield events
+
+    def _parse_in_place(self, buf: bytearray, tries: int = 4) -> tuple[list[Any], int]:
+        """Events up to the last boundary of ``buf`` (which starts with whitespace and ","). A
+        ``},{`` inside a string makes a cut invalid: then try the boundary before it."""
+        c = buf.find(b",")
+        end = len(buf)
+        if self.skip_python and c >= 0:
+            b = self._last_boundary(buf, end)
+            if b > c:
+                cut = self._python_run(buf, c, b)
+                if cut < 0:  # the slice starts with a run of Python events: skip it
+                    return [], -cut
+                end = cut
+        for _ in range(tries):
+            b = self._last_boundary(buf, end)
+            if b <= c or c < 0:
+                return [], 0
+            saved_c, saved_b = buf[c], buf[b]
+            buf[c], buf[b] = 0x5B, 0x5D  # "[", "]"
+            try:
+                with memoryview(buf)[c : b + 1] as view:
+                    return self._decode_doc(view), b
+            except _JSONError:
+                end = b - 1
+            finally:
+                buf[c], buf[b] = saved_c, saved_b
+        return [], 0
 
     def _parse_prefix(self, data: bytes, tries: int = 4) -> tuple[list[TraceEvent], int]:
         """Parse complete events up to the last boundary. A ``},{`` inside a string makes a cut
@@ -300,6 +416,47 @@ class TraceReader:
             except _JSONError:
                 end = b - 1
         return [], 0
+
+    def _python_run(self, buf: bytearray, c: int, b: int) -> int:
+        """Where ``buf[c:b]`` (whole events) meets Python events: ``-e`` when it starts with a run
+        of them ending at ``e`` (counted into ``skipped``), else the index where the first one
+        starts (decode up to there), else ``b``. Verified by counting: every ``"ph"`` in a
+        skipped run belongs to a python_function event, or nothing is skipped."""
+        p = buf.find(_PYFN, c, b)
+        if p < 0:
+            return b
+        first = buf.find(b'"ph"', c, b)
+        second = buf.find(b'"ph"', first + 4, b) if first >= 0 else -1
+        if second >= 0 and second < p:  # Python events start later: stop the slice before them
+            cut = self._last_boundary(buf, p)
+            return cut if cut > c else b
+        last = buf.rfind(_PYFN, c, b)
+        e = self._next_boundary(buf, last, b)
+        e = b if e < 0 else e
+        n = buf.count(b'"ph"', c, e)
+        if n and n == buf.count(_PYFN, c, e):
+            self.skipped += n
+            self.events_read += n
+            return -e
+        return b
+
+    @staticmethod
+    def _next_boundary(data: bytearray, start: int, end: int) -> int:
+        """Index just past the first ``}`` after ``start`` followed by ``,`` and ``{``, or -1."""
+        i = data.find(b"}", start, end)
+        n = len(data)
+        while i >= 0:
+            k = i + 1
+            while k < n and data[k] in _WS:
+                k += 1
+            if k < n and data[k] == 0x2C:
+                k += 1
+                while k < n and data[k] in _WS:
+                    k += 1
+                if k < n and data[k] == 0x7B:
+                    return i + 1
+            i = data.find(b"}", i + 1, end)
+        return -1
 
     def _finish(self, data: bytes) -> Iterator[list[TraceEvent]]:
         """The rest of the file: last events, ``]``, then the trailing keys (``traceName``)."""
@@ -337,3 +494,26 @@ class TraceReader:
             self.events_read += len(events)
             yield events
         self._truncate("JSON ends inside the traceEvents array (file truncated?)")
+
+
+class RawTraceReader(TraceReader):
+    """``TraceReader`` that yields every event whole, as dicts (for tools that rewrite traces:
+    timeline, slim). Slices are smaller, since dicts of every field take more memory."""
+
+    def __init__(self, path: str | Path, *, chunk_size: int = 1 << 20, read_ahead: bool | None = None) -> None:
+        super().__init__(path, chunk_size=chunk_size, read_ahead=read_ahead)
+
+    def _decode_doc(self, doc: Any) -> list[Any]:
+        return [e for e in _DECODE_ANY(doc) if isinstance(e, dict)]
+
+
+def read_header(path: str | Path) -> dict[str, Any]:
+    """The keys of a trace before ``traceEvents`` (``baseTimeNanoseconds``, ``distributedInfo``,
+    ``deviceProperties``, ...), reading only the first slice."""
+    reader = RawTraceReader(path, chunk_size=256 << 10, read_ahead=False)
+    gen = reader.batches()
+    try:
+        next(gen, None)
+    finally:
+        gen.close()
+    return reader.meta

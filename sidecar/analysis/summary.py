@@ -3,23 +3,29 @@
 State kept per trace: one row per distinct name, one open-op stack per thread, one 4-byte slot per
 CPU op ``External id`` (so GPU time and CUDA API calls can be charged to the op that launched
 them, as torch's key_averages does), and per device a sorted block of at most 64k intervals.
+A trace's devices are keyed by (stage, replica, rank, device): every stage process calls its own
+GPU ``cuda:0``, so the device number alone would add different GPUs together.
 """
 
 from __future__ import annotations
 
+import gc
 import re
 from array import array
+from bisect import bisect_left
 from pathlib import Path
 from typing import Any
 
 from sidecar.analysis.models import (
     DeviceStat,
+    GpuSplit,
     GpuStat,
     OpStat,
+    StepKindStat,
     StreamStat,
+    Totals,
     TraceMeta,
     TraceSummary,
-    Totals,
     Window,
 )
 from sidecar.analysis.reader import TraceEvent, TraceReader
@@ -28,6 +34,7 @@ from sidecar.errors import TraceError
 # Categories, as Kineto names them.
 OP, ANNOTATION, RUNTIME = "cpu_op", "user_annotation", "runtime"
 KERNEL, MEMCPY, MEMSET = "kernel", "gpu_memcpy", "gpu_memset"
+GPU_ANNOTATION = "gpu_user_annotation"
 _RUNTIME_CATS = frozenset({"cuda_runtime", "cuda_driver"})
 _STEP = re.compile(r"^ProfilerStep#\d+$")
 # vLLM's worker wraps every engine step in "execute_context_<n>(<tok>)_generation_<n>(<tok>)"
@@ -38,11 +45,30 @@ _RANK_IN_NAME = re.compile(r"^trace_rank(\d+)\.json")
 _EPS = 5e-4  # µs: timestamps carry ns precision; float sums must not un-nest siblings
 _BLOCK = 65536  # device intervals merged per sorted block
 _OVERHEAD_GAP = 200.0  # µs between a CUPTI buffer request and the API call that caused it
+_OVERHEAD_LIMIT = 1 << 20  # overhead events kept for placement (a few per trace in practice)
 _EXT_DENSE_LIMIT = 1 << 23  # External ids above this go to a dict (the array stays <= 32 MB)
 _UNSET = array("i", [-1])
+TOO_BIG_BYTES = 200_000_000  # raw JSON above this: warn that Perfetto's UI may not open it
 
-# A stat row: [name, count, total, self, self_device]
-_NAME, _COUNT, _TOTAL, _SELF, _SELF_DEV = range(5)
+# A stat row: [name, count, total, self, self_device, position among the rows External ids name]
+_NAME, _COUNT, _TOTAL, _SELF, _SELF_DEV, _POS = range(6)
+
+
+def engine_step_kind(name: str) -> str | None:
+    """``prefill`` / ``decode`` / ``mixed`` for vLLM's execute_* markers, ``diffusion`` for
+    vLLM-Omni's diffusion_forward*, None for anything else."""
+    if name.startswith("diffusion_forward"):
+        return "diffusion" if name in ("diffusion_forward", "diffusion_forward_batch") else None
+    m = _CTX_GEN.match(name)
+    if m is None:
+        return "step" if _ENGINE_STEP.match(name) else None
+    ctx, gen = int(m.group(1)), int(m.group(2))
+    if ctx and gen:
+        return "mixed"
+    return "prefill" if ctx else "decode"
+
+
+_CTX_GEN = re.compile(r"^execute_(?:\d+_)?context_(\d+)(?:\([^)]*\))?_generation_(\d+)")
 
 
 class _DeviceBusy:
@@ -54,11 +80,6 @@ class _DeviceBusy:
         self.pending: list[tuple[float, float]] = []
         self.cur_s = self.cur_e = None
         self.busy = 0.0
-
-    def add(self, s: float, e: float) -> None:
-        self.pending.append((s, e))
-        if len(self.pending) >= _BLOCK:
-            self.flush()
 
     def flush(self) -> None:
         self.pending.sort()
@@ -80,13 +101,17 @@ class _DeviceBusy:
         return self.busy + ((self.cur_e - self.cur_s) if self.cur_s is not None else 0.0)
 
 
+DeviceKey = tuple[int | None, int | None, int | None, int]  # (stage, replica, rank, device)
+
+
 class Aggregate:
     """Summable state of one or more traces. ``add_batch`` for events, ``merge`` for others."""
 
     def __init__(self) -> None:
         self.tables: dict[str, dict[str, list[Any]]] = {c: {} for c in (OP, ANNOTATION, RUNTIME, KERNEL, MEMCPY, MEMSET)}
-        self.streams: dict[tuple[int | None, int, int], list[float]] = {}  # -> [count, busy]
-        self.devices: dict[tuple[int | None, int], float] = {}  # busy after finish()
+        self.streams: dict[tuple[Any, ...], list[float]] = {}  # (stage, replica, rank, dev, stream) -> [count, busy]
+        self.devices: dict[DeviceKey, list[float]] = {}  # -> [busy, span of its trace], after finish()
+        self.step_kinds: dict[str, list[float]] = {}  # engine step kind -> [count, total]
         self.start: float | None = None
         self.end: float | None = None
         self.steps = 0
@@ -95,40 +120,37 @@ class Aggregate:
         self.engine_steps = 0
         self.engine_step_total = 0.0
         self.events = 0
+        self.bytes_raw = 0
         self.out_of_order = 0
         self.truncated = False
         self.errors: list[str] = []
         self.files: list[str] = []
         self.rank: int | None = None
+        self.stage_id: int | None = None
+        self.replica: int | None = None
+        self.overhead_us = 0.0
         # per-trace state, dropped by finish()
-        self._stacks: dict[tuple[Any, Any], list[tuple[float, list[Any]]]] = {}
-        self._last_start: dict[tuple[Any, Any], float] = {}
+        self._stacks: dict[tuple[Any, Any], list[Any]] = {}  # (pid, tid) -> [last start, open ops]
         self._ext = array("i")
         self._ext_sparse: dict[int, int] = {}
-        self._overhead: list[list[Any]] = []  # CUPTI overhead: [start, end, dur, best gap, op row]
-        self.overhead_us = 0.0
-        self._rows: list[list[Any]] = []  # rows referenced by External id, by position
-        self._row_pos: dict[int, int] = {}  # id(row) -> position in _rows
+        self._rows: list[list[Any]] = []  # rows named by External ids, by _POS
+        # CUPTI overhead, sorted by end: ends, and [start, end, dur, best gap, op row]
+        self._ov_ends: list[float] = []
+        self._ov: list[list[Any]] = []
         self._busy: dict[int, _DeviceBusy] = {}
+        self._stream_of: dict[tuple[int, int], list[float]] = {}
 
     # --- one trace ---------------------------------------------------------------------------
 
-    def _row(self, cat: str, name: str) -> list[Any]:
-        table = self.tables[cat]
-        row = table.get(name)
-        if row is None:
-            row = table[name] = [name, 0, 0.0, 0.0, 0.0]
+    def _new_row(self, table: dict[str, list[Any]], name: str) -> list[Any]:
+        row = table[name] = [name, 0, 0.0, 0.0, 0.0, len(self._rows)]
+        self._rows.append(row)
         return row
 
-    def _remember(self, ext: int, row: list[Any]) -> None:
-        pos = self._row_pos.get(id(row))
-        if pos is None:
-            pos = self._row_pos[id(row)] = len(self._rows)
-            self._rows.append(row)
+    def _remember_slow(self, ext: int, pos: int) -> None:
         if 0 <= ext < _EXT_DENSE_LIMIT:
             ext_arr = self._ext
-            if ext >= len(ext_arr):
-                ext_arr.extend(_UNSET * max(ext + 1 - len(ext_arr), len(ext_arr) // 4 + 1024))
+            ext_arr.extend(_UNSET * max(ext + 1 - len(ext_arr), len(ext_arr) // 4 + 1024))
             ext_arr[ext] = pos
         else:
             self._ext_sparse[ext] = pos
@@ -146,56 +168,128 @@ class Aggregate:
         """CUPTI's "Activity Buffer Request" runs inside a CUDA call on the profiling (main, tid ==
         pid) thread; torch nests it in the op running there, so it is not that op's self time.
         Kineto writes it with no thread and no id, before the API calls: it belongs to the op of
-        the first main-thread API call that starts after it ends (within _OVERHEAD_GAP)."""
-        for ov in self._overhead:
+        the first main-thread API call that starts after it ends (within _OVERHEAD_GAP). Only the
+        overheads ending in [ts - gap, ts] are looked at (bisect on the sorted ends)."""
+        ends, ovs = self._ov_ends, self._ov
+        i = bisect_left(ends, ts - _OVERHEAD_GAP)
+        n = len(ends)
+        while i < n and ends[i] <= ts + _EPS:
+            ov = ovs[i]
             gap = ts - ov[1]
-            if -_EPS <= gap <= _OVERHEAD_GAP and (ov[3] is None or gap < ov[3]):
+            if ov[3] is None or gap < ov[3]:
                 ov[3], ov[4] = gap, parent
+            i += 1
+
+    def _add_overhead(self, ts: float, te: float, dur: float) -> None:
+        self.overhead_us += dur
+        if len(self._ov) < _OVERHEAD_LIMIT:
+            i = bisect_left(self._ov_ends, te)
+            self._ov_ends.insert(i, te)
+            self._ov.insert(i, [ts, te, dur, None, None])
 
     def add_batch(self, events: list[TraceEvent]) -> None:
-        stacks, last_start = self._stacks, self._last_start
-        row_of = self._row
+        stacks = self._stacks
+        tables = self.tables
+        t_op, t_ann, t_rt = tables[OP], tables[ANNOTATION], tables[RUNTIME]
+        ext_arr = self._ext
+        rows = self._rows
+        busy_of, stream_of = self._busy, self._stream_of
+        new_row = self._new_row
         start, end = self.start, self.end
+        if start is None:
+            start, end = float("inf"), float("-inf")
         for e in events:
             if e.ph != "X":
                 continue
             cat = e.cat
-            if cat == "python_function" or cat is None:
-                continue
-            ts = e.ts
-            dur = e.dur
-            te = ts + dur
             if cat == OP or cat == ANNOTATION:
-                key = (e.pid, e.tid)
-                row = row_of(cat, e.name)
+                ts = e.ts
+                dur = e.dur
+                te = ts + dur
+                name = e.name
+                if cat == OP:
+                    row = t_op.get(name)
+                    if row is None:
+                        row = new_row(t_op, name)
+                else:
+                    row = t_ann.get(name)
+                    if row is None:
+                        row = new_row(t_ann, name)
+                    self._annotation(name, dur)
                 row[1] += 1
                 row[2] += dur
                 row[3] += dur
-                st = stacks.get(key)
-                if st is None:
-                    st = stacks[key] = []
-                if ts < last_start.get(key, ts) - _EPS:
+                key = (e.pid, e.tid)
+                th = stacks.get(key)  # [start of the last op seen, open ops as (end, row)]
+                if th is None:
+                    th = stacks[key] = [ts, []]
+                elif ts < th[0] - _EPS:
                     self.out_of_order += 1
-                last_start[key] = ts
+                th[0] = ts
+                st = th[1]
                 while st and st[-1][0] <= ts + _EPS:
                     st.pop()
                 if st:
                     st[-1][1][3] -= dur  # a child's time is not its parent's self time
                 st.append((te, row))
                 a = e.args
-                if a is not None and a.external_id:
-                    self._remember(a.external_id, row)
-                if cat == ANNOTATION:
-                    if _STEP.match(e.name):
-                        self.steps += 1
-                        self.step_total += dur
-                        if len(self.step_names) < 8:
-                            self.step_names.append(e.name)
-                    elif _ENGINE_STEP.match(e.name):
-                        self.engine_steps += 1
-                        self.engine_step_total += dur
+                if a is not None:
+                    x = a.external_id
+                    if x:
+                        if 0 < x < len(ext_arr):
+                            ext_arr[x] = row[5]
+                        else:
+                            self._remember_slow(x, row[5])
+            elif cat == "python_function" or cat is None:
+                continue
+            elif cat == KERNEL or cat == MEMCPY or cat == MEMSET:
+                ts = e.ts
+                dur = e.dur
+                te = ts + dur
+                table = tables[cat]
+                name = e.name
+                row = table.get(name)
+                if row is None:
+                    row = table[name] = [name, 0, 0.0, 0.0, 0.0, -1]
+                row[1] += 1
+                row[2] += dur
+                a = e.args
+                if a is not None:
+                    x = a.external_id
+                    if x is not None and x > 0:
+                        pos = ext_arr[x] if x < len(ext_arr) else self._ext_sparse.get(x, -1)
+                        if pos >= 0:
+                            rows[pos][4] += dur
+                    dev = a.device
+                    if dev is None:
+                        dev = e.pid if isinstance(e.pid, int) else -1
+                    stream = a.stream
+                    if stream is None:
+                        stream = e.tid if isinstance(e.tid, int) else -1
+                else:
+                    dev = e.pid if isinstance(e.pid, int) else -1
+                    stream = e.tid if isinstance(e.tid, int) else -1
+                sk = (dev, stream)
+                s = stream_of.get(sk)
+                if s is None:
+                    s = stream_of[sk] = [0, 0.0]
+                s[0] += 1
+                s[1] += dur
+                busy = busy_of.get(dev)
+                if busy is None:
+                    busy = busy_of[dev] = _DeviceBusy()
+                pend = busy.pending
+                pend.append((ts, te))
+                if len(pend) >= _BLOCK:
+                    busy.flush()
             elif cat in _RUNTIME_CATS:
-                row = row_of(RUNTIME, e.name)
+                ts = e.ts
+                dur = e.dur
+                te = ts + dur
+                name = e.name
+                row = t_rt.get(name)
+                if row is None:
+                    row = new_row(t_rt, name)
                 row[1] += 1
                 row[2] += dur
                 row[3] += dur
@@ -204,59 +298,60 @@ class Aggregate:
                     parent = self._launcher(a.external_id)
                     if parent is not None:
                         parent[3] -= dur  # the API call ran inside that op on its thread
-                        if self._overhead and e.tid == e.pid:
+                        if self._ov_ends and e.tid == e.pid:
                             self._place_overhead(ts, parent)
-            elif cat == "overhead":
-                self.overhead_us += dur
-                if len(self._overhead) < 4096:
-                    self._overhead.append([ts, te, dur, None, None])
+            elif cat == GPU_ANNOTATION:
+                # torch's key_averages charges a record_function its GPU-side span as self device
+                # time (a row of its own, device type CUDA): the same here, on the annotation row.
+                name = e.name
+                row = t_ann.get(name)
+                if row is None:
+                    row = new_row(t_ann, name)
+                row[4] += e.dur
                 continue
-            elif cat == KERNEL or cat == MEMCPY or cat == MEMSET:
-                row = row_of(cat, e.name)
-                row[1] += 1
-                row[2] += dur
-                a = e.args
-                if a is not None:
-                    parent = self._launcher(a.external_id)
-                    if parent is not None:
-                        parent[4] += dur
-                    dev = a.device if a.device is not None else (e.pid if isinstance(e.pid, int) else -1)
-                    stream = a.stream if a.stream is not None else (e.tid if isinstance(e.tid, int) else -1)
-                else:
-                    dev = e.pid if isinstance(e.pid, int) else -1
-                    stream = e.tid if isinstance(e.tid, int) else -1
-                sk = (None, dev, stream)
-                s = self.streams.get(sk)
-                if s is None:
-                    s = self.streams[sk] = [0, 0.0]
-                s[0] += 1
-                s[1] += dur
-                busy = self._busy.get(dev)
-                if busy is None:
-                    busy = self._busy[dev] = _DeviceBusy()
-                busy.add(ts, te)
+            elif cat == "overhead":
+                self._add_overhead(e.ts, e.ts + e.dur, e.dur)
+                continue
             else:
-                continue  # Trace spans, overhead, gpu_user_annotation: not part of the window
-            if start is None or ts < start:
+                continue  # Trace spans, flows: not part of the window
+            if ts < start:
                 start = ts
-            if end is None or te > end:
+            if te > end:
                 end = te
-        self.start, self.end = start, end
+        if start != float("inf"):
+            self.start, self.end = start, end
         self.events += len(events)
 
-    def finish(self, rank: int | None = None) -> None:
-        """End of one trace: settle device unions, tag devices with the rank, drop pass state."""
-        self.rank = rank
-        for ov in self._overhead:
+    def _annotation(self, name: str, dur: float) -> None:
+        if _STEP.match(name):
+            self.steps += 1
+            self.step_total += dur
+            if len(self.step_names) < 8:
+                self.step_names.append(name)
+            return
+        kind = engine_step_kind(name) if name.startswith(("execute_", "diffusion_forward")) else None
+        if kind is not None:
+            self.engine_steps += 1
+            self.engine_step_total += dur
+            k = self.step_kinds.setdefault(kind, [0, 0.0])
+            k[0] += 1
+            k[1] += dur
+
+    def finish(self, rank: int | None = None, *, stage_id: int | None = None, replica: int | None = None) -> None:
+        """End of one trace: settle device unions, key devices by (stage, replica, rank), drop
+        pass state."""
+        self.rank, self.stage_id, self.replica = rank, stage_id, replica
+        for ov in self._ov:
             if ov[4] is not None:
                 ov[4][3] -= ov[2]
+        span = (self.end - self.start) if self.start is not None and self.end is not None else 0.0
         for dev, b in self._busy.items():
-            self.devices[(rank, dev)] = b.total()
-        if rank is not None:
-            self.streams = {(rank, d, s): v for (_, d, s), v in self.streams.items()}
-        self._stacks, self._last_start, self._busy = {}, {}, {}
-        self._ext, self._ext_sparse, self._rows, self._row_pos = array("i"), {}, [], {}
-        self._overhead = []
+            self.devices[(stage_id, replica, rank, dev)] = [b.total(), span]
+        for (dev, stream), v in self._stream_of.items():
+            self.streams[(stage_id, replica, rank, dev, stream)] = v
+        self._stacks, self._busy, self._stream_of = {}, {}, {}
+        self._ext, self._ext_sparse, self._rows = array("i"), {}, []
+        self._ov, self._ov_ends = [], []
 
     # --- many traces -------------------------------------------------------------------------
 
@@ -275,7 +370,13 @@ class Aggregate:
             m[0] += v[0]
             m[1] += v[1]
         for k, v in other.devices.items():
-            self.devices[k] = self.devices.get(k, 0.0) + v
+            m = self.devices.setdefault(k, [0.0, 0.0])
+            m[0] += v[0]
+            m[1] += v[1]
+        for k, v in other.step_kinds.items():
+            m = self.step_kinds.setdefault(k, [0, 0.0])
+            m[0] += v[0]
+            m[1] += v[1]
         if other.start is not None:
             self.start = other.start if self.start is None else min(self.start, other.start)
             self.end = other.end if self.end is None else max(self.end, other.end)
@@ -285,6 +386,7 @@ class Aggregate:
         self.engine_steps += other.engine_steps
         self.engine_step_total += other.engine_step_total
         self.events += other.events
+        self.bytes_raw += other.bytes_raw
         self.out_of_order += other.out_of_order
         self.overhead_us += other.overhead_us
         self.truncated = self.truncated or other.truncated
@@ -303,13 +405,22 @@ class Aggregate:
             rows = sorted(self.tables[cat].values(), key=lambda r: r[2], reverse=True)[:top]
             return [GpuStat(name=r[0], count=r[1], total_us=r[2]) for r in rows]
 
-        def idle(busy: float) -> float:
-            return max(0.0, 1.0 - busy / span) if span > 0 else 0.0
+        def share(part: float, whole: float) -> float:
+            return part / whole if whole > 0 else 0.0
+
+        def idle(busy: float, of: float) -> float:
+            return max(0.0, 1.0 - busy / of) if of > 0 else 0.0
+
+        def order(k: tuple[Any, ...]) -> tuple[Any, ...]:
+            return tuple(-1 if v is None else v for v in k)
 
         t = self.tables
-        by_device = [
-            o for o in ops(OP, _SELF_DEV) if o.self_device_us > 0
-        ]
+        kernel_us = sum(r[2] for r in t[KERNEL].values())
+        memcpy_us = sum(r[2] for r in t[MEMCPY].values())
+        memset_us = sum(r[2] for r in t[MEMSET].values())
+        gpu_us = kernel_us + memcpy_us + memset_us
+        by_device = [o for o in ops(OP, _SELF_DEV) if o.self_device_us > 0]
+        kinds_total = sum(v[1] for v in self.step_kinds.values())
         return dict(
             truncated=self.truncated,
             errors=list(self.errors),
@@ -325,12 +436,13 @@ class Aggregate:
             ),
             totals=Totals(
                 events=self.events,
+                bytes_raw=self.bytes_raw,
                 cpu_ops=sum(r[1] for r in t[OP].values()),
                 cpu_op_self_us=sum(r[3] for r in t[OP].values()),
                 kernels=sum(r[1] for r in t[KERNEL].values()),
-                kernel_us=sum(r[2] for r in t[KERNEL].values()),
-                memcpy_us=sum(r[2] for r in t[MEMCPY].values()),
-                memset_us=sum(r[2] for r in t[MEMSET].values()),
+                kernel_us=kernel_us,
+                memcpy_us=memcpy_us,
+                memset_us=memset_us,
                 runtime_us=sum(r[2] for r in t[RUNTIME].values()),
                 out_of_order=self.out_of_order,
                 profiler_overhead_us=self.overhead_us,
@@ -343,14 +455,30 @@ class Aggregate:
             memcpy=gpu(MEMCPY),
             memset=gpu(MEMSET),
             devices=[
-                DeviceStat(rank=r, device=d, busy_us=b, idle_share=idle(b))
-                for (r, d), b in sorted(self.devices.items(), key=lambda kv: (kv[0][0] or -1, kv[0][1]))
+                DeviceStat(stage_id=k[0], replica=k[1], rank=k[2], device=k[3], busy_us=b, span_us=sp,
+                           busy_share=min(1.0, share(b, sp)), idle_share=idle(b, sp))
+                for k, (b, sp) in sorted(self.devices.items(), key=lambda kv: order(kv[0]))
             ],
             streams=[
-                StreamStat(rank=r, device=d, stream=s, count=v[0], busy_us=v[1], idle_share=idle(v[1]))
-                for (r, d, s), v in sorted(self.streams.items(), key=lambda kv: (kv[0][0] or -1, kv[0][1], kv[0][2]))
+                StreamStat(stage_id=k[0], replica=k[1], rank=k[2], device=k[3], stream=k[4], count=v[0],
+                           busy_us=v[1], idle_share=idle(v[1], self._span_of(k)))
+                for k, v in sorted(self.streams.items(), key=lambda kv: order(kv[0]))
             ],
+            engine_step_kinds=[
+                StepKindStat(kind=k, count=int(v[0]), total_us=v[1], mean_us=v[1] / v[0] if v[0] else 0.0,
+                             share=share(v[1], kinds_total))
+                for k, v in sorted(self.step_kinds.items(), key=lambda kv: -kv[1][1])
+            ],
+            gpu_split=GpuSplit(
+                kernel_us=kernel_us, memcpy_us=memcpy_us, memset_us=memset_us,
+                kernel_share=share(kernel_us, gpu_us), memcpy_share=share(memcpy_us, gpu_us),
+                memset_share=share(memset_us, gpu_us),
+            ),
         )
+
+    def _span_of(self, stream_key: tuple[Any, ...]) -> float:
+        d = self.devices.get(stream_key[:4])
+        return d[1] if d else ((self.end - self.start) if self.start is not None and self.end is not None else 0.0)
 
 
 def _meta(header: dict[str, Any]) -> TraceMeta:
@@ -372,26 +500,57 @@ def _meta(header: dict[str, Any]) -> TraceMeta:
     )
 
 
-def aggregate_trace(path: str | Path) -> tuple[Aggregate, TraceMeta, int]:
-    """One pass over ``path``. Raises ``TraceError`` when nothing usable was read."""
-    reader = TraceReader(path)
+def slim_command(path: str | Path) -> str:
+    """The command that makes a trace small enough to open (see ``sidecar.analysis.slim``)."""
+    p = Path(path)
+    stem = p.name[: -len(".json.gz")] if p.name.endswith(".json.gz") else p.stem
+    return f"omni-sidecar slim {p} -o {p.with_name(stem + '.slim.json.gz')} --max-mb 150"
+
+
+def aggregate_trace(
+    path: str | Path, *, stage_id: int | None = None, replica: int | None = None
+) -> tuple[Aggregate, TraceMeta, int]:
+    """One pass over ``path``. Raises ``TraceError`` when nothing usable was read. ``stage_id``
+    and ``replica`` key its devices (with the rank from the trace)."""
+    reader = TraceReader(path, skip_python=True)
     agg = Aggregate()
-    for batch in reader.batches():
-        agg.add_batch(batch)
+    # The pass allocates millions of short-lived structs and no cycles: the cyclic GC would only
+    # rescan the growing tables on every generation-0 threshold.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for batch in reader.batches():
+            agg.add_batch(batch)
+    finally:
+        if was_enabled:
+            gc.enable()
     meta = _meta(reader.meta)
     if meta.rank is None:  # no distributedInfo (single process): vLLM still names the file by rank
         m = _RANK_IN_NAME.match(Path(path).name)
         meta.rank = int(m.group(1)) if m else None
-    agg.finish(meta.rank)
+    agg.events += reader.skipped  # Python stack events: counted, never needed
+    agg.finish(meta.rank, stage_id=stage_id, replica=replica)
     agg.files = [str(path)]
+    agg.bytes_raw = reader.raw_bytes
     if reader.truncated:
         if agg.events == 0:
             raise TraceError(reader.error or f"{path}: truncated before the first event", details={"file": str(path)})
         agg.truncated = True
         agg.errors.append(reader.error or f"{path}: truncated")
-    elif agg.events == 0:
-        pass  # a valid trace with an empty traceEvents array: an empty summary, not an error
     return agg, meta, reader.raw_bytes
+
+
+def trace_summary(path: str | Path, agg: Aggregate, meta: TraceMeta, raw: int, top: int) -> TraceSummary:
+    """The ``TraceSummary`` of one aggregated file, with the too-big warning where it applies."""
+    summary = TraceSummary(file=str(path), bytes_raw=raw, meta=meta, stage_id=agg.stage_id, replica=agg.replica, **agg.body(top))
+    if raw > TOO_BIG_BYTES:
+        summary.too_big = True
+        summary.slim_command = slim_command(path)
+        summary.warnings.append(
+            f"{path}: {raw / 1e6:.0f} MB of JSON; Perfetto's UI fails around 1 GB and is slow well "
+            f"before. Make a smaller copy: {summary.slim_command}"
+        )
+    return summary
 
 
 def summarize_trace(path: str | Path, *, top: int = 20, strict: bool = False) -> TraceSummary:
@@ -403,11 +562,10 @@ def summarize_trace(path: str | Path, *, top: int = 20, strict: bool = False) ->
     ``details["partial"]``.
     """
     agg, meta, raw = aggregate_trace(path)
-    summary = TraceSummary(file=str(path), bytes_raw=raw, meta=meta, **agg.body(top))
+    summary = trace_summary(path, agg, meta, raw, top)
     if strict and summary.truncated:
         raise TraceError(summary.errors[0], details={"file": str(path), "partial": summary.model_dump(mode="json")})
     return summary
 
 
-
-__all__ = ["Aggregate", "aggregate_trace", "summarize_trace"]
+__all__ = ["Aggregate", "aggregate_trace", "engine_step_kind", "slim_command", "summarize_trace", "trace_summary"]

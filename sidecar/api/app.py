@@ -20,6 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import sidecar
 from sidecar.api.auth import BearerAuth
 from sidecar.api.errors import error_response, install_error_handlers
+from sidecar.api.insight import router as insight_router
 from sidecar.api.metrics import Metrics, MetricsMiddleware
 from sidecar.config.models import DeployConfig
 from sidecar.control.models import Capture, CaptureState
@@ -257,6 +258,7 @@ def create_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    app.include_router(insight_router)
     app.state.controller = controller
     app.state.deploy = deploy
     app.state.settings = settings

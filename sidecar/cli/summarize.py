@@ -58,11 +58,22 @@ def _tables(title: str, body: SummaryBody, by: By) -> None:
             tab.add_row(kind, _short(k.name), f"{k.count:,}", _ms(k.total_us))
         console.print(tab)
     if body.devices:
-        tab = Table("rank", "device", "stream", "activities", "busy ms", "idle share", title="GPU busy / idle")
+        def who(x: object) -> list[str]:
+            return [str(v) if v is not None else "-" for v in (getattr(x, "stage_id"), getattr(x, "replica"), getattr(x, "rank"))]
+
+        tab = Table("stage", "replica", "rank", "device", "stream", "activities", "busy ms", "busy share", "idle share", title="GPU busy / idle")
         for d in body.devices:
-            tab.add_row(str(d.rank if d.rank is not None else "-"), str(d.device), "all", "", _ms(d.busy_us), f"{d.idle_share:.1%}")
-        for s in body.streams:
-            tab.add_row(str(s.rank if s.rank is not None else "-"), str(s.device), str(s.stream), f"{s.count:,}", _ms(s.busy_us), f"{s.idle_share:.1%}")
+            tab.add_row(*who(d), str(d.device), "all", "", _ms(d.busy_us), f"{d.busy_share:.1%}", f"{d.idle_share:.1%}")
+        for st in body.streams:
+            tab.add_row(*who(st), str(st.device), str(st.stream), f"{st.count:,}", _ms(st.busy_us), "", f"{st.idle_share:.1%}")
+        console.print(tab)
+        g = body.gpu_split
+        console.print(f"GPU time: kernels {_ms(g.kernel_us)} ms ({g.kernel_share:.1%}), memcpy {_ms(g.memcpy_us)} ms "
+                      f"({g.memcpy_share:.1%}), memset {_ms(g.memset_us)} ms ({g.memset_share:.1%})", highlight=False)
+    if body.engine_step_kinds:
+        tab = Table("engine step kind", "count", "total ms", "mean ms", "share", title="Engine steps by kind")
+        for k in body.engine_step_kinds:
+            tab.add_row(k.kind, f"{k.count:,}", _ms(k.total_us), _ms(k.mean_us), f"{k.share:.1%}")
         console.print(tab)
 
 
@@ -72,10 +83,11 @@ def summarize(
     top: int = typer.Option(20, "--top", min=1, help="rows per table"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
     by: By = typer.Option(By.op, "--by", help="op: CPU ops (self CPU / self device); kernel: GPU kernels"),
+    workers: int | None = typer.Option(None, "--workers", min=1, help="processes summarising files in parallel (default: one per file, up to the cores)"),
 ) -> None:
     """Summarise torch.profiler traces: window and steps, top CPU ops, top kernels, GPU idle, per stage."""
     with cli_errors():
-        summary: CaptureSummary = summarize_paths(paths, top=top)
+        summary: CaptureSummary = summarize_paths(paths, top=top, workers=workers)
     if as_json:
         console.print_json(json.dumps(summary.model_dump(mode="json")))
     else:
@@ -85,6 +97,15 @@ def summarize(
                 _tables(f"{label} ({len(st.files)} file(s))", st, by)
         elif summary.files:
             _tables(summary.files[0].file, summary, by)
+        if summary.stragglers:
+            tab = Table("stage", "measured by", "members", "slowest (replica/rank)", "slowest ms", "median ms", "slowest / median", title="Stragglers")
+            for g in summary.stragglers:
+                tab.add_row(str(g.stage_id if g.stage_id is not None else "?"), g.metric, str(g.members),
+                            f"{g.slowest_replica if g.slowest_replica is not None else '-'}/{g.slowest_rank if g.slowest_rank is not None else '-'}",
+                            _ms(g.slowest_us), _ms(g.median_us), f"{g.ratio:.2f}x")
+            console.print(tab)
+    for msg in summary.warnings:
+        err_console.print(f"[bold yellow]warning[/]: {escape(msg)}", highlight=False)
     for msg in summary.errors:
         err_console.print(f"[bold red]error[/]{escape('[trace_invalid]')}: {escape(msg)}", highlight=False)
     if summary.errors:

@@ -1,0 +1,208 @@
+"""One Perfetto-ready trace of a whole capture: every stage, replica and rank a named process.
+
+``write_timeline(paths, out)`` streams each source trace once, slice by slice, into one output
+(bounded memory: one slice of events at a time, plus small id maps). Per source: every event is
+kept; its process becomes one process named ``stage 0 · replica 0 · rank 0 (llm)``, its
+threads and GPU streams threads of that process (``GPU 0 · stream 7``); timestamps move onto one
+clock, from each trace's own ``baseTimeNanoseconds`` (Kineto writes ``ts`` in µs relative to it);
+flow ids are made unique per source, and flow events without a usable id or time are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sidecar.analysis.capture import TraceSource, find_sources
+from sidecar.analysis.reader import RawTraceReader, read_header
+from sidecar.analysis.writer import TraceWriter
+from sidecar.errors import TraceError
+
+_FLOW_PHASES = frozenset({"s", "t", "f"})
+_FLOW_ID_STRIDE = 1 << 40  # source k's flow ids move by k × this, so they never meet
+_DROPPED_META = frozenset({"process_name", "process_labels", "process_sort_index"})
+
+
+@dataclass
+class TimelineProcess:
+    pid: int
+    name: str
+    file: str
+    stage_id: int | None
+    replica: int | None
+    rank: int | None
+    kind: str | None
+    offset_us: float  # added to every ts of this source
+    events: int = 0
+    kernels: int = 0
+
+
+@dataclass
+class TimelineReport:
+    out: str
+    base_time_ns: int | None
+    processes: list[TimelineProcess] = field(default_factory=list)
+    events: int = 0
+    raw_bytes: int = 0
+    flows_dropped: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def _as_int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _rank(header: dict[str, Any], path: Path) -> int | None:
+    dist = header.get("distributedInfo")
+    rank = _as_int(dist.get("rank")) if isinstance(dist, dict) else None
+    if rank is None and path.name.startswith("trace_rank"):
+        digits = "".join(ch for ch in path.name[len("trace_rank"):].split(".")[0] if ch.isdigit())
+        rank = int(digits) if digits else None
+    return rank
+
+
+def process_name(src: TraceSource, rank: int | None) -> str:
+    """``stage 0 · replica 0 · rank 0 (llm)``."""
+    kind = f" ({src.kind})" if src.kind else ""
+    return f"{src.label} · rank {rank if rank is not None else 0}{kind}"
+
+
+class _SourceRewriter:
+    """Maps one source's (pid, tid) pairs to threads of one output process, shifts ts."""
+
+    def __init__(self, proc: TimelineProcess, index: int) -> None:
+        self.proc = proc
+        self.flow_shift = index * _FLOW_ID_STRIDE
+        self.tids: dict[tuple[Any, Any], int] = {}
+        self.labels: dict[Any, str] = {}  # source pid -> "CPU" / "GPU 0" (process_labels)
+        self.named: set[int] = set()
+        self.flows_dropped = 0
+
+    def _tid(self, pid: Any, tid: Any, out: list[Any]) -> int:
+        key = (pid, tid)
+        t = self.tids.get(key)
+        if t is None:
+            t = self.tids[key] = len(self.tids) + 1
+        return t
+
+    def _thread_label(self, pid: Any, tid: Any, name: str | None) -> str:
+        label = self.labels.get(pid)
+        if label is None:  # Kineto: GPU n is pid n; host processes have their OS pid
+            if isinstance(pid, int) and not isinstance(pid, bool):
+                label = f"GPU {pid}" if 0 <= pid < 64 else "CPU"
+            else:
+                label = str(pid) if pid not in (None, "") else ""
+        base = name.strip() if name else (f"stream {tid}" if label.startswith("GPU") else f"thread {tid}")
+        return f"{label} · {base}" if label else base
+
+    def rewrite(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        newpid = self.proc.pid
+        off = self.proc.offset_us
+        for e in events:
+            ph = e.get("ph")
+            pid, tid = e.get("pid"), e.get("tid")
+            if ph == "M":
+                name = e.get("name")
+                if name in _DROPPED_META:
+                    if name == "process_labels" and isinstance(e.get("args"), dict):
+                        lab = e["args"].get("labels")
+                        if isinstance(lab, str):
+                            self.labels[pid] = lab
+                    continue
+                t = self._tid(pid, tid, out)
+                args = e.get("args") if isinstance(e.get("args"), dict) else {}
+                if name == "thread_name":
+                    args = {"name": self._thread_label(pid, tid, args.get("name"))}
+                    self.named.add(t)
+                out.append({**e, "pid": newpid, "tid": t, "args": args, "ts": 0})
+                continue
+            if ph in _FLOW_PHASES:
+                fid = e.get("id")
+                if not isinstance(e.get("ts"), (int, float)) or not (isinstance(fid, (int, str)) and not isinstance(fid, bool)):
+                    self.flows_dropped += 1
+                    continue
+                e["id"] = fid + self.flow_shift if isinstance(fid, int) else f"{self.flow_shift}:{fid}"
+            t = self._tid(pid, tid, out)
+            if t not in self.named:
+                self.named.add(t)
+                out.append({"ph": "M", "name": "thread_name", "pid": newpid, "tid": t, "ts": 0,
+                            "args": {"name": self._thread_label(pid, tid, None)}})
+            e["pid"] = newpid
+            e["tid"] = t
+            ts = e.get("ts")
+            if isinstance(ts, (int, float)) and not isinstance(ts, bool):
+                e["ts"] = ts + off
+            if e.get("cat") == "kernel":
+                self.proc.kernels += 1
+            out.append(e)
+        self.proc.events += len(events)
+        return out
+
+
+def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path) -> TimelineReport:
+    """Merge every trace under ``paths`` into ``out`` (``.json`` or ``.json.gz``).
+
+    Sources are ordered by stage, replica, rank. A source that cannot be read is left out and
+    named in ``errors`` (a source cut short keeps the events read before the cut); ``TraceError``
+    when none is usable.
+    """
+    sources = find_sources(paths)
+    headers: list[tuple[TraceSource, dict[str, Any]]] = []
+    errors: list[str] = []
+    for src in sources:
+        try:
+            headers.append((src, read_header(src.path)))
+        except TraceError as err:
+            errors.append(str(err))
+    if not headers:
+        raise TraceError("no readable trace to merge: " + "; ".join(errors), details={"errors": errors})
+
+    def order(item: tuple[TraceSource, dict[str, Any]]) -> tuple[int, int, int, str]:
+        src, head = item
+        r = _rank(head, src.path)
+        return (src.stage_id if src.stage_id is not None else 1 << 30, src.replica or 0, r or 0, str(src.path))
+
+    headers.sort(key=order)
+    bases = [_as_int(h.get("baseTimeNanoseconds")) for _, h in headers]
+    known = [b for b in bases if b is not None]
+    base = min(known) if known else None
+    report = TimelineReport(out=str(out), base_time_ns=base, errors=errors)
+    procs = []
+    for i, ((src, head), b) in enumerate(zip(headers, bases)):
+        rank = _rank(head, src.path)
+        procs.append(TimelineProcess(
+            pid=i + 1, name=process_name(src, rank), file=str(src.path), stage_id=src.stage_id,
+            replica=src.replica, rank=rank, kind=src.kind,
+            offset_us=((b - base) / 1000.0) if (b is not None and base is not None) else 0.0,
+        ))
+    header: dict[str, Any] = {"schemaVersion": 1, "displayTimeUnit": "ms"}
+    if base is not None:
+        header["baseTimeNanoseconds"] = base
+    header["otherData"] = {"omni_sidecar_timeline": [
+        {"pid": p.pid, "name": p.name, "file": p.file, "offset_us": p.offset_us} for p in procs]}
+    with TraceWriter(out, header) as w:
+        for p in procs:
+            w.write([
+                {"ph": "M", "name": "process_name", "pid": p.pid, "tid": 0, "ts": 0, "args": {"name": p.name}},
+                {"ph": "M", "name": "process_sort_index", "pid": p.pid, "tid": 0, "ts": 0, "args": {"sort_index": p.pid}},
+            ])
+        for i, p in enumerate(procs):
+            rw = _SourceRewriter(p, i)
+            reader = RawTraceReader(p.file)
+            try:
+                for batch in reader.batches():
+                    w.write(rw.rewrite(batch))
+            except TraceError as err:
+                errors.append(str(err))
+            if reader.truncated and reader.error:
+                errors.append(reader.error)
+            report.flows_dropped += rw.flows_dropped
+        report.events, report.raw_bytes = w.events, w.raw_bytes
+    report.processes = procs
+    return report
+
+
+__all__ = ["TimelineProcess", "TimelineReport", "process_name", "write_timeline"]

@@ -1,0 +1,79 @@
+"""HTTP: a capture's merged timeline and the diff of two captures (``sidecar.analysis``).
+
+``GET /v1/captures/{id}/timeline`` streams one Perfetto trace of every stage/replica/rank of a
+terminal capture (built once, kept beside the journal's summary); ``GET /v1/captures/{a}/diff/{b}``
+compares two terminal captures per stage. Thin: the controller finds the capture and its traces
+(``sidecar.control.artifacts.trace_paths``); the analysis layer does the rest, in a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import FileResponse, JSONResponse
+
+from sidecar.control import artifacts
+from sidecar.errors import CaptureError
+from sidecar.scrub import Scrubber
+
+router = APIRouter(tags=["captures"])
+
+
+@functools.lru_cache(maxsize=1)
+def _scrubber() -> Scrubber:
+    return Scrubber()
+
+
+def _traces(request: Request, capture_id: str) -> tuple[Any, list[Path]]:
+    controller = request.app.state.controller
+    cap = controller.get(capture_id)  # CaptureNotFound -> 404
+    if not cap.terminal:
+        raise CaptureError(
+            f"capture {capture_id} is {cap.state.value}; its traces are there once it is terminal "
+            f"(wait with POST /v1/captures/{capture_id}/stop?wait=true)",
+            code="capture_not_terminal",
+            details={"state": cap.state.value},
+        )
+    paths = artifacts.trace_paths(cap.verdicts)
+    if not paths:
+        raise CaptureError(
+            f"capture {capture_id} has no readable trace (state {cap.state.value}); see its verdicts",
+            code="summary_unavailable",
+        )
+    return controller, paths
+
+
+def _timeline_file(controller: Any, capture_id: str) -> Path:
+    journal = getattr(controller, "journal", None)
+    folder = journal.summary_path(capture_id).parent if journal is not None else Path(tempfile.gettempdir()) / "omni-sidecar"
+    return folder / f"{capture_id}.timeline.json.gz"
+
+
+_locks: dict[str, asyncio.Lock] = {}
+
+
+@router.get("/v1/captures/{capture_id}/timeline", summary="One Perfetto trace of every stage, replica and rank")
+async def capture_timeline(request: Request, capture_id: str) -> FileResponse:
+    from sidecar.analysis.timeline import write_timeline
+
+    controller, paths = _traces(request, capture_id)
+    out = _timeline_file(controller, capture_id)
+    async with _locks.setdefault(capture_id, asyncio.Lock()):
+        if not out.is_file():
+            await asyncio.to_thread(write_timeline, paths, out)
+    return FileResponse(out, media_type="application/gzip", filename=f"{capture_id}.timeline.json.gz")
+
+
+@router.get("/v1/captures/{a}/diff/{b}", summary="Per stage: ops and kernels by change in self CPU / device time (B - A)")
+async def capture_diff(request: Request, a: str, b: str, top: int = Query(20, ge=1, le=500)) -> JSONResponse:
+    from sidecar.analysis.diff import diff_paths
+
+    _, pa = _traces(request, a)
+    _, pb = _traces(request, b)
+    result = await asyncio.to_thread(diff_paths, pa, pb, top=top, label_a=a, label_b=b)
+    return JSONResponse(_scrubber().data(result.model_dump(mode="json")))

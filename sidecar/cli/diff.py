@@ -1,0 +1,102 @@
+"""CLI: ``omni-sidecar diff A B [--json]``: which ops and kernels changed between two captures.
+
+A and B are trace files or folders, or with ``--sidecar URL`` capture ids on a running sidecar
+(its ``GET /v1/captures/{a}/diff/{b}``). Thin over ``sidecar.analysis.diff``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from sidecar.analysis.diff import CaptureDiff, StageDiff, diff_paths
+from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console
+from sidecar.errors import SidecarError
+
+
+def _ms(us: float | None) -> str:
+    return "-" if us is None else f"{us / 1000:,.3f}"
+
+
+def _d(us: float) -> str:
+    return f"{us / 1000:+,.3f}"
+
+
+def _short(name: str, width: int = 70) -> str:
+    return name if len(name) <= width else name[: width - 1] + "…"
+
+
+def _print_stage(title: str, s: StageDiff) -> None:
+    t = s.totals
+    console.print(
+        f"[bold]{escape(title)}[/]: window {_ms(t.span_us_a)} → {_ms(t.span_us_b)} ms; self CPU of ops "
+        f"{_ms(t.cpu_op_self_us_a)} → {_ms(t.cpu_op_self_us_b)} ms; GPU {_ms(t.gpu_us_a)} → {_ms(t.gpu_us_b)} ms; "
+        f"kernels {t.kernels_a:,} → {t.kernels_b:,}; step {_ms(t.step_mean_us_a)} → {_ms(t.step_mean_us_b)} ms",
+        highlight=False,
+    )
+    tab = Table("op", "count A→B", "self CPU ms A", "B", "Δ", title="ops by change in self CPU time")
+    for o in s.ops_by_self_cpu:
+        tab.add_row(_short(o.name), f"{o.count_a:,}→{o.count_b:,}", _ms(o.self_us_a), _ms(o.self_us_b), _d(o.delta_self_us))
+    console.print(tab)
+    if s.ops_by_self_device:
+        tab = Table("op", "count A→B", "self device ms A", "B", "Δ", title="ops by change in self device time")
+        for o in s.ops_by_self_device:
+            tab.add_row(_short(o.name), f"{o.count_a:,}→{o.count_b:,}", _ms(o.self_device_us_a), _ms(o.self_device_us_b), _d(o.delta_self_device_us))
+        console.print(tab)
+    if s.kernels:
+        tab = Table("kind", "name", "count A→B", "ms A", "B", "Δ", title="kernels / memcpy / memset by change in time")
+        for k in s.kernels:
+            tab.add_row(k.kind, _short(k.name), f"{k.count_a:,}→{k.count_b:,}", _ms(k.total_us_a), _ms(k.total_us_b), _d(k.delta_us))
+        console.print(tab)
+
+
+def _remote(url: str, a: str, b: str, top: int) -> CaptureDiff:
+    import httpx
+
+    headers = {}
+    token = os.environ.get("OMNI_SIDECAR_TOKEN")
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/v1/captures/{a}/diff/{b}", params={"top": top}, headers=headers, timeout=600)
+    except httpx.HTTPError as err:
+        raise SidecarError(f"cannot reach the sidecar at {url}: {err}; is `omni-sidecar serve` running?", code="sidecar_unreachable") from None
+    if r.status_code != 200:
+        try:
+            body = r.json()
+            err = body.get("error", body) if isinstance(body, dict) else {}
+            msg, code = err.get("message", r.text), err.get("code", "diff_failed")
+        except ValueError:
+            msg, code = r.text, "diff_failed"
+        raise SidecarError(f"sidecar answered {r.status_code}: {msg}", code=str(code))
+    return CaptureDiff.model_validate(r.json())
+
+
+@app.command("diff")
+def diff(
+    a: str = typer.Argument(..., help="capture A: a trace file or folder (or a capture id with --sidecar)"),
+    b: str = typer.Argument(..., help="capture B, the same way"),
+    top: int = typer.Option(20, "--top", min=1, help="rows per table"),
+    as_json: bool = typer.Option(False, "--json", help="print the diff as JSON"),
+    sidecar: str | None = typer.Option(None, "--sidecar", envvar="OMNI_SIDECAR_URL", help="A and B are capture ids on this sidecar"),
+) -> None:
+    """Per stage: ops and kernels ranked by the change in self CPU and self device time, B − A."""
+    with cli_errors():
+        result = _remote(sidecar, a, b, top) if sidecar else diff_paths([Path(a)], [Path(b)], top=top)
+    if as_json:
+        console.print_json(json.dumps(result.model_dump(mode="json")))
+    else:
+        console.print(f"A = {escape(result.a)}\nB = {escape(result.b)}", highlight=False)
+        if len(result.stages) > 1:
+            for s in result.stages:
+                _print_stage(f"stage {s.stage_id if s.stage_id is not None else '?'}", s)
+        else:
+            _print_stage("all", result.total)
+    for msg in result.errors:
+        err_console.print(f"[bold red]error[/]: {escape(msg)}", highlight=False)
+    if result.errors:
+        raise typer.Exit(EXIT_ERROR)

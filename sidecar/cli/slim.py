@@ -1,0 +1,35 @@
+"""CLI: ``omni-sidecar slim TRACE -o OUT [--drop CAT,...] [--window step:N|START..END] [--max-mb M]``:
+a smaller, valid copy of a trace that Perfetto's UI opens. Thin over ``sidecar.analysis.slim``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+
+from sidecar.analysis.slim import slim_trace
+from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console
+
+
+@app.command("slim")
+def slim(
+    trace: Path = typer.Argument(..., help="a trace file (.json / .json.gz)"),
+    out: Path = typer.Option(..., "-o", "--out", help="the smaller trace (.json or .json.gz)"),
+    drop: str = typer.Option("", "--drop", help="categories to leave out, e.g. python_function,ac2g"),
+    window: str | None = typer.Option(None, "--window", help="step:N (ProfilerStep#N) or START..END in ms from the trace start"),
+    max_mb: float | None = typer.Option(None, "--max-mb", min=1, help="drop more (stacks, flows, API calls, then time) until the JSON fits"),
+) -> None:
+    """Write a smaller copy of a trace: fewer categories, one step or time window, a size cap."""
+    cats = [c.strip() for c in drop.split(",") if c.strip()]
+    with cli_errors():
+        r = slim_trace(trace, out, drop=cats, window=window, max_mb=max_mb)
+    console.print(
+        f"wrote {escape(str(out))}: {r.events_out:,} of {r.events_in:,} events, "
+        f"{r.raw_bytes_out / 1e6:,.1f} MB of JSON (from {r.raw_bytes_in / 1e6:,.1f} MB)"
+        + (f"; dropped {', '.join(r.dropped_categories)}" if r.dropped_categories else ""),
+        highlight=False,
+    )
+    if not r.fits:
+        err_console.print(f"[bold red]error[/]: still larger than {max_mb} MB; use a narrower --window", highlight=False)
+        raise typer.Exit(EXIT_ERROR)

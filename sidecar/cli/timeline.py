@@ -1,0 +1,40 @@
+"""CLI: ``omni-sidecar timeline PATH... -o OUT.json.gz``: one Perfetto trace of a whole capture.
+
+Thin: ``sidecar.analysis.timeline.write_timeline`` does the work; this prints one line per
+process. Exit 1 when a source could not be read (the others are still merged)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+
+from sidecar.analysis.timeline import write_timeline
+from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console
+
+
+@app.command("timeline")
+def timeline(
+    paths: list[Path] = typer.Argument(..., help="trace files, session folders or a capture's folder"),
+    out: Path = typer.Option(..., "-o", "--out", help="the merged trace (.json or .json.gz)"),
+    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+) -> None:
+    """Merge every stage/replica/rank trace into one timeline, each a named process, clocks aligned."""
+    with cli_errors():
+        report = write_timeline(paths, out)
+    if as_json:
+        from dataclasses import asdict
+
+        console.print_json(json.dumps(asdict(report)))
+    else:
+        for p in report.processes:
+            console.print(f"pid {p.pid}: [bold]{escape(p.name)}[/] {p.events:,} events, {p.kernels:,} kernels, "
+                          f"clock {p.offset_us:+,.1f} µs  ({escape(p.file)})", highlight=False)
+        console.print(f"wrote {escape(str(out))}: {report.events:,} events, {report.raw_bytes / 1e6:,.1f} MB of JSON; "
+                      "open it in https://ui.perfetto.dev", highlight=False)
+    for msg in report.errors:
+        err_console.print(f"[bold red]error[/]{escape('[trace_invalid]')}: {escape(msg)}", highlight=False)
+    if report.errors:
+        raise typer.Exit(EXIT_ERROR)

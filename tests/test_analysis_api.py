@@ -1,0 +1,42 @@
+"""The HTTP routes of the analysis: a capture's timeline and the diff of two captures, on the
+real app and controller over a real fake-upstream socket (the ``api`` fixture of test_api)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from typing import Any
+
+from tests.test_api import AppClient, api, error_of  # noqa: F401  (api is a fixture)
+
+
+async def _capture(client: Any, stages: list[int]) -> str:
+    cap = (await client.post("/v1/captures", json={"stages": stages})).json()
+    done = await client.post(f"/v1/captures/{cap['id']}/stop", params={"wait": "true", "timeout": 30})
+    assert done.json()["state"] == "completed", done.json()
+    return cap["id"]
+
+
+async def test_timeline_route_serves_one_process_per_stage(api: AppClient) -> None:  # noqa: F811
+    client = await api()
+    cid = await _capture(client, [0, 2])
+    reply = await client.get(f"/v1/captures/{cid}/timeline", timeout=60)
+    doc = json.loads(gzip.decompress(reply.content))
+    names = sorted(e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name")
+    assert (reply.status_code, names) == (200, ["stage 0 · replica 0 · rank 0 (llm)", "stage 2 · replica 0 · rank 0 (llm)"])
+
+
+async def test_diff_route_compares_two_captures_per_stage(api: AppClient) -> None:  # noqa: F811
+    client = await api()
+    a = await _capture(client, [0, 2])
+    b = await _capture(client, [0])
+    reply = await client.get(f"/v1/captures/{a}/diff/{b}", params={"top": 5}, timeout=60)
+    body = reply.json()
+    assert (reply.status_code, body["a"], [s["stage_id"] for s in body["stages"]]) == (200, a, [0, 2])
+
+
+async def test_timeline_of_an_active_capture_is_409(api: AppClient) -> None:  # noqa: F811
+    client = await api()
+    cap = (await client.post("/v1/captures", json={"stages": [0]})).json()
+    reply = await client.get(f"/v1/captures/{cap['id']}/timeline")
+    assert (reply.status_code, error_of(reply)["code"]) == (409, "capture_not_terminal")

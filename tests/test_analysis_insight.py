@@ -1,0 +1,255 @@
+"""Per-GPU truth, insight, timeline, slim and diff: against torch's key_averages on real H200
+traces (committed), hand-built traces, the CLI and the HTTP routes."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sidecar.analysis import summarize_paths, summarize_trace
+from sidecar.analysis.diff import diff_paths
+from sidecar.analysis.slim import slim_trace
+from sidecar.analysis.timeline import write_timeline
+from sidecar.errors import SlimWindowInvalid
+from tests.fixtures.analysis import load_trace, rebased_copy
+
+COMMITTED = ["cuda_small", "cuda_small_stack", "fleet_rank0", "fleet_rank1"]
+_STEP = re.compile(r"^ProfilerStep#\d+$")
+
+
+def _ref_rows(trace_data: Path, name: str) -> list[dict]:
+    data = json.loads((trace_data / f"{name}.key_averages.json").read_text())
+    if isinstance(data, dict) and "rows" in data:
+        return data["rows"]
+    return [{"key": k, **v} for k, v in data.items()]
+
+
+def _device_rows(summary) -> dict[str, float]:
+    """Self device time per op and per annotation, ``ProfilerStep#N`` pooled as key_averages does."""
+    rows = {o.name: o.self_device_us for o in summary.cpu_ops}
+    for o in summary.annotations:
+        key = "ProfilerStep*" if _STEP.match(o.name) else o.name
+        rows[key] = rows.get(key, 0.0) + o.self_device_us
+    return rows
+
+
+@pytest.mark.parametrize("name", COMMITTED)
+def test_top10_self_device_time_equals_key_averages(trace_data, name):
+    s = summarize_trace(trace_data / f"{name}.json.gz", top=100_000)
+    ours = _device_rows(s)
+    annotations = {"ProfilerStep*" if _STEP.match(o.name) else o.name for o in s.annotations}
+    ref = [r for r in _ref_rows(trace_data, name) if r["self_device_us"] > 0
+           and (r["device_type"] == "DeviceType.CPU" or r["key"] in annotations)]
+    top10 = sorted(ref, key=lambda r: -r["self_device_us"])[:10]
+    off = {r["key"][:60]: (ours.get(r["key"]), r["self_device_us"]) for r in top10
+           if ours.get(r["key"]) is None or abs(ours[r["key"]] - r["self_device_us"]) > 0.02 * r["self_device_us"]}
+    assert (len(top10), off) == (10, {})
+
+
+def test_user_annotations_get_their_gpu_span_as_self_device_time(trace_data):
+    rows = {o.name: o for o in summarize_trace(trace_data / "fleet_rank0.json.gz", top=1000).annotations}
+    ref = {r["key"]: r for r in _ref_rows(trace_data, "fleet_rank0") if r["device_type"] == "DeviceType.CUDA"}
+    assert rows["Optimizer.step#AdamW.step"].self_device_us == pytest.approx(ref["Optimizer.step#AdamW.step"]["self_device_us"], rel=1e-4)
+
+
+def test_devices_of_different_stages_are_not_added_together(write_trace, x_event, tmp_path):
+    # two stage processes, each sees its GPU as cuda:0 and itself as rank 0: 90 µs busy of 100 each
+    for sid in (0, 1):
+        write_trace([x_event("op", 0, 100, External_id=1),
+                     x_event("k", 5, 90, cat="kernel", pid=0, tid=7, External_id=1, device=0, stream=7)],
+                    f"20261201-100000_stage{sid}_rank0_1764500000/trace_rank0.json")
+    s = summarize_paths([tmp_path])
+    got = [(d.stage_id, d.rank, d.device, d.busy_us, round(d.idle_share, 3)) for d in s.devices]
+    assert got == [(0, 0, 0, 90.0, 0.1), (1, 0, 0, 90.0, 0.1)]
+
+
+def test_overhead_is_charged_out_of_every_op_even_past_4096(write_trace, x_event):
+    # each op: 100 µs, an API call at +50 (5 µs) preceded by a 10 µs CUPTI buffer request at +38
+    n = 5000
+    events = [x_event("op", i * 1000, 100, tid=1, pid=1, External_id=i + 1) for i in range(n)]
+    events += [x_event("Activity Buffer Request", i * 1000 + 38, 10, cat="overhead", pid=1, tid=0) for i in range(n)]
+    events += [x_event("cudaLaunchKernel", i * 1000 + 50, 5, cat="cuda_runtime", pid=1, tid=1, External_id=i + 1, correlation=i + 1)
+               for i in range(n)]
+    s = summarize_trace(write_trace(events), top=10)
+    op = next(o for o in s.cpu_ops if o.name == "op")
+    assert (op.self_us, s.totals.profiler_overhead_us) == (pytest.approx(n * (100 - 5 - 10)), pytest.approx(n * 10))
+
+
+def test_engine_step_kinds_and_gpu_split(write_trace, x_event):
+    events = [
+        x_event("execute_context_1(17)_generation_0(0)", 0, 30, cat="user_annotation"),
+        x_event("execute_context_0(0)_generation_2(2)", 40, 10, cat="user_annotation"),
+        x_event("execute_context_0(0)_generation_2(2)", 60, 10, cat="user_annotation"),
+        x_event("execute_context_1(5)_generation_1(1)", 80, 20, cat="user_annotation"),
+        x_event("k", 0, 30, cat="kernel", pid=0, tid=7, device=0, stream=7),
+        x_event("m", 40, 10, cat="gpu_memcpy", pid=0, tid=7, device=0, stream=7),
+    ]
+    s = summarize_trace(write_trace(events))
+    kinds = {k.kind: (k.count, k.total_us, k.mean_us) for k in s.engine_step_kinds}
+    assert (kinds, s.gpu_split.kernel_share) == ({"prefill": (1, 30.0, 30.0), "decode": (2, 20.0, 10.0), "mixed": (1, 20.0, 20.0)}, 0.75)
+
+
+def test_straggler_is_the_slowest_replica_against_the_median(write_trace, x_event, tmp_path):
+    for rep, step in enumerate((10.0, 10.0, 30.0)):
+        write_trace([x_event("ProfilerStep#1", 0, step, cat="user_annotation")],
+                    f"replica_{rep}/20261201-100000_stage0_rank0_1764500000/trace_rank0.json")
+    g = summarize_paths([tmp_path]).stragglers
+    assert [(x.stage_id, x.slowest_replica, x.metric, x.ratio, x.members) for x in g] == [(0, 2, "step_mean", 3.0, 3)]
+
+
+def test_files_summarised_in_parallel_equal_one_by_one(trace_data, tmp_path):
+    for i, name in enumerate(COMMITTED):
+        d = tmp_path / f"20261201-10000{i}_stage{i}_rank0_1764500000"
+        d.mkdir()
+        shutil.copy(trace_data / f"{name}.json.gz", d / "trace_rank0.json.gz")
+    one = summarize_paths([tmp_path], workers=1).model_dump()
+    two = summarize_paths([tmp_path], workers=2).model_dump()
+    assert one == two
+
+
+def test_a_trace_too_big_to_open_is_flagged_with_the_slim_command(trace_data, monkeypatch):
+    import sidecar.analysis.summary as summary
+
+    monkeypatch.setattr(summary, "TOO_BIG_BYTES", 1000)
+    s = summarize_paths([trace_data / "cuda_small.json.gz"])
+    assert (s.files[0].too_big, "omni-sidecar slim" in s.warnings[0]) == (True, True)
+
+
+# --- timeline ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def three_stage_capture(trace_data, tmp_path) -> Path:
+    """Stages 0, 1 (LLM) and 2 (diffusion) from the committed H200 traces; stage 1's clock base
+    is 5 s later than the others'."""
+    root = tmp_path / "capture"
+    for sid, name in ((0, "fleet_rank0"), (1, "fleet_rank1"), (2, "cuda_small")):
+        folder = (f"20261201-100000_stage{sid}_rank0_1764500000" if sid < 2
+                  else f"20261201-100000_stage_{sid}_rep_0_diffusion_1764500000")
+        dst = root / folder / "trace_rank0.json.gz"
+        if sid == 1:
+            rebased_copy(trace_data / f"{name}.json.gz", dst, 5_000_000_000)
+        else:
+            dst.parent.mkdir(parents=True)
+            shutil.copy(trace_data / f"{name}.json.gz", dst)
+    return root
+
+
+def _kernels(events, pid=None):
+    return sorted((e["name"], e["ts"]) for e in events if e.get("cat") == "kernel" and (pid is None or e["pid"] == pid))
+
+
+def test_timeline_names_one_process_per_stage(three_stage_capture, tmp_path):
+    write_timeline([three_stage_capture], tmp_path / "t.json.gz")
+    doc = load_trace(tmp_path / "t.json.gz")
+    names = sorted(e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name")
+    assert names == ["stage 0 · replica 0 · rank 0 (llm)", "stage 1 · replica 0 · rank 1 (llm)",
+                     "stage 2 · replica 0 · rank 0 (diffusion)"]
+
+
+def test_timeline_keeps_every_kernel_on_each_trace_s_own_clock(three_stage_capture, tmp_path):
+    report = write_timeline([three_stage_capture], tmp_path / "t.json.gz")
+    out = load_trace(tmp_path / "t.json.gz")["traceEvents"]
+    off = {}
+    for p in report.processes:
+        src = _kernels(load_trace(Path(p.file))["traceEvents"])
+        got = _kernels(out, p.pid)
+        assert [n for n, _ in got] == [n for n, _ in src]
+        shift = {round(g - s - p.offset_us, 3) for (_, g), (_, s) in zip(got, src)}
+        assert max(abs(x) for x in shift) < 1000.0  # within 1 ms of its own trace's timestamps
+        off[p.stage_id] = p.offset_us
+    assert off == {0: 0.0, 1: 5_000_000.0, 2: 0.0}
+
+
+def test_timeline_keeps_flows_with_ids_unique_per_source(three_stage_capture, tmp_path):
+    write_timeline([three_stage_capture], tmp_path / "t.json.gz")
+    out = load_trace(tmp_path / "t.json.gz")["traceEvents"]
+    src_flows = sum(1 for f in three_stage_capture.rglob("*.json.gz") for e in load_trace(f)["traceEvents"] if e.get("ph") in ("s", "f"))
+    ids = {(e["pid"], e["id"]) for e in out if e.get("ph") == "s"}
+    assert (sum(1 for e in out if e.get("ph") in ("s", "f")), len(ids) == len({i for _, i in ids})) == (src_flows, True)
+
+
+# --- slim ----------------------------------------------------------------------------------
+
+
+def test_slim_to_one_step_keeps_that_step_s_events_only(trace_data, tmp_path):
+    src = trace_data / "cuda_small.json.gz"
+    r = slim_trace(src, tmp_path / "s.json.gz", window="step:2")
+    events = load_trace(tmp_path / "s.json.gz")["traceEvents"]
+    step = next(e for e in events if e.get("name") == "ProfilerStep#2")
+    lo, hi = step["ts"], step["ts"] + step["dur"]
+    outside = [e for e in events if e.get("ph") == "X" and (e["ts"] + e.get("dur", 0) < lo or e["ts"] > hi)]
+    assert (outside, 0 < r.events_out < r.events_in, any(e.get("name") == "ProfilerStep#1" for e in events)) == ([], True, False)
+
+
+def test_slim_fits_max_mb_and_stays_valid(trace_data, tmp_path):
+    r = slim_trace(trace_data / "cuda_small_stack.json.gz", tmp_path / "s.json", max_mb=0.2)
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert (r.fits, r.raw_bytes_out <= 200_000, len(doc["traceEvents"]) > 0, "python_function" in r.dropped_categories) == (True, True, True, True)
+
+
+def test_slim_rejects_a_missing_step(trace_data, tmp_path):
+    with pytest.raises(SlimWindowInvalid) as info:
+        slim_trace(trace_data / "cuda_small.json.gz", tmp_path / "s.json", window="step:9")
+    assert "ProfilerStep#9" in str(info.value)
+
+
+# --- diff ----------------------------------------------------------------------------------
+
+
+def test_diff_of_a_capture_with_itself_is_zero(trace_data):
+    d = diff_paths([trace_data / "fleet_rank0.json.gz"], [trace_data / "fleet_rank0.json.gz"])
+    assert {o.delta_self_us for o in d.total.ops_by_self_cpu} | {k.delta_us for k in d.total.kernels} == {0.0}
+
+
+def test_diff_ranks_by_change_with_both_counts(trace_data):
+    a, b = trace_data / "fleet_rank0.json.gz", trace_data / "fleet_rank1.json.gz"
+    d = diff_paths([a], [b], top=1000)
+    sa = {o.name: o for o in summarize_trace(a, top=1000).annotations}
+    sb = {o.name: o for o in summarize_trace(b, top=1000).annotations}
+    row = next(o for o in d.total.ops_by_self_device if o.name == "gloo:all_reduce")
+    deltas = [abs(o.delta_self_device_us) for o in d.total.ops_by_self_device]
+    assert ((row.count_a, row.count_b), row.delta_self_device_us, deltas == sorted(deltas, reverse=True)) == (
+        (12, 12), pytest.approx(sb["gloo:all_reduce"].self_device_us - sa["gloo:all_reduce"].self_device_us), True)
+
+
+# --- CLI -----------------------------------------------------------------------------------
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_timeline_writes_a_trace(three_stage_capture, tmp_path):
+    r = _cli("timeline", str(three_stage_capture), "-o", str(tmp_path / "t.json.gz"))
+    assert (r.returncode, "stage 2 · replica 0 · rank 0 (diffusion)" in r.stdout, (tmp_path / "t.json.gz").is_file()) == (0, True, True)
+
+
+def test_cli_slim_and_diff(trace_data, tmp_path):
+    r = _cli("slim", str(trace_data / "cuda_small.json.gz"), "-o", str(tmp_path / "s.json.gz"), "--drop", "python_function,ac2g", "--window", "step:1")
+    d = _cli("diff", str(trace_data / "fleet_rank0.json.gz"), str(trace_data / "fleet_rank1.json.gz"), "--json", "--top", "3")
+    assert (r.returncode, d.returncode, len(json.loads(d.stdout)["total"]["kernels"])) == (0, 0, 3)
+
+
+def test_cli_slim_bad_window_exits_1(trace_data, tmp_path):
+    r = _cli("slim", str(trace_data / "cuda_small.json.gz"), "-o", str(tmp_path / "s.json"), "--window", "soon")
+    assert (r.returncode, "slim_window_invalid" in r.stderr, "Traceback" in r.stderr) == (1, True, False)
+
+
+@pytest.mark.parametrize("chunk", [4096, 65536])
+def test_python_stack_events_are_counted_without_decoding_and_nothing_else_is_lost(trace_data, chunk):
+    from sidecar.analysis.reader import TraceReader
+
+    path = trace_data / "cuda_small_stack.json.gz"
+    every = [e for b in TraceReader(path, chunk_size=chunk).batches() for e in b]
+    fast = TraceReader(path, chunk_size=chunk, skip_python=True)
+    kept = [e for b in fast.batches() for e in b]
+    others = [e for e in every if e.cat != "python_function"]
+    assert (len(kept) + fast.skipped, [(e.name, e.ts) for e in kept if e.cat != "python_function"],
+            fast.skipped > 0) == (len(every), [(e.name, e.ts) for e in others], True)
