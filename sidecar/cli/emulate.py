@@ -41,13 +41,30 @@ def emulate(
     ),
     fault_hang_stop: bool = typer.Option(False, "--fault-hang-stop", help="Test aid: stop never replies."),
     fault_start_500: bool = typer.Option(False, "--fault-start-500", help="Test aid: start answers 500."),
+    stage_overrides: Optional[str] = typer.Option(
+        None, "--stage-overrides", help="Per-stage JSON merged over the deploy file, as `vllm serve --omni` does."
+    ),
+    profiler_config: Optional[str] = typer.Option(
+        None, "--profiler-config", help="Server-wide ProfilerConfig JSON reaching every stage, as `vllm serve` takes it."
+    ),
 ) -> None:
     """Run a stand-in vLLM-Omni 0.30 server: one CPU worker per stage, real torch profiler traces."""
     if flavor not in ("omni", "vllm"):
         raise typer.BadParameter(f"--flavor must be omni or vllm (got {flavor!r})")
     try:
+        from sidecar.config.deploy import load_deploy_config
         from sidecar.emulator.options import EmulatorOptions
         from sidecar.emulator.server import serve
+
+        server_args = {"stage_overrides": stage_overrides, "profiler_config": profiler_config}
+        given = {k: v for k, v in server_args.items() if v is not None}
+        if given:
+            # Refuse bad JSON / keys / stage ids here, with the key named, before any worker starts.
+            load_deploy_config(deploy_config, platform="cuda", **given)
+            missing = [k for k in given if k not in EmulatorOptions.model_fields]
+            if missing:
+                flags = ", ".join("--" + k.replace("_", "-") for k in missing)
+                raise typer.BadParameter(f"this emulator build does not take {flags} yet (EmulatorOptions lacks it)")
 
         serve(
             EmulatorOptions(
@@ -64,6 +81,7 @@ def emulate(
                 fault_die_after_start=fault_die_after_start,
                 fault_hang_stop=fault_hang_stop,
                 fault_start_500=fault_start_500,
+                **given,
             )
         )
     except ValidationError as err:  # an out-of-range option value
