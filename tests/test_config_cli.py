@@ -249,3 +249,20 @@ def test_serve_plain_vllm_without_a_deploy_yaml(serve_process) -> None:
         time.sleep(0.5)
     assert proc.poll() is None, "serve exited"
     assert stages is not None and [(s["stage_id"], s["profiler_dir"]) for s in stages] == [(0, "/srv/vllm-traces")]
+
+
+def test_emulate_refuses_bad_stage_overrides_before_starting(qwen25_deploy: Path) -> None:
+    proc = run("emulate", "--deploy-config", qwen25_deploy, "--stage-overrides", '{"9": {}}')
+    assert proc.returncode == 1 and "stage_overrides_invalid" in proc.stderr
+
+
+def test_serve_reads_the_server_command_line_from_the_environment(tmp_path: Path, monkeypatch) -> None:
+    from sidecar.config.settings import SidecarSettings
+
+    monkeypatch.setenv("OMNI_SIDECAR_PROFILER_CONFIG", '{"profiler": "cuda"}')
+    monkeypatch.setenv("OMNI_SIDECAR_STAGE_OVERRIDES", '{"0": {"profiler_config": {"profiler": "cuda"}}}')
+    settings = SidecarSettings()
+    assert (settings.profiler_config, settings.stage_overrides) == (
+        '{"profiler": "cuda"}',
+        '{"0": {"profiler_config": {"profiler": "cuda"}}}',
+    )
