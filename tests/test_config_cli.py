@@ -229,13 +229,11 @@ def serve_process(tmp_path: Path):
             proc.wait(timeout=30)
 
 
-def test_serve_plain_vllm_without_a_deploy_yaml(serve_process) -> None:
+def _stages_of(proc: subprocess.Popen[str], port: int) -> list[dict] | None:
     import time
 
     import httpx
 
-    proc, port = serve_process("--upstream", "http://127.0.0.1:9", "--flavor", "vllm",
-                               "--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/srv/vllm-traces"}')  # fmt: skip
     deadline = time.monotonic() + 90
     stages = None
     while time.monotonic() < deadline and proc.poll() is None:
@@ -248,7 +246,22 @@ def test_serve_plain_vllm_without_a_deploy_yaml(serve_process) -> None:
             pass
         time.sleep(0.5)
     assert proc.poll() is None, "serve exited"
+    return stages
+
+
+def test_serve_plain_vllm_without_a_deploy_yaml(serve_process) -> None:
+    proc, port = serve_process("--upstream", "http://127.0.0.1:9", "--flavor", "vllm",
+                               "--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/srv/vllm-traces"}')  # fmt: skip
+    stages = _stages_of(proc, port)
     assert stages is not None and [(s["stage_id"], s["profiler_dir"]) for s in stages] == [(0, "/srv/vllm-traces")]
+
+
+def test_serve_accepts_an_all_cuda_deploy(serve_process, tmp_path: Path) -> None:
+    path = tmp_path / "nsys.yaml"
+    path.write_text("stages:\n  - {stage_id: 0, profiler_config: {profiler: cuda}}\n")
+    proc, port = serve_process("--upstream", "http://127.0.0.1:9", "--deploy-config", str(path))
+    stages = _stages_of(proc, port)
+    assert stages is not None and [s["profiler"] for s in stages] == ["cuda"]
 
 
 def test_emulate_refuses_bad_stage_overrides_before_starting(qwen25_deploy: Path) -> None:
