@@ -504,6 +504,21 @@ def _build_stage(stage: dict[str, Any], file: str) -> tuple[Stage, list[Finding]
                     key=kind_key,
                 )
             kind = StageKind(value)
+            if kind_key == "emulator_stage_kind":
+                findings.append(
+                    Finding(
+                        code="emulator_only_key",
+                        severity=Severity.warning,
+                        message=(
+                            "`emulator_stage_kind` is for the emulator only: vLLM-Omni 0.30's resolver refuses unknown "
+                            "stage keys at start-up (\"no structured config owner\" / \"Unknown diffusion config "
+                            "field(s)\"); drop it for a real server (the emulator also takes --diffusion-stages)"
+                        ),
+                        stage_id=sid,
+                        key=kind_key,
+                        where=flat.where_of(kind_key),
+                    )
+                )
             break
     devices = stage["devices"]
     return (

@@ -165,3 +165,12 @@ def test_stage_override_shape_errors_match_vllm_omni(omni: Any) -> None:
             omni.parse_stage_overrides(bad)
         with pytest.raises(ConfigError):
             load_deploy_config(Path(__file__).parents[2] / "configs" / "qwen2_5_omni.yaml", stage_overrides=bad)
+
+
+def test_real_resolver_refuses_the_emulator_only_key(omni: Any, tmp_path: Path) -> None:
+    # Why `emulator_only_key` is a warning: 0.30 validates every stage key against its config owners.
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump({"stages": [{"stage_id": 0, "emulator_stage_kind": "llm"}]}))
+    with pytest.raises(ValueError, match="emulator_stage_kind"):  # as LLM stage and as diffusion stage
+        omni.resolve(path, "cuda")
+    assert "emulator_only_key" in {f.code for f in load_deploy_config(path).findings}
