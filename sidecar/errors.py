@@ -121,6 +121,35 @@ class ValidationFailed(ConfigError):
     code = "validation_failed"
 
 
+class StageOverridesInvalid(ConfigError):
+    """``--stage-overrides`` is not a JSON object of stage id -> overrides, names an unknown stage,
+    or sets a bad profiler key or value (the server would refuse to start, or skip the stage)."""
+
+    code = "stage_overrides_invalid"
+    http_status = 422
+
+
+class ProfilerConfigArgInvalid(ConfigError):
+    """``--profiler-config`` (the server-wide JSON) is not JSON or not a valid ProfilerConfig."""
+
+    code = "profiler_config_arg_invalid"
+    http_status = 422
+
+
+class PlatformUnknown(ConfigError):
+    """``--platform`` is not one of vLLM-Omni's platform names (a typo would apply no overlay)."""
+
+    code = "platform_unknown"
+    http_status = 422
+
+
+class LegacySchemaRefused(ConfigError):
+    """A top-level ``stage_args:`` deploy file, which vLLM-Omni 0.30 refuses at start-up."""
+
+    code = "legacy_schema"
+    http_status = 422
+
+
 # --- request / stage selection ------------------------------------------------------------
 
 

@@ -112,3 +112,170 @@ def test_render_stage_overrides_prints_json(qwen25_deploy: Path) -> None:
 def test_render_bad_stages_exit_1(qwen25_deploy: Path, stages: str) -> None:
     proc = run("render", qwen25_deploy, "--profile", "light", "--stages", stages, "--stage-overrides")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
+
+
+# --- the server's command line, plain vLLM, legacy files, platforms, placeholders, nsys --------
+
+
+def test_validate_legacy_file_exits_1_with_the_migration(deploy_data: Path) -> None:
+    proc = run("validate", deploy_data / "legacy_stage_args.yaml")
+    assert proc.returncode == 1
+    assert "error[legacy_schema]" in proc.stderr and "rename the top-level `stage_args:` key to `stages:`" in proc.stderr
+
+
+def test_validate_legacy_file_with_allow_legacy_exits_0_with_the_warning(deploy_data: Path) -> None:
+    proc = run("validate", deploy_data / "legacy_stage_args.yaml", "--allow-legacy")
+    assert proc.returncode == 0 and "warning[legacy_schema]" in proc.stdout
+
+
+def test_validate_plain_vllm_from_profiler_config_alone() -> None:
+    proc = run("validate", "--json", "--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/srv/v", "max_iterations": 4}')
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert (report["file"], [(s["stage_id"], s["dir"]) for s in report["stages"]]) == (None, [(0, "/srv/v")])
+
+
+def test_validate_applies_stage_overrides(qwen25_deploy: Path) -> None:
+    proc = run("validate", qwen25_deploy, "--json", "--stage-overrides", '{"1": {"profiler_config": {"torch_profiler_dir": "/elsewhere"}}}')
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["stages"][1]["dir"] == "/elsewhere"
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--stage-overrides", "{0: 1}"), "--stage-overrides is not valid JSON"),
+        (("--stage-overrides", '{"5": {}}'), "names stages [5]"),
+        (("--stage-overrides", '{"0": {"profiler_config": {"max_iterations": "many"}}}'), "max_iterations"),
+        (("--profiler-config", '{"profiler": "nsys"}'), "--profiler-config"),
+        (("--platform", "cdua"), "cuda, rocm, npu, xpu, musa"),
+    ],
+    ids=["not_json", "unknown_stage", "bad_value", "bad_global", "platform_typo"],
+)
+def test_validate_bad_command_line_exits_1_naming_the_key(qwen25_deploy: Path, args: tuple[str, ...], needle: str) -> None:
+    proc = run("validate", qwen25_deploy, *args)
+    assert proc.returncode == 1 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_validate_accepts_an_all_cuda_deploy(tmp_path: Path) -> None:
+    path = tmp_path / "nsys.yaml"
+    path.write_text("stages:\n  - {stage_id: 0, profiler_config: {profiler: cuda}}\n")
+    assert run("validate", path).returncode == 0
+
+
+def test_validate_refuses_an_unexpanded_dir_placeholder(tmp_path: Path) -> None:
+    path = tmp_path / "d.yaml"
+    path.write_text("stages:\n  - {stage_id: 0, profiler_config: {profiler: torch, torch_profiler_dir: '/p/replica{replica}'}}\n")
+    proc = run("validate", path)
+    assert proc.returncode == 1 and "error[profiler_dir_placeholder]" in proc.stdout
+
+
+def test_render_expands_replica_and_host(qwen25_deploy: Path) -> None:
+    proc = run("render", qwen25_deploy, "--profile", "light", "--stages", "2", "--stage-overrides",
+               "--dir", "/data/perf/{host}/replica{replica}", "--replica", "1", "--host", "node7")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["2"]["profiler_config"]["torch_profiler_dir"] == "/data/perf/node7/replica1/stage2"
+
+
+def test_render_placeholder_without_replica_exits_1(qwen25_deploy: Path) -> None:
+    proc = run("render", qwen25_deploy, "--profile", "light", "--dir", "/data/perf/replica{replica}")
+    assert proc.returncode == 1 and "--replica N" in proc.stderr
+
+
+def test_render_nsys_prints_the_wrapper(qwen25_deploy: Path) -> None:
+    proc = run("render", qwen25_deploy, "--profile", "nsys", "--stages", "1", "--stage-overrides")
+    assert proc.returncode == 0, proc.stderr
+    json.loads(proc.stdout)  # stdout stays the pasteable JSON
+    assert "nsys profile" in proc.stderr and "--capture-range=cudaProfilerApi" in proc.stderr
+    assert ".nsys-rep" in proc.stderr
+
+
+def test_serve_refuses_legacy_and_bad_overrides(deploy_data: Path, qwen25_deploy: Path) -> None:
+    legacy = run("serve", "--upstream", "http://127.0.0.1:9", "--deploy-config", deploy_data / "legacy_stage_args.yaml")
+    assert legacy.returncode == 1 and "error[legacy_schema]" in legacy.stderr
+    bad = run("serve", "--upstream", "http://127.0.0.1:9", "--deploy-config", qwen25_deploy, "--stage-overrides", '{"9": {}}')
+    assert bad.returncode == 1 and "error[stage_overrides_invalid]" in bad.stderr
+
+
+def test_serve_without_config_says_how_to_describe_the_server() -> None:
+    proc = run("serve", "--upstream", "http://127.0.0.1:9")
+    assert proc.returncode == 1 and "--profiler-config" in proc.stderr
+
+
+@pytest.fixture
+def serve_process(tmp_path: Path):
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> tuple[subprocess.Popen[str], int]:
+        from sidecar._process import free_port
+
+        port = free_port()
+        log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sidecar", "serve", "--port", str(port), "--state-dir", str(tmp_path / "state"), *args],
+            stdout=log, stderr=subprocess.STDOUT, text=True,
+            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+        )  # fmt: skip
+        procs.append(proc)
+        return proc, port
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def _stages_of(proc: subprocess.Popen[str], port: int) -> list[dict] | None:
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + 90
+    stages = None
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            resp = httpx.get(f"http://127.0.0.1:{port}/v1/stages", timeout=30)
+            if resp.status_code == 200:
+                stages = resp.json()["stages"]
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    assert proc.poll() is None, "serve exited"
+    return stages
+
+
+def test_serve_plain_vllm_without_a_deploy_yaml(serve_process) -> None:
+    proc, port = serve_process("--upstream", "http://127.0.0.1:9", "--flavor", "vllm",
+                               "--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/srv/vllm-traces"}')  # fmt: skip
+    stages = _stages_of(proc, port)
+    assert stages is not None and [(s["stage_id"], s["profiler_dir"]) for s in stages] == [(0, "/srv/vllm-traces")]
+
+
+def test_serve_accepts_an_all_cuda_deploy(serve_process, tmp_path: Path) -> None:
+    path = tmp_path / "nsys.yaml"
+    path.write_text("stages:\n  - {stage_id: 0, profiler_config: {profiler: cuda}}\n")
+    proc, port = serve_process("--upstream", "http://127.0.0.1:9", "--deploy-config", str(path))
+    stages = _stages_of(proc, port)
+    assert stages is not None and [s["profiler"] for s in stages] == ["cuda"]
+
+
+def test_emulate_refuses_bad_stage_overrides_before_starting(qwen25_deploy: Path) -> None:
+    proc = run("emulate", "--deploy-config", qwen25_deploy, "--stage-overrides", '{"9": {}}')
+    assert proc.returncode == 1 and "stage_overrides_invalid" in proc.stderr
+
+
+def test_serve_reads_the_server_command_line_from_the_environment(tmp_path: Path, monkeypatch) -> None:
+    from sidecar.config.settings import SidecarSettings
+
+    monkeypatch.setenv("OMNI_SIDECAR_PROFILER_CONFIG", '{"profiler": "cuda"}')
+    monkeypatch.setenv("OMNI_SIDECAR_STAGE_OVERRIDES", '{"0": {"profiler_config": {"profiler": "cuda"}}}')
+    settings = SidecarSettings()
+    assert (settings.profiler_config, settings.stage_overrides) == (
+        '{"profiler": "cuda"}',
+        '{"0": {"profiler_config": {"profiler": "cuda"}}}',
+    )

@@ -14,9 +14,16 @@ from rich.markup import escape
 from rich.table import Table
 
 from sidecar.cli._app import EXIT_ERROR, EXIT_OK, EXIT_UNREADABLE, app, cli_errors, console, err_console, parse_stage_list
-from sidecar.config.deploy import PLATFORMS, load_deploy_config
+from sidecar.config.deploy import PLATFORMS, load_deploy_config, load_server_config
 from sidecar.config.models import DeployConfig
-from sidecar.config.profiles import list_profiles, render_overlay, render_stage_overrides
+from sidecar.config.profiles import (
+    list_profiles,
+    load_profile,
+    nsys_command,
+    nsys_report_pattern,
+    render_overlay,
+    render_stage_overrides,
+)
 from sidecar.config.rules import validate_deploy
 from sidecar.config.verl import format_replicas, installed_rank_mode, read_verl_config, verl_findings
 from sidecar.errors import ConfigUnreadable, Finding, SidecarError
@@ -53,7 +60,8 @@ def _stage_rows(deploy: DeployConfig, findings: list[Finding]) -> list[dict[str,
 
 
 def _print_table(deploy: DeployConfig, rows: list[dict[str, Any]], findings: list[Finding]) -> None:
-    table = Table(title=f"{deploy.path} (platform {deploy.platform or 'none'})", title_justify="left")
+    title = str(deploy.path) if deploy.path else "plain vLLM (--profiler-config)"
+    table = Table(title=f"{title} (platform {deploy.platform or 'none'})", title_justify="left")
     for col in ("id", "kind", "profiler", "dir", "findings"):
         table.add_column(col, overflow="fold")
     for row in rows:
@@ -71,9 +79,14 @@ def _print_table(deploy: DeployConfig, rows: list[dict[str, Any]], findings: lis
         console.print(f"[{style}]{escape(str(f))}[/]", highlight=False, soft_wrap=True)
 
 
-@app.command()
+STAGE_OVERRIDES_HELP = "the server's --stage-overrides JSON, e.g. '{\"0\": {\"profiler_config\": {...}}}'"
+PROFILER_CONFIG_HELP = "the server's --profiler-config JSON (reaches every stage; alone: a plain `vllm serve`)"
+
+
 def validate(
-    deploy_file: Annotated[Path, typer.Argument(metavar="DEPLOY", help="vLLM-Omni deploy YAML")],
+    deploy_file: Annotated[
+        Optional[Path], typer.Argument(metavar="[DEPLOY]", help="vLLM-Omni deploy YAML (omit for plain vLLM)")
+    ] = None,
     stages: Annotated[
         Optional[str], typer.Option("--stages", help="stages you mean to capture, e.g. 0,2 (default: all torch stages)")
     ] = None,
@@ -84,6 +97,11 @@ def validate(
     platform: Annotated[str, typer.Option("--platform", help=f"platform overlay to apply: {', '.join(PLATFORMS)}")] = "cuda",
     nsys: Annotated[bool, typer.Option("--nsys", help="the capture is an nsys one: cuda stages may be targeted")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print a machine-readable report")] = False,
+    stage_overrides: Annotated[Optional[str], typer.Option("--stage-overrides", help=STAGE_OVERRIDES_HELP)] = None,
+    profiler_config: Annotated[Optional[str], typer.Option("--profiler-config", help=PROFILER_CONFIG_HELP)] = None,
+    allow_legacy: Annotated[
+        bool, typer.Option("--allow-legacy", help="read a pre-0.30 `stage_args:` file (0.30 refuses it) with a warning")
+    ] = False,
 ) -> None:
     """Check a deploy YAML (and a verl config) for discrete torch profiling before anything starts."""
     with cli_errors():
@@ -91,7 +109,14 @@ def validate(
         if role not in ("rollout", "reward"):
             raise typer.BadParameter(f"--role must be rollout or reward, got {role!r}")
         try:
-            deploy = load_deploy_config(deploy_file, platform=platform)
+            deploy = load_server_config(
+                deploy_file,
+                flavor="omni" if deploy_file is not None else "vllm",
+                platform=platform,
+                stage_overrides=stage_overrides,
+                profiler_config=profiler_config,
+                allow_legacy=allow_legacy,
+            )
             findings = validate_deploy(deploy, stages=stage_list, allow_cuda=nsys)
             plan = None
             if verl_config is not None:
@@ -100,7 +125,9 @@ def validate(
                 findings += verl_findings(plan, rank_mode=rank_mode)
         except SidecarError as err:
             if as_json:
-                console.print_json(json.dumps({"ok": False, "file": str(deploy_file), "error": err.to_dict()}))
+                console.print_json(
+                    json.dumps({"ok": False, "file": str(deploy_file) if deploy_file else None, "error": err.to_dict()})
+                )
             else:
                 _print_error_line(err)
             raise typer.Exit(_exit_code(err)) from None
@@ -109,7 +136,7 @@ def validate(
         if as_json:
             report = {
                 "ok": ok,
-                "file": str(deploy_file),
+                "file": str(deploy_file) if deploy_file else None,
                 "platform": platform,
                 "legacy_schema": deploy.legacy_schema,
                 "base_chain": [str(p) for p in deploy.base_chain],
@@ -139,6 +166,9 @@ def validate(
         raise typer.Exit(EXIT_OK if ok else EXIT_ERROR)
 
 
+app.command()(validate)
+
+
 @app.command()
 def render(
     deploy_file: Annotated[Path, typer.Argument(metavar="DEPLOY", help="the deploy YAML to start from")],
@@ -152,8 +182,17 @@ def render(
         bool, typer.Option("--stage-overrides", help="print the JSON for `vllm serve --omni --stage-overrides`")
     ] = False,
     platform: Annotated[str, typer.Option("--platform", help="platform overlay to apply when reading DEPLOY")] = "cuda",
+    replica: Annotated[
+        Optional[int], typer.Option("--replica", help="fills {replica} in --dir: the index of the server this is for")
+    ] = None,
+    host: Annotated[
+        Optional[str], typer.Option("--host", help="fills {host} in --dir (default: this machine's hostname)")
+    ] = None,
 ) -> None:
-    """Render a stage profile for chosen stages as a deploy overlay (base_config) or --stage-overrides JSON."""
+    """Render a stage profile for chosen stages as a deploy overlay (base_config) or --stage-overrides JSON.
+
+    --dir may hold {replica} and {host} (e.g. '/data/perf/{host}/replica{replica}' --replica 1): they
+    are expanded here, so each replica of a fleet gets its own trace folders."""
     with cli_errors():
         if output is not None and stage_overrides:
             raise typer.BadParameter("use either -o OUT (overlay file) or --stage-overrides (JSON), not both")
@@ -161,23 +200,38 @@ def render(
         try:
             if stage_list is None:
                 stage_list = load_deploy_config(deploy_file, platform=platform).stage_ids
+            where = {"out_dir": out_dir, "platform": platform, "replica": replica, "host": host}
             if stage_overrides:
-                console.print(
-                    render_stage_overrides(deploy_file, profile, stage_list, out_dir=out_dir, platform=platform),
-                    highlight=False,
-                    soft_wrap=True,
-                )
+                text = render_stage_overrides(deploy_file, profile, stage_list, **where)  # type: ignore[arg-type]
+                console.print(text, highlight=False, soft_wrap=True)
+                _print_nsys_hint(profile, load_deploy_config(deploy_file, platform=platform, stage_overrides=text), None)
                 return
             target = output if output is not None else Path.cwd() / "overlay.yaml"
-            text = render_overlay(deploy_file, profile, stage_list, out_path=target, out_dir=out_dir, platform=platform)
+            text = render_overlay(deploy_file, profile, stage_list, out_path=target, **where)  # type: ignore[arg-type]
             if output is None:
                 console.print(text, highlight=False, soft_wrap=True, markup=False)
+                _print_nsys_hint(profile, None, "<this overlay>")
                 return
             output.parent.mkdir(parents=True, exist_ok=True)
             output.write_text(text, encoding="utf-8")
             # The overlay must load exactly like any deploy file; refuse to leave a broken one behind.
-            load_deploy_config(output, platform=platform)
+            rendered = load_deploy_config(output, platform=platform)
             err_console.print(f"wrote {output} (profile {profile}, stages {stage_list})", highlight=False)
+            _print_nsys_hint(profile, rendered, None)
         except SidecarError as err:
             _print_error_line(err)
             raise typer.Exit(_exit_code(err)) from None
+
+
+def _print_nsys_hint(profile: str, deploy: DeployConfig | None, deploy_path: str | None) -> None:
+    """For a ``profiler: cuda`` profile, the nsys wrapper the server needs (stderr: stdout stays pasteable)."""
+    if load_profile(profile).profiler_config.get("profiler") != "cuda":
+        return
+    command = nsys_command(deploy or DeployConfig(stages=[]), deploy_config=deploy_path)
+    err_console.print(
+        "profiler: cuda writes nothing itself; start the server under nsys, e.g.\n"
+        f"  {command}\nreports land in {nsys_report_pattern()} (one per capture window)",
+        highlight=False,
+        soft_wrap=True,
+        markup=False,
+    )

@@ -55,13 +55,26 @@ def emulate(
     worker_start: str = typer.Option(
         "forkserver", "--worker-start", help="How process workers start: forkserver (torch preloaded once) or spawn."
     ),
+    stage_overrides: Optional[str] = typer.Option(
+        None, "--stage-overrides", help="Per-stage JSON merged over the deploy file, as `vllm serve --omni` does."
+    ),
+    profiler_config: Optional[str] = typer.Option(
+        None, "--profiler-config", help="Server-wide ProfilerConfig JSON reaching every stage, as `vllm serve` takes it."
+    ),
 ) -> None:
     """Run a stand-in vLLM-Omni 0.30 server: one CPU worker per stage, real torch profiler traces."""
     if flavor not in ("omni", "vllm"):
         raise typer.BadParameter(f"--flavor must be omni or vllm (got {flavor!r})")
     try:
+        from sidecar.config.deploy import load_deploy_config
         from sidecar.emulator.options import EmulatorOptions
         from sidecar.emulator.server import serve
+
+        server_args = {"stage_overrides": stage_overrides, "profiler_config": profiler_config}
+        given = {k: v for k, v in server_args.items() if v is not None}
+        if given:
+            # Refuse bad JSON / keys / stage ids here, with the key named, before any worker starts.
+            load_deploy_config(deploy_config, platform="cuda", **given)
 
         serve(
             EmulatorOptions(
@@ -81,6 +94,7 @@ def emulate(
                 fault_stop_500=fault_stop_500,
                 workers=workers,  # type: ignore[arg-type]
                 worker_start=worker_start,  # type: ignore[arg-type]
+                **given,
             )
         )
     except ValidationError as err:  # an out-of-range option value

@@ -33,11 +33,21 @@ def serve(
         Optional[list[str]],
         typer.Option("--artifact-root", help="SERVER_PATH=LOCAL_PATH where the server's trace dirs are mounted here"),
     ] = None,
+    stage_overrides: Annotated[
+        Optional[str], typer.Option("--stage-overrides", help="the --stage-overrides JSON the server was started with")
+    ] = None,
+    profiler_config: Annotated[
+        Optional[str],
+        typer.Option(
+            "--profiler-config",
+            help="the --profiler-config JSON the server was started with (with --flavor vllm: no --deploy-config needed)",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
 ) -> None:
     """Run the sidecar's HTTP API beside a vLLM-Omni server (OpenAPI at /docs)."""
     with cli_errors():
-        from sidecar.config.deploy import load_deploy_config
+        from sidecar.config.deploy import load_server_config
         from sidecar.config.rules import validate_deploy
         from sidecar.config.settings import SidecarSettings
         from sidecar.errors import ConfigError, ValidationFailed
@@ -52,24 +62,29 @@ def serve(
             "flavor": flavor,
             "platform": platform,
             "artifact_roots": artifact_root or None,
+            "stage_overrides": stage_overrides,
+            "profiler_config": profiler_config,
         }
         try:
             settings = SidecarSettings(**{k: v for k, v in given.items() if v is not None})
         except ValueError as err:  # pydantic ValidationError: a flag or env value out of range
             raise ConfigError(f"invalid setting: {err}") from None
-        if settings.deploy_config is None:
-            raise ConfigError(
-                "no deploy config: pass --deploy-config FILE (the YAML `vllm serve --omni` was started with)",
-                key="deploy_config",
-            )
         settings.read_token()  # an unreadable token file must stop start-up, not open the routes
-        deploy = load_deploy_config(settings.deploy_config, platform=settings.platform)
+        # A legacy `stage_args:` file is refused: a 0.30 server cannot have started with it.
+        deploy = load_server_config(
+            settings.deploy_config,
+            flavor=settings.flavor,
+            platform=settings.platform,
+            stage_overrides=settings.stage_overrides,
+            profiler_config=settings.profiler_config,
+        )
         findings = validate_deploy(deploy)  # includes the loader's own findings
         errors = [f for f in findings if f.is_error]
         if errors:
             raise ValidationFailed(
-                f"{settings.deploy_config} is not a valid deploy for profiling; fix the errors below "
-                f"(`omni-sidecar validate {settings.deploy_config}` checks it)",
+                f"{settings.deploy_config or 'the server config'} is not a valid deploy for profiling; fix the errors "
+                "below (`omni-sidecar validate` with the same --deploy-config / --stage-overrides / "
+                "--profiler-config checks it)",
                 findings=errors,
             )
         for finding in findings:
@@ -81,7 +96,7 @@ def serve(
 
         fastapi_app = build_app(settings, deploy)
         err_console.print(
-            f"omni-sidecar: upstream {settings.upstream_url}, deploy {settings.deploy_config}, "
+            f"omni-sidecar: upstream {settings.upstream_url}, deploy {settings.deploy_config or '(--profiler-config)'}, "
             f"http://{settings.host}:{settings.port} (docs at /docs)",
             highlight=False,
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +19,45 @@ from pydantic import ValidationError
 
 from sidecar.config._yaml import MarkedDict, MarkedList, load_yaml
 from sidecar.config.models import DeployConfig, Stage, StageKind
+from sidecar.config.overrides import (
+    PROFILER_CONFIG_FLAG,
+    RUNTIME_KEYS,
+    STAGE_OVERRIDES_FLAG,
+    cli_profiler_config,
+    deep_merge,
+    parse_profiler_config_arg,
+    parse_stage_overrides,
+)
 from sidecar.config.profiler import ProfilerConfig, _is_uri_path
-from sidecar.errors import ConfigError, ConfigUnreadable, Finding, Severity, Where
+from sidecar.errors import (
+    ConfigError,
+    ConfigUnreadable,
+    Finding,
+    LegacySchemaRefused,
+    PlatformUnknown,
+    ProfilerConfigArgInvalid,
+    Severity,
+    StageOverridesInvalid,
+    Where,
+)
 
-__all__ = ["PLATFORMS", "STAGE_KIND_KEYS", "load_deploy_config", "profiler_config_error", "resolve_deploy"]
+__all__ = [
+    "PLATFORMS",
+    "STAGE_KIND_KEYS",
+    "check_platform",
+    "deploy_from_profiler_config",
+    "load_deploy_config",
+    "load_server_config",
+    "profiler_config_error",
+    "resolve_deploy",
+]
 
 PLATFORMS = ("cuda", "rocm", "npu", "xpu", "musa")
 # The emulator-only key wins over ``stage_type`` (the legacy schema's own field).
 STAGE_KIND_KEYS = ("emulator_stage_kind", "stage_type")
 
+# vllm_omni.platforms.interface.OmniPlatformEnum (less OOT / UNSPECIFIED): the overlay key is the
+# platform's lower-case device name.
 # vllm_omni.config.stage_config._STAGE_RESERVED_KEYS: not engine args.
 _STAGE_RESERVED_KEYS = frozenset(
     {
@@ -299,9 +330,19 @@ def _flatten_stage(entry: MarkedDict) -> MarkedDict:
     for k, v in engine_args.items():
         old = flat.get(k)
         _set(flat, k, _merge(old, v) if isinstance(v, dict) and isinstance(old, dict) else v, engine_args)
-    # An explicit engine_extras block never supplies the profiler_config field.
+    # ``profiler_config`` is a StageDeployConfig field, so it never lands in the extras from the
+    # flat keys; an explicit ``engine_extras.profiler_config`` is kept apart: it wins (see _yaml_pc).
     extras = {k: v for k, v in (entry.get("engine_extras") or {}).items() if k != "profiler_config"}
     return _merge(extras, flat) if extras else flat
+
+
+def _explicit_extras_pc(entry: MarkedDict) -> tuple[Any, Where | None] | None:
+    """``engine_extras.profiler_config`` of a stage entry (value, where), or None when absent."""
+    extras = entry.get("engine_extras")
+    if not isinstance(extras, dict) or "profiler_config" not in extras:
+        return None
+    where = extras.where_of("profiler_config") if isinstance(extras, MarkedDict) else getattr(entry, "where", None)
+    return extras["profiler_config"], where
 
 
 def _runtime(entry: MarkedDict) -> dict[str, Any]:
@@ -329,8 +370,17 @@ def _apply_platform(stage: dict[str, Any], ps: MarkedDict) -> None:
     if devices is not None:
         stage["devices"] = devices
     for key, value in overrides.items():
-        if key == "num_replicas":
-            stage["num_replicas"] = value
+        if key in ("num_replicas", "devices", "env"):
+            # StageDeployConfig fields: ``setattr`` upstream, never engine extras.
+            stage[key] = value
+        elif key == "engine_extras" and isinstance(value, dict):
+            # A dict-valued _DEEP_MERGE_KEYS field: shallow-merged; its profiler_config wins later.
+            if "profiler_config" in value:
+                where = value.where_of("profiler_config") if isinstance(value, MarkedDict) else None
+                stage["extras_pc"] = (value["profiler_config"], where)
+            rest = {k: v for k, v in value.items() if k != "profiler_config"}
+            for k, v in rest.items():
+                _set(stage["flat"], k, v, value)
         elif key in _DEEP_MERGE_KEYS and isinstance(value, dict) and isinstance(stage["flat"].get(key), dict):
             stage["flat"][key] = {**stage["flat"][key], **value}
         else:
@@ -367,8 +417,7 @@ def _build_stage(stage: dict[str, Any], file: str) -> tuple[Stage, list[Finding]
         marks["stage"] = entry_where
     if "stage_id" in stage["marks"]:
         marks["stage_id"] = stage["marks"]["stage_id"]
-    raw_pc = flat.get("profiler_config")
-    pc_where = flat.where_of("profiler_config") if "profiler_config" in flat else entry_where
+    raw_pc, pc_where, source = stage["pc"], stage["pc_where"] or entry_where, stage["pc_source"]
     profiler: ProfilerConfig | None = None
     if raw_pc is not None:
         if not isinstance(raw_pc, dict):
@@ -382,6 +431,7 @@ def _build_stage(stage: dict[str, Any], file: str) -> tuple[Stage, list[Finding]
             marks["profiler_config"] = pc_where
         for k in raw_pc:
             w = raw_pc.where_of(k) if isinstance(raw_pc, MarkedDict) else None
+            w = stage["pc_key_where"].get(k) or w
             if w:
                 marks[f"profiler_config.{k}"] = w
         try:
@@ -389,12 +439,27 @@ def _build_stage(stage: dict[str, Any], file: str) -> tuple[Stage, list[Finding]
         except ValidationError as err:
             message, key = profiler_config_error(err)
             where = marks.get(f"profiler_config.{key}") if key else None
-            raise ConfigError(
-                f"stage {sid}: profiler_config: {message}",
-                code="profiler_config_invalid",
+            # A merge the command line took part in is the command line's to fix.
+            flag = source if source in (STAGE_OVERRIDES_FLAG, PROFILER_CONFIG_FLAG) else None
+            error_cls: type[ConfigError] = ConfigError
+            hint = ""
+            if flag == STAGE_OVERRIDES_FLAG:
+                error_cls, hint = StageOverridesInvalid, (
+                    f" (from {STAGE_OVERRIDES_FLAG}[\"{sid}\"].profiler_config, deep-merged over the deploy file's; "
+                    "fix the JSON)"
+                )
+            elif flag == PROFILER_CONFIG_FLAG:
+                error_cls, hint = ProfilerConfigArgInvalid, (
+                    f" (after merging {PROFILER_CONFIG_FLAG} over the deploy file's: vLLM-Omni passes every field of "
+                    "that JSON, the ones it leaves out at vLLM's defaults; set the key in the JSON, or give this "
+                    f"stage its own {STAGE_OVERRIDES_FLAG} entry)"
+                )
+            raise error_cls(
+                f"stage {sid}: profiler_config: {message}{hint}",
+                code=error_cls.code if error_cls is not ConfigError else "profiler_config_invalid",
                 where=where or pc_where,
                 key=f"profiler_config.{key}" if key else "profiler_config",
-                details={"stage_id": sid, "vllm_error": err.errors()[0].get("msg")},
+                details={"stage_id": sid, "vllm_error": err.errors()[0].get("msg"), "source": source},
             ) from None
         raw_dir = raw_pc.get("torch_profiler_dir")
         if isinstance(raw_dir, str) and raw_dir and not _is_uri_path(raw_dir) and not os.path.isabs(
@@ -439,6 +504,21 @@ def _build_stage(stage: dict[str, Any], file: str) -> tuple[Stage, list[Finding]
                     key=kind_key,
                 )
             kind = StageKind(value)
+            if kind_key == "emulator_stage_kind":
+                findings.append(
+                    Finding(
+                        code="emulator_only_key",
+                        severity=Severity.warning,
+                        message=(
+                            "`emulator_stage_kind` is for the emulator only: vLLM-Omni 0.30's resolver refuses unknown "
+                            "stage keys at start-up (\"no structured config owner\" / \"Unknown diffusion config "
+                            "field(s)\"); drop it for a real server (the emulator also takes --diffusion-stages)"
+                        ),
+                        stage_id=sid,
+                        key=kind_key,
+                        where=flat.where_of(kind_key),
+                    )
+                )
             break
     devices = stage["devices"]
     return (
@@ -451,28 +531,108 @@ def _build_stage(stage: dict[str, Any], file: str) -> tuple[Stage, list[Finding]
             where=entry_where,
             extras=extras,
             marks=marks,
+            profiler_source=source if profiler is not None else None,
         ),
         findings,
     )
 
 
-def load_deploy_config(path: str | Path, *, platform: str | None = "cuda") -> DeployConfig:
-    """Read a deploy YAML as vLLM-Omni 0.30 would on ``platform`` (``None``: no platform overlay)."""
+def check_platform(platform: str | None) -> str | None:
+    """``platform`` when it is one of vLLM-Omni's names (or None: no overlay), else ``PlatformUnknown``."""
+    if platform is None or platform in PLATFORMS:
+        return platform
+    close = difflib.get_close_matches(str(platform), PLATFORMS, n=1, cutoff=0.5)
+    hint = f"did you mean `{close[0]}`? " if close else ""
+    raise PlatformUnknown(
+        f"unknown platform {platform!r}: vLLM-Omni applies `platforms.<name>` overlays for "
+        f"{', '.join(PLATFORMS)} only (a typo would silently apply none); {hint}pass --platform one of those",
+        key="platform",
+        details={"platform": platform, "choices": list(PLATFORMS)},
+    )
+
+
+def _yaml_pc(stage: dict[str, Any]) -> tuple[Any, Where | None, str | None]:
+    """The deploy file's profiler_config for a stage: ``engine_extras.profiler_config`` when present
+    (``engine_args.update(engine_extras)`` upstream: it replaces the flat key, even with null)."""
+    if stage["extras_pc"] is not None:
+        value, where = stage["extras_pc"]
+        return value, where, "engine_extras"
+    flat: MarkedDict = stage["flat"]
+    if flat.get("profiler_config") is None:
+        return None, None, None
+    return flat["profiler_config"], flat.where_of("profiler_config"), "yaml"
+
+
+def _apply_cli(
+    stage: dict[str, Any],
+    stage_overrides: dict[str, dict[str, Any]] | None,
+    global_pc: dict[str, Any] | None,
+) -> None:
+    """The command line over one stage: profiler_config deep-merged (the stage's own override
+    replacing the global one), ``devices`` / ``num_replicas`` replaced, the rest kept as extras."""
+    sid = stage["stage_id"]
+    raw, where, source = _yaml_pc(stage)
+    stage["pc_key_where"] = {}
+    cli_pc, flag = cli_profiler_config(sid, stage_overrides, global_pc)
+    if cli_pc is not None:
+        if isinstance(raw, dict):
+            merged = _marked(raw)
+            for k, v in deep_merge(raw, cli_pc).items():
+                merged[k] = v
+            raw = merged
+        else:
+            raw = cli_pc
+        # Findings and errors about a key the command line set point at the flag, not the file.
+        stage["pc_key_where"] = {k: Where(file=flag) for k in cli_pc}
+        where = where or Where(file=flag)
+        source = flag
+    stage["pc"], stage["pc_where"], stage["pc_source"] = raw, where, source
+    own = (stage_overrides or {}).get(str(sid)) or {}
+    for key, value in own.items():
+        if key == "profiler_config" or value is None:
+            continue  # None: vLLM-Omni drops unset overrides
+        if key in RUNTIME_KEYS:
+            stage[key] = value
+        else:
+            old = stage["flat"].get(key)
+            stage["flat"][key] = deep_merge(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
+
+
+def _legacy_finding(doc: MarkedDict) -> Finding:
+    return Finding(
+        code="legacy_schema",
+        severity=Severity.warning,
+        message=f"uses the removed `stage_args` schema, which vLLM-Omni 0.30 rejects at start-up; {_LEGACY_MIGRATION}",
+        key="stage_args",
+        where=doc.where_of("stage_args"),
+    )
+
+
+def load_deploy_config(
+    path: str | Path,
+    *,
+    platform: str | None = "cuda",
+    stage_overrides: str | Mapping[str, Any] | None = None,
+    profiler_config: str | Mapping[str, Any] | None = None,
+) -> DeployConfig:
+    """Read a deploy YAML as vLLM-Omni 0.30 would on ``platform`` (``None``: no platform overlay),
+    started with ``--stage-overrides`` / ``--profiler-config`` (JSON text or mappings).
+
+    Each stage's ``profiler_config`` is the server's effective one: the file's (``engine_args``
+    over the flat key, the platform overlay replacing it, ``engine_extras.profiler_config``
+    winning over both), then the command line deep-merged over it. A stage override naming a stage
+    the file lacks is refused (``StageOverridesInvalid``): the server would silently ignore it.
+    """
     path = Path(path)
+    platform = check_platform(platform)
+    overrides = parse_stage_overrides(stage_overrides)
+    global_pc = parse_profiler_config_arg(profiler_config)
     doc, chain = _resolve(path, [])
     findings: list[Finding] = []
     legacy = "stage_args" in doc
     if legacy:
         entries = doc.get("stage_args") or []
-        findings.append(
-            Finding(
-                code="legacy_schema",
-                severity=Severity.warning,
-                message=f"uses the removed `stage_args` schema, which vLLM-Omni 0.30 rejects at start-up; {_LEGACY_MIGRATION}",
-                key="stage_args",
-                where=doc.where_of("stage_args"),
-            )
-        )
+        findings.append(_legacy_finding(doc))
     else:
         entries = doc.get("stages") or []
     stages: dict[int, dict[str, Any]] = {}
@@ -481,6 +641,7 @@ def load_deploy_config(path: str | Path, *, platform: str | None = "cuda") -> De
         stages[entry["stage_id"]] = {
             "stage_id": entry["stage_id"],
             "flat": _flatten_stage(entry),
+            "extras_pc": _explicit_extras_pc(entry),
             "where": getattr(entry, "where", None),
             "marks": {"stage_id": entry.where_of("stage_id", value=True)} if isinstance(entry, MarkedDict) else {},
             **rt,
@@ -490,8 +651,18 @@ def load_deploy_config(path: str | Path, *, platform: str | None = "cuda") -> De
         for ps in section.get("stages") or []:
             if ps["stage_id"] in stages:
                 _apply_platform(stages[ps["stage_id"]], ps)
+    unknown = sorted(int(k) for k in (overrides or {}) if int(k) not in stages)
+    if unknown:
+        raise StageOverridesInvalid(
+            f"{STAGE_OVERRIDES_FLAG} names stages {unknown} that {path} does not define (it has "
+            f"{sorted(stages)}); vLLM-Omni would ignore them silently. Use the deploy file's stage ids",
+            key=f"stage_overrides[\"{unknown[0]}\"]",
+            where=Where(file=STAGE_OVERRIDES_FLAG),
+            details={"stages": unknown, "known": sorted(stages)},
+        )
     built: list[Stage] = []
     for stage in stages.values():
+        _apply_cli(stage, overrides, global_pc)
         s, f = _build_stage(stage, str(path))
         built.append(s)
         findings.extend(f)
@@ -502,4 +673,78 @@ def load_deploy_config(path: str | Path, *, platform: str | None = "cuda") -> De
         legacy_schema=legacy,
         base_chain=chain,
         findings=findings,
+        stage_overrides=overrides,
+        profiler_config_arg=global_pc,
     )
+
+
+def deploy_from_profiler_config(
+    profiler_config: str | Mapping[str, Any], *, stage_overrides: str | Mapping[str, Any] | None = None
+) -> DeployConfig:
+    """Plain ``vllm serve`` (no ``--omni``, no deploy YAML): one engine, modelled as stage 0, whose
+    profiler_config is the ``--profiler-config`` JSON given to the server."""
+    if stage_overrides is not None:
+        raise StageOverridesInvalid(
+            f"{STAGE_OVERRIDES_FLAG} is a `vllm serve --omni` flag; plain vLLM has one engine and takes only "
+            f"{PROFILER_CONFIG_FLAG}. Drop {STAGE_OVERRIDES_FLAG}, or pass --deploy-config for an Omni server",
+            key="stage_overrides",
+            where=Where(file=STAGE_OVERRIDES_FLAG),
+        )
+    pc = parse_profiler_config_arg(profiler_config)
+    assert pc is not None
+    stage = {
+        "stage_id": 0,
+        "flat": _marked(),
+        "extras_pc": None,
+        "where": None,
+        "marks": {},
+        "devices": None,
+        "num_replicas": 1,
+        "env": None,
+    }
+    _apply_cli(stage, None, pc)
+    built, findings = _build_stage(stage, PROFILER_CONFIG_FLAG)
+    return DeployConfig(path=None, platform="", stages=[built], findings=findings, profiler_config_arg=pc)
+
+
+def load_server_config(
+    deploy_config: str | Path | None,
+    *,
+    flavor: str = "omni",
+    platform: str | None = "cuda",
+    stage_overrides: str | Mapping[str, Any] | None = None,
+    profiler_config: str | Mapping[str, Any] | None = None,
+    allow_legacy: bool = False,
+) -> DeployConfig:
+    """What the surfaces (serve, validate, fleet) call: the server's config from its deploy YAML and
+    command line, or, for plain vLLM (``flavor="vllm"``), from ``--profiler-config`` alone.
+    A legacy ``stage_args:`` file is refused like 0.30 refuses it, unless ``allow_legacy``."""
+    if deploy_config is None:
+        if profiler_config is None:
+            raise ConfigError(
+                "no server config: pass --deploy-config FILE (the YAML `vllm serve --omni` was started with), "
+                "or for plain `vllm serve` --flavor vllm --profiler-config '<the JSON given to vllm serve>'",
+                code="deploy_config_missing",
+                key="deploy_config",
+            )
+        if flavor != "vllm":
+            raise ConfigError(
+                "--profiler-config without --deploy-config describes a plain `vllm serve` (one engine); pass "
+                "--flavor vllm, or for `vllm serve --omni` also pass its --deploy-config (without one it uses "
+                "the model's bundled file, vllm_omni/deploy/<model>.yaml)",
+                code="deploy_config_missing",
+                key="deploy_config",
+            )
+        check_platform(platform)
+        return deploy_from_profiler_config(profiler_config, stage_overrides=stage_overrides)
+    deploy = load_deploy_config(
+        deploy_config, platform=platform, stage_overrides=stage_overrides, profiler_config=profiler_config
+    )
+    if deploy.legacy_schema and not allow_legacy:
+        legacy = next(f for f in deploy.findings if f.code == "legacy_schema")
+        raise LegacySchemaRefused(
+            f"{deploy.path} {legacy.message} (or pass --allow-legacy to read it anyway)",
+            where=legacy.where,
+            key="stage_args",
+        )
+    return deploy

@@ -36,6 +36,9 @@ class Stage(BaseModel):
     # Where each key was written ("stage_id", "profiler_config", "profiler_config.<field>"), for
     # findings that point at file:line:col. Not part of the stage's value.
     marks: dict[str, Where] = Field(default_factory=dict, repr=False, exclude=True)
+    # Where the effective profiler_config came from: "yaml" (flat / engine_args / platform overlay),
+    # "engine_extras" (wins upstream), "--stage-overrides" or "--profiler-config" (merged over the file's).
+    profiler_source: str | None = None
 
     @property
     def profiler(self) -> str | None:
@@ -56,6 +59,10 @@ class DeployConfig(BaseModel):
     legacy_schema: bool = False
     base_chain: list[Path] = Field(default_factory=list)
     findings: list[Finding] = Field(default_factory=list)
+    # The server's command line as parsed: ``--stage-overrides`` and the ``--profiler-config`` dict
+    # vLLM-Omni merges (every field); None when not given. ``path`` is None for plain vLLM.
+    stage_overrides: dict[str, dict[str, Any]] | None = None
+    profiler_config_arg: dict[str, Any] | None = None
 
     def stage(self, stage_id: int) -> Stage | None:
         return next((s for s in self.stages if s.stage_id == stage_id), None)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from sidecar.config._yaml import MarkedDict, load_yaml
 from sidecar.config.deploy import load_deploy_config, profiler_config_error
 from sidecar.config.models import DeployConfig
+from sidecar.config.placeholders import expand_dir_placeholders
 from sidecar.config.profiler import ProfilerConfig
 from sidecar.config.rules import check_stage_ids
 from sidecar.errors import ConfigError, ConfigUnreadable, Where
@@ -25,6 +26,8 @@ __all__ = [
     "StageProfile",
     "list_profiles",
     "load_profile",
+    "nsys_command",
+    "nsys_report_pattern",
     "profiles_dir",
     "render_overlay",
     "render_stage_overrides",
@@ -97,11 +100,20 @@ def load_profile(name_or_path: str | Path) -> StageProfile:
 
 
 def stage_profiler_configs(
-    deploy: DeployConfig, profile: StageProfile, stages: list[int], *, out_dir: str | Path | None = None
+    deploy: DeployConfig,
+    profile: StageProfile,
+    stages: list[int],
+    *,
+    out_dir: str | Path | None = None,
+    replica: int | None = None,
+    host: str | None = None,
 ) -> dict[int, dict[str, Any]]:
     """The full profiler_config to write for each stage (every torch field explicit, so nothing from
-    the base file's own profiler_config leaks through the merge)."""
+    the base file's own profiler_config leaks through the merge). ``{replica}`` / ``{host}`` in
+    ``out_dir`` (or in a kept dir) are expanded here, never left for the server."""
     check_stage_ids(deploy, stages, valid=deploy.stage_ids)  # any stage may be given a profiler
+    if out_dir is not None:
+        out_dir = expand_dir_placeholders(str(out_dir), replica=replica, host=host)
     out: dict[int, dict[str, Any]] = {}
     for sid in stages:
         pc = dict(profile.profiler_config)
@@ -110,6 +122,8 @@ def stage_profiler_configs(
                 pc["torch_profiler_dir"] = os.path.join(os.path.abspath(os.path.expanduser(str(out_dir))), f"stage{sid}")
             else:
                 existing = deploy.stage(sid).profiler_dir  # type: ignore[union-attr]
+                if existing:
+                    existing = expand_dir_placeholders(existing, replica=replica, host=host)
                 if not existing:
                     raise ConfigError(
                         f"stage {sid} has no torch_profiler_dir to keep; pass --dir DIR "
@@ -135,12 +149,14 @@ def render_overlay(
     out_path: str | Path,
     out_dir: str | Path | None = None,
     platform: str | None = "cuda",
+    replica: int | None = None,
+    host: str | None = None,
 ) -> str:
     """YAML text of an overlay for ``out_path``: ``base_config`` points back at ``deploy_path``
     (relative to ``out_path``'s folder) and the chosen stages get the profile's profiler_config."""
     prof = profile if isinstance(profile, StageProfile) else load_profile(profile)
     deploy = load_deploy_config(deploy_path, platform=platform)
-    configs = stage_profiler_configs(deploy, prof, stages, out_dir=out_dir)
+    configs = stage_profiler_configs(deploy, prof, stages, out_dir=out_dir, replica=replica, host=host)
     base = os.path.relpath(Path(deploy_path).resolve(), Path(out_path).resolve().parent)
     doc = {
         "base_config": base,
@@ -160,9 +176,54 @@ def render_stage_overrides(
     *,
     out_dir: str | Path | None = None,
     platform: str | None = "cuda",
+    replica: int | None = None,
+    host: str | None = None,
 ) -> str:
     """The JSON for ``vllm serve --omni --stage-overrides '<json>'``."""
     prof = profile if isinstance(profile, StageProfile) else load_profile(profile)
     deploy = load_deploy_config(deploy_path, platform=platform)
-    configs = stage_profiler_configs(deploy, prof, stages, out_dir=out_dir)
+    configs = stage_profiler_configs(deploy, prof, stages, out_dir=out_dir, replica=replica, host=host)
     return json.dumps({str(sid): {"profiler_config": pc} for sid, pc in configs.items()}, separators=(",", ":"))
+
+
+# --- nsys (profiler: cuda) ------------------------------------------------------------------
+
+NSYS_FLAGS = (
+    "--trace=cuda,nvtx,osrt",
+    "--trace-fork-before-exec=true",  # stage workers are child processes of the server
+    "--cuda-graph-trace=node",
+    "--capture-range=cudaProfilerApi",  # record only between the workers' cudaProfilerStart/Stop
+    "--capture-range-end=repeat",  # every start/stop window is its own report; the server keeps running
+)
+DEFAULT_NSYS_OUTPUT = "/tmp/omni-sidecar/nsys/omni_%p"
+
+
+def nsys_report_pattern(output: str | Path = DEFAULT_NSYS_OUTPUT) -> str:
+    """Where the reports of ``nsys profile -o OUTPUT`` land: one ``.nsys-rep`` per capture range,
+    named from OUTPUT (``%p``: the server's pid; nsys numbers the repeated ranges)."""
+    pattern = str(output).replace("%p", "*")
+    return pattern + ("" if pattern.endswith("*") else "*") + ".nsys-rep"
+
+
+def nsys_command(
+    deploy: DeployConfig,
+    *,
+    model: str = "<model>",
+    output: str | Path = DEFAULT_NSYS_OUTPUT,
+    deploy_config: str | Path | None = None,
+) -> str:
+    """The ``nsys profile ... vllm serve ...`` line a server with ``profiler: cuda`` stages must be
+    started under (``profiler: cuda`` writes nothing itself: it only opens and closes CUDA capture
+    ranges for this wrapper), with the server's own flags as ``deploy`` records them. Pure text."""
+    import shlex
+
+    serve = ["vllm", "serve", model]
+    path = deploy_config if deploy_config is not None else deploy.path
+    if path is not None:
+        serve += ["--omni", "--deploy-config", str(path)]
+    if deploy.stage_overrides:
+        serve += ["--stage-overrides", json.dumps(deploy.stage_overrides, separators=(",", ":"))]
+    if deploy.profiler_config_arg is not None:
+        given = {k: v for k, v in deploy.profiler_config_arg.items() if v != ProfilerConfig.model_fields[k].default}
+        serve += ["--profiler-config", json.dumps(given, separators=(",", ":"))]
+    return " ".join(["nsys", "profile", *NSYS_FLAGS, "-o", shlex.quote(str(output)), *map(shlex.quote, serve)])

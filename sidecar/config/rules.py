@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 
 from sidecar.config.models import DeployConfig, Stage
+from sidecar.config.placeholders import dir_placeholders
 from sidecar.errors import Finding, Severity, StageSelectionError, Where
 
 __all__ = ["select_stages", "validate_deploy", "selection_finding"]
@@ -190,8 +191,10 @@ def validate_deploy(
 ) -> list[Finding]:
     """Refusals (errors) and caveats (warnings) for capturing ``stages`` (``None``: all torch stages).
 
-    Loader findings (``legacy_schema``, ``profiler_dir_relative``) come first; then stage selection;
-    (``allow_cuda``: an nsys capture, cuda stages may be targeted); then per targeted torch stage
+    Loader findings (``legacy_schema``, ``profiler_dir_relative``) come first; then
+    ``profiler_dir_placeholder`` (an unexpanded ``{replica}`` / ``{host}``); then stage selection
+    (``allow_cuda``: an nsys capture, cuda stages may be targeted; implied when ``stages`` is None and
+    every profiled stage is ``cuda``); then per targeted torch stage
     ``stack_enabled``, ``max_iterations_unbounded``, ``delay_exceeds_window``,
     ``frontend_overhead``, ``schedule_ignored``; and ``proton_not_wired`` for proton stages.
     """
@@ -206,6 +209,30 @@ def validate_deploy(
             )
         )
         return findings
+    for stage in deploy.stages:
+        left = dir_placeholders(stage.profiler_dir or "")
+        if left:
+            findings.append(
+                Finding(
+                    code="profiler_dir_placeholder",
+                    severity=Severity.error,
+                    message=(
+                        f"torch_profiler_dir {stage.profiler_dir!r} still holds "
+                        + ", ".join(f"{{{n}}}" for n in left)
+                        + ": the server never expands it and would write every replica into a folder literally "
+                        "named so; render one deploy per replica: `omni-sidecar render DEPLOY --profile P "
+                        "--dir '/data/perf/{host}/replica{replica}' --replica N -o replicaN.yaml`"
+                    ),
+                    stage_id=stage.stage_id,
+                    key="profiler_config.torch_profiler_dir",
+                    where=_w(stage, "torch_profiler_dir"),
+                )
+            )
+    if stages is None and not allow_cuda and not deploy.torch_stages and any(
+        s.profiler == "cuda" for s in deploy.stages
+    ):
+        # An nsys-only deploy: nothing to refuse; its captures are `kind: nsys` ones.
+        allow_cuda = True
     try:
         targets = select_stages(deploy, stages, allow_cuda=allow_cuda)
     except StageSelectionError as err:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -40,6 +40,10 @@ class SidecarSettings(BaseSettings):
     flavor: Literal["omni", "vllm"] = "omni"
     deploy_config: Path | None = None  # the server's deploy YAML (same file `vllm serve` reads)
     platform: str = "cuda"  # which `platforms.<name>` overlay of the deploy YAML applies
+    # The server's own command line (JSON text or a mapping), merged as vLLM-Omni does. With
+    # flavor vllm, profiler_config alone describes the server (no deploy_config needed).
+    stage_overrides: Annotated[str | dict[str, Any] | None, NoDecode] = None
+    profiler_config: Annotated[str | dict[str, Any] | None, NoDecode] = None
     # HTTP surface
     host: str = "127.0.0.1"
     port: int = Field(default=8092, ge=0, le=65535)

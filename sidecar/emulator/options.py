@@ -35,6 +35,9 @@ class EmulatorOptions(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     deploy_config: Path
+    # As `vllm serve --omni` takes them: merged over the deploy file by the config layer's rules.
+    stage_overrides: str | None = None
+    profiler_config: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(default=8091, ge=0, le=65535)
     flavor: Literal["omni", "vllm"] = "omni"

@@ -31,7 +31,12 @@ def load_deploy(options: EmulatorOptions) -> DeployConfig:
     """The deploy file as the real 0.30 server reads it; only what it refuses is refused."""
     from sidecar.config.deploy import load_deploy_config
 
-    deploy = load_deploy_config(options.deploy_config, platform="cuda")
+    deploy = load_deploy_config(
+        options.deploy_config,
+        platform="cuda",
+        stage_overrides=options.stage_overrides,
+        profiler_config=options.profiler_config,
+    )
     refusals = [f for f in deploy.findings if f.is_error or f.code == "legacy_schema"]
     if refusals:
         raise ConfigError(
