@@ -16,6 +16,7 @@ demo: install-demo
 install-test:
 	$(PY) -m pip install -q $(TORCH) -e '.[emulator,test,vllm]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	[ -x /usr/bin/chromium ] || { [ "$$(id -u)" = 0 ] && apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || echo "no chromium: tests/test_web.py will skip"
 
 test: install-test
 	$(PY) -m pytest -q -p no:cacheprovider
