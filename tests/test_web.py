@@ -118,6 +118,44 @@ def test_start_and_stop_from_the_page_completes_ok(web_stack: WebStack, open_pag
     screenshot(page, "web-started-from-page")
 
 
+def test_list_pages_newest_first(web_stack: WebStack, done_capture: dict[str, Any], open_page: Any) -> None:
+    while len(ids := [c["id"] for c in httpx.get(f"{web_stack.url}/v1/captures", timeout=30).json()["captures"]]) < 2:
+        web_stack.capture("for paging")
+    page = open_page(web_stack.url)
+    page.goto("/?limit=1")
+    rows = page.locator("#captures-body tr[data-id]")
+    rows.first.wait_for()
+    first = [r.get_attribute("data-id") for r in rows.all()]
+    page.click("button:has-text('Older')")
+    page.wait_for_selector(f'#captures-body tr[data-id="{ids[1]}"]')
+    second = [r.get_attribute("data-id") for r in rows.all()]
+    page.click("button:has-text('Newer')")
+    page.wait_for_selector(f'#captures-body tr[data-id="{ids[0]}"]')
+    assert (first, second) == ([ids[0]], [ids[1]])
+
+
+def test_lease_capture_is_kept_alive_by_the_page(web_stack: WebStack, open_page: Any) -> None:
+    page = open_page(web_stack.url)
+    page.goto("/")
+    page.locator("#start-form input[name=stage]").first.wait_for()
+    page.check("#start-form input[name=mode][value=lease]")
+    page.fill("#start-form input[name=lease_s]", "6")
+    page.click("#start-button")
+    link = page.locator("#start-result a")
+    link.wait_for(timeout=300_000)
+    capture_id = link.inner_text()
+    beats = lambda: [r for r in page.requests if r.url.endswith(f"/v1/captures/{capture_id}/heartbeat")]  # noqa: E731
+    assert wait_for(lambda: len(beats()) >= 3, timeout=120, page=page)
+    cap = httpx.get(f"{web_stack.url}/v1/captures/{capture_id}", timeout=30).json()
+    page.close()  # the tab goes away: no more heartbeats, the lease runs out and the sidecar stops it
+    assert wait_for(
+        lambda: httpx.get(f"{web_stack.url}/v1/captures/{capture_id}", timeout=30).json()["state"] == "completed", timeout=300
+    )
+    final = httpx.get(f"{web_stack.url}/v1/captures/{capture_id}", timeout=30).json()
+    assert (cap["lease_s"], cap["state"], cap["last_heartbeat_at"] > cap["started_at"]) == (6, "active", True)
+    assert final["stop_reason"] == "lease_expired"
+
+
 def urlpath(url: str) -> str:
     return httpx.URL(url).path
 
@@ -162,7 +200,7 @@ def test_open_in_perfetto_hands_the_trace_over_by_postmessage(web_stack: WebStac
     button = page.locator('#capture-stages .stage-block[data-stage="0"] button.perfetto').first
     button.click()
     # polled from here: the page's CSP (no eval) rules out wait_for_function's string predicates
-    assert wait_for(lambda: page.evaluate("() => window.__perfetto.posted.length") > 0, timeout=120)
+    assert wait_for(lambda: page.evaluate("() => window.__perfetto.posted.length") > 0, timeout=120, page=page)
     log = page.evaluate("window.__perfetto")
     posted = log["posted"][0]
     assert log["opened"] == [{"url": "https://ui.perfetto.dev", "target": "_blank"}]

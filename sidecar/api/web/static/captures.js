@@ -5,7 +5,8 @@ import { LIVE, between, clear, el, errorBox, seconds, when } from "./format.js";
 import { keepAlive, stopCapture } from "./leases.js";
 import { stateBadge, verdictBadge } from "./verdicts.js";
 
-const PAGE_SIZE = 20;
+// `/?limit=N` picks the page size (1-200); 20 by default
+const PAGE_SIZE = Math.min(200, Math.max(1, Number(new URLSearchParams(location.search).get("limit")) || 20));
 const POLL_LIVE_MS = 1500;
 const POLL_IDLE_MS = 5000;
 
