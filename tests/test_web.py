@@ -144,7 +144,10 @@ def test_lease_capture_is_kept_alive_by_the_page(web_stack: WebStack, open_page:
     link = page.locator("#start-result a")
     link.wait_for(timeout=300_000)
     capture_id = link.inner_text()
-    beats = lambda: [r for r in page.requests if r.url.endswith(f"/v1/captures/{capture_id}/heartbeat")]  # noqa: E731
+
+    def beats() -> list[Any]:
+        return [r for r in page.requests if r.url.endswith(f"/v1/captures/{capture_id}/heartbeat")]
+
     assert wait_for(lambda: len(beats()) >= 3, timeout=120, page=page)
     cap = httpx.get(f"{web_stack.url}/v1/captures/{capture_id}", timeout=30).json()
     page.close()  # the tab goes away: no more heartbeats, the lease runs out and the sidecar stops it

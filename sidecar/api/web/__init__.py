@@ -14,6 +14,7 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse
 
 import sidecar
+from sidecar.errors import SidecarError
 
 STATIC = Path(__file__).with_name("static")
 # the assets that exist when the package is built: a name outside this set is a 404, so the route
@@ -40,7 +41,7 @@ def _auth_required(request: Request) -> bool:
     settings = getattr(request.app.state, "settings", None)
     try:
         return bool(settings is not None and settings.read_token())
-    except Exception:  # an unreadable token file: the API will say so on the first mutating call
+    except SidecarError:  # an unreadable token file: the API says so on the first mutating call
         return True
 
 
