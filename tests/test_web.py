@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from sidecar.analysis import summarize_paths
+from tests.fixtures.emulator import emulator_state, make_deploy
 from tests.fixtures.web import WEB_TOKEN, WebStack, wait_for
 
 pytestmark = pytest.mark.slow
@@ -241,6 +242,29 @@ def test_gpu_summary_draws_kernels_busy_idle_and_steps(web_stack: WebStack, open
     assert kernels.count() == 10
     assert f"{round((1 - device['idle_share']) * 100)} % busy" in busy.locator("text.bar-value").first.text_content()
     screenshot(page, "web-gpu-summary")
+
+
+def test_degraded_capture_shows_reason_and_what_to_do(
+    tmp_path: Path, emulator_factory: Any, sidecar_factory: Any, open_page: Any, screenshot: Any
+) -> None:
+    # stage 2's worker acknowledges the start, then exits: the capture ends degraded, stage 2 missing
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
+    emu = emulator_factory(deploy, extra_args=["--fault-die-after-start", "2", "--gzip-delay", "0"])
+    sc = sidecar_factory(emu.url, deploy, env={"OMNI_SIDECAR_COLLECT_TIMEOUT_S": "5", "OMNI_SIDECAR_SETTLE_S": "0.3"})
+    created = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]}, timeout=300).json()
+    assert wait_for(lambda: not emulator_state(emu)["stages"]["2"]["alive"], timeout=120), (created, emulator_state(emu)["stages"])
+    done = httpx.post(f"{sc.url}/v1/captures/{created['id']}/stop?wait=true", timeout=300).json()
+    reason = next(v["reason"] for v in done["verdicts"] if v["stage_id"] == 2)
+    page = open_page(sc.url)
+    page.goto(f"/captures/{done['id']}")
+    stage2 = page.locator('#capture-stages .stage-block[data-stage="2"]')
+    stage2.wait_for()
+    assert (done["state"], page.locator("#capture-head .badge.state").inner_text()) == ("degraded", "degraded")
+    assert stage2.locator(".badge.verdict").inner_text() == "missing"
+    assert stage2.locator(".reason").inner_text() == reason
+    assert "worker is alive" in stage2.locator(".todo").inner_text()
+    assert page.locator('#capture-stages .stage-block[data-stage="0"] .todo').count() == 0  # ok: nothing to do
+    screenshot(page, "web-degraded")
 
 
 def test_bad_stage_shows_the_api_validation_message(web_stack: WebStack, open_page: Any) -> None:

@@ -141,7 +141,7 @@ function sessionTable(cap, sid, session) {
     "div",
     { class: "session" },
     el("div", { class: "session-path mono small", title: session.local_path || session.path, text: session.path }),
-    el(
+    !session.files.length ? el("p", { class: "muted small", text: "This session folder holds no file." }) : el(
       "table",
       { class: "files" },
       el("thead", {}, el("tr", {}, el("th", { text: "File" }), el("th", { class: "num", text: "Size" }), el("th", { text: "" }))),
@@ -262,6 +262,6 @@ export function renderSummary(card, s) {
     notes,
     steps || devices ? overall : null,
     stages,
-    !charts.length && !steps && !devices ? el("p", { class: "muted", text: "The traces hold nothing to chart." }) : null,
+    !stages.length && !steps && !devices ? el("p", { class: "muted", text: "The traces hold nothing to chart." }) : null,
   );
 }
