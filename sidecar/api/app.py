@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import sidecar
+from sidecar.api import web
 from sidecar.api.auth import BearerAuth
 from sidecar.api.errors import error_response, install_error_handlers
 from sidecar.api.insight import router as insight_router
@@ -259,6 +260,7 @@ def create_app(
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     app.include_router(insight_router)
+    app.include_router(web.router)  # the web page: /, /captures/{id}, /stages, /web/* (sidecar/api/web)
     app.state.controller = controller
     app.state.deploy = deploy
     app.state.settings = settings

@@ -1,0 +1,85 @@
+// Charts as inline SVG built with the DOM (no library, no inline styles: the CSP forbids them).
+// Each chart takes plain rows and returns an <figure> holding one <svg>; nothing is drawn for
+// rows that are absent.
+import { el } from "./format.js";
+
+const NS = "http://www.w3.org/2000/svg";
+
+function svg(tag, attrs = {}, ...children) {
+  const node = document.createElementNS(NS, tag);
+  for (const [k, v] of Object.entries(attrs)) if (v !== null && v !== undefined) node.setAttribute(k, String(v));
+  for (const c of children) if (c) node.append(c);
+  return node;
+}
+
+function text(x, y, s, attrs = {}) {
+  const t = svg("text", { x, y, ...attrs });
+  t.textContent = s;
+  return t;
+}
+
+function clip(s, n) {
+  return s.length <= n ? s : s.slice(0, n - 1) + "…";
+}
+
+function figure(title, node, note) {
+  return el("figure", { class: "chart" }, el("figcaption", { text: title }), node, note ? el("p", { class: "chart-note muted", text: note }) : null);
+}
+
+// rows: [{label, value, note?}] → horizontal bars, longest first, value printed by fmt
+export function barChart(title, rows, { fmt = String, cls = "bar-cpu", width = 560, labelWidth = 236, note } = {}) {
+  rows = rows.filter((r) => r.value > 0);
+  if (!rows.length) return null;
+  const rowH = 22;
+  const top = 4;
+  const valueW = 86;
+  const barW = width - labelWidth - valueW - 8;
+  const max = Math.max(...rows.map((r) => r.value));
+  const height = top + rows.length * rowH + 4;
+  const root = svg("svg", {
+    class: "chart-svg",
+    viewBox: `0 0 ${width} ${height}`,
+    width: "100%",
+    role: "img",
+    "aria-label": title,
+    preserveAspectRatio: "xMinYMin meet",
+  });
+  rows.forEach((r, i) => {
+    const y = top + i * rowH;
+    const w = Math.max(1, (r.value / max) * barW);
+    const g = svg("g", { class: "bar-row" });
+    g.append(svg("title", {}, document.createTextNode(`${r.label}\n${fmt(r.value)}${r.note ? " · " + r.note : ""}`)));
+    g.append(text(labelWidth - 8, y + 15, clip(r.label, 32), { class: "bar-label", "text-anchor": "end" }));
+    g.append(svg("rect", { class: "bar-track", x: labelWidth, y: y + 3, width: barW, height: rowH - 6, rx: 3 }));
+    g.append(svg("rect", { class: `bar ${cls}`, x: labelWidth, y: y + 3, width: w.toFixed(1), height: rowH - 6, rx: 3 }));
+    g.append(text(labelWidth + barW + 8, y + 15, fmt(r.value), { class: "bar-value" }));
+    root.append(g);
+  });
+  return figure(title, root, note);
+}
+
+// rows: [{label, busy_us, idle_share}] → one 100 % bar per device: busy (coloured) vs idle
+export function busyIdleChart(title, rows, { width = 560, labelWidth = 150 } = {}) {
+  if (!rows.length) return null;
+  const rowH = 26;
+  const barW = width - labelWidth - 170;
+  const height = 4 + rows.length * rowH + 18;
+  const root = svg("svg", { class: "chart-svg", viewBox: `0 0 ${width} ${height}`, width: "100%", role: "img", "aria-label": title });
+  rows.forEach((r, i) => {
+    const y = 4 + i * rowH;
+    const busy = Math.min(1, Math.max(0, 1 - (r.idle_share ?? 0)));
+    const g = svg("g", { class: "bar-row" });
+    g.append(svg("title", {}, document.createTextNode(`${r.label}: busy ${(busy * 100).toFixed(1)} %, idle ${((1 - busy) * 100).toFixed(1)} %`)));
+    g.append(text(labelWidth - 8, y + 17, r.label, { class: "bar-label", "text-anchor": "end" }));
+    g.append(svg("rect", { class: "bar bar-idle", x: labelWidth, y: y + 4, width: barW, height: rowH - 8, rx: 3 }));
+    g.append(svg("rect", { class: "bar bar-busy", x: labelWidth, y: y + 4, width: Math.max(1, busy * barW).toFixed(1), height: rowH - 8, rx: 3 }));
+    g.append(text(labelWidth + barW + 8, y + 17, `${(busy * 100).toFixed(0)} % busy · ${r.busyText}`, { class: "bar-value" }));
+    root.append(g);
+  });
+  const ly = height - 6;
+  root.append(svg("rect", { class: "bar bar-busy", x: labelWidth, y: ly - 9, width: 10, height: 10, rx: 2 }));
+  root.append(text(labelWidth + 14, ly, "busy", { class: "legend" }));
+  root.append(svg("rect", { class: "bar bar-idle", x: labelWidth + 60, y: ly - 9, width: 10, height: 10, rx: 2 }));
+  root.append(text(labelWidth + 74, ly, "idle", { class: "legend" }));
+  return figure(title, root);
+}

@@ -1,0 +1,355 @@
+"""The web page (sidecar/api/web) in a real Chromium, against a real sidecar over the emulator:
+the list and its badges, start and stop from the page, the detail's charts, downloads and the
+Perfetto hand-over, validation messages, the token prompt, the stages page. Every test's browser
+context aborts and reports any request that would leave 127.0.0.1 (fixtures/web.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sidecar.analysis import summarize_paths
+from tests.fixtures.emulator import emulator_state, make_deploy
+from tests.fixtures.web import WEB_TOKEN, WebStack, wait_for
+
+pytestmark = pytest.mark.slow
+
+TRACE_DATA = Path(__file__).parent / "data" / "traces"
+
+# Replaces window.open before any page script runs: records the URL, returns a real (same-origin,
+# blank) window whose postMessage records what the page sends and answers PING with a PONG that
+# looks like it came from ui.perfetto.dev. Nothing is opened and nothing is fetched.
+PERFETTO_STUB = """
+(() => {
+  const log = (window.__perfetto = { opened: [], pings: [], posted: [] });
+  window.open = (url, target) => {
+    log.opened.push({ url: String(url), target: target || null });
+    const frame = document.createElement("iframe");
+    frame.hidden = true;
+    document.documentElement.append(frame);
+    const fake = frame.contentWindow;
+    fake.postMessage = (msg, origin) => {
+      if (msg === "PING") {
+        log.pings.push(origin);
+        if (log.pings.length === 2) {
+          window.dispatchEvent(new MessageEvent("message", { data: "PONG", origin: "https://ui.perfetto.dev", source: fake }));
+        }
+        return;
+      }
+      const p = msg && msg.perfetto;
+      const entry = { origin, keys: Object.keys(msg || {}), title: p && p.title, fileName: p && p.fileName,
+                      isArrayBuffer: !!p && p.buffer instanceof ArrayBuffer, byteLength: p && p.buffer ? p.buffer.byteLength : null };
+      crypto.subtle.digest("SHA-256", p.buffer).then((d) => {
+        entry.sha256 = [...new Uint8Array(d)].map((b) => b.toString(16).padStart(2, "0")).join("");
+        log.posted.push(entry);
+      });
+    };
+    return fake;
+  };
+})();
+"""
+
+
+def _row(page: Any, capture_id: str) -> Any:
+    return page.locator(f'#captures-body tr[data-id="{capture_id}"]')
+
+
+@pytest.fixture(scope="module")
+def done_capture(web_stack: WebStack) -> dict[str, Any]:
+    """One capture of stages 0 and 2 around a few requests, started and stopped through the API."""
+    cap = web_stack.capture("from the API")
+    assert cap["state"] == "completed", cap
+    return cap
+
+
+def _trace_file(cap: dict[str, Any], stage: int) -> tuple[str, Path]:
+    """(<session folder>/<file>, local path) of a stage's trace in a capture."""
+    v = next(v for v in cap["verdicts"] if v["stage_id"] == stage)
+    s = v["sessions"][0]
+    f = next(f for f in s["files"] if f["name"].startswith("trace_rank"))
+    local = Path(s["local_path"]) / f["name"]
+    return f"{local.parent.name}/{f['name']}", local
+
+
+def test_list_renders_capture_with_badges(web_stack: WebStack, done_capture: dict[str, Any], open_page: Any, screenshot: Any) -> None:
+    page = open_page(web_stack.url)
+    page.goto("/")
+    row = _row(page, done_capture["id"])
+    row.wait_for()
+    badges = {
+        (b.get_attribute("data-stage"), b.get_attribute("data-verdict"))
+        for b in row.locator(".badge.verdict").all()
+    }
+    assert page.title().startswith("omni-sidecar")
+    assert row.locator(".badge.state").inner_text() == "completed"
+    assert row.locator(".cap-label").inner_text() == "from the API"
+    assert row.locator(f'a[href="captures/{done_capture["id"]}"]').count() == 1
+    assert badges == {("0", "ok"), ("2", "ok")}
+    screenshot(page, "web-captures")
+
+
+def test_start_and_stop_from_the_page_completes_ok(web_stack: WebStack, open_page: Any, screenshot: Any) -> None:
+    page = open_page(web_stack.url)
+    page.goto("/")
+    page.locator("#start-form input[name=stage]").first.wait_for()
+    checked = sorted(int(b.get_attribute("value")) for b in page.locator("#start-form input[name=stage]:checked").all())
+    page.fill("#start-form input[name=label]", "from the page")
+    page.click("#start-button")
+    link = page.locator("#start-result a")
+    link.wait_for(timeout=300_000)
+    capture_id = link.inner_text()
+    row = _row(page, capture_id)
+    row.wait_for()
+    web_stack.chat()
+    row.locator("button", has_text="Stop").click()
+    page.wait_for_selector(f'#captures-body tr[data-id="{capture_id}"][data-state="completed"]', timeout=300_000)
+    badges = {b.get_attribute("data-verdict") for b in _row(page, capture_id).locator(".badge.verdict").all()}
+    posts = [r for r in page.requests if r.method == "POST"]
+    assert checked == [0, 2]  # the torch stages are picked by default; stage 1 has no profiler
+    assert badges == {"ok"}
+    assert [urlpath(r.url) for r in posts] == ["/v1/captures", f"/v1/captures/{capture_id}/stop"]
+    assert all(r.headers.get("content-type") == "application/json" for r in posts)
+    assert json.loads(posts[0].post_data) == {"stages": [0, 2], "label": "from the page"}
+    screenshot(page, "web-started-from-page")
+
+
+def test_list_pages_newest_first(web_stack: WebStack, done_capture: dict[str, Any], open_page: Any) -> None:
+    while len(ids := [c["id"] for c in httpx.get(f"{web_stack.url}/v1/captures", timeout=30).json()["captures"]]) < 2:
+        web_stack.capture("for paging")
+    page = open_page(web_stack.url)
+    page.goto("/?limit=1")
+    rows = page.locator("#captures-body tr[data-id]")
+    rows.first.wait_for()
+    first = [r.get_attribute("data-id") for r in rows.all()]
+    page.click("button:has-text('Older')")
+    page.wait_for_selector(f'#captures-body tr[data-id="{ids[1]}"]')
+    second = [r.get_attribute("data-id") for r in rows.all()]
+    page.click("button:has-text('Newer')")
+    page.wait_for_selector(f'#captures-body tr[data-id="{ids[0]}"]')
+    assert (first, second) == ([ids[0]], [ids[1]])
+
+
+def test_lease_capture_is_kept_alive_by_the_page(web_stack: WebStack, open_page: Any) -> None:
+    page = open_page(web_stack.url)
+    page.goto("/")
+    page.locator("#start-form input[name=stage]").first.wait_for()
+    page.check("#start-form input[name=mode][value=lease]")
+    page.fill("#start-form input[name=lease_s]", "6")
+    page.click("#start-button")
+    link = page.locator("#start-result a")
+    link.wait_for(timeout=300_000)
+    capture_id = link.inner_text()
+
+    def beats() -> list[Any]:
+        return [r for r in page.requests if r.url.endswith(f"/v1/captures/{capture_id}/heartbeat")]
+
+    assert wait_for(lambda: len(beats()) >= 3, timeout=120, page=page)
+    cap = httpx.get(f"{web_stack.url}/v1/captures/{capture_id}", timeout=30).json()
+    page.close()  # the tab goes away: no more heartbeats, the lease runs out and the sidecar stops it
+    assert wait_for(
+        lambda: httpx.get(f"{web_stack.url}/v1/captures/{capture_id}", timeout=30).json()["state"] == "completed", timeout=300
+    )
+    final = httpx.get(f"{web_stack.url}/v1/captures/{capture_id}", timeout=30).json()
+    assert (cap["lease_s"], cap["state"], cap["last_heartbeat_at"] > cap["started_at"]) == (6, "active", True)
+    assert final["stop_reason"] == "lease_expired"
+
+
+def urlpath(url: str) -> str:
+    return httpx.URL(url).path
+
+
+def test_detail_draws_summary_charts(web_stack: WebStack, done_capture: dict[str, Any], open_page: Any, screenshot: Any) -> None:
+    page = open_page(web_stack.url)
+    page.goto(f"/captures/{done_capture['id']}")
+    page.wait_for_selector("#capture-summary .summary-stage svg.chart-svg rect.bar", timeout=300_000)
+    stages = page.locator("#capture-summary .summary-stage")
+    first_chart = stages.first.locator("figure.chart").first
+    bars = first_chart.locator("rect.bar").count()
+    labels = first_chart.locator("text.bar-label").all_text_contents()
+    api_top = httpx.get(f"{web_stack.url}/v1/captures/{done_capture['id']}/summary", timeout=300).json()["stages"][0]["cpu_ops"]
+    assert stages.count() == 2
+    assert first_chart.locator("figcaption").inner_text() == "Top ops by self CPU time"
+    assert bars == min(10, len(api_top)) > 0
+    top = max(api_top, key=lambda o: o["self_us"])["name"]
+    assert labels[0] == (top if len(top) <= 32 else top[:31] + "…")  # long names are clipped, in full in the tooltip
+    assert page.locator('#capture-stages .stage-block[data-stage="0"] .badge.verdict').inner_text() == "ok"
+    screenshot(page, "web-capture")
+
+
+def test_download_link_returns_the_file(web_stack: WebStack, done_capture: dict[str, Any], open_page: Any) -> None:
+    relpath, local = _trace_file(done_capture, 0)
+    page = open_page(web_stack.url)
+    page.goto(f"/captures/{done_capture['id']}")
+    link = page.locator(f'#capture-stages .stage-block[data-stage="0"] a.download[download="{local.name}"]')
+    link.wait_for()
+    href = link.get_attribute("href")
+    with page.expect_download() as info:
+        link.click()
+    saved = Path(info.value.path())
+    assert href == f"v1/captures/{done_capture['id']}/files/{relpath}"
+    assert saved.read_bytes() == local.read_bytes()
+
+
+def test_open_in_perfetto_hands_the_trace_over_by_postmessage(web_stack: WebStack, done_capture: dict[str, Any], open_page: Any) -> None:
+    _, local = _trace_file(done_capture, 0)
+    page = open_page(web_stack.url)
+    page.add_init_script(PERFETTO_STUB)
+    page.goto(f"/captures/{done_capture['id']}")
+    button = page.locator('#capture-stages .stage-block[data-stage="0"] button.perfetto').first
+    button.click()
+    # polled from here: the page's CSP (no eval) rules out wait_for_function's string predicates
+    assert wait_for(lambda: page.evaluate("() => window.__perfetto.posted.length") > 0, timeout=120, page=page)
+    log = page.evaluate("window.__perfetto")
+    posted = log["posted"][0]
+    assert log["opened"] == [{"url": "https://ui.perfetto.dev", "target": "_blank"}]
+    assert set(log["pings"]) == {"https://ui.perfetto.dev"}
+    assert (posted["origin"], posted["keys"], posted["fileName"], posted["isArrayBuffer"]) == (
+        "https://ui.perfetto.dev", ["perfetto"], local.name, True
+    )
+    assert (posted["byteLength"], posted["sha256"]) == (local.stat().st_size, hashlib.sha256(local.read_bytes()).hexdigest())
+    assert "stage 0" in posted["title"]
+    assert "sent the trace to Perfetto" in page.locator('.stage-block[data-stage="0"] .perfetto-status').inner_text()
+
+
+def test_gpu_summary_draws_kernels_busy_idle_and_steps(web_stack: WebStack, open_page: Any, screenshot: Any) -> None:
+    # a real H200 trace through the product's summarizer, drawn by the page's own renderer
+    summary = summarize_paths([TRACE_DATA / "cuda_small.json.gz"], top=20).model_dump(mode="json")
+    page = open_page(web_stack.url)
+    page.goto("/stages")
+    page.locator("#stages-card .stage-block").first.wait_for()
+    page.evaluate(
+        """async (s) => {
+            const m = await import(new URL("web/capture.js", document.baseURI).href);
+            const card = document.createElement("section");
+            card.className = "card";
+            card.id = "gpu-summary";
+            document.getElementById("main").replaceChildren(card);
+            m.renderSummary(card, s);
+        }""",
+        summary,
+    )
+    captions = page.locator("#gpu-summary figcaption").all_inner_texts()
+    kernels = page.locator("#gpu-summary figure.chart", has_text="Top kernels by GPU time").locator("rect.bar")
+    busy = page.locator("#gpu-summary figure.chart", has_text="Busy vs idle per device (whole capture)")
+    device = summary["devices"][0]
+    assert {"Top kernels by GPU time", "Top ops by self device time", "Engine step time (mean)"} <= set(captions)
+    assert kernels.count() == 10
+    assert f"{round((1 - device['idle_share']) * 100)} % busy" in busy.locator("text.bar-value").first.text_content()
+    screenshot(page, "web-gpu-summary")
+
+
+def test_degraded_capture_shows_reason_and_what_to_do(
+    tmp_path: Path, emulator_factory: Any, sidecar_factory: Any, open_page: Any, screenshot: Any
+) -> None:
+    # stage 2's worker acknowledges the start, then exits: the capture ends degraded, stage 2 missing
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
+    emu = emulator_factory(deploy, extra_args=["--fault-die-after-start", "2", "--gzip-delay", "0"])
+    sc = sidecar_factory(emu.url, deploy, env={"OMNI_SIDECAR_COLLECT_TIMEOUT_S": "5", "OMNI_SIDECAR_SETTLE_S": "0.3"})
+    created = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]}, timeout=300).json()
+    assert wait_for(lambda: not emulator_state(emu)["stages"]["2"]["alive"], timeout=120), (created, emulator_state(emu)["stages"])
+    done = httpx.post(f"{sc.url}/v1/captures/{created['id']}/stop?wait=true", timeout=300).json()
+    reason = next(v["reason"] for v in done["verdicts"] if v["stage_id"] == 2)
+    page = open_page(sc.url)
+    page.goto(f"/captures/{done['id']}")
+    stage2 = page.locator('#capture-stages .stage-block[data-stage="2"]')
+    stage2.wait_for()
+    assert (done["state"], page.locator("#capture-head .badge.state").inner_text()) == ("degraded", "degraded")
+    assert stage2.locator(".badge.verdict").inner_text() == "missing"
+    assert stage2.locator(".reason").inner_text() == reason
+    assert "worker is alive" in stage2.locator(".todo").inner_text()
+    assert page.locator('#capture-stages .stage-block[data-stage="0"] .todo').count() == 0  # ok: nothing to do
+    screenshot(page, "web-degraded")
+
+
+def test_bad_stage_shows_the_api_validation_message(web_stack: WebStack, open_page: Any) -> None:
+    expected = httpx.post(f"{web_stack.url}/v1/captures", json={"stages": [1]}, timeout=60).json()["error"]
+    page = open_page(web_stack.url)
+    page.goto("/")
+    page.locator("#start-form input[name=stage]").first.wait_for()
+    for box in page.locator("#start-form input[name=stage]").all():
+        box.uncheck()
+    page.check('#start-form input[name=stage][value="1"]')
+    page.click("#start-button")
+    box = page.locator("#start-result .error-box")
+    box.wait_for()
+    assert expected["code"] == "stage_not_profiled"
+    assert box.locator("strong").inner_text() == expected["code"]
+    assert box.locator(".error-message").inner_text() == expected["message"]
+    assert httpx.get(f"{web_stack.url}/healthz", timeout=30).json()["active_capture"] is None
+
+
+def test_stages_page_shows_config_and_findings(web_stack: WebStack, open_page: Any, screenshot: Any) -> None:
+    page = open_page(web_stack.url)
+    page.goto("/stages")
+    page.locator("#stages-card .stage-block").first.wait_for()
+    blocks = page.locator('#stages-card .stage-block[data-stage]')
+    stage0 = page.locator('#stages-card .stage-block[data-stage="0"]')
+    config = dict(
+        zip(stage0.locator("table.config td.key").all_inner_texts(), stage0.locator("table.config td:not(.key)").all_inner_texts())
+    )
+    codes = stage0.locator(".findings code").all_inner_texts()
+    assert blocks.count() == 3
+    assert json.loads(config["torch_profiler_dir"]) == str(web_stack.deploy.parent / "traces" / "stage0")
+    assert config["torch_profiler_with_stack"] == "false"
+    assert "max_iterations_unbounded" in codes
+    assert page.locator('#stages-card .stage-block[data-stage="1"]').get_by_text("no profiler").count() >= 1
+    screenshot(page, "web-stages")
+
+
+def test_token_is_asked_for_and_used(web_stack_token: WebStack, open_page: Any, screenshot: Any) -> None:
+    page = open_page(web_stack_token.url)
+    page.goto("/")
+    page.locator("#start-form input[name=stage]").first.wait_for()
+    before = page.locator("#token-state").inner_text()
+    page.click("#start-button")
+    dialog = page.locator("#token-dialog")
+    dialog.wait_for(state="visible")
+    page.fill("#token-input", "not-the-token")
+    page.click("#token-ok")
+    page.wait_for_selector("#token-error:has-text('rejected')")
+    screenshot(page, "web-token-prompt")
+    page.fill("#token-input", WEB_TOKEN)
+    page.click("#token-ok")
+    link = page.locator("#start-result a")
+    link.wait_for(timeout=300_000)
+    capture_id = link.inner_text()
+    _row(page, capture_id).wait_for()
+    web_stack_token.chat()
+    _row(page, capture_id).locator("button", has_text="Stop").click()
+    page.wait_for_selector(f'#captures-body tr[data-id="{capture_id}"][data-state="completed"]', timeout=300_000)
+    posts = [r for r in page.requests if r.method == "POST"]
+    auths = [r.headers.get("authorization") for r in posts]
+    assert before.startswith("token needed")
+    assert page.evaluate("sessionStorage.getItem('omni-sidecar.token')") == WEB_TOKEN
+    assert auths[0] is None and auths[1] == "Bearer not-the-token"
+    assert auths[-2:] == [f"Bearer {WEB_TOKEN}"] * 2  # the accepted start, then the stop
+    assert page.locator("#token-state").inner_text().startswith("token set")
+
+
+def test_no_request_leaves_localhost(web_stack: WebStack, done_capture: dict[str, Any], open_page: Any) -> None:
+    page = open_page(web_stack.url)
+    for path in ("/", f"/captures/{done_capture['id']}", "/stages"):
+        page.goto(path)
+        page.wait_for_load_state("networkidle")
+    hosts = {httpx.URL(r.url).host for r in page.requests if not re.match(r"^(data|about|blob):", r.url)}
+    assert len(page.requests) >= 10  # the shell, its modules, the API calls of three views
+    assert page.outside == []
+    assert hosts == {"127.0.0.1"}
+
+
+def test_assets_are_served_from_the_package_with_a_strict_csp(web_stack: WebStack) -> None:
+    shell = httpx.get(f"{web_stack.url}/captures/anything", timeout=30)
+    js = httpx.get(f"{web_stack.url}/web/app.js", timeout=30)
+    outside = httpx.get(f"{web_stack.url}/web/..%2F__init__.py", timeout=30)
+    assert shell.status_code == 200 and "<title>omni-sidecar" in shell.text
+    assert "default-src 'none'" in shell.headers["content-security-policy"]
+    assert "connect-src 'self'" in shell.headers["content-security-policy"]
+    assert (js.status_code, js.headers["content-type"].split(";")[0]) == (200, "text/javascript")
+    assert outside.status_code == 404
+    assert "/" not in httpx.get(f"{web_stack.url}/openapi.json", timeout=30).json()["paths"]
