@@ -29,7 +29,7 @@ class SidecarProcess(ManagedProcess):
     def __init__(
         self,
         upstream_url: str,
-        deploy_config: str | Path,
+        deploy_config: str | Path | None,
         *,
         host: str = "127.0.0.1",
         port: int | None = None,
@@ -48,7 +48,7 @@ class SidecarProcess(ManagedProcess):
         # A long grace: on SIGTERM the sidecar first stops its active capture upstream.
         super().__init__(host=host, port=port, log_path=log, env=env, startup_timeout=startup_timeout, stop_grace=30.0)
         self.upstream_url = upstream_url
-        self.deploy_config = Path(deploy_config)
+        self.deploy_config = Path(deploy_config) if deploy_config is not None else None
         self.state_dir = state
         self.token_file = Path(token_file) if token_file else None
         self.flavor = flavor
@@ -62,12 +62,13 @@ class SidecarProcess(ManagedProcess):
         cmd = [
             sys.executable, "-m", "sidecar", "serve",
             "--upstream", self.upstream_url,
-            "--deploy-config", str(self.deploy_config),
             "--host", self.host,
             "--port", str(self.port),
             "--state-dir", str(self.state_dir),
             "--flavor", self.flavor,
         ]  # fmt: skip
+        if self.deploy_config is not None:  # plain vLLM: --profiler-config in extra_args instead
+            cmd += ["--deploy-config", str(self.deploy_config)]
         if self.token_file:
             cmd += ["--token-file", str(self.token_file)]
         for server, local in self.artifact_roots.items():
