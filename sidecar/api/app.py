@@ -23,6 +23,7 @@ from sidecar.api.errors import error_response, install_error_handlers
 from sidecar.api.metrics import Metrics, MetricsMiddleware
 from sidecar.config.models import DeployConfig
 from sidecar.control.models import Capture, CaptureState
+from sidecar.errors import UpstreamNotReady
 from sidecar.scrub import Scrubber
 
 if TYPE_CHECKING:
@@ -120,13 +121,18 @@ def create_app(
     @app.get("/readyz", tags=["health"], summary="Upstream healthy and its profiler endpoints mounted")
     async def readyz() -> Response:
         if upstream is None:
-            return error_response("upstream_not_ready", "no upstream configured", scrubber=scrubber)
+            return error_response(UpstreamNotReady("no upstream configured"), scrubber=scrubber)
         probe = await upstream.probe()
         if not probe.ready:  # the readiness rule is the probe's (ProbeResult.ready)
             return error_response(
-                "upstream_not_ready",
-                probe.reason or "upstream not ready",
-                {"healthy": probe.healthy, "profiler_mounted": probe.profiler_mounted, "upstream": upstream.base_url},
+                UpstreamNotReady(
+                    probe.reason or "upstream not ready",
+                    details={
+                        "healthy": probe.healthy,
+                        "profiler_mounted": probe.profiler_mounted,
+                        "upstream": upstream.base_url,
+                    },
+                ),
                 scrubber=scrubber,
             )
         return JSONResponse(

@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from sidecar.errors import ConfigError
+from sidecar.errors import ArtifactRootInvalid, TokenFileUnreadable
 
 
 def default_state_dir() -> Path:
@@ -23,10 +23,9 @@ def parse_artifact_root(text: str) -> tuple[str, str]:
     """``SERVER_PATH=LOCAL_PATH`` (the ``--artifact-root`` flag) → ``(server, local)``."""
     server, sep, local = text.partition("=")
     if not sep or not server.strip() or not local.strip():
-        raise ConfigError(
+        raise ArtifactRootInvalid(
             f"--artifact-root {text!r} is not SERVER_PATH=LOCAL_PATH; e.g. "
             "--artifact-root /workspace/traces=/mnt/server-traces",
-            code="artifact_root_invalid",
             key="artifact_roots",
         )
     return server.strip(), local.strip()
@@ -80,15 +79,13 @@ class SidecarSettings(BaseSettings):
         try:
             token = self.token_file.expanduser().read_text().strip()
         except OSError as exc:
-            raise ConfigError(
+            raise TokenFileUnreadable(
                 f"cannot read --token-file {self.token_file}: {exc.strerror}; create it or drop the flag",
-                code="token_file_unreadable",
                 key="token_file",
             ) from None
         if not token:
-            raise ConfigError(
+            raise TokenFileUnreadable(
                 f"--token-file {self.token_file} is empty; write a token into it or drop the flag",
-                code="token_file_unreadable",
                 key="token_file",
             )
         return token

@@ -29,12 +29,19 @@ from sidecar.control.models import Capture, CaptureState, ErrorRecord, StageVerd
 from sidecar.errors import (
     ArtifactNotFound,
     CaptureActive,
-    CaptureError,
     CaptureNotFound,
     CaptureStateError,
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnreachable,
+)
+from sidecar.errors import (
+    CaptureNotTerminal,
+    DurationInvalid,
+    LeaseInvalid,
+    SidecarClosing,
+    StageSetMismatch,
+    SummaryUnavailable,
 )
 from sidecar.upstream.server import Flavor, UpstreamServer
 
@@ -275,8 +282,7 @@ class CaptureController:
         ambiguous start the same set is stopped (rollback), the capture ends ``failed`` and the
         upstream error is raised with ``details['capture_id']``."""
         if self._closed:
-            raise CaptureError("the sidecar is shutting down; start the capture after restart",
-                               code="sidecar_closing")
+            raise SidecarClosing("the sidecar is shutting down; start the capture after restart")
         duration_s, lease_s = self._check_window(duration_s, lease_s)
         # Validation comes before anything reaches the server (DESIGN.md §4), and before the
         # overlap check: a bad stage list is wrong whatever else is running.
@@ -339,24 +345,23 @@ class CaptureController:
 
     def _check_window(self, duration_s: float | None, lease_s: float | None) -> tuple[float | None, float | None]:
         if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
-            raise CaptureError(f"duration_s must be > 0 seconds, got {duration_s}", code="duration_invalid",
+            raise DurationInvalid(f"duration_s must be > 0 seconds, got {duration_s}", 
                                key="duration_s")
         limit = self.settings.max_duration_s
         if limit is not None:
             if duration_s is None:
                 duration_s = limit  # a bounded sidecar never leaves a window open-ended
             elif duration_s > limit:
-                raise CaptureError(
+                raise DurationInvalid(
                     f"duration_s {duration_s:g} is above this sidecar's limit of {limit:g}s; ask for less "
-                    "or raise --max-duration",
-                    code="duration_invalid",
+                    "or raise the sidecar's OMNI_SIDECAR_MAX_DURATION_S",
                     key="duration_s",
                     details={"max_duration_s": limit},
                 )
         if lease_s is None:
             lease_s = self.settings.default_lease_s
         elif not (lease_s > 0 and math.isfinite(lease_s)):
-            raise CaptureError(f"lease_s must be > 0 seconds, got {lease_s}", code="lease_invalid", key="lease_s")
+            raise LeaseInvalid(f"lease_s must be > 0 seconds, got {lease_s}", key="lease_s")
         return duration_s, lease_s
 
     def _watches(self, stage_ids: list[int]) -> list[StageWatch]:
@@ -522,10 +527,9 @@ class CaptureController:
         if active is None:
             return None
         if stages is not None and sorted(stages) != sorted(active.stages):
-            raise CaptureError(
+            raise StageSetMismatch(
                 f"stop_profile names stages {stages} but capture {active.id} profiles {active.stages}; "
                 "send the same stages or no body (a different set would leave stages recording)",
-                code="stage_set_mismatch",
                 details={"active_id": active.id, "active_stages": active.stages, "requested": stages},
             )
         await self.stop(active.id)  # already stopping: a no-op
@@ -557,10 +561,9 @@ class CaptureController:
         however many callers. ``CaptureError``: ``capture_not_terminal``, ``summary_unavailable``."""
         cap = self.get(capture_id)
         if not cap.terminal:
-            raise CaptureError(
+            raise CaptureNotTerminal(
                 f"capture {capture_id} is {cap.state.value}; the summary exists once it is terminal "
                 f"(wait with POST /v1/captures/{capture_id}/stop?wait=true)",
-                code="capture_not_terminal",
                 details={"state": cap.state.value},
             )
         async with self._summary_locks.setdefault(capture_id, asyncio.Lock()):
@@ -588,16 +591,14 @@ class CaptureController:
     async def _compute_summary(self, cap: Capture, top: int) -> dict[str, Any]:
         paths = artifacts.trace_paths(cap.verdicts)
         if not paths:
-            raise CaptureError(
+            raise SummaryUnavailable(
                 f"capture {cap.id} has no readable trace (state {cap.state.value}); see its verdicts",
-                code="summary_unavailable",
             )
         try:
             from sidecar.analysis import summarize_paths
         except ImportError:
-            raise CaptureError(
+            raise SummaryUnavailable(
                 "this sidecar has no trace summarizer installed; download the traces instead",
-                code="summary_unavailable",
             ) from None
         result = await asyncio.to_thread(summarize_paths, paths, top=top)
         data: dict[str, Any] = result.model_dump(mode="json")
@@ -613,9 +614,8 @@ class CaptureController:
                 await self.summarize(cap.id)
             except asyncio.CancelledError:
                 raise
-            except CaptureError as exc:
-                if exc.code != "summary_unavailable":  # no summarizer or no trace: nothing to cache
-                    log.warning("capture %s: summary failed: %s", cap.id, exc)
+            except SummaryUnavailable:  # no summarizer or no trace: nothing to cache
+                pass
             except Exception as exc:  # a summary never changes the verdict
                 log.warning("capture %s: summary failed: %s", cap.id, exc)
 

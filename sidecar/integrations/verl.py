@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sidecar.errors import ConfigError
+from sidecar.errors import HookConfigInvalid
 from sidecar.rollout import RolloutProfiler
 
 __all__ = [
@@ -97,7 +97,7 @@ def profiler_from_trainer_config(config: Any) -> RolloutProfiler | None:
     except ValidationError as err:
         first = err.errors()[0]
         key = ".".join(str(p) for p in (CONFIG_KEY, *first["loc"]))
-        raise ConfigError(f"{key}: {first['msg']}", code="hook_config_invalid", key=key) from None
+        raise HookConfigInvalid(f"{key}: {first['msg']}", key=key) from None
     token = None
     if hook.token_file:
         from sidecar.config.settings import SidecarSettings
