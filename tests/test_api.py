@@ -32,14 +32,6 @@ async def test_stop_wait_completes_with_ok_per_stage(api: AppClient) -> None:
     assert {v["stage_id"]: v["verdict"] for v in done["verdicts"]} == {0: "ok", 2: "ok"}
 
 
-async def test_curl_style_form_content_type_is_read_as_json(api: AppClient) -> None:
-    client = await api()
-    reply = await client.post(
-        "/v1/captures",
-        content=b'{"stages":[0,2],"duration_s":10}',
-        headers={"content-type": "application/x-www-form-urlencoded"},
-    )
-    assert (reply.status_code, reply.json().get("stages")) == (201, [0, 2])
 
 
 async def test_post_without_body_captures_every_profiled_stage(api: AppClient) -> None:

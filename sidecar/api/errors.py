@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from sidecar.errors import (
     AuthError,
+    BodyTooLarge,
     InternalError,
     MethodNotAllowed,
     RequestError,
@@ -26,7 +27,12 @@ from sidecar.errors import (
 from sidecar.scrub import Scrubber
 
 # Starlette's own HTTP errors (no route, wrong method, ...) → the class that stands for them.
-_HTTP_ERRORS: dict[int, type[SidecarError]] = {404: RouteNotFound, 405: MethodNotAllowed, 401: AuthError}
+_HTTP_ERRORS: dict[int, type[SidecarError]] = {
+    404: RouteNotFound,
+    405: MethodNotAllowed,
+    401: AuthError,
+    413: BodyTooLarge,
+}
 
 
 def error_body(code: str, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -67,6 +67,8 @@ class ControlSettings(BaseModel):
     # A rollback runs inside start(); a dead stage 500s every stop, so it gets its own short budget.
     rollback_budget_s: float = Field(default=30, gt=0)
     summarize: bool = True  # cache a trace summary after completion when sidecar.analysis has one
+    keep: int | None = Field(default=None, ge=0)  # finished captures kept in history (None: all)
+    keep_days: float | None = Field(default=None, gt=0)  # finished captures older than this are dropped
 
     @classmethod
     def from_settings(cls, settings: SidecarSettings) -> ControlSettings:
@@ -77,6 +79,8 @@ class ControlSettings(BaseModel):
             default_lease_s=settings.default_lease_s,
             max_duration_s=settings.max_duration_s,
             close_timeout_s=settings.close_timeout_s,
+            keep=settings.keep,
+            keep_days=settings.keep_days,
         )
 
 
@@ -144,7 +148,11 @@ class CaptureController:
         self.upstream = upstream
         self.deploy = deploy
         self.settings = settings or ControlSettings()
-        self.journal = CaptureJournal(state_dir) if state_dir is not None else None
+        self.journal = (
+            CaptureJournal(state_dir, keep=self.settings.keep, keep_days=self.settings.keep_days)
+            if state_dir is not None
+            else None
+        )
         self._captures: dict[str, Capture] = {}
         self._rt: dict[str, _Runtime] = {}
         self._busy: list[str] = []  # live capture ids, oldest first (normally at most one)
@@ -174,7 +182,7 @@ class CaptureController:
                 continue
             rt = self._rt[cap.id] = _Runtime()
             rt.watches = [StageWatch.from_json(w) for w in entry.extra.get("watches", [])]
-            if cap.upstream != self.upstream.base_url:
+            if scrub_secrets(cap.upstream) != scrub_secrets(self.upstream.base_url):  # journaled scrubbed
                 # Stopping it here would hit the wrong server; say so instead of guessing.
                 self._error(
                     cap,
@@ -231,6 +239,8 @@ class CaptureController:
                     task.cancel()
         for task in list(self._summary_tasks):
             task.cancel()
+        if self.journal is not None:
+            await self.journal.flush()
 
     async def __aenter__(self) -> CaptureController:
         await self.open()
@@ -294,7 +304,7 @@ class CaptureController:
             cap = Capture(
                 id=_new_id(),
                 label=scrub_secrets(label) if label else None,
-                upstream=self.upstream.base_url,
+                upstream=scrub_secrets(self.upstream.base_url),  # no URL credentials in the record
                 stages=list(selected),
                 duration_s=duration_s,
                 lease_s=lease_s,
@@ -307,6 +317,8 @@ class CaptureController:
             try:
                 await asyncio.to_thread(lambda: [artifacts.snapshot(w) for w in rt.watches])
                 self._changed(cap)  # journaled with the baselines before anything can start upstream
+                if self.journal is not None:
+                    await self.journal.flush()
                 await self.upstream.start_profile(cap.stages)
             except UpstreamError as exc:
                 await self._rollback(cap, exc.code, exc.message, delivered=not isinstance(exc, UpstreamUnreachable))
@@ -516,6 +528,8 @@ class CaptureController:
             await asyncio.wait_for(rt.done.wait(), timeout)
         except asyncio.TimeoutError:
             pass
+        if self.journal is not None:
+            await self.journal.flush()  # a terminal capture is on disk when wait returns
         return self.get(capture_id)
 
     async def stop_active(self, stages: list[int] | None = None) -> Capture | None:
@@ -567,7 +581,7 @@ class CaptureController:
                 details={"state": cap.state.value},
             )
         async with self._summary_locks.setdefault(capture_id, asyncio.Lock()):
-            data = self._cached_summary(capture_id, top)
+            data = await asyncio.to_thread(self._cached_summary, capture_id, top)  # file read off the loop
             if data is None:
                 data = await self._compute_summary(cap, top)
         return data
@@ -604,7 +618,10 @@ class CaptureController:
         data: dict[str, Any] = result.model_dump(mode="json")
         path = self._summary_file(cap.id, top)
         if path is not None:
-            await asyncio.to_thread(atomic_write_text, path, json.dumps(data))
+            try:
+                await asyncio.to_thread(atomic_write_text, path, json.dumps(data))
+            except OSError as exc:  # the summary is served anyway; only its cache is lost
+                log.warning("capture %s: cannot cache the summary in %s: %s", cap.id, path, exc)
         self._summaries[(cap.id, top)] = data
         return data
 
@@ -641,6 +658,25 @@ class CaptureController:
         self._changed(cap)
         if rt is not None:
             rt.done.set()
+        self._retain()
+
+    def _retain(self) -> None:
+        """Drop finished captures past the journal's retention, with their runtime state and caches."""
+        if self.journal is None:
+            return
+        for cid in self.journal.expired(list(self._captures.values())):
+            self._captures.pop(cid, None)
+            self._rt.pop(cid, None)
+            self._summary_locks.pop(cid, None)
+            for key in [k for k in self._summaries if k[0] == cid]:
+                del self._summaries[key]
+
+    def state_counts(self) -> dict[str, int]:
+        """Captures per state (for metrics), without copying them."""
+        counts: dict[str, int] = {}
+        for cap in self._captures.values():
+            counts[cap.state.value] = counts.get(cap.state.value, 0) + 1
+        return counts
 
     def _changed(self, cap: Capture) -> None:
         if self.journal is not None:
