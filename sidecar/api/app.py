@@ -151,7 +151,7 @@ def create_app(
                 scrubber=scrubber,
             )
         return JSONResponse(
-            {"status": "ready", "upstream": upstream.base_url, "profiler_mounted": probe.profiler_mounted}
+            scrubber.data({"status": "ready", "upstream": upstream.base_url, "profiler_mounted": probe.profiler_mounted})
         )
 
     # --- stages --------------------------------------------------------------------------
