@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from fastapi import Body, Depends, FastAPI, Query, Response
 from fastapi.responses import FileResponse, JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 import sidecar
 from sidecar.api.auth import BearerAuth
@@ -66,6 +66,17 @@ class CompatProfileRequest(BaseModel):
     stages: list[StrictInt] | None = None
 
 
+class CompatStopRequest(CompatProfileRequest):
+    """``/stop_profile``'s body: the live capture's own stages (any order), each once."""
+
+    @field_validator("stages")
+    @classmethod
+    def _each_once(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or len(set(value)) != len(value)):
+            raise ValueError("stages must name each stage once, at least one (or omit the body)")
+        return value
+
+
 def create_app(
     controller: CaptureController,
     deploy: DeployConfig,
@@ -104,7 +115,7 @@ def create_app(
         responses=ERROR_RESPONSES["common"],
     )
     install_error_handlers(app, scrubber)
-    install_docs(app)
+    install_docs(app, stage_ids=[s.stage_id for s in deploy.stages if s.profiler == "torch"])
     app.add_middleware(RequestGuard, allowed_hosts=settings.allowed_hosts if settings is not None else ())
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: refused requests are counted too
     mutating = [Depends(auth)]
@@ -306,7 +317,7 @@ def create_app(
         summary="Upstream-compatible stop: stops the active capture and waits until its traces are checked",
         responses={**responses("mutating"), 409: openapi_error(StageSetMismatch)},
     )
-    async def compat_stop(body: CompatProfileRequest | None = Body(default=None)) -> JSONResponse:
+    async def compat_stop(body: CompatStopRequest | None = Body(default=None)) -> JSONResponse:
         cap = await controller.stop_active(body.stages if body else None)
         if cap is None:
             # the upstream answers SUCCESS to a stop without a start; so do we, and say so

@@ -63,6 +63,16 @@ def status_table() -> list[tuple[int, str, str]]:
     return sorted(rows)
 
 
+def _methods_of(request: Request) -> list[str]:
+    path = request.url.path
+    methods: set[str] = set()
+    for route in request.app.routes:
+        regex = getattr(route, "path_regex", None)
+        if regex is not None and regex.match(path) and getattr(route, "methods", None):
+            methods |= set(route.methods)
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI, scrubber: Scrubber) -> None:
     """Every error leaves as ``{"error": {...}}``; clients never see FastAPI's ``{"detail": ...}``."""
 
@@ -86,15 +96,20 @@ def install_error_handlers(app: FastAPI, scrubber: Scrubber) -> None:
             scrubber=scrubber,
         )
 
-    async def http_error(_: Request, err: Exception) -> JSONResponse:
+    async def http_error(request: Request, err: Exception) -> JSONResponse:
         assert isinstance(err, StarletteHTTPException)
         message = err.detail if isinstance(err.detail, str) else "request failed"
         if err.status_code == 404 and message == "Not Found":
             message = "no such route; see /docs for the API"
+        headers = dict(getattr(err, "headers", None) or {})
+        if err.status_code == 405:
+            # Starlette names the methods of the first route on the path only; GET and POST
+            # /v1/captures are two routes, and Allow must name every method the path takes
+            allowed = _methods_of(request)
+            headers["Allow"] = ", ".join(allowed)
+            message = f"{request.method} is not allowed here; use {' or '.join(allowed)}"
         cls = _HTTP_ERRORS.get(err.status_code, RequestError)
-        return error_response(
-            cls(message), scrubber=scrubber, status=err.status_code, headers=getattr(err, "headers", None)
-        )
+        return error_response(cls(message), scrubber=scrubber, status=err.status_code, headers=headers or None)
 
     async def unexpected(_: Request, err: Exception) -> JSONResponse:
         # a bug: logged with its traceback by uvicorn; the client gets the shape, not the trace

@@ -22,6 +22,7 @@ from sidecar.errors import (
     InternalError,
     MediaTypeUnsupported,
     MethodNotAllowed,
+    RequestError,
     RequestInvalid,
     SidecarError,
     UpstreamError,
@@ -70,7 +71,7 @@ _AUTH = {"401": {"WWW-Authenticate": {"schema": {"type": "string"}}}}
 
 ERROR_RESPONSES: dict[str, dict[int | str, dict[str, Any]]] = {
     # every route: the request guard, schema validation, an unknown method, a bug
-    "common": _by_status(HostNotAllowed, RequestInvalid, MethodNotAllowed, InternalError, **_ALLOW),
+    "common": _by_status(RequestError, HostNotAllowed, RequestInvalid, MethodNotAllowed, InternalError, **_ALLOW),
     # routes with a JSON body and a bearer token
     "mutating": _by_status(AuthError, BodyTooLarge, MediaTypeUnsupported, **_AUTH),
     "capture": _by_status(CaptureNotFound),
@@ -93,6 +94,18 @@ def responses(*groups: str) -> dict[int | str, dict[str, Any]]:
     return out
 
 
+def _restrict_stages(model: dict[str, Any] | None, stage_ids: list[int] | None) -> None:
+    prop = (model or {}).get("properties", {}).get("stages")
+    if prop is None:
+        return
+    for variant in prop.get("anyOf", [prop]):
+        if variant.get("type") == "array":
+            variant.update(minItems=1, uniqueItems=True)
+            if stage_ids is not None:
+                variant["maxItems"] = max(1, len(stage_ids))
+                variant["items"] = {"type": "integer", "enum": sorted(stage_ids)}
+
+
 def _swagger_ui_dir() -> str | None:
     try:
         from swagger_ui_bundle import swagger_ui_path  # type: ignore[import-untyped]
@@ -101,8 +114,10 @@ def _swagger_ui_dir() -> str | None:
     return str(swagger_ui_path)
 
 
-def install_docs(app: FastAPI) -> None:
-    """``/docs`` (Swagger UI from the package) and an ``/openapi.json`` that names the error shape."""
+def install_docs(app: FastAPI, stage_ids: list[int] | None = None) -> None:
+    """``/docs`` (Swagger UI from the package) and an ``/openapi.json`` that names the error shape.
+    ``stage_ids``: the ids a request may name (the deploy's torch stages), so the document says
+    what the API takes: a non-empty list of distinct ids among them."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -120,6 +135,15 @@ def install_docs(app: FastAPI) -> None:
                         ref = resp.get("content", {}).get("application/json", {}).get("schema", {}).get("$ref", "")
                         if status == "422" and ref.endswith("/HTTPValidationError"):
                             op["responses"]["422"] = error(RequestInvalid)
+            # a JSON `null` body means the defaults, as an omitted one does
+            start = schema.get("paths", {}).get("/v1/captures", {}).get("post", {})
+            body = start.get("requestBody", {}).get("content", {}).get("application/json", {})
+            if "schema" in body:
+                body["schema"] = {"anyOf": [body["schema"], {"type": "null"}]}
+            if stage_ids is not None:
+                for name in ("CaptureRequest", "CompatProfileRequest"):
+                    _restrict_stages(comps.get(name), stage_ids)
+            _restrict_stages(comps.get("CompatStopRequest"), None)  # any ids: a stop without a capture is a no-op
             app.openapi_schema = schema
         return app.openapi_schema
 
