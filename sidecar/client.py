@@ -12,33 +12,14 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from sidecar import errors as _errors
 from sidecar.control.models import Capture
-from sidecar.errors import SidecarError, StageSelectionError
+from sidecar.errors import SidecarError, class_for_code
 
 DEFAULT_URL = "http://127.0.0.1:8092"
 DEFAULT_TIMEOUT = 30.0
 # POST /v1/captures returns when the upstream accepted the start, which blocks server-side (the
 # sidecar's own start timeout is 300 s by default); a short client timeout would abandon it
 START_TIMEOUT = 360.0
-
-
-def _error_classes() -> dict[str, type[SidecarError]]:
-    found: dict[str, type[SidecarError]] = {}
-    pending: list[type[SidecarError]] = [SidecarError]
-    while pending:
-        cls = pending.pop()
-        found.setdefault(cls.code, cls)
-        pending.extend(cls.__subclasses__())
-    # codes that are instances of one class with a per-case code
-    for code in ("stages_empty", "stage_duplicate", "stage_unknown", "stage_not_profiled", "stage_not_torch"):
-        found.setdefault(code, StageSelectionError)
-    for code in ("capture_not_terminal", "summary_unavailable", "stage_set_mismatch"):
-        found.setdefault(code, _errors.CaptureError)
-    return found
-
-
-_BY_CODE = _error_classes()
 
 
 class SidecarUnreachable(SidecarError):
@@ -63,8 +44,10 @@ def error_from_response(response: httpx.Response) -> SidecarError:
     message = str(payload.get("message") or f"HTTP {response.status_code} from {response.request.url}")
     details = payload.get("details") if isinstance(payload.get("details"), dict) else {}
     details = {**details, "status": response.status_code}
-    cls = _BY_CODE.get(code, SidecarError)
-    return cls(message, code=code, details=details)
+    cls = class_for_code(code)
+    if cls is None:  # a code this client does not know (a newer sidecar): the base class carries it
+        return SidecarError.relay(code, message, details=details)
+    return cls(message, details=details)
 
 
 def _auth_headers(token: str | None) -> dict[str, str]:

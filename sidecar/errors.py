@@ -1,12 +1,14 @@
 """Errors and findings are data: a stable ``code``, a message for humans that names the fix,
-and where it applies the file, line, column and key. Every layer raises these; the HTTP surface
-maps codes to status codes in one table (``sidecar.api.errors``) and the CLI prints them.
+and where it applies the file, line, column and key. One class per failure: ``code`` and
+``http_status`` are class attributes, so the HTTP surface maps an error to its status by class
+(the nearest one in the MRO, as Starlette does) and a new error inherits its family's status
+instead of falling through to 500. The CLI prints them.
 """
 
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -56,19 +58,26 @@ class Finding(BaseModel):
         return f"{prefix}{self.severity.value}[{self.code}]: {stage}{self.message}"
 
 
+_E = TypeVar("_E", bound="SidecarError")
+
+
 class SidecarError(Exception):
     """Base of every error the sidecar raises on purpose.
 
-    ``code`` is stable (clients switch on it); ``message`` says what went wrong and what to do.
+    ``code`` is stable (clients switch on it); ``message`` says what went wrong and what to do;
+    ``http_status`` is the reply status of the HTTP API. A subclass sets both class attributes
+    or inherits its family's. The code of an instance is its class's, except for a relay
+    (:meth:`relay`): an error that carries the code of another failure (a finding, a remote
+    target's error) under its own class and status.
     """
 
-    code: str = "sidecar_error"
+    code: ClassVar[str] = "sidecar_error"
+    http_status: ClassVar[int] = 500
 
     def __init__(
         self,
         message: str,
         *,
-        code: str | None = None,
         details: dict[str, Any] | None = None,
         where: Where | None = None,
         key: str | None = None,
@@ -76,12 +85,18 @@ class SidecarError(Exception):
     ) -> None:
         super().__init__(message)
         self.message = message
-        if code is not None:
-            self.code = code
         self.details: dict[str, Any] = dict(details or {})
         self.where = where
         self.key = key
         self.findings: list[Finding] = list(findings or [])
+
+    @classmethod
+    def relay(cls: type[_E], code: str, message: str, **kwargs: Any) -> _E:
+        """An instance of ``cls`` that reports ``code`` (the failure it relays); its status stays
+        ``cls.http_status``."""
+        err = cls(message, **kwargs)
+        err.code = code  # type: ignore[misc]  # instance attribute shadows the class's
+        return err
 
     def __str__(self) -> str:
         prefix = f"{self.where}: " if self.where else ""
@@ -100,13 +115,70 @@ class SidecarError(Exception):
         return {"code": self.code, "message": self.message, "details": details}
 
 
-# --- config layer -------------------------------------------------------------------------
+def error_classes() -> list[type[SidecarError]]:
+    """Every ``SidecarError`` class defined so far (import a module to include its own), base first."""
+    out: list[type[SidecarError]] = []
+    pending: list[type[SidecarError]] = [SidecarError]
+    while pending:
+        cls = pending.pop(0)
+        if cls not in out:
+            out.append(cls)
+            pending.extend(cls.__subclasses__())
+    return out
+
+
+def class_for_code(code: str) -> type[SidecarError] | None:
+    """The class whose own ``code`` is ``code`` (the first defined, where families share a code)."""
+    for cls in error_classes():
+        if cls.__dict__.get("code") == code:
+            return cls
+    return None
+
+
+# --- request / stage selection (422: the request must change) ---------------------------------
+
+
+class StageSelectionError(SidecarError):
+    """A requested stage list is empty, has duplicates, names unknown or unprofiled stages."""
+
+    code = "stage_selection_invalid"
+    http_status = 422
+
+
+class StagesInvalid(StageSelectionError):
+    """The stage list is not a list of integers."""
+
+    code = "stages_invalid"
+
+
+class StagesEmpty(StageSelectionError):
+    code = "stages_empty"
+
+
+class StageDuplicate(StageSelectionError):
+    code = "stage_duplicate"
+
+
+class StageUnknown(StageSelectionError):
+    code = "stage_unknown"
+
+
+class StageNotProfiled(StageSelectionError):
+    code = "stage_not_profiled"
+
+
+class StageNotTorch(StageSelectionError):
+    code = "stage_not_torch"
+
+
+# --- config layer (422: the input must change) ---------------------------------------------
 
 
 class ConfigError(SidecarError):
-    """An input file (deploy YAML, verl config, stage profile) is unreadable or invalid."""
+    """An input file (deploy YAML, verl config, stage profile) or a setting is invalid."""
 
     code = "config_invalid"
+    http_status = 422
 
 
 class ConfigUnreadable(ConfigError):
@@ -136,6 +208,34 @@ class ProfilerConfigArgInvalid(ConfigError):
     http_status = 422
 
 
+class DeployConfigMissing(ConfigError):
+    """Neither a deploy YAML nor (for plain vLLM) a ``--profiler-config`` says what the server runs."""
+
+    code = "deploy_config_missing"
+    http_status = 422
+
+
+class DirPlaceholderUnknown(ConfigError):
+    """``render --dir`` names a placeholder other than ``{host}`` / ``{replica}``."""
+
+    code = "dir_placeholder_unknown"
+    http_status = 422
+
+
+class DirPlaceholderUnset(ConfigError):
+    """``render --dir`` holds ``{replica}`` but no (valid) ``--replica N`` was given."""
+
+    code = "dir_placeholder_unset"
+    http_status = 422
+
+
+class VerlRanksPastReplicas(ConfigError):
+    """verl's rollout profiler ranks name replicas the job does not have."""
+
+    code = "verl_ranks_past_replicas"
+    http_status = 422
+
+
 class PlatformUnknown(ConfigError):
     """``--platform`` is not one of vLLM-Omni's platform names (a typo would apply no overlay)."""
 
@@ -150,32 +250,149 @@ class LegacySchemaRefused(ConfigError):
     http_status = 422
 
 
-# --- request / stage selection ------------------------------------------------------------
+class FileNotFound(ConfigUnreadable):
+    code = "file_not_found"
 
 
-class StageSelectionError(SidecarError):
-    """A requested stage list is empty, has duplicates, names unknown or unprofiled stages.
-
-    Codes: ``stages_empty``, ``stage_duplicate``, ``stage_unknown``, ``stage_not_profiled``,
-    ``stage_not_torch``.
-    """
-
-    code = "stage_selection_invalid"
+class FileUnreadable(ConfigUnreadable):
+    code = "file_unreadable"
 
 
-# --- upstream -----------------------------------------------------------------------------
+class YamlInvalid(ConfigUnreadable):
+    code = "yaml_invalid"
+
+
+class ConfigEmpty(ConfigUnreadable):
+    code = "config_empty"
+
+
+class ConfigNotMapping(ConfigUnreadable):
+    code = "config_not_mapping"
+
+
+class DeployStagesInvalid(ConfigError):
+    """The deploy file's top-level ``stages`` is not a list of mappings."""
+
+    code = "stages_invalid"
+
+
+class StageInvalid(ConfigError):
+    code = "stage_invalid"
+
+
+class StageIdMissing(ConfigError):
+    code = "stage_id_missing"
+
+
+class StageIdInvalid(ConfigError):
+    code = "stage_id_invalid"
+
+
+class StageIdDuplicate(ConfigError):
+    code = "stage_id_duplicate"
+
+
+class ProfilerConfigInvalid(ConfigError):
+    code = "profiler_config_invalid"
+
+
+class PlatformsInvalid(ConfigError):
+    code = "platforms_invalid"
+
+
+class BaseConfigInvalid(ConfigError):
+    code = "base_config_invalid"
+
+
+class BaseConfigMissing(ConfigError):
+    code = "base_config_missing"
+
+
+class BaseConfigCycle(ConfigError):
+    code = "base_config_cycle"
+
+
+class NumReplicasInvalid(ConfigError):
+    code = "num_replicas_invalid"
+
+
+class StageKindInvalid(ConfigError):
+    code = "stage_kind_invalid"
+
+
+class NoStages(ConfigError):
+    code = "no_stages"
+
+
+class ProfileUnknown(ConfigError):
+    code = "profile_unknown"
+
+
+class ProfileInvalid(ConfigError):
+    code = "profile_invalid"
+
+
+class ProfileUnreadable(ConfigUnreadable):
+    """A stage profile file cannot be parsed (same code as an invalid one; exit 2 in the CLI)."""
+
+    code = "profile_invalid"
+
+
+class ProfileDirMissing(ConfigError):
+    code = "profile_dir_missing"
+
+
+class VerlInterpolation(ConfigError):
+    code = "verl_interpolation"
+
+
+class VerlConfigInvalid(ConfigError):
+    code = "verl_config_invalid"
+
+
+class VerlRoleInvalid(ConfigError):
+    code = "verl_role_invalid"
+
+
+class HookConfigInvalid(ConfigError):
+    code = "hook_config_invalid"
+
+
+class ArtifactRootInvalid(ConfigError):
+    code = "artifact_root_invalid"
+
+
+class TokenFileUnreadable(ConfigError):
+    code = "token_file_unreadable"
+
+
+class SettingInvalid(ConfigError):
+    """A flag or ``OMNI_SIDECAR_*`` value is out of range or malformed (e.g. a URL without scheme)."""
+
+    code = "setting_invalid"
+
+
+class StateDirUnusable(ConfigError):
+    """The ``--state-dir`` cannot be created or written: no history, no recovery; refuse to start."""
+
+    code = "state_dir_unusable"
+
+
+# --- upstream (502/503: the server behind us failed or is not there) -------------------------
 
 
 class UpstreamError(SidecarError):
     """The vLLM-Omni server refused or failed a call (``upstream_failed``)."""
 
     code = "upstream_failed"
+    http_status = 502
 
 
 class UpstreamUnreachable(UpstreamError):
     """No connection could be made; the request was never delivered."""
 
     code = "upstream_unreachable"
+    http_status = 503
 
 
 class UpstreamTimeout(UpstreamError):
@@ -188,13 +405,15 @@ class UpstreamNotReady(UpstreamError):
     """The server is not healthy, or its profiler endpoints are not mounted."""
 
     code = "upstream_not_ready"
+    http_status = 503
 
 
-# --- captures -----------------------------------------------------------------------------
+# --- captures (409: the capture's state forbids it) --------------------------------------------
 
 
 class CaptureError(SidecarError):
     code = "capture_error"
+    http_status = 409
 
 
 class CaptureActive(CaptureError):
@@ -205,6 +424,7 @@ class CaptureActive(CaptureError):
 
 class CaptureNotFound(CaptureError):
     code = "capture_not_found"
+    http_status = 404
 
 
 class CaptureStateError(CaptureError):
@@ -213,19 +433,62 @@ class CaptureStateError(CaptureError):
     code = "capture_state"
 
 
+class CaptureNotTerminal(CaptureStateError):
+    """The capture is still live; its summary exists once it is terminal."""
+
+    code = "capture_not_terminal"
+
+
+class StageSetMismatch(CaptureError):
+    """A stop names a different stage set than the live capture's (it would leave stages recording)."""
+
+    code = "stage_set_mismatch"
+
+
 class ArtifactNotFound(CaptureError):
     """A requested file is not one of the capture's artifacts (or escapes its folders)."""
 
     code = "artifact_not_found"
+    http_status = 404
 
 
-# --- analysis -----------------------------------------------------------------------------
+class SummaryUnavailable(CaptureError):
+    """No trace to summarise, or no summarizer installed."""
+
+    code = "summary_unavailable"
+    http_status = 404
+
+
+class SidecarClosing(CaptureError):
+    """The sidecar is shutting down: no new capture."""
+
+    code = "sidecar_closing"
+    http_status = 503
+
+
+class WindowInvalid(CaptureError):
+    """``duration_s`` / ``lease_s`` out of range (not finite, not > 0, above the limit)."""
+
+    code = "window_invalid"
+    http_status = 422
+
+
+class DurationInvalid(WindowInvalid):
+    code = "duration_invalid"
+
+
+class LeaseInvalid(WindowInvalid):
+    code = "lease_invalid"
+
+
+# --- analysis ------------------------------------------------------------------------------
 
 
 class TraceError(SidecarError):
     """A trace file cannot be summarised (empty, truncated, not a Chrome trace)."""
 
     code = "trace_invalid"
+    http_status = 422
 
 
 class SlimWindowInvalid(TraceError):
@@ -235,17 +498,74 @@ class SlimWindowInvalid(TraceError):
     http_status = 422
 
 
-# --- surfaces -----------------------------------------------------------------------------
+# --- surfaces ------------------------------------------------------------------------------
+
+
+class RequestError(SidecarError):
+    """An HTTP request the API refuses before any rule runs (shape, size, type, origin)."""
+
+    code = "http_error"
+    http_status = 400
+
+
+class RequestInvalid(RequestError):
+    """The body or query does not match the route's schema (see /docs)."""
+
+    code = "request_invalid"
+    http_status = 422
+
+
+class RouteNotFound(RequestError):
+    code = "not_found"
+    http_status = 404
+
+
+class MethodNotAllowed(RequestError):
+    code = "method_not_allowed"
+    http_status = 405
+
+
+class BodyTooLarge(RequestError):
+    code = "body_too_large"
+    http_status = 413
+
+
+class MediaTypeUnsupported(RequestError):
+    code = "unsupported_media_type"
+    http_status = 415
+
+
+class HostNotAllowed(RequestError):
+    """The ``Host`` or ``Origin`` header is not on the allow-list (DNS rebinding, cross-site POSTs)."""
+
+    code = "host_not_allowed"
+    http_status = 403
 
 
 class AuthError(SidecarError):
     code = "unauthorized"
+    http_status = 401
+
+
+class InternalError(SidecarError):
+    """A bug: logged with its traceback; the client gets the shape, not the trace."""
+
+    code = "internal_error"
+    http_status = 500
 
 
 class FleetError(SidecarError):
     """A fan-out failed on at least one target; ``details['targets']`` has each outcome."""
 
     code = "fleet_failed"
+    http_status = 502
+
+
+class VerlReplicaNotLaunched(FleetError):
+    """A verl rollout replica chosen for profiling has no server actor (not launched yet)."""
+
+    code = "verl_replica_not_launched"
+    http_status = 503
 
 
 class FleetInvalid(SidecarError):
@@ -253,3 +573,49 @@ class FleetInvalid(SidecarError):
     ranks, a stage list some target cannot take); ``details`` name the offending items."""
 
     code = "fleet_invalid"
+    http_status = 422
+
+
+class TargetInvalid(FleetInvalid):
+    code = "target_invalid"
+
+
+class TargetsEmpty(FleetInvalid):
+    code = "targets_empty"
+
+
+class TargetDuplicate(FleetInvalid):
+    code = "target_duplicate"
+
+
+class FleetStagesInvalid(FleetInvalid):
+    code = "stages_invalid"
+
+
+class FlavorsMixed(FleetInvalid):
+    code = "flavors_mixed"
+
+
+class StagesNotShared(FleetInvalid):
+    code = "stages_not_shared"
+
+
+class FleetClosed(FleetInvalid):
+    code = "fleet_closed"
+    http_status = 409
+
+
+class StepsInvalid(FleetInvalid):
+    code = "steps_invalid"
+
+
+class StepsEmpty(FleetInvalid):
+    code = "steps_empty"
+
+
+class RanksInvalid(FleetInvalid):
+    code = "ranks_invalid"
+
+
+class FleetDurationInvalid(FleetInvalid):
+    code = "duration_invalid"

@@ -21,6 +21,15 @@ from sidecar.config.models import DeployConfig, Stage, StageKind
 from sidecar.config.profiler import ProfilerConfig
 from sidecar.control.models import Capture, CaptureState, StageVerdict, StopReason
 from sidecar.errors import FleetError, FleetInvalid, SidecarError, StageSelectionError
+from sidecar.errors import (
+    FlavorsMixed,
+    FleetClosed,
+    FleetStagesInvalid,
+    StagesNotShared,
+    TargetDuplicate,
+    TargetInvalid,
+    TargetsEmpty,
+)
 
 __all__ = [
     "FanOutResult",
@@ -56,10 +65,9 @@ def _normalize_url(url: str) -> str:
     except Exception:  # httpx raises several types for garbage
         parsed = None
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
-        raise FleetInvalid(
+        raise TargetInvalid(
             f"target {text!r} is not an http(s) URL; write e.g. sidecar=http://10.0.0.5:8092 "
             "or upstream=http://10.0.0.5:8091",
-            code="target_invalid",
             details={"target": text},
         )
     return text.rstrip("/")
@@ -91,12 +99,11 @@ class Target(BaseModel):
         cls, url: str, deploy_config: str | Path, *, flavor: Flavor = "omni", platform: str = "cuda"
     ) -> Target:
         if flavor not in ("omni", "vllm"):
-            raise FleetInvalid(f"flavor must be 'omni' or 'vllm', got {flavor!r}", code="target_invalid")
+            raise TargetInvalid(f"flavor must be 'omni' or 'vllm', got {flavor!r}")
         if deploy_config is None:
-            raise FleetInvalid(
+            raise TargetInvalid(
                 f"upstream target {url} needs the server's deploy YAML (deploy_config=..., or "
                 "--deploy-config on the CLI)",
-                code="target_invalid",
                 details={"target": url},
             )
         return cls(
@@ -122,9 +129,8 @@ class Target(BaseModel):
         if isinstance(text, Target):
             return text
         if not isinstance(text, str):
-            raise FleetInvalid(
+            raise TargetInvalid(
                 f"a target is a Target or a string like sidecar=http://h:8092, got {type(text).__name__}",
-                code="target_invalid",
             )
         raw = text.strip()
         kind, sep, url = raw.partition("=")
@@ -135,9 +141,8 @@ class Target(BaseModel):
             return cls.sidecar(url, token=token)
         if kind == "upstream":
             return cls.upstream(url, deploy_config, flavor=flavor, platform=platform)  # type: ignore[arg-type]
-        raise FleetInvalid(
+        raise TargetInvalid(
             f"unknown target kind {kind!r} in {raw!r}; write sidecar=URL or upstream=URL",
-            code="target_invalid",
             details={"target": raw},
         )
 
@@ -175,9 +180,8 @@ def parse_targets(
         Target.parse(t, deploy_config=deploy_config, flavor=flavor, platform=platform, token=token) for t in targets
     ]
     if not parsed:
-        raise FleetInvalid(
+        raise TargetsEmpty(
             "the target list is empty; name at least one replica, e.g. sidecar=http://10.0.0.5:8092",
-            code="targets_empty",
         )
     seen: dict[str, Target] = {}
     dupes: list[str] = []
@@ -188,9 +192,8 @@ def parse_targets(
         else:
             seen[key] = t
     if dupes:
-        raise FleetInvalid(
+        raise TargetDuplicate(
             f"the same server is listed more than once: {'; '.join(dupes)}; list each replica once",
-            code="target_duplicate",
             details={"duplicates": dupes},
         )
     return parsed
@@ -469,7 +472,7 @@ class Fleet:
         if stages is not None and (
             isinstance(stages, (str, bytes)) or not isinstance(stages, (list, tuple))
         ):
-            raise FleetInvalid(f"stages must be a list of stage ids, got {stages!r}", code="stages_invalid")
+            raise FleetStagesInvalid(f"stages must be a list of stage ids, got {stages!r}")
         self.stages = None if stages is None else list(stages)
         self.stop_budget_s = stop_budget_s
         self.client_timeout_s = client_timeout_s
@@ -478,10 +481,9 @@ class Fleet:
         self.state_dir = Path(state_dir) if state_dir is not None else None
         vllm = [t.name for t in self.targets if t.kind is TargetKind.upstream and t.flavor == "vllm"]
         if vllm and self.stages is not None:
-            raise FleetInvalid(
+            raise FlavorsMixed(
                 f"plain vLLM targets ({', '.join(vllm)}) profile their one engine and take no stage list; "
                 "drop the stage list, or put omni and plain vLLM servers in separate fleets",
-                code="flavors_mixed",
                 details={"vllm_targets": vllm, "stages": self.stages},
             )
         # Upstream deploy files are read (and the stage list checked) now: nothing is sent yet.
@@ -565,17 +567,17 @@ class Fleet:
                 refused[name] = err
         if refused:
             first = next(iter(refused.values()))
-            raise FleetInvalid(
-                f"the stage list {self.stages} does not fit {len(refused)} target(s): "
-                + "; ".join(f"{n}: {e.message}" for n, e in refused.items()),
-                code=first.code if len(refused) == len(deploys) else "stages_not_shared",
-                details={"targets": {n: e.to_dict() for n, e in refused.items()}},
+            message = f"the stage list {self.stages} does not fit {len(refused)} target(s): " + "; ".join(
+                f"{n}: {e.message}" for n, e in refused.items()
             )
+            details = {"targets": {n: e.to_dict() for n, e in refused.items()}}
+            if len(refused) < len(deploys):
+                raise StagesNotShared(message, details=details)
+            raise FleetInvalid.relay(first.code, message, details=details)  # every target refuses alike
 
     def _driver(self, name: str) -> _Driver:
         if not self._opened:
-            raise FleetInvalid("the fleet is not open; use `async with Fleet(...)` or await fleet.open()",
-                               code="fleet_closed")
+            raise FleetClosed("the fleet is not open; use `async with Fleet(...)` or await fleet.open()")
         return self._drivers[name]
 
     # --- start / stop ---------------------------------------------------------------------

@@ -21,7 +21,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
-from sidecar.errors import FleetError, FleetInvalid, SidecarError, ValidationFailed
+from sidecar.errors import FleetError, SidecarError, ValidationFailed
+from sidecar.errors import FleetClosed, RanksInvalid, StepsEmpty, StepsInvalid
 from sidecar.fleet import FanOutResult, Fleet, FleetCapture, Target, TargetError, TargetResult, parse_targets
 
 __all__ = ["DEFAULT_LEASE_S", "RolloutProfiler", "StepResult"]
@@ -55,10 +56,9 @@ class StepResult(BaseModel, FanOutResult):
 def _as_step(value: Any, what: str) -> int:
     # numpy integers are fine (verl's meta_info may carry them); bools and floats are not steps.
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise FleetInvalid(
+        raise StepsInvalid(
             f"{what} must be an integer training step (1-based, as verl's global_steps), got {value!r} "
             f"of type {type(value).__name__}",
-            code="steps_invalid",
             details={"value": repr(value)},
         )
     return int(value)
@@ -138,14 +138,12 @@ class RolloutProfiler:
         parse_opts = {k: fleet_options[k] for k in ("deploy_config", "flavor", "token") if k in fleet_options}
         all_targets = parse_targets(targets, **parse_opts)
         if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
-            raise FleetInvalid(f"steps must be a list of training steps, e.g. [1, 5]; got {steps!r}",
-                               code="steps_invalid")
+            raise StepsInvalid(f"steps must be a list of training steps, e.g. [1, 5]; got {steps!r}")
         self.steps: frozenset[int] = frozenset(_as_step(s, "each of steps") for s in steps)
         if not self.steps:
-            raise FleetInvalid("steps is empty: nothing would be profiled; pass e.g. steps=[1]", code="steps_empty")
+            raise StepsEmpty("steps is empty: nothing would be profiled; pass e.g. steps=[1]")
         if min(self.steps) < 1:
-            raise FleetInvalid(f"steps are 1-based training steps (as verl's global_steps), got {sorted(self.steps)}",
-                               code="steps_invalid")
+            raise StepsInvalid(f"steps are 1-based training steps (as verl's global_steps), got {sorted(self.steps)}")
         self.ranks = self._select(len(all_targets), ranks, all_ranks)
         if len(all_targets) > 1 and not all_ranks and ranks is None:
             log.info("RolloutProfiler: profiling replica 0 only (verl's default); pass all_ranks=True or ranks=[...]")
@@ -174,9 +172,8 @@ class RolloutProfiler:
         chosen = [_as_step(r, "each of ranks") for r in ranks]
         bad = [r for r in chosen if not 0 <= r < n]
         if bad:
-            raise FleetInvalid(
+            raise RanksInvalid(
                 f"ranks {bad} name no replica: there are {n} targets (ranks 0..{n - 1}, in the order given)",
-                code="ranks_invalid",
                 details={"ranks": chosen, "targets": n},
             )
         return sorted(set(chosen))
@@ -208,7 +205,7 @@ class RolloutProfiler:
                 log.warning("%s", f)
         errors = [f for f in findings if f.is_error]
         if errors:
-            raise ValidationFailed("; ".join(f.message for f in errors), code=errors[0].code, findings=errors)
+            raise ValidationFailed.relay(errors[0].code, "; ".join(f.message for f in errors), findings=errors)
         if plan.all_ranks:
             return cls(targets, plan.steps, all_ranks=True, **kwargs)
         # The one rank rule (config/verl.py); ranks naming no target are refused there.
@@ -226,7 +223,7 @@ class RolloutProfiler:
             return None
         if self._closed:
             if self.strict:
-                raise FleetInvalid(f"step {step}: this RolloutProfiler is closed", code="fleet_closed")
+                raise FleetClosed(f"step {step}: this RolloutProfiler is closed")
             log.warning("step %d is not profiled: this RolloutProfiler is closed", step)
             return None
         return step
@@ -380,7 +377,7 @@ class RolloutProfiler:
         if not self.strict or result.ok:
             return None
         if result.error is not None:
-            return FleetError(f"step {result.step}: {result.error.message}", code=result.error.code,
+            return FleetError.relay(result.error.code, f"step {result.step}: {result.error.message}",
                               details={"step": result.step, "targets": [r.model_dump(mode="json")
                                                                          for r in result.targets.values()]})
         if not self.wait_artifacts and not result.done:

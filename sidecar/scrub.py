@@ -1,5 +1,6 @@
 """Secrets never leave the sidecar: the values of secret-named environment variables (HF_TOKEN,
-...), extra known values (the bearer token) and credential-shaped text are replaced by ``***`` in
+...), registered values (the bearer token), credentials in URLs and credential-shaped text are
+replaced by ``***`` in
 everything it writes (journal, error records) or serves (every HTTP reply). One rule, used by all.
 """
 
@@ -19,13 +20,24 @@ _KEY_VALUE = re.compile(
     r"(?i)\b([A-Z0-9_]*(?:TOKEN|API_KEY|APIKEY|SECRET|PASSWORD|PASSWD))(['\"]?\s*[=:]\s*)(['\"]?)[^\s'\",}]+"
 )
 _OPENAI_KEY = re.compile(r"\bsk-[A-Za-z0-9]{16,}\b")
+# credentials in a URL (``http://user:pw@host``): the user-info part goes, the host stays
+_URL_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@]+@")
+
+# values the process knows to be secret beyond the environment (the bearer token), registered once
+_REGISTERED: set[str] = set()
+
+
+def register_secret(value: str | None) -> None:
+    """Scrub ``value`` everywhere from now on (journal, error records, replies)."""
+    if value and len(value) >= MIN_SECRET_LEN:
+        _REGISTERED.add(value)
 
 
 def env_secret_values() -> list[str]:
     """Values of secret-named environment variables, longest first (a secret containing another
     is replaced whole)."""
     values = {v for k, v in os.environ.items() if SECRET_ENV_NAME.search(k) and len(v) >= MIN_SECRET_LEN}
-    return sorted(values, key=len, reverse=True)
+    return sorted(values | _REGISTERED, key=len, reverse=True)
 
 
 def scrub_secrets(text: str, values: Iterable[str] | None = None) -> str:
@@ -34,6 +46,7 @@ def scrub_secrets(text: str, values: Iterable[str] | None = None) -> str:
     for secret in env_secret_values() if values is None else values:
         if secret in text:
             text = text.replace(secret, "***")
+    text = _URL_USERINFO.sub(lambda m: f"{m.group(1)}***@", text)
     text = _HF_TOKEN.sub("***", text)
     text = _BEARER.sub(lambda m: f"{m.group(1)} ***", text)
     text = _KEY_VALUE.sub(lambda m: f"{m.group(1)}{m.group(2)}{m.group(3)}***", text)

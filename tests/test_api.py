@@ -3,62 +3,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
-from sidecar.api.app import create_app
 from sidecar.config.models import DeployConfig
-from sidecar.config.settings import SidecarSettings
-from sidecar.control.controller import CaptureController, ControlSettings
-from sidecar.upstream.server import UpstreamServer
-
-TOKEN = "s3cret-token-for-tests"
-
-AppClient = Callable[..., Any]
-
-
-@pytest.fixture
-async def api(tmp_path: Path, fake_omni: Any, control_deploy: DeployConfig) -> AsyncIterator[AppClient]:
-    """``await api(token=False)`` → an httpx client on a fresh app; everything closed at the end."""
-    opened: list[tuple[Any, httpx.AsyncClient]] = []
-
-    async def make(token: bool = False, **settings: Any) -> httpx.AsyncClient:
-        token_file = None
-        if token:
-            token_file = tmp_path / "token"
-            token_file.write_text(TOKEN + "\n")
-        cfg = SidecarSettings(
-            upstream_url=fake_omni.url, state_dir=tmp_path / "state", token_file=token_file, **settings
-        )
-        upstream = UpstreamServer(fake_omni.url, stop_budget_s=5)
-        controller = CaptureController(
-            upstream,
-            control_deploy,
-            state_dir=cfg.state_dir,
-            settings=ControlSettings(settle_s=0.2, poll_s=0.05, collect_timeout_s=10),
-        )
-        app = create_app(controller, control_deploy, cfg, upstream=upstream)
-        lifespan = app.router.lifespan_context(app)
-        await lifespan.__aenter__()
-        client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sidecar")
-        opened.append((lifespan, client))
-        return client
-
-    yield make
-    for lifespan, client in reversed(opened):
-        await client.aclose()
-        await lifespan.__aexit__(None, None, None)
-
-
-def error_of(reply: httpx.Response) -> dict[str, Any]:
-    body = reply.json()
-    assert set(body) == {"error"}, body
-    assert set(body["error"]) == {"code", "message", "details"}, body
-    return body["error"]
+from tests.fixtures.sidecar import TOKEN, AppClient, error_of
 
 
 async def test_start_then_overlap_is_409_with_active_id(api: AppClient) -> None:
@@ -81,14 +32,6 @@ async def test_stop_wait_completes_with_ok_per_stage(api: AppClient) -> None:
     assert {v["stage_id"]: v["verdict"] for v in done["verdicts"]} == {0: "ok", 2: "ok"}
 
 
-async def test_curl_style_form_content_type_is_read_as_json(api: AppClient) -> None:
-    client = await api()
-    reply = await client.post(
-        "/v1/captures",
-        content=b'{"stages":[0,2],"duration_s":10}',
-        headers={"content-type": "application/x-www-form-urlencoded"},
-    )
-    assert (reply.status_code, reply.json().get("stages")) == (201, [0, 2])
 
 
 async def test_post_without_body_captures_every_profiled_stage(api: AppClient) -> None:

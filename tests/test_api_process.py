@@ -4,6 +4,8 @@ the emulated vLLM-Omni server, driven over real sockets (curl-level)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
 import re
 import time
 from collections.abc import Callable
@@ -229,3 +231,64 @@ def test_artifact_root_maps_server_paths_to_local_ones(stack: Any, tmp_path: Pat
         final = client.stop_capture(client.start_capture([0, 2]).id, wait=True, timeout=60)
     verdicts = {v.stage_id: v.verdict.value if v.verdict else None for v in final.verdicts}
     assert (final.state.value, verdicts) == ("degraded", {0: "unverified", 2: "ok"})
+
+
+# --- start-up refusals: exit 1 naming the fix -------------------------------------------------
+
+
+def _serve(deploy: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    import os
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "sidecar", "serve", "--deploy-config", str(deploy), *args],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+
+
+def test_an_unwritable_state_dir_stops_start_up(deploy: Path, tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = _serve(deploy, "--port", "0", "--state-dir", str(blocker / "state"))
+    assert proc.returncode == 1 and str(blocker / "state") in proc.stderr and "state_dir_unusable" in proc.stderr
+
+
+def test_an_upstream_without_scheme_stops_start_up(deploy: Path, tmp_path: Path) -> None:
+    proc = _serve(deploy, "--upstream", "127.0.0.1:8000", "--state-dir", str(tmp_path / "s"))
+    assert proc.returncode == 1 and "http://127.0.0.1:8000" in proc.stderr
+
+
+def test_listening_beyond_loopback_needs_a_token(deploy: Path, tmp_path: Path) -> None:
+    proc = _serve(deploy, "--host", "0.0.0.0", "--state-dir", str(tmp_path / "s"))
+    assert proc.returncode == 1 and "--token-file" in proc.stderr
+
+
+def test_upstream_credentials_are_never_shown(stack: Any, deploy: Path, emulator_factory: Any,
+                                              sidecar_factory: Any) -> None:
+    emu = emulator_factory(deploy)
+    url = emu.url.replace("http://", "http://admin:pw-0123456789@")
+    sc = sidecar_factory(url, deploy, env=FAST)
+    cap = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]}, timeout=60).text
+    ready = httpx.get(f"{sc.url}/readyz", timeout=30).text
+    log = sc.log_path.read_text() if sc.log_path.exists() else ""
+    assert "pw-0123456789" not in cap + ready + log and "***@" in cap
+
+
+def test_a_bad_journal_entry_is_quarantined_and_the_rest_recovered(
+    stack: Any, sidecar_factory: Any, deploy: Path, tmp_path: Path
+) -> None:
+    state_dir = tmp_path / "shared-state"
+    emu, sc = stack(state_dir=state_dir)
+    with SidecarClient(sc.url) as client:
+        cap = client.start_capture([0, 2])
+    sc.kill()
+    bad = state_dir / "captures" / "20260101-000000-aaaaaa.json"
+    good = json.loads((state_dir / "captures" / f"{cap.id}.json").read_text())
+    bad.write_text(json.dumps({**good, "id": bad.stem, "created_at": "2026-01-01T00:00:00"}))  # no timezone
+    again = sidecar_factory(emu.url, deploy, state_dir=state_dir, env=FAST)
+    with SidecarClient(again.url) as client:
+        final = client.wait_capture(cap.id, timeout=60)
+        health = client.healthz()
+    assert (final.stop_reason.value if final.stop_reason else None, health["journal"]["quarantined"]) == (
+        "stopped_on_recovery", 1)
+    assert bad.with_name(bad.name + ".bad").exists() and profiling(emu) == {"0": False, "1": False, "2": False}

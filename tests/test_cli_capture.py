@@ -7,6 +7,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -120,3 +121,38 @@ def test_capture_until_ctrl_c_still_stops_and_reports(sidecar: str) -> None:
             proc.kill()
     assert proc.returncode == 0, seen
     assert "completed" in seen and "trace_rank0.json.gz" in seen
+
+
+def test_a_killed_capture_cli_leaves_nothing_recording(sidecar: str) -> None:
+    # the window is the server's: duration_s and a lease the CLI heartbeats, so kill -9 of the CLI
+    # ends the capture when the lease runs out, not never
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0", "--duration", "600",
+         "--lease", "3", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        with SidecarClient(sidecar, timeout=30) as client:
+            deadline = time.monotonic() + 60
+            live = []
+            while not live and time.monotonic() < deadline:
+                live = [c for c in client.list_captures() if not c.terminal]
+                time.sleep(0.2)
+            assert live, "the CLI never started a capture"
+            cap = live[0]
+            time.sleep(4)  # past one lease: heartbeats keep it active
+            still = client.get_capture(cap.id).state.value
+            proc.kill()
+            proc.wait(timeout=30)
+            final = client.wait_capture(cap.id, timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (cap.duration_s, cap.lease_s, still) == (600, 3, "active")
+    assert (final.terminal, final.stop_reason.value if final.stop_reason else None) == (True, "lease_expired")
+
+
+def test_capture_duration_is_sent_to_the_server(sidecar: str) -> None:
+    result = runner.invoke(app, ["capture", "--sidecar", sidecar, "--stages", "2", "--duration", "1", "--json"])
+    cap = json.loads(result.stdout[result.stdout.index("{"):])
+    assert (result.exit_code, cap["duration_s"], cap["lease_s"] <= 60) == (0, 1.0, True)

@@ -450,7 +450,7 @@ async def test_corrupt_journal_file_is_set_aside(upstream, control_deploy, tmp_p
     (d / "bad.json").write_text("{not json")
     async with CaptureController(upstream, control_deploy, state_dir=tmp_path / "s", settings=FAST) as c:
         listed = c.list()
-    assert (listed, (d / "bad.json.corrupt").exists()) == ([], True)
+    assert (listed, (d / "bad.json.bad").exists()) == ([], True)
 
 
 # --- artifact downloads -------------------------------------------------------------------

@@ -36,6 +36,7 @@ def test_one_file_per_capture_and_no_temp_files_left(tmp_path):
     for i in range(3):
         j.write(_cap(f"c{i}"))
         j.write(_cap(f"c{i}", state=CaptureState.completed))
+    j.drain()
     assert sorted(p.name for p in (tmp_path / "captures").iterdir()) == ["c0.json", "c1.json", "c2.json"]
 
 
@@ -46,13 +47,87 @@ def test_load_is_oldest_first(tmp_path):
     assert [e.capture.id for e in j.load()] == ["zz-older", "aa-newer"]
 
 
-@pytest.mark.parametrize("bad", ["{not json", "[]", '{"id": "x"}'])
-def test_unreadable_file_is_set_aside(tmp_path, bad):
+def _good_record(cid: str = "bad") -> dict:
+    return _cap(cid).model_dump(mode="json")
+
+
+_BAD_CONTENT = {
+    "not json": "{not json",
+    "a list": "[]",
+    "no fields": '{"id": "x"}',
+    "naive date": json.dumps({**_good_record(), "created_at": "2026-11-30T12:00:00"}),
+    "id not the file name": json.dumps(_good_record("other")),
+    "bad id": json.dumps({**_good_record(), "id": "../../etc"}),
+    "recovery not a mapping": json.dumps({**_good_record(), "_recovery": [1, 2]}),
+    "recovery watch malformed": json.dumps({**_good_record(), "_recovery": {"watches": [{"kind": "llm"}]}}),
+    "recovery watch bad kind": json.dumps({**_good_record(), "_recovery": {"watches": [{"stage_id": 0, "kind": "?"}]}}),
+}
+
+
+@pytest.mark.parametrize("bad", list(_BAD_CONTENT.values()), ids=list(_BAD_CONTENT))
+def test_a_bad_entry_is_quarantined_and_the_rest_loads(tmp_path, bad):
     j = CaptureJournal(tmp_path)
-    j.write(_cap("good"))
+    j.write(_cap("good")).result(timeout=30)
     (tmp_path / "captures" / "bad.json").write_text(bad)
     ids = [e.capture.id for e in j.load()]
-    assert (ids, (tmp_path / "captures" / "bad.json.corrupt").exists()) == (["good"], True)
+    assert (ids, (tmp_path / "captures" / "bad.json.bad").exists(), j.health()["quarantined"]) == (["good"], True, 1)
+
+
+def test_writes_run_off_the_calling_thread(tmp_path, monkeypatch):
+    import threading
+
+    from sidecar.control import journal as journal_mod
+
+    threads = []
+    real = journal_mod.atomic_write_text
+    monkeypatch.setattr(journal_mod, "atomic_write_text", lambda p, t: (threads.append(threading.current_thread()), real(p, t)))
+    j = CaptureJournal(tmp_path)
+    j.write(_cap()).result(timeout=30)
+    assert threads and threading.current_thread() not in threads
+
+
+def test_a_failed_write_is_counted_not_raised(tmp_path, monkeypatch):
+    from sidecar.control import journal as journal_mod
+
+    def full(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(journal_mod, "atomic_write_text", full)
+    j = CaptureJournal(tmp_path)
+    j.write(_cap()).result(timeout=30)
+    assert (j.health()["write_errors"], "No space" in j.health()["last_write_error"]) == (1, True)
+
+
+def test_retention_keeps_the_newest_finished_and_every_live_capture(tmp_path):
+    from datetime import timedelta
+
+    j = CaptureJournal(tmp_path, keep=2)
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    for i in range(5):
+        j.write(_cap(f"c{i}", state=CaptureState.completed, created_at=t0 + timedelta(minutes=i)))
+    j.write(_cap("live", state=CaptureState.active, created_at=t0))
+    ids = [e.capture.id for e in j.load()]
+    j.drain()
+    assert (ids, sorted(p.stem for p in (tmp_path / "captures").glob("*.json"))) == (
+        ["live", "c3", "c4"], ["c3", "c4", "live"])
+
+
+def test_retention_by_age(tmp_path):
+    j = CaptureJournal(tmp_path, keep_days=7)
+    old = datetime(2020, 1, 1, tzinfo=timezone.utc)
+    j.write(_cap("old", state=CaptureState.failed, created_at=old, finished_at=old))
+    j.write(_cap("new", state=CaptureState.completed))
+    assert [e.capture.id for e in j.load()] == ["new"]
+
+
+def test_an_unwritable_state_dir_is_refused_naming_the_fix(tmp_path):
+    from sidecar.errors import StateDirUnusable
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(StateDirUnusable) as info:
+        CaptureJournal(blocker / "state").check_writable()
+    assert str(blocker / "state") in info.value.message and "--state-dir" in info.value.message
 
 
 @pytest.mark.parametrize("cid", ["../x", "a/b", "", ".hidden"])
@@ -88,7 +163,7 @@ def test_plain_text_is_left_alone():
 
 def test_written_file_has_no_secret(tmp_path):
     j = CaptureJournal(tmp_path)
-    j.write(_cap(label="token=abcdefghijkl"), {"note": "Bearer abcdefghijklmnop"})
+    j.write(_cap(label="token=abcdefghijkl"), {"note": "Bearer abcdefghijklmnop"}).result(timeout=30)
     raw = (tmp_path / "captures" / "20261130-120000-abcdef.json").read_text()
     assert "abcdefghijkl" not in raw and json.loads(raw)["label"] == "token=***"
 

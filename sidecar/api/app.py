@@ -10,22 +10,37 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 from fastapi import Body, Depends, FastAPI, Query, Response
 from fastapi.responses import FileResponse, JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
-from starlette.types import ASGIApp, Receive, Scope, Send
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 import sidecar
 from sidecar.api import web
 from sidecar.api.auth import BearerAuth
 from sidecar.api.errors import error_response, install_error_handlers
 from sidecar.api.insight import router as insight_router
+from sidecar.api.guard import RequestGuard
 from sidecar.api.metrics import Metrics, MetricsMiddleware
+from sidecar.api.openapi import ERROR_RESPONSES, install_docs, responses
 from sidecar.config.models import DeployConfig
 from sidecar.control.models import Capture, CaptureState
-from sidecar.scrub import Scrubber
+from sidecar.api.openapi import error as openapi_error
+from sidecar.errors import (
+    CaptureNotFound,
+    CaptureNotTerminal,
+    CaptureStateError,
+    RequestInvalid,
+    SidecarClosing,
+    StageSelectionError,
+    StageSetMismatch,
+    SummaryUnavailable,
+    UpstreamNotReady,
+    UpstreamUnreachable,
+    WindowInvalid,
+)
+from sidecar.scrub import Scrubber, register_secret
 
 if TYPE_CHECKING:
     from sidecar.config.settings import SidecarSettings
@@ -40,7 +55,8 @@ class CaptureRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    stages: list[int] | None = Field(default=None, description="stage ids; omit for every profiled stage")
+    # strict: `true` is not stage 1, "0" is not stage 0
+    stages: list[StrictInt] | None = Field(default=None, description="stage ids; omit for every profiled stage")
     label: str | None = Field(default=None, max_length=200)
     duration_s: float | None = Field(default=None, gt=0, description="stop automatically after this many seconds")
     lease_s: float | None = Field(default=None, gt=0, description="stop unless a heartbeat arrives within this")
@@ -49,23 +65,18 @@ class CaptureRequest(BaseModel):
 class CompatProfileRequest(BaseModel):
     """The upstream server's body for ``/start_profile`` and ``/stop_profile``."""
 
-    stages: list[int] | None = None
+    stages: list[StrictInt] | None = None
 
 
-class _JsonByDefault:
-    """``curl -d '{...}'`` sends ``application/x-www-form-urlencoded``; no route takes forms, so a
-    POST body without a JSON content type is read as JSON (DESIGN.md §1's curl line must work)."""
+class CompatStopRequest(CompatProfileRequest):
+    """``/stop_profile``'s body: the live capture's own stages (any order), each once."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope.get("method") == "POST":
-            headers = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
-            ctype = next((v for k, v in scope["headers"] if k == b"content-type"), b"")
-            if not ctype or ctype.startswith(b"application/x-www-form-urlencoded"):
-                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
+    @field_validator("stages")
+    @classmethod
+    def _each_once(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or len(set(value)) != len(value)):
+            raise ValueError("stages must name each stage once, at least one (or omit the body)")
+        return value
 
 
 def create_app(
@@ -77,9 +88,10 @@ def create_app(
 ) -> FastAPI:
     upstream = upstream if upstream is not None else getattr(controller, "upstream", None)
     token = settings.read_token() if settings is not None else None
+    register_secret(token)  # the journal and error records scrub it too, not only replies
     scrubber = Scrubber([token] if token else [])
     auth = BearerAuth(token)
-    metrics = Metrics(controller.list)
+    metrics = Metrics(controller.state_counts)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -100,10 +112,14 @@ def create_app(
         version=sidecar.__version__,
         description="Profiling controller beside `vllm serve <model> --omni`: validated, bounded, verified captures.",
         lifespan=lifespan,
+        docs_url=None,  # served from the package's own Swagger UI assets below, never a CDN
+        redoc_url=None,
+        responses=ERROR_RESPONSES["common"],
     )
     install_error_handlers(app, scrubber)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
-    app.add_middleware(_JsonByDefault)
+    install_docs(app, stage_ids=[s.stage_id for s in deploy.stages if s.profiler == "torch"])
+    app.add_middleware(RequestGuard, allowed_hosts=settings.allowed_hosts if settings is not None else ())
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: refused requests are counted too
     mutating = [Depends(auth)]
 
     def capture_json(cap: Capture) -> dict[str, Any]:
@@ -117,22 +133,38 @@ def create_app(
     @app.get("/healthz", tags=["health"], summary="The sidecar process is alive")
     async def healthz() -> dict[str, Any]:
         active = controller.active
-        return {"status": "ok", "version": sidecar.__version__, "active_capture": active.id if active else None}
+        journal = controller.journal.health() if getattr(controller, "journal", None) is not None else None
+        return {
+            "status": "ok",
+            "version": sidecar.__version__,
+            "active_capture": active.id if active else None,
+            "journal": journal,  # quarantined entries and failed writes: history needs a look
+        }
 
-    @app.get("/readyz", tags=["health"], summary="Upstream healthy and its profiler endpoints mounted")
+    @app.get(
+        "/readyz",
+        tags=["health"],
+        summary="Upstream healthy and its profiler endpoints mounted",
+        responses={503: openapi_error(UpstreamNotReady)},
+    )
     async def readyz() -> Response:
         if upstream is None:
-            return error_response("upstream_not_ready", "no upstream configured", scrubber=scrubber)
+            return error_response(UpstreamNotReady("no upstream configured"), scrubber=scrubber)
         probe = await upstream.probe()
         if not probe.ready:  # the readiness rule is the probe's (ProbeResult.ready)
             return error_response(
-                "upstream_not_ready",
-                probe.reason or "upstream not ready",
-                {"healthy": probe.healthy, "profiler_mounted": probe.profiler_mounted, "upstream": upstream.base_url},
+                UpstreamNotReady(
+                    probe.reason or "upstream not ready",
+                    details={
+                        "healthy": probe.healthy,
+                        "profiler_mounted": probe.profiler_mounted,
+                        "upstream": upstream.base_url,
+                    },
+                ),
                 scrubber=scrubber,
             )
         return JSONResponse(
-            {"status": "ready", "upstream": upstream.base_url, "profiler_mounted": probe.profiler_mounted}
+            scrubber.data({"status": "ready", "upstream": upstream.base_url, "profiler_mounted": probe.profiler_mounted})
         )
 
     # --- stages --------------------------------------------------------------------------
@@ -176,16 +208,38 @@ def create_app(
         tags=["captures"],
         dependencies=mutating,
         summary="Start a capture (409 if one is active; 422 for a bad stage set, before any upstream call)",
+        responses={**responses("mutating", "start"), 422: openapi_error(RequestInvalid, StageSelectionError, WindowInvalid),
+                   503: openapi_error(UpstreamUnreachable, SidecarClosing)},
     )
     async def start_capture(req: CaptureRequest = Body(default_factory=CaptureRequest)) -> JSONResponse:
         cap = await controller.start(req.stages, label=req.label, duration_s=req.duration_s, lease_s=req.lease_s)
         return capture_response(cap, 201)
 
-    @app.get("/v1/captures", tags=["captures"], summary="Every capture, newest first (survives restarts)")
-    async def list_captures() -> dict[str, Any]:
-        return {"captures": [capture_json(c) for c in controller.list()]}
+    @app.get("/v1/captures", tags=["captures"], summary="Captures, newest first (survives restarts), a page at a time")
+    async def list_captures(
+        limit: int = Query(100, ge=1, le=1000, description="at most this many captures"),
+        before: Optional[str] = Query(
+            None, max_length=128, description="only captures older than this capture id (the previous page's next_before)"
+        ),
+    ) -> dict[str, Any]:
+        caps = controller.list()
+        if before is not None:
+            ref = next((c for c in caps if c.id == before), None)
+            if ref is not None:
+                key = (ref.created_at, ref.id)
+                caps = [c for c in caps if (c.created_at, c.id) < key]
+            else:  # an id past retention: ids sort by creation time
+                caps = [c for c in caps if c.id < before]
+        page = caps[:limit]
+        more = len(caps) > limit
+        return {"captures": [capture_json(c) for c in page], "next_before": page[-1].id if more and page else None}
 
-    @app.get("/v1/captures/{capture_id}", tags=["captures"], summary="One capture: state, verdicts, files")
+    @app.get(
+        "/v1/captures/{capture_id}",
+        tags=["captures"],
+        summary="One capture: state, verdicts, files",
+        responses=responses("capture"),
+    )
     async def get_capture(capture_id: str) -> JSONResponse:
         return capture_response(controller.get(capture_id))
 
@@ -195,6 +249,7 @@ def create_app(
         tags=["captures"],
         dependencies=mutating,
         summary="Stop a capture (202 at once; ?wait=true blocks until it is terminal)",
+        responses={**responses("mutating", "capture"), 200: {"description": "the capture, terminal"}},
     )
     async def stop_capture(
         capture_id: str,
@@ -212,6 +267,7 @@ def create_app(
         tags=["captures"],
         dependencies=mutating,
         summary="Extend the capture's lease",
+        responses={**responses("mutating", "capture"), 409: openapi_error(CaptureStateError)},
     )
     async def heartbeat(capture_id: str) -> JSONResponse:
         return capture_response(await controller.heartbeat(capture_id))
@@ -220,12 +276,25 @@ def create_app(
         "/v1/captures/{capture_id}/files/{relpath:path}",
         tags=["captures"],
         summary="Download one artifact, confined to the capture's session folders",
+        responses={
+            **responses("capture", "download"),
+            200: {"description": "the file", "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+        },
+        response_class=FileResponse,
     )
     async def download(capture_id: str, relpath: str) -> FileResponse:
         path = controller.artifact_path(capture_id, relpath)
         return FileResponse(path, filename=path.name)
 
-    @app.get("/v1/captures/{capture_id}/summary", tags=["captures"], summary="Top ops per stage (cached)")
+    @app.get(
+        "/v1/captures/{capture_id}/summary",
+        tags=["captures"],
+        summary="Top ops per stage (cached)",
+        responses={
+            404: openapi_error(CaptureNotFound, SummaryUnavailable),
+            409: openapi_error(CaptureNotTerminal),
+        },
+    )
     async def summary(capture_id: str, top: int = Query(20, ge=1, le=500)) -> JSONResponse:
         return JSONResponse(scrubber.data(await controller.summarize(capture_id, top=top)))
 
@@ -236,6 +305,8 @@ def create_app(
         tags=["compat"],
         dependencies=mutating,
         summary="Upstream-compatible start: starts a capture of the given stages (all profiled if none)",
+        responses={**responses("mutating", "start"), 422: openapi_error(RequestInvalid, StageSelectionError),
+                   503: openapi_error(UpstreamUnreachable, SidecarClosing)},
     )
     async def compat_start(body: CompatProfileRequest | None = Body(default=None)) -> JSONResponse:
         cap = await controller.start(body.stages if body else None, label="compat")
@@ -246,8 +317,9 @@ def create_app(
         tags=["compat"],
         dependencies=mutating,
         summary="Upstream-compatible stop: stops the active capture and waits until its traces are checked",
+        responses={**responses("mutating"), 409: openapi_error(StageSetMismatch)},
     )
-    async def compat_stop(body: CompatProfileRequest | None = Body(default=None)) -> JSONResponse:
+    async def compat_stop(body: CompatStopRequest | None = Body(default=None)) -> JSONResponse:
         cap = await controller.stop_active(body.stages if body else None)
         if cap is None:
             # the upstream answers SUCCESS to a stop without a start; so do we, and say so
@@ -255,7 +327,13 @@ def create_app(
         status = "SUCCESS" if cap.state is CaptureState.completed else cap.state.value.upper()
         return JSONResponse({"status": status, "capture_id": cap.id, "capture": capture_json(cap)})
 
-    @app.get("/metrics", tags=["health"], summary="Prometheus metrics")
+    @app.get(
+        "/metrics",
+        tags=["health"],
+        summary="Prometheus metrics",
+        response_class=Response,
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

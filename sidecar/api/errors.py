@@ -1,6 +1,7 @@
-"""The one table mapping error codes to HTTP status, and the error body every reply uses:
-``{"error": {"code", "message", "details"}}`` — for typed errors, FastAPI's request validation
-and plain 404/405s alike. Secret values are scrubbed from anything that leaves the process.
+"""Errors leave the API as one shape, ``{"error": {"code", "message", "details"}}``, with the status
+the error's class declares (``SidecarError.http_status``, inherited along the MRO): typed errors,
+FastAPI's request validation and plain 404/405s alike. There is no table of codes to forget: a new
+error class inherits its family's status. Secret values are scrubbed from anything that leaves.
 """
 
 from __future__ import annotations
@@ -12,49 +13,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from sidecar.errors import SidecarError
+from sidecar.errors import (
+    AuthError,
+    BodyTooLarge,
+    InternalError,
+    MethodNotAllowed,
+    RequestError,
+    RequestInvalid,
+    RouteNotFound,
+    SidecarError,
+    error_classes,
+)
 from sidecar.scrub import Scrubber
 
-# code → HTTP status. Unknown codes of a known family fall back on the family default below.
-STATUS_BY_CODE: dict[str, int] = {
-    # request / stage selection: the caller must change the request
-    "request_invalid": 422,
-    "stage_selection_invalid": 422,
-    "stages_empty": 422,
-    "stage_duplicate": 422,
-    "stage_unknown": 422,
-    "stage_not_profiled": 422,
-    "stage_not_torch": 422,
-    "stage_set_mismatch": 409,
-    # captures
-    "capture_active": 409,
-    "capture_state": 409,
-    "capture_not_terminal": 409,
-    "capture_not_found": 404,
-    "artifact_not_found": 404,
-    "summary_unavailable": 404,
-    "capture_error": 500,
-    # upstream: the server behind us failed or is not there
-    "upstream_not_ready": 503,
-    "upstream_unreachable": 503,  # never delivered: the server is not there (yet)
-    "upstream_timeout": 502,  # ambiguous; the controller rolled back
-    "upstream_failed": 502,
-    # config
-    "config_invalid": 422,
-    "config_unreadable": 422,
-    "validation_failed": 422,
-    "trace_invalid": 422,
-    # surfaces
-    "unauthorized": 401,
-    "not_found": 404,
-    "internal_error": 500,
-    "method_not_allowed": 405,
+# Starlette's own HTTP errors (no route, wrong method, ...) → the class that stands for them.
+_HTTP_ERRORS: dict[int, type[SidecarError]] = {
+    404: RouteNotFound,
+    405: MethodNotAllowed,
+    401: AuthError,
+    413: BodyTooLarge,
 }
-
-
-
-def status_for(code: str) -> int:
-    return STATUS_BY_CODE.get(code, 500)
 
 
 def error_body(code: str, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -62,18 +40,37 @@ def error_body(code: str, message: str, details: dict[str, Any] | None = None) -
 
 
 def error_response(
-    code: str,
-    message: str,
-    details: dict[str, Any] | None = None,
+    err: SidecarError,
     *,
     scrubber: Scrubber | None = None,
     status: int | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    body = error_body(code, message, details)
+    """The reply for ``err``: its body, and its class's status unless ``status`` overrides it."""
+    payload = err.to_dict()
+    body = error_body(payload["code"], payload["message"], payload["details"])
     if scrubber is not None:
         body = scrubber.data(body)
-    return JSONResponse(body, status_code=status or status_for(code), headers=headers)
+    if isinstance(err, AuthError):
+        headers = {"WWW-Authenticate": "Bearer", **(headers or {})}
+    return JSONResponse(body, status_code=status or err.http_status, headers=headers)
+
+
+def status_table() -> list[tuple[int, str, str]]:
+    """``(status, code, class name)`` of every error class in ``sidecar.errors``, by status then code: the
+    reference table docs/api.md shows (``python -m sidecar.api.errors`` prints it)."""
+    rows = {(c.http_status, c.code, c.__name__) for c in error_classes() if c.__module__ == "sidecar.errors"}
+    return sorted(rows)
+
+
+def _methods_of(request: Request) -> list[str]:
+    path = request.url.path
+    methods: set[str] = set()
+    for route in request.app.routes:
+        regex = getattr(route, "path_regex", None)
+        if regex is not None and regex.match(path) and getattr(route, "methods", None):
+            methods |= set(route.methods)
+    return sorted(methods)
 
 
 def install_error_handlers(app: FastAPI, scrubber: Scrubber) -> None:
@@ -81,11 +78,7 @@ def install_error_handlers(app: FastAPI, scrubber: Scrubber) -> None:
 
     async def sidecar_error(_: Request, err: Exception) -> JSONResponse:
         assert isinstance(err, SidecarError)
-        payload = err.to_dict()
-        headers = {"WWW-Authenticate": "Bearer"} if payload["code"] == "unauthorized" else None
-        return error_response(
-            payload["code"], payload["message"], payload["details"], scrubber=scrubber, headers=headers
-        )
+        return error_response(err, scrubber=scrubber)
 
     async def validation_error(_: Request, err: Exception) -> JSONResponse:
         assert isinstance(err, RequestValidationError)
@@ -96,31 +89,41 @@ def install_error_handlers(app: FastAPI, scrubber: Scrubber) -> None:
         first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
         where = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
         return error_response(
-            "request_invalid",
-            f"invalid request: {where}: {first['msg']} (see /docs for the request schema)",
-            {"errors": errors},
+            RequestInvalid(
+                f"invalid request: {where}: {first['msg']} (see /docs for the request schema)",
+                details={"errors": errors},
+            ),
             scrubber=scrubber,
         )
 
-    async def http_error(_: Request, err: Exception) -> JSONResponse:
+    async def http_error(request: Request, err: Exception) -> JSONResponse:
         assert isinstance(err, StarletteHTTPException)
-        code = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized"}.get(
-            err.status_code, "http_error"
-        )
         message = err.detail if isinstance(err.detail, str) else "request failed"
         if err.status_code == 404 and message == "Not Found":
             message = "no such route; see /docs for the API"
-        return error_response(
-            code, message, None, scrubber=scrubber, status=err.status_code, headers=getattr(err, "headers", None)
-        )
+        headers = dict(getattr(err, "headers", None) or {})
+        if err.status_code == 405:
+            # Starlette names the methods of the first route on the path only; GET and POST
+            # /v1/captures are two routes, and Allow must name every method the path takes
+            allowed = _methods_of(request)
+            headers["Allow"] = ", ".join(allowed)
+            message = f"{request.method} is not allowed here; use {' or '.join(allowed)}"
+        cls = _HTTP_ERRORS.get(err.status_code, RequestError)
+        return error_response(cls(message), scrubber=scrubber, status=err.status_code, headers=headers or None)
 
     async def unexpected(_: Request, err: Exception) -> JSONResponse:
         # a bug: logged with its traceback by uvicorn; the client gets the shape, not the trace
         return error_response(
-            "internal_error", f"internal error ({type(err).__name__}); see the sidecar log", scrubber=scrubber
+            InternalError(f"internal error ({type(err).__name__}); see the sidecar log"), scrubber=scrubber
         )
 
     app.add_exception_handler(Exception, unexpected)
     app.add_exception_handler(SidecarError, sidecar_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+if __name__ == "__main__":  # the table of docs/api.md
+    print("| status | code | class |\n|---|---|---|")
+    for status, code, name in status_table():
+        print(f"| {status} | `{code}` | `{name}` |")

@@ -18,7 +18,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 
 from sidecar.control import artifacts
-from sidecar.errors import CaptureError
+from sidecar.errors import CaptureNotTerminal, SummaryUnavailable
 from sidecar.scrub import Scrubber
 
 router = APIRouter(tags=["captures"])
@@ -33,17 +33,15 @@ def _traces(request: Request, capture_id: str) -> tuple[Any, list[Path]]:
     controller = request.app.state.controller
     cap = controller.get(capture_id)  # CaptureNotFound -> 404
     if not cap.terminal:
-        raise CaptureError(
+        raise CaptureNotTerminal(
             f"capture {capture_id} is {cap.state.value}; its traces are there once it is terminal "
             f"(wait with POST /v1/captures/{capture_id}/stop?wait=true)",
-            code="capture_not_terminal",
             details={"state": cap.state.value},
         )
     paths = artifacts.trace_paths(cap.verdicts)
     if not paths:
-        raise CaptureError(
+        raise SummaryUnavailable(
             f"capture {capture_id} has no readable trace (state {cap.state.value}); see its verdicts",
-            code="summary_unavailable",
         )
     return controller, paths
 

@@ -1,13 +1,13 @@
 """Prometheus metrics served at ``GET /metrics``: request counts and latencies per route
 template, and capture counts per state read from the controller at scrape time (so they are
-right after a restart too). Each app has its own registry, so tests can build many apps.
+right after a restart too). Every label set is bounded: route templates (or ``<unmatched>``),
+known methods (others are ``OTHER``), status codes. Each app has its own registry.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter as _Tally
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -15,27 +15,29 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sidecar.control.models import Capture, CaptureState
+from sidecar.control.models import CaptureState
+
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+_LIVE = [s.value for s in CaptureState if not s.terminal]
 
 
 class _CaptureCollector(Collector):
-    def __init__(self, list_captures: Callable[[], Iterable[Capture]]) -> None:
-        self._list = list_captures
+    def __init__(self, state_counts: Callable[[], Mapping[str, int]]) -> None:
+        self._counts = state_counts
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        captures = list(self._list())
-        by_state = _Tally(c.state.value for c in captures)
+        by_state = dict(self._counts())  # counts, not copies of every capture
         family = GaugeMetricFamily("omni_sidecar_captures", "Captures known to the sidecar, by state", labels=["state"])
         for state in CaptureState:
             family.add_metric([state.value], by_state.get(state.value, 0))
         yield family
         active = GaugeMetricFamily("omni_sidecar_capture_active", "1 while a capture is not terminal")
-        active.add_metric([], 1 if any(not c.terminal for c in captures) else 0)
+        active.add_metric([], 1 if any(by_state.get(s, 0) for s in _LIVE) else 0)
         yield active
 
 
 class Metrics:
-    def __init__(self, list_captures: Callable[[], Iterable[Capture]]) -> None:
+    def __init__(self, state_counts: Callable[[], Mapping[str, int]]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "omni_sidecar_http_requests",
@@ -49,7 +51,7 @@ class Metrics:
             ["route", "method"],
             registry=self.registry,
         )
-        self.registry.register(_CaptureCollector(list_captures))
+        self.registry.register(_CaptureCollector(state_counts))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -81,5 +83,6 @@ class MetricsMiddleware:
             # the template, not the raw path: ids would make unbounded label sets
             template = getattr(route, "path", None) or "<unmatched>"
             method = scope.get("method", "")
+            method = method if method in METHODS else "OTHER"  # made-up methods must not grow the label set
             self.metrics.requests.labels(template, method, str(status["code"])).inc()
             self.metrics.latency.labels(template, method).observe(time.perf_counter() - began)

@@ -27,6 +27,8 @@ TokenFileOpt = Annotated[
     typer.Option("--token-file", envvar="OMNI_SIDECAR_TOKEN_FILE", help="file holding the bearer token"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
+# the lease `capture` asks for and heartbeats: a killed CLI leaves a capture recording at most this long
+MAX_CLI_LEASE_S = 60.0
 StagesOpt = Annotated[
     Optional[str], typer.Option("--stages", help="comma-separated stage ids, e.g. 0,2 (default: every profiled stage)")
 ]
@@ -211,22 +213,25 @@ def capture(
     ] = None,
     label: Annotated[Optional[str], typer.Option("--label")] = None,
     timeout: Annotated[Optional[float], typer.Option("--timeout", help="give up waiting for the stop after N s")] = None,
+    lease: Annotated[
+        float,
+        typer.Option("--lease", min=1, max=MAX_CLI_LEASE_S, help="the server stops the capture if this CLI is gone this long"),
+    ] = MAX_CLI_LEASE_S,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Start, wait DURATION (or until Ctrl-C), stop, wait for the traces, print the verdicts."""
+    """Start, wait DURATION (or until Ctrl-C), stop, wait for the traces, print the verdicts.
+
+    The window is the server's: it gets ``duration_s`` and a lease this command heartbeats, so a
+    killed CLI leaves nothing recording (the lease runs out within --lease seconds)."""
     with cli_errors(), _client(sidecar, token_file) as client:
-        cap = client.start_capture(parse_stage_list(stages), label=label)
+        cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease)
         if not as_json:
             console.print(f"capture [bold]{cap.id}[/] active: stages {cap.stages}")
         try:
-            if duration is None:
-                if not as_json:
-                    console.print("profiling; press Ctrl-C to stop")
-                while True:
-                    time.sleep(3600)
-            else:
-                _countdown(duration, quiet=as_json)
+            if duration is None and not as_json:
+                console.print("profiling; press Ctrl-C to stop")
+            _hold(client, cap.id, duration, lease, quiet=as_json)
         except KeyboardInterrupt:
             if not as_json:
                 console.print("stopping")
@@ -237,10 +242,24 @@ def capture(
         raise typer.Exit(exit_code(cap))
 
 
-def _countdown(seconds: float, quiet: bool) -> None:
-    if quiet:
-        time.sleep(seconds)
+def _heartbeat_until(client: SidecarClient, capture_id: str, seconds: float | None, lease: float) -> None:
+    """Heartbeat every third of the lease until ``seconds`` pass (None: forever) or the capture is
+    no longer active (the server's duration ended it, or someone stopped it)."""
+    from sidecar.errors import CaptureStateError
+
+    end = None if seconds is None else time.monotonic() + seconds
+    while end is None or time.monotonic() < end:
+        time.sleep(lease / 3 if end is None else max(0.0, min(lease / 3, end - time.monotonic())))
+        try:
+            client.heartbeat(capture_id)
+        except CaptureStateError:
+            return
+
+
+def _hold(client: SidecarClient, capture_id: str, seconds: float | None, lease: float, quiet: bool) -> None:
+    if quiet or seconds is None:
+        _heartbeat_until(client, capture_id, seconds, lease)
         return
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as p:
         p.add_task(f"profiling for {seconds:g}s", total=None)
-        time.sleep(seconds)
+        _heartbeat_until(client, capture_id, seconds, lease)

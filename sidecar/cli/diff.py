@@ -15,6 +15,7 @@ from rich.table import Table
 
 from sidecar.analysis.diff import CaptureDiff, StageDiff, diff_paths
 from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console
+from sidecar.client import SidecarUnreachable
 from sidecar.errors import SidecarError
 
 
@@ -64,7 +65,7 @@ def _remote(url: str, a: str, b: str, top: int) -> CaptureDiff:
     try:
         r = httpx.get(f"{url.rstrip('/')}/v1/captures/{a}/diff/{b}", params={"top": top}, headers=headers, timeout=600)
     except httpx.HTTPError as err:
-        raise SidecarError(f"cannot reach the sidecar at {url}: {err}; is `omni-sidecar serve` running?", code="sidecar_unreachable") from None
+        raise SidecarUnreachable(f"cannot reach the sidecar at {url}: {err}; is `omni-sidecar serve` running?") from None
     if r.status_code != 200:
         try:
             body = r.json()
@@ -72,7 +73,7 @@ def _remote(url: str, a: str, b: str, top: int) -> CaptureDiff:
             msg, code = err.get("message", r.text), err.get("code", "diff_failed")
         except ValueError:
             msg, code = r.text, "diff_failed"
-        raise SidecarError(f"sidecar answered {r.status_code}: {msg}", code=str(code))
+        raise SidecarError.relay(str(code), f"sidecar answered {r.status_code}: {msg}")
     return CaptureDiff.model_validate(r.json())
 
 

@@ -15,7 +15,7 @@ import typer
 from rich.table import Table
 
 from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, parse_stage_list
-from sidecar.errors import FleetInvalid
+from sidecar.errors import FleetDurationInvalid, TargetInvalid
 
 fleet_app = typer.Typer(
     name="fleet",
@@ -65,7 +65,7 @@ def _fleet(targets: str, stages: str | None, deploy_config: Path | None, flavor:
 
         token = SidecarSettings(token_file=token_file).read_token()
     if flavor not in ("omni", "vllm"):
-        raise FleetInvalid(f"--flavor must be omni or vllm, got {flavor!r}", code="target_invalid")
+        raise TargetInvalid(f"--flavor must be omni or vllm, got {flavor!r}")
     return Fleet(targets, stages=parse_stage_list(stages), deploy_config=deploy_config, flavor=flavor,  # type: ignore[arg-type]
                  token=token, state_dir=state_dir or _default_state_dir())
 
@@ -112,10 +112,9 @@ def start(
         fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir)
         upstream = [t.name for t in fleet.targets if t.kind.value == "upstream"]
         if duration is not None and upstream:
-            raise FleetInvalid(
+            raise FleetDurationInvalid(
                 f"--duration needs a process that stays to stop upstream targets ({', '.join(upstream)}); "
                 "use `omni-sidecar fleet capture --duration S`, or put sidecars in front of them",
-                code="duration_invalid",
             )
 
         async def run() -> Any:
@@ -174,7 +173,7 @@ def capture(
     everywhere, check the traces and print where they are."""
     with cli_errors():
         if not duration > 0:
-            raise FleetInvalid(f"--duration must be > 0 seconds, got {duration}", code="duration_invalid")
+            raise FleetDurationInvalid(f"--duration must be > 0 seconds, got {duration}")
         fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir)
 
         async def run() -> Any:

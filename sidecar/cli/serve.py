@@ -44,13 +44,25 @@ def serve(
         ),
     ] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    keep: Annotated[Optional[int], typer.Option("--keep", help="finished captures kept in history (default 1000)")] = None,
+    keep_days: Annotated[
+        Optional[float], typer.Option("--keep-days", help="drop finished captures older than this many days")
+    ] = None,
+    allowed_host: Annotated[
+        Optional[list[str]],
+        typer.Option("--allowed-host", help="Host/Origin name accepted besides loopback names (repeatable; '*' = any)"),
+    ] = None,
 ) -> None:
     """Run the sidecar's HTTP API beside a vLLM-Omni server (OpenAPI at /docs)."""
     with cli_errors():
         from sidecar.config.deploy import load_server_config
         from sidecar.config.rules import validate_deploy
         from sidecar.config.settings import SidecarSettings
-        from sidecar.errors import ConfigError, ValidationFailed
+        from pydantic import ValidationError
+
+        from sidecar.control.journal import CaptureJournal
+        from sidecar.errors import ConfigError, SettingInvalid, ValidationFailed
+        from sidecar.scrub import scrub_secrets
 
         given: dict[str, Any] = {
             "upstream_url": upstream,
@@ -64,12 +76,21 @@ def serve(
             "artifact_roots": artifact_root or None,
             "stage_overrides": stage_overrides,
             "profiler_config": profiler_config,
+            "keep": keep,
+            "keep_days": keep_days,
+            "allowed_hosts": allowed_host or None,
         }
         try:
             settings = SidecarSettings(**{k: v for k, v in given.items() if v is not None})
-        except ValueError as err:  # pydantic ValidationError: a flag or env value out of range
-            raise ConfigError(f"invalid setting: {err}") from None
-        settings.read_token()  # an unreadable token file must stop start-up, not open the routes
+        except ValidationError as err:  # a flag or env value out of range or malformed
+            first = err.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ())) or "settings"
+            raise SettingInvalid(
+                scrub_secrets(f"invalid setting {where}: {first.get('msg', err)}"), key=where
+            ) from None
+        token = settings.read_token()  # an unreadable token file must stop start-up, not open the routes
+        settings.check_exposure(token)  # beyond loopback, mutating routes need a token
+        CaptureJournal(settings.state_dir).check_writable()  # no journal = no history and no recovery
         # A legacy `stage_args:` file is refused: a 0.30 server cannot have started with it.
         deploy = load_server_config(
             settings.deploy_config,
@@ -96,7 +117,7 @@ def serve(
 
         fastapi_app = build_app(settings, deploy)
         err_console.print(
-            f"omni-sidecar: upstream {settings.upstream_url}, deploy {settings.deploy_config or '(--profiler-config)'}, "
+            f"omni-sidecar: upstream {scrub_secrets(settings.upstream_url)}, deploy {settings.deploy_config or '(--profiler-config)'}, "
             f"http://{settings.host}:{settings.port} (docs at /docs)",
             highlight=False,
         )

@@ -14,7 +14,8 @@ from typing import Any
 
 import yaml
 
-from sidecar.errors import ConfigUnreadable, Where
+from sidecar.errors import Where
+from sidecar.errors import FileNotFound, FileUnreadable, YamlInvalid
 
 _BaseLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -131,13 +132,12 @@ def load_yaml_text(text: str, *, file_name: str = "<input>") -> Any:
         mark = err.problem_mark or err.context_mark
         where = Where(file=file_name, line=mark.line + 1, column=mark.column + 1) if mark else Where(file=file_name)
         problem = " ".join(p for p in (err.context, err.problem) if p)
-        raise ConfigUnreadable(
+        raise YamlInvalid(
             f"not valid YAML: {problem}; fix the syntax at this line",
-            code="yaml_invalid",
             where=where,
         ) from None
     except yaml.YAMLError as err:
-        raise ConfigUnreadable(f"not valid YAML: {err}", code="yaml_invalid", where=Where(file=file_name)) from None
+        raise YamlInvalid(f"not valid YAML: {err}", where=Where(file=file_name)) from None
     finally:
         loader.dispose()
 
@@ -149,13 +149,13 @@ def load_yaml(path: str | Path) -> Any:
     try:
         text = p.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigUnreadable(f"file not found: {p}; check the path", code="file_not_found", where=where) from None
+        raise FileNotFound(f"file not found: {p}; check the path", where=where) from None
     except IsADirectoryError:
-        raise ConfigUnreadable(f"{p} is a directory; pass a YAML file", code="file_unreadable", where=where) from None
+        raise FileUnreadable(f"{p} is a directory; pass a YAML file", where=where) from None
     except UnicodeDecodeError:
-        raise ConfigUnreadable(
-            f"{p} is not UTF-8 text; pass a YAML file", code="yaml_invalid", where=where
+        raise YamlInvalid(
+            f"{p} is not UTF-8 text; pass a YAML file", where=where
         ) from None
     except OSError as err:
-        raise ConfigUnreadable(f"cannot read {p}: {err.strerror}", code="file_unreadable", where=where) from None
+        raise FileUnreadable(f"cannot read {p}: {err.strerror}", where=where) from None
     return load_yaml_text(text, file_name=str(p))

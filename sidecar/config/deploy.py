@@ -30,13 +30,28 @@ from sidecar.config.overrides import (
 )
 from sidecar.config.profiler import ProfilerConfig, _is_uri_path
 from sidecar.errors import (
+    BaseConfigCycle,
+    BaseConfigInvalid,
+    BaseConfigMissing,
+    ConfigEmpty,
     ConfigError,
+    ConfigNotMapping,
     ConfigUnreadable,
+    DeployConfigMissing,
+    DeployStagesInvalid,
     Finding,
     LegacySchemaRefused,
+    NumReplicasInvalid,
     PlatformUnknown,
+    PlatformsInvalid,
     ProfilerConfigArgInvalid,
+    ProfilerConfigInvalid,
     Severity,
+    StageIdDuplicate,
+    StageIdInvalid,
+    StageIdMissing,
+    StageInvalid,
+    StageKindInvalid,
     StageOverridesInvalid,
     Where,
 )
@@ -167,9 +182,8 @@ def _check_stage_list(doc: MarkedDict, key: str, file: str) -> None:
     if stages is None:
         return
     if not isinstance(stages, list):
-        raise ConfigError(
+        raise DeployStagesInvalid(
             f"`{key}` must be a list of stage entries (`- stage_id: 0 ...`), got {type(stages).__name__}",
-            code="stages_invalid",
             where=doc.where_of(key, value=True),
             key=key,
         )
@@ -177,35 +191,31 @@ def _check_stage_list(doc: MarkedDict, key: str, file: str) -> None:
     for i, entry in enumerate(stages):
         item_where = stages.item_where[i] if isinstance(stages, MarkedList) and i < len(stages.item_where) else None
         if not isinstance(entry, dict):
-            raise ConfigError(
+            raise StageInvalid(
                 f"`{key}[{i}]` must be a mapping with a `stage_id`, got {type(entry).__name__}",
-                code="stage_invalid",
                 where=item_where or Where(file=file),
                 key=f"{key}[{i}]",
             )
         if "stage_id" not in entry:
-            raise ConfigError(
+            raise StageIdMissing(
                 f"`{key}[{i}]` has no `stage_id`; add `stage_id: <int>` to the entry",
-                code="stage_id_missing",
                 where=getattr(entry, "where", None) or item_where,
                 key=f"{key}[{i}].stage_id",
             )
         sid = entry["stage_id"]
         sid_where = entry.where_of("stage_id", value=True) if isinstance(entry, MarkedDict) else item_where
         if isinstance(sid, bool) or not isinstance(sid, int) or sid < 0:
-            raise ConfigError(
+            raise StageIdInvalid(
                 f"stage_id must be a non-negative integer, got {sid!r} ({type(sid).__name__}); "
                 f"write e.g. `stage_id: {i}` without quotes",
-                code="stage_id_invalid",
                 where=sid_where,
                 key=f"{key}[{i}].stage_id",
             )
         if sid in seen:
             first = seen[sid]
-            raise ConfigError(
+            raise StageIdDuplicate(
                 f"duplicate stage_id {sid} (first at {first}); each stage entry needs its own id "
                 "(vLLM-Omni would silently keep only the last one)",
-                code="stage_id_duplicate",
                 where=sid_where,
                 key=f"{key}[{i}].stage_id",
                 details={"stage_id": sid},
@@ -213,9 +223,8 @@ def _check_stage_list(doc: MarkedDict, key: str, file: str) -> None:
         seen[sid] = sid_where
         for block in ("engine_args", "runtime", "profiler_config"):
             if block in entry and entry[block] is not None and not isinstance(entry[block], dict):
-                raise ConfigError(
+                raise (ProfilerConfigInvalid if block == "profiler_config" else StageInvalid)(
                     f"stage {sid}: `{block}` must be a mapping, got {type(entry[block]).__name__}",
-                    code="profiler_config_invalid" if block == "profiler_config" else "stage_invalid",
                     where=entry.where_of(block, value=True) if isinstance(entry, MarkedDict) else sid_where,
                     key=f"{key}[{i}].{block}",
                 )
@@ -226,9 +235,8 @@ def _check_platforms(doc: MarkedDict) -> None:
     if platforms is None:
         return
     if not isinstance(platforms, dict):
-        raise ConfigError(
+        raise PlatformsInvalid(
             "`platforms` must be a mapping of platform name to overrides (e.g. `platforms: {npu: {stages: [...]}}`)",
-            code="platforms_invalid",
             where=doc.where_of("platforms", value=True),
             key="platforms",
         )
@@ -236,9 +244,8 @@ def _check_platforms(doc: MarkedDict) -> None:
         if section is None:
             continue
         if not isinstance(section, dict):
-            raise ConfigError(
+            raise PlatformsInvalid(
                 f"`platforms.{name}` must be a mapping with a `stages:` list",
-                code="platforms_invalid",
                 where=platforms.where_of(name, value=True) if isinstance(platforms, MarkedDict) else None,
                 key=f"platforms.{name}",
             )
@@ -249,13 +256,12 @@ def _read_document(path: Path) -> MarkedDict:
     doc = load_yaml(path)
     where = Where(file=str(path), line=1, column=1)
     if doc is None:
-        raise ConfigUnreadable(
-            f"{path} is empty; a deploy file needs a top-level `stages:` list", code="config_empty", where=where
+        raise ConfigEmpty(
+            f"{path} is empty; a deploy file needs a top-level `stages:` list", where=where
         )
     if not isinstance(doc, dict):
-        raise ConfigUnreadable(
+        raise ConfigNotMapping(
             f"{path}: the top level must be a mapping (`stages: [...]`), got a {type(doc).__name__}",
-            code="config_not_mapping",
             where=getattr(doc, "where", None) or where,
         )
     _check_stage_list(doc, "stages", str(path))
@@ -272,18 +278,16 @@ def _resolve(path: Path, chain: list[Path]) -> tuple[MarkedDict, list[Path]]:
         return doc, []
     base_where = doc.where_of("base_config", value=True)
     if not isinstance(base, str) or not base:
-        raise ConfigError(
+        raise BaseConfigInvalid(
             f"base_config must be a file path (relative to {path.parent}), got {base!r}",
-            code="base_config_invalid",
             where=base_where,
             key="base_config",
         )
     base_path = path.parent / base
     if not base_path.is_file():
-        raise ConfigError(
+        raise BaseConfigMissing(
             f"base_config {base!r} not found (looked for {base_path}); the path is relative to the folder "
             "of the file that names it",
-            code="base_config_missing",
             where=base_where,
             key="base_config",
         )
@@ -291,9 +295,8 @@ def _resolve(path: Path, chain: list[Path]) -> tuple[MarkedDict, list[Path]]:
     seen = [p.resolve() for p in chain] + [path.resolve()]
     if resolved in seen:
         cycle = " -> ".join(str(p) for p in [*seen, resolved])
-        raise ConfigError(
+        raise BaseConfigCycle(
             f"base_config cycle: {cycle}; one of these files must stop naming a base_config",
-            code="base_config_cycle",
             where=base_where,
             key="base_config",
         )
@@ -421,9 +424,8 @@ def _build_stage(stage: dict[str, Any], file: str) -> tuple[Stage, list[Finding]
     profiler: ProfilerConfig | None = None
     if raw_pc is not None:
         if not isinstance(raw_pc, dict):
-            raise ConfigError(
+            raise ProfilerConfigInvalid(
                 f"stage {sid}: profiler_config must be a mapping (e.g. `{{profiler: torch, torch_profiler_dir: /tmp/x}}`)",
-                code="profiler_config_invalid",
                 where=pc_where,
                 key="profiler_config",
             )
@@ -441,7 +443,7 @@ def _build_stage(stage: dict[str, Any], file: str) -> tuple[Stage, list[Finding]
             where = marks.get(f"profiler_config.{key}") if key else None
             # A merge the command line took part in is the command line's to fix.
             flag = source if source in (STAGE_OVERRIDES_FLAG, PROFILER_CONFIG_FLAG) else None
-            error_cls: type[ConfigError] = ConfigError
+            error_cls: type[ConfigError] = ProfilerConfigInvalid
             hint = ""
             if flag == STAGE_OVERRIDES_FLAG:
                 error_cls, hint = StageOverridesInvalid, (
@@ -456,7 +458,6 @@ def _build_stage(stage: dict[str, Any], file: str) -> tuple[Stage, list[Finding]
                 )
             raise error_cls(
                 f"stage {sid}: profiler_config: {message}{hint}",
-                code=error_cls.code if error_cls is not ConfigError else "profiler_config_invalid",
                 where=where or pc_where,
                 key=f"profiler_config.{key}" if key else "profiler_config",
                 details={"stage_id": sid, "vllm_error": err.errors()[0].get("msg"), "source": source},
@@ -485,9 +486,8 @@ def _build_stage(stage: dict[str, Any], file: str) -> tuple[Stage, list[Finding]
             if replicas < 1:
                 raise ValueError
         except (TypeError, ValueError):
-            raise ConfigError(
+            raise NumReplicasInvalid(
                 f"stage {sid}: num_replicas must be a positive integer, got {stage['num_replicas']!r}",
-                code="num_replicas_invalid",
                 where=entry_where,
                 key="num_replicas",
             ) from None
@@ -497,9 +497,8 @@ def _build_stage(stage: dict[str, Any], file: str) -> tuple[Stage, list[Finding]
         if kind_key in extras:
             value = str(extras[kind_key]).lower()
             if value not in ("llm", "diffusion"):
-                raise ConfigError(
+                raise StageKindInvalid(
                     f"stage {sid}: {kind_key} must be `llm` or `diffusion`, got {extras[kind_key]!r}",
-                    code="stage_kind_invalid",
                     where=flat.where_of(kind_key, value=True),
                     key=kind_key,
                 )
@@ -721,18 +720,16 @@ def load_server_config(
     A legacy ``stage_args:`` file is refused like 0.30 refuses it, unless ``allow_legacy``."""
     if deploy_config is None:
         if profiler_config is None:
-            raise ConfigError(
+            raise DeployConfigMissing(
                 "no server config: pass --deploy-config FILE (the YAML `vllm serve --omni` was started with), "
                 "or for plain `vllm serve` --flavor vllm --profiler-config '<the JSON given to vllm serve>'",
-                code="deploy_config_missing",
                 key="deploy_config",
             )
         if flavor != "vllm":
-            raise ConfigError(
+            raise DeployConfigMissing(
                 "--profiler-config without --deploy-config describes a plain `vllm serve` (one engine); pass "
                 "--flavor vllm, or for `vllm serve --omni` also pass its --deploy-config (without one it uses "
                 "the model's bundled file, vllm_omni/deploy/<model>.yaml)",
-                code="deploy_config_missing",
                 key="deploy_config",
             )
         check_platform(platform)

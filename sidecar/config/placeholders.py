@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import socket
 
-from sidecar.errors import ConfigError
+from sidecar.errors import DirPlaceholderUnknown, DirPlaceholderUnset
 
 __all__ = ["DIR_PLACEHOLDERS", "dir_placeholders", "expand_dir_placeholders"]
 
@@ -29,21 +29,19 @@ def expand_dir_placeholders(template: str, *, replica: int | None = None, host: 
     names = dir_placeholders(template)
     unknown = [n for n in names if n not in DIR_PLACEHOLDERS]
     if unknown:
-        raise ConfigError(
+        raise DirPlaceholderUnknown(
             f"--dir {template!r}: unknown placeholder {{{unknown[0]}}}; the supported ones are "
             + ", ".join(f"{{{n}}}" for n in DIR_PLACEHOLDERS),
-            code="dir_placeholder_unknown",
             key="dir",
             details={"placeholders": unknown},
         )
     if "replica" in names and replica is None:
-        raise ConfigError(
+        raise DirPlaceholderUnset(
             f"--dir {template!r} holds {{replica}}: pass --replica N (the index of the server this overlay is for, "
             "0, 1, ...), one render per replica",
-            code="dir_placeholder_unset",
             key="replica",
         )
     if replica is not None and (isinstance(replica, bool) or replica < 0):
-        raise ConfigError(f"--replica must be a non-negative integer, got {replica!r}", code="dir_placeholder_unset", key="replica")
+        raise DirPlaceholderUnset(f"--replica must be a non-negative integer, got {replica!r}", key="replica")
     values = {"replica": str(replica), "host": host or socket.gethostname()}
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)

@@ -20,7 +20,8 @@ from sidecar.config.models import DeployConfig
 from sidecar.config.placeholders import expand_dir_placeholders
 from sidecar.config.profiler import ProfilerConfig
 from sidecar.config.rules import check_stage_ids
-from sidecar.errors import ConfigError, ConfigUnreadable, Where
+from sidecar.errors import Where
+from sidecar.errors import ProfileDirMissing, ProfileInvalid, ProfileUnknown, ProfileUnreadable
 
 __all__ = [
     "StageProfile",
@@ -62,24 +63,21 @@ def load_profile(name_or_path: str | Path) -> StageProfile:
     else:
         path = profiles_dir() / f"{name_or_path}.yaml"
         if not path.is_file():
-            raise ConfigError(
+            raise ProfileUnknown(
                 f"unknown stage profile {str(name_or_path)!r}; choose one of {', '.join(list_profiles())} "
                 "or pass a profile YAML path",
-                code="profile_unknown",
                 details={"profiles": list_profiles()},
             )
     doc = load_yaml(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("profiler_config"), dict):
-        raise ConfigUnreadable(
+        raise ProfileUnreadable(
             f"{path}: a stage profile is a mapping with a `profiler_config:` mapping",
-            code="profile_invalid",
             where=getattr(doc, "where", None) or Where(file=str(path)),
         )
     pc = dict(doc["profiler_config"])
     if "torch_profiler_dir" in pc:
-        raise ConfigError(
+        raise ProfileInvalid(
             f"{path}: a stage profile must not set torch_profiler_dir (render chooses one per stage with --dir)",
-            code="profile_invalid",
             where=doc["profiler_config"].where_of("torch_profiler_dir")
             if isinstance(doc["profiler_config"], MarkedDict)
             else None,
@@ -90,8 +88,8 @@ def load_profile(name_or_path: str | Path) -> StageProfile:
         ProfilerConfig(**probe)
     except ValidationError as err:
         message, key = profiler_config_error(err)
-        raise ConfigError(
-            f"{path}: profiler_config: {message}", code="profile_invalid", where=Where(file=str(path)), key=key
+        raise ProfileInvalid(
+            f"{path}: profiler_config: {message}", where=Where(file=str(path)), key=key
         ) from None
     return StageProfile(
         name=str(doc.get("name") or path.stem), description=str(doc.get("description") or ""), profiler_config=pc,
@@ -125,10 +123,9 @@ def stage_profiler_configs(
                 if existing:
                     existing = expand_dir_placeholders(existing, replica=replica, host=host)
                 if not existing:
-                    raise ConfigError(
+                    raise ProfileDirMissing(
                         f"stage {sid} has no torch_profiler_dir to keep; pass --dir DIR "
                         f"(each stage writes to DIR/stage<id>)",
-                        code="profile_dir_missing",
                         key="torch_profiler_dir",
                     )
                 pc["torch_profiler_dir"] = existing
@@ -136,7 +133,7 @@ def stage_profiler_configs(
             full = ProfilerConfig(**pc)
         except ValidationError as err:
             message, key = profiler_config_error(err)
-            raise ConfigError(f"stage {sid}: profile {profile.name}: {message}", code="profile_invalid", key=key) from None
+            raise ProfileInvalid(f"stage {sid}: profile {profile.name}: {message}", key=key) from None
         out[sid] = full.torch_dict()
     return out
 

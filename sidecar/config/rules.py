@@ -10,6 +10,7 @@ from collections import Counter
 from sidecar.config.models import DeployConfig, Stage
 from sidecar.config.placeholders import dir_placeholders
 from sidecar.errors import Finding, Severity, StageSelectionError, Where
+from sidecar.errors import StageDuplicate, StageNotProfiled, StageNotTorch, StageUnknown, StagesEmpty
 
 __all__ = ["select_stages", "validate_deploy", "selection_finding"]
 
@@ -18,32 +19,28 @@ def check_stage_ids(deploy: DeployConfig, stages: list[int], *, valid: list[int]
     """The part of the stage-list rule every caller shares (capture, render): non-empty, integers,
     each once, each a stage of ``deploy``. ``valid`` is what the error messages offer instead."""
     if len(stages) == 0:
-        raise StageSelectionError(
+        raise StagesEmpty(
             "the stage list is empty: the server would profile nothing and still answer SUCCESS; "
             f"name at least one stage (valid: {valid}) or omit `stages` for all of them",
-            code="stages_empty",
             details={"stages": [], "valid": valid},
         )
     bad_type = [s for s in stages if isinstance(s, bool) or not isinstance(s, int)]
     if bad_type:
-        raise StageSelectionError(
+        raise StageUnknown(
             f"stage ids must be integers, got {bad_type}; valid: {valid}",
-            code="stage_unknown",
             details={"stages": bad_type, "valid": valid},
         )
     dupes = sorted(sid for sid, n in Counter(stages).items() if n > 1)
     if dupes:
-        raise StageSelectionError(
+        raise StageDuplicate(
             f"stage ids listed more than once: {dupes}; list each stage once",
-            code="stage_duplicate",
             details={"stages": dupes, "valid": valid},
         )
     unknown = [s for s in stages if deploy.stage(s) is None]
     if unknown:
-        raise StageSelectionError(
+        raise StageUnknown(
             f"unknown stage ids {unknown}: the deploy file has stages {deploy.stage_ids} "
             f"(the server would skip them and still answer SUCCESS); valid: {valid}",
-            code="stage_unknown",
             details={"stages": unknown, "valid": valid, "known": deploy.stage_ids},
         )
 
@@ -67,19 +64,17 @@ def select_stages(deploy: DeployConfig, stages: list[int] | None, *, allow_cuda:
                 if profiled
                 else "; add `profiler_config: {profiler: torch, torch_profiler_dir: /abs/dir}` to the stages to capture"
             )
-            raise StageSelectionError(
+            raise StageNotProfiled(
                 f"no stage is {what}{hint}",
-                code="stage_not_profiled",
                 details={"stages": [], "valid": valid, "known": deploy.stage_ids},
             )
         return list(valid)
     check_stage_ids(deploy, stages, valid=valid)
     unprofiled = [s for s in stages if deploy.stage(s).profiler is None]  # type: ignore[union-attr]
     if unprofiled:
-        raise StageSelectionError(
+        raise StageNotProfiled(
             f"stages {unprofiled} have no profiler_config.profiler (the server would fail inside the worker "
             f"and still answer SUCCESS); set `profiler: torch` and `torch_profiler_dir` there, or pick from {valid}",
-            code="stage_not_profiled",
             details={"stages": unprofiled, "valid": valid},
         )
     wrong = [s for s in stages if deploy.stage(s).profiler not in allowed_kinds]  # type: ignore[union-attr]
@@ -90,9 +85,8 @@ def select_stages(deploy: DeployConfig, stages: list[int] | None, *, allow_cuda:
             if not allow_cuda and all(k == "cuda" for k in kinds.values())
             else "set `profiler: torch` there"
         )
-        raise StageSelectionError(
+        raise StageNotTorch(
             f"stages {kinds} are not profiled with torch; {fix}; torch stages: {valid}",
-            code="stage_not_torch",
             details={"stages": wrong, "valid": valid, "profilers": {str(k): v for k, v in kinds.items()}},
         )
     return list(stages)

@@ -12,7 +12,22 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from sidecar.errors import ConfigError
+from sidecar.errors import ArtifactRootInvalid, TokenFileUnreadable
+from sidecar.errors import SettingInvalid
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host.lower() in LOOPBACK_NAMES or host.lower().endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def default_state_dir() -> Path:
@@ -23,10 +38,9 @@ def parse_artifact_root(text: str) -> tuple[str, str]:
     """``SERVER_PATH=LOCAL_PATH`` (the ``--artifact-root`` flag) → ``(server, local)``."""
     server, sep, local = text.partition("=")
     if not sep or not server.strip() or not local.strip():
-        raise ConfigError(
+        raise ArtifactRootInvalid(
             f"--artifact-root {text!r} is not SERVER_PATH=LOCAL_PATH; e.g. "
             "--artifact-root /workspace/traces=/mnt/server-traces",
-            code="artifact_root_invalid",
             key="artifact_roots",
         )
     return server.strip(), local.strip()
@@ -48,6 +62,8 @@ class SidecarSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8092, ge=0, le=65535)
     token_file: Path | None = None  # bearer token for mutating routes (file content, stripped)
+    # Host / Origin names accepted besides loopback ones (DNS rebinding, cross-site requests); "*" = any
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # state
     state_dir: Path = Field(default_factory=default_state_dir)
     # upstream timeouts, seconds
@@ -64,6 +80,23 @@ class SidecarSettings(BaseSettings):
     default_lease_s: float | None = Field(default=None, gt=0)
     max_duration_s: float | None = Field(default=None, gt=0)
     close_timeout_s: float = Field(default=60, ge=0)  # how long shutdown waits for a stop
+    # history retention: finished captures beyond the newest `keep`, or older than `keep_days`, are dropped
+    keep: int | None = Field(default=1000, ge=0)
+    keep_days: float | None = Field(default=None, gt=0)
+
+    @field_validator("upstream_url")
+    @classmethod
+    def _url_has_scheme(cls, value: str) -> str:
+        # "127.0.0.1:8000" parses as scheme "127.0.0.1" and every call then hangs into a 502
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(
+                f"--upstream {value!r} is not an http(s) URL; pass the server's URL with its scheme, "
+                f"e.g. --upstream http://{value.split('://')[-1] or '127.0.0.1:8000'}"
+            )
+        return value.rstrip("/")
 
     @field_validator("artifact_roots", mode="before")
     @classmethod
@@ -77,6 +110,21 @@ class SidecarSettings(BaseSettings):
             return dict(parse_artifact_root(str(p)) for p in value)
         return value
 
+    @field_validator("allowed_hosts", mode="before")
+    @classmethod
+    def _hosts_from_csv(cls, value: object) -> object:
+        return [h.strip() for h in value.split(",") if h.strip()] if isinstance(value, str) else value
+
+    def check_exposure(self, token: str | None) -> None:
+        """A sidecar reachable beyond loopback must require a bearer token on mutating routes."""
+        if token is None and not is_loopback(self.host):
+            raise SettingInvalid(
+                f"--host {self.host} listens beyond loopback without a token: anyone who can reach it could "
+                "start captures. Pass --token-file FILE (e.g. `openssl rand -hex 32 > token`), or bind "
+                "--host 127.0.0.1",
+                key="host",
+            )
+
     def read_token(self) -> str | None:
         """The bearer token from ``token_file`` (None when not configured)."""
         if self.token_file is None:
@@ -84,15 +132,13 @@ class SidecarSettings(BaseSettings):
         try:
             token = self.token_file.expanduser().read_text().strip()
         except OSError as exc:
-            raise ConfigError(
+            raise TokenFileUnreadable(
                 f"cannot read --token-file {self.token_file}: {exc.strerror}; create it or drop the flag",
-                code="token_file_unreadable",
                 key="token_file",
             ) from None
         if not token:
-            raise ConfigError(
+            raise TokenFileUnreadable(
                 f"--token-file {self.token_file} is empty; write a token into it or drop the flag",
-                code="token_file_unreadable",
                 key="token_file",
             )
         return token

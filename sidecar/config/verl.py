@@ -12,7 +12,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sidecar.config._yaml import MarkedDict, load_yaml
-from sidecar.errors import ConfigError, ConfigUnreadable, Finding, Severity, Where
+from sidecar.errors import Finding, Severity, Where
+from sidecar.errors import (
+    ConfigEmpty,
+    ConfigNotMapping,
+    VerlConfigInvalid,
+    VerlInterpolation,
+    VerlRanksPastReplicas,
+    VerlRoleInvalid,
+)
 
 __all__ = [
     "NO_STEP_PROFILING",
@@ -110,8 +118,8 @@ class VerlProfilerPlan(BaseModel):
             return list(range(n_replicas))
         past = [r for r in wanted if r >= n_replicas]
         if past:
-            raise ConfigError(
-                _past_message(self, past, n_replicas, rank_mode), code="verl_ranks_past_replicas",
+            raise VerlRanksPastReplicas(
+                _past_message(self, past, n_replicas, rank_mode),
                 key=f"{ROLE_PATHS[self.role]}.ranks", where=self.marks.get(f"{ROLE_PATHS[self.role]}.ranks"),
             )
         return wanted
@@ -186,10 +194,9 @@ def _resolve(root: Any, value: Any, depth: int = 0) -> Any:
     if not found:
         if m.group(2) is not None:
             return _literal(m.group(2))
-        raise ConfigError(
+        raise VerlInterpolation(
             f"interpolation {value!r} points at a missing key {m.group(1)!r}; pass the composed config "
             "(e.g. dump it with `OmegaConf.to_yaml(cfg, resolve=True)`)",
-            code="verl_interpolation",
         )
     return _resolve(root, target, depth + 1)
 
@@ -209,7 +216,7 @@ def _as_bool(value: Any, key: str, where: Where | None) -> bool:
         return False
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
-    raise ConfigError(f"{key} must be true or false, got {value!r}", code="verl_config_invalid", where=where, key=key)
+    raise VerlConfigInvalid(f"{key} must be true or false, got {value!r}", where=where, key=key)
 
 
 def _as_int_list(value: Any, key: str, where: Where | None) -> list[int]:
@@ -219,27 +226,26 @@ def _as_int_list(value: Any, key: str, where: Where | None) -> list[int]:
         return [value]
     if isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         return list(value)
-    raise ConfigError(
-        f"{key} must be a list of integers (e.g. [1, 3]), got {value!r}", code="verl_config_invalid", where=where, key=key
+    raise VerlConfigInvalid(
+        f"{key} must be a list of integers (e.g. [1, 3]), got {value!r}", where=where, key=key
     )
 
 
 def read_verl_config(src: dict[str, Any] | str | Path | Any, *, role: Role = "rollout") -> VerlProfilerPlan:
     """Read ``global_profiler.steps`` and the role's profiler block from a verl trainer config."""
     if role not in ROLE_PATHS:
-        raise ConfigError(f"role must be one of {sorted(ROLE_PATHS)}, got {role!r}", code="verl_role_invalid")
+        raise VerlRoleInvalid(f"role must be one of {sorted(ROLE_PATHS)}, got {role!r}")
     source: str | None = None
     if isinstance(src, (str, Path)):
         source = str(src)
         root = load_yaml(src)
         if root is None:
-            raise ConfigUnreadable(f"{src} is empty; pass a verl trainer config", code="config_empty", where=Where(file=source))
+            raise ConfigEmpty(f"{src} is empty; pass a verl trainer config", where=Where(file=source))
     else:
         root = _to_plain(src)
     if not isinstance(root, dict):
-        raise ConfigUnreadable(
+        raise ConfigNotMapping(
             f"a verl trainer config must be a mapping, got {type(root).__name__}",
-            code="config_not_mapping",
             where=Where(file=source, line=1, column=1) if source else None,
         )
     base = ROLE_PATHS[role]
@@ -254,7 +260,7 @@ def read_verl_config(src: dict[str, Any] | str | Path | Any, *, role: Role = "ro
 
     found, block = _get(root, base)
     if found and block is not None and not isinstance(block, dict):
-        raise ConfigError(f"{base} must be a mapping", code="verl_config_invalid", where=_where(root, base), key=base)
+        raise VerlConfigInvalid(f"{base} must be a mapping", where=_where(root, base), key=base)
     steps = _as_int_list(value("global_profiler.steps"), "global_profiler.steps", marks.get("global_profiler.steps"))
     tool = value(f"{base}.tool")
     if tool is None:
@@ -352,7 +358,7 @@ def verl_findings(
     if n is not None and plan.enable:
         try:
             plan.replica_ranks(n, rank_mode)
-        except ConfigError as err:
+        except VerlRanksPastReplicas as err:
             add("verl_ranks_past_replicas", f"{base}.ranks", err.message)
     entry = trainer or plan.trainer_entry
     if entry is not None and entry in NO_STEP_PROFILING:

@@ -382,9 +382,33 @@ def trace_paths(verdicts: list[StageVerdict]) -> list[Path]:
 
 def resolve_artifact(verdicts: list[StageVerdict], relpath: str) -> Path | None:
     """``<session folder name>/<file>`` → a local file inside that session folder, or None when it
-    is not one (absolute, ``..``, a symlink that leaves the folder, a folder, or absent)."""
+    is not one (absolute, ``..``, a folder, absent, not a file the capture listed, a name the OS
+    refuses). Resolved now, at serve time: a session folder replaced by a symlink since the capture,
+    or a file that is a link leaving the folder, is refused."""
     if not relpath or "\x00" in relpath or relpath.startswith(("/", "\\")):
         return None
+    parts = Path(relpath).parts
+    if len(parts) < 2 or any(p in ("..", ".", "") for p in parts):
+        return None
+    name = "/".join(parts[1:])
+    for v in verdicts:
+        for s in v.sessions:
+            if s.local_path is None or os.path.basename(s.local_path.rstrip("/")) != parts[0]:
+                continue
+            if name not in {f.name for f in s.files}:
+                return None  # only the files this capture listed, not whatever the folder holds now
+            try:
+                folder = Path(s.local_path)
+                root = folder.resolve()
+                if folder.is_symlink() or root != folder.parent.resolve() / folder.name:
+                    return None  # the session folder itself became a link since the capture
+                target = root.joinpath(*parts[1:]).resolve()
+                if not target.is_relative_to(root) or not target.is_file():
+                    return None
+            except (OSError, ValueError):  # e.g. a 300-character name: ENAMETOOLONG
+                return None
+            return target
+    return None
     parts = Path(relpath).parts
     if len(parts) < 2 or any(p in ("..", ".", "") for p in parts):
         return None

@@ -29,12 +29,19 @@ from sidecar.control.models import Capture, CaptureState, ErrorRecord, StageVerd
 from sidecar.errors import (
     ArtifactNotFound,
     CaptureActive,
-    CaptureError,
     CaptureNotFound,
     CaptureStateError,
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnreachable,
+)
+from sidecar.errors import (
+    CaptureNotTerminal,
+    DurationInvalid,
+    LeaseInvalid,
+    SidecarClosing,
+    StageSetMismatch,
+    SummaryUnavailable,
 )
 from sidecar.upstream.server import Flavor, UpstreamServer
 
@@ -60,6 +67,8 @@ class ControlSettings(BaseModel):
     # A rollback runs inside start(); a dead stage 500s every stop, so it gets its own short budget.
     rollback_budget_s: float = Field(default=30, gt=0)
     summarize: bool = True  # cache a trace summary after completion when sidecar.analysis has one
+    keep: int | None = Field(default=None, ge=0)  # finished captures kept in history (None: all)
+    keep_days: float | None = Field(default=None, gt=0)  # finished captures older than this are dropped
 
     @classmethod
     def from_settings(cls, settings: SidecarSettings) -> ControlSettings:
@@ -70,6 +79,8 @@ class ControlSettings(BaseModel):
             default_lease_s=settings.default_lease_s,
             max_duration_s=settings.max_duration_s,
             close_timeout_s=settings.close_timeout_s,
+            keep=settings.keep,
+            keep_days=settings.keep_days,
         )
 
 
@@ -137,7 +148,11 @@ class CaptureController:
         self.upstream = upstream
         self.deploy = deploy
         self.settings = settings or ControlSettings()
-        self.journal = CaptureJournal(state_dir) if state_dir is not None else None
+        self.journal = (
+            CaptureJournal(state_dir, keep=self.settings.keep, keep_days=self.settings.keep_days)
+            if state_dir is not None
+            else None
+        )
         self._captures: dict[str, Capture] = {}
         self._rt: dict[str, _Runtime] = {}
         self._busy: list[str] = []  # live capture ids, oldest first (normally at most one)
@@ -167,7 +182,7 @@ class CaptureController:
                 continue
             rt = self._rt[cap.id] = _Runtime()
             rt.watches = [StageWatch.from_json(w) for w in entry.extra.get("watches", [])]
-            if cap.upstream != self.upstream.base_url:
+            if scrub_secrets(cap.upstream) != scrub_secrets(self.upstream.base_url):  # journaled scrubbed
                 # Stopping it here would hit the wrong server; say so instead of guessing.
                 self._error(
                     cap,
@@ -224,6 +239,8 @@ class CaptureController:
                     task.cancel()
         for task in list(self._summary_tasks):
             task.cancel()
+        if self.journal is not None:
+            await self.journal.flush()
 
     async def __aenter__(self) -> CaptureController:
         await self.open()
@@ -275,8 +292,7 @@ class CaptureController:
         ambiguous start the same set is stopped (rollback), the capture ends ``failed`` and the
         upstream error is raised with ``details['capture_id']``."""
         if self._closed:
-            raise CaptureError("the sidecar is shutting down; start the capture after restart",
-                               code="sidecar_closing")
+            raise SidecarClosing("the sidecar is shutting down; start the capture after restart")
         duration_s, lease_s = self._check_window(duration_s, lease_s)
         # Validation comes before anything reaches the server (DESIGN.md §4), and before the
         # overlap check: a bad stage list is wrong whatever else is running.
@@ -288,7 +304,7 @@ class CaptureController:
             cap = Capture(
                 id=_new_id(),
                 label=scrub_secrets(label) if label else None,
-                upstream=self.upstream.base_url,
+                upstream=scrub_secrets(self.upstream.base_url),  # no URL credentials in the record
                 stages=list(selected),
                 duration_s=duration_s,
                 lease_s=lease_s,
@@ -301,6 +317,8 @@ class CaptureController:
             try:
                 await asyncio.to_thread(lambda: [artifacts.snapshot(w) for w in rt.watches])
                 self._changed(cap)  # journaled with the baselines before anything can start upstream
+                if self.journal is not None:
+                    await self.journal.flush()
                 await self.upstream.start_profile(cap.stages)
             except UpstreamError as exc:
                 await self._rollback(cap, exc.code, exc.message, delivered=not isinstance(exc, UpstreamUnreachable))
@@ -339,24 +357,23 @@ class CaptureController:
 
     def _check_window(self, duration_s: float | None, lease_s: float | None) -> tuple[float | None, float | None]:
         if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
-            raise CaptureError(f"duration_s must be > 0 seconds, got {duration_s}", code="duration_invalid",
+            raise DurationInvalid(f"duration_s must be > 0 seconds, got {duration_s}", 
                                key="duration_s")
         limit = self.settings.max_duration_s
         if limit is not None:
             if duration_s is None:
                 duration_s = limit  # a bounded sidecar never leaves a window open-ended
             elif duration_s > limit:
-                raise CaptureError(
+                raise DurationInvalid(
                     f"duration_s {duration_s:g} is above this sidecar's limit of {limit:g}s; ask for less "
-                    "or raise --max-duration",
-                    code="duration_invalid",
+                    "or raise the sidecar's OMNI_SIDECAR_MAX_DURATION_S",
                     key="duration_s",
                     details={"max_duration_s": limit},
                 )
         if lease_s is None:
             lease_s = self.settings.default_lease_s
         elif not (lease_s > 0 and math.isfinite(lease_s)):
-            raise CaptureError(f"lease_s must be > 0 seconds, got {lease_s}", code="lease_invalid", key="lease_s")
+            raise LeaseInvalid(f"lease_s must be > 0 seconds, got {lease_s}", key="lease_s")
         return duration_s, lease_s
 
     def _watches(self, stage_ids: list[int]) -> list[StageWatch]:
@@ -511,6 +528,8 @@ class CaptureController:
             await asyncio.wait_for(rt.done.wait(), timeout)
         except asyncio.TimeoutError:
             pass
+        if self.journal is not None:
+            await self.journal.flush()  # a terminal capture is on disk when wait returns
         return self.get(capture_id)
 
     async def stop_active(self, stages: list[int] | None = None) -> Capture | None:
@@ -522,10 +541,9 @@ class CaptureController:
         if active is None:
             return None
         if stages is not None and sorted(stages) != sorted(active.stages):
-            raise CaptureError(
+            raise StageSetMismatch(
                 f"stop_profile names stages {stages} but capture {active.id} profiles {active.stages}; "
                 "send the same stages or no body (a different set would leave stages recording)",
-                code="stage_set_mismatch",
                 details={"active_id": active.id, "active_stages": active.stages, "requested": stages},
             )
         await self.stop(active.id)  # already stopping: a no-op
@@ -557,14 +575,13 @@ class CaptureController:
         however many callers. ``CaptureError``: ``capture_not_terminal``, ``summary_unavailable``."""
         cap = self.get(capture_id)
         if not cap.terminal:
-            raise CaptureError(
+            raise CaptureNotTerminal(
                 f"capture {capture_id} is {cap.state.value}; the summary exists once it is terminal "
                 f"(wait with POST /v1/captures/{capture_id}/stop?wait=true)",
-                code="capture_not_terminal",
                 details={"state": cap.state.value},
             )
         async with self._summary_locks.setdefault(capture_id, asyncio.Lock()):
-            data = self._cached_summary(capture_id, top)
+            data = await asyncio.to_thread(self._cached_summary, capture_id, top)  # file read off the loop
             if data is None:
                 data = await self._compute_summary(cap, top)
         return data
@@ -588,22 +605,23 @@ class CaptureController:
     async def _compute_summary(self, cap: Capture, top: int) -> dict[str, Any]:
         paths = artifacts.trace_paths(cap.verdicts)
         if not paths:
-            raise CaptureError(
+            raise SummaryUnavailable(
                 f"capture {cap.id} has no readable trace (state {cap.state.value}); see its verdicts",
-                code="summary_unavailable",
             )
         try:
             from sidecar.analysis import summarize_paths
         except ImportError:
-            raise CaptureError(
+            raise SummaryUnavailable(
                 "this sidecar has no trace summarizer installed; download the traces instead",
-                code="summary_unavailable",
             ) from None
         result = await asyncio.to_thread(summarize_paths, paths, top=top)
         data: dict[str, Any] = result.model_dump(mode="json")
         path = self._summary_file(cap.id, top)
         if path is not None:
-            await asyncio.to_thread(atomic_write_text, path, json.dumps(data))
+            try:
+                await asyncio.to_thread(atomic_write_text, path, json.dumps(data))
+            except OSError as exc:  # the summary is served anyway; only its cache is lost
+                log.warning("capture %s: cannot cache the summary in %s: %s", cap.id, path, exc)
         self._summaries[(cap.id, top)] = data
         return data
 
@@ -613,9 +631,8 @@ class CaptureController:
                 await self.summarize(cap.id)
             except asyncio.CancelledError:
                 raise
-            except CaptureError as exc:
-                if exc.code != "summary_unavailable":  # no summarizer or no trace: nothing to cache
-                    log.warning("capture %s: summary failed: %s", cap.id, exc)
+            except SummaryUnavailable:  # no summarizer or no trace: nothing to cache
+                pass
             except Exception as exc:  # a summary never changes the verdict
                 log.warning("capture %s: summary failed: %s", cap.id, exc)
 
@@ -641,6 +658,25 @@ class CaptureController:
         self._changed(cap)
         if rt is not None:
             rt.done.set()
+        self._retain()
+
+    def _retain(self) -> None:
+        """Drop finished captures past the journal's retention, with their runtime state and caches."""
+        if self.journal is None:
+            return
+        for cid in self.journal.expired(list(self._captures.values())):
+            self._captures.pop(cid, None)
+            self._rt.pop(cid, None)
+            self._summary_locks.pop(cid, None)
+            for key in [k for k in self._summaries if k[0] == cid]:
+                del self._summaries[key]
+
+    def state_counts(self) -> dict[str, int]:
+        """Captures per state (for metrics), without copying them."""
+        counts: dict[str, int] = {}
+        for cap in self._captures.values():
+            counts[cap.state.value] = counts.get(cap.state.value, 0) + 1
+        return counts
 
     def _changed(self, cap: Capture) -> None:
         if self.journal is not None:

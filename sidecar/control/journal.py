@@ -1,26 +1,34 @@
 """Capture journal: one JSON file per capture under ``<state_dir>/captures/<id>.json``, written
-atomically (temp file, fsync, ``os.replace``, fsync of the folder), so history and a capture left
-active survive a crash. Secrets are scrubbed from every string before it is written.
+atomically (temp file, fsync, ``os.replace``, fsync of the folder) in a writer thread off the event
+loop, so history and a capture left active survive a crash. A file that cannot be used is
+quarantined, not fatal. Secrets are scrubbed from every string before it is written.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import re
 import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from sidecar.control.models import Capture
+from sidecar.errors import StateDirUnusable
 from sidecar.scrub import Scrubber
 
 log = logging.getLogger(__name__)
 
 _CAPTURE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -61,40 +69,161 @@ class JournalEntry:
         self.extra = extra or {}
 
 
+def _check_entry(path: Path, data: Any) -> JournalEntry:
+    """The entry in ``path``, or ``ValueError``/``ValidationError`` saying why it cannot be used.
+    Everything recovery relies on is checked here, so one bad file cannot stop the others."""
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    extra = data.pop("_recovery", None)
+    cap = Capture.model_validate(data)
+    if not _CAPTURE_ID.match(cap.id) or f"{cap.id}.json" != path.name:
+        raise ValueError(f"capture id {cap.id!r} does not match the file name")
+    for field in ("created_at", "started_at", "stop_requested_at", "stopped_at", "finished_at"):
+        value = getattr(cap, field, None)
+        if value is not None and value.utcoffset() is None:
+            raise ValueError(f"{field} has no timezone")
+    if extra is not None:
+        if not isinstance(extra, dict) or not isinstance(extra.get("watches", []), list):
+            raise ValueError("recovery data is not {\"watches\": [...]}")
+        from sidecar.control.artifacts import StageWatch
+
+        for w in extra.get("watches", []):
+            StageWatch.from_json(w)  # raises on malformed recovery data
+    return JournalEntry(cap, extra)
+
+
 class CaptureJournal:
-    def __init__(self, state_dir: Path) -> None:
+    """The journal of one sidecar. Writes are handed to one writer thread (in order; ``flush``
+    waits for them), so fsyncs never block the event loop. A file that cannot be used is
+    quarantined (renamed ``*.bad``) and counted, and the rest loads. ``keep`` / ``keep_days``
+    bound the history of finished captures."""
+
+    def __init__(self, state_dir: Path, *, keep: int | None = None, keep_days: float | None = None) -> None:
         self.state_dir = Path(state_dir).expanduser()
         self.dir = self.state_dir / "captures"
+        self.keep = keep
+        self.keep_days = keep_days
+        self.quarantined: list[str] = []  # file names set aside at load
+        self.write_errors = 0
+        self.last_write_error: str | None = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
+        self._last: Future[None] | None = None
+        self._lock = threading.Lock()
 
     def path(self, capture_id: str) -> Path:
         if not _CAPTURE_ID.match(capture_id):
             raise ValueError(f"not a capture id: {capture_id!r}")
         return self.dir / f"{capture_id}.json"
 
-    def write(self, capture: Capture, extra: dict[str, Any] | None = None) -> None:
+    def check_writable(self) -> None:
+        """Refuse a state dir that cannot hold the journal (``StateDirUnusable``, naming the fix):
+        without it there is no history and no recovery of a capture left active."""
+        probe = self.dir / f".probe-{os.getpid()}"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(probe, "ok")
+            probe.unlink()
+        except OSError as exc:
+            raise StateDirUnusable(
+                f"--state-dir {self.state_dir} is not usable ({exc.strerror or exc}): the sidecar keeps its "
+                f"capture journal there. Create it writable for this user (uid {os.getuid()}), e.g. "
+                f"`mkdir -p {self.state_dir} && chown {os.getuid()} {self.state_dir}`, or pass another "
+                "--state-dir",
+                key="state_dir",
+                details={"state_dir": str(self.state_dir)},
+            ) from None
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "quarantined": len(self.quarantined),
+            "write_errors": self.write_errors,
+            "last_write_error": self.last_write_error,
+        }
+
+    # --- writes --------------------------------------------------------------------------
+
+    def write(self, capture: Capture, extra: dict[str, Any] | None = None) -> Future[None]:
+        """Journal ``capture`` as it is now: serialized here, written in the writer thread."""
         scrubber = Scrubber()  # the environment is read once per write, not per string
         data = scrubber.data(capture.model_dump(mode="json"))
         if extra:
             data["_recovery"] = scrubber.data(extra)
-        atomic_write_text(self.path(capture.id), json.dumps(data, indent=1, sort_keys=True))
+        path = self.path(capture.id)
+        text = json.dumps(data, indent=1, sort_keys=True)
+        with self._lock:
+            self._last = fut = self._writer.submit(self._write_file, path, text)
+        return fut
+
+    def _write_file(self, path: Path, text: str) -> None:
+        try:
+            atomic_write_text(path, text)
+        except OSError as exc:
+            # The capture goes on; losing history is better than leaving a profiler running.
+            self.write_errors += 1
+            self.last_write_error = f"{path.name}: {exc.strerror or exc}"
+            log.error("journal: cannot write %s: %s", path, exc)
+
+    async def flush(self) -> None:
+        """Until every write handed over so far is on disk (or failed and counted)."""
+        fut = self._last
+        if fut is not None:
+            await asyncio.wrap_future(fut)
+
+    def drain(self) -> None:
+        fut = self._last
+        if fut is not None:
+            fut.result()
+
+    # --- reads ---------------------------------------------------------------------------
 
     def load(self) -> list[JournalEntry]:
-        """Every readable capture, oldest first. Unreadable files are set aside (renamed
-        ``*.corrupt``) with a warning instead of stopping the sidecar."""
+        """Every usable capture, oldest first, after retention. A file that cannot be used (not
+        JSON, not a capture, an id that is not its file name, a date without a timezone,
+        malformed recovery data) is renamed ``<name>.bad`` with a warning and counted."""
+        self.drain()
         if not self.dir.is_dir():
             return []
         out: list[JournalEntry] = []
         for p in sorted(self.dir.glob("*.json")):
             try:
-                data = json.loads(p.read_text(encoding="utf-8"))
-                extra = data.pop("_recovery", None) if isinstance(data, dict) else None
-                out.append(JournalEntry(Capture.model_validate(data), extra))
-            except (OSError, ValueError, ValidationError) as exc:
-                log.warning("journal: %s is unreadable (%s); set aside as %s.corrupt", p, exc, p.name)
+                out.append(_check_entry(p, json.loads(p.read_text(encoding="utf-8"))))
+            except (OSError, ValueError, TypeError, KeyError, ValidationError) as exc:
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                log.warning("journal: %s cannot be used (%s); quarantined as %s.bad", p, reason, p.name)
+                self.quarantined.append(p.name)
                 with _suppress_oserror():
-                    os.replace(p, p.with_suffix(".json.corrupt"))
-        out.sort(key=lambda e: e.capture.created_at)
-        return out
+                    os.replace(p, p.with_name(p.name + ".bad"))
+        out.sort(key=lambda e: (e.capture.created_at, e.capture.id))
+        dropped = set(self.expired([e.capture for e in out]))
+        return [e for e in out if e.capture.id not in dropped]
+
+    # --- retention -----------------------------------------------------------------------
+
+    def expired(self, captures: list[Capture], now: datetime | None = None) -> list[str]:
+        """Ids of finished captures past retention (beyond the newest ``keep`` finished ones, or
+        finished more than ``keep_days`` ago); their journal and summary files are deleted. Live
+        captures are never dropped."""
+        if self.keep is None and self.keep_days is None:
+            return []
+        done = sorted((c for c in captures if c.terminal), key=lambda c: (c.created_at, c.id), reverse=True)
+        drop: list[Capture] = []
+        if self.keep is not None:
+            drop.extend(done[self.keep :])
+        if self.keep_days is not None:
+            cutoff = (now or datetime.now(timezone.utc)) - timedelta(days=self.keep_days)
+            drop.extend(c for c in done[: self.keep] if (c.finished_at or c.created_at) < cutoff)
+        ids = [c.id for c in drop]
+        if ids:
+            with self._lock:
+                self._last = self._writer.submit(self._delete_files, ids)
+        return ids
+
+    def _delete_files(self, ids: list[str]) -> None:
+        for cid in ids:
+            summaries = self.state_dir / "summaries"
+            for p in (self.path(cid), *summaries.glob(f"{cid}.*json")):
+                with _suppress_oserror():
+                    p.unlink()
 
     # Summaries are cached beside the journal, not in it: they can be large and are recomputable.
     def summary_path(self, capture_id: str) -> Path:

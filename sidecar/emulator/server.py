@@ -23,6 +23,7 @@ from sidecar.emulator.worker import (
     worker_context,
 )
 from sidecar.errors import ConfigError
+from sidecar.errors import NoStages
 
 logger = logging.getLogger("sidecar.emulator")
 
@@ -39,13 +40,13 @@ def load_deploy(options: EmulatorOptions) -> DeployConfig:
     )
     refusals = [f for f in deploy.findings if f.is_error or f.code == "legacy_schema"]
     if refusals:
-        raise ConfigError(
+        raise ConfigError.relay(
+            refusals[0].code,
             f"vLLM-Omni 0.30 refuses this deploy file: {refusals[0].message}",
-            code=refusals[0].code,
             where=refusals[0].where,
         )
     if not deploy.stages:
-        raise ConfigError(f"{deploy.path}: no stages (add a top-level `stages:` list)", code="no_stages")
+        raise NoStages(f"{deploy.path}: no stages (add a top-level `stages:` list)")
     return deploy
 
 

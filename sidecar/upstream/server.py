@@ -22,7 +22,8 @@ from tenacity import (
     wait_exponential,
 )
 
-from sidecar.errors import StageSelectionError, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from sidecar.errors import UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from sidecar.errors import StagesEmpty, StagesInvalid
 
 if TYPE_CHECKING:
     from sidecar.config.settings import SidecarSettings
@@ -225,19 +226,17 @@ class UpstreamServer:
 
     def _body(self, stages: list[int]) -> dict[str, Any] | None:
         if isinstance(stages, (str, bytes)) or not isinstance(stages, (list, tuple)):
-            raise StageSelectionError(
+            raise StagesInvalid(
                 f"stages must be a list of stage ids, got {type(stages).__name__}",
-                code="stages_invalid",
             )
         if not stages:
             # {"stages": []} profiles nothing and still answers SUCCESS upstream (DESIGN.md §3).
-            raise StageSelectionError(
+            raise StagesEmpty(
                 "the stage list is empty: an empty list profiles nothing upstream; name the stages "
                 "to profile (e.g. [0, 2])",
-                code="stages_empty",
             )
         if any(isinstance(s, bool) or not isinstance(s, int) for s in stages):
-            raise StageSelectionError(f"stage ids must be integers, got {list(stages)!r}", code="stages_invalid")
+            raise StagesInvalid(f"stage ids must be integers, got {list(stages)!r}")
         if self.flavor is Flavor.vllm:
             return None
         return {"stages": [int(s) for s in stages]}

@@ -25,7 +25,7 @@ from sidecar.config.verl import (
     read_verl_config,
     verl_findings,
 )
-from sidecar.errors import ConfigError, ValidationFailed
+from sidecar.errors import ConfigError, HookConfigInvalid, ValidationFailed
 from sidecar.rollout import DEFAULT_LEASE_S, RolloutProfiler
 
 __all__ = [
@@ -93,7 +93,7 @@ def hook_config(config: Any) -> SidecarHookConfig:
     except ValidationError as err:
         first = err.errors()[0]
         key = ".".join(str(p) for p in (CONFIG_KEY, *first["loc"]))
-        raise ConfigError(f"{key}: {first['msg']}", code="hook_config_invalid", key=key) from None
+        raise HookConfigInvalid(f"{key}: {first['msg']}", key=key) from None
 
 
 def profiler_from_trainer_config(config: Any, *, rank_mode: str | None = None) -> RolloutProfiler | None:
@@ -126,7 +126,7 @@ def profiler_from_trainer_config(config: Any, *, rank_mode: str | None = None) -
 def _refuse(hook: SidecarHookConfig, code: str, message: str, findings: list[Any] | None = None) -> None:
     """Strict: raise (verl stops at trainer start). Best effort: one warning, no captures."""
     if hook.strict:
-        raise ValidationFailed(f"omni-sidecar: {message}", code=code, findings=findings or [])
+        raise ValidationFailed.relay(code, f"omni-sidecar: {message}", findings=findings or [])
     log.warning("omni-sidecar: rollout is NOT profiled by the sidecar: %s", message)
 
 

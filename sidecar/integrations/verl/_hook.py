@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.control.models import Capture
-from sidecar.errors import FleetError, SidecarError
+from sidecar.errors import FleetError, SidecarError, VerlReplicaNotLaunched
 from sidecar.fleet import TargetError, TargetKind, TargetOutcome, TargetResult
 from sidecar.rollout import StepResult
 
@@ -121,8 +121,7 @@ def discover(managers: list[Any], chosen: list[int] | None, flavor: str | None) 
                 continue
             servers = list(getattr(rep, "servers", []) or [])
             if not servers:
-                raise FleetError(f"verl rollout replica {rank} has no server actor yet; it is not launched",
-                                 code="verl_replica_not_launched")
+                raise VerlReplicaNotLaunched(f"verl rollout replica {rank} has no server actor yet; it is not launched")
             probe = ray.get(servers[0].__ray_call__.remote(_probe_server))
             address = getattr(rep, "server_address", None) or getattr(rep, "_server_address", None)
             kind = flavor or ("omni" if type(rep).__module__.startswith("verl_omni") else "vllm")
@@ -183,8 +182,7 @@ class NodeCaptures:
             else:
                 self._actors[name] = actor
         if bad:
-            raise FleetError("; ".join(f"{n}: {e.message}" for n, e in bad.items()),
-                             code=next(iter(bad.values())).code)
+            raise FleetError.relay(next(iter(bad.values())).code, "; ".join(f"{n}: {e.message}" for n, e in bad.items()))
 
     def start(self, step: int) -> StepResult:
         import ray
@@ -418,8 +416,8 @@ class RolloutHook:
         if result.error is not None:
             self._done(result, {})
             if self.strict:
-                raise FleetError(f"omni-sidecar: rollout profiling of step {step} did not start: "
-                                 f"{result.error.message}", code=result.error.code)
+                raise FleetError.relay(result.error.code, f"omni-sidecar: rollout profiling of step {step} did not start: "
+                                       f"{result.error.message}")
             return
         self._open = result
 

@@ -1,0 +1,127 @@
+"""What every request must pass before a route runs, as one pure ASGI middleware:
+
+- ``Host`` (and ``Origin`` when sent) name an allowed host: loopback names by default, more with
+  ``--allowed-host`` (``*``: any). A DNS-rebinding page arrives with its own host name; a
+  cross-site page with its own origin.
+- A mutating request's body is ``application/json`` (415 otherwise). curl's ``-d`` default,
+  ``application/x-www-form-urlencoded``, and ``text/plain`` are exactly what an HTML form on any
+  web page can send without a preflight, so they are refused, not read as JSON.
+- A body is at most ``max_body`` bytes (413), whether announced by ``Content-Length`` or streamed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from urllib.parse import urlsplit
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sidecar.api.errors import error_response
+from sidecar.config.settings import is_loopback
+from sidecar.errors import BodyTooLarge, HostNotAllowed, MediaTypeUnsupported, SidecarError
+
+MAX_BODY = 1024 * 1024  # 1 MiB: the largest real body is a few hundred bytes
+MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def _hostname(value: str) -> str:
+    """``host[:port]`` or ``[v6]:port`` → the bare lower-case name."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1 : value.find("]")] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+class RequestGuard:
+    def __init__(self, app: ASGIApp, *, allowed_hosts: Iterable[str] = (), max_body: int = MAX_BODY) -> None:
+        self.app = app
+        hosts = {h.strip().lower() for h in allowed_hosts if h.strip()}
+        self.any_host = "*" in hosts
+        self.hosts = {_hostname(h) for h in hosts - {"*"}}
+        self.max_body = max_body
+
+    def _allowed(self, name: str) -> bool:
+        return self.any_host or is_loopback(name) or name in self.hosts
+
+    def _check(self, scope: Scope) -> SidecarError | None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        host = headers.get("host")
+        if host is not None and not self._allowed(_hostname(host)):
+            return HostNotAllowed(
+                f"Host {host!r} is not allowed: this sidecar answers to loopback names"
+                + (f" and {sorted(self.hosts)}" if self.hosts else "")
+                + "; start it with --allowed-host NAME to add one",
+                details={"host": host},
+            )
+        origin = headers.get("origin")
+        if origin is not None and (origin == "null" or not self._allowed(urlsplit(origin).hostname or "")):
+            return HostNotAllowed(
+                f"Origin {origin!r} is not allowed (a page of another site); call the API from a "
+                "script or from a page served by an allowed host (--allowed-host NAME)",
+                details={"origin": origin},
+            )
+        if scope.get("method") in MUTATING:
+            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            has_body = headers.get("content-length", "0") not in ("", "0") or "transfer-encoding" in headers
+            if (ctype or has_body) and not (ctype == "application/json" or ctype.endswith("+json")):
+                return MediaTypeUnsupported(
+                    f"the body must be JSON, got content-type {ctype or 'none'!r}; send "
+                    "`-H 'content-type: application/json'` with curl -d (form and text bodies are refused: "
+                    "any web page can send those)",
+                    details={"content_type": ctype or None},
+                )
+            length = headers.get("content-length", "")
+            if length.isdigit() and int(length) > self.max_body:
+                return self._too_large()
+        return None
+
+    def _too_large(self) -> BodyTooLarge:
+        return BodyTooLarge(
+            f"the body is larger than {self.max_body} bytes; the API's bodies are a few hundred bytes",
+            details={"max_bytes": self.max_body},
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refused = self._check(scope)
+        if refused is not None:
+            await error_response(refused)(scope, receive, send)
+            return
+        seen = 0
+
+        async def bounded_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise _BodyTooLarge()
+            return message
+
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, bounded_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await error_response(self._too_large())(scope, receive, send)
+
+
+class _BodyTooLarge(StarletteHTTPException):
+    """A streamed body passed the limit: raised out of ``receive``; FastAPI lets HTTP exceptions
+    through its body parsing, so the app's handler answers 413 (or this middleware does)."""
+
+    def __init__(self) -> None:
+        super().__init__(413, "the body is larger than the API accepts")
+
+
+__all__ = ["MAX_BODY", "RequestGuard"]
