@@ -217,3 +217,12 @@ class FleetInvalid(SidecarError):
     ranks, a stage list some target cannot take); ``details`` name the offending items."""
 
     code = "fleet_invalid"
+
+
+class ProfilerDirShared(FleetInvalid):
+    """Two targets' stages write into one ``torch_profiler_dir``: their traces cannot be told
+    apart. ``details['shared']`` lists each dir with its (target, stage) pairs; ``findings`` hold
+    the rule's findings (``sidecar.config.sharing``)."""
+
+    code = "profiler_dir_shared"
+    http_status = 422

@@ -4,12 +4,13 @@ roll-up over a fan-out (``FanOutResult``, ``FleetCapture``)."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from sidecar.control.models import Capture, CaptureState, StageVerdict
+from sidecar.control.models import Capture, CaptureState, StageVerdict, Verdict
 from sidecar.errors import FleetError, SidecarError
 from sidecar.fleet._targets import TargetKind
 
@@ -41,6 +42,8 @@ class TargetResult(BaseModel):
     stages: list[int] = Field(default_factory=list)
     verdicts: list[StageVerdict] = Field(default_factory=list)
     error: TargetError | None = None
+    start_s: float | None = None  # how long this target's start took (from the fan-out's start)
+    stop_s: float | None = None  # how long until its upstream answered stop (from the fan-out's stop)
 
     @property
     def folders(self) -> list[str]:
@@ -51,6 +54,8 @@ class TargetResult(BaseModel):
     def ok(self) -> bool:
         """Started and stopped cleanly, and — once checked — every stage has its trace."""
         if self.error is not None or self.outcome not in (TargetOutcome.started, TargetOutcome.stopped):
+            return False
+        if any(v.verdict is Verdict.ambiguous for v in self.verdicts):
             return False
         return self.state not in (CaptureState.degraded, CaptureState.failed)
 
@@ -64,6 +69,22 @@ class TargetResult(BaseModel):
             update={"capture_id": cap.id, "state": cap.state, "stages": list(cap.stages),
                     "verdicts": list(cap.verdicts), **changes}
         )
+
+
+def mark_ambiguous(r: TargetResult, reasons: dict[int, str]) -> TargetResult:
+    """A target whose stages share a dir with another target's (run with ``allow_shared_dirs``):
+    each checked stage in ``reasons`` becomes ``ambiguous`` with the reason, never ``ok``, and a
+    finished capture that looked completed is degraded."""
+    if not reasons or not any(v.stage_id in reasons and v.verdict is not None for v in r.verdicts):
+        return r
+    verdicts = []
+    for v in r.verdicts:
+        if v.stage_id in reasons and v.verdict is not None and v.verdict is not Verdict.ambiguous:
+            seen = f"; the folder check alone said {v.verdict.value}" + (f" ({v.reason})" if v.reason else "")
+            v = v.model_copy(update={"verdict": Verdict.ambiguous, "reason": reasons[v.stage_id] + seen})
+        verdicts.append(v)
+    state = CaptureState.degraded if r.state is CaptureState.completed else r.state
+    return r.model_copy(update={"verdicts": verdicts, "state": state})
 
 
 def error_of(exc: BaseException) -> TargetError:
@@ -98,14 +119,59 @@ class FanOutResult:
     def failures(self) -> list[TargetResult]:
         return [r for r in self.targets.values() if not r.ok]
 
+    def rollup(self, *, slowest: int = 5, failures: int = 20) -> dict[str, Any]:
+        """The fan-out in one screen, however many targets: counts by outcome, by capture state
+        and by stage verdict, the slowest targets (start and stop), and the failures with reasons
+        (the first ``failures``; ``failures_total`` counts them all)."""
+        rs = list(self.targets.values())
+        outcomes = Counter(r.outcome.value for r in rs)
+        states = Counter(r.state.value if r.state else "-" for r in rs)
+        verdicts = Counter(f"stage {v.stage_id}: {v.verdict.value if v.verdict else 'unchecked'}"
+                           for r in rs for v in r.verdicts)
+
+        def top(attr: str) -> list[dict[str, Any]]:
+            timed = sorted((r for r in rs if getattr(r, attr) is not None), key=lambda r: -getattr(r, attr))
+            return [{"target": r.target, "seconds": round(getattr(r, attr), 4)} for r in timed[:slowest]]
+
+        bad = [r for r in rs if not r.ok]
+        return {
+            "targets": len(rs),
+            "ok": len(rs) - len(bad),
+            "outcomes": dict(sorted(outcomes.items())),
+            "states": dict(sorted(states.items())),
+            "verdicts": dict(sorted(verdicts.items())),
+            "slowest_start": top("start_s"),
+            "slowest_stop": top("stop_s"),
+            "failures_total": len(bad),
+            "failures": [{"target": r.target, "outcome": r.outcome.value,
+                          "state": r.state.value if r.state else None, "reason": _reason(r)} for r in bad[:failures]],
+        }
+
     def to_error(self, what: str) -> FleetError:
         bad = self.failures()
-        names = ", ".join(f"{r.target} ({r.error.code if r.error else r.state.value if r.state else r.outcome.value})"
-                          for r in bad)
+        names = ", ".join(f"{r.target} ({_short(r)})" for r in bad[:10])
+        if len(bad) > 10:
+            names += f" and {len(bad) - 10} more (details['targets'] lists every one)"
         return FleetError(
             f"{what} failed on {len(bad)} of {len(self.targets)} targets: {names}",
             details={"targets": [r.model_dump(mode="json") for r in self.targets.values()]},
         )
+
+
+def _short(r: TargetResult) -> str:
+    if r.error is not None:
+        return r.error.code
+    if r.outcome not in (TargetOutcome.started, TargetOutcome.stopped):
+        return r.outcome.value
+    return r.state.value if r.state else r.outcome.value
+
+
+def _reason(r: TargetResult) -> str:
+    if r.error is not None:
+        return f"{r.error.code}: {r.error.message}"
+    why = [f"stage {v.stage_id} {v.verdict.value}: {v.reason or ''}".rstrip(": ")
+           for v in r.verdicts if v.verdict is not None and v.verdict is not Verdict.ok]
+    return "; ".join(why) or (r.state.value if r.state else r.outcome.value)
 
 
 class FleetCapture(BaseModel, FanOutResult):
