@@ -9,7 +9,7 @@ the sidecar API (``--kind sidecar``), holding each start/stop ``--latency`` seco
 round trip. Stubs bind their own ports (port 0) and report them; one stub process per 256
 replicas. 1,024 replicas need ~1,100 file descriptors in this process (``ulimit -n``).
 
-    python bench/fanout.py --replicas 128 [--kind upstream|sidecar|both] [--latency 0.1] [--repeat 3]
+    python bench/fanout.py --replicas 128 [--kind upstream|sidecar|both] [--latency 0.5] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=128)
     ap.add_argument("--kind", choices=("upstream", "sidecar", "both"), default="both")
-    ap.add_argument("--latency", type=float, default=0.1, help="seconds each stub holds a start/stop call")
+    ap.add_argument("--latency", type=float, default=0.5, help="seconds each stub holds a start/stop call")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--serial", type=int, default=64, help="replicas in the serial reference loop")
     args = ap.parse_args()
