@@ -1,127 +1,73 @@
-"""Fan-out benchmark: how long ``Fleet.start`` takes on 32 replicas compared with 1 (target: within
-2x), and what a one-after-another loop (how trainers call start/stop) would take.
+"""Fan-out at scale: ``Fleet.start``/``stop`` over N stub replicas against one replica, side by side
+in one run, with the start skew across replicas (from the stubs' own receive timestamps), the
+trainer-side cost (peak RSS, open fds/sockets, CPU seconds) and a one-after-another loop for
+reference. Ratios are printed, never asserted.
 
-Method. 32 real emulators would need 32 torch workers: on a 2-core machine their start_profile
-calls (each builds a torch profiler, ~2 s of CPU) would queue on the CPU and the benchmark would
-measure the machine, not the fan-out. So each replica here is a stub server with vLLM-Omni's
-profiler semantics (``/health``; ``GET /start_profile`` answers 405; ``POST /start_profile`` and
-``/stop_profile`` take ``{"stages": [...]}``, hold for ``--latency`` seconds like a worker round
-trip, and create/fill real session folders), all served by one child process on 32 ports. The
-fleet side is the product's code: upstream targets driven in-process by ``CaptureController``
-(the same controller a sidecar runs), so validation, journal-free state, snapshots and the artifact
-check all run. Ratios are printed, never asserted.
+Method. Each replica is a stub (``tests/fixtures/stubs.py``): vLLM-Omni's profiler endpoints
+(``--kind upstream``: the fleet drives them in-process with ``CaptureController``, the RL path) or
+the sidecar API (``--kind sidecar``), holding each start/stop ``--latency`` seconds like a worker
+round trip. Stubs bind their own ports (port 0) and report them; one stub process per 256
+replicas. 1,024 replicas need ~1,100 file descriptors in this process (``ulimit -n``).
 
-    python bench/fanout.py [--replicas 32] [--latency 0.5] [--repeat 5]
+    python bench/fanout.py --replicas 128 [--kind upstream|sidecar|both] [--latency 0.5] [--repeat 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import signal
+import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from sidecar.control.controller import ControlSettings  # noqa: E402
+from sidecar.fleet import Fleet, Target  # noqa: E402
+from tests.fixtures.stubs import StubFleet, write_deploys  # noqa: E402
 
-# --- the stub replicas (child process) -----------------------------------------------------
-
-
-def _stub_app(latency: float, root: Path):  # type: ignore[no-untyped-def]
-    sessions: dict[int, Path] = {}
-
-    async def respond(send, status: int, payload: dict) -> None:  # type: ignore[no-untyped-def]
-        body = json.dumps(payload).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": body})
-
-    async def app(scope, receive, send):  # type: ignore[no-untyped-def]
-        if scope["type"] != "http":
-            return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
-        path, method = scope["path"], scope["method"]
-        if path == "/health":
-            return await respond(send, 200, {})
-        if path not in ("/start_profile", "/stop_profile"):
-            return await respond(send, 404, {"detail": "Not Found"})
-        if method != "POST":
-            return await respond(send, 405, {"detail": "Method Not Allowed"})
-        stages = (json.loads(body) if body else None) or {}
-        ids = stages.get("stages") or [0]
-        await asyncio.sleep(latency)  # the workers' round trip
-        for sid in ids:
-            if path == "/start_profile":
-                folder = root / f"stage{sid}" / f"{time.strftime('%Y%m%d-%H%M%S')}_stage{sid}_rank0_{time.time_ns()}"
-                folder.mkdir(parents=True)
-                sessions[sid] = folder
-            elif sid in sessions:
-                trace = {"traceEvents": [{"ph": "X", "name": "step", "ts": 0, "dur": 1, "pid": 0, "tid": 0}]}
-                (sessions.pop(sid) / "trace_rank0.json").write_text(json.dumps(trace))
-        return await respond(send, 200, {"status": "SUCCESS"})
-
-    return app
+SETTINGS = ControlSettings(settle_s=0.2, collect_timeout_s=60, close_timeout_s=10, summarize=False)
 
 
-async def _serve(ports: list[int], latency: float, root: Path) -> None:
-    import uvicorn
-
-    servers = []
-    for i, port in enumerate(ports):
-        cfg = uvicorn.Config(_stub_app(latency, root / f"replica{i}"), host="127.0.0.1", port=port,
-                             log_level="warning", lifespan="off")
-        server = uvicorn.Server(cfg)
-        server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        servers.append(server)
-    await asyncio.gather(*(s.serve() for s in servers))
-
-
-# --- the measurement ---------------------------------------------------------------------
+def _fds() -> tuple[int, int]:
+    """(open fds, of which sockets) in this process."""
+    fds = socks = 0
+    for fd in os.listdir("/proc/self/fd"):
+        fds += 1
+        try:
+            socks += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return fds, socks
 
 
-def _deploys(root: Path, n: int) -> list[Path]:
-    out = []
-    for i in range(n):
-        d = root / f"replica{i}"
-        d.mkdir(parents=True, exist_ok=True)
-        path = d / "deploy.yaml"
-        stage = {"stage_id": 0, "profiler_config": {"profiler": "torch", "torch_profiler_dir": str(d / "stage0"),
-                                                     "torch_profiler_with_stack": False}}
-        path.write_text(yaml.safe_dump({"stages": [stage]}))
-        out.append(path)
-    return out
-
-
-async def _fleet_round(targets, settings) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    from sidecar.fleet import Fleet
-
-    async with Fleet(targets, control_settings=settings) as fleet:
+async def _round(targets: list[Target], stubs: StubFleet, size: int) -> dict[str, float]:
+    stubs.reset()
+    cpu0 = sum(os.times()[:2])
+    async with Fleet(targets[:size], control_settings=SETTINGS, stop_budget_s=120, client_timeout_s=120) as fleet:
         t0 = time.perf_counter()
         fc = await fleet.start(label="bench")
         t_start = time.perf_counter() - t0
+        fds, socks = _fds()
         t0 = time.perf_counter()
         fc = await fleet.stop(fc, wait_artifacts=False)
         t_stop = time.perf_counter() - t0
-        await fleet.refresh(fc, wait=True, timeout=60)  # let the artifact checks end before close
-        assert fc.ok, fc.failures()
-    return t_start, t_stop
+        fc = await fleet.refresh(fc, wait=True, timeout=120)  # the artifact checks end before close
+        if not fc.ok:
+            raise SystemExit(f"fan-out failed: {fc.rollup()}")
+    cpu = sum(os.times()[:2]) - cpu0
+    path = "/start_profile" if targets[0].kind.value == "upstream" else "/v1/captures"
+    got = sorted(ts[0] for i, ts in stubs.received(path).items() if i < size and ts)
+    skews = [(t - got[0]) / 1e6 for t in got]
+    return {"start": t_start, "stop": t_stop, "skew_p50": statistics.median(skews), "skew_max": skews[-1],
+            "fds": fds, "socks": socks, "cpu": cpu, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-async def _serial_round(urls: list[str]) -> float:
+async def _serial(urls: list[str]) -> float:
     from sidecar.upstream.server import UpstreamServer
 
     servers = [UpstreamServer(u) for u in urls]
@@ -134,74 +80,52 @@ async def _serial_round(urls: list[str]) -> float:
     return elapsed
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--replicas", type=int, default=32)
-    ap.add_argument("--latency", type=float, default=0.5, help="seconds each stub holds a start/stop call")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--serve-stubs", help=argparse.SUPPRESS)  # child mode: "port,port,...:root"
-    args = ap.parse_args()
-
-    if args.serve_stubs:
-        ports_s, root = args.serve_stubs.split(":", 1)
-        asyncio.run(_serve([int(p) for p in ports_s.split(",")], args.latency, Path(root)))
-        return
-
-    from sidecar.control.controller import ControlSettings
-    from sidecar.emulator.launcher import free_port
-    from sidecar.fleet import Target
-
-    n = args.replicas
+def _bench(kind: str, n: int, latency: float, repeat: int, serial_n: int) -> None:
     with tempfile.TemporaryDirectory(prefix="omni-fanout-") as tmp:
         root = Path(tmp)
-        ports = [free_port() for _ in range(n)]
-        deploys = _deploys(root, n)
-        child = subprocess.Popen(
-            [sys.executable, __file__, "--latency", str(args.latency),
-             "--serve-stubs", ",".join(map(str, ports)) + ":" + str(root)],
-            start_new_session=True,
-        )
-        try:
-            import httpx
-
-            urls = [f"http://127.0.0.1:{p}" for p in ports]
-            deadline = time.monotonic() + 30
-            for u in urls:
-                while True:
-                    try:
-                        if httpx.get(f"{u}/health", timeout=1).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    if time.monotonic() > deadline:
-                        raise SystemExit("stub replicas did not come up")
-                    time.sleep(0.1)
-            settings = ControlSettings(settle_s=0.2, collect_timeout_s=30, summarize=False)
-            targets = [Target.upstream(u, d) for u, d in zip(urls, deploys)]
-
+        with StubFleet(n, mode=kind, root=root, latency=latency) as stubs:
+            if kind == "upstream":
+                targets = [Target.upstream(u, d) for u, d in zip(stubs.urls, write_deploys(root, n))]
+            else:
+                targets = [Target.sidecar(u) for u in stubs.urls]
             rows = {}
-            for size in sorted({1, max(1, n // 4), n}):
-                starts, stops = [], []
-                for _ in range(args.repeat):
-                    s, t = asyncio.run(_fleet_round(targets[:size], settings))
-                    starts.append(s)
-                    stops.append(t)
-                rows[size] = (statistics.median(starts), statistics.median(stops))
-            serial = statistics.median(asyncio.run(_serial_round(urls)) for _ in range(max(1, args.repeat // 2)))
-        finally:
-            os.killpg(child.pid, signal.SIGTERM)
-            child.wait(10)
+            for size in (1, n):
+                runs = [asyncio.run(_round(targets, stubs, size)) for _ in range(repeat)]
+                rows[size] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                rows[size]["rss"] = max(r["rss"] for r in runs)
+            serial = asyncio.run(_serial(stubs.urls[:serial_n])) if kind == "upstream" else None
+    one = rows[1]
+    print(f"\n{kind} targets: {n} stub replicas vs 1 (start/stop hold {latency:g}s; median of {repeat}; "
+          f"{os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f})")
+    print(f"{'replicas':>8} {'start s':>8} {'vs 1':>6} {'stop s':>8} {'vs 1':>6} {'skew p50 ms':>11} "
+          f"{'skew max ms':>11} {'peak RSS MiB':>12} {'fds':>6} {'sockets':>7} {'CPU s':>6}")
+    for size, r in rows.items():
+        print(f"{size:>8} {r['start']:>8.3f} {r['start'] / one['start']:>5.2f}x {r['stop']:>8.3f} "
+              f"{r['stop'] / one['stop']:>5.2f}x {r['skew_p50']:>11.1f} {r['skew_max']:>11.1f} {r['rss']:>12.0f} "
+              f"{r['fds']:>6.0f} {r['socks']:>7.0f} {r['cpu']:>6.2f}")
+    if serial is not None:
+        print(f"serial loop (start one after another) on {serial_n} replicas: {serial:.3f}s "
+              f"= {serial / rows[n]['start']:.1f}x the fleet's concurrent start on {n}"
+              + (f" (x{n / serial_n:.0f} for all {n})" if serial_n < n else ""))
+    ratio = rows[n]["start"] / one["start"]
+    print(f"target: start on {n} <= 2x one -> {'met' if ratio <= 2 else 'NOT met'} ({ratio:.2f}x); "
+          f"skew p50 <= 20 ms -> {'met' if rows[n]['skew_p50'] <= 20 else 'NOT met'} ({rows[n]['skew_p50']:.1f} ms)")
 
-    one_start, one_stop = rows[1]
-    print(f"fan-out over stub replicas (start/stop hold {args.latency:g}s each; median of {args.repeat}; "
-          f"{os.cpu_count()} CPUs)")
-    print(f"{'replicas':>8} {'start s':>9} {'vs 1':>6} {'stop s':>9} {'vs 1':>6}")
-    for size, (s, t) in rows.items():
-        print(f"{size:>8} {s:>9.3f} {s / one_start:>5.2f}x {t:>9.3f} {t / one_stop:>5.2f}x")
-    print(f"{n:>8} replicas one after another (serial start): {serial:.3f}s = {serial / rows[n][0]:.1f}x "
-          f"the fleet's concurrent start")
-    print(f"target: start on {n} within 2x of one -> {'met' if rows[n][0] / one_start <= 2 else 'NOT met'} "
-          f"({rows[n][0] / one_start:.2f}x)")
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", type=int, default=128)
+    ap.add_argument("--kind", choices=("upstream", "sidecar", "both"), default="both")
+    ap.add_argument("--latency", type=float, default=0.5, help="seconds each stub holds a start/stop call")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--serial", type=int, default=64, help="replicas in the serial reference loop")
+    args = ap.parse_args()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * args.replicas + 256
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+    for kind in (("upstream", "sidecar") if args.kind == "both" else (args.kind,)):
+        _bench(kind, args.replicas, args.latency, args.repeat, min(args.serial, args.replicas))
 
 
 if __name__ == "__main__":

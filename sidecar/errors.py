@@ -619,3 +619,28 @@ class RanksInvalid(FleetInvalid):
 
 class FleetDurationInvalid(FleetInvalid):
     code = "duration_invalid"
+
+
+class ConcurrencyInvalid(FleetInvalid):
+    code = "concurrency_invalid"
+
+
+class KindInvalid(FleetInvalid):
+    """A capture kind other than ``torch`` or ``nsys``."""
+
+    code = "kind_invalid"
+
+
+class KindUnsupported(FleetInvalid):
+    """The target's controller cannot take this capture kind."""
+
+    code = "kind_unsupported"
+
+
+class ProfilerDirShared(FleetInvalid):
+    """Two targets' stages write into one ``torch_profiler_dir``: their traces cannot be told
+    apart. ``details['shared']`` lists each dir with its (target, stage) pairs; ``findings`` hold
+    the rule's findings (``sidecar.config.sharing``)."""
+
+    code = "profiler_dir_shared"
+    http_status = 422

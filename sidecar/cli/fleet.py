@@ -47,7 +47,15 @@ StateDirOpt = Annotated[
     Optional[Path],
     typer.Option("--state-dir", help="journal of upstream targets' captures, so `fleet stop` can find them"),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of a table")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON (every target in full) instead of a table")]
+SharedOpt = Annotated[bool, typer.Option(
+    "--allow-shared-dirs", help="run even where targets share a torch_profiler_dir (their verdicts are then ambiguous)")]
+HostLocalOpt = Annotated[bool, typer.Option(
+    "--dirs-host-local", help="the same dir path on different hosts is a different (host-local) folder")]
+BudgetOpt = Annotated[float, typer.Option("--stop-budget", help="seconds each target's stop may take (s)")]
+KindOpt = Annotated[str, typer.Option("--kind", help="torch (trace files) or nsys (profiler: cuda stages)")]
+# Up to this many targets the table has a row per target; beyond it, one roll-up table.
+ROWS_MAX = 16
 
 
 def _default_state_dir() -> Path:
@@ -56,7 +64,8 @@ def _default_state_dir() -> Path:
 
 
 def _fleet(targets: str, stages: str | None, deploy_config: Path | None, flavor: str,
-           token_file: Path | None, state_dir: Path | None) -> Any:
+           token_file: Path | None, state_dir: Path | None, allow_shared_dirs: bool = False,
+           dirs_host_local: bool = False, stop_budget_s: float = 1800.0) -> Any:
     from sidecar.fleet import Fleet
 
     token = None
@@ -67,7 +76,8 @@ def _fleet(targets: str, stages: str | None, deploy_config: Path | None, flavor:
     if flavor not in ("omni", "vllm"):
         raise TargetInvalid(f"--flavor must be omni or vllm, got {flavor!r}")
     return Fleet(targets, stages=parse_stage_list(stages), deploy_config=deploy_config, flavor=flavor,  # type: ignore[arg-type]
-                 token=token, state_dir=state_dir or _default_state_dir())
+                 token=token, state_dir=state_dir or _default_state_dir(),
+                 allow_shared_dirs=allow_shared_dirs, dirs_host_local=dirs_host_local, stop_budget_s=stop_budget_s)
 
 
 def _print(fc: Any, as_json: bool) -> None:
@@ -76,6 +86,9 @@ def _print(fc: Any, as_json: bool) -> None:
             "label": fc.label, "ok": fc.ok,
             "targets": [{**r.model_dump(mode="json"), "folders": r.folders} for r in fc.targets.values()],
         }))
+        return
+    if len(fc.targets) > ROWS_MAX:
+        _print_rollup(fc)
         return
     table = Table(title=f"fleet {fc.label or ''}".rstrip(), title_justify="left")
     for col in ("target", "outcome", "capture", "state", "stages", "session folders", "error"):
@@ -88,6 +101,25 @@ def _print(fc: Any, as_json: bool) -> None:
             ",".join(map(str, r.stages)) or "-", "\n".join(r.folders) or "-",
             f"{r.error.code}: {r.error.message}" if r.error else "",
         )
+    console.print(table)
+
+
+def _print_rollup(fc: Any) -> None:
+    roll = fc.rollup()
+    table = Table(title=f"fleet {fc.label or ''}: {roll['ok']} of {roll['targets']} ok (--json for every target)",
+                  title_justify="left")
+    table.add_column("what")
+    table.add_column("count / detail", overflow="fold")
+    for group in ("outcomes", "states", "verdicts"):
+        for name, count in roll[group].items():
+            table.add_row(f"{group[:-1]} {name}", str(count))
+    for what in ("slowest_start", "slowest_stop"):
+        if roll[what]:
+            table.add_row(what.replace("_", " "), "\n".join(f"{x['seconds']:.3f}s {x['target']}" for x in roll[what]))
+    for f in roll["failures"]:
+        table.add_row(f"[red]{f['outcome']}[/]", f"{f['target']}: {f['reason']}")
+    if roll["failures_total"] > len(roll["failures"]):
+        table.add_row("", f"... and {roll['failures_total'] - len(roll['failures'])} more failures")
     console.print(table)
 
 
@@ -106,10 +138,14 @@ def start(
     token_file: TokenFileOpt = None,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
+    allow_shared_dirs: SharedOpt = False,
+    dirs_host_local: HostLocalOpt = False,
+    kind: KindOpt = "torch",
 ) -> None:
     """Start on every target at once; all or nothing (a failure stops the ones that started)."""
     with cli_errors():
-        fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir)
+        fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir, allow_shared_dirs,
+                       dirs_host_local)
         upstream = [t.name for t in fleet.targets if t.kind.value == "upstream"]
         if duration is not None and upstream:
             raise FleetDurationInvalid(
@@ -120,7 +156,7 @@ def start(
         async def run() -> Any:
             await fleet.open()
             try:
-                return await fleet.start(label=label, duration_s=duration)
+                return await fleet.start(label=label, duration_s=duration, kind=kind)  # type: ignore[arg-type]
             finally:
                 await fleet.close(keep_live=True)  # `fleet stop` stops them (journal in --state-dir)
 
@@ -138,10 +174,11 @@ def stop(
     token_file: TokenFileOpt = None,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
+    stop_budget: BudgetOpt = 1800.0,
 ) -> None:
     """Stop the live capture on every target at once, each within its own budget."""
     with cli_errors():
-        fleet = _fleet(targets, None, deploy_config, flavor, token_file, state_dir)
+        fleet = _fleet(targets, None, deploy_config, flavor, token_file, state_dir, stop_budget_s=stop_budget)
 
         async def run() -> Any:
             await fleet.open()
@@ -168,17 +205,22 @@ def capture(
     token_file: TokenFileOpt = None,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
+    allow_shared_dirs: SharedOpt = False,
+    dirs_host_local: HostLocalOpt = False,
+    kind: KindOpt = "torch",
+    stop_budget: BudgetOpt = 1800.0,
 ) -> None:
     """Start everywhere, keep the window open --duration seconds (Ctrl-C stops early), stop
     everywhere, check the traces and print where they are."""
     with cli_errors():
         if not duration > 0:
             raise FleetDurationInvalid(f"--duration must be > 0 seconds, got {duration}")
-        fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir)
+        fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir, allow_shared_dirs,
+                       dirs_host_local, stop_budget)
 
         async def run() -> Any:
             async with fleet:
-                return await fleet.capture(duration, label=label, artifact_timeout_s=timeout)
+                return await fleet.capture(duration, label=label, artifact_timeout_s=timeout, kind=kind)  # type: ignore[arg-type]
 
         fc = asyncio.run(run())
         _print(fc, as_json)

@@ -40,6 +40,7 @@ class Verdict(str, Enum):
     empty = "empty"  # a session folder appeared but holds no (non-empty) trace
     missing = "missing"  # no new session folder for this stage
     unverified = "unverified"  # the sidecar cannot see this stage's folder
+    ambiguous = "ambiguous"  # the trace folder cannot be told apart from another server's
 
 
 class ArtifactFile(BaseModel):

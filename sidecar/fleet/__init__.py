@@ -1,0 +1,21 @@
+"""Fan-out of one capture over many targets: sidecar URLs, or upstream servers driven in-process by
+the same ``CaptureController``. One concept per module: ``_targets`` (what a replica is, parsing
+target lists), ``_results`` (per-target outcomes and the roll-up), ``_drivers`` (one per target
+kind), ``_fleet`` (the concurrent, all-or-nothing fan-out).
+"""
+
+from sidecar.fleet._fleet import Fleet
+from sidecar.fleet._results import FanOutResult, FleetCapture, TargetError, TargetOutcome, TargetResult
+from sidecar.fleet._targets import Target, TargetKind, parse_targets
+
+__all__ = [
+    "FanOutResult",
+    "Fleet",
+    "FleetCapture",
+    "Target",
+    "TargetError",
+    "TargetKind",
+    "TargetOutcome",
+    "TargetResult",
+    "parse_targets",
+]

@@ -1,0 +1,204 @@
+"""Drivers: one per target kind, the same small async interface (open, start, stop, get, wait,
+heartbeat, live, close). A sidecar target is driven over its HTTP API; an upstream target by the
+same ``CaptureController`` a sidecar runs, in this process."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import ssl
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import httpx
+
+from sidecar.config.models import DeployConfig, Stage, StageKind
+from sidecar.config.profiler import ProfilerConfig
+from sidecar.control.models import Capture, CaptureState, StopReason
+from sidecar.errors import KindUnsupported, FleetInvalid
+from sidecar.fleet._targets import Target
+
+# "upstream answered stop": the capture left `stopping` (collecting, or already terminal).
+STOPPED = (CaptureState.collecting, CaptureState.completed, CaptureState.degraded, CaptureState.failed)
+TERMINAL = tuple(s for s in CaptureState if s.terminal)
+
+
+Kind = Literal["torch", "nsys"]
+
+
+class Driver(Protocol):
+    target: Target
+
+    async def open(self) -> DeployConfig | None: ...
+    async def start(self, stages: list[int] | None, label: str | None, duration_s: float | None,
+                    lease_s: float | None, kind: Kind = "torch") -> Capture: ...
+    async def stop(self, capture_id: str, reason: StopReason) -> Capture: ...
+    async def get(self, capture_id: str) -> Capture: ...
+    async def wait(self, capture_id: str, timeout: float | None) -> Capture: ...
+    async def heartbeat(self, capture_id: str) -> None: ...
+    async def live(self) -> Capture | None: ...
+    async def close(self, keep_live: bool = False) -> None: ...
+
+
+class FleetTransports:
+    """Connections for a fleet: one TLS context for all targets, a small pool per target.
+
+    Measured at scale (bench/fanout.py): a default ``httpx.AsyncClient`` builds its own TLS context
+    (tens of ms of CPU each, on the event loop, before any request); one pool shared by every
+    target costs O(requests x connections) per request in httpcore's pool. A pool per target that
+    reuses one TLS context costs neither."""
+
+    # a target holds at most a blocking start or stop plus a heartbeat or poll beside it
+    LIMITS = httpx.Limits(max_connections=4, max_keepalive_connections=2, keepalive_expiry=60)
+
+    def __init__(self) -> None:
+        self._tls: ssl.SSLContext | None = None
+
+    def for_target(self) -> httpx.AsyncHTTPTransport:
+        if self._tls is None:
+            self._tls = httpx.create_ssl_context()
+        return httpx.AsyncHTTPTransport(verify=self._tls, limits=self.LIMITS)
+
+
+def deploy_from_stages_reply(reply: dict[str, Any]) -> DeployConfig:
+    """The sidecar's ``GET /v1/stages`` as a DeployConfig, so ``select_stages`` (the one rule)
+    can check a stage list for a remote sidecar before anything is started."""
+    stages = []
+    for s in reply.get("stages", []):
+        pc = s.get("profiler_config")
+        stages.append(
+            Stage(
+                stage_id=int(s["stage_id"]),
+                kind=StageKind(s.get("kind") or "unknown"),
+                profiler_config=ProfilerConfig.model_validate(pc) if pc else None,
+                num_replicas=int(s.get("num_replicas") or 1),
+            )
+        )
+    return DeployConfig(stages=stages, platform=reply.get("platform") or "cuda")
+
+
+class SidecarDriver:
+    def __init__(self, target: Target, *, timeout_s: float, poll_s: float,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        from sidecar.client import AsyncSidecarClient
+
+        self.target = target
+        self.poll_s = poll_s
+        self.client = AsyncSidecarClient(target.url, token=target.token, timeout=timeout_s, transport=transport)
+
+    async def open(self) -> DeployConfig | None:
+        return deploy_from_stages_reply(await self.client.stages())
+
+    async def start(self, stages, label, duration_s, lease_s, kind: Kind = "torch") -> Capture:  # type: ignore[no-untyped-def]
+        if kind == "torch":  # sent only when asked: a sidecar without nsys captures refuses the field
+            return await self.client.start_capture(stages=stages, label=label, duration_s=duration_s, lease_s=lease_s)
+        if "kind" in inspect.signature(self.client.start_capture).parameters:
+            return await self.client.start_capture(stages=stages, label=label, duration_s=duration_s,  # type: ignore[call-arg]
+                                                   lease_s=lease_s, kind=kind)
+        from sidecar.client import _Calls
+
+        call = _Calls.start_capture(stages, label, duration_s, lease_s)
+        return await self.client._send(call._replace(json={**(call.json or {}), "kind": kind}))
+
+    async def _poll(self, capture_id: str, until: tuple[CaptureState, ...], deadline: float | None) -> Capture:
+        # Backs off from poll_s to 2 s: a thousand targets polling every 0.2 s would be the load.
+        delay = self.poll_s
+        loop = asyncio.get_running_loop()
+        while True:
+            cap = await self.client.get_capture(capture_id)
+            if cap.state in until or (deadline is not None and loop.time() >= deadline):
+                return cap
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, max(self.poll_s, 2.0))
+
+    async def stop(self, capture_id: str, reason: StopReason) -> Capture:
+        # The sidecar answers at once; "stopped" means its upstream answered, so poll for that.
+        cap = await self.client.stop_capture(capture_id)
+        if cap.state in STOPPED:
+            return cap
+        return await self._poll(capture_id, STOPPED, None)
+
+    async def get(self, capture_id: str) -> Capture:
+        return await self.client.get_capture(capture_id)
+
+    async def wait(self, capture_id: str, timeout: float | None) -> Capture:
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        return await self._poll(capture_id, TERMINAL, deadline)
+
+    async def heartbeat(self, capture_id: str) -> None:
+        await self.client.heartbeat(capture_id)
+
+    async def live(self) -> Capture | None:
+        return next((c for c in await self.client.list_captures() if not c.terminal), None)
+
+    async def close(self, keep_live: bool = False) -> None:
+        await self.client.aclose()
+
+
+class UpstreamDriver:
+    """An upstream server driven in-process: the same controller the sidecar runs."""
+
+    def __init__(self, target: Target, deploy: DeployConfig, *, stop_budget_s: float,
+                 settings: Any | None, state_dir: Path | None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        from sidecar.control.controller import CaptureController
+        from sidecar.upstream.server import Flavor as UpstreamFlavor
+        from sidecar.upstream.server import UpstreamServer
+
+        self.target = target
+        self.upstream = UpstreamServer(target.url, flavor=UpstreamFlavor(target.flavor), stop_budget_s=stop_budget_s,
+                                       transport=transport)
+        self.controller = CaptureController(self.upstream, deploy, state_dir=state_dir, settings=settings)
+        self.deploy = deploy
+
+    async def open(self) -> DeployConfig | None:
+        await self.controller.open()
+        return self.deploy
+
+    async def start(self, stages, label, duration_s, lease_s, kind: Kind = "torch") -> Capture:  # type: ignore[no-untyped-def]
+        if kind == "torch":
+            return await self.controller.start(stages, label=label, duration_s=duration_s, lease_s=lease_s)
+        if "kind" not in inspect.signature(self.controller.start).parameters:
+            raise KindUnsupported(f"{self.target.name}: this build's capture controller has no {kind} captures; "
+                               "upgrade omni-sidecar, or capture with kind='torch'")
+        return await self.controller.start(stages, label=label, duration_s=duration_s, lease_s=lease_s,  # type: ignore[call-arg]
+                                           kind=kind)
+
+    async def stop(self, capture_id: str, reason: StopReason) -> Capture:
+        # controller.stop returns at once; wait (by subscription, no polling) for the upstream reply.
+        answered = asyncio.Event()
+
+        def on_change(cap: Capture) -> None:
+            if cap.id == capture_id and cap.state in STOPPED:
+                answered.set()
+
+        unsubscribe = self.controller.subscribe(on_change)
+        try:
+            cap = await self.controller.stop(capture_id, reason=reason)
+            if cap.state not in STOPPED:
+                cap = self.controller.get(capture_id)
+            if cap.state not in STOPPED:
+                await answered.wait()
+            return self.controller.get(capture_id)
+        finally:
+            unsubscribe()
+
+    async def get(self, capture_id: str) -> Capture:
+        return self.controller.get(capture_id)
+
+    async def wait(self, capture_id: str, timeout: float | None) -> Capture:
+        return await self.controller.wait(capture_id, timeout=timeout)
+
+    async def heartbeat(self, capture_id: str) -> None:
+        await self.controller.heartbeat(capture_id)
+
+    async def live(self) -> Capture | None:
+        # After open(), a capture journaled live by an earlier process is here, already stopping.
+        return self.controller.active
+
+    async def close(self, keep_live: bool = False) -> None:
+        try:
+            if not keep_live:  # controller.close() stops the live capture (reason: shutdown)
+                await self.controller.close()
+        finally:
+            await self.upstream.aclose()

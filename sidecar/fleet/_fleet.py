@@ -1,0 +1,433 @@
+"""The fan-out: one capture over many targets. Start is concurrent and all-or-nothing (a failure
+stops the started ones, then ``FleetError`` lists every target's outcome); stop reaches every
+started target concurrently, each within its own budget. Bad input is refused (``FleetInvalid``)
+before anything is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from sidecar.config.models import DeployConfig
+from sidecar.config.rules import select_stages
+from sidecar.config.sharing import RENDER_FIX, shared_dir_groups, shared_profiler_dirs
+from sidecar.control.models import Capture, CaptureState, StopReason
+from sidecar.errors import StagesNotShared, ConcurrencyInvalid, FlavorsMixed, FleetClosed, FleetStagesInvalid, KindInvalid, FleetError, FleetInvalid, ProfilerDirShared, SidecarError, StageSelectionError
+from sidecar.fleet._drivers import Driver, Kind, FleetTransports, SidecarDriver, UpstreamDriver
+from sidecar.fleet._results import FleetCapture, TargetError, TargetOutcome, TargetResult, error_of, mark_ambiguous
+from sidecar.fleet._targets import Flavor, Target, TargetKind, parse_targets, server_key
+
+log = logging.getLogger("sidecar.fleet")
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Fleet:
+    """Concurrent captures over ``targets``. Use ``async with Fleet(...) as fleet:`` (or call
+    :meth:`open` / :meth:`close`). All methods must run on one event loop.
+
+    ``stop_budget_s`` bounds each target's stop (until its upstream answered); the artifact check
+    after that is bounded by the target's own collect timeout. ``client_timeout_s`` is the HTTP
+    timeout towards sidecars (their start returns once the upstream accepted).
+
+    Scale: one TLS context for all targets and a small connection pool per target (see
+    ``FleetTransports``); no thread or process per target; at most ``max_concurrency`` targets are started at once (default: all,
+    so the start skew is one round trip). Stops are bounded by one deadline per fan-out.
+
+    Shared dirs: before anything starts, the targets' effective profiler dirs are compared
+    (``sidecar.config.sharing``); two targets writing into one dir are refused with
+    ``ProfilerDirShared`` unless ``allow_shared_dirs``, and then every affected stage verdict is
+    ``ambiguous``. The same path on different hosts counts as one dir (a shared filesystem)
+    unless ``dirs_host_local``.
+    """
+
+    def __init__(
+        self,
+        targets: Iterable[str | Target] | str,
+        *,
+        stages: list[int] | None = None,
+        deploy_config: str | Path | None = None,
+        flavor: Flavor = "omni",
+        token: str | None = None,
+        stop_budget_s: float = 1800.0,
+        client_timeout_s: float = 330.0,
+        poll_s: float = 0.2,
+        control_settings: Any | None = None,
+        state_dir: str | Path | None = None,
+        allow_shared_dirs: bool = False,
+        dirs_host_local: bool = False,
+        max_concurrency: int | None = None,
+    ) -> None:
+        self.targets = parse_targets(targets, deploy_config=deploy_config, flavor=flavor, token=token)
+        if stages is not None and (
+            isinstance(stages, (str, bytes)) or not isinstance(stages, (list, tuple))
+        ):
+            raise FleetStagesInvalid(f"stages must be a list of stage ids, got {stages!r}")
+        if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
+                                            or max_concurrency < 1):
+            raise ConcurrencyInvalid(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
+        self.stages = None if stages is None else list(stages)
+        self.stop_budget_s = stop_budget_s
+        self.client_timeout_s = client_timeout_s
+        self.poll_s = poll_s
+        self.control_settings = control_settings
+        self.state_dir = Path(state_dir) if state_dir is not None else None
+        self.allow_shared_dirs = allow_shared_dirs
+        self.dirs_host_local = dirs_host_local
+        self.max_concurrency = max_concurrency or len(self.targets)
+        vllm = [t.name for t in self.targets if t.kind is TargetKind.upstream and t.flavor == "vllm"]
+        if vllm and self.stages is not None:
+            raise FlavorsMixed(
+                f"plain vLLM targets ({', '.join(vllm)}) profile their one engine and take no stage list; "
+                "drop the stage list, or put omni and plain vLLM servers in separate fleets",
+                details={"vllm_targets": vllm, "stages": self.stages},
+            )
+        # Upstream deploy files are read (and the stage list and dirs checked) now: nothing is sent yet.
+        self._deploys: dict[str, DeployConfig] = {}
+        for t in self.targets:
+            if t.kind is TargetKind.upstream:
+                from sidecar.config.deploy import load_deploy_config
+
+                self._deploys[t.name] = load_deploy_config(t.deploy_config, platform=t.platform)  # type: ignore[arg-type]
+        self._check_stages(self._deploys, allow_cuda=True)
+        self._ambiguous: dict[str, dict[int, str]] = self._check_dirs(self._deploys)
+        self._seen_deploys: dict[str, DeployConfig] = dict(self._deploys)
+        self._drivers: dict[str, Driver] = {}
+        self._transports = FleetTransports()
+        self._opened = False
+
+    # --- lifecycle ------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Create one client/controller per target (one shared connection pool) and check the
+        stage list and the profiler dirs against every sidecar's deploy (``GET /v1/stages``).
+        Nothing that changes a server is sent."""
+        if self._opened:
+            return
+        self._opened = True
+        try:
+            await self._open()
+        except BaseException:
+            await self.close()  # a later open() starts over (e.g. the next profiled step)
+            raise
+
+    async def _open(self) -> None:
+        for t in self.targets:
+            if t.kind is TargetKind.sidecar:
+                self._drivers[t.name] = SidecarDriver(t, timeout_s=self.client_timeout_s, poll_s=self.poll_s,
+                                                      transport=self._transports.for_target())
+            else:
+                state_dir = None
+                if self.state_dir is not None:
+                    state_dir = self.state_dir / server_key(t.url).replace(":", "_").replace("/", "_")
+                self._drivers[t.name] = UpstreamDriver(
+                    t, self._deploys[t.name], stop_budget_s=self.stop_budget_s,
+                    settings=self.control_settings, state_dir=state_dir, transport=self._transports.for_target(),
+                )
+        opened = await self._each(list(self._drivers.values()), lambda d: d.open())
+        problems: dict[str, TargetError] = {}
+        deploys: dict[str, DeployConfig] = {}
+        for (name, _), res in zip(self._drivers.items(), opened):
+            if isinstance(res, BaseException):
+                problems[name] = error_of(res)
+            elif res is not None:
+                deploys[name] = res
+        if problems:
+            raise FleetError(
+                f"{len(problems)} of {len(self.targets)} targets cannot be reached: "
+                + ", ".join(f"{n} ({e.code}: {e.message})" for n, e in problems.items()),
+                details={"targets": [{"target": n, "outcome": TargetOutcome.not_started.value,
+                                      "error": e.model_dump()} for n, e in problems.items()]},
+            )
+        self._check_stages({n: d for n, d in deploys.items() if n not in self._deploys}, allow_cuda=True)
+        self._ambiguous = self._check_dirs(deploys)
+        self._seen_deploys = deploys
+
+    async def close(self, *, keep_live: bool = False) -> None:
+        """Close clients and controllers. An in-process controller stops its live capture on
+        close; ``keep_live=True`` leaves it running, journaled in ``state_dir``, for a later
+        ``Fleet(..., state_dir=same).open()`` to stop (that is how ``fleet start``/``stop`` work)."""
+        drivers, self._drivers = list(self._drivers.values()), {}
+        await asyncio.gather(*(d.close(keep_live) for d in drivers), return_exceptions=True)
+        self._opened = False
+
+    async def __aenter__(self) -> Fleet:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def _check_stages(self, deploys: dict[str, DeployConfig], *, allow_cuda: bool = False) -> None:
+        """``select_stages`` for each target's deploy; any refusal → ``FleetInvalid`` naming them."""
+        refused: dict[str, StageSelectionError] = {}
+        for name, deploy in deploys.items():
+            try:
+                select_stages(deploy, self.stages, allow_cuda=allow_cuda)
+            except StageSelectionError as err:
+                refused[name] = err
+        if refused:
+            first = next(iter(refused.values()))
+            message = f"the stage list {self.stages} does not fit {len(refused)} target(s): " + "; ".join(
+                f"{n}: {e.message}" for n, e in refused.items()
+            )
+            details = {"targets": {n: e.to_dict() for n, e in refused.items()}}
+            if len(refused) < len(deploys):
+                raise StagesNotShared(message, details=details)
+            raise FleetInvalid.relay(first.code, message, details=details)  # every target refuses alike
+
+    def _check_dirs(self, deploys: dict[str, DeployConfig]) -> dict[str, dict[int, str]]:
+        """The shared-dir rule over ``deploys`` (the stages each target will capture). Refuses
+        with ``ProfilerDirShared``; with ``allow_shared_dirs`` returns, per target and stage, the
+        reason its verdict will be ``ambiguous``."""
+        stages = {n: select_stages(d, self.stages, allow_cuda=True) for n, d in deploys.items()}
+        hosts = {t.name: server_key(t.url).split(":", 1)[0] for t in self.targets}
+        groups = shared_dir_groups(deploys, stages, hosts=hosts, host_local=self.dirs_host_local)
+        if not groups:
+            return {}
+        findings = shared_profiler_dirs(deploys, stages, hosts=hosts, host_local=self.dirs_host_local)
+        shared = [{"dir": g.dir, "host": g.host, "targets": g.targets,
+                   "stages": [{"target": t, "stage_id": s} for t, s in g.members]} for g in groups]
+        if not self.allow_shared_dirs:
+            shown = "; ".join(f.message for f in findings[:3])
+            more = f" (and {len(findings) - 3} more shared dirs)" if len(findings) > 3 else ""
+            raise ProfilerDirShared(shown + more, details={"shared": shared}, findings=findings)
+        log.warning("allow_shared_dirs: %d shared profiler dir(s); their verdicts will be ambiguous: %s",
+                    len(groups), "; ".join(f"{g.dir} ({', '.join(g.targets[:3])}...)" for g in groups))
+        out: dict[str, dict[int, str]] = {}
+        for g in groups:
+            for name, sid in g.members:
+                others = [t for t in g.targets if t != name]
+                out.setdefault(name, {})[sid] = (
+                    f"torch_profiler_dir {g.dir!r} is shared with {', '.join(others[:3])}"
+                    + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+                    + "; folder names carry no server identity, so this trace cannot be told apart from "
+                    "theirs (run with --allow-shared-dirs); " + RENDER_FIX)
+        return out
+
+    def _judged(self, r: TargetResult) -> TargetResult:
+        return mark_ambiguous(r, self._ambiguous.get(r.target, {}))
+
+    def _driver(self, name: str) -> Driver:
+        if not self._opened:
+            raise FleetClosed("the fleet is not open; use `async with Fleet(...)` or await fleet.open()")
+        return self._drivers[name]
+
+    async def _each(self, items: Sequence[T], call: Callable[[T], Awaitable[R]]) -> list[R | BaseException]:
+        """``call`` on every item at once (at most ``max_concurrency`` in flight); exceptions are
+        returned, not raised (cancellation is raised)."""
+        if self.max_concurrency >= len(items):
+            return await asyncio.gather(*(call(i) for i in items), return_exceptions=True)
+        gate = asyncio.Semaphore(self.max_concurrency)
+
+        async def gated(item: T) -> R:
+            async with gate:
+                return await call(item)
+
+        return await asyncio.gather(*(gated(i) for i in items), return_exceptions=True)
+
+    # --- start / stop ---------------------------------------------------------------------
+
+    async def start(
+        self, *, label: str | None = None, duration_s: float | None = None, lease_s: float | None = None,
+        kind: Kind = "torch",
+    ) -> FleetCapture:
+        """Start on every target at once. Returns when every upstream accepted. If any target
+        fails, the started ones are stopped (concurrently) and ``FleetError`` lists every outcome.
+        Cancelled midway, the starts in flight are let finish and every started target is stopped
+        before the cancellation goes on (the cleanup is shielded)."""
+        if kind not in ("torch", "nsys"):
+            raise KindInvalid(f"kind must be 'torch' or 'nsys', got {kind!r}")
+        # open() checked the stage list against torch and cuda stages; now the kind is known.
+        self._check_stages(self._seen_deploys, allow_cuda=kind == "nsys")
+        names = [t.name for t in self.targets]
+        drivers = [self._driver(n) for n in names]
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()  # one clock read for the fan-out; each target's own end is read as it lands
+
+        async def one(d: Driver) -> tuple[Capture, float]:
+            cap = await d.start(self.stages, label, duration_s, lease_s, kind)
+            return cap, loop.time() - t0
+
+        fan_out = asyncio.ensure_future(self._each(drivers, one))
+        try:
+            results = await asyncio.shield(fan_out)
+        except asyncio.CancelledError:
+            await _uncancellable(self._undo_start(fan_out, label))
+            raise
+        out: dict[str, TargetResult] = {}
+        for t, res in zip(self.targets, results):
+            base = TargetResult(target=t.name, kind=t.kind, outcome=TargetOutcome.started)
+            if isinstance(res, BaseException):
+                if not isinstance(res, Exception):
+                    raise res  # KeyboardInterrupt is not a target failure
+                cid = res.details.get("capture_id") if isinstance(res, SidecarError) else None
+                out[t.name] = base.model_copy(update={"outcome": TargetOutcome.start_failed,
+                                                      "error": error_of(res), "capture_id": cid})
+            else:
+                cap, took = res
+                out[t.name] = base.with_capture(cap, start_s=took)
+        fc = FleetCapture(label=label, stages=self.stages, targets=out)
+        if all(r.outcome is TargetOutcome.started for r in out.values()):
+            return fc
+        started = [n for n, r in out.items() if r.outcome is TargetOutcome.started]
+        stopped = await _uncancellable(self._stop_all(fc, started, reason=StopReason.rollback))
+        for name in started:
+            r = stopped[name]
+            out[name] = r.model_copy(update={
+                "outcome": TargetOutcome.rolled_back if r.outcome is TargetOutcome.stopped
+                else TargetOutcome.rollback_failed})
+        fc = FleetCapture(label=label, stages=self.stages, targets=out)
+        err = fc.to_error("start")
+        log.warning("%s; stopped the %d that had started", err.message, len(started))
+        raise err
+
+    async def _undo_start(self, fan_out: asyncio.Future[list[Any]], label: str | None) -> None:
+        results = await fan_out
+        started = {t.name: TargetResult(target=t.name, kind=t.kind, outcome=TargetOutcome.started).with_capture(res[0])
+                   for t, res in zip(self.targets, results) if not isinstance(res, BaseException)}
+        if started:
+            log.warning("fleet start cancelled: stopping the %d targets that had started", len(started))
+            fc = FleetCapture(label=label, stages=self.stages, targets=started)
+            await self._stop_all(fc, list(started), reason=StopReason.rollback)
+
+    async def stop(
+        self, fc: FleetCapture, *, wait_artifacts: bool = True, artifact_timeout_s: float | None = None
+    ) -> FleetCapture:
+        """Stop every started target concurrently (each within ``stop_budget_s``). With
+        ``wait_artifacts`` also wait for each artifact check (bounded by ``artifact_timeout_s``);
+        without, return once every upstream answered and let the checks finish in the background
+        (``refresh`` later). Never raises for a target's failure: see ``ok`` / ``to_error``."""
+        names = [n for n, r in fc.targets.items() if r.outcome is TargetOutcome.started and r.capture_id]
+        stopped = await self._stop_all(fc, names, reason=StopReason.explicit)
+        out = dict(fc.targets)
+        out.update(stopped)
+        fc = fc.model_copy(update={"targets": out})
+        if wait_artifacts:
+            fc = await self.refresh(fc, wait=True, timeout=artifact_timeout_s)
+        return fc
+
+    async def _stop_all(self, fc: FleetCapture, names: Sequence[str], *, reason: StopReason) -> dict[str, TargetResult]:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        deadline = t0 + self.stop_budget_s  # one deadline for all: a hung target delays no other
+
+        async def one(name: str) -> TargetResult:
+            r = fc.targets[name]
+            assert r.capture_id is not None
+            try:
+                async with asyncio.timeout_at(deadline):
+                    cap = await self._driver(name).stop(r.capture_id, reason)
+            except TimeoutError:
+                return r.model_copy(update={"outcome": TargetOutcome.stop_timeout, "stop_s": loop.time() - t0,
+                                            "error": TargetError(
+                    code="stop_timeout",
+                    message=f"the upstream did not answer stop within {self.stop_budget_s:g}s; "
+                            "it may still be flushing traces (the stop goes on in the background)")})
+            except Exception as exc:
+                return r.model_copy(update={"outcome": TargetOutcome.stop_failed, "error": error_of(exc),
+                                            "stop_s": loop.time() - t0})
+            err = None
+            if cap.state is CaptureState.failed and cap.errors:
+                err = TargetError(code=cap.errors[-1].code, message=cap.errors[-1].message)
+            return self._judged(r.with_capture(cap, outcome=TargetOutcome.stopped, error=err, stop_s=loop.time() - t0))
+
+        results = await self._each(list(names), one)
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res  # `one` catches every Exception: this is cancellation or an interrupt
+        return dict(zip(names, results))  # type: ignore[arg-type]
+
+    async def refresh(self, fc: FleetCapture, *, wait: bool = False, timeout: float | None = None) -> FleetCapture:
+        """Re-read every target's capture (with ``wait``: until terminal or ``timeout``)."""
+
+        async def one(r: TargetResult) -> TargetResult:
+            if r.capture_id is None or r.done or r.outcome in (TargetOutcome.start_failed,):
+                return r
+            # A target past its stop budget (or unreachable) is read once, not waited for: its
+            # stop goes on in the background and must not hold the fleet past that budget.
+            patient = wait and r.outcome not in (TargetOutcome.stop_timeout, TargetOutcome.stop_failed)
+            try:
+                d = self._driver(r.target)
+                cap = await (d.wait(r.capture_id, timeout) if patient else d.get(r.capture_id))
+            except Exception as exc:
+                return r.model_copy(update={"error": r.error or error_of(exc)})
+            err = r.error
+            if err is None and cap.state is CaptureState.failed and cap.errors:
+                err = TargetError(code=cap.errors[-1].code, message=cap.errors[-1].message)
+            return self._judged(r.with_capture(cap, error=err))
+
+        results = await self._each(list(fc.targets.values()), one)
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+        return fc.model_copy(update={"targets": {r.target: r for r in results}})  # type: ignore[union-attr]
+
+    async def heartbeat(self, fc: FleetCapture) -> None:
+        """Extend every started capture's lease (best effort; errors are logged)."""
+        async def one(r: TargetResult) -> None:
+            try:
+                await self._driver(r.target).heartbeat(r.capture_id)  # type: ignore[arg-type]
+            except Exception as exc:  # a missed heartbeat is not fatal; the lease is the safety net
+                log.debug("heartbeat to %s failed: %s", r.target, exc)
+
+        await self._each([r for r in fc.targets.values() if r.outcome is TargetOutcome.started and r.capture_id], one)
+
+    async def live(self, *, label: str | None = None) -> FleetCapture:
+        """The live capture of every target (for a stop from another process: a sidecar's
+        non-terminal capture, or one an upstream's journal in ``state_dir`` shows live). Targets
+        without one are ``not_started`` with error ``capture_not_found``."""
+
+        async def one(t: Target) -> TargetResult:
+            base = TargetResult(target=t.name, kind=t.kind, outcome=TargetOutcome.started)
+            try:
+                cap = await self._driver(t.name).live()
+            except Exception as exc:
+                return base.model_copy(update={"outcome": TargetOutcome.not_started, "error": error_of(exc)})
+            if cap is None:
+                return base.model_copy(update={"outcome": TargetOutcome.not_started, "error": TargetError(
+                    code="capture_not_found", message="no live capture on this target")})
+            return base.with_capture(cap)
+
+        results = await self._each(self.targets, one)
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+        return FleetCapture(label=label, stages=self.stages, targets={r.target: r for r in results})  # type: ignore[union-attr]
+
+    async def capture(
+        self, duration_s: float, *, label: str | None = None, wait_artifacts: bool = True,
+        artifact_timeout_s: float | None = None, kind: Kind = "torch",
+    ) -> FleetCapture:
+        """Start, keep the window open ``duration_s`` seconds, stop. Cancelled at any point, every
+        started target is stopped before the cancellation goes on (the artifact wait is skipped)."""
+        fc = await self.start(label=label, kind=kind)
+        try:
+            await asyncio.sleep(duration_s)
+        except asyncio.CancelledError:
+            await _uncancellable(self.stop(fc, wait_artifacts=False))
+            raise
+        return await _uncancellable(self.stop(fc, wait_artifacts=wait_artifacts, artifact_timeout_s=artifact_timeout_s))
+
+
+async def _uncancellable(aw: Awaitable[R]) -> R:
+    """Run cleanup to its end even if the caller is cancelled meanwhile (then re-raise). The work
+    is bounded by its own budgets; only a cancellation of the cleanup task itself ends it early."""
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result

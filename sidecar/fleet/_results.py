@@ -1,0 +1,182 @@
+"""Results: what each target did (``TargetResult``: outcome, capture id, state, verdicts) and the
+roll-up over a fan-out (``FanOutResult``, ``FleetCapture``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, Field
+
+from sidecar.control.models import Capture, CaptureState, StageVerdict, Verdict
+from sidecar.errors import FleetError, SidecarError
+from sidecar.fleet._targets import TargetKind
+
+
+class TargetOutcome(str, Enum):
+    started = "started"  # the upstream accepted start
+    start_failed = "start_failed"
+    not_started = "not_started"  # nothing sent: another target failed its pre-flight
+    rolled_back = "rolled_back"  # started, then stopped because another target failed to start
+    rollback_failed = "rollback_failed"
+    stopped = "stopped"  # the upstream answered stop (artifacts may still be being checked)
+    stop_failed = "stop_failed"
+    stop_timeout = "stop_timeout"  # no answer within the stop budget; the stop goes on in the background
+
+
+class TargetError(BaseModel):
+    code: str
+    message: str
+
+
+class TargetResult(BaseModel):
+    """One target's part of a fleet capture: its capture id, state, verdicts and folders."""
+
+    target: str
+    kind: TargetKind
+    outcome: TargetOutcome
+    capture_id: str | None = None
+    state: CaptureState | None = None
+    stages: list[int] = Field(default_factory=list)
+    verdicts: list[StageVerdict] = Field(default_factory=list)
+    error: TargetError | None = None
+    start_s: float | None = None  # how long this target's start took (from the fan-out's start)
+    stop_s: float | None = None  # how long until its upstream answered stop (from the fan-out's stop)
+
+    @property
+    def folders(self) -> list[str]:
+        """Session folders found for this target (local paths where the sidecar maps them)."""
+        return [s.local_path or s.path for v in self.verdicts for s in v.sessions]
+
+    @property
+    def ok(self) -> bool:
+        """Started and stopped cleanly, and — once checked — every stage has its trace."""
+        if self.error is not None or self.outcome not in (TargetOutcome.started, TargetOutcome.stopped):
+            return False
+        if any(v.verdict is Verdict.ambiguous for v in self.verdicts):
+            return False
+        return self.state not in (CaptureState.degraded, CaptureState.failed)
+
+    @property
+    def done(self) -> bool:
+        """The artifact check is over (or nothing is left to check)."""
+        return self.state is None or self.state.terminal
+
+    def with_capture(self, cap: Capture, **changes: Any) -> TargetResult:
+        return self.model_copy(
+            update={"capture_id": cap.id, "state": cap.state, "stages": list(cap.stages),
+                    "verdicts": list(cap.verdicts), **changes}
+        )
+
+
+def mark_ambiguous(r: TargetResult, reasons: dict[int, str]) -> TargetResult:
+    """A target whose stages share a dir with another target's (run with ``allow_shared_dirs``):
+    each checked stage in ``reasons`` becomes ``ambiguous`` with the reason, never ``ok``, and a
+    finished capture that looked completed is degraded."""
+    if not reasons or not any(v.stage_id in reasons and v.verdict is not None for v in r.verdicts):
+        return r
+    verdicts = []
+    for v in r.verdicts:
+        if v.stage_id in reasons and v.verdict is not None and v.verdict is not Verdict.ambiguous:
+            seen = f"; the folder check alone said {v.verdict.value}" + (f" ({v.reason})" if v.reason else "")
+            v = v.model_copy(update={"verdict": Verdict.ambiguous, "reason": reasons[v.stage_id] + seen})
+        verdicts.append(v)
+    state = CaptureState.degraded if r.state is CaptureState.completed else r.state
+    return r.model_copy(update={"verdicts": verdicts, "state": state})
+
+
+def error_of(exc: BaseException) -> TargetError:
+    if isinstance(exc, SidecarError):
+        return TargetError(code=exc.code, message=exc.message)
+    if isinstance(exc, asyncio.TimeoutError):
+        return TargetError(code="timeout", message="no answer within the budget")
+    return TargetError(code="internal_error", message=f"{type(exc).__name__}: {exc}")
+
+
+class FanOutResult:
+    """The per-target roll-up of a fan-out (``FleetCapture``, the rollout hook's ``StepResult``):
+    a mixin over the model's own ``targets`` field, so each model keeps its field order."""
+
+    if TYPE_CHECKING:
+        targets: dict[str, TargetResult]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.targets.values())
+
+    @property
+    def done(self) -> bool:
+        """Every artifact check is over (or nothing is left to check)."""
+        return all(r.done for r in self.targets.values())
+
+    @property
+    def folders(self) -> dict[str, list[str]]:
+        """Session folders per target."""
+        return {name: r.folders for name, r in self.targets.items()}
+
+    def failures(self) -> list[TargetResult]:
+        return [r for r in self.targets.values() if not r.ok]
+
+    def rollup(self, *, slowest: int = 5, failures: int = 20) -> dict[str, Any]:
+        """The fan-out in one screen, however many targets: counts by outcome, by capture state
+        and by stage verdict, the slowest targets (start and stop), and the failures with reasons
+        (the first ``failures``; ``failures_total`` counts them all)."""
+        rs = list(self.targets.values())
+        outcomes = Counter(r.outcome.value for r in rs)
+        states = Counter(r.state.value if r.state else "-" for r in rs)
+        verdicts = Counter(f"stage {v.stage_id}: {v.verdict.value if v.verdict else 'unchecked'}"
+                           for r in rs for v in r.verdicts)
+
+        def top(attr: str) -> list[dict[str, Any]]:
+            timed = sorted((r for r in rs if getattr(r, attr) is not None), key=lambda r: -getattr(r, attr))
+            return [{"target": r.target, "seconds": round(getattr(r, attr), 4)} for r in timed[:slowest]]
+
+        bad = [r for r in rs if not r.ok]
+        return {
+            "targets": len(rs),
+            "ok": len(rs) - len(bad),
+            "outcomes": dict(sorted(outcomes.items())),
+            "states": dict(sorted(states.items())),
+            "verdicts": dict(sorted(verdicts.items())),
+            "slowest_start": top("start_s"),
+            "slowest_stop": top("stop_s"),
+            "failures_total": len(bad),
+            "failures": [{"target": r.target, "outcome": r.outcome.value,
+                          "state": r.state.value if r.state else None, "reason": _reason(r)} for r in bad[:failures]],
+        }
+
+    def to_error(self, what: str) -> FleetError:
+        bad = self.failures()
+        names = ", ".join(f"{r.target} ({_short(r)})" for r in bad[:10])
+        if len(bad) > 10:
+            names += f" and {len(bad) - 10} more (details['targets'] lists every one)"
+        return FleetError(
+            f"{what} failed on {len(bad)} of {len(self.targets)} targets: {names}",
+            details={"targets": [r.model_dump(mode="json") for r in self.targets.values()]},
+        )
+
+
+def _short(r: TargetResult) -> str:
+    if r.error is not None:
+        return r.error.code
+    if r.outcome not in (TargetOutcome.started, TargetOutcome.stopped):
+        return r.outcome.value
+    return r.state.value if r.state else r.outcome.value
+
+
+def _reason(r: TargetResult) -> str:
+    if r.error is not None:
+        return f"{r.error.code}: {r.error.message}"
+    why = [f"stage {v.stage_id} {v.verdict.value}: {v.reason or ''}".rstrip(": ")
+           for v in r.verdicts if v.verdict is not None and v.verdict is not Verdict.ok]
+    return "; ".join(why) or (r.state.value if r.state else r.outcome.value)
+
+
+class FleetCapture(BaseModel, FanOutResult):
+    """A started fan-out: one capture per target, keyed by target name (in target order)."""
+
+    label: str | None = None
+    stages: list[int] | None = None  # as asked; each target's own list is in its result
+    targets: dict[str, TargetResult]
