@@ -134,6 +134,13 @@ class StageSelectionError(SidecarError):
     code = "stage_selection_invalid"
 
 
+class StageNotCuda(StageSelectionError):
+    """An nsys capture names a stage that is not ``profiler: cuda`` (or the deploy has none)."""
+
+    code = "stage_not_cuda"
+    http_status = 422
+
+
 # --- upstream -----------------------------------------------------------------------------
 
 
@@ -188,6 +195,15 @@ class ArtifactNotFound(CaptureError):
     """A requested file is not one of the capture's artifacts (or escapes its folders)."""
 
     code = "artifact_not_found"
+
+
+class CaptureStopPending(CaptureActive):
+    """The previous capture's stop has not been answered by the server (it may still be writing
+    traces); the slot stays taken until the server answers or is shown gone. ``details``:
+    ``active_id``, ``stop_requested_at``, ``upstream``."""
+
+    code = "capture_stop_pending"
+    http_status = 409
 
 
 # --- analysis -----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from sidecar.errors import (
 from sidecar.upstream.server import UpstreamServer
 from tests.fixtures.control import FakeOmni
 
-FAST = ControlSettings(collect_timeout_s=10, settle_s=0.1, poll_s=0.02)
+FAST = ControlSettings(collect_timeout_s=10, poll_s=0.02, gone_poll_s=0.05, gone_after_s=0.5, close_timeout_s=5)
 
 
 @pytest.fixture
@@ -220,24 +220,95 @@ async def test_failed_start_frees_the_slot(ctl, fake_omni):
 # --- stop faults --------------------------------------------------------------------------
 
 
-async def test_hung_stop_fails_when_budget_ends(fake_omni, control_deploy):
-    fake_omni.stop_delay = 30
-    up = UpstreamServer(fake_omni.url, stop_budget_s=0.5)
-    async with up, CaptureController(up, control_deploy, settings=FAST) as c:
-        cap = await c.start([0])
-        await c.stop(cap.id)
-        done = await c.wait(cap.id, timeout=10)
-    assert (done.state, done.errors[-1].code) == (CaptureState.failed, "upstream_timeout")
+async def _until(cond, timeout: float = 30.0) -> bool:
+    for _ in range(int(timeout / 0.05)):
+        if cond():
+            return True
+        await asyncio.sleep(0.05)
+    return cond()
 
 
-async def test_hung_stop_reason_says_what_to_do(fake_omni, control_deploy):
+def _hung(fake_omni, budget: float = 0.5, read: float = 60):
+    from sidecar.upstream.server import UpstreamTimeouts
+
+    return UpstreamServer(fake_omni.url, stop_budget_s=budget, timeouts=UpstreamTimeouts(stop=read),
+                          retry_wait_max_s=0.05)
+
+
+async def test_stop_past_its_budget_stays_stopping_with_what_was_found(fake_omni, control_deploy):
     fake_omni.stop_delay = 30
-    up = UpstreamServer(fake_omni.url, stop_budget_s=0.5)
-    async with up, CaptureController(up, control_deploy, settings=FAST) as c:
+    async with _hung(fake_omni) as up, CaptureController(up, control_deploy, settings=FAST) as c:
         cap = await c.start([0])
         await c.stop(cap.id)
-        done = await c.wait(cap.id, timeout=10)
-    assert "POST /stop_profile" in done.errors[-1].message
+        await _until(lambda: c.get(cap.id).verdicts)
+        held = c.get(cap.id)
+        fake_omni.stop_delay = 0  # let close() end it
+    assert (held.state, held.errors[-1].code, held.verdict(0).reason.startswith(
+        "stop timed out after 0.5s; found so far: no trace")) == (CaptureState.stopping, "upstream_timeout", True)
+
+
+async def test_start_while_a_stop_is_unanswered_is_refused_naming_why(fake_omni, control_deploy):
+    from sidecar.errors import CaptureStopPending
+
+    fake_omni.stop_delay = 30
+    async with _hung(fake_omni) as up, CaptureController(up, control_deploy, settings=FAST) as c:
+        cap = await c.start([0])
+        await c.stop(cap.id)
+        await _until(lambda: c.get(cap.id).verdicts)
+        with pytest.raises(CaptureStopPending) as err:
+            await c.start([0])
+        fake_omni.stop_delay = 0
+    assert (err.value.details["active_id"], err.value.details["stop_timed_out"], err.value.http_status,
+            "outlived the stop budget" in err.value.message) == (cap.id, True, 409, True)
+
+
+async def test_a_late_answer_ends_the_held_stop_with_the_real_verdicts(fake_omni, control_deploy):
+    fake_omni.stop_delay = 1.5
+    async with _hung(fake_omni, read=10) as up, CaptureController(up, control_deploy, settings=FAST) as c:
+        cap = await c.start([0])
+        await c.stop(cap.id)
+        done = await c.wait(cap.id, timeout=30)
+    assert (done.state, done.verdict(0).verdict, [e.code for e in done.errors]) == (
+        CaptureState.completed, Verdict.ok, ["upstream_timeout"])
+
+
+async def test_server_gone_during_stop_fails_with_the_reason_and_frees_the_slot(fake_omni, control_deploy):
+    fake_omni.stop_delay = 30
+    async with _hung(fake_omni, budget=600) as up, CaptureController(up, control_deploy, settings=FAST) as c:
+        cap = await c.start([0])
+        await c.stop(cap.id)
+        await asyncio.to_thread(fake_omni.server.shutdown)
+        fake_omni.server.server_close()  # the port refuses connections now, like a crashed server
+        done = await c.wait(cap.id, timeout=30)
+        with pytest.raises(UpstreamError) as again:
+            await c.start([0])  # the slot is free: the next start reaches for the (dead) server
+    assert (done.state, done.errors[-1].code, "not reachable" in done.errors[-1].message,
+            type(again.value).__name__) == (CaptureState.failed, "upstream_gone", True, "UpstreamUnreachable")
+
+
+async def test_server_gone_during_stop_still_checks_the_traces(fake_omni, control_deploy):
+    fake_omni.stop_delay = 30
+    async with _hung(fake_omni, budget=600) as up, CaptureController(up, control_deploy, settings=FAST) as c:
+        cap = await c.start([0])
+        await c.stop(cap.id)
+        await asyncio.to_thread(fake_omni.server.shutdown)
+        fake_omni.server.server_close()
+        done = await c.wait(cap.id, timeout=30)
+    assert (done.verdict(0).verdict, done.verdict(0).reason.startswith("the server went away during the stop")) == (
+        Verdict.missing, True)
+
+
+async def test_start_cancelled_during_its_rollback_frees_the_slot(ctl, fake_omni):
+    fake_omni.start_status = 500
+    fake_omni.stop_delay = 1.0
+    task = asyncio.create_task(ctl.start([0]))
+    await _until(lambda: bool(fake_omni.stops()))
+    cid = ctl.active.id
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _until(lambda: ctl.active is None)
+    assert (ctl.active, ctl.get(cid).state) == (None, CaptureState.failed)
 
 
 async def test_transient_stop_errors_are_retried(ctl, fake_omni):
@@ -253,17 +324,43 @@ async def test_dead_stage_is_missing_and_capture_degraded(ctl, fake_omni):
         CaptureState.degraded, Verdict.ok, Verdict.missing)
 
 
-async def test_stage_without_trace_is_empty(ctl, fake_omni):
+async def test_folder_without_trace_after_a_200_stop_is_missing(ctl, fake_omni):
     fake_omni.empty_stages = {0}
     done = await _run(ctl, stages=[0])
-    assert (done.state, done.verdict(0).verdict) == (CaptureState.degraded, Verdict.empty)
+    assert (done.state, done.verdict(0).verdict, "died or failed during the window" in done.verdict(0).reason) == (
+        CaptureState.degraded, Verdict.missing, True)
 
 
-async def test_non_ok_verdict_has_a_reason(ctl, fake_omni, control_deploy):
+async def test_dead_worker_with_a_200_stop_is_missing_naming_the_worker(ctl, fake_omni, control_deploy):
     Path(control_deploy.stage(0).profiler_dir).parent.mkdir(parents=True)
     fake_omni.dead_stages = {0}
     done = await _run(ctl, stages=[0])
-    assert "no new session folder" in done.verdict(0).reason
+    assert (done.errors, done.verdict(0).verdict, "dead or restarted worker" in done.verdict(0).reason) == (
+        [], Verdict.missing, True)
+
+
+async def test_stop_500_still_collects_and_blames_the_stage(ctl, fake_omni):
+    fake_omni.dead_stages = {2}
+    fake_omni.stop_status = 500
+    done = await _run(ctl, stages=[0, 2])
+    assert (done.state, done.verdict(2).verdict, "the stop failed on the server" in done.verdict(2).reason) == (
+        CaptureState.degraded, Verdict.missing, True)
+
+
+async def test_idle_window_is_empty_and_still_listed(ctl, fake_omni):
+    fake_omni.idle_stages = {0}
+    done = await _run(ctl, stages=[0])
+    v = done.verdict(0)
+    assert (done.state, v.verdict, v.reason.startswith("no request ran in the window"),
+            [f.name for f in v.sessions[0].files][-1]) == (
+        CaptureState.degraded, Verdict.empty, True, "trace_rank0.json.gz")
+
+
+async def test_idle_trace_is_downloadable(ctl, fake_omni):
+    fake_omni.idle_stages = {0}
+    done = await _run(ctl, stages=[0])
+    folder = Path(done.verdict(0).sessions[0].path).name
+    assert ctl.artifact_path(done.id, f"{folder}/trace_rank0.json.gz").is_file()
 
 
 async def test_stop_during_start_takes_effect_once_started(ctl, fake_omni):
