@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.control.claims import ClaimRegistry
 from sidecar.control.controller import CaptureController, ControlSettings
 from sidecar.control.models import CaptureState, StopReason, Verdict
 from sidecar.errors import (
@@ -625,3 +626,193 @@ async def test_summary_failure_leaves_the_verdict_alone(ctl, monkeypatch):
     done = await _run(ctl, stages=[0])
     await asyncio.sleep(0.2)
     assert (ctl.get(done.id).state, ctl.summary(done.id)) == (CaptureState.completed, None)
+
+
+# --- expected counts ----------------------------------------------------------------------
+
+
+async def _one(deploy, stages, *, fake_setup=None, **start):
+    with FakeOmni(deploy) as fake:
+        if fake_setup:
+            fake_setup(fake)
+        async with UpstreamServer(fake.url) as up, CaptureController(up, deploy, settings=FAST,
+                                                                     claims=ClaimRegistry()) as c:
+            return await _run(c, stages=stages, **start)
+
+
+async def test_llm_stage_with_two_replicas_is_partial_naming_the_overwritten_replica(tmp_path):
+    from tests.fixtures.control import make_deploy
+
+    deploy = make_deploy(tmp_path / "t", {0: "torch"}, replicas={0: 2})
+    done = await _one(deploy, [0], fake_setup=lambda f: f.replicas.update({0: 2}))
+    v = done.verdict(0)
+    assert (done.state, v.verdict, v.expected_traces, v.found_traces,
+            "replica 1's trace was overwritten by replica 0's" in v.reason) == (
+        CaptureState.degraded, Verdict.partial, 2, 1, True)
+
+
+async def test_diffusion_replicas_each_write_their_folder_and_are_ok(tmp_path):
+    from sidecar.config.models import StageKind
+    from tests.fixtures.control import make_deploy
+
+    deploy = make_deploy(tmp_path / "t", {0: "torch"}, kinds={0: StageKind.diffusion}, replicas={0: 2})
+    done = await _one(deploy, [0], fake_setup=lambda f: f.replicas.update({0: 2}))
+    assert (done.verdict(0).verdict, done.verdict(0).found_traces, len(done.verdict(0).sessions)) == (Verdict.ok, 2, 2)
+
+
+async def test_a_lost_diffusion_replica_is_named(tmp_path):
+    from sidecar.config.models import StageKind
+    from tests.fixtures.control import make_deploy
+
+    deploy = make_deploy(tmp_path / "t", {0: "torch"}, kinds={0: StageKind.diffusion}, replicas={0: 2})
+
+    def setup(f):
+        f.replicas[0] = 2
+        f.lost_replicas[0] = {1}
+
+    done = await _one(deploy, [0], fake_setup=setup)
+    assert (done.verdict(0).verdict, "replica(s) [1] wrote no trace" in done.verdict(0).reason) == (
+        Verdict.partial, True)
+
+
+# --- identity -----------------------------------------------------------------------------
+
+
+async def test_a_stage_told_shared_is_ambiguous_never_ok(ctl):
+    done = await _run(ctl, stages=[0, 2], shared_stages={0: "http://10.0.0.9:8000"})
+    assert (done.verdict(0).verdict, "http://10.0.0.9:8000" in done.verdict(0).reason, done.verdict(2).verdict) == (
+        Verdict.ambiguous, True, Verdict.ok)
+
+
+async def test_a_shared_dir_from_settings_is_ambiguous(fake_omni, upstream, control_deploy):
+    d = control_deploy.stage(0).profiler_dir
+    settings = FAST.model_copy(update={"shared_profiler_dirs": {d: "replica 1"}})
+    async with CaptureController(upstream, control_deploy, settings=settings, claims=ClaimRegistry()) as c:
+        done = await _run(c, stages=[0])
+    assert done.verdict(0).verdict is Verdict.ambiguous
+
+
+async def test_two_servers_writing_one_dir_at_once_are_both_ambiguous(tmp_path, control_deploy):
+    claims = ClaimRegistry()  # what the controllers of one process (a fleet) share
+    with FakeOmni(control_deploy) as a, FakeOmni(control_deploy) as b:
+        async with UpstreamServer(a.url) as ua, UpstreamServer(b.url) as ub, \
+                CaptureController(ua, control_deploy, settings=FAST, claims=claims) as ca, \
+                CaptureController(ub, control_deploy, settings=FAST, claims=claims) as cb:  # fmt: skip
+            xa, xb = await ca.start([0]), await cb.start([0])
+            await ca.stop(xa.id)
+            await cb.stop(xb.id)
+            da, db = await ca.wait(xa.id, timeout=20), await cb.wait(xb.id, timeout=20)
+    assert (da.verdict(0).verdict, db.verdict(0).verdict) == (Verdict.ambiguous, Verdict.ambiguous)
+
+
+async def test_a_folder_opened_by_someone_elses_later_start_is_not_claimed(ctl, control_deploy):
+    import time as _time
+
+    cap = await ctl.start([0])
+    later = int(_time.time()) + 60  # another client's start, a minute into our window
+    foreign = Path(control_deploy.stage(0).profiler_dir) / f"20991231-000000_stage0_rank0_{later}"
+    foreign.mkdir(parents=True)
+    (foreign / "trace_rank0.json.gz").write_bytes(b"x")
+    await ctl.stop(cap.id)
+    done = await ctl.wait(cap.id, timeout=20)
+    names = [Path(s.path).name for s in done.verdict(0).sessions]
+    assert (done.verdict(0).verdict, foreign.name in names) == (Verdict.ok, False)
+
+
+async def test_a_folder_claimed_by_another_capture_is_not_taken(fake_omni, upstream, control_deploy):
+    claims = ClaimRegistry()
+    async with CaptureController(upstream, control_deploy, settings=FAST, claims=claims) as c:
+        cap = await c.start([0])
+        d = Path(control_deploy.stage(0).profiler_dir)
+        ours = next(d.iterdir())
+        claims.claim("someone-else", [str(ours)])
+        await c.stop(cap.id)
+        done = await c.wait(cap.id, timeout=20)
+    assert (done.verdict(0).verdict, "claimed by capture someone-else" in done.verdict(0).reason) == (
+        Verdict.missing, True)
+
+
+# --- plain vLLM (flat dir) ----------------------------------------------------------------
+
+
+async def test_plain_vllm_table_download_returns_what_this_capture_saw(control_deploy, tmp_path):
+    from sidecar.upstream.server import Flavor
+
+    with FakeOmni(control_deploy) as fake:
+        fake.flat = True
+        async with UpstreamServer(fake.url, flavor=Flavor.vllm) as up, \
+                CaptureController(up, control_deploy, state_dir=tmp_path / "s", settings=FAST,
+                                  claims=ClaimRegistry()) as c:  # fmt: skip
+            first = await _run(c, stages=[0])
+            await _run(c, stages=[0])  # rewrites profiler_out_0.txt in place
+            folder = Path(first.verdict(0).sessions[0].path).name
+            text = c.artifact_path(first.id, f"{folder}/profiler_out_0.txt").read_text()
+    assert (first.verdict(0).verdict, text) == (Verdict.ok, "table of stop 1\n")
+
+
+async def test_plain_vllm_second_capture_lists_only_its_own_trace(control_deploy, tmp_path):
+    from sidecar.upstream.server import Flavor
+
+    with FakeOmni(control_deploy) as fake:
+        fake.flat = True
+        async with UpstreamServer(fake.url, flavor=Flavor.vllm) as up, \
+                CaptureController(up, control_deploy, settings=FAST, claims=ClaimRegistry()) as c:  # fmt: skip
+            first = await _run(c, stages=[0])
+            second = await _run(c, stages=[0])
+    traces = [[f.name for f in v.sessions[0].files if f.name.endswith(".gz")] for v in (first.verdict(0),
+                                                                                        second.verdict(0))]
+    assert (len(traces[0]), len(traces[1]), traces[0] != traces[1]) == (1, 1, True)
+
+
+async def test_plain_vllm_idle_window_is_empty(control_deploy):
+    from sidecar.upstream.server import Flavor
+
+    with FakeOmni(control_deploy) as fake:
+        fake.flat = True
+        fake.idle_stages = {0}
+        async with UpstreamServer(fake.url, flavor=Flavor.vllm) as up, \
+                CaptureController(up, control_deploy, settings=FAST, claims=ClaimRegistry()) as c:  # fmt: skip
+            done = await _run(c, stages=[0])
+    assert (done.verdict(0).verdict, done.verdict(0).reason.startswith("no request ran in the window")) == (
+        Verdict.empty, True)
+
+
+# --- nsys ---------------------------------------------------------------------------------
+
+
+async def test_nsys_capture_targets_cuda_stages_and_says_how_to_wrap_the_server(tmp_path):
+    from tests.fixtures.control import make_deploy
+
+    deploy = make_deploy(tmp_path / "t", {0: "torch", 1: "cuda"})
+    done = await _one(deploy, None, kind="nsys")
+    v = done.verdict(1)
+    assert (done.kind.value, done.stages, v.verdict, "nsys profile" in v.reason, ".nsys-rep" in v.reason) == (
+        "nsys", [1], Verdict.unverified, True, True)
+
+
+async def test_torch_capture_refuses_cuda_stages(tmp_path):
+    from tests.fixtures.control import make_deploy
+
+    deploy = make_deploy(tmp_path / "t", {0: "torch", 1: "cuda"})
+    with FakeOmni(deploy) as fake:
+        async with UpstreamServer(fake.url) as up, CaptureController(up, deploy, settings=FAST) as c:
+            with pytest.raises(StageSelectionError) as err:
+                await c.start([1])
+    assert (err.value.code, fake.calls) == ("stage_not_torch", [])
+
+
+async def test_nsys_capture_refuses_torch_stages(tmp_path):
+    from tests.fixtures.control import make_deploy
+
+    deploy = make_deploy(tmp_path / "t", {0: "torch", 1: "cuda"})
+    with FakeOmni(deploy) as fake:
+        async with UpstreamServer(fake.url) as up, CaptureController(up, deploy, settings=FAST) as c:
+            with pytest.raises(StageSelectionError) as err:
+                await c.start([0], kind="nsys")
+    assert (err.value.code, fake.calls) == ("stage_not_cuda", [])
+
+
+async def test_capture_kind_is_journaled(ctl, tmp_path):
+    done = await _run(ctl, stages=[0])
+    data = json.loads((tmp_path / "state" / "captures" / f"{done.id}.json").read_text())
+    assert data["kind"] == "torch"
