@@ -719,6 +719,16 @@ async def test_a_folder_opened_by_someone_elses_later_start_is_not_claimed(ctl, 
     assert (done.verdict(0).verdict, foreign.name in names) == (Verdict.ok, False)
 
 
+async def test_a_folder_the_server_reuses_in_the_same_second_goes_to_the_new_capture(ctl, fake_omni):
+    import time as _time
+
+    fake_omni.name_time = _time.time()  # both starts name their folder with the same second
+    first = await _run(ctl, stages=[0])
+    second = await _run(ctl, stages=[0])
+    assert (first.verdict(0).verdict, second.verdict(0).verdict, second.verdict(0).sessions[0].path) == (
+        Verdict.ok, Verdict.ok, first.verdict(0).sessions[0].path)
+
+
 async def test_a_folder_claimed_by_another_capture_is_not_taken(fake_omni, upstream, control_deploy):
     claims = ClaimRegistry()
     async with CaptureController(upstream, control_deploy, settings=FAST, claims=claims) as c:

@@ -315,8 +315,8 @@ def _scan_flat(watch: StageWatch, local: Path, window: Window | None, claims: Cl
                 if not window.stamp_ok(stamp):
                     result.skipped.append(f"{e.name} (written outside this capture's window)")
                     continue
-            owner = claims.owner(e.path) if claims is not None else None
-            if owner is not None and owner != capture_id:
+            owner = claims.held_by_other(e.path, capture_id) if claims is not None else None
+            if owner is not None:
                 result.skipped.append(f"{e.name} (claimed by capture {owner})")
                 continue
             files.append(ArtifactFile(name=e.name, size=st.st_size))
@@ -357,8 +357,8 @@ def scan(watch: StageWatch, window: Window | None = None, claims: ClaimRegistry 
             result.skipped.append(f"{entry.name} (its start stamp is outside this capture's start; "
                                   "another client's start, or a late folder of an earlier window)")
             continue
-        owner = claims.owner(entry.path) if claims is not None else None
-        if owner is not None and owner != capture_id:
+        owner = claims.held_by_other(entry.path, capture_id) if claims is not None else None
+        if owner is not None:
             result.skipped.append(f"{entry.name} (claimed by capture {owner})")
             continue
         local = Path(entry.path)

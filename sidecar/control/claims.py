@@ -68,6 +68,20 @@ class ClaimRegistry:
         with self._lock:
             return self._owner.get(self._key(path))
 
+    def held_by_other(self, path: str | os.PathLike[str], capture_id: str | None) -> str | None:
+        """The capture that holds ``path`` against ``capture_id``, or None. A finished capture of the
+        same server does not hold a folder that server reused for a start in the same second (the
+        names have second resolution, and the new start rewrote it): that one passes on."""
+        with self._lock:
+            owner = self._owner.get(self._key(path))
+            if owner is None or owner == capture_id:
+                return None
+            theirs, mine = self._watches.get(owner), self._watches.get(capture_id or "")
+            if theirs is not None and mine is not None and theirs.upstream == mine.upstream \
+                    and theirs.closed is not None:
+                return None
+            return owner
+
     def claim(self, capture_id: str, paths: list[str]) -> list[str]:
         """Claim ``paths`` for ``capture_id``; returns those another capture already holds (not taken)."""
         taken: list[str] = []
@@ -77,9 +91,13 @@ class ClaimRegistry:
                 key = self._key(p)
                 owner = self._owner.get(key)
                 if owner is not None and owner != capture_id:
-                    taken.append(p)
-                    continue
-                if owner is None:
+                    theirs, me = self._watches.get(owner), self._watches.get(capture_id)
+                    passes = (theirs is not None and me is not None and theirs.upstream == me.upstream
+                              and theirs.closed is not None)
+                    if not passes:
+                        taken.append(p)
+                        continue
+                if owner != capture_id:
                     self._owner[key] = capture_id
                     mine.append(key)
             self._trim()

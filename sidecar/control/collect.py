@@ -217,7 +217,7 @@ def verdict(watch: StageWatch, found: Scan, *, pending: list[str], timed_out: bo
     c = _content(watch, found)
     sv.found_traces = len(c.traces)
     shared = [s for s in ([watch.shared_with] if watch.shared_with else []) + (sharers or []) if s]
-    if shared and found.sessions:
+    if shared and (found.sessions or found.skipped):
         return done(Verdict.ambiguous, (
             f"stage {watch.stage_id}'s folder {where} is also written by {', '.join(shared)}, and vLLM-Omni's "
             "folder names carry no server identity: these traces may be the other server's (or overwritten "
