@@ -479,12 +479,14 @@ async def test_list_is_newest_first(ctl):
 
 async def test_journal_file_is_json_per_capture(ctl, tmp_path):
     done = await _run(ctl, stages=[0])
+    await ctl.flush()
     data = json.loads((tmp_path / "state" / "captures" / f"{done.id}.json").read_text())
     assert (data["id"], data["state"]) == (done.id, "completed")
 
 
 async def test_journal_never_holds_secrets(ctl, fake_omni, tmp_path):
     await ctl.start([0], label="run HF_TOKEN=hf_abcdefghijklmnopqrstuvwx")
+    await ctl.flush()
     text = "".join(p.read_text() for p in (tmp_path / "state" / "captures").glob("*.json"))
     assert "hf_abcdefghijklmnopqrstuvwx" not in text
 
@@ -549,6 +551,16 @@ async def test_corrupt_journal_file_is_set_aside(upstream, control_deploy, tmp_p
     async with CaptureController(upstream, control_deploy, state_dir=tmp_path / "s", settings=FAST) as c:
         listed = c.list()
     assert (listed, (d / "bad.json.corrupt").exists()) == ([], True)
+
+
+async def test_the_baseline_is_journaled_before_the_server_is_asked_to_start(ctl, fake_omni, tmp_path):
+    fake_omni.start_delay = 1.0
+    task = asyncio.create_task(ctl.start([0]))
+    await _until(lambda: bool(fake_omni.starts()))
+    files = list((tmp_path / "state" / "captures").glob("*.json"))
+    data = json.loads(files[0].read_text())
+    await task
+    assert (data["state"], [w["stage_id"] for w in data["_recovery"]["watches"]]) == ("starting", [0])
 
 
 # --- artifact downloads -------------------------------------------------------------------
@@ -824,5 +836,6 @@ async def test_nsys_capture_refuses_torch_stages(tmp_path):
 
 async def test_capture_kind_is_journaled(ctl, tmp_path):
     done = await _run(ctl, stages=[0])
+    await ctl.flush()
     data = json.loads((tmp_path / "state" / "captures" / f"{done.id}.json").read_text())
     assert data["kind"] == "torch"

@@ -205,6 +205,10 @@ class CaptureController:
         self._summaries = SummaryCache(self.journal)
         self._copies: Path | None = Path(state_dir).expanduser() / "artifacts" if state_dir is not None else None
         self._background: set[asyncio.Task[None]] = set()
+        # Journal writes (two fsyncs each) run in a thread, latest state per capture, off the
+        # event loop and off the caller's path; only the baseline before a start is awaited.
+        self._unwritten: dict[str, tuple[Capture, dict[str, Any] | None]] = {}
+        self._writer: asyncio.Task[None] | None = None
         self._opened = False
         self._closed = False
 
@@ -287,6 +291,25 @@ class CaptureController:
         for task in list(self._background):
             task.cancel()
         self._summaries.cancel()
+        await self.flush()
+
+    async def flush(self) -> None:
+        """Until every state change so far is in the journal."""
+        while self._writer is not None and not self._writer.done():
+            await asyncio.shield(self._writer)
+
+    async def _write_journal(self) -> None:
+        assert self.journal is not None
+        while self._unwritten:
+            cid = next(iter(self._unwritten))
+            cap, extra = self._unwritten.pop(cid)
+            try:
+                await asyncio.to_thread(self.journal.write, cap, extra)
+            except OSError as exc:
+                # The capture goes on; losing history is better than leaving a profiler running.
+                log.error("journal: cannot write capture %s: %s", cid, exc)
+            except Exception:
+                log.exception("journal: cannot write capture %s", cid)
 
     async def __aenter__(self) -> CaptureController:
         await self.open()
@@ -371,7 +394,8 @@ class CaptureController:
             try:
                 await asyncio.to_thread(lambda: [artifacts.snapshot(w) for w in rt.watches])
                 self._open_window(cap, rt)
-                self._changed(cap)  # journaled with the baselines before anything can start upstream
+                self._changed(cap)
+                await self.flush()  # journaled with the baselines before anything can start upstream
                 await self.upstream.start_profile(cap.stages)
             except UpstreamError as exc:
                 await self._rollback(cap, exc.code, exc.message, delivered=not isinstance(exc, UpstreamUnreachable))
@@ -572,7 +596,11 @@ class CaptureController:
         since: float | None = None
         while True:
             await asyncio.sleep(self.settings.gone_poll_s)
-            probe = await self.upstream.probe()
+            try:
+                probe = await self.upstream.probe()
+            except Exception:  # a closed client at shutdown: nothing is known, so not gone
+                since = None
+                continue
             if probe.reachable:
                 since = None
                 continue
@@ -794,15 +822,13 @@ class CaptureController:
             rt.done.set()
 
     def _changed(self, cap: Capture) -> None:
+        snap = cap.model_copy(deep=True)
         if self.journal is not None:
             rt = self._rt.get(cap.id)
             extra = {"watches": [w.to_json() for w in rt.watches]} if rt and not cap.terminal else None
-            try:
-                self.journal.write(cap, extra)
-            except OSError as exc:
-                # The capture goes on; losing history is better than leaving a profiler running.
-                log.error("journal: cannot write capture %s: %s", cap.id, exc)
-        snap = cap.model_copy(deep=True)
+            self._unwritten[cap.id] = (snap, extra)
+            if self._writer is None or self._writer.done():
+                self._writer = asyncio.create_task(self._write_journal(), name="journal-writer")
         for cb in list(self._listeners):
             try:
                 cb(snap)
