@@ -364,3 +364,35 @@ async def test_an_old_folder_is_not_taken_for_a_reused_one(tmp_path):
     (folder / "stray.txt").write_text("x")
     [v] = await _collect(w)
     assert v.verdict is Verdict.missing
+
+
+def _finished(claims: ClaimRegistry, cid: str, folder: Path, *, at: float) -> None:
+    claims.open_window(cid, "http://a", [str(folder.parent)], at)
+    claims.mark_started(cid, at + 0.1)
+    claims.claim(cid, [str(folder)])
+    claims.close_window(cid, at + 1)
+
+
+def test_a_late_file_of_an_earlier_capture_stays_its_own(tmp_path):
+    claims = ClaimRegistry()
+    folder = tmp_path / "f"
+    _finished(claims, "first", folder, at=100.0)
+    claims.open_window("second", "http://a", [str(tmp_path)], 103.0)  # seconds after: no name reuse
+    assert claims.held_by_other(folder, "second") == "first"
+
+
+def test_a_folder_reused_in_the_same_second_passes_to_the_next_capture(tmp_path):
+    claims = ClaimRegistry()
+    folder = tmp_path / "f"
+    _finished(claims, "first", folder, at=100.0)
+    claims.open_window("second", "http://a", [str(tmp_path)], 100.6)
+    assert (claims.held_by_other(folder, "second"), claims.claim("second", [str(folder)]),
+            claims.owner(folder)) == (None, [], "second")
+
+
+def test_another_servers_folder_never_passes(tmp_path):
+    claims = ClaimRegistry()
+    folder = tmp_path / "f"
+    _finished(claims, "first", folder, at=100.0)
+    claims.open_window("second", "http://b", [str(tmp_path)], 100.6)
+    assert claims.held_by_other(folder, "second") == "first"

@@ -22,7 +22,16 @@ class _Watch:
     upstream: str
     dirs: frozenset[str]
     opened: float
+    started: float | None = None
     closed: float | None = None
+
+    def reusable_by(self, other: _Watch) -> bool:
+        """Same server, finished, and ``other`` opened within the second of this one's start:
+        only then can the server have reused this capture's folder name for ``other``'s start
+        (names have second resolution). Anything later in its folder is this capture's late file."""
+        if self.upstream != other.upstream or self.closed is None:
+            return False
+        return other.opened <= (self.started if self.started is not None else self.opened) + 1.0
 
 
 class ClaimRegistry:
@@ -40,6 +49,12 @@ class ClaimRegistry:
         with self._lock:
             self._watches[capture_id] = _Watch(upstream, frozenset(self._key(d) for d in dirs), opened)
             self._trim()
+
+    def mark_started(self, capture_id: str, started: float) -> None:
+        with self._lock:
+            w = self._watches.get(capture_id)
+            if w is not None:
+                w.started = started
 
     def close_window(self, capture_id: str, closed: float) -> None:
         with self._lock:
@@ -77,8 +92,7 @@ class ClaimRegistry:
             if owner is None or owner == capture_id:
                 return None
             theirs, mine = self._watches.get(owner), self._watches.get(capture_id or "")
-            if theirs is not None and mine is not None and theirs.upstream == mine.upstream \
-                    and theirs.closed is not None:
+            if theirs is not None and mine is not None and theirs.reusable_by(mine):
                 return None
             return owner
 
@@ -92,9 +106,7 @@ class ClaimRegistry:
                 owner = self._owner.get(key)
                 if owner is not None and owner != capture_id:
                     theirs, me = self._watches.get(owner), self._watches.get(capture_id)
-                    passes = (theirs is not None and me is not None and theirs.upstream == me.upstream
-                              and theirs.closed is not None)
-                    if not passes:
+                    if not (theirs is not None and me is not None and theirs.reusable_by(me)):
                         taken.append(p)
                         continue
                 if owner != capture_id:

@@ -415,6 +415,7 @@ class CaptureController:
                 raise
             cap.state = CaptureState.active
             cap.started_at = cap.last_heartbeat_at = _now()
+            self.claims.mark_started(cap.id, cap.started_at.timestamp())
             rt.started_mono = rt.heartbeat_mono = time.monotonic()
             self._changed(cap)
             if rt.pending_stop is not None:
@@ -495,6 +496,8 @@ class CaptureController:
     def _open_window(self, cap: Capture, rt: _Runtime) -> None:
         dirs = [str(w.local_dir) for w in rt.watches if w.local_dir is not None]
         self.claims.open_window(cap.id, cap.upstream, dirs, cap.created_at.timestamp())
+        if cap.started_at is not None:
+            self.claims.mark_started(cap.id, cap.started_at.timestamp())
 
     async def _rollback(self, cap: Capture, code: str, message: str, *, delivered: bool) -> None:
         self._error(cap, code, message)
