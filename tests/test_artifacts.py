@@ -14,7 +14,14 @@ import pytest
 
 from sidecar.config.models import StageKind
 from sidecar.control import artifacts
-from sidecar.control.artifacts import StageWatch, Window, map_server_path, resolve_artifact, session_stage, snapshot
+from sidecar.control.artifacts import (
+    StageWatch,
+    Window,
+    map_server_path,
+    resolve_artifact,
+    session_stage,
+    snapshot,
+)
 from sidecar.control.claims import ClaimRegistry
 from sidecar.control.collect import collect, trace_has_work
 from sidecar.control.models import Verdict

@@ -23,6 +23,7 @@ from sidecar.control.artifacts import (
     Scan,
     StageWatch,
     Window,
+    is_trace,
     is_worker_trace,
     scan,
     session_rank,
@@ -30,6 +31,7 @@ from sidecar.control.artifacts import (
 )
 from sidecar.control.claims import ClaimRegistry
 from sidecar.control.models import StageVerdict, Verdict
+from sidecar.errors import UpstreamError
 
 WORK_CATEGORIES = ("cpu_op", "kernel")  # an op ran on the host, or a kernel on the device
 _PEEK_CHUNK = 256 << 10  # the content check reads this much at a time and stops at the first op
@@ -255,15 +257,44 @@ def verdict(watch: StageWatch, found: Scan, *, pending: list[str], timed_out: bo
         extra.append(f"gzip had not finished within {collect_timeout_s:g}s for {', '.join(pending)}; the traces "
                      "are uncompressed or still being compressed")
     if len(c.idle) == len(c.traces):
-        return done(Verdict.empty, "; ".join([
-            f"no request ran in the window: {', '.join(c.idle)} record no op and no kernel (the traces are "
-            "still listed and downloadable); send requests that reach this stage while the capture is "
-            "active, and check delay_iterations / max_iterations", *extra]) + skipped)
+        idle = (f"no request ran in the window: {', '.join(c.idle)} record no op and no kernel (the traces are "
+                "still listed and downloadable); send requests that reach this stage while the capture is "
+                "active, and check delay_iterations / max_iterations")
+        return done(Verdict.empty, "; ".join([idle, *extra]) + skipped)
     if c.idle:
         extra.append(f"no op ran in {', '.join(c.idle)} (idle)")
     if len(c.traces) < watch.expected_traces:
         return done(Verdict.partial, "; ".join([_lost(watch, c), *extra]) + skipped)
     return done(Verdict.ok, "; ".join(extra) or None)
+
+
+def after_stop_error(v: StageVerdict, stop_error: UpstreamError) -> StageVerdict:
+    """A stage without a trace after a failed stop is ``missing`` for that reason (its worker most
+    likely died), whatever the folder shows; ``ok``, ``unverified`` and ``ambiguous`` stand."""
+    if v.verdict in (Verdict.ok, Verdict.unverified, Verdict.ambiguous, Verdict.partial, Verdict.empty):
+        return v
+    return v.model_copy(
+        update={
+            "verdict": Verdict.missing,
+            "reason": (
+                f"stage {v.stage_id} wrote no trace and the stop failed on the server "
+                f"({stop_error.message}): its worker most likely died during the window. Check the "
+                f"server log for stage {v.stage_id} (a crash, an OOM kill) and whether the server still "
+                "serves requests; the other stages' traces are kept"
+            ),
+        }
+    )
+
+
+def found_so_far(verdicts: list[StageVerdict], head: str) -> list[StageVerdict]:
+    """Prefix every reason with what happened to the stop and what had been written by then."""
+    out = []
+    for v in verdicts:
+        names = [f"{Path(s.path).name}/{f.name}" for s in v.sessions for f in s.files if is_trace(f.name)]
+        found = ", ".join(names) if names else "no trace"
+        reason = f"{head}; found so far: {found}" + (f"; {v.reason}" if v.reason else "")
+        out.append(v.model_copy(update={"reason": reason}))
+    return out
 
 
 def _claimable(watch: StageWatch, found: Scan) -> list[str]:
@@ -324,4 +355,4 @@ async def collect(
     return await asyncio.to_thread(judge)
 
 
-__all__ = ["WORK_CATEGORIES", "collect", "trace_has_work", "verdict"]
+__all__ = ["WORK_CATEGORIES", "after_stop_error", "collect", "found_so_far", "trace_has_work", "verdict"]

@@ -29,7 +29,7 @@ from sidecar.config.rules import select_stages
 from sidecar.control import artifacts
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
-from sidecar.control.collect import collect
+from sidecar.control.collect import after_stop_error, collect, found_so_far
 from sidecar.control.journal import CaptureJournal
 from sidecar.control.models import (
     Capture,
@@ -40,6 +40,7 @@ from sidecar.control.models import (
     StopReason,
     Verdict,
 )
+from sidecar.control.nsys import nsys_command, nsys_hint
 from sidecar.control.summaries import SUMMARY_TOP, SummaryCache
 from sidecar.errors import (
     ArtifactNotFound,
@@ -101,55 +102,6 @@ def _is_server_error(exc: UpstreamError) -> bool:
     if isinstance(exc, (UpstreamTimeout, UpstreamUnreachable)):
         return False
     return int(exc.details.get("status", 0)) >= 500
-
-
-def _after_stop_error(v: StageVerdict, stop_error: UpstreamError) -> StageVerdict:
-    """A stage without a trace after a failed stop is ``missing`` for that reason (its worker most
-    likely died), whatever the folder shows; ``ok``, ``unverified`` and ``ambiguous`` stand."""
-    if v.verdict in (Verdict.ok, Verdict.unverified, Verdict.ambiguous, Verdict.partial, Verdict.empty):
-        return v
-    return v.model_copy(
-        update={
-            "verdict": Verdict.missing,
-            "reason": (
-                f"stage {v.stage_id} wrote no trace and the stop failed on the server "
-                f"({stop_error.message}): its worker most likely died during the window. Check the "
-                f"server log for stage {v.stage_id} (a crash, an OOM kill) and whether the server still "
-                "serves requests; the other stages' traces are kept"
-            ),
-        }
-    )
-
-
-def _found_so_far(verdicts: list[StageVerdict], head: str) -> list[StageVerdict]:
-    """Prefix every reason with what happened to the stop and what had been written by then."""
-    out = []
-    for v in verdicts:
-        names = [f"{Path(s.path).name}/{f.name}" for s in v.sessions for f in s.files if artifacts.is_trace(f.name)]
-        found = ", ".join(names) if names else "no trace"
-        reason = f"{head}; found so far: {found}" + (f"; {v.reason}" if v.reason else "")
-        out.append(v.model_copy(update={"reason": reason}))
-    return out
-
-
-def nsys_command(profiler_dir: str | None = None) -> str:
-    """The wrapper a server must run under for ``profiler: cuda`` stages to produce a report.
-    (Private stand-in for ``sidecar.config.profiles.nsys_command`` until the config layer has it.)"""
-    out = f"{profiler_dir.rstrip('/')}/omni-%p" if profiler_dir else "./omni-%p"
-    return (f"nsys profile --trace=cuda,nvtx,osrt --capture-range=cudaProfilerApi --capture-range-end=repeat "
-            f"-o {out} vllm serve <model> --omni ...")
-
-
-def _nsys_hint(stage_id: int, profiler_dir: str | None) -> str:
-    cmd = nsys_command(profiler_dir)
-    where = f"{profiler_dir.rstrip('/')}/omni-<pid>*.nsys-rep" if profiler_dir else "omni-<pid>*.nsys-rep"
-    return (
-        f"nsys capture: stage {stage_id} (profiler: cuda) only opens and closes a CUDA capture range; the "
-        f"report is written by nsys, which the server must run under: `{cmd}`. With "
-        "--capture-range-end=repeat nsys writes one numbered report per start/stop window, here "
-        f"{where} on the server's host (without -o: report<N>.nsys-rep in the server's working "
-        "directory); the sidecar cannot check it. A server not run under nsys records nothing"
-    )
 
 
 def _now() -> datetime:
@@ -660,7 +612,7 @@ class CaptureController:
             "was written so far",
         )
         verdicts = await self._collect(cap, rt, wait=False)
-        cap.verdicts = _found_so_far(verdicts, f"stop timed out after {budget:g}s")
+        cap.verdicts = found_so_far(verdicts, f"stop timed out after {budget:g}s")
         self._changed(cap)
 
     async def _collect(self, cap: Capture, rt: _Runtime, *, wait: bool = True) -> list[StageVerdict]:
@@ -669,7 +621,7 @@ class CaptureController:
             if self._copies is None:
                 self._copies = Path(tempfile.mkdtemp(prefix="omni-sidecar-artifacts-"))
             copies = self._copies / cap.id
-        hints = {w.stage_id: _nsys_hint(w.stage_id, w.server_dir) for w in rt.watches if w.profiler != "torch"}
+        hints = {w.stage_id: nsys_hint(w.stage_id, w.server_dir) for w in rt.watches if w.profiler != "torch"}
         return await collect(
             rt.watches,
             window=self._window(cap),
@@ -701,7 +653,7 @@ class CaptureController:
                 if collect:
                     cap.state = CaptureState.collecting
                     self._changed(cap)
-                    cap.verdicts = _found_so_far(await self._collect(cap, rt), "the server went away during the stop")
+                    cap.verdicts = found_so_far(await self._collect(cap, rt), "the server went away during the stop")
                 self._finish(cap, CaptureState.failed)
                 return
             if outcome == "failed":
@@ -715,7 +667,7 @@ class CaptureController:
                     f"{{\"stages\": {cap.stages}}}",
                 )
                 if collect:
-                    cap.verdicts = _found_so_far(await self._collect(cap, rt, wait=False),
+                    cap.verdicts = found_so_far(await self._collect(cap, rt, wait=False),
                                                  f"stop failed ({exc.code})")
                 self._finish(cap, CaptureState.failed)
                 return
@@ -734,7 +686,7 @@ class CaptureController:
             self._changed(cap)
             verdicts = await self._collect(cap, rt)
             if stop_error is not None:
-                verdicts = [_after_stop_error(v, stop_error) for v in verdicts]
+                verdicts = [after_stop_error(v, stop_error) for v in verdicts]
             cap.verdicts = verdicts
             ok = stop_error is None and all(v.verdict is Verdict.ok for v in verdicts)
             self._finish(cap, CaptureState.completed if ok else CaptureState.degraded)
