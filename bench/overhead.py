@@ -1,26 +1,34 @@
 """Overhead of the sidecar (DESIGN.md §7: off the inference path, milliseconds per call, zero cost
-when idle), measured side by side in one run against one emulator (2 torch stages, ``--gzip-delay 0``):
+when idle), measured side by side in one run against one upstream server:
 
-- start / stop sent straight to the emulator vs the same through the sidecar (p50/p95 over N
-  rounds, short windows). Through the sidecar, "stop (ack)" is the 202 and "stop (done)" is
-  ``?wait=true``: upstream stop plus the artifact check (``settle_s`` of unchanged listing);
-- ``GET /v1/captures/{id}`` vs the emulator's ``GET /health`` (a bare HTTP round trip);
-- the idle sidecar: RSS and CPU seconds over 10 s with no calls.
+- a direct start + stop against the server vs a sidecar start + *verified* stop
+  (``POST /v1/captures`` then ``POST /v1/captures/{id}/stop?wait=true``: upstream stop plus the
+  artifact check), rounds interleaved so both see the same machine; p50/p95 of each call and of
+  the pair, and the difference against the 100 ms target of issue 9;
+- the stop's 202 acknowledgement alone;
+- ``GET /v1/captures/{id}`` vs the server's ``GET /health`` (a bare HTTP round trip);
+- the idle sidecar: RSS and CPU seconds with no calls.
 
-Servers bind 127.0.0.1 on free ports and are always shut down. Ratios are printed, never asserted.
+The target is pluggable: by default an emulator is launched (``--flavor omni|vllm``, one LLM
+stage per ``--stages``, stacks off, gzip without delay); ``--upstream URL --deploy YAML`` measures
+a server you started (e.g. a real ``vllm serve`` with ``--profiler-config``; the deploy names its
+torch_profiler_dir). Servers bind 127.0.0.1 on free ports and are always shut down. Ratios are
+printed, never asserted.
 
-    python bench/overhead.py [--rounds 20] [--window 0.2] [--gets 200] [--idle 10] [--settle 0.2]
+    python bench/overhead.py [--flavor vllm] [--rounds 20] [--window 0.2] [--gets 200] [--idle 10]
+    python bench/overhead.py --upstream http://127.0.0.1:8000 --flavor vllm --deploy deploy.yaml
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -32,24 +40,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sidecar.api.launcher import SidecarProcess  # noqa: E402
 from sidecar.emulator.launcher import EmulatorProcess  # noqa: E402
 
-STAGES = [0, 1]
 
-
-def _deploy(root: Path) -> Path:
-    stages = [
+def _deploy(root: Path, stages: list[int]) -> Path:
+    entries = [
         {
             "stage_id": sid,
             "profiler_config": {
                 "profiler": "torch",
                 "torch_profiler_dir": str(root / "traces" / f"stage{sid}"),
                 "torch_profiler_with_stack": False,
-                "torch_profiler_dump_cuda_time_total": False,
+                "torch_profiler_dump_cuda_time_total": True,
             },
         }
-        for sid in STAGES
+        for sid in stages
     ]
     path = root / "deploy.yaml"
-    path.write_text(yaml.safe_dump({"stages": stages}, sort_keys=False))
+    path.write_text(yaml.safe_dump({"stages": entries}, sort_keys=False))
     return path
 
 
@@ -67,96 +73,132 @@ def _pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def _direct_rounds(client: httpx.Client, emu: str, rounds: int, window: float) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = {"start": [], "stop": []}
-    for _ in range(rounds):
-        ms, _ = _timed(lambda: client.post(f"{emu}/start_profile", json={"stages": STAGES}))
-        out["start"].append(ms)
-        time.sleep(window)
-        ms, _ = _timed(lambda: client.post(f"{emu}/stop_profile", json={"stages": STAGES}))
-        out["stop"].append(ms)
-    return out
+class Bench:
+    def __init__(self, client: httpx.Client, upstream: str, sidecar: str, flavor: str, stages: list[int],
+                 window: float, busy: bool) -> None:
+        self.client, self.upstream, self.sidecar = client, upstream, sidecar
+        self.body = None if flavor == "vllm" else {"stages": stages}
+        self.stages, self.window, self.busy = stages, window, busy
+        self.out: dict[str, list[float]] = {k: [] for k in (
+            "d_start", "d_stop", "d_pair", "s_start", "s_stop", "s_pair", "s_ack")}
+        self.last_id = ""
+        self.verdicts: dict[str, int] = {}
+
+    def _work(self) -> None:
+        # One request in the window, so a verdict is `ok` (an idle window is `empty` by design).
+        if self.busy:
+            self.client.post(f"{self.upstream}/v1/chat/completions",
+                             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+    def direct(self) -> None:
+        a, _ = _timed(lambda: self.client.post(f"{self.upstream}/start_profile", json=self.body))
+        self._work()
+        time.sleep(self.window)
+        b, _ = _timed(lambda: self.client.post(f"{self.upstream}/stop_profile", json=self.body))
+        self.out["d_start"].append(a)
+        self.out["d_stop"].append(b)
+        self.out["d_pair"].append(a + b)
+
+    def via(self, ack_only: bool = False) -> None:
+        a, resp = _timed(lambda: self.client.post(f"{self.sidecar}/v1/captures", json={"stages": self.stages}))
+        cid = self.last_id = resp.json()["id"]
+        self._work()
+        time.sleep(self.window)
+        if ack_only:
+            ms, _ = _timed(lambda: self.client.post(f"{self.sidecar}/v1/captures/{cid}/stop"))
+            self.out["s_ack"].append(ms)
+            self.client.post(f"{self.sidecar}/v1/captures/{cid}/stop?wait=true")
+            return
+        b, resp = _timed(lambda: self.client.post(f"{self.sidecar}/v1/captures/{cid}/stop?wait=true"))
+        state = resp.json()["state"]
+        self.verdicts[state] = self.verdicts.get(state, 0) + 1
+        self.out["s_start"].append(a)
+        self.out["s_stop"].append(b)
+        self.out["s_pair"].append(a + b)
 
 
-def _sidecar_rounds(client: httpx.Client, sc: str, rounds: int, window: float) -> tuple[dict[str, list[float]], str]:
-    out: dict[str, list[float]] = {"start": [], "stop_ack": [], "stop_done": []}
-    last = ""
-    for i in range(rounds):
-        ms, resp = _timed(lambda: client.post(f"{sc}/v1/captures", json={"stages": STAGES}))
-        out["start"].append(ms)
-        cid = last = resp.json()["id"]
-        time.sleep(window)
-        # Alternate: the 202 alone (then wait untimed), and the whole stop until the verdicts.
-        if i % 2 == 0:
-            ms, _ = _timed(lambda: client.post(f"{sc}/v1/captures/{cid}/stop"))
-            out["stop_ack"].append(ms)
-            client.post(f"{sc}/v1/captures/{cid}/stop?wait=true")
-        else:
-            ms, resp = _timed(lambda: client.post(f"{sc}/v1/captures/{cid}/stop?wait=true"))
-            out["stop_done"].append(ms)
-            if resp.json()["state"] != "completed":
-                raise SystemExit(f"capture {cid} ended {resp.json()['state']}: {resp.json()}")
-    return out, last
-
-
-def _gets(client: httpx.Client, url: str, n: int) -> list[float]:
-    return [_timed(lambda: client.get(url))[0] for _ in range(n)]
-
-
-def _idle(pid: int, seconds: float) -> tuple[float, float]:
-    proc = psutil.Process(pid)
-    before = proc.cpu_times()
-    time.sleep(seconds)
-    after = proc.cpu_times()
-    cpu = (after.user - before.user) + (after.system - before.system)
-    return proc.memory_info().rss / 2**20, cpu
+@contextlib.contextmanager
+def _target(args: argparse.Namespace, root: Path) -> Iterator[tuple[str, Path, int | None]]:
+    if args.upstream:
+        if not args.deploy:
+            raise SystemExit("--upstream needs --deploy (the deploy YAML naming the server's torch_profiler_dir)")
+        yield args.upstream.rstrip("/"), Path(args.deploy), None
+        return
+    deploy = _deploy(root, args.stages)
+    with EmulatorProcess(deploy, flavor=args.flavor, extra_args=["--gzip-delay", "0", "--step-ms", "1"],
+                         startup_timeout=120) as emu:
+        yield emu.url, deploy, emu.pid
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--flavor", choices=["omni", "vllm"], default="omni", help="the upstream's flavor")
+    ap.add_argument("--upstream", help="measure this running server instead of launching the emulator")
+    ap.add_argument("--deploy", help="with --upstream: the deploy YAML the sidecar reads")
+    ap.add_argument("--stages", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1],
+                    help="stage ids (emulator: one LLM stage each; vllm flavor uses the first)")
     ap.add_argument("--rounds", type=int, default=20, help="start/stop rounds per path")
     ap.add_argument("--window", type=float, default=0.2, help="seconds between start and stop")
+    ap.add_argument("--idle-window", action="store_true", help="send no request in the window (verdicts `empty`)")
     ap.add_argument("--gets", type=int, default=200, help="GET requests per endpoint")
     ap.add_argument("--idle", type=float, default=10.0, help="seconds of idle to measure")
-    ap.add_argument("--settle", type=float, default=0.2, help="the sidecar's settle_s (artifact listing stable)")
     args = ap.parse_args()
+    if args.flavor == "vllm" and not args.upstream:
+        args.stages = args.stages[:1]
 
     with tempfile.TemporaryDirectory(prefix="omni-overhead-") as tmp:
         root = Path(tmp)
-        deploy = _deploy(root)
-        env = {"OMNI_SIDECAR_SETTLE_S": str(args.settle), "OMNI_SIDECAR_COLLECT_TIMEOUT_S": "30"}
-        with EmulatorProcess(deploy, extra_args=["--gzip-delay", "0", "--step-ms", "1"], startup_timeout=120) as emu, \
-             SidecarProcess(emu.url, deploy, state_dir=root / "state", env=env) as sc, \
-             httpx.Client(timeout=120) as client:  # fmt: skip
+        with _target(args, root) as (up_url, deploy, up_pid), \
+             SidecarProcess(up_url, deploy, state_dir=root / "state", flavor=args.flavor,
+                            env={"OMNI_SIDECAR_COLLECT_TIMEOUT_S": "30"}) as sc, \
+             httpx.Client(timeout=300, trust_env=False) as client:  # fmt: skip
+            bench = Bench(client, up_url, sc.url, args.flavor, args.stages, args.window, not args.idle_window)
             # One untimed round each: the first profiler start in a worker initialises torch's profiler.
-            _direct_rounds(client, emu.url, 1, args.window)
-            _sidecar_rounds(client, sc.url, 1, args.window)
-            direct = _direct_rounds(client, emu.url, args.rounds, args.window)
-            via, last_id = _sidecar_rounds(client, sc.url, args.rounds, args.window)
-            health = _gets(client, f"{emu.url}/health", args.gets)
-            capture_get = _gets(client, f"{sc.url}/v1/captures/{last_id}", args.gets)
+            bench.direct()
+            bench.via()
+            bench.out = {k: [] for k in bench.out}
+            bench.verdicts = {}
+            for i in range(args.rounds):  # interleaved: both paths see the same machine
+                bench.direct()
+                bench.via()
+                if i % 4 == 0:
+                    bench.via(ack_only=True)
+            health = [_timed(lambda: client.get(f"{up_url}/health"))[0] for _ in range(args.gets)]
+            capture_get = [_timed(lambda: client.get(f"{sc.url}/v1/captures/{bench.last_id}"))[0]
+                           for _ in range(args.gets)]
             time.sleep(2.0)  # let the last capture's background summary finish
-            rss_sc, cpu_sc = _idle(sc.pid or 0, args.idle)
-            emu_rss = psutil.Process(emu.pid or 0).memory_info().rss / 2**20
+            proc = psutil.Process(sc.pid or 0)
+            before = proc.cpu_times()
+            time.sleep(args.idle)
+            after = proc.cpu_times()
+            cpu_sc = (after.user - before.user) + (after.system - before.system)
+            rss_sc = proc.memory_info().rss / 2**20
+            up_rss = psutil.Process(up_pid).memory_info().rss / 2**20 if up_pid else None
+
+    o = bench.out
 
     def row(name: str, sidecar: list[float], base: list[float], base_name: str) -> None:
         p50, p95, b50, b95 = _pct(sidecar, 50), _pct(sidecar, 95), _pct(base, 50), _pct(base, 95)
-        print(f"{name:<26} {p50:>9.1f} {p95:>9.1f}   {base_name:<22} {b50:>9.1f} {b95:>9.1f}   "
+        print(f"{name:<30} {p50:>8.1f} {p95:>8.1f}   {base_name:<24} {b50:>8.1f} {b95:>8.1f}   "
               f"{p50 / b50:>6.2f}x {p95 / b95:>6.2f}x  {p50 - b50:>+8.1f}")
 
-    print(f"sidecar overhead: {args.rounds} rounds of start/stop on stages {STAGES}, window {args.window:g}s, "
-          f"settle_s {args.settle:g}, {args.gets} GETs, {os.cpu_count()} CPUs")
-    print(f"{'through the sidecar':<26} {'p50 ms':>9} {'p95 ms':>9}   {'direct to the server':<22} {'p50 ms':>9} "
-          f"{'p95 ms':>9}   {'p50':>7} {'p95':>7}  {'+ms p50':>8}")
-    row("POST /v1/captures", via["start"], direct["start"], "POST /start_profile")
-    row("stop (202 ack)", via["stop_ack"], direct["stop"], "POST /stop_profile")
-    row("stop ?wait=true (verdicts)", via["stop_done"], direct["stop"], "POST /stop_profile")
-    row("GET /v1/captures/{id}", capture_get, health, "GET /health (emulator)")
-    extra = _pct(via["stop_done"], 50) - args.settle * 1000 - _pct(direct["stop"], 50)
-    print(f"stop ?wait=true waits settle_s ({args.settle:g}s) of unchanged listing by design; beyond that and the "
-          f"upstream stop it adds {extra:+.1f} ms (p50)")
+    target = "emulator" if not args.upstream else args.upstream
+    print(f"sidecar overhead against {target} (flavor {args.flavor}): {args.rounds} interleaved rounds on stages "
+          f"{args.stages}, window {args.window:g}s, {'idle' if args.idle_window else 'one request per'} window, "
+          f"{args.gets} GETs, {os.cpu_count()} CPUs; final states {bench.verdicts}")
+    print(f"{'through the sidecar':<30} {'p50 ms':>8} {'p95 ms':>8}   {'direct to the server':<24} {'p50 ms':>8} "
+          f"{'p95 ms':>8}   {'p50':>7} {'p95':>7}  {'+ms p50':>8}")
+    row("POST /v1/captures", o["s_start"], o["d_start"], "POST /start_profile")
+    row("stop ?wait=true (verdicts)", o["s_stop"], o["d_stop"], "POST /stop_profile")
+    row("start + verified stop", o["s_pair"], o["d_pair"], "start + stop")
+    row("stop (202 ack)", o["s_ack"], o["d_stop"], "POST /stop_profile")
+    row("GET /v1/captures/{id}", capture_get, health, "GET /health (server)")
+    extra = _pct(o["s_pair"], 50) - _pct(o["d_pair"], 50)
+    verdict = "within" if extra <= 100 else "OVER"
+    print(f"start + verified stop adds {extra:+.1f} ms (p50) to the direct calls: {verdict} the 100 ms target")
+    scale = f"; server process RSS {up_rss:.0f} MiB for scale" if up_rss is not None else ""
     print(f"idle sidecar over {args.idle:g}s: RSS {rss_sc:.0f} MiB, CPU {cpu_sc:.3f} s "
-          f"({cpu_sc / args.idle * 100:.2f}% of one core); emulator API process RSS {emu_rss:.0f} MiB for scale")
+          f"({cpu_sc / args.idle * 100:.2f}% of one core){scale}")
 
 
 if __name__ == "__main__":

@@ -378,6 +378,13 @@ class StateDirUnusable(ConfigError):
     code = "state_dir_unusable"
 
 
+class StageNotCuda(StageSelectionError):
+    """An nsys capture names a stage that is not ``profiler: cuda`` (or the deploy has none)."""
+
+    code = "stage_not_cuda"
+    http_status = 422
+
+
 # --- upstream (502/503: the server behind us failed or is not there) -------------------------
 
 
@@ -479,6 +486,15 @@ class DurationInvalid(WindowInvalid):
 
 class LeaseInvalid(WindowInvalid):
     code = "lease_invalid"
+
+
+class CaptureStopPending(CaptureActive):
+    """The previous capture's stop has not been answered by the server (it may still be writing
+    traces); the slot stays taken until the server answers or is shown gone. ``details``:
+    ``active_id``, ``stop_requested_at``, ``upstream``."""
+
+    code = "capture_stop_pending"
+    http_status = 409
 
 
 # --- analysis ------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Artifact finder/checker on real folders: session-folder naming (both kinds, exact stage ids),
-baseline snapshots, gzip and size settling, verdicts and their reasons, path mapping, downloads."""
+baseline snapshots, the capture window, claims, completeness read from the files (gzip done, JSON
+closed), the content check, expected counts, verdicts and their reasons, path mapping, downloads."""
 
 from __future__ import annotations
 
@@ -13,8 +14,20 @@ import pytest
 
 from sidecar.config.models import StageKind
 from sidecar.control import artifacts
-from sidecar.control.artifacts import StageWatch, collect, map_server_path, resolve_artifact, session_stage, snapshot
+from sidecar.control.artifacts import (
+    StageWatch,
+    Window,
+    map_server_path,
+    resolve_artifact,
+    session_stage,
+    snapshot,
+)
+from sidecar.control.claims import ClaimRegistry
+from sidecar.control.collect import collect, trace_has_work
 from sidecar.control.models import Verdict
+
+BUSY = b'{"traceEvents": [{"name": "aten::mm", "cat": "cpu_op", "ph": "X", "ts": 0, "dur": 3}]}'
+IDLE = b'{"traceEvents": [{"name": "thread_name", "ph": "M", "pid": 1, "tid": 1}]}'
 
 LLM = "20261130-120000_stage{sid}_rank0_1796000000"
 DIFF = "20261130-120000_stage_{sid}_rep_0_diffusion_1796000000"
@@ -24,7 +37,7 @@ def _watch(d: Path, sid: int = 1, kind: StageKind = StageKind.unknown, gzip_on: 
     return snapshot(StageWatch(stage_id=sid, kind=kind, server_dir=str(d), local_dir=d, use_gzip=gzip_on))
 
 
-def _session(d: Path, name: str, trace: bytes | None = b"{}", gz: bool = True) -> Path:
+def _session(d: Path, name: str, trace: bytes | None = BUSY, gz: bool = True) -> Path:
     folder = d / name
     folder.mkdir(parents=True)
     if trace is not None:
@@ -36,7 +49,7 @@ def _session(d: Path, name: str, trace: bytes | None = b"{}", gz: bool = True) -
 
 
 async def _collect(*watches: StageWatch, **kw):
-    kw = {"collect_timeout_s": 5, "settle_s": 0.1, "poll_s": 0.02} | kw
+    kw = {"collect_timeout_s": 5, "poll_s": 0.02} | kw
     return await collect(list(watches), **kw)
 
 
@@ -83,26 +96,144 @@ async def test_new_llm_and_diffusion_folders_are_both_found(tmp_path):
     assert (v.verdict, len(v.sessions)) == (Verdict.ok, 2)
 
 
-async def test_folder_without_trace_is_empty(tmp_path):
+async def test_folder_without_trace_is_missing(tmp_path):
     w = _watch(tmp_path)
     _session(tmp_path, LLM.format(sid=1), trace=None)
     [v] = await _collect(w)
-    assert (v.verdict, "no non-empty trace" in v.reason) == (Verdict.empty, True)
+    assert (v.verdict, "hold no trace" in v.reason) == (Verdict.missing, True)
 
 
-async def test_zero_byte_trace_is_empty(tmp_path):
+async def test_zero_byte_trace_is_not_counted(tmp_path):
     w = _watch(tmp_path, gzip_on=False)
     _session(tmp_path, LLM.format(sid=1), trace=b"", gz=False)
     [v] = await _collect(w)
-    assert v.verdict is Verdict.empty
+    assert (v.verdict, "0 bytes" in v.reason) == (Verdict.missing, True)
 
 
-async def test_one_replica_without_trace_makes_the_stage_empty(tmp_path):
+async def test_trace_with_no_op_is_empty_no_request_ran(tmp_path):
     w = _watch(tmp_path)
+    _session(tmp_path, LLM.format(sid=1), trace=IDLE)
+    [v] = await _collect(w)
+    assert (v.verdict, v.reason.startswith("no request ran in the window"), len(v.sessions[0].files)) == (
+        Verdict.empty, True, 1)
+
+
+async def test_a_kernel_alone_counts_as_work(tmp_path):
+    w = _watch(tmp_path)
+    _session(tmp_path, LLM.format(sid=1), trace=b'{"traceEvents": [{"name": "k", "cat": "kernel", "ph": "X"}]}')
+    [v] = await _collect(w)
+    assert v.verdict is Verdict.ok
+
+
+def test_content_check_stops_at_the_first_op(tmp_path):
+    # Everything after the first op is garbage: a check that read the whole trace would fail.
+    path = tmp_path / "t.json"
+    path.write_bytes(BUSY[:-2] + b", " + b'{"name": "pad", "ph": "X"}, ' * 200_000 + b"\x00garbage")
+    assert trace_has_work(path) == (True, None)
+
+
+async def test_unclosed_json_is_not_counted(tmp_path):
+    w = _watch(tmp_path, gzip_on=False)
+    _session(tmp_path, LLM.format(sid=1), trace=BUSY[:-3], gz=False)
+    [v] = await _collect(w)
+    assert (v.verdict, "not closed" in v.reason) == (Verdict.missing, True)
+
+
+async def test_lost_diffusion_replica_makes_the_stage_partial(tmp_path):
+    w = snapshot(StageWatch(stage_id=1, kind=StageKind.diffusion, server_dir=str(tmp_path), local_dir=tmp_path,
+                            replicas=2))
     _session(tmp_path, DIFF.format(sid=1))
     _session(tmp_path, DIFF.format(sid=1).replace("rep_0", "rep_1"), trace=None)
     [v] = await _collect(w)
-    assert v.verdict is Verdict.empty
+    assert (v.verdict, v.expected_traces, v.found_traces, "replica(s) [1]" in v.reason) == (
+        Verdict.partial, 2, 1, True)
+
+
+async def test_lost_tensor_parallel_rank_is_named(tmp_path):
+    w = snapshot(StageWatch(stage_id=1, kind=StageKind.llm, server_dir=str(tmp_path), local_dir=tmp_path, ranks=2))
+    _session(tmp_path, LLM.format(sid=1))
+    [v] = await _collect(w)
+    assert (v.verdict, "rank(s) [1]" in v.reason) == (Verdict.partial, True)
+
+
+async def test_every_rank_present_is_ok(tmp_path):
+    w = snapshot(StageWatch(stage_id=1, kind=StageKind.llm, server_dir=str(tmp_path), local_dir=tmp_path, ranks=2))
+    _session(tmp_path, LLM.format(sid=1))
+    _session(tmp_path, LLM.format(sid=1).replace("rank0", "rank1"))
+    [v] = await _collect(w)
+    assert (v.verdict, v.found_traces) == (Verdict.ok, 2)
+
+
+async def test_a_stage_whose_dir_is_shared_is_ambiguous(tmp_path):
+    w = snapshot(StageWatch(stage_id=1, kind=StageKind.llm, server_dir=str(tmp_path), local_dir=tmp_path,
+                            shared_with="http://other:8000"))
+    _session(tmp_path, LLM.format(sid=1))
+    [v] = await _collect(w)
+    assert (v.verdict, "http://other:8000" in v.reason) == (Verdict.ambiguous, True)
+
+
+# --- the capture window and claims --------------------------------------------------------
+
+START = 1796000000.0  # the epoch in LLM / DIFF
+
+
+async def test_a_folder_stamped_inside_the_start_is_this_captures(tmp_path):
+    w = _watch(tmp_path)
+    _session(tmp_path, LLM.format(sid=1))
+    [v] = await _collect(w, window=Window(opened=START - 0.4, started=START + 0.2))
+    assert v.verdict is Verdict.ok
+
+
+@pytest.mark.parametrize("epoch", [int(START) - 60, int(START) + 60])
+async def test_a_folder_stamped_outside_the_start_is_not_counted(tmp_path, epoch):
+    w = _watch(tmp_path)
+    _session(tmp_path, f"20261130-120000_stage1_rank0_{epoch}")
+    [v] = await _collect(w, window=Window(opened=START - 0.4, started=START + 0.2))
+    assert (v.verdict, "outside this capture's start" in v.reason) == (Verdict.missing, True)
+
+
+async def test_a_plain_vllm_trace_written_after_the_stop_answered_is_not_counted(tmp_path):
+    w = snapshot(StageWatch(stage_id=0, kind=StageKind.llm, server_dir=str(tmp_path), local_dir=tmp_path, flat=True))
+    (tmp_path / f"w-rank-0.{int((START + 100) * 1e9)}.pt.trace.json.gz").write_bytes(gzip.compress(BUSY))
+    [v] = await _collect(w, window=Window(opened=START, started=START + 1, closed=START + 10))
+    assert (v.verdict, "outside this capture's window" in v.reason) == (Verdict.missing, True)
+
+
+async def test_a_claimed_folder_is_left_to_its_owner(tmp_path):
+    claims = ClaimRegistry()
+    w = _watch(tmp_path)
+    folder = _session(tmp_path, LLM.format(sid=1))
+    claims.claim("first", [str(folder)])
+    [v] = await _collect(w, claims=claims, capture_id="second")
+    assert (v.verdict, "claimed by capture first" in v.reason) == (Verdict.missing, True)
+
+
+async def test_collect_claims_what_it_lists(tmp_path):
+    claims = ClaimRegistry()
+    w = _watch(tmp_path)
+    folder = _session(tmp_path, LLM.format(sid=1))
+    await _collect(w, claims=claims, capture_id="first")
+    assert claims.owner(folder) == "first"
+
+
+def test_overlapping_windows_of_two_servers_on_one_dir_are_sharers(tmp_path):
+    claims = ClaimRegistry()
+    claims.open_window("a", "http://a", [str(tmp_path)], 100.0)
+    claims.open_window("b", "http://b", [str(tmp_path)], 101.0)
+    claims.close_window("a", 102.0)
+    claims.open_window("c", "http://c", [str(tmp_path)], 200.0)
+    assert (claims.sharers("a", str(tmp_path)), claims.sharers("c", str(tmp_path))) == (["http://b"], ["http://b"])
+
+
+async def test_a_rewritten_table_is_copied_at_collect_time(tmp_path):
+    d, copies = tmp_path / "d", tmp_path / "copies"
+    d.mkdir()
+    w = snapshot(StageWatch(stage_id=0, kind=StageKind.llm, server_dir=str(d), local_dir=d, flat=True))
+    (d / "w-rank-0.1800000000000.pt.trace.json.gz").write_bytes(gzip.compress(BUSY))
+    (d / "profiler_out_0.txt").write_text("mine")
+    verdicts = await _collect(w, copy_dir=copies)
+    (d / "profiler_out_0.txt").write_text("a later stop's")
+    assert resolve_artifact(verdicts, "d/profiler_out_0.txt", copies).read_text() == "mine"
 
 
 async def test_collect_waits_until_gzip_is_done(tmp_path):
@@ -192,7 +323,7 @@ async def test_trace_paths_follow_a_late_gzip(tmp_path):
     w = _watch(tmp_path)
     folder = _session(tmp_path, LLM.format(sid=1), gz=False)
     verdicts = await _collect(w, collect_timeout_s=0.2)  # listed as .json
-    (folder / "trace_rank0.json.gz").write_bytes(gzip.compress(b"{}"))
+    (folder / "trace_rank0.json.gz").write_bytes(gzip.compress(BUSY))
     os.unlink(folder / "trace_rank0.json")
     assert artifacts.trace_paths(verdicts) == [folder / "trace_rank0.json.gz"]
 
@@ -201,7 +332,7 @@ async def test_folder_reused_by_a_start_in_the_same_second_counts_as_new(tmp_pat
     # Session names have second resolution: a start in the same second reuses the old folder.
     folder = _session(tmp_path, f"20261130-120000_stage1_rank0_{int(time.time())}", gz=False)
     w = _watch(tmp_path, gzip_on=False)
-    (folder / "trace_rank0.json").write_bytes(b'{"traceEvents": []}')
+    (folder / "trace_rank0.json").write_bytes(BUSY)
     [v] = await _collect(w)
     assert (v.verdict, len(v.sessions)) == (Verdict.ok, 1)
 
@@ -212,7 +343,7 @@ async def test_folder_reused_by_a_start_in_the_same_second_counts_as_new(tmp_pat
 async def test_flat_layout_finds_only_new_trace_files(tmp_path):
     (tmp_path / "dp0_rank0.1700000000000.pt.trace.json.gz").write_bytes(b"old")
     w = snapshot(StageWatch(stage_id=0, kind=StageKind.llm, server_dir=str(tmp_path), local_dir=tmp_path, flat=True))
-    (tmp_path / "dp0_rank0.1800000000000.pt.trace.json.gz").write_bytes(gzip.compress(b"{}"))
+    (tmp_path / "dp0_rank0.1800000000000.pt.trace.json.gz").write_bytes(gzip.compress(BUSY))
     (tmp_path / "profiler_out_0.txt").write_text("table")
     [v] = await _collect(w)
     assert (v.verdict, [f.name for f in v.sessions[0].files]) == (
@@ -240,3 +371,35 @@ async def test_an_old_folder_is_not_taken_for_a_reused_one(tmp_path):
     (folder / "stray.txt").write_text("x")
     [v] = await _collect(w)
     assert v.verdict is Verdict.missing
+
+
+def _finished(claims: ClaimRegistry, cid: str, folder: Path, *, at: float) -> None:
+    claims.open_window(cid, "http://a", [str(folder.parent)], at)
+    claims.mark_started(cid, at + 0.1)
+    claims.claim(cid, [str(folder)])
+    claims.close_window(cid, at + 1)
+
+
+def test_a_late_file_of_an_earlier_capture_stays_its_own(tmp_path):
+    claims = ClaimRegistry()
+    folder = tmp_path / "f"
+    _finished(claims, "first", folder, at=100.0)
+    claims.open_window("second", "http://a", [str(tmp_path)], 103.0)  # seconds after: no name reuse
+    assert claims.held_by_other(folder, "second") == "first"
+
+
+def test_a_folder_reused_in_the_same_second_passes_to_the_next_capture(tmp_path):
+    claims = ClaimRegistry()
+    folder = tmp_path / "f"
+    _finished(claims, "first", folder, at=100.0)
+    claims.open_window("second", "http://a", [str(tmp_path)], 100.6)
+    assert (claims.held_by_other(folder, "second"), claims.claim("second", [str(folder)]),
+            claims.owner(folder)) == (None, [], "second")
+
+
+def test_another_servers_folder_never_passes(tmp_path):
+    claims = ClaimRegistry()
+    folder = tmp_path / "f"
+    _finished(claims, "first", folder, at=100.0)
+    claims.open_window("second", "http://b", [str(tmp_path)], 100.6)
+    assert claims.held_by_other(folder, "second") == "first"

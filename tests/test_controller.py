@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.control.claims import ClaimRegistry
 from sidecar.control.controller import CaptureController, ControlSettings
 from sidecar.control.models import CaptureState, StopReason, Verdict
 from sidecar.errors import (
@@ -24,7 +25,7 @@ from sidecar.errors import (
 from sidecar.upstream.server import UpstreamServer
 from tests.fixtures.control import FakeOmni
 
-FAST = ControlSettings(collect_timeout_s=10, settle_s=0.1, poll_s=0.02)
+FAST = ControlSettings(collect_timeout_s=10, poll_s=0.02, gone_poll_s=0.05, gone_after_s=0.5, close_timeout_s=5)
 
 
 @pytest.fixture
@@ -220,24 +221,95 @@ async def test_failed_start_frees_the_slot(ctl, fake_omni):
 # --- stop faults --------------------------------------------------------------------------
 
 
-async def test_hung_stop_fails_when_budget_ends(fake_omni, control_deploy):
-    fake_omni.stop_delay = 30
-    up = UpstreamServer(fake_omni.url, stop_budget_s=0.5)
-    async with up, CaptureController(up, control_deploy, settings=FAST) as c:
-        cap = await c.start([0])
-        await c.stop(cap.id)
-        done = await c.wait(cap.id, timeout=10)
-    assert (done.state, done.errors[-1].code) == (CaptureState.failed, "upstream_timeout")
+async def _until(cond, timeout: float = 30.0) -> bool:
+    for _ in range(int(timeout / 0.05)):
+        if cond():
+            return True
+        await asyncio.sleep(0.05)
+    return cond()
 
 
-async def test_hung_stop_reason_says_what_to_do(fake_omni, control_deploy):
+def _hung(fake_omni, budget: float = 0.5, read: float = 60):
+    from sidecar.upstream.server import UpstreamTimeouts
+
+    return UpstreamServer(fake_omni.url, stop_budget_s=budget, timeouts=UpstreamTimeouts(stop=read),
+                          retry_wait_max_s=0.05)
+
+
+async def test_stop_past_its_budget_stays_stopping_with_what_was_found(fake_omni, control_deploy):
     fake_omni.stop_delay = 30
-    up = UpstreamServer(fake_omni.url, stop_budget_s=0.5)
-    async with up, CaptureController(up, control_deploy, settings=FAST) as c:
+    async with _hung(fake_omni) as up, CaptureController(up, control_deploy, settings=FAST) as c:
         cap = await c.start([0])
         await c.stop(cap.id)
-        done = await c.wait(cap.id, timeout=10)
-    assert "POST /stop_profile" in done.errors[-1].message
+        await _until(lambda: c.get(cap.id).verdicts)
+        held = c.get(cap.id)
+        fake_omni.stop_delay = 0  # let close() end it
+    assert (held.state, held.errors[-1].code, held.verdict(0).reason.startswith(
+        "stop timed out after 0.5s; found so far: no trace")) == (CaptureState.stopping, "upstream_timeout", True)
+
+
+async def test_start_while_a_stop_is_unanswered_is_refused_naming_why(fake_omni, control_deploy):
+    from sidecar.errors import CaptureStopPending
+
+    fake_omni.stop_delay = 30
+    async with _hung(fake_omni) as up, CaptureController(up, control_deploy, settings=FAST) as c:
+        cap = await c.start([0])
+        await c.stop(cap.id)
+        await _until(lambda: c.get(cap.id).verdicts)
+        with pytest.raises(CaptureStopPending) as err:
+            await c.start([0])
+        fake_omni.stop_delay = 0
+    assert (err.value.details["active_id"], err.value.details["stop_timed_out"], err.value.http_status,
+            "outlived the stop budget" in err.value.message) == (cap.id, True, 409, True)
+
+
+async def test_a_late_answer_ends_the_held_stop_with_the_real_verdicts(fake_omni, control_deploy):
+    fake_omni.stop_delay = 1.5
+    async with _hung(fake_omni, read=10) as up, CaptureController(up, control_deploy, settings=FAST) as c:
+        cap = await c.start([0])
+        await c.stop(cap.id)
+        done = await c.wait(cap.id, timeout=30)
+    assert (done.state, done.verdict(0).verdict, [e.code for e in done.errors]) == (
+        CaptureState.completed, Verdict.ok, ["upstream_timeout"])
+
+
+async def test_server_gone_during_stop_fails_with_the_reason_and_frees_the_slot(fake_omni, control_deploy):
+    fake_omni.stop_delay = 30
+    async with _hung(fake_omni, budget=600) as up, CaptureController(up, control_deploy, settings=FAST) as c:
+        cap = await c.start([0])
+        await c.stop(cap.id)
+        await asyncio.to_thread(fake_omni.server.shutdown)
+        fake_omni.server.server_close()  # the port refuses connections now, like a crashed server
+        done = await c.wait(cap.id, timeout=30)
+        with pytest.raises(UpstreamError) as again:
+            await c.start([0])  # the slot is free: the next start reaches for the (dead) server
+    assert (done.state, done.errors[-1].code, "not reachable" in done.errors[-1].message,
+            type(again.value).__name__) == (CaptureState.failed, "upstream_gone", True, "UpstreamUnreachable")
+
+
+async def test_server_gone_during_stop_still_checks_the_traces(fake_omni, control_deploy):
+    fake_omni.stop_delay = 30
+    async with _hung(fake_omni, budget=600) as up, CaptureController(up, control_deploy, settings=FAST) as c:
+        cap = await c.start([0])
+        await c.stop(cap.id)
+        await asyncio.to_thread(fake_omni.server.shutdown)
+        fake_omni.server.server_close()
+        done = await c.wait(cap.id, timeout=30)
+    assert (done.verdict(0).verdict, done.verdict(0).reason.startswith("the server went away during the stop")) == (
+        Verdict.missing, True)
+
+
+async def test_start_cancelled_during_its_rollback_frees_the_slot(ctl, fake_omni):
+    fake_omni.start_status = 500
+    fake_omni.stop_delay = 1.0
+    task = asyncio.create_task(ctl.start([0]))
+    await _until(lambda: bool(fake_omni.stops()))
+    cid = ctl.active.id
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _until(lambda: ctl.active is None)
+    assert (ctl.active, ctl.get(cid).state) == (None, CaptureState.failed)
 
 
 async def test_transient_stop_errors_are_retried(ctl, fake_omni):
@@ -253,17 +325,43 @@ async def test_dead_stage_is_missing_and_capture_degraded(ctl, fake_omni):
         CaptureState.degraded, Verdict.ok, Verdict.missing)
 
 
-async def test_stage_without_trace_is_empty(ctl, fake_omni):
+async def test_folder_without_trace_after_a_200_stop_is_missing(ctl, fake_omni):
     fake_omni.empty_stages = {0}
     done = await _run(ctl, stages=[0])
-    assert (done.state, done.verdict(0).verdict) == (CaptureState.degraded, Verdict.empty)
+    assert (done.state, done.verdict(0).verdict, "died or failed during the window" in done.verdict(0).reason) == (
+        CaptureState.degraded, Verdict.missing, True)
 
 
-async def test_non_ok_verdict_has_a_reason(ctl, fake_omni, control_deploy):
+async def test_dead_worker_with_a_200_stop_is_missing_naming_the_worker(ctl, fake_omni, control_deploy):
     Path(control_deploy.stage(0).profiler_dir).parent.mkdir(parents=True)
     fake_omni.dead_stages = {0}
     done = await _run(ctl, stages=[0])
-    assert "no new session folder" in done.verdict(0).reason
+    assert (done.errors, done.verdict(0).verdict, "dead or restarted worker" in done.verdict(0).reason) == (
+        [], Verdict.missing, True)
+
+
+async def test_stop_500_still_collects_and_blames_the_stage(ctl, fake_omni):
+    fake_omni.dead_stages = {2}
+    fake_omni.stop_status = 500
+    done = await _run(ctl, stages=[0, 2])
+    assert (done.state, done.verdict(2).verdict, "the stop failed on the server" in done.verdict(2).reason) == (
+        CaptureState.degraded, Verdict.missing, True)
+
+
+async def test_idle_window_is_empty_and_still_listed(ctl, fake_omni):
+    fake_omni.idle_stages = {0}
+    done = await _run(ctl, stages=[0])
+    v = done.verdict(0)
+    assert (done.state, v.verdict, v.reason.startswith("no request ran in the window"),
+            [f.name for f in v.sessions[0].files][-1]) == (
+        CaptureState.degraded, Verdict.empty, True, "trace_rank0.json.gz")
+
+
+async def test_idle_trace_is_downloadable(ctl, fake_omni):
+    fake_omni.idle_stages = {0}
+    done = await _run(ctl, stages=[0])
+    folder = Path(done.verdict(0).sessions[0].path).name
+    assert ctl.artifact_path(done.id, f"{folder}/trace_rank0.json.gz").is_file()
 
 
 async def test_stop_during_start_takes_effect_once_started(ctl, fake_omni):
@@ -381,12 +479,14 @@ async def test_list_is_newest_first(ctl):
 
 async def test_journal_file_is_json_per_capture(ctl, tmp_path):
     done = await _run(ctl, stages=[0])
+    await ctl.flush()
     data = json.loads((tmp_path / "state" / "captures" / f"{done.id}.json").read_text())
     assert (data["id"], data["state"]) == (done.id, "completed")
 
 
 async def test_journal_never_holds_secrets(ctl, fake_omni, tmp_path):
     await ctl.start([0], label="run HF_TOKEN=hf_abcdefghijklmnopqrstuvwx")
+    await ctl.flush()
     text = "".join(p.read_text() for p in (tmp_path / "state" / "captures").glob("*.json"))
     assert "hf_abcdefghijklmnopqrstuvwx" not in text
 
@@ -451,6 +551,16 @@ async def test_corrupt_journal_file_is_set_aside(upstream, control_deploy, tmp_p
     async with CaptureController(upstream, control_deploy, state_dir=tmp_path / "s", settings=FAST) as c:
         listed = c.list()
     assert (listed, (d / "bad.json.bad").exists()) == ([], True)
+
+
+async def test_the_baseline_is_journaled_before_the_server_is_asked_to_start(ctl, fake_omni, tmp_path):
+    fake_omni.start_delay = 1.0
+    task = asyncio.create_task(ctl.start([0]))
+    await _until(lambda: bool(fake_omni.starts()))
+    files = list((tmp_path / "state" / "captures").glob("*.json"))
+    data = json.loads(files[0].read_text())
+    await task
+    assert (data["state"], [w["stage_id"] for w in data["_recovery"]["watches"]]) == ("starting", [0])
 
 
 # --- artifact downloads -------------------------------------------------------------------
@@ -528,3 +638,204 @@ async def test_summary_failure_leaves_the_verdict_alone(ctl, monkeypatch):
     done = await _run(ctl, stages=[0])
     await asyncio.sleep(0.2)
     assert (ctl.get(done.id).state, ctl.summary(done.id)) == (CaptureState.completed, None)
+
+
+# --- expected counts ----------------------------------------------------------------------
+
+
+async def _one(deploy, stages, *, fake_setup=None, **start):
+    with FakeOmni(deploy) as fake:
+        if fake_setup:
+            fake_setup(fake)
+        async with UpstreamServer(fake.url) as up, CaptureController(up, deploy, settings=FAST,
+                                                                     claims=ClaimRegistry()) as c:
+            return await _run(c, stages=stages, **start)
+
+
+async def test_llm_stage_with_two_replicas_is_partial_naming_the_overwritten_replica(tmp_path):
+    from tests.fixtures.control import make_deploy
+
+    deploy = make_deploy(tmp_path / "t", {0: "torch"}, replicas={0: 2})
+    done = await _one(deploy, [0], fake_setup=lambda f: f.replicas.update({0: 2}))
+    v = done.verdict(0)
+    assert (done.state, v.verdict, v.expected_traces, v.found_traces,
+            "replica 1's trace was overwritten by replica 0's" in v.reason) == (
+        CaptureState.degraded, Verdict.partial, 2, 1, True)
+
+
+async def test_diffusion_replicas_each_write_their_folder_and_are_ok(tmp_path):
+    from sidecar.config.models import StageKind
+    from tests.fixtures.control import make_deploy
+
+    deploy = make_deploy(tmp_path / "t", {0: "torch"}, kinds={0: StageKind.diffusion}, replicas={0: 2})
+    done = await _one(deploy, [0], fake_setup=lambda f: f.replicas.update({0: 2}))
+    assert (done.verdict(0).verdict, done.verdict(0).found_traces, len(done.verdict(0).sessions)) == (Verdict.ok, 2, 2)
+
+
+async def test_a_lost_diffusion_replica_is_named(tmp_path):
+    from sidecar.config.models import StageKind
+    from tests.fixtures.control import make_deploy
+
+    deploy = make_deploy(tmp_path / "t", {0: "torch"}, kinds={0: StageKind.diffusion}, replicas={0: 2})
+
+    def setup(f):
+        f.replicas[0] = 2
+        f.lost_replicas[0] = {1}
+
+    done = await _one(deploy, [0], fake_setup=setup)
+    assert (done.verdict(0).verdict, "replica(s) [1] wrote no trace" in done.verdict(0).reason) == (
+        Verdict.partial, True)
+
+
+# --- identity -----------------------------------------------------------------------------
+
+
+async def test_a_stage_told_shared_is_ambiguous_never_ok(ctl):
+    done = await _run(ctl, stages=[0, 2], shared_stages={0: "http://10.0.0.9:8000"})
+    assert (done.verdict(0).verdict, "http://10.0.0.9:8000" in done.verdict(0).reason, done.verdict(2).verdict) == (
+        Verdict.ambiguous, True, Verdict.ok)
+
+
+async def test_a_shared_dir_from_settings_is_ambiguous(fake_omni, upstream, control_deploy):
+    d = control_deploy.stage(0).profiler_dir
+    settings = FAST.model_copy(update={"shared_profiler_dirs": {d: "replica 1"}})
+    async with CaptureController(upstream, control_deploy, settings=settings, claims=ClaimRegistry()) as c:
+        done = await _run(c, stages=[0])
+    assert done.verdict(0).verdict is Verdict.ambiguous
+
+
+async def test_two_servers_writing_one_dir_at_once_are_both_ambiguous(tmp_path, control_deploy):
+    claims = ClaimRegistry()  # what the controllers of one process (a fleet) share
+    with FakeOmni(control_deploy) as a, FakeOmni(control_deploy) as b:
+        async with UpstreamServer(a.url) as ua, UpstreamServer(b.url) as ub, \
+                CaptureController(ua, control_deploy, settings=FAST, claims=claims) as ca, \
+                CaptureController(ub, control_deploy, settings=FAST, claims=claims) as cb:  # fmt: skip
+            xa, xb = await ca.start([0]), await cb.start([0])
+            await ca.stop(xa.id)
+            await cb.stop(xb.id)
+            da, db = await ca.wait(xa.id, timeout=20), await cb.wait(xb.id, timeout=20)
+    assert (da.verdict(0).verdict, db.verdict(0).verdict) == (Verdict.ambiguous, Verdict.ambiguous)
+
+
+async def test_a_folder_opened_by_someone_elses_later_start_is_not_claimed(ctl, control_deploy):
+    import time as _time
+
+    cap = await ctl.start([0])
+    later = int(_time.time()) + 60  # another client's start, a minute into our window
+    foreign = Path(control_deploy.stage(0).profiler_dir) / f"20991231-000000_stage0_rank0_{later}"
+    foreign.mkdir(parents=True)
+    (foreign / "trace_rank0.json.gz").write_bytes(b"x")
+    await ctl.stop(cap.id)
+    done = await ctl.wait(cap.id, timeout=20)
+    names = [Path(s.path).name for s in done.verdict(0).sessions]
+    assert (done.verdict(0).verdict, foreign.name in names) == (Verdict.ok, False)
+
+
+async def test_a_folder_the_server_reuses_in_the_same_second_goes_to_the_new_capture(ctl, fake_omni):
+    import time as _time
+
+    fake_omni.name_time = _time.time()  # both starts name their folder with the same second
+    first = await _run(ctl, stages=[0])
+    second = await _run(ctl, stages=[0])
+    assert (first.verdict(0).verdict, second.verdict(0).verdict, second.verdict(0).sessions[0].path) == (
+        Verdict.ok, Verdict.ok, first.verdict(0).sessions[0].path)
+
+
+async def test_a_folder_claimed_by_another_capture_is_not_taken(fake_omni, upstream, control_deploy):
+    claims = ClaimRegistry()
+    async with CaptureController(upstream, control_deploy, settings=FAST, claims=claims) as c:
+        cap = await c.start([0])
+        d = Path(control_deploy.stage(0).profiler_dir)
+        ours = next(d.iterdir())
+        claims.claim("someone-else", [str(ours)])
+        await c.stop(cap.id)
+        done = await c.wait(cap.id, timeout=20)
+    assert (done.verdict(0).verdict, "claimed by capture someone-else" in done.verdict(0).reason) == (
+        Verdict.missing, True)
+
+
+# --- plain vLLM (flat dir) ----------------------------------------------------------------
+
+
+async def test_plain_vllm_table_download_returns_what_this_capture_saw(control_deploy, tmp_path):
+    from sidecar.upstream.server import Flavor
+
+    with FakeOmni(control_deploy) as fake:
+        fake.flat = True
+        async with UpstreamServer(fake.url, flavor=Flavor.vllm) as up, \
+                CaptureController(up, control_deploy, state_dir=tmp_path / "s", settings=FAST,
+                                  claims=ClaimRegistry()) as c:  # fmt: skip
+            first = await _run(c, stages=[0])
+            await _run(c, stages=[0])  # rewrites profiler_out_0.txt in place
+            folder = Path(first.verdict(0).sessions[0].path).name
+            text = c.artifact_path(first.id, f"{folder}/profiler_out_0.txt").read_text()
+    assert (first.verdict(0).verdict, text) == (Verdict.ok, "table of stop 1\n")
+
+
+async def test_plain_vllm_second_capture_lists_only_its_own_trace(control_deploy, tmp_path):
+    from sidecar.upstream.server import Flavor
+
+    with FakeOmni(control_deploy) as fake:
+        fake.flat = True
+        async with UpstreamServer(fake.url, flavor=Flavor.vllm) as up, \
+                CaptureController(up, control_deploy, settings=FAST, claims=ClaimRegistry()) as c:  # fmt: skip
+            first = await _run(c, stages=[0])
+            second = await _run(c, stages=[0])
+    traces = [[f.name for f in v.sessions[0].files if f.name.endswith(".gz")] for v in (first.verdict(0),
+                                                                                        second.verdict(0))]
+    assert (len(traces[0]), len(traces[1]), traces[0] != traces[1]) == (1, 1, True)
+
+
+async def test_plain_vllm_idle_window_is_empty(control_deploy):
+    from sidecar.upstream.server import Flavor
+
+    with FakeOmni(control_deploy) as fake:
+        fake.flat = True
+        fake.idle_stages = {0}
+        async with UpstreamServer(fake.url, flavor=Flavor.vllm) as up, \
+                CaptureController(up, control_deploy, settings=FAST, claims=ClaimRegistry()) as c:  # fmt: skip
+            done = await _run(c, stages=[0])
+    assert (done.verdict(0).verdict, done.verdict(0).reason.startswith("no request ran in the window")) == (
+        Verdict.empty, True)
+
+
+# --- nsys ---------------------------------------------------------------------------------
+
+
+async def test_nsys_capture_targets_cuda_stages_and_says_how_to_wrap_the_server(tmp_path):
+    from tests.fixtures.control import make_deploy
+
+    deploy = make_deploy(tmp_path / "t", {0: "torch", 1: "cuda"})
+    done = await _one(deploy, None, kind="nsys")
+    v = done.verdict(1)
+    assert (done.kind.value, done.stages, v.verdict, "nsys profile" in v.reason, ".nsys-rep" in v.reason) == (
+        "nsys", [1], Verdict.unverified, True, True)
+
+
+async def test_torch_capture_refuses_cuda_stages(tmp_path):
+    from tests.fixtures.control import make_deploy
+
+    deploy = make_deploy(tmp_path / "t", {0: "torch", 1: "cuda"})
+    with FakeOmni(deploy) as fake:
+        async with UpstreamServer(fake.url) as up, CaptureController(up, deploy, settings=FAST) as c:
+            with pytest.raises(StageSelectionError) as err:
+                await c.start([1])
+    assert (err.value.code, fake.calls) == ("stage_not_torch", [])
+
+
+async def test_nsys_capture_refuses_torch_stages(tmp_path):
+    from tests.fixtures.control import make_deploy
+
+    deploy = make_deploy(tmp_path / "t", {0: "torch", 1: "cuda"})
+    with FakeOmni(deploy) as fake:
+        async with UpstreamServer(fake.url) as up, CaptureController(up, deploy, settings=FAST) as c:
+            with pytest.raises(StageSelectionError) as err:
+                await c.start([0], kind="nsys")
+    assert (err.value.code, fake.calls) == ("stage_not_cuda", [])
+
+
+async def test_capture_kind_is_journaled(ctl, tmp_path):
+    done = await _run(ctl, stages=[0])
+    await ctl.flush()
+    data = json.loads((tmp_path / "state" / "captures" / f"{done.id}.json").read_text())
+    assert data["kind"] == "torch"

@@ -47,6 +47,21 @@ async def test_probe_of_dead_server_is_unhealthy():
     assert not result.healthy and "not reachable" in result.reason
 
 
+async def test_probe_of_dead_server_is_unreachable():
+    async with UpstreamServer(f"http://127.0.0.1:{_free_port()}") as up:
+        result = await up.probe()
+    assert result.reachable is False
+
+
+@respx.mock
+async def test_probe_of_a_server_too_busy_to_answer_is_reachable():
+    # A server flushing a long stop may not answer /health in time: not gone.
+    respx.get(f"{BASE}/health").mock(side_effect=httpx.ReadTimeout("busy"))
+    async with UpstreamServer(BASE) as up:
+        result = await up.probe()
+    assert (result.healthy, result.reachable) == (False, True)
+
+
 async def test_start_sends_explicit_stage_list(fake_omni):
     async with UpstreamServer(fake_omni.url) as up:
         await up.start_profile([0, 2])

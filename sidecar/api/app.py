@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from fastapi import Body, Depends, FastAPI, Query, Response
 from fastapi.responses import FileResponse, JSONResponse
@@ -60,6 +60,9 @@ class CaptureRequest(BaseModel):
     label: str | None = Field(default=None, max_length=200)
     duration_s: float | None = Field(default=None, gt=0, description="stop automatically after this many seconds")
     lease_s: float | None = Field(default=None, gt=0, description="stop unless a heartbeat arrives within this")
+    kind: Literal["torch", "nsys"] = Field(
+        default="torch", description="torch: trace files the sidecar checks; nsys: `profiler: cuda` stages"
+    )
 
 
 class CompatProfileRequest(BaseModel):
@@ -212,7 +215,9 @@ def create_app(
                    503: openapi_error(UpstreamUnreachable, SidecarClosing)},
     )
     async def start_capture(req: CaptureRequest = Body(default_factory=CaptureRequest)) -> JSONResponse:
-        cap = await controller.start(req.stages, label=req.label, duration_s=req.duration_s, lease_s=req.lease_s)
+        cap = await controller.start(
+            req.stages, label=req.label, duration_s=req.duration_s, lease_s=req.lease_s, kind=req.kind
+        )
         return capture_response(cap, 201)
 
     @app.get("/v1/captures", tags=["captures"], summary="Captures, newest first (survives restarts), a page at a time")

@@ -49,6 +49,44 @@ class Stage(BaseModel):
         # vLLM's default is "" (unset); callers test for None.
         return (self.profiler_config.torch_profiler_dir or None) if self.profiler_config else None
 
+    # --- how many traces one start/stop of this stage writes (DESIGN.md §3 Artifacts) ----------
+
+    @property
+    def replicas(self) -> int:
+        return max(int(self.num_replicas or 1), 1)
+
+    @property
+    def ranks_per_replica(self) -> int:
+        """Workers per replica, each writing its own trace. LLM: tensor x pipeline parallel (every
+        worker rank writes ``<ts>_stage<sid>_rank<rank>_<epoch>/``); diffusion: the product of the
+        ``parallel_config`` degrees (every rank writes ``trace_rank<N>`` into the replica's folder).
+        Unknown or unparsable sizes count as 1: never expect more than the deploy proves."""
+        if self.kind is StageKind.diffusion:
+            pc = self.extras.get("parallel_config")
+            keys = ("tensor_parallel_size", "cfg_parallel_size", "ulysses_degree", "ring_degree")
+            return _product(pc.get(k) for k in keys) if isinstance(pc, dict) else 1
+        return _product(self.extras.get(k) for k in ("tensor_parallel_size", "pipeline_parallel_size"))
+
+    @property
+    def expected_traces(self) -> int:
+        return self.replicas * self.ranks_per_replica
+
+    @property
+    def trace_names_collide(self) -> bool:
+        """vLLM-Omni 0.30 names an LLM worker's folder ``stage<sid>_rank<rank>_<epoch>``: every
+        replica is rank 0 of its own engine and starts within the same second, so the replicas
+        of an LLM stage write one folder name and one trace file (all but one trace is lost).
+        Diffusion folders carry ``rep_<replica>`` and do not collide."""
+        return self.replicas > 1 and self.kind is not StageKind.diffusion
+
+
+def _product(values: Any) -> int:
+    out = 1
+    for v in values:
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            out *= v
+    return out
+
 
 class DeployConfig(BaseModel):
     model_config = ConfigDict(frozen=True)

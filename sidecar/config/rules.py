@@ -9,7 +9,7 @@ from collections import Counter
 
 from sidecar.config.models import DeployConfig, Stage
 from sidecar.config.placeholders import dir_placeholders
-from sidecar.errors import Finding, Severity, StageSelectionError, Where
+from sidecar.errors import Finding, Severity, StageNotCuda, StageSelectionError, Where
 from sidecar.errors import StageDuplicate, StageNotProfiled, StageNotTorch, StageUnknown, StagesEmpty
 
 __all__ = ["select_stages", "validate_deploy", "selection_finding"]
@@ -45,14 +45,25 @@ def check_stage_ids(deploy: DeployConfig, stages: list[int], *, valid: list[int]
         )
 
 
-def select_stages(deploy: DeployConfig, stages: list[int] | None, *, allow_cuda: bool = False) -> list[int]:
+def select_stages(
+    deploy: DeployConfig, stages: list[int] | None, *, allow_cuda: bool = False, kind: str | None = None
+) -> list[int]:
     """The explicit stage list to send upstream (never empty, never ``None``).
 
-    ``None`` means every torch-profiled stage (plus ``cuda`` ones when ``allow_cuda``), listed
-    explicitly. A given list must be non-empty, without duplicates, and name only stages that exist
-    and are profiled with torch (``cuda`` too when ``allow_cuda``, i.e. an nsys capture).
-    Raises ``StageSelectionError`` whose ``details`` name the offending and the valid ids.
+    ``kind`` is the capture's kind: ``"torch"`` (default) takes torch-profiled stages and refuses
+    ``cuda`` ones (``stage_not_torch``, they write no trace files); ``"nsys"`` takes only
+    ``profiler: cuda`` stages (``stage_not_cuda`` otherwise). ``None`` stages means every stage
+    of that kind, listed explicitly. ``allow_cuda`` (validate's mode, no capture kind): torch and
+    cuda stages both. A given list must be non-empty, without duplicates, and name only stages
+    that exist and are profiled that way. Raises ``StageSelectionError`` whose ``details`` name
+    the offending and the valid ids.
     """
+    if kind == "nsys":
+        return _select_nsys(deploy, stages)
+    if kind not in (None, "torch"):
+        raise StageSelectionError.relay(
+            "capture_kind_invalid", f"capture kind must be 'torch' or 'nsys', got {kind!r}", details={"kind": kind}
+        )
     allowed_kinds = ("torch", "cuda") if allow_cuda else ("torch",)
     valid = [s.stage_id for s in deploy.stages if s.profiler in allowed_kinds]
     what = "torch- or cuda-profiled" if allow_cuda else "torch-profiled"
@@ -87,6 +98,28 @@ def select_stages(deploy: DeployConfig, stages: list[int] | None, *, allow_cuda:
         )
         raise StageNotTorch(
             f"stages {kinds} are not profiled with torch; {fix}; torch stages: {valid}",
+            details={"stages": wrong, "valid": valid, "profilers": {str(k): v for k, v in kinds.items()}},
+        )
+    return list(stages)
+
+
+def _select_nsys(deploy: DeployConfig, stages: list[int] | None) -> list[int]:
+    valid = [s.stage_id for s in deploy.stages if s.profiler == "cuda"]
+    if stages is None:
+        if not valid:
+            raise StageNotCuda(
+                "no stage is profiled with `profiler: cuda`, so an nsys capture has nothing to target; "
+                "render the nsys preset (`omni-sidecar render --profile nsys`) for the stages to capture",
+                details={"stages": [], "valid": valid, "known": deploy.stage_ids},
+            )
+        return list(valid)
+    check_stage_ids(deploy, stages, valid=valid)
+    wrong = [s for s in stages if deploy.stage(s).profiler != "cuda"]  # type: ignore[union-attr]
+    if wrong:
+        kinds = {s: deploy.stage(s).profiler for s in wrong}  # type: ignore[union-attr]
+        raise StageNotCuda(
+            f"an nsys capture targets `profiler: cuda` stages only; stages {kinds} are not (a torch "
+            f"stage is captured with kind 'torch'); cuda stages: {valid}",
             details={"stages": wrong, "valid": valid, "profilers": {str(k): v for k, v in kinds.items()}},
         )
     return list(stages)

@@ -2,10 +2,12 @@
 journal, recovery) and the artifact finder/checker. Library only; the surfaces call it.
 """
 
+from sidecar.control.claims import CLAIMS, ClaimRegistry
 from sidecar.control.controller import CaptureController, ControlSettings
 from sidecar.control.models import (
     ArtifactFile,
     Capture,
+    CaptureKind,
     CaptureState,
     SessionFolder,
     StageVerdict,
@@ -14,9 +16,12 @@ from sidecar.control.models import (
 )
 
 __all__ = [
+    "CLAIMS",
     "ArtifactFile",
     "Capture",
     "CaptureController",
+    "CaptureKind",
+    "ClaimRegistry",
     "CaptureState",
     "ControlSettings",
     "SessionFolder",

@@ -1,13 +1,14 @@
-"""Artifact finder and checker: snapshot each stage's ``torch_profiler_dir`` before start, find the
-NEW session folders of that stage after stop (LLM and diffusion naming, exact stage id), wait for gzip
-and stable sizes within a bound, then give a per-stage ``StageVerdict``. Filesystem work is sync
-here and run through ``asyncio.to_thread`` by :func:`collect`, so big folders never block the loop.
+"""Artifact finder: snapshot each stage's ``torch_profiler_dir`` before start, then find what a
+capture can prove is its own: entries new (or rewritten) since that baseline, named for the exact
+stage id (LLM and diffusion naming), stamped inside the capture's window, and claimed by no other
+capture. Pure file-system work, sync; :mod:`sidecar.control.collect` runs it in a thread and turns
+it into verdicts.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
+import math
 import os
 import re
 import time
@@ -15,17 +16,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sidecar.config.models import Stage, StageKind
-from sidecar.control.models import ArtifactFile, SessionFolder, StageVerdict, Verdict
+from sidecar.control.claims import ClaimRegistry
+from sidecar.control.models import ArtifactFile, SessionFolder, StageVerdict
 
 # DESIGN.md §3 Artifacts; read from vllm_omni/worker/base.py and diffusion/stage_diffusion_client.py.
 LLM_SESSION = re.compile(r"^\d{8}-\d{6}_stage(?P<sid>\d+)_rank(?P<rank>\d+)_(?P<epoch>\d+)$")
 DIFFUSION_SESSION = re.compile(
     r"^\d{8}-\d{6}_stage_(?P<sid>\d+)_rep_(?P<rep>\d+)_diffusion_(?P<epoch>\d+)$"
 )
-TRACE_FILE = re.compile(r"^trace_rank\d+\.json(\.gz)?$")
+TRACE_FILE = re.compile(r"^trace_rank(?P<rank>\d+)\.json(\.gz)?$")
 # Plain vLLM (flavor vllm): torch's tensorboard_trace_handler writes straight into the dir, gzipped
-# inline: ``<worker>.<ms>.pt.trace.json[.gz]`` (vllm/profiler/wrapper.py).
-VLLM_TRACE_FILE = re.compile(r"^.+\.pt\.trace\.json(\.gz)?$")
+# inline before stop answers: worker ``<id>-rank-<r>.<ns>.pt.trace.json.gz`` and front-end
+# ``<host>_<pid>.async_llm.<ns>.pt.trace.json.gz`` (vllm/profiler/wrapper.py, torch.profiler).
+VLLM_TRACE_FILE = re.compile(r"^.+\.(?P<stamp>\d+)\.pt\.trace\.json(\.gz)?$")
+VLLM_FRONTEND_TRACE = re.compile(r"^.+\.async_llm\.\d+\.pt\.trace\.json(\.gz)?$")
+# Rewritten in place by every later stop: copied into the capture's state folder at collect time.
 VLLM_TABLE_FILE = re.compile(r"^profiler_out_\d+\.txt$")
 _URI = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
@@ -42,6 +47,19 @@ def session_stage(name: str, kind: StageKind = StageKind.unknown) -> int | None:
         if m:
             return int(m.group("sid"))
     return None
+
+
+def is_trace(name: str) -> bool:
+    base = os.path.basename(name)
+    return bool(TRACE_FILE.match(base) or VLLM_TRACE_FILE.match(base))
+
+
+def is_worker_trace(name: str, flat: bool) -> bool:
+    """A trace that counts towards the stage's expected count (plain vLLM's front-end trace does not)."""
+    base = os.path.basename(name)
+    if flat:
+        return bool(VLLM_TRACE_FILE.match(base)) and not VLLM_FRONTEND_TRACE.match(base)
+    return bool(TRACE_FILE.match(base))
 
 
 def map_server_path(server_path: str, roots: dict[str, str]) -> Path | None:
@@ -63,9 +81,37 @@ def map_server_path(server_path: str, roots: dict[str, str]) -> Path | None:
     return Path(os.path.abspath(path))
 
 
+@dataclass(frozen=True)
+class Window:
+    """Wall-clock seconds of a capture: ``opened`` just before start was sent, ``started`` when the
+    server accepted it, ``closed`` when it answered the stop (None: not yet, or never)."""
+
+    opened: float
+    started: float | None = None
+    closed: float | None = None
+    skew_s: float = 2.0  # clock skew allowed between the server's stamps and ours
+
+    def session_epoch_ok(self, epoch: int) -> bool:
+        # A worker stamps its folder with int(time.time()) while handling *our* start.
+        upper = self.started if self.started is not None else (self.closed or time.time())
+        return math.floor(self.opened) - self.skew_s <= epoch <= upper + self.skew_s
+
+    def stamp_ok(self, seconds: float) -> bool:
+        # A plain-vLLM trace is stamped when written: at stop, or mid-window at max_iterations.
+        upper = self.closed if self.closed is not None else time.time()
+        return self.opened - self.skew_s <= seconds <= upper + self.skew_s
+
+
+def stamp_seconds(digits: str) -> float:
+    """``time.time_ns()`` (19 digits) or milliseconds (13) or seconds (10) in a name, as seconds."""
+    value = int(digits)
+    return value / 10 ** max(len(digits) - 10, 0)
+
+
 @dataclass
 class StageWatch:
-    """One targeted stage: where its folders are, and what was there before start."""
+    """One targeted stage: where its folders are, what was there before start, how many traces
+    one window writes, and whether another server writes into the same folder."""
 
     stage_id: int
     kind: StageKind
@@ -77,6 +123,15 @@ class StageWatch:
     baseline: dict[str, str] | None = None
     baseline_visible: bool = False
     flat: bool = False  # plain vLLM layout: trace files directly in the dir, no session folders
+    profiler: str = "torch"
+    replicas: int = 1
+    ranks: int = 1  # per replica
+    names_collide: bool = False  # LLM replicas write one folder name (vLLM-Omni 0.30)
+    shared_with: str | None = None  # who else writes into this folder (told by fleet/settings)
+
+    @property
+    def expected_traces(self) -> int:
+        return self.replicas * self.ranks
 
     def to_json(self) -> dict:
         return {
@@ -88,6 +143,11 @@ class StageWatch:
             "baseline": dict(sorted(self.baseline.items())) if self.baseline is not None else None,
             "baseline_visible": self.baseline_visible,
             "flat": self.flat,
+            "profiler": self.profiler,
+            "replicas": self.replicas,
+            "ranks": self.ranks,
+            "names_collide": self.names_collide,
+            "shared_with": self.shared_with,
         }
 
     @classmethod
@@ -101,6 +161,11 @@ class StageWatch:
             baseline=_baseline_from_json(data.get("baseline")),
             baseline_visible=bool(data.get("baseline_visible", False)),
             flat=bool(data.get("flat", False)),
+            profiler=str(data.get("profiler", "torch")),
+            replicas=max(int(data.get("replicas", 1)), 1),
+            ranks=max(int(data.get("ranks", 1)), 1),
+            names_collide=bool(data.get("names_collide", False)),
+            shared_with=data.get("shared_with"),
         )
 
 
@@ -116,8 +181,12 @@ def _baseline_from_json(raw: object) -> dict[str, str] | None:
 _REUSE_WINDOW_S = 120
 
 
+def _session_match(name: str) -> re.Match[str] | None:
+    return LLM_SESSION.match(name) or DIFFUSION_SESSION.match(name)
+
+
 def _session_epoch(name: str) -> int:
-    m = LLM_SESSION.match(name) or DIFFUSION_SESSION.match(name)
+    m = _session_match(name)
     return int(m.group("epoch")) if m else 0
 
 
@@ -145,26 +214,7 @@ def _file_digest(entry: os.DirEntry) -> str:
     return f"{st.st_size}:{st.st_mtime_ns}"
 
 
-def _scan_flat(watch: StageWatch, local: Path) -> _Scan:
-    baseline = watch.baseline or {}
-    files: list[ArtifactFile] = []
-    with os.scandir(local) as it:
-        for e in sorted(it, key=lambda e: e.name):
-            if not (VLLM_TRACE_FILE.match(e.name) or VLLM_TABLE_FILE.match(e.name)):
-                continue
-            if not e.is_file(follow_symlinks=False) or baseline.get(e.name) == _file_digest(e):
-                continue  # there before start and untouched since
-            try:
-                files.append(ArtifactFile(name=e.name, size=e.stat(follow_symlinks=False).st_size))
-            except OSError:
-                continue
-    result = _Scan(visible=True)
-    if any(VLLM_TRACE_FILE.match(f.name) for f in files):
-        result.sessions.append(SessionFolder(path=watch.server_dir or str(local), local_path=str(local), files=files))
-    return result
-
-
-def watch_stage(stage: Stage, roots: dict[str, str], *, flat: bool = False) -> StageWatch:
+def watch_stage(stage: Stage, roots: dict[str, str], *, flat: bool = False, shared_with: str | None = None) -> StageWatch:
     server_dir = stage.profiler_dir
     pc = stage.profiler_config
     return StageWatch(
@@ -174,6 +224,12 @@ def watch_stage(stage: Stage, roots: dict[str, str], *, flat: bool = False) -> S
         server_dir=server_dir,
         local_dir=map_server_path(server_dir, roots) if server_dir else None,
         use_gzip=pc.torch_profiler_use_gzip if pc is not None else True,
+        profiler=stage.profiler or "torch",
+        # A plain vLLM server is one engine: its ranks, not replicas of a stage.
+        replicas=1 if flat else stage.replicas,
+        ranks=stage.ranks_per_replica,
+        names_collide=False if flat else stage.trace_names_collide,
+        shared_with=shared_with,
     )
 
 
@@ -183,7 +239,7 @@ def snapshot(watch: StageWatch) -> StageWatch:
     same folder name (second-resolution timestamp and epoch), and the server then reuses it."""
     names: dict[str, str] = {}
     visible = False
-    if watch.local_dir is not None:
+    if watch.local_dir is not None and watch.profiler == "torch":
         try:
             with os.scandir(watch.local_dir) as it:
                 recent = time.time() - _REUSE_WINDOW_S
@@ -208,17 +264,20 @@ def snapshot(watch: StageWatch) -> StageWatch:
 
 
 @dataclass
-class _Scan:
+class Scan:
+    """What one look at a stage's folder found for this capture."""
+
     visible: bool
     dir_exists: bool = True
     sessions: list[SessionFolder] = field(default_factory=list)
-    gzip_pending: list[str] = field(default_factory=list)  # files still being compressed
+    # New entries this capture does not take, with why (outside the window, another capture's).
+    skipped: list[str] = field(default_factory=list)
 
     def signature(self) -> tuple:
         return tuple((s.path, tuple((f.name, f.size) for f in s.files)) for s in self.sessions)
 
 
-def _list_files(folder: Path) -> list[ArtifactFile]:
+def list_files(folder: Path) -> list[ArtifactFile]:
     out: list[ArtifactFile] = []
     for dirpath, dirnames, filenames in os.walk(folder):  # os.walk does not follow symlinks
         for name in filenames:
@@ -235,129 +294,87 @@ def _list_files(folder: Path) -> list[ArtifactFile]:
     return out
 
 
-def scan(watch: StageWatch) -> _Scan:
-    """The stage's new session folders and their files now (blocking; run in a thread)."""
-    if watch.local_dir is None:
-        return _Scan(visible=False)
+def _scan_flat(watch: StageWatch, local: Path, window: Window | None, claims: ClaimRegistry | None,
+               capture_id: str | None) -> Scan:
+    baseline = watch.baseline or {}
+    files: list[ArtifactFile] = []
+    result = Scan(visible=True)
+    with os.scandir(local) as it:
+        for e in sorted(it, key=lambda e: e.name):
+            trace = VLLM_TRACE_FILE.match(e.name)
+            if not (trace or VLLM_TABLE_FILE.match(e.name)):
+                continue
+            if not e.is_file(follow_symlinks=False) or baseline.get(e.name) == _file_digest(e):
+                continue  # there before start and untouched since
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if window is not None:
+                stamp = stamp_seconds(trace.group("stamp")) if trace else st.st_mtime
+                if not window.stamp_ok(stamp):
+                    result.skipped.append(f"{e.name} (written outside this capture's window)")
+                    continue
+            owner = claims.held_by_other(e.path, capture_id) if claims is not None else None
+            if owner is not None:
+                result.skipped.append(f"{e.name} (claimed by capture {owner})")
+                continue
+            files.append(ArtifactFile(name=e.name, size=st.st_size))
+    if any(VLLM_TRACE_FILE.match(f.name) for f in files):
+        result.sessions.append(SessionFolder(path=watch.server_dir or str(local), local_path=str(local), files=files))
+    return result
+
+
+def scan(watch: StageWatch, window: Window | None = None, claims: ClaimRegistry | None = None,
+         capture_id: str | None = None) -> Scan:
+    """The stage's new session folders (or flat files) that this capture can call its own, and
+    their files now (blocking; run in a thread). ``window`` None: no time check (tests, tools)."""
+    if watch.local_dir is None or watch.profiler != "torch":
+        return Scan(visible=False)
     try:
         with os.scandir(watch.local_dir) as it:
-            entries = [e for e in it if e.is_dir(follow_symlinks=False)]
+            entries = [e for e in it if e.is_dir(follow_symlinks=False)] if not watch.flat else []
     except FileNotFoundError:
         # Never created: the server makes it at the first start of that stage. If its parent is
         # visible we can see the server's files, so the stage made nothing (missing); if not, the
         # path is probably not mounted here (unverified).
-        return _Scan(visible=watch.local_dir.parent.is_dir(), dir_exists=False)
+        return Scan(visible=watch.local_dir.parent.is_dir(), dir_exists=False)
     except OSError:
-        return _Scan(visible=False)
+        return Scan(visible=False)
     if watch.flat:
         try:
-            return _scan_flat(watch, watch.local_dir)
+            return _scan_flat(watch, watch.local_dir, window, claims, capture_id)
         except OSError:
-            return _Scan(visible=False)
+            return Scan(visible=False)
     baseline = watch.baseline or {}
-    result = _Scan(visible=True)
+    result = Scan(visible=True)
     for entry in sorted(entries, key=lambda e: e.name):
         if session_stage(entry.name, watch.kind) != watch.stage_id:
             continue
         if entry.name in baseline and (not baseline[entry.name] or _digest(entry.path) == baseline[entry.name]):
             continue  # there before start and untouched since
+        if window is not None and not window.session_epoch_ok(_session_epoch(entry.name)):
+            result.skipped.append(f"{entry.name} (its start stamp is outside this capture's start; "
+                                  "another client's start, or a late folder of an earlier window)")
+            continue
+        owner = claims.held_by_other(entry.path, capture_id) if claims is not None else None
+        if owner is not None:
+            result.skipped.append(f"{entry.name} (claimed by capture {owner})")
+            continue
         local = Path(entry.path)
-        files = _list_files(local)
-        server_path = (
-            os.path.join(watch.server_dir, entry.name) if watch.server_dir else str(local)
-        )
-        result.sessions.append(SessionFolder(path=server_path, local_path=str(local), files=files))
-        if watch.use_gzip:
-            # gzip -f removes trace_rank<N>.json only once the .gz is complete.
-            result.gzip_pending += [
-                f"{entry.name}/{f.name}" for f in files if TRACE_FILE.match(f.name) and f.name.endswith(".json")
-            ]
+        server_path = os.path.join(watch.server_dir, entry.name) if watch.server_dir else str(local)
+        result.sessions.append(SessionFolder(path=server_path, local_path=str(local), files=list_files(local)))
     return result
 
 
-def _verdict(watch: StageWatch, found: _Scan, timed_out: bool, collect_timeout_s: float) -> StageVerdict:
-    sv = StageVerdict(stage_id=watch.stage_id, profiler_dir=watch.server_dir, sessions=found.sessions)
-    where = watch.server_dir or "<no torch_profiler_dir>"
-    if watch.local_dir is None:
-        sv.verdict = Verdict.unverified
-        sv.reason = (
-            f"stage {watch.stage_id}'s torch_profiler_dir {where} is not a local path the sidecar can "
-            "read; mount it and pass --artifact-root SERVER_PATH=LOCAL_PATH"
-        )
-        return sv
-    if not found.visible:
-        sv.verdict = Verdict.unverified
-        sv.reason = (
-            f"the sidecar cannot see stage {watch.stage_id}'s folder {where} (looked at "
-            f"{watch.local_dir}); if the server runs elsewhere or in a container, mount the folder and "
-            "pass --artifact-root SERVER_PATH=LOCAL_PATH"
-        )
-        return sv
-    if not found.sessions and watch.flat:
-        sv.verdict = Verdict.missing
-        sv.reason = (
-            f"no new *.pt.trace.json[.gz] in {where} after stop: the worker did not start its profiler "
-            "or exported nothing; check the server log"
-        )
-        return sv
-    if not found.sessions:
-        sv.verdict = Verdict.missing
-        absent = "" if found.dir_exists else " (the folder does not even exist)"
-        sv.reason = (
-            f"no new session folder for stage {watch.stage_id} under {where}{absent} after stop: the stage's "
-            "worker did not start its profiler (dead or restarted worker, or a profiler error swallowed "
-            "by the server); check the server log for this stage"
-        )
-        return sv
-    trace = VLLM_TRACE_FILE if watch.flat else TRACE_FILE
-    without_trace = [
-        s.path for s in found.sessions if not any(trace.match(f.name) and f.size > 0 for f in s.files)
-    ]
-    if without_trace:
-        sv.verdict = Verdict.empty
-        sv.reason = (
-            f"stage {watch.stage_id}: session folder(s) {', '.join(without_trace)} hold no non-empty "
-            "trace_rank*.json[.gz]: the profiler started but exported nothing. Either the stage's worker "
-            "died or failed during the window (vLLM-Omni swallows that and still answers SUCCESS: check "
-            "the server log for this stage), a second start opened a fresh folder, or no request reached "
-            "this stage and max_iterations/delay_iterations left nothing to trace"
-        )
-        return sv
-    sv.verdict = Verdict.ok
-    if timed_out and found.gzip_pending:
-        sv.reason = (
-            f"gzip had not finished within {collect_timeout_s:g}s for {', '.join(found.gzip_pending)}; "
-            "the traces are uncompressed or still being compressed"
-        )
-    elif timed_out:
-        sv.reason = f"file sizes were still changing after {collect_timeout_s:g}s; the listing may be incomplete"
-    return sv
+def session_replica(session: SessionFolder) -> int | None:
+    m = DIFFUSION_SESSION.match(os.path.basename(session.path.rstrip("/")))
+    return int(m.group("rep")) if m else None
 
 
-async def collect(
-    watches: list[StageWatch],
-    *,
-    collect_timeout_s: float = 120,
-    settle_s: float = 1.0,
-    poll_s: float = 0.2,
-) -> list[StageVerdict]:
-    """Wait until no trace is still being gzipped and the listing is unchanged for ``settle_s``
-    (bounded by ``collect_timeout_s``), then return a verdict per stage, in ``watches`` order."""
-    deadline = time.monotonic() + collect_timeout_s
-    last_sig: tuple | None = None
-    stable_since = time.monotonic()
-    while True:
-        scans = await asyncio.to_thread(lambda: [scan(w) for w in watches])
-        now = time.monotonic()
-        sig = tuple(s.signature() for s in scans)
-        if sig != last_sig:
-            last_sig, stable_since = sig, now
-        pending = any(s.gzip_pending for s in scans)
-        if not pending and now - stable_since >= settle_s:
-            return [_verdict(w, s, False, collect_timeout_s) for w, s in zip(watches, scans)]
-        if now >= deadline:
-            return [_verdict(w, s, True, collect_timeout_s) for w, s in zip(watches, scans)]
-        await asyncio.sleep(min(poll_s, max(deadline - now, 0.0)) or poll_s)
+def session_rank(session: SessionFolder) -> int | None:
+    m = LLM_SESSION.match(os.path.basename(session.path.rstrip("/")))
+    return int(m.group("rank")) if m else None
 
 
 def trace_paths(verdicts: list[StageVerdict]) -> list[Path]:
@@ -369,8 +386,7 @@ def trace_paths(verdicts: list[StageVerdict]) -> list[Path]:
             if s.local_path is None:
                 continue
             for f in s.files:
-                name = os.path.basename(f.name)
-                if not (TRACE_FILE.match(name) or VLLM_TRACE_FILE.match(name)):
+                if not is_trace(f.name):
                     continue
                 path = Path(s.local_path) / f.name
                 if not path.is_file() and path.suffix == ".json":
@@ -380,22 +396,33 @@ def trace_paths(verdicts: list[StageVerdict]) -> list[Path]:
     return out
 
 
-def resolve_artifact(verdicts: list[StageVerdict], relpath: str) -> Path | None:
-    """``<session folder name>/<file>`` → a local file inside that session folder, or None when it
-    is not one (absolute, ``..``, a folder, absent, not a file the capture listed, a name the OS
-    refuses). Resolved now, at serve time: a session folder replaced by a symlink since the capture,
-    or a file that is a link leaving the folder, is refused."""
+def resolve_artifact(verdicts: list[StageVerdict], relpath: str, copies_root: Path | None = None) -> Path | None:
+    """``<session folder name>/<file>`` → a local file inside that session folder (or this
+    capture's copy of it under ``copies_root``), or None when it is not one (absolute, ``..``, a
+    symlink that leaves the folder, a folder, absent, not a file the capture listed, a name the OS
+    refuses). Resolved at serve time: a session folder replaced by a symlink since the capture is refused."""
     if not relpath or "\x00" in relpath or relpath.startswith(("/", "\\")):
         return None
     parts = Path(relpath).parts
     if len(parts) < 2 or any(p in ("..", ".", "") for p in parts):
         return None
-    name = "/".join(parts[1:])
+    rest = "/".join(parts[1:])
     for v in verdicts:
         for s in v.sessions:
             if s.local_path is None or os.path.basename(s.local_path.rstrip("/")) != parts[0]:
                 continue
-            if name not in {f.name for f in s.files}:
+            listed = next((f for f in s.files if f.name == rest), None)
+            if listed is not None and listed.copy_path is not None:
+                # What this capture saw, not what a later stop rewrote in place.
+                copy = Path(listed.copy_path)
+                try:
+                    if copies_root is None or copy.is_symlink() or not copy.is_file():
+                        return None
+                    real = copy.resolve()
+                except (OSError, ValueError):
+                    return None
+                return real if real.is_relative_to(copies_root.resolve()) else None
+            if listed is None:
                 return None  # only the files this capture listed, not whatever the folder holds now
             try:
                 folder = Path(s.local_path)
@@ -406,21 +433,6 @@ def resolve_artifact(verdicts: list[StageVerdict], relpath: str) -> Path | None:
                 if not target.is_relative_to(root) or not target.is_file():
                     return None
             except (OSError, ValueError):  # e.g. a 300-character name: ENAMETOOLONG
-                return None
-            return target
-    return None
-    parts = Path(relpath).parts
-    if len(parts) < 2 or any(p in ("..", ".", "") for p in parts):
-        return None
-    for v in verdicts:
-        for s in v.sessions:
-            if s.local_path is None or os.path.basename(s.local_path.rstrip("/")) != parts[0]:
-                continue
-            if session_stage(parts[0]) is None and "/".join(parts[1:]) not in {f.name for f in s.files}:
-                return None  # a flat (plain vLLM) dir: only this capture's files, not its neighbours
-            root = Path(s.local_path).resolve()
-            target = (root.joinpath(*parts[1:])).resolve()
-            if not target.is_relative_to(root) or not target.is_file():
                 return None
             return target
     return None

@@ -2,47 +2,63 @@
 (``starting → active → stopping → collecting → completed | degraded | failed``), one capture at a
 time, watchdogs for ``duration_s`` and leases, background stop with artifact checks, and a journal
 that lets a restarted sidecar stop a capture left active. No HTTP framework here: surfaces call it.
+
+The slot stays taken while a stop is unanswered: a stop that outlives its budget is collected as
+"found so far" and held in ``stopping`` until the server answers or is shown gone (unreachable for
+``gone_after_s`` by its readiness probe), so a next capture never races the previous one's files.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import logging
 import math
 import secrets
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from sidecar.config.models import DeployConfig
+from sidecar.config.models import DeployConfig, StageKind
 from sidecar.config.rules import select_stages
 from sidecar.control import artifacts
-from sidecar.control.artifacts import StageWatch
-from sidecar.control.journal import CaptureJournal, atomic_write_text
-from sidecar.scrub import scrub_secrets
-from sidecar.control.models import Capture, CaptureState, ErrorRecord, StageVerdict, StopReason, Verdict
+from sidecar.control.artifacts import StageWatch, Window
+from sidecar.control.claims import CLAIMS, ClaimRegistry
+from sidecar.control.collect import after_stop_error, collect, found_so_far
+from sidecar.control.journal import CaptureJournal
+from sidecar.control.models import (
+    Capture,
+    CaptureKind,
+    CaptureState,
+    ErrorRecord,
+    StageVerdict,
+    StopReason,
+    Verdict,
+)
+from sidecar.control.nsys import nsys_command, nsys_hint
+from sidecar.control.summaries import SUMMARY_TOP, SummaryCache
 from sidecar.errors import (
     ArtifactNotFound,
     CaptureActive,
     CaptureNotFound,
     CaptureStateError,
+    CaptureStopPending,
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
 from sidecar.errors import (
-    CaptureNotTerminal,
     DurationInvalid,
     LeaseInvalid,
     SidecarClosing,
     StageSetMismatch,
-    SummaryUnavailable,
 )
+from sidecar.scrub import scrub_secrets
 from sidecar.upstream.server import Flavor, UpstreamServer
 
 if TYPE_CHECKING:
@@ -51,15 +67,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 OnChange = Callable[[Capture], Any]
-# The summary computed after completion and served by default; other ``top``s are computed on demand.
-SUMMARY_TOP = 20
 _LIVE = (CaptureState.starting, CaptureState.active, CaptureState.stopping, CaptureState.collecting)
 
 
 class ControlSettings(BaseModel):
-    collect_timeout_s: float = Field(default=120, ge=0)  # bound on waiting for gzip / stable sizes
-    settle_s: float = Field(default=1.0, ge=0)  # listing unchanged for this long = done
-    poll_s: float = Field(default=0.2, gt=0)
+    collect_timeout_s: float = Field(default=120, ge=0)  # bound on waiting for gzip after the stop
+    poll_s: float = Field(default=0.05, gt=0)  # how often a pending gzip is looked at
     artifact_roots: dict[str, str] = Field(default_factory=dict)  # SERVER_PATH -> LOCAL_PATH
     default_lease_s: float | None = Field(default=None, gt=0)
     max_duration_s: float | None = Field(default=None, gt=0)
@@ -69,12 +82,21 @@ class ControlSettings(BaseModel):
     summarize: bool = True  # cache a trace summary after completion when sidecar.analysis has one
     keep: int | None = Field(default=None, ge=0)  # finished captures kept in history (None: all)
     keep_days: float | None = Field(default=None, gt=0)  # finished captures older than this are dropped
+    # Clock skew allowed between the server's stamps (folder epoch, file ns) and this process.
+    clock_skew_s: float = Field(default=2.0, ge=0)
+    # A stop ends ``failed`` once the server has been unreachable this long (probed every
+    # ``gone_poll_s``) instead of waiting out the stop budget.
+    gone_after_s: float = Field(default=10.0, gt=0)
+    gone_poll_s: float = Field(default=1.0, gt=0)
+    # Server-side torch_profiler_dirs another server also writes into (-> who), e.g. set by the
+    # fleet when the user overrides the ``profiler_dir_shared`` refusal: those stages are
+    # ``ambiguous``, never ``ok``.
+    shared_profiler_dirs: dict[str, str] = Field(default_factory=dict)
 
     @classmethod
     def from_settings(cls, settings: SidecarSettings) -> ControlSettings:
         return cls(
             collect_timeout_s=settings.collect_timeout_s,
-            settle_s=settings.settle_s,
             artifact_roots=dict(settings.artifact_roots),
             default_lease_s=settings.default_lease_s,
             max_duration_s=settings.max_duration_s,
@@ -91,24 +113,6 @@ def _is_server_error(exc: UpstreamError) -> bool:
     return int(exc.details.get("status", 0)) >= 500
 
 
-def _after_stop_error(v: StageVerdict, stop_error: UpstreamError) -> StageVerdict:
-    """A stage without a trace after a failed stop is ``missing`` for that reason (its worker most
-    likely died), whatever the folder shows; ``ok`` and ``unverified`` stand as found."""
-    if v.verdict in (Verdict.ok, Verdict.unverified):
-        return v
-    return v.model_copy(
-        update={
-            "verdict": Verdict.missing,
-            "reason": (
-                f"stage {v.stage_id} wrote no trace and the stop failed on the server "
-                f"({stop_error.message}): its worker most likely died during the window. Check the "
-                f"server log for stage {v.stage_id} (a crash, an OOM kill) and whether the server still "
-                "serves requests; the other stages' traces are kept"
-            ),
-        }
-    )
-
-
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -121,7 +125,8 @@ def _new_id() -> str:
 class _Runtime:
     """What the controller keeps per live capture beside the record itself."""
 
-    __slots__ = ("watches", "done", "started_mono", "heartbeat_mono", "watchdog", "stopper", "pending_stop")
+    __slots__ = ("watches", "done", "started_mono", "heartbeat_mono", "watchdog", "stopper", "pending_stop",
+                 "stop_timed_out")
 
     def __init__(self) -> None:
         self.watches: list[StageWatch] = []
@@ -131,11 +136,13 @@ class _Runtime:
         self.watchdog: asyncio.Task[None] | None = None
         self.stopper: asyncio.Task[None] | None = None
         self.pending_stop: StopReason | None = None  # stop asked for while still starting
+        self.stop_timed_out = False  # the stop outlived its budget; waiting for the server
 
 
 class CaptureController:
     """One capture at a time on ``upstream``. Call :meth:`open` once before use and
-    :meth:`close` at shutdown. Returned captures are copies; they never change under the caller."""
+    :meth:`close` at shutdown. Returned captures are copies; they never change under the caller.
+    ``claims`` is the process's shared claim registry unless a test passes its own."""
 
     def __init__(
         self,
@@ -144,6 +151,7 @@ class CaptureController:
         *,
         state_dir: Path | None = None,
         settings: ControlSettings | None = None,
+        claims: ClaimRegistry | None = None,
     ) -> None:
         self.upstream = upstream
         self.deploy = deploy
@@ -153,14 +161,17 @@ class CaptureController:
             if state_dir is not None
             else None
         )
+        self.claims = claims if claims is not None else CLAIMS
         self._captures: dict[str, Capture] = {}
         self._rt: dict[str, _Runtime] = {}
         self._busy: list[str] = []  # live capture ids, oldest first (normally at most one)
         self._start_lock = asyncio.Lock()
         self._listeners: list[OnChange] = []
-        self._summary_tasks: set[asyncio.Task[None]] = set()
-        self._summaries: dict[tuple[str, int], dict[str, Any]] = {}  # (capture id, top) -> summary
-        self._summary_locks: dict[str, asyncio.Lock] = {}
+        self._summaries = SummaryCache(self.journal)
+        self._copies: Path | None = Path(state_dir).expanduser() / "artifacts" if state_dir is not None else None
+        self._background: set[asyncio.Task[None]] = set()
+        # Journal writes (two fsyncs each) run in a thread, latest state per capture, off the
+        # event loop and off the caller's path; only the baseline before a start is awaited.
         self._opened = False
         self._closed = False
 
@@ -179,6 +190,8 @@ class CaptureController:
             cap = entry.capture
             self._captures[cap.id] = cap
             if cap.state not in _LIVE:
+                # A finished capture's folders stay its own: no later capture may claim them.
+                self.claims.claim(cap.id, [s.local_path for v in cap.verdicts for s in v.sessions if s.local_path])
                 continue
             rt = self._rt[cap.id] = _Runtime()
             rt.watches = [StageWatch.from_json(w) for w in entry.extra.get("watches", [])]
@@ -195,6 +208,7 @@ class CaptureController:
                 continue
             if not rt.watches:
                 rt.watches = self._watches(cap.stages)  # no baseline: every session folder counts
+            self._open_window(cap, rt)
             self._busy.append(cap.id)
             cap.state = CaptureState.stopping
             cap.stop_reason = StopReason.stopped_on_recovery
@@ -237,8 +251,13 @@ class CaptureController:
             for task in (rt.watchdog, rt.stopper):
                 if task is not None and not task.done():
                     task.cancel()
-        for task in list(self._summary_tasks):
+        for task in list(self._background):
             task.cancel()
+        self._summaries.cancel()
+        await self.flush()
+
+    async def flush(self) -> None:
+        """Until every state change so far is in the journal (its writer thread)."""
         if self.journal is not None:
             await self.journal.flush()
 
@@ -285,18 +304,24 @@ class CaptureController:
         label: str | None = None,
         duration_s: float | None = None,
         lease_s: float | None = None,
+        kind: str | CaptureKind = CaptureKind.torch,
+        shared_stages: Mapping[int, str] | None = None,
     ) -> Capture:
-        """Start a capture of ``stages`` (default: every profiled torch stage, sent explicitly).
+        """Start a capture of ``stages`` (default: every stage of that ``kind``, sent explicitly).
+        ``kind="nsys"`` targets ``profiler: cuda`` stages (verdict ``unverified`` with the nsys
+        wrapper to run under). ``shared_stages`` maps a stage id to who else writes into its
+        folder: those stages end ``ambiguous``, never ``ok``.
         Returns once the upstream accepted (state ``active``, or ``stopping`` when a stop was asked
         for while it was starting). On an upstream failure or an
         ambiguous start the same set is stopped (rollback), the capture ends ``failed`` and the
         upstream error is raised with ``details['capture_id']``."""
         if self._closed:
             raise SidecarClosing("the sidecar is shutting down; start the capture after restart")
+        kind = CaptureKind(kind)
         duration_s, lease_s = self._check_window(duration_s, lease_s)
         # Validation comes before anything reaches the server (DESIGN.md §4), and before the
         # overlap check: a bad stage list is wrong whatever else is running.
-        selected = select_stages(self.deploy, stages, allow_cuda=False)
+        selected = select_stages(self.deploy, stages, kind=kind.value)
         self._refuse_overlap()  # fast path: don't queue behind a start that may take minutes
         async with self._start_lock:
             self._refuse_overlap()
@@ -306,19 +331,20 @@ class CaptureController:
                 label=scrub_secrets(label) if label else None,
                 upstream=scrub_secrets(self.upstream.base_url),  # no URL credentials in the record
                 stages=list(selected),
+                kind=kind,
                 duration_s=duration_s,
                 lease_s=lease_s,
                 created_at=now,
             )
             rt = self._rt[cap.id] = _Runtime()
-            rt.watches = self._watches(cap.stages)
+            rt.watches = self._watches(cap.stages, shared_stages)
             self._captures[cap.id] = cap
             self._busy.append(cap.id)
             try:
                 await asyncio.to_thread(lambda: [artifacts.snapshot(w) for w in rt.watches])
-                self._changed(cap)  # journaled with the baselines before anything can start upstream
-                if self.journal is not None:
-                    await self.journal.flush()
+                self._open_window(cap, rt)
+                self._changed(cap)
+                await self.flush()  # journaled with the baselines before anything can start upstream
                 await self.upstream.start_profile(cap.stages)
             except UpstreamError as exc:
                 await self._rollback(cap, exc.code, exc.message, delivered=not isinstance(exc, UpstreamUnreachable))
@@ -338,6 +364,7 @@ class CaptureController:
                 raise
             cap.state = CaptureState.active
             cap.started_at = cap.last_heartbeat_at = _now()
+            self.claims.mark_started(cap.id, cap.started_at.timestamp())
             rt.started_mono = rt.heartbeat_mono = time.monotonic()
             self._changed(cap)
             if rt.pending_stop is not None:
@@ -347,13 +374,28 @@ class CaptureController:
             return cap.model_copy(deep=True)
 
     def _refuse_overlap(self) -> None:
-        if self._busy:
-            active = self._busy[-1]
-            raise CaptureActive(
-                f"capture {active} is {self._captures[active].state.value} on {self.upstream.base_url}; "
-                f"stop it first (POST /v1/captures/{active}/stop) or wait for it to finish",
-                details={"active_id": active},
+        if not self._busy:
+            return
+        active = self._busy[-1]
+        cap = self._captures[active]
+        if cap.state is CaptureState.stopping and cap.stop_requested_at is not None:
+            waited = (_now() - cap.stop_requested_at).total_seconds()
+            timed_out = self._rt[active].stop_timed_out if active in self._rt else False
+            why = ("its stop outlived the stop budget and the server has not answered it yet"
+                   if timed_out else "the server has not answered its stop yet")
+            raise CaptureStopPending(
+                f"capture {active} is stopping on {self.upstream.base_url}: {why} ({waited:.0f}s so far; the "
+                "server may still be writing its traces). The slot stays taken until the server answers the "
+                f"stop or is shown gone (unreachable for {self.settings.gone_after_s:g}s); wait for it "
+                f"(POST /v1/captures/{active}/stop?wait=true) or check the server",
+                details={"active_id": active, "upstream": self.upstream.base_url,
+                         "stop_requested_at": cap.stop_requested_at.isoformat(), "stop_timed_out": timed_out},
             )
+        raise CaptureActive(
+            f"capture {active} is {cap.state.value} on {self.upstream.base_url}; "
+            f"stop it first (POST /v1/captures/{active}/stop) or wait for it to finish",
+            details={"active_id": active},
+        )
 
     def _check_window(self, duration_s: float | None, lease_s: float | None) -> tuple[float | None, float | None]:
         if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
@@ -376,16 +418,34 @@ class CaptureController:
             raise LeaseInvalid(f"lease_s must be > 0 seconds, got {lease_s}", key="lease_s")
         return duration_s, lease_s
 
-    def _watches(self, stage_ids: list[int]) -> list[StageWatch]:
+    def _watches(self, stage_ids: list[int], shared_stages: Mapping[int, str] | None = None) -> list[StageWatch]:
         out = []
+        shared_dirs = self.settings.shared_profiler_dirs
         for sid in stage_ids:
             stage = self.deploy.stage(sid)
             if stage is None:  # a journaled capture from an older deploy config
-                out.append(StageWatch(stage_id=sid, kind=artifacts.StageKind.unknown, server_dir=None, local_dir=None))
-            else:
-                flat = self.upstream.flavor is Flavor.vllm
-                out.append(artifacts.watch_stage(stage, self.settings.artifact_roots, flat=flat))
+                out.append(StageWatch(stage_id=sid, kind=StageKind.unknown, server_dir=None, local_dir=None))
+                continue
+            shared = (shared_stages or {}).get(sid)
+            if shared is None and stage.profiler_dir is not None:
+                shared = shared_dirs.get(stage.profiler_dir) or shared_dirs.get(stage.profiler_dir.rstrip("/"))
+            flat = self.upstream.flavor is Flavor.vllm
+            out.append(artifacts.watch_stage(stage, self.settings.artifact_roots, flat=flat, shared_with=shared))
         return out
+
+    def _window(self, cap: Capture) -> Window:
+        return Window(
+            opened=cap.created_at.timestamp(),
+            started=cap.started_at.timestamp() if cap.started_at else None,
+            closed=cap.stopped_at.timestamp() if cap.stopped_at else None,
+            skew_s=self.settings.clock_skew_s,
+        )
+
+    def _open_window(self, cap: Capture, rt: _Runtime) -> None:
+        dirs = [str(w.local_dir) for w in rt.watches if w.local_dir is not None]
+        self.claims.open_window(cap.id, cap.upstream, dirs, cap.created_at.timestamp())
+        if cap.started_at is not None:
+            self.claims.mark_started(cap.id, cap.started_at.timestamp())
 
     async def _rollback(self, cap: Capture, code: str, message: str, *, delivered: bool) -> None:
         self._error(cap, code, message)
@@ -397,6 +457,17 @@ class CaptureController:
         cap.state = CaptureState.stopping
         cap.stop_requested_at = _now()
         self._changed(cap)
+        stop = asyncio.create_task(self._rollback_stop(cap), name=f"rollback-{cap.id}")
+        try:
+            # Shielded: a caller cancelled mid-rollback must not leave the capture `stopping`
+            # forever; the rollback finishes (and frees the slot) in the background.
+            await asyncio.shield(stop)
+        except asyncio.CancelledError:
+            self._background.add(stop)
+            stop.add_done_callback(self._background.discard)
+            raise
+
+    async def _rollback_stop(self, cap: Capture) -> None:
         try:
             await self.upstream.stop_profile(
                 cap.stages, budget_s=min(self.settings.rollback_budget_s, self.upstream.stop_budget_s)
@@ -406,7 +477,9 @@ class CaptureController:
             self._error(cap, f"rollback_{stop_exc.code}",
                         f"rollback stop failed: {stop_exc.message}; the profiler may still be running "
                         f"on stages {cap.stages}: POST /stop_profile {{\"stages\": {cap.stages}}} by hand")
-        self._finish(cap, CaptureState.failed)
+        finally:
+            self.claims.close_window(cap.id, time.time())
+            self._finish(cap, CaptureState.failed)
 
     # --- heartbeat / watchdog -------------------------------------------------------------
 
@@ -468,49 +541,153 @@ class CaptureController:
         rt.stopper = asyncio.create_task(self._run_stop(capture_id), name=f"stop-{capture_id}")
         return cap.model_copy(deep=True)
 
+    async def _gone(self) -> str:
+        """Returns (with the probe's reason) once the server has been unreachable for
+        ``gone_after_s``; a server that answers at all, however slowly, is not gone."""
+        since: float | None = None
+        while True:
+            await asyncio.sleep(self.settings.gone_poll_s)
+            try:
+                probe = await self.upstream.probe()
+            except Exception:  # a closed client at shutdown: nothing is known, so not gone
+                since = None
+                continue
+            if probe.reachable:
+                since = None
+                continue
+            now = time.monotonic()
+            since = now if since is None else since
+            if now - since >= self.settings.gone_after_s:
+                return probe.reason or f"{self.upstream.base_url} is not reachable"
+
+    async def _stop_upstream(self, cap: Capture, rt: _Runtime, *, hold: bool) -> tuple[str, Any]:
+        """Send the stop until it is answered: ``("answered", None)``, ``("server_error", exc)``
+        (5xx after the retries), ``("failed", exc)`` (never answered within the budget and not
+        held, or refused), or ``("gone", reason)``. With ``hold``, a stop that outlives its budget
+        is collected as found so far, and sent again (the server answers once its first stop
+        is done) until answered or gone."""
+        gone = asyncio.create_task(self._gone(), name=f"gone-{cap.id}")
+        stop: asyncio.Task[None] | None = None
+        try:
+            while True:
+                # Once the budget is spent, each repeat waits a whole read timeout: the server handles
+                # stops one after another, so the repeat answers once the first one is done.
+                budget = max(self.upstream.stop_budget_s, self.upstream.timeouts.stop) if rt.stop_timed_out else None
+                stop = asyncio.create_task(self.upstream.stop_profile(cap.stages, budget_s=budget),
+                                           name=f"stop-call-{cap.id}")
+                done, _ = await asyncio.wait({stop, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if stop in done:
+                    try:
+                        stop.result()
+                        return "answered", None
+                    except UpstreamError as exc:
+                        if _is_server_error(exc):
+                            return "server_error", exc
+                        if hold and isinstance(exc, UpstreamTimeout):
+                            if not rt.stop_timed_out:
+                                rt.stop_timed_out = True
+                                await self._found_so_far(cap, rt, exc)
+                            continue
+                        return "failed", exc
+                return "gone", gone.result()
+        finally:
+            for task in (stop, gone):
+                if task is not None and not task.done():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+
+    async def _found_so_far(self, cap: Capture, rt: _Runtime, exc: UpstreamError) -> None:
+        budget = self.upstream.stop_budget_s
+        self._error(
+            cap,
+            exc.code,
+            f"stop timed out after {budget:g}s: the server has not answered ({exc.message}); it may still be "
+            "writing traces. The capture stays stopping (new starts are refused) until the server answers the "
+            f"stop or is shown gone (unreachable for {self.settings.gone_after_s:g}s); the verdicts show what "
+            "was written so far",
+        )
+        verdicts = await self._collect(cap, rt, wait=False)
+        cap.verdicts = found_so_far(verdicts, f"stop timed out after {budget:g}s")
+        self._changed(cap)
+
+    async def _collect(self, cap: Capture, rt: _Runtime, *, wait: bool = True) -> list[StageVerdict]:
+        copies = None
+        if self._copies is not None or any(w.flat for w in rt.watches):
+            if self._copies is None:
+                self._copies = Path(tempfile.mkdtemp(prefix="omni-sidecar-artifacts-"))
+            copies = self._copies / cap.id
+        hints = {w.stage_id: nsys_hint(w.stage_id, self.deploy) for w in rt.watches if w.profiler != "torch"}
+        return await collect(
+            rt.watches,
+            window=self._window(cap),
+            claims=self.claims,
+            capture_id=cap.id,
+            collect_timeout_s=self.settings.collect_timeout_s if wait else 0,
+            poll_s=self.settings.poll_s,
+            copy_dir=copies,
+            wait=wait,
+            nsys_hints=hints,
+        )
+
     async def _run_stop(self, capture_id: str, *, collect: bool = True) -> None:
         cap = self._captures[capture_id]
         rt = self._rt[capture_id]
         stop_error: UpstreamError | None = None
         try:
-            try:
-                await self.upstream.stop_profile(cap.stages)
-            except UpstreamError as exc:
-                if not (collect and _is_server_error(exc)):
-                    self._error(
-                        cap,
-                        exc.code,
-                        f"stop failed within the {self.upstream.stop_budget_s:g}s stop budget: {exc.message}. "
-                        f"The profiler may still be running on stages {cap.stages}; the server may still be "
-                        "flushing traces. Check the server, then POST /stop_profile with "
-                        f"{{\"stages\": {cap.stages}}}",
-                    )
-                    self._finish(cap, CaptureState.failed)
-                    return
+            outcome, detail = await self._stop_upstream(cap, rt, hold=collect)
+            self.claims.close_window(cap.id, time.time())
+            if outcome == "gone":
+                self._error(
+                    cap,
+                    "upstream_gone",
+                    f"the server went away during the stop: {self.upstream.base_url} was unreachable for more "
+                    f"than {self.settings.gone_after_s:g}s and its readiness probe says: {detail}. Nothing is "
+                    "recording there any more; the traces written before it went are checked below. Restart the "
+                    "server (and look at its log: a crash, an OOM kill); a new capture can start",
+                )
+                if collect:
+                    cap.state = CaptureState.collecting
+                    self._changed(cap)
+                    cap.verdicts = found_so_far(await self._collect(cap, rt), "the server went away during the stop")
+                self._finish(cap, CaptureState.failed)
+                return
+            if outcome == "failed":
+                exc = detail
+                self._error(
+                    cap,
+                    exc.code,
+                    f"stop failed within the {self.upstream.stop_budget_s:g}s stop budget: {exc.message}. "
+                    f"The profiler may still be running on stages {cap.stages}; the server may still be "
+                    "flushing traces. Check the server, then POST /stop_profile with "
+                    f"{{\"stages\": {cap.stages}}}",
+                )
+                if collect:
+                    cap.verdicts = found_so_far(await self._collect(cap, rt, wait=False),
+                                                 f"stop failed ({exc.code})")
+                self._finish(cap, CaptureState.failed)
+                return
+            if outcome == "server_error":
                 # Delivered, and the server still said 5xx after the retries: a definitive answer (a
                 # stage died mid-window), not a hang. The server visits every listed stage even when
                 # one fails, so the others wrote their traces: collect them rather than fail.
-                stop_error = exc
-                self._error(cap, "stop_server_error", f"stop was delivered but failed on the server: {exc.message}")
+                stop_error = detail
+                self._error(cap, "stop_server_error",
+                            f"stop was delivered but failed on the server: {detail.message}")
             cap.stopped_at = _now()
             if not collect:
                 self._finish(cap, CaptureState.failed)
                 return
             cap.state = CaptureState.collecting
             self._changed(cap)
-            verdicts = await artifacts.collect(
-                rt.watches,
-                collect_timeout_s=self.settings.collect_timeout_s,
-                settle_s=self.settings.settle_s,
-                poll_s=self.settings.poll_s,
-            )
+            verdicts = await self._collect(cap, rt)
             if stop_error is not None:
-                verdicts = [_after_stop_error(v, stop_error) for v in verdicts]
+                verdicts = [after_stop_error(v, stop_error) for v in verdicts]
             cap.verdicts = verdicts
             ok = stop_error is None and all(v.verdict is Verdict.ok for v in verdicts)
             self._finish(cap, CaptureState.completed if ok else CaptureState.degraded)
-            if self.settings.summarize and any(v.verdict is Verdict.ok for v in verdicts):
-                self._schedule_summary(cap)
+            if self.settings.summarize and any(v.verdict in (Verdict.ok, Verdict.partial) for v in verdicts):
+                self._summaries.schedule(cap)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug must not leave the capture live forever
@@ -553,9 +730,11 @@ class CaptureController:
 
     def artifact_path(self, capture_id: str, relpath: str) -> Path:
         """``<session folder>/<file>`` of this capture → local path. Anything else (``..``, a
-        symlink leaving the folder, another capture's file) is ``ArtifactNotFound``."""
+        symlink leaving the folder, another capture's file) is ``ArtifactNotFound``. A file that
+        later stops rewrite in place resolves to this capture's copy, taken at collect time."""
         cap = self.get(capture_id)
-        path = artifacts.resolve_artifact(cap.verdicts, relpath)
+        copies = self._copies / capture_id if self._copies is not None else None
+        path = artifacts.resolve_artifact(cap.verdicts, relpath, copies)
         if path is None:
             raise ArtifactNotFound(
                 f"{relpath!r} is not a file of capture {capture_id}; paths are "
@@ -567,78 +746,13 @@ class CaptureController:
     def summary(self, capture_id: str, *, top: int = SUMMARY_TOP) -> dict[str, Any] | None:
         """The cached trace summary of a finished capture, or None (not computed, or failed)."""
         self.get(capture_id)
-        return self._cached_summary(capture_id, top)
+        return self._summaries.cached(capture_id, top)
 
     async def summarize(self, capture_id: str, *, top: int = SUMMARY_TOP) -> dict[str, Any]:
         """The trace summary (``top`` ops per stage) of a terminal capture: the cached one, else
         computed in a thread and cached in the state dir. One summarizer per capture at a time,
         however many callers. ``CaptureError``: ``capture_not_terminal``, ``summary_unavailable``."""
-        cap = self.get(capture_id)
-        if not cap.terminal:
-            raise CaptureNotTerminal(
-                f"capture {capture_id} is {cap.state.value}; the summary exists once it is terminal "
-                f"(wait with POST /v1/captures/{capture_id}/stop?wait=true)",
-                details={"state": cap.state.value},
-            )
-        async with self._summary_locks.setdefault(capture_id, asyncio.Lock()):
-            data = await asyncio.to_thread(self._cached_summary, capture_id, top)  # file read off the loop
-            if data is None:
-                data = await self._compute_summary(cap, top)
-        return data
-
-    def _summary_file(self, capture_id: str, top: int) -> Path | None:
-        if self.journal is None:
-            return None
-        path = self.journal.summary_path(capture_id)
-        return path if top == SUMMARY_TOP else path.with_name(f"{capture_id}.top{top}.json")
-
-    def _cached_summary(self, capture_id: str, top: int) -> dict[str, Any] | None:
-        data = self._summaries.get((capture_id, top))
-        path = self._summary_file(capture_id, top)
-        if data is None and path is not None:
-            try:
-                data = self._summaries[(capture_id, top)] = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                return None
-        return data
-
-    async def _compute_summary(self, cap: Capture, top: int) -> dict[str, Any]:
-        paths = artifacts.trace_paths(cap.verdicts)
-        if not paths:
-            raise SummaryUnavailable(
-                f"capture {cap.id} has no readable trace (state {cap.state.value}); see its verdicts",
-            )
-        try:
-            from sidecar.analysis import summarize_paths
-        except ImportError:
-            raise SummaryUnavailable(
-                "this sidecar has no trace summarizer installed; download the traces instead",
-            ) from None
-        result = await asyncio.to_thread(summarize_paths, paths, top=top)
-        data: dict[str, Any] = result.model_dump(mode="json")
-        path = self._summary_file(cap.id, top)
-        if path is not None:
-            try:
-                await asyncio.to_thread(atomic_write_text, path, json.dumps(data))
-            except OSError as exc:  # the summary is served anyway; only its cache is lost
-                log.warning("capture %s: cannot cache the summary in %s: %s", cap.id, path, exc)
-        self._summaries[(cap.id, top)] = data
-        return data
-
-    def _schedule_summary(self, cap: Capture) -> None:
-        async def run() -> None:
-            try:
-                await self.summarize(cap.id)
-            except asyncio.CancelledError:
-                raise
-            except SummaryUnavailable:  # no summarizer or no trace: nothing to cache
-                pass
-            except Exception as exc:  # a summary never changes the verdict
-                log.warning("capture %s: summary failed: %s", cap.id, exc)
-
-        task = asyncio.create_task(run(), name=f"summary-{cap.id}")
-        self._summary_tasks.add(task)
-        task.add_done_callback(self._summary_tasks.discard)
+        return await self._summaries.get(self.get(capture_id), top)
 
     # --- internals ------------------------------------------------------------------------
 
@@ -667,9 +781,7 @@ class CaptureController:
         for cid in self.journal.expired(list(self._captures.values())):
             self._captures.pop(cid, None)
             self._rt.pop(cid, None)
-            self._summary_locks.pop(cid, None)
-            for key in [k for k in self._summaries if k[0] == cid]:
-                del self._summaries[key]
+            self._summaries.forget(cid)
 
     def state_counts(self) -> dict[str, int]:
         """Captures per state (for metrics), without copying them."""
@@ -679,15 +791,11 @@ class CaptureController:
         return counts
 
     def _changed(self, cap: Capture) -> None:
+        snap = cap.model_copy(deep=True)
         if self.journal is not None:
             rt = self._rt.get(cap.id)
             extra = {"watches": [w.to_json() for w in rt.watches]} if rt and not cap.terminal else None
-            try:
-                self.journal.write(cap, extra)
-            except OSError as exc:
-                # The capture goes on; losing history is better than leaving a profiler running.
-                log.error("journal: cannot write capture %s: %s", cap.id, exc)
-        snap = cap.model_copy(deep=True)
+            self.journal.write(snap, extra)  # queued to the journal's writer thread: off the loop
         for cb in list(self._listeners):
             try:
                 cb(snap)
@@ -695,4 +803,4 @@ class CaptureController:
                 log.exception("capture listener failed")
 
 
-__all__ = ["CaptureController", "ControlSettings"]
+__all__ = ["CaptureController", "ControlSettings", "nsys_command"]

@@ -36,16 +36,25 @@ class StopReason(str, Enum):
 
 
 class Verdict(str, Enum):
-    ok = "ok"  # a trace file is present and non-empty
-    empty = "empty"  # a session folder appeared but holds no (non-empty) trace
-    missing = "missing"  # no new session folder for this stage
-    unverified = "unverified"  # the sidecar cannot see this stage's folder
+    ok = "ok"  # every expected trace is present, complete and records work (an op or a kernel)
+    empty = "empty"  # traces are present but no op and no kernel ran in the window
+    missing = "missing"  # no trace for this stage (no new session folder, or a folder without trace)
+    partial = "partial"  # fewer traces than the stage expects (replicas x ranks): a replica or rank lost
     ambiguous = "ambiguous"  # the trace folder cannot be told apart from another server's
+    unverified = "unverified"  # the sidecar cannot see this stage's folder (or nsys writes the report)
+
+
+class CaptureKind(str, Enum):
+    torch = "torch"  # torch profiler stages: trace files the sidecar finds and checks
+    nsys = "nsys"  # ``profiler: cuda`` stages: capture ranges for an outer ``nsys profile``
 
 
 class ArtifactFile(BaseModel):
     name: str  # path relative to the session folder
     size: int
+    # Where the sidecar serves it from when it is a copy taken at collect time (a file that later
+    # stops rewrite in place, e.g. plain vLLM's profiler_out_<r>.txt); None: the session folder's.
+    copy_path: str | None = None
 
 
 class SessionFolder(BaseModel):
@@ -60,6 +69,8 @@ class StageVerdict(BaseModel):
     verdict: Verdict | None = None  # None until collecting has finished
     sessions: list[SessionFolder] = Field(default_factory=list)
     reason: str | None = None  # for a non-ok verdict: what happened and what to do
+    expected_traces: int | None = None  # replicas x ranks of the stage (None: not counted)
+    found_traces: int | None = None  # complete traces of this capture that arrived
 
 
 class ErrorRecord(BaseModel):
@@ -73,6 +84,7 @@ class Capture(BaseModel):
     label: str | None = None
     upstream: str
     stages: list[int]
+    kind: CaptureKind = CaptureKind.torch
     state: CaptureState = CaptureState.starting
     duration_s: float | None = None
     lease_s: float | None = None

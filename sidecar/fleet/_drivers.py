@@ -20,6 +20,15 @@ from sidecar.fleet._targets import Target
 
 # "upstream answered stop": the capture left `stopping` (collecting, or already terminal).
 STOPPED = (CaptureState.collecting, CaptureState.completed, CaptureState.degraded, CaptureState.failed)
+
+
+def stop_answered(cap: Capture) -> bool:
+    """The upstream answered the stop, or the controller gave up waiting for its answer within the
+    stop budget (it stays ``stopping`` with ``upstream_timeout`` and its partial verdicts, keeping
+    the slot taken until the server answers or is gone): either way this fan-out's stop is over."""
+    if cap.state in STOPPED:
+        return True
+    return cap.state is CaptureState.stopping and bool(cap.errors) and cap.errors[-1].code == "upstream_timeout"
 TERMINAL = tuple(s for s in CaptureState if s.terminal)
 
 
@@ -106,7 +115,8 @@ class SidecarDriver:
         loop = asyncio.get_running_loop()
         while True:
             cap = await self.client.get_capture(capture_id)
-            if cap.state in until or (deadline is not None and loop.time() >= deadline):
+            done = stop_answered(cap) if until is STOPPED else cap.state in until
+            if done or (deadline is not None and loop.time() >= deadline):
                 return cap
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, max(self.poll_s, 2.0))
@@ -114,7 +124,7 @@ class SidecarDriver:
     async def stop(self, capture_id: str, reason: StopReason) -> Capture:
         # The sidecar answers at once; "stopped" means its upstream answered, so poll for that.
         cap = await self.client.stop_capture(capture_id)
-        if cap.state in STOPPED:
+        if stop_answered(cap):
             return cap
         return await self._poll(capture_id, STOPPED, None)
 
@@ -169,15 +179,15 @@ class UpstreamDriver:
         answered = asyncio.Event()
 
         def on_change(cap: Capture) -> None:
-            if cap.id == capture_id and cap.state in STOPPED:
+            if cap.id == capture_id and stop_answered(cap):
                 answered.set()
 
         unsubscribe = self.controller.subscribe(on_change)
         try:
             cap = await self.controller.stop(capture_id, reason=reason)
-            if cap.state not in STOPPED:
+            if not stop_answered(cap):
                 cap = self.controller.get(capture_id)
-            if cap.state not in STOPPED:
+            if not stop_answered(cap):
                 await answered.wait()
             return self.controller.get(capture_id)
         finally:

@@ -59,6 +59,9 @@ class ProbeResult(BaseModel):
     healthy: bool
     profiler_mounted: bool | None  # None: unknown (server unhealthy or an unexpected status)
     reason: str | None = None  # why it is not ready, in words a person can act on
+    # False only when no connection could be made (refused, connect timeout): the server is not
+    # there. A slow or failing reply is reachable: a server busy flushing a stop is not gone.
+    reachable: bool = True
 
     @property
     def ready(self) -> bool:
@@ -128,12 +131,20 @@ class UpstreamServer:
         timeout = httpx.Timeout(self.timeouts.probe, connect=min(self.timeouts.connect, self.timeouts.probe))
         try:
             health = await self._client.get("/health", timeout=timeout)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            return ProbeResult(
+                healthy=False,
+                profiler_mounted=None,
+                reachable=False,
+                reason=f"upstream {self.base_url} is not reachable ({type(exc).__name__}); "
+                "check that `vllm serve` is running and --upstream points at it",
+            )
         except httpx.HTTPError as exc:
             return ProbeResult(
                 healthy=False,
                 profiler_mounted=None,
-                reason=f"upstream {self.base_url} is not reachable ({type(exc).__name__}); "
-                "check that `vllm serve` is running and --upstream points at it",
+                reason=f"upstream {self.base_url}/health did not answer ({type(exc).__name__}); the server "
+                "may be busy (a stop flushing traces) or hung",
             )
         if health.status_code != 200:
             return ProbeResult(
