@@ -7,7 +7,7 @@ import gzip
 import json
 from typing import Any
 
-from tests.test_api import AppClient, api, error_of  # noqa: F401  (api is a fixture)
+from tests.fixtures.sidecar import AppClient, error_of  # noqa: F401  (the `api` fixture is a plugin)
 
 
 async def _capture(client: Any, stages: list[int]) -> str:

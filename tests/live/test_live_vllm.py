@@ -124,21 +124,20 @@ def test_kill_9_of_the_sidecar_is_recovered_and_the_server_stops_recording(
     assert any(WORKER_TRACE.match(n) for n in _files(cap))
 
 
-def test_verified_stop_does_not_wait_out_the_settle_time(live: dict[str, Any], sidecar_factory: Any,
+def test_verified_stop_decides_from_the_files_not_a_bound(live: dict[str, Any], sidecar_factory: Any,
                                                           tmp_path: Path) -> None:
-    # Plain vLLM's files are complete when its stop answers; a sidecar told to settle for 120 s
-    # must still finish from what the files show, long before that.
+    # Plain vLLM's files are complete when its stop answers: the check must end from what the
+    # files show, not by running into its bound (here 300 s, far beyond any real collect).
     sidecar = sidecar_factory(
         live["server"].url, None, flavor="vllm", state_dir=tmp_path / "state",
         extra_args=["--profiler-config", json.dumps(live["profiler_config"])],
-        env={"OMNI_SIDECAR_SETTLE_S": "120", "OMNI_SIDECAR_COLLECT_TIMEOUT_S": "300"},
+        env={"OMNI_SIDECAR_COLLECT_TIMEOUT_S": "300"},
     )  # fmt: skip
     cap = _capture(sidecar, live["server"].url)
     assert cap["state"] == "completed", cap
-    assert cap["verdicts"][0]["verdict"] == "ok"
-    # Not a timing assertion on the machine's speed: 120 s of settling would show as such a gap.
+    (verdict,) = cap["verdicts"]
+    assert verdict["verdict"] == "ok" and not verdict["reason"], verdict  # no "still changing after 300s"
     from datetime import datetime
 
-    stopped = datetime.fromisoformat(cap["stopped_at"])
-    finished = datetime.fromisoformat(cap["finished_at"])
-    assert (finished - stopped).total_seconds() < 120
+    checked = datetime.fromisoformat(cap["finished_at"]) - datetime.fromisoformat(cap["stopped_at"])
+    assert checked.total_seconds() < 300  # the bound was not what ended the check
