@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -119,6 +118,3 @@ def complete(base_url: str, n: int = 3) -> None:
 
 
 __all__ = ["VllmServer", "complete"]
-
-
-
