@@ -27,7 +27,7 @@ test: install-test
 	$(MAKE) --no-print-directory test-default test-contract test-live test-verl
 
 test-default:
-	$(PY) $(PYTEST) -m "not contract and not live and not verl"
+	$(PY) $(PYTEST) -n 3 -m "not contract and not live and not verl"
 
 test-contract:
 	$(PY) $(PYTEST) -m contract

@@ -23,7 +23,6 @@ pytestmark = pytest.mark.slow
 
 FAST = {  # small bounds so fault tests end quickly; the defaults are minutes
     "OMNI_SIDECAR_COLLECT_TIMEOUT_S": "5",
-    "OMNI_SIDECAR_SETTLE_S": "0.3",
     "OMNI_SIDECAR_CLOSE_TIMEOUT_S": "20",
 }
 SESSION = re.compile(r"^\d{8}-\d{6}_stage(\d+)_rank0_\d+$")
@@ -57,6 +56,13 @@ def profiling(emu: Any) -> dict[str, bool]:
     return {sid: st["profiling"] for sid, st in emulator_state(emu)["stages"].items()}
 
 
+def busy(emu: Any) -> int:
+    """One chat request through every stage, so the window records work (an idle one is ``empty``);
+    the status (500 once a stage on the way is dead: the stages before it still ran)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return httpx.post(f"{emu.url}/v1/chat/completions", json=body, timeout=120).status_code
+
+
 def poll(check: Callable[[], bool], timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -67,9 +73,10 @@ def poll(check: Callable[[], bool], timeout: float = 30.0) -> bool:
 
 
 def test_start_overlap_stop_completes_with_traces(stack: Any) -> None:
-    _, sc = stack()
-    first = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]})
-    overlap = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]})
+    emu, sc = stack()
+    first = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]}, timeout=60)
+    overlap = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]}, timeout=60)
+    assert busy(emu) == 200
     done = httpx.post(f"{sc.url}/v1/captures/{first.json()['id']}/stop?wait=true", timeout=60).json()
     names = {
         v["stage_id"]: (v["verdict"], Path(s["path"]).name, sorted(f["name"] for f in s["files"]))
@@ -93,47 +100,63 @@ def test_bad_stages_are_422_and_never_reach_the_server(stack: Any, stages: list[
 
 
 def test_slow_stop_stays_stopping_and_api_answers(stack: Any) -> None:
-    _, sc = stack(emulator_args=["--fault-stop-delay", "6"])
+    emu, sc = stack(emulator_args=["--fault-stop-delay", "6"])
     with SidecarClient(sc.url) as client:
         cap = client.start_capture([0])
+        assert busy(emu) == 200
         client.stop_capture(cap.id)
         time.sleep(1.0)  # the upstream stop is now in flight for several more seconds
-        health = httpx.get(f"{sc.url}/healthz", timeout=2).status_code
+        health = httpx.get(f"{sc.url}/healthz", timeout=30).status_code  # a blocked loop answers after the stop: then `state` is no longer stopping
         state = client.get_capture(cap.id).state.value
         final = client.wait_capture(cap.id, timeout=60).state.value
     assert (health, state, final) == (200, "stopping", "completed")
 
 
-def test_hung_stop_fails_with_reason_when_budget_ends(stack: Any) -> None:
-    _, sc = stack(
+def test_hung_stop_stays_stopping_and_a_new_start_is_409_stop_pending(stack: Any) -> None:
+    # the server never answers the stop: past its budget the capture is held in `stopping` (the
+    # profiler may still run), the error says so, and no new start may race it
+    emu, sc = stack(
         emulator_args=["--fault-hang-stop"],
         env={"OMNI_SIDECAR_STOP_TIMEOUT_S": "1", "OMNI_SIDECAR_STOP_BUDGET_S": "2", "OMNI_SIDECAR_CLOSE_TIMEOUT_S": "1"},
     )
     with SidecarClient(sc.url) as client:
         cap = client.start_capture([0])
         client.stop_capture(cap.id)
-        final = client.wait_capture(cap.id, timeout=60)
-    assert final.state.value == "failed"
-    assert final.errors and "stop" in final.errors[-1].message
+        assert poll(lambda: bool(client.get_capture(cap.id).verdicts), timeout=60)  # the budget ended
+        held = client.get_capture(cap.id)
+        again = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]}, timeout=60)
+    assert (held.state.value, held.errors[-1].code, [v.stage_id for v in held.verdicts]) == (
+        "stopping", "upstream_timeout", [0])
+    assert (again.status_code, again.json()["error"]["code"], again.json()["error"]["details"].get("active_id")) == (
+        409, "capture_stop_pending", cap.id)
+    assert len(upstream_calls(emu, "/start_profile")) == 1
 
 
-def test_dead_stage_fails_the_start_and_rolls_back(stack: Any) -> None:
-    # the server answers 500 when a targeted worker is dead: the start is refused and rolled back
-    emu, sc = stack(emulator_args=["--fault-dead-stage", "2"], env={"OMNI_SIDECAR_STOP_BUDGET_S": "2"})
+def test_dead_stage_starts_and_that_stage_is_missing_naming_the_dead_worker(stack: Any) -> None:
+    # a dead worker: the server still answers start and stop 200 SUCCESS (it swallows the error);
+    # the other stage records, the dead one writes nothing and its verdict says why
+    emu, sc = stack(emulator_args=["--fault-dead-stage", "2"])
+    assert poll(lambda: not emulator_state(emu)["stages"]["2"]["alive"])
     reply = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]}, timeout=120)
-    captures = httpx.get(f"{sc.url}/v1/captures").json()["captures"]
-    assert (reply.status_code, [c["state"] for c in captures], profiling(emu)["0"]) == (502, ["failed"], False)
+    busy(emu)  # 500 at stage 2; stage 0 ran
+    done = httpx.post(f"{sc.url}/v1/captures/{reply.json()['id']}/stop?wait=true", timeout=120).json()
+    verdicts = {v["stage_id"]: v["verdict"] for v in done["verdicts"]}
+    reason = next(v["reason"] for v in done["verdicts"] if v["stage_id"] == 2) or ""
+    assert (reply.status_code, done["state"], verdicts, "dead or restarted worker" in reason) == (
+        201, "degraded", {0: "ok", 2: "missing"}, True)
+    assert profiling(emu)["0"] is False
 
 
 def test_stage_dead_mid_window_degrades_with_that_stage_missing(stack: Any) -> None:
-    # stage 2's worker acknowledges the start, then exits: stop answers 500 after stopping stage 0
+    # stage 2's worker acknowledges the start, then exits: the stop still answers 200 SUCCESS
     emu, sc = stack(emulator_args=["--fault-die-after-start", "2", "--gzip-delay", "0"])
     created = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]}, timeout=120).json()
     poll(lambda: not emulator_state(emu)["stages"]["2"]["alive"])
+    busy(emu)  # 500 at stage 2; stage 0 ran
     done = httpx.post(f"{sc.url}/v1/captures/{created['id']}/stop?wait=true", timeout=120).json()
     verdicts = {v["stage_id"]: v["verdict"] for v in done["verdicts"]}
     reason = next(v["reason"] for v in done["verdicts"] if v["stage_id"] == 2) or ""
-    assert (done["state"], verdicts, "Failed to stop profiler" in reason) == (
+    assert (done["state"], verdicts, "worker most likely died or failed during the window" in reason) == (
         "degraded", {0: "ok", 2: "missing"}, True
     )
 
@@ -144,22 +167,6 @@ def test_start_500_is_502_and_the_capture_failed(stack: Any) -> None:
     captures = httpx.get(f"{sc.url}/v1/captures").json()["captures"]
     assert (reply.status_code, [c["state"] for c in captures]) == (502, ["failed"])
     assert upstream_calls(emu, "/stop_profile"), "start failure must roll back with a stop"
-
-
-def test_lease_expiry_stops_the_capture(stack: Any) -> None:
-    _, sc = stack()
-    with SidecarClient(sc.url) as client:
-        cap = client.start_capture([0], lease_s=1)
-        final = client.wait_capture(cap.id, timeout=60)
-    assert (final.state.value, final.stop_reason.value if final.stop_reason else None) == ("completed", "lease_expired")
-
-
-def test_duration_stops_the_capture(stack: Any) -> None:
-    _, sc = stack()
-    with SidecarClient(sc.url) as client:
-        cap = client.start_capture([2], duration_s=1)
-        final = client.wait_capture(cap.id, timeout=60)
-    assert (final.state.value, final.stop_reason.value if final.stop_reason else None) == ("completed", "duration")
 
 
 def test_sigterm_stops_the_active_capture_before_exit(stack: Any) -> None:
@@ -226,9 +233,11 @@ def test_file_download_is_confined_to_the_capture(stack: Any, tmp_path: Path) ->
 
 def test_artifact_root_maps_server_paths_to_local_ones(stack: Any, tmp_path: Path) -> None:
     # the server's stage-0 dir "mounted" at a path where nothing is: the sidecar cannot see it
-    _, sc = stack(artifact_roots={str(tmp_path / "traces" / "stage0"): str(tmp_path / "no" / "such" / "mount")})
+    emu, sc = stack(artifact_roots={str(tmp_path / "traces" / "stage0"): str(tmp_path / "no" / "such" / "mount")})
     with SidecarClient(sc.url) as client:
-        final = client.stop_capture(client.start_capture([0, 2]).id, wait=True, timeout=60)
+        cap = client.start_capture([0, 2])
+        assert busy(emu) == 200
+        final = client.stop_capture(cap.id, wait=True, timeout=60)
     verdicts = {v.stage_id: v.verdict.value if v.verdict else None for v in final.verdicts}
     assert (final.state.value, verdicts) == ("degraded", {0: "unverified", 2: "ok"})
 

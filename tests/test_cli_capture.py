@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -25,13 +28,59 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """(sidecar url, emulator url)."""
     root = tmp_path_factory.mktemp("cli")
     deploy = make_deploy(root, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
     with EmulatorProcess(deploy) as emu, SidecarProcess(
         emu.url, deploy, state_dir=root / "state", env={"OMNI_SIDECAR_SETTLE_S": "0.3"}
     ) as sc:
-        yield sc.url
+        yield sc.url, emu.url
+
+
+@pytest.fixture(scope="module")
+def url(urls: tuple[str, str]) -> str:
+    return urls[0]
+
+
+@pytest.fixture(scope="module")
+def emu_url(urls: tuple[str, str]) -> str:
+    return urls[1]
+
+
+def _request(emu_url: str) -> None:
+    """One chat request through every stage: the window records work (an idle one is ``empty``)."""
+    reply = httpx.post(
+        f"{emu_url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        timeout=60,
+        trust_env=False,
+    )
+    reply.raise_for_status()
+
+
+@contextlib.contextmanager
+def _traffic(emu_url: str) -> Iterator[None]:
+    """Requests back to back while the block runs, as on a busy server: a ``capture --duration``
+    window (which the CLI holds itself) always has work in it."""
+    done = threading.Event()
+    errors: list[httpx.HTTPError] = []
+
+    def loop() -> None:
+        try:
+            while not done.is_set():
+                _request(emu_url)
+        except httpx.HTTPError as err:  # reported by the test, not swallowed
+            errors.append(err)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(timeout=60)
+    assert not errors, f"traffic failed: {errors[0]!r}"
 
 
 @pytest.fixture
@@ -43,27 +92,31 @@ def sidecar(url: str) -> Iterator[str]:
                 client.stop_capture(cap.id, wait=True, timeout=60)
 
 
-def test_capture_prints_json_and_exits_0(sidecar: str) -> None:
-    result = runner.invoke(app, ["capture", "--sidecar", sidecar, "--stages", "0,2", "--duration", "0.5", "--json"])
+def test_capture_prints_json_and_exits_0(sidecar: str, emu_url: str) -> None:
+    with _traffic(emu_url):
+        result = runner.invoke(app, ["capture", "--sidecar", sidecar, "--stages", "0,2", "--duration", "0.5", "--json"])
     cap = json.loads(result.stdout)
     assert (result.exit_code, cap["state"], sorted(v["stage_id"] for v in cap["verdicts"])) == (0, "completed", [0, 2])
 
 
-def test_capture_prints_the_verdict_table(sidecar: str) -> None:
-    result = runner.invoke(app, ["capture", "--sidecar", sidecar, "--stages", "2", "--duration", "0.5"])
+def test_capture_prints_the_verdict_table(sidecar: str, emu_url: str) -> None:
+    with _traffic(emu_url):
+        result = runner.invoke(app, ["capture", "--sidecar", sidecar, "--stages", "2", "--duration", "0.5"])
     assert result.exit_code == 0
     assert "completed" in result.stdout and "trace_rank0.json.gz" in result.stdout and " ok " in result.stdout
 
 
-def test_start_then_stop_wait(sidecar: str) -> None:
+def test_start_then_stop_wait(sidecar: str, emu_url: str) -> None:
     started = runner.invoke(app, ["start", "--sidecar", sidecar, "--stages", "0", "--json"])
     cap_id = json.loads(started.stdout)["id"]
+    _request(emu_url)
     stopped = runner.invoke(app, ["stop", cap_id, "--sidecar", sidecar, "--wait", "--json"])
     assert (started.exit_code, stopped.exit_code, json.loads(stopped.stdout)["state"]) == (0, 0, "completed")
 
 
-def test_status_and_list_show_history(sidecar: str) -> None:
-    runner.invoke(app, ["capture", "--sidecar", sidecar, "--stages", "0", "--duration", "0.2", "--json"])
+def test_status_and_list_show_history(sidecar: str, emu_url: str) -> None:
+    with _traffic(emu_url):
+        runner.invoke(app, ["capture", "--sidecar", sidecar, "--stages", "0", "--duration", "0.2", "--json"])
     listed = json.loads(runner.invoke(app, ["list", "--sidecar", sidecar, "--json"]).stdout)
     status = runner.invoke(app, ["status", listed[0]["id"], "--sidecar", sidecar, "--json"])
     assert (status.exit_code, json.loads(status.stdout)["id"]) == (0, listed[0]["id"])
@@ -102,7 +155,7 @@ def test_serve_refuses_an_invalid_deploy(tmp_path: Path) -> None:
     assert "bogus_key" in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_capture_until_ctrl_c_still_stops_and_reports(sidecar: str) -> None:
+def test_capture_until_ctrl_c_still_stops_and_reports(sidecar: str, emu_url: str) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -114,6 +167,7 @@ def test_capture_until_ctrl_c_still_stops_and_reports(sidecar: str) -> None:
             line = proc.stdout.readline() if proc.stdout else ""
             assert line, f"capture ended early:\n{seen}"
             seen += line
+        _request(emu_url)  # the capture is active: the window records work
         proc.send_signal(signal.SIGINT)
         seen += proc.communicate(timeout=120)[0]
     finally:
@@ -152,7 +206,15 @@ def test_a_killed_capture_cli_leaves_nothing_recording(sidecar: str) -> None:
     assert (final.terminal, final.stop_reason.value if final.stop_reason else None) == (True, "lease_expired")
 
 
-def test_capture_duration_is_sent_to_the_server(sidecar: str) -> None:
-    result = runner.invoke(app, ["capture", "--sidecar", sidecar, "--stages", "2", "--duration", "1", "--json"])
+def test_capture_duration_is_sent_to_the_server(sidecar: str, emu_url: str) -> None:
+    with _traffic(emu_url):
+        result = runner.invoke(app, ["capture", "--sidecar", sidecar, "--stages", "2", "--duration", "1", "--json"])
     cap = json.loads(result.stdout[result.stdout.index("{"):])
     assert (result.exit_code, cap["duration_s"], cap["lease_s"] <= 60) == (0, 1.0, True)
+
+
+def test_every_verdict_has_a_colour_in_the_table() -> None:
+    from sidecar.cli.capture import VERDICT_STYLES
+    from sidecar.control.models import Verdict
+
+    assert {v.value: bool(VERDICT_STYLES.get(v.value)) for v in Verdict} == {v.value: True for v in Verdict}

@@ -33,6 +33,14 @@ def sidecar_url(urls: tuple[str, str]) -> str:
     return urls[0]
 
 
+_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _request(emu_url: str) -> None:
+    """One chat request through every stage: the window records work (an idle one is ``empty``)."""
+    httpx.post(f"{emu_url}/v1/chat/completions", json=_CHAT, timeout=60, trust_env=False).raise_for_status()
+
+
 @pytest.fixture
 def client(sidecar_url: str) -> Iterator[SidecarClient]:
     with SidecarClient(sidecar_url) as c:
@@ -42,17 +50,20 @@ def client(sidecar_url: str) -> Iterator[SidecarClient]:
                 c.stop_capture(cap.id, wait=True, timeout=60)
 
 
-def test_capture_round_trip_completes(client: SidecarClient) -> None:
+def test_capture_round_trip_completes(client: SidecarClient, urls: tuple[str, str]) -> None:
     cap = client.start_capture([0, 2], label="round-trip")
+    _request(urls[1])
     final = client.stop_capture(cap.id, wait=True, timeout=60)
     assert (final.id, final.label, final.state.value, [v.verdict.value for v in final.verdicts if v.verdict]) == (
         cap.id, "round-trip", "completed", ["ok", "ok"]
     )
 
 
-async def test_async_client_round_trip_completes(sidecar_url: str) -> None:
-    async with AsyncSidecarClient(sidecar_url) as client:
+async def test_async_client_round_trip_completes(urls: tuple[str, str]) -> None:
+    sidecar_url, emu_url = urls
+    async with AsyncSidecarClient(sidecar_url) as client, httpx.AsyncClient(timeout=60, trust_env=False) as emu:
         cap = await client.start_capture([2])
+        (await emu.post(f"{emu_url}/v1/chat/completions", json=_CHAT)).raise_for_status()
         await client.heartbeat(cap.id)
         final = await client.stop_capture(cap.id, wait=True, timeout=60)
         fetched = await client.get_capture(cap.id)

@@ -4,6 +4,8 @@ nothing start, per-target stop budgets, input refused before anything is sent, a
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,21 @@ from sidecar.errors import FleetError, FleetInvalid
 from sidecar.fleet import Fleet, Target, TargetKind, TargetOutcome, parse_targets
 from tests.fixtures.emulator import make_deploy
 
-FAST = ControlSettings(settle_s=0.3, collect_timeout_s=30, close_timeout_s=3, summarize=False)
+FAST = ControlSettings(collect_timeout_s=30, close_timeout_s=3, summarize=False)
+
+
+def _generate_once_recording(replica, stage: int = 0, timeout: float = 120) -> threading.Thread:
+    """A thread that sends one request as soon as ``stage`` records (an idle window is ``empty``):
+    for a CLI command that opens the window itself. Join it after the command."""
+    def run() -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not replica.profiling().get(stage):
+            time.sleep(0.05)
+        replica.generate()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
 
 
 @pytest.mark.slow
@@ -55,6 +71,7 @@ async def test_each_target_stops_within_its_own_budget(replica_factory):
     targets = [Target.upstream(hung.url, hung.deploy), Target.upstream(fine.url, fine.deploy)]
     async with Fleet(targets, control_settings=FAST, stop_budget_s=3) as fleet:
         fc = await fleet.start()
+        fine.generate()  # the fine target's window records work (an idle one is `empty`)
         fc = await fleet.stop(fc)
     assert fc.targets[targets[0].name].outcome is TargetOutcome.stop_timeout
     ok = fc.targets[targets[1].name]
@@ -66,7 +83,9 @@ def test_cli_capture_and_split_start_stop(replica_factory, tmp_path):
     (r,) = replica_factory(1, stages=(0,))
     runner = CliRunner()
     common = ["--targets", f"upstream={r.url}", "--deploy-config", str(r.deploy), "--state-dir", str(tmp_path / "st")]
-    out = runner.invoke(app, ["fleet", "capture", *common, "--duration", "0.5", "--json"])
+    busy = _generate_once_recording(r)  # the window must record work: an idle one is `empty`
+    out = runner.invoke(app, ["fleet", "capture", *common, "--duration", "5", "--json"])
+    busy.join()
     assert out.exit_code == 0, out.output
     (target,) = json.loads(out.output)["targets"]
     assert target["state"] == "completed" and target["folders"] == [str(p) for p in r.sessions(0)]
@@ -74,6 +93,7 @@ def test_cli_capture_and_split_start_stop(replica_factory, tmp_path):
     started = runner.invoke(app, ["fleet", "start", *common, "--json"])
     assert started.exit_code == 0, started.output
     assert r.profiling() == {0: True}  # left running for `fleet stop`, journaled in --state-dir
+    r.generate()
     stopped = runner.invoke(app, ["fleet", "stop", *common, "--json"])
     assert stopped.exit_code == 0, stopped.output
     assert r.profiling() == {0: False} and len(r.sessions(0)) == 2

@@ -16,7 +16,7 @@ from sidecar.errors import ProfilerDirShared
 from sidecar.fleet import Fleet, Target
 from tests.fixtures.stubs import StubFleet
 
-FAST = ControlSettings(settle_s=0.2, collect_timeout_s=30, close_timeout_s=3, summarize=False)
+FAST = ControlSettings(collect_timeout_s=30, close_timeout_s=3, summarize=False)
 
 
 def _deploy(path: Path, dirs: dict[int, str]) -> Path:

@@ -2,6 +2,10 @@
 tests/verl/): the hook follows the start/stop calls a trainer makes on its rollout manager
 (``sidecar=``/``upstream=`` targets, real emulators), writes one result per step, and the package
 imports without verl.
+
+Each replica has its own trace folders (a shared ``torch_profiler_dir`` is refused up front): the
+block's one ``deploy_config`` is replica 0's, so replica 0 is an ``upstream=`` target and the
+others are ``sidecar=`` targets, each sidecar started with its own replica's deploy YAML.
 """
 
 from __future__ import annotations
@@ -33,6 +37,14 @@ def _trainer_config(save_path: str, targets: list[str], deploy: str) -> dict[str
     }
 
 
+def _targets(replicas: list[Any], sidecar_factory: Any) -> list[str]:
+    """Replica 0 driven in-process (``upstream=``, the block's deploy_config), every other replica
+    through its own sidecar: no two targets share a trace folder."""
+    return [f"upstream={replicas[0].url}"] + [
+        f"sidecar={sidecar_factory(r.url, r.deploy).url}" for r in replicas[1:]
+    ]
+
+
 class Trainer:
     """What a verl trainer holds for rollout profiling: ``global_steps`` and an
     ``llm_server_manager`` whose ``start_profile``/``stop_profile`` it calls at profiled steps."""
@@ -51,10 +63,10 @@ class Trainer:
 
 
 @pytest.mark.slow
-def test_the_hook_follows_the_trainers_calls_and_writes_one_result_per_step(replica_factory, tmp_path):
+def test_the_hook_follows_the_trainers_calls_and_writes_one_result_per_step(replica_factory, sidecar_factory, tmp_path):
     replicas = replica_factory(2, stages=(0,))
     save = tmp_path / "profile"
-    trainer = Trainer(_trainer_config(str(save), [f"upstream={r.url}" for r in replicas], str(replicas[0].deploy)))
+    trainer = Trainer(_trainer_config(str(save), _targets(replicas, sidecar_factory), str(replicas[0].deploy)))
     hook = trainer.init_workers()
     manager = trainer.llm_server_manager
     for step in range(1, 5):
@@ -95,12 +107,14 @@ def test_the_package_imports_without_verl_and_says_what_is_missing():
 
 
 @pytest.mark.slow
-def test_best_effort_a_failed_start_is_in_the_steps_result_and_one_log_line(replica_factory, tmp_path, caplog):
+def test_best_effort_a_failed_start_is_in_the_steps_result_and_one_log_line(
+    replica_factory, sidecar_factory, tmp_path, caplog
+):
     import logging
 
     replicas = replica_factory(2, stages=(0,), faults={1: ["--fault-start-500"]})
     save = tmp_path / "profile"
-    trainer = Trainer(_trainer_config(str(save), [f"upstream={r.url}" for r in replicas], str(replicas[0].deploy)))
+    trainer = Trainer(_trainer_config(str(save), _targets(replicas, sidecar_factory), str(replicas[0].deploy)))
     hook = trainer.init_workers()
     trainer.global_steps = 1
     with caplog.at_level(logging.WARNING, logger="sidecar.integrations.verl"):

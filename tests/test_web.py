@@ -5,6 +5,7 @@ context aborts and reports any request that would leave 127.0.0.1 (fixtures/web.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import re
@@ -149,15 +150,21 @@ def test_lease_capture_is_kept_alive_by_the_page(web_stack: WebStack, open_page:
     def beats() -> list[Any]:
         return [r for r in page.requests if r.url.endswith(f"/v1/captures/{capture_id}/heartbeat")]
 
-    assert wait_for(lambda: len(beats()) >= 3, timeout=120, page=page)
+    # requests in the window (an idle window ends `empty`, the capture `degraded`), sent from a thread
+    # so the page's heartbeats keep flowing (Playwright runs the page's routes only inside its calls)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        sent = pool.submit(web_stack.chat)
+        assert wait_for(lambda: sent.done() and len(beats()) >= 3, timeout=120, page=page)
+        sent.result()
     cap = httpx.get(f"{web_stack.url}/v1/captures/{capture_id}", timeout=30).json()
     page.close()  # the tab goes away: no more heartbeats, the lease runs out and the sidecar stops it
+    live = {"starting", "active", "stopping", "collecting"}
     assert wait_for(
-        lambda: httpx.get(f"{web_stack.url}/v1/captures/{capture_id}", timeout=30).json()["state"] == "completed", timeout=300
+        lambda: httpx.get(f"{web_stack.url}/v1/captures/{capture_id}", timeout=30).json()["state"] not in live, timeout=300
     )
     final = httpx.get(f"{web_stack.url}/v1/captures/{capture_id}", timeout=30).json()
     assert (cap["lease_s"], cap["state"], cap["last_heartbeat_at"] > cap["started_at"]) == (6, "active", True)
-    assert final["stop_reason"] == "lease_expired"
+    assert (final["state"], final["stop_reason"]) == ("completed", "lease_expired"), final
 
 
 def urlpath(url: str) -> str:
@@ -253,12 +260,16 @@ def test_degraded_capture_shows_reason_and_what_to_do(
     sc = sidecar_factory(emu.url, deploy, env={"OMNI_SIDECAR_COLLECT_TIMEOUT_S": "5", "OMNI_SIDECAR_SETTLE_S": "0.3"})
     created = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]}, timeout=300).json()
     assert wait_for(lambda: not emulator_state(emu)["stages"]["2"]["alive"], timeout=120), (created, emulator_state(emu)["stages"])
+    # a request in the window: stage 0 runs its steps (recorded), then stage 2's dead worker fails it
+    chat = httpx.post(f"{emu.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=120)
     done = httpx.post(f"{sc.url}/v1/captures/{created['id']}/stop?wait=true", timeout=300).json()
     reason = next(v["reason"] for v in done["verdicts"] if v["stage_id"] == 2)
     page = open_page(sc.url)
     page.goto(f"/captures/{done['id']}")
     stage2 = page.locator('#capture-stages .stage-block[data-stage="2"]')
     stage2.wait_for()
+    verdicts = {v["stage_id"]: v["verdict"] for v in done["verdicts"]}
+    assert (chat.status_code, verdicts) == (500, {0: "ok", 2: "missing"}), done
     assert (done["state"], page.locator("#capture-head .badge.state").inner_text()) == ("degraded", "degraded")
     assert stage2.locator(".badge.verdict").inner_text() == "missing"
     assert stage2.locator(".reason").inner_text() == reason

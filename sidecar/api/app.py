@@ -8,6 +8,7 @@ controller's. Lifespan: ``controller.open()`` (recovery) at start-up, ``controll
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal, Optional
@@ -63,6 +64,43 @@ class CaptureRequest(BaseModel):
     kind: Literal["torch", "nsys"] = Field(
         default="torch", description="torch: trace files the sidecar checks; nsys: `profiler: cuda` stages"
     )
+
+
+def _describe_kinds(app: FastAPI, deploy: Any) -> None:
+    """The document says which stages each capture ``kind`` takes (torch: ``profiler: torch``
+    stages, nsys: ``profiler: cuda`` ones): ``CaptureRequest`` is one variant per kind that has
+    stages in this deploy, so a schema-valid body is not refused ``stage_not_torch`` /
+    ``stage_not_cuda``."""
+    ids = {kind: sorted(s.stage_id for s in deploy.stages if s.profiler == profiler)
+           for kind, profiler in (("torch", "torch"), ("nsys", "cuda"))}
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()
+        comps = schema.get("components", {}).get("schemas", {})
+        model = comps.get("CaptureRequest")
+        if model is None or "anyOf" in model:
+            return schema
+        variants = []
+        for kind, stage_ids in ids.items():
+            if not stage_ids and kind != "torch":
+                continue
+            variant = copy.deepcopy(model)
+            props = variant.setdefault("properties", {})
+            props["kind"] = {**props.get("kind", {}), "enum": [kind]}
+            if kind != "torch":  # the default is torch: an nsys capture says so
+                variant["required"] = sorted({*variant.get("required", []), "kind"})
+            stages = props.get("stages", {})
+            for option in stages.get("anyOf", [stages]):
+                if option.get("type") == "array" and stage_ids:
+                    option.update(minItems=1, uniqueItems=True, maxItems=len(stage_ids),
+                                  items={"type": "integer", "enum": stage_ids})
+            variants.append(variant)
+        comps["CaptureRequest"] = {"title": model.get("title", "CaptureRequest"),
+                                   "description": model.get("description", ""), "anyOf": variants}
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 class CompatProfileRequest(BaseModel):
@@ -121,6 +159,7 @@ def create_app(
     )
     install_error_handlers(app, scrubber)
     install_docs(app, stage_ids=[s.stage_id for s in deploy.stages if s.profiler == "torch"])
+    _describe_kinds(app, deploy)
     app.add_middleware(RequestGuard, allowed_hosts=settings.allowed_hosts if settings is not None else ())
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: refused requests are counted too
     mutating = [Depends(auth)]

@@ -17,11 +17,18 @@ from typing import Any
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 
+from sidecar.api.openapi import error as openapi_error
 from sidecar.control import artifacts
-from sidecar.errors import CaptureNotTerminal, SummaryUnavailable
+from sidecar.errors import CaptureNotFound, CaptureNotTerminal, SummaryUnavailable
 from sidecar.scrub import Scrubber
 
 router = APIRouter(tags=["captures"])
+
+# what _traces raises, for the OpenAPI document
+_RESPONSES: dict[int | str, dict[str, Any]] = {
+    404: openapi_error(CaptureNotFound, SummaryUnavailable),
+    409: openapi_error(CaptureNotTerminal),
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,7 +62,10 @@ def _timeline_file(controller: Any, capture_id: str) -> Path:
 _locks: dict[str, asyncio.Lock] = {}
 
 
-@router.get("/v1/captures/{capture_id}/timeline", summary="One Perfetto trace of every stage, replica and rank")
+@router.get("/v1/captures/{capture_id}/timeline", summary="One Perfetto trace of every stage, replica and rank",
+            responses={**_RESPONSES, 200: {"description": "the merged trace",
+                                           "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}}}},
+            response_class=FileResponse)
 async def capture_timeline(request: Request, capture_id: str) -> FileResponse:
     from sidecar.analysis.timeline import write_timeline
 
@@ -67,7 +77,8 @@ async def capture_timeline(request: Request, capture_id: str) -> FileResponse:
     return FileResponse(out, media_type="application/gzip", filename=f"{capture_id}.timeline.json.gz")
 
 
-@router.get("/v1/captures/{a}/diff/{b}", summary="Per stage: ops and kernels by change in self CPU / device time (B - A)")
+@router.get("/v1/captures/{a}/diff/{b}", summary="Per stage: ops and kernels by change in self CPU / device time (B - A)",
+            responses=_RESPONSES)
 async def capture_diff(request: Request, a: str, b: str, top: int = Query(20, ge=1, le=500)) -> JSONResponse:
     from sidecar.analysis.diff import diff_paths
 

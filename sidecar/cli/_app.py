@@ -25,7 +25,7 @@ app = typer.Typer(
 )
 
 console = Console()
-err_console = Console(stderr=True)
+err_console = Console(stderr=True, soft_wrap=True)  # an error line is never broken mid-path or mid-code
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # invalid input / failed capture

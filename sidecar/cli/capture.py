@@ -17,7 +17,7 @@ from rich.table import Table
 
 from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, parse_stage_list
 from sidecar.client import DEFAULT_URL, SidecarClient
-from sidecar.control.models import Capture, CaptureState
+from sidecar.control.models import Capture, CaptureState, Verdict
 
 SidecarOpt = Annotated[
     str, typer.Option("--sidecar", envvar="OMNI_SIDECAR_URL", help="URL of a running `omni-sidecar serve`")
@@ -49,6 +49,17 @@ def _size(n: int) -> str:
     return str(n)
 
 
+# every Verdict has a colour: red where traces are lost, yellow where they exist but prove less
+VERDICT_STYLES: dict[str, str] = {
+    Verdict.ok.value: "green",
+    Verdict.empty.value: "yellow",
+    Verdict.missing.value: "red",
+    Verdict.partial.value: "red",
+    Verdict.ambiguous.value: "yellow",
+    Verdict.unverified.value: "yellow",
+}
+
+
 def verdict_table(cap: Capture) -> Table:
     """Stage, verdict, session folder, trace file + size, reason — one row per session folder."""
     table = Table(title=f"capture {cap.id} — {cap.state.value}", title_justify="left")
@@ -56,7 +67,7 @@ def verdict_table(cap: Capture) -> Table:
         table.add_column(col, overflow="fold")
     for v in cap.verdicts:
         verdict = v.verdict.value if v.verdict else "-"
-        style = {"ok": "green", "empty": "yellow", "missing": "red", "unverified": "yellow"}.get(verdict, "")
+        style = VERDICT_STYLES.get(verdict, "")
         cell = f"[{style}]{verdict}[/]" if style else verdict
         if not v.sessions:
             table.add_row(str(v.stage_id), cell, "-", "-", v.reason or "")

@@ -15,12 +15,28 @@ from rich.markup import escape
 from rich.table import Table
 
 from sidecar.analysis import CaptureSummary, SummaryBody, summarize_paths
-from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console
+from sidecar.cli._app import (
+    EXIT_ERROR,
+    EXIT_UNREADABLE,
+    app,
+    cli_errors,
+    console,
+    err_console,
+)
+from sidecar.errors import ConfigUnreadable, SidecarError
 
 
 class By(str, Enum):
     op = "op"
     kernel = "kernel"
+
+
+def _print_error(err: SidecarError) -> None:
+    """As ``cli_errors`` prints it, but one unwrapped line (as ``config_cmds`` does): the file path
+    and message in it stay whole (greppable) whatever the terminal width."""
+    err_console.print(f"[bold red]error[/]{escape(f'[{err.code}]')}: {escape(str(err))}", highlight=False, soft_wrap=True)
+    for finding in err.findings:
+        err_console.print(f"  {escape(str(finding))}", highlight=False, soft_wrap=True)
 
 
 def _ms(us: float) -> str:
@@ -87,7 +103,11 @@ def summarize(
 ) -> None:
     """Summarise torch.profiler traces: window and steps, top CPU ops, top kernels, GPU idle, per stage."""
     with cli_errors():
-        summary: CaptureSummary = summarize_paths(paths, top=top, workers=workers)
+        try:
+            summary: CaptureSummary = summarize_paths(paths, top=top, workers=workers)
+        except SidecarError as err:
+            _print_error(err)
+            raise typer.Exit(EXIT_UNREADABLE if isinstance(err, ConfigUnreadable) else EXIT_ERROR) from None
     if as_json:
         console.print_json(json.dumps(summary.model_dump(mode="json")))
     else:
@@ -105,8 +125,8 @@ def summarize(
                             _ms(g.slowest_us), _ms(g.median_us), f"{g.ratio:.2f}x")
             console.print(tab)
     for msg in summary.warnings:
-        err_console.print(f"[bold yellow]warning[/]: {escape(msg)}", highlight=False)
+        err_console.print(f"[bold yellow]warning[/]: {escape(msg)}", highlight=False, soft_wrap=True)
     for msg in summary.errors:
-        err_console.print(f"[bold red]error[/]{escape('[trace_invalid]')}: {escape(msg)}", highlight=False)
+        err_console.print(f"[bold red]error[/]{escape('[trace_invalid]')}: {escape(msg)}", highlight=False, soft_wrap=True)
     if summary.errors:
         raise typer.Exit(EXIT_ERROR)

@@ -79,9 +79,12 @@ def mark_ambiguous(r: TargetResult, reasons: dict[int, str]) -> TargetResult:
         return r
     verdicts = []
     for v in r.verdicts:
-        if v.stage_id in reasons and v.verdict is not None and v.verdict is not Verdict.ambiguous:
+        fleet_reason = reasons.get(v.stage_id)
+        if fleet_reason is not None and v.verdict is not None and not (v.reason or "").startswith(fleet_reason):
+            # The fleet's reason comes first even when the controller already saw the sharing
+            # itself (its claim registry: "also written by <url>"): it names the other targets.
             seen = f"; the folder check alone said {v.verdict.value}" + (f" ({v.reason})" if v.reason else "")
-            v = v.model_copy(update={"verdict": Verdict.ambiguous, "reason": reasons[v.stage_id] + seen})
+            v = v.model_copy(update={"verdict": Verdict.ambiguous, "reason": fleet_reason + seen})
         verdicts.append(v)
     state = CaptureState.degraded if r.state is CaptureState.completed else r.state
     return r.model_copy(update={"verdicts": verdicts, "state": state})

@@ -4,12 +4,16 @@ import { el } from "./format.js";
 export const VERDICT_HELP = {
   ok: "A trace was written and is not empty: open it in Perfetto or download it.",
   empty:
-    "A session folder appeared but holds no non-empty trace. The stage may have run no iteration " +
-    "inside the window (send requests while it records) or the flush was cut short: look at the server log.",
+    "Traces were written but record no op and no kernel: no request reached this stage while it " +
+    "recorded. Send requests while the capture is active; check delay_iterations / max_iterations.",
   missing:
     "No new session folder for this stage. Check that the running server really profiles it " +
     "(--stage-overrides and --profiler-config win over the YAML), that its worker is alive, and " +
     "raise OMNI_SIDECAR_COLLECT_TIMEOUT_S if the flush is slow.",
+  partial:
+    "Fewer traces than replicas × ranks: the reason names the lost replica or rank. LLM replicas of one " +
+    "server overwrite each other's trace (vLLM-Omni 0.30): run one replica per server, each with its own " +
+    "torch_profiler_dir; a lost rank or replica: read its log.",
   unverified:
     "The sidecar cannot see this stage's folder. Run it on the server's host, or map the folder " +
     "with --artifact-root SERVER_PATH=LOCAL_PATH.",
