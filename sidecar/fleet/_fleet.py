@@ -321,9 +321,10 @@ class Fleet:
             r = fc.targets[name]
             assert r.capture_id is not None
             try:
-                async with asyncio.timeout_at(deadline):
-                    cap = await self._driver(name).stop(r.capture_id, reason)
-            except TimeoutError:
+                # wait_for, not asyncio.timeout_at: the package supports Python 3.10
+                cap = await asyncio.wait_for(self._driver(name).stop(r.capture_id, reason),
+                                             max(deadline - loop.time(), 0.0))
+            except asyncio.TimeoutError:  # on 3.10 not the builtin TimeoutError
                 return r.model_copy(update={"outcome": TargetOutcome.stop_timeout, "stop_s": loop.time() - t0,
                                             "error": TargetError(
                     code="stop_timeout",
