@@ -1,5 +1,6 @@
-"""UpstreamServer: probe, explicit stage lists, flavors, error types and retries. Real sockets
-(FakeOmni) where a server can show the behaviour; respx for faults it cannot (drops, timeouts)."""
+"""UpstreamServer: probe, explicit stage lists, flavors, error types and retries, over real sockets
+(FakeOmni: slow answers, dropped connections, 4xx/5xx). respx only for the one fault a listening
+server cannot show: a connection refused on the first attempt and accepted on the next."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import respx
 
 from sidecar.errors import StageSelectionError, UpstreamError, UpstreamTimeout, UpstreamUnreachable
-from sidecar.upstream.server import Flavor, UpstreamServer
+from sidecar.upstream.server import Flavor, UpstreamServer, UpstreamTimeouts
 
 BASE = "http://upstream.test"
 
@@ -53,11 +54,10 @@ async def test_probe_of_dead_server_is_unreachable():
     assert result.reachable is False
 
 
-@respx.mock
-async def test_probe_of_a_server_too_busy_to_answer_is_reachable():
+async def test_probe_of_a_server_too_busy_to_answer_is_reachable(fake_omni):
     # A server flushing a long stop may not answer /health in time: not gone.
-    respx.get(f"{BASE}/health").mock(side_effect=httpx.ReadTimeout("busy"))
-    async with UpstreamServer(BASE) as up:
+    fake_omni.health_delay = 2
+    async with UpstreamServer(fake_omni.url, timeouts=UpstreamTimeouts(probe=0.3)) as up:
         result = await up.probe()
     assert (result.healthy, result.reachable) == (False, True)
 
@@ -76,20 +76,16 @@ async def test_empty_stage_list_is_refused_before_any_call(fake_omni, method):
     assert (err.value.code, fake_omni.calls) == ("stages_empty", [])
 
 
-@respx.mock
-async def test_vllm_flavor_sends_no_body():
-    route = respx.post(f"{BASE}/start_profile").mock(return_value=httpx.Response(200, json={"status": "SUCCESS"}))
-    async with UpstreamServer(BASE, flavor=Flavor.vllm) as up:
+async def test_vllm_flavor_sends_no_body(fake_omni):
+    async with UpstreamServer(fake_omni.url, flavor=Flavor.vllm) as up:
         await up.start_profile([0])
-    assert route.calls.last.request.content == b""
+    assert [c["raw"] for c in fake_omni.starts()] == [b""]
 
 
-@respx.mock
-async def test_omni_flavor_body_is_stage_json():
-    route = respx.post(f"{BASE}/stop_profile").mock(return_value=httpx.Response(200, json={"status": "SUCCESS"}))
-    async with UpstreamServer(BASE) as up:
+async def test_omni_flavor_body_is_stage_json(fake_omni):
+    async with UpstreamServer(fake_omni.url) as up:
         await up.stop_profile([1, 3])
-    assert json.loads(route.calls.last.request.content) == {"stages": [1, 3]}
+    assert [json.loads(c["raw"]) for c in fake_omni.stops()] == [{"stages": [1, 3]}]
 
 
 async def test_start_500_is_upstream_error_with_status_and_body(fake_omni):
@@ -116,22 +112,20 @@ async def test_start_retries_only_undelivered_requests():
     assert route.call_count == 2
 
 
-@respx.mock
-async def test_start_read_timeout_is_ambiguous_and_not_retried():
-    route = respx.post(f"{BASE}/start_profile").mock(side_effect=httpx.ReadTimeout("slow"))
-    async with UpstreamServer(BASE) as up:
+async def test_start_read_timeout_is_ambiguous_and_not_retried(fake_omni):
+    fake_omni.start_delay = 2  # delivered, unanswered: the server may be recording
+    async with UpstreamServer(fake_omni.url, timeouts=UpstreamTimeouts(start=0.3)) as up:
         with pytest.raises(UpstreamTimeout):
             await up.start_profile([0])
-    assert route.call_count == 1
+    assert len(fake_omni.starts()) == 1
 
 
-@respx.mock
-async def test_start_5xx_is_not_retried():
-    route = respx.post(f"{BASE}/start_profile").mock(return_value=httpx.Response(500, json={"detail": "x"}))
-    async with UpstreamServer(BASE) as up:
+async def test_start_5xx_is_not_retried(fake_omni):
+    fake_omni.start_status = 500
+    async with UpstreamServer(fake_omni.url, retry_wait_max_s=0.01) as up:
         with pytest.raises(UpstreamError):
             await up.start_profile([0])
-    assert route.call_count == 1
+    assert len(fake_omni.starts()) == 1
 
 
 async def test_stop_retries_5xx_until_success(fake_omni):
@@ -141,13 +135,12 @@ async def test_stop_retries_5xx_until_success(fake_omni):
     assert len(fake_omni.stops()) == 3
 
 
-@respx.mock
-async def test_stop_does_not_retry_4xx():
-    route = respx.post(f"{BASE}/stop_profile").mock(return_value=httpx.Response(422, json={"detail": "bad"}))
-    async with UpstreamServer(BASE) as up:
-        with pytest.raises(UpstreamError):
+async def test_stop_does_not_retry_4xx(fake_omni):
+    fake_omni.stop_status = 422
+    async with UpstreamServer(fake_omni.url, retry_wait_max_s=0.01) as up:
+        with pytest.raises(UpstreamError) as err:
             await up.stop_profile([0])
-    assert route.call_count == 1
+    assert (err.value.details["status"], len(fake_omni.stops())) == (422, 1)
 
 
 async def test_hung_stop_ends_as_timeout_within_budget(fake_omni):
@@ -172,21 +165,16 @@ async def test_persistent_5xx_on_stop_gives_up_before_the_budget(fake_omni):
     assert len(fake_omni.stops()) == 3
 
 
-@respx.mock
-async def test_stop_retries_a_dropped_connection():
-    route = respx.post(f"{BASE}/stop_profile").mock(
-        side_effect=[httpx.RemoteProtocolError("Server disconnected"), httpx.Response(200, json={"status": "SUCCESS"})]
-    )
-    async with UpstreamServer(BASE, retry_wait_max_s=0.01) as up:
+async def test_stop_retries_a_dropped_connection(fake_omni):
+    fake_omni.drop_stops = 1
+    async with UpstreamServer(fake_omni.url, retry_wait_max_s=0.01) as up:
         await up.stop_profile([0])
-    assert route.call_count == 2
+    assert len(fake_omni.stops()) == 2
 
 
-@respx.mock
-async def test_stop_retries_after_a_read_timeout_within_budget():
-    route = respx.post(f"{BASE}/stop_profile").mock(
-        side_effect=[httpx.ReadTimeout("slow"), httpx.Response(200, json={"status": "SUCCESS"})]
-    )
-    async with UpstreamServer(BASE, retry_wait_max_s=0.01) as up:
+async def test_stop_retries_after_a_read_timeout_within_budget(fake_omni):
+    fake_omni.stop_delays = [2.0]  # the first attempt outlives its read timeout, the second answers
+    timeouts = UpstreamTimeouts(stop=0.3)
+    async with UpstreamServer(fake_omni.url, timeouts=timeouts, stop_budget_s=30, retry_wait_max_s=0.01) as up:
         await up.stop_profile([0])
-    assert route.call_count == 2
+    assert len(fake_omni.stops()) == 2
