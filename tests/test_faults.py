@@ -6,8 +6,8 @@ one process-level layer for faults; the rules behind each row are tested in proc
 
 | fault                            | final state | reason (error code / stop reason)                 |
 |----------------------------------|-------------|---------------------------------------------------|
-| upstream down before start       | failed      | upstream_unreachable (503, nothing sent)          |
-| upstream killed mid-capture      | failed      | upstream_gone, quickly (not the budget); next 503 |
+| upstream killed mid-capture      | failed      | upstream_gone, quickly (not the budget)           |
+|   ... then a start (server down) | failed      | upstream_unreachable (503)                        |
 | start answers 500                | failed      | upstream_failed (502), rolled back with a stop    |
 | stop delayed                     | completed   | explicit; `stopping` and /healthz answers meanwhile |
 | stop hangs                       | stopping    | upstream_timeout past the budget; a start is 409 capture_stop_pending |
@@ -35,9 +35,10 @@ from typing import Any
 import httpx
 import pytest
 
-from sidecar.api.launcher import free_port
+from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
-from tests.fixtures.emulator import emulator_state, make_deploy
+from tests.fixtures.emulator import EmulatorPool, emulator_state, make_deploy
+from tests.fixtures.sidecar import ModuleSidecar
 from tests.fixtures.waits import poll
 
 pytestmark = pytest.mark.slow
@@ -57,9 +58,12 @@ HTTP_TIMEOUT = 120  # generous: a loaded machine is slow, and a hang is caught b
 WAIT = 90
 
 
+STAGES = {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}}
+
+
 @pytest.fixture
 def deploy(tmp_path: Path) -> Path:
-    return make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
+    return make_deploy(tmp_path, STAGES)
 
 
 def trace_dirs(deploy: Path) -> dict[int, Path]:
@@ -94,6 +98,34 @@ def stack(
         return emu, restart(), restart
 
     return make
+
+
+# The rows whose sidecar lives on share one (a sidecar start is most of a row's cost), with stop
+# bounds that fit both a delayed stop (answers within them) and a hung one (outlives them).
+SHARED_ENV = {**FAST, "OMNI_SIDECAR_STOP_TIMEOUT_S": "6", "OMNI_SIDECAR_STOP_BUDGET_S": "6"}
+STOP_DELAY_S = 2  # well inside SHARED_ENV's bounds
+
+
+@pytest.fixture(scope="module")
+def _shared(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool) -> Iterator[ModuleSidecar]:
+    root = tmp_path_factory.mktemp("matrix")
+    deploy = make_deploy(root, STAGES)
+
+    def start(emu: Any) -> SidecarProcess:
+        return SidecarProcess(emu.url, deploy, state_dir=root / "state", env=SHARED_ENV,
+                              log_path=root / "sidecar.log").start()  # fmt: skip
+
+    shared = ModuleSidecar(emulator_pool, deploy, start, emulator_args=THREAD, timeout=HTTP_TIMEOUT)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture
+def shared(_shared: ModuleSidecar) -> Iterator[ModuleSidecar]:
+    """The module's sidecar over the pooled emulator, faults cleared; every capture ended after."""
+    _shared.use()
+    yield _shared
+    _shared.settle(timeout=WAIT)
 
 
 def client_of(sc: Any) -> SidecarClient:
@@ -132,50 +164,45 @@ def stopped(client: SidecarClient, cid: str) -> Any:
 # --- upstream faults ---------------------------------------------------------------------------
 
 
-def test_upstream_down_before_start(deploy: Path, sidecar_factory: Callable[..., Any]) -> None:
-    sc = sidecar_factory(f"http://127.0.0.1:{free_port('127.0.0.1')}", deploy, env=FAST)
-    reply = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]}, timeout=HTTP_TIMEOUT)
-    with client_of(sc) as client:
-        (cap,) = client.list_captures()
-    assert (reply.status_code, reply.json()["error"]["code"]) == (503, "upstream_unreachable")
-    assert (cap.state.value, codes(cap)) == ("failed", ["upstream_unreachable"])
-
-
-def test_upstream_killed_mid_capture(stack: Any) -> None:
+def test_upstream_killed_mid_capture_then_a_start(stack: Any) -> None:
     # the default stop budget (30 min): the capture must not wait it out once the server is gone
     emu, sc, _ = stack(fresh=True, env={"OMNI_SIDECAR_STOP_BUDGET_S": "1800", "OMNI_SIDECAR_STOP_TIMEOUT_S": "1800"})
     with client_of(sc) as client:
         cap = client.start_capture([0, 2])
         emu.kill()
         final = stopped(client, cap.id)
-        again = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]}, timeout=HTTP_TIMEOUT).status_code
+        # the server is down now: a start is refused for the server (not 409 for the old capture)
+        again = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]}, timeout=HTTP_TIMEOUT)
+        refused = client.get_capture(again.json()["error"]["details"]["capture_id"])
     assert (final.state.value, "upstream_gone" in codes(final)) == ("failed", True)
-    assert again == 503  # a start is possible again: refused for the server, not 409 for the capture
+    assert (again.status_code, again.json()["error"]["code"]) == (503, "upstream_unreachable")
+    assert (refused.state.value, codes(refused)) == ("failed", ["upstream_unreachable"])
 
 
-def test_start_500(stack: Any) -> None:
-    emu, sc, _ = stack(faults={"start_500": True})
-    reply = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]}, timeout=HTTP_TIMEOUT)
-    with client_of(sc) as client:
-        (cap,) = client.list_captures()
+def test_start_500(shared: ModuleSidecar) -> None:
+    emu = shared.emulator
+    emu.set_faults(start_500=True)
+    reply = httpx.post(f"{shared.url}/v1/captures", json={"stages": [0]}, timeout=HTTP_TIMEOUT)
+    with shared.client() as client:
+        cap = client.get_capture(reply.json()["error"]["details"]["capture_id"])
     assert (reply.status_code, cap.state.value, codes(cap)[0], cap.stop_reason.value) == (
         502, "failed", "upstream_failed", "rollback")
     assert [c["stages"] for c in upstream_calls(emu, "/stop_profile")] == [[0]]  # the rollback
     assert recording(emu) == NONE_RECORDING
 
 
-def test_stop_delayed(stack: Any) -> None:
+def test_stop_delayed(shared: ModuleSidecar) -> None:
     # the server takes its time to answer the stop: the capture stays `stopping`, the API keeps
     # answering meanwhile (the stop runs beside the event loop), then it completes
-    emu, sc, _ = stack(faults={"stop_delay_s": 4},
-                       env={"OMNI_SIDECAR_STOP_TIMEOUT_S": "60", "OMNI_SIDECAR_STOP_BUDGET_S": "120"})
-    with client_of(sc) as client:
+    emu = shared.emulator
+    emu.set_faults(stop_delay_s=STOP_DELAY_S)
+    with shared.client() as client:
         cap = client.start_capture([0, 2])
         traffic(emu)
         client.stop_capture(cap.id)
         # the stop is on the server and not answered yet
         assert poll(lambda: [c["status"] for c in upstream_calls(emu, "/stop_profile")] == [None])
-        health = httpx.get(f"{sc.url}/healthz", timeout=HTTP_TIMEOUT).status_code
+        health = httpx.get(f"{shared.url}/healthz", timeout=HTTP_TIMEOUT).status_code
         during = client.get_capture(cap.id).state.value
         in_flight = [c["status"] for c in upstream_calls(emu, "/stop_profile")] == [None]
         final = settled(client, cap.id)
@@ -184,17 +211,18 @@ def test_stop_delayed(stack: Any) -> None:
     assert recording(emu) == NONE_RECORDING
 
 
-def test_stop_hangs(stack: Any, deploy: Path) -> None:
-    emu, sc, _ = stack(faults={"hang_stop": True})  # only a reset releases the stop
-    with client_of(sc) as client:
+def test_stop_hangs(shared: ModuleSidecar) -> None:
+    emu = shared.emulator
+    emu.set_faults(hang_stop=True)  # only a reset releases the stop
+    with shared.client() as client:
         cap = client.start_capture([0])
         traffic(emu)
         client.stop_capture(cap.id)
         assert poll(lambda: "upstream_timeout" in codes(client.get_capture(cap.id)), timeout=WAIT)
         held = client.get_capture(cap.id)
-        again = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]}, timeout=HTTP_TIMEOUT)
+        again = httpx.post(f"{shared.url}/v1/captures", json={"stages": [0]}, timeout=HTTP_TIMEOUT)
         starts = len(upstream_calls(emu, "/start_profile"))
-        emu.reset(profiler_dirs=trace_dirs(deploy))  # the server answers at last
+        emu.reset(profiler_dirs=trace_dirs(shared.deploy))  # the server answers at last
         final = settled(client, cap.id)
     # past the budget the server may still be writing this window: the slot stays taken, and the
     # reason says what to do
@@ -208,15 +236,15 @@ def test_stop_hangs(stack: Any, deploy: Path) -> None:
     assert recording(emu) == NONE_RECORDING
 
 
-def test_dead_stage(stack: Any) -> None:
+def test_dead_stage(shared: ModuleSidecar) -> None:
     # vLLM-Omni 0.30 swallows a dead worker's error: start and stop answer 200 SUCCESS
-    emu, sc, _ = stack(faults={"dead_stage": 2})
+    emu = shared.emulator
+    emu.set_faults(dead_stage=2)
     assert poll(lambda: not emulator_state(emu)["stages"]["2"]["alive"])
-    reply = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]}, timeout=HTTP_TIMEOUT)
-    with client_of(sc) as client:
-        (cap,) = client.list_captures()
+    reply = httpx.post(f"{shared.url}/v1/captures", json={"stages": [0, 2]}, timeout=HTTP_TIMEOUT)
+    with shared.client() as client:
         traffic(emu)
-        final = stopped(client, cap.id)
+        final = stopped(client, reply.json()["id"])
     verdicts = {v.stage_id: v.verdict.value for v in final.verdicts}
     assert (reply.status_code, final.state.value, final.stop_reason.value, verdicts) == (
         201, "degraded", "explicit", {0: "ok", 2: "missing"})
@@ -224,9 +252,10 @@ def test_dead_stage(stack: Any) -> None:
     assert recording(emu)["0"] is False
 
 
-def test_worker_dies_after_start(stack: Any) -> None:
-    emu, sc, _ = stack(faults={"die_after_start": 2})
-    with client_of(sc) as client:
+def test_worker_dies_after_start(shared: ModuleSidecar) -> None:
+    emu = shared.emulator
+    emu.set_faults(die_after_start=2)
+    with shared.client() as client:
         cap = client.start_capture([0, 2])
         assert poll(lambda: not emulator_state(emu)["stages"]["2"]["alive"])
         traffic(emu)  # stage 0 works; stage 2's worker is gone
@@ -243,6 +272,15 @@ def test_worker_dies_after_start(stack: Any) -> None:
 # --- kill -9 of the sidecar in each live state --------------------------------------------------
 
 
+def journaled(state_dir: Path, cid: str) -> str | None:
+    """The capture's state in the journal, as the next start-up will read it (written off the
+    request path, so it may trail the API by a moment)."""
+    try:
+        return json.loads((state_dir / "captures" / f"{cid}.json").read_text())["state"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def _recovered(restart: Callable[[], Any], cid: str) -> tuple[Any, dict[str, Any]]:
     """The capture as the next sidecar on the same state dir ends it, and that sidecar's /healthz."""
     again = restart()
@@ -256,6 +294,7 @@ def test_kill9_in_starting(stack: Any, tmp_path: Path) -> None:
     with client_of(sc) as client:
         cap = client.start_capture([0, 2])
         traffic(emu)
+    assert poll(lambda: journaled(tmp_path / "state", cap.id) == "active")
     sc.kill()
     path = tmp_path / "state" / "captures" / f"{cap.id}.json"
     data = json.loads(path.read_text())
@@ -270,6 +309,7 @@ def test_kill9_in_active_and_a_bad_journal_entry_beside_it(stack: Any, tmp_path:
     with client_of(sc) as client:
         cap = client.start_capture([0, 2])
         traffic(emu)
+    assert poll(lambda: journaled(tmp_path / "state", cap.id) == "active")
     sc.kill()
     still = recording(emu)
     # beside it, an entry the next start-up cannot load (a timestamp without timezone)
@@ -286,28 +326,31 @@ def test_kill9_in_active_and_a_bad_journal_entry_beside_it(stack: Any, tmp_path:
     assert recording(emu) == NONE_RECORDING
 
 
-def test_kill9_in_stopping(stack: Any) -> None:
-    emu, sc, restart = stack(faults={"stop_delay_s": 5},
+def test_kill9_in_stopping(stack: Any, tmp_path: Path) -> None:
+    # the stop is on the server, unanswered, when the sidecar dies
+    emu, sc, restart = stack(faults={"stop_delay_s": 3},
                              env={"OMNI_SIDECAR_STOP_TIMEOUT_S": "60", "OMNI_SIDECAR_STOP_BUDGET_S": "120"})
     with client_of(sc) as client:
         cap = client.start_capture([0, 2])
         traffic(emu)
         client.stop_capture(cap.id)
-        assert client.get_capture(cap.id).state.value == "stopping"
+    assert poll(lambda: journaled(tmp_path / "state", cap.id) == "stopping")
+    in_flight = [c["status"] for c in upstream_calls(emu, "/stop_profile")] == [None]
     sc.kill()
     final, _ = _recovered(restart, cap.id)
-    assert (final.terminal, final.stop_reason.value) == (True, "stopped_on_recovery")
+    assert (in_flight, final.terminal, final.stop_reason.value) == (True, True, "stopped_on_recovery")
     assert final.state.value in ("completed", "degraded")
     assert recording(emu) == NONE_RECORDING
 
 
-def test_kill9_in_collecting(stack: Any) -> None:
+def test_kill9_in_collecting(stack: Any, tmp_path: Path) -> None:
+    # the server answered the stop and is still gzipping its traces when the sidecar dies
     emu, sc, restart = stack(emulator_args=["--gzip-delay", "4"])  # a start-up option: its own pooled emulator
     with client_of(sc) as client:
         cap = client.start_capture([0, 2])
         traffic(emu)
         client.stop_capture(cap.id)
-        assert poll(lambda: client.get_capture(cap.id).state.value == "collecting", timeout=WAIT)
+    assert poll(lambda: journaled(tmp_path / "state", cap.id) == "collecting")
     sc.kill()
     final, _ = _recovered(restart, cap.id)
     verdicts = {v.stage_id: v.verdict.value for v in final.verdicts}
