@@ -13,15 +13,13 @@ every capture ended between tests); the emulator is the session pool's, with thr
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from sidecar.api.launcher import SidecarProcess
-from sidecar.client import SidecarClient
 from tests.fixtures.emulator import EmulatorPool, emulator_state, make_deploy
 from tests.fixtures.sidecar import ModuleSidecar
 
@@ -81,31 +79,19 @@ def _served(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPoo
     root = tmp_path_factory.mktemp("served")
     deploy = make_deploy(root, STAGES)
     (root / "mnt").symlink_to(root / "traces", target_is_directory=True)
-    token_file = root / "token"
-    token_file.write_text(TOKEN + "\n")
-
-    def start(emu: Any) -> SidecarProcess:
-        return SidecarProcess(
-            emu.url.replace("http://", f"http://admin:{PASSWORD}@"),
-            deploy,
-            state_dir=root / "state",
-            token_file=token_file,
-            artifact_roots={str(root / "traces"): str(root / "mnt")},
-            env=FAST,
-            log_path=root / "sidecar.log",
-        ).start()
-
-    served = Served(emulator_pool, deploy, start, emulator_args=THREAD, token=TOKEN, timeout=HTTP_TIMEOUT)
-    yield served
-    served.close()
+    (root / "token").write_text(TOKEN + "\n")
+    yield from Served.for_module(
+        emulator_pool, deploy, emulator_args=THREAD, token=TOKEN, timeout=HTTP_TIMEOUT,
+        upstream=lambda url: url.replace("http://", f"http://admin:{PASSWORD}@"),
+        state_dir=root / "state", token_file=root / "token", env=FAST, log_path=root / "sidecar.log",
+        artifact_roots={str(root / "traces"): str(root / "mnt")},
+    )  # fmt: skip
 
 
 @pytest.fixture
 def served(_served: Served) -> Iterator[Served]:
     """The module's sidecar, ready for this test; every capture ended afterwards."""
-    _served.use()
-    yield _served
-    _served.settle(timeout=WAIT)
+    yield from _served.each_test(settle_timeout=WAIT)
 
 
 def test_a_capture_over_real_sockets_completes_with_a_trace_per_stage(served: Served) -> None:

@@ -4,19 +4,20 @@ reason, and that no stage is left recording (the emulator's ``GET /emulator/stat
 one process-level layer for faults; the rules behind each row are tested in process
 (tests/test_controller.py, tests/test_api.py).
 
-| fault                            | final state | reason (error code / stop reason)                 |
-|----------------------------------|-------------|---------------------------------------------------|
-| upstream killed mid-capture      | failed      | upstream_gone, quickly (not the budget)           |
-|   ... then a start (server down) | failed      | upstream_unreachable (503)                        |
-| start answers 500                | failed      | upstream_failed (502), rolled back with a stop    |
-| stop delayed                     | completed   | explicit; `stopping` and /healthz answers meanwhile |
-| stop hangs                       | stopping    | upstream_timeout past the budget; a start is 409 capture_stop_pending |
-|   ... then the server answers    | completed   | explicit                                          |
-| dead stage (start/stop 200)      | degraded    | that stage missing: dead or restarted worker      |
-| worker dies after start          | degraded    | that stage missing: its worker most likely died   |
-| kill -9 in starting/active/...   | completed   | stopped_on_recovery at the next start-up          |
-|   ... a bad journal entry beside | -           | quarantined (``.bad``, counted at /healthz)       |
-| full disk during a journal write | completed   | journal write_errors at /healthz                  |
+| fault                            | final state | reason (error code / stop reason)                    |
+|----------------------------------|-------------|------------------------------------------------------|
+| upstream killed mid-capture      | failed      | upstream_gone, quickly (not the budget)              |
+|   ... then a start (server down) | failed      | upstream_unreachable (503)                           |
+| start answers 500                | failed      | upstream_failed (502), rolled back with a stop       |
+| stop delayed                     | completed   | explicit; `stopping`, /healthz answering meanwhile   |
+| stop hangs                       | stopping    | upstream_timeout past the budget; a start is 409     |
+|                                  |             | capture_stop_pending, the slot held                  |
+|   ... then the server answers    | completed   | explicit                                             |
+| dead stage (start/stop 200)      | degraded    | that stage missing: dead or restarted worker         |
+| worker dies after start          | degraded    | that stage missing: its worker most likely died      |
+| kill -9 in starting/active/...   | completed   | stopped_on_recovery at the next start-up             |
+|   ... a bad journal entry beside | -           | quarantined (``.bad``, counted at /healthz)          |
+| full disk during a journal write | completed   | journal write_errors at /healthz                     |
 
 Each window that should end ``completed`` gets a request (``traffic``): an idle window is ``empty``.
 The emulator is the session pool's (thread workers, faults set at run time) except where a row
@@ -35,7 +36,6 @@ from typing import Any
 import httpx
 import pytest
 
-from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
 from tests.fixtures.emulator import EmulatorPool, emulator_state, make_deploy
 from tests.fixtures.sidecar import ModuleSidecar
@@ -109,23 +109,16 @@ STOP_DELAY_S = 2  # well inside SHARED_ENV's bounds
 @pytest.fixture(scope="module")
 def _shared(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool) -> Iterator[ModuleSidecar]:
     root = tmp_path_factory.mktemp("matrix")
-    deploy = make_deploy(root, STAGES)
-
-    def start(emu: Any) -> SidecarProcess:
-        return SidecarProcess(emu.url, deploy, state_dir=root / "state", env=SHARED_ENV,
-                              log_path=root / "sidecar.log").start()  # fmt: skip
-
-    shared = ModuleSidecar(emulator_pool, deploy, start, emulator_args=THREAD, timeout=HTTP_TIMEOUT)
-    yield shared
-    shared.close()
+    yield from ModuleSidecar.for_module(
+        emulator_pool, make_deploy(root, STAGES), emulator_args=THREAD, timeout=HTTP_TIMEOUT,
+        state_dir=root / "state", env=SHARED_ENV, log_path=root / "sidecar.log",
+    )  # fmt: skip
 
 
 @pytest.fixture
 def shared(_shared: ModuleSidecar) -> Iterator[ModuleSidecar]:
     """The module's sidecar over the pooled emulator, faults cleared; every capture ended after."""
-    _shared.use()
-    yield _shared
-    _shared.settle(timeout=WAIT)
+    yield from _shared.each_test(settle_timeout=WAIT)
 
 
 def client_of(sc: Any) -> SidecarClient:
@@ -373,7 +366,7 @@ def _tiny_tmpfs(where: Path) -> Iterator[Path]:
     try:
         yield where
     finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+        subprocess.run(["umount", "-l", str(where)], check=False, capture_output=True, timeout=30)
 
 
 def test_full_disk_during_a_journal_write(
