@@ -12,6 +12,7 @@ every capture ended between tests); the emulator is the session pool's, with thr
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -157,6 +158,18 @@ def test_upstream_credentials_are_never_shown(served: Served) -> None:
     assert (created.status_code, ready.status_code) == (201, 200)
     assert PASSWORD not in created.text + ready.text + listed + log
     assert "***@" in created.text  # the URL is shown, its user-info part replaced
+
+
+def test_fifty_concurrent_starts_make_one_capture(served: Served) -> None:
+    # over real sockets, through uvicorn's loop: the controller's one-at-a-time rule holds
+    async def burst() -> list[int]:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with httpx.AsyncClient(base_url=served.url, headers=headers, timeout=HTTP_TIMEOUT) as http:
+            replies = await asyncio.gather(*(http.post("/v1/captures", json={"stages": [0]}) for _ in range(50)))
+        return [r.status_code for r in replies]
+
+    codes = asyncio.run(burst())
+    assert (codes.count(201), codes.count(409), len(upstream_calls(served.emulator, "/start_profile"))) == (1, 49, 1)
 
 
 def test_sigterm_stops_the_active_capture_before_exit(served: Served) -> None:

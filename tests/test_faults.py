@@ -102,8 +102,8 @@ def stack(
 
 # The rows whose sidecar lives on share one (a sidecar start is most of a row's cost), with stop
 # bounds that fit both a delayed stop (answers within them) and a hung one (outlives them).
-SHARED_ENV = {**FAST, "OMNI_SIDECAR_STOP_TIMEOUT_S": "6", "OMNI_SIDECAR_STOP_BUDGET_S": "6"}
-STOP_DELAY_S = 2  # well inside SHARED_ENV's bounds
+SHARED_ENV = {**FAST, "OMNI_SIDECAR_STOP_TIMEOUT_S": "8", "OMNI_SIDECAR_STOP_BUDGET_S": "8"}
+STOP_DELAY_S = 3  # well inside SHARED_ENV's bounds, and long enough to look at the stop in flight
 
 
 @pytest.fixture(scope="module")
@@ -321,7 +321,7 @@ def test_kill9_in_active_and_a_bad_journal_entry_beside_it(stack: Any, tmp_path:
 
 def test_kill9_in_stopping(stack: Any, tmp_path: Path) -> None:
     # the stop is on the server, unanswered, when the sidecar dies
-    emu, sc, restart = stack(faults={"stop_delay_s": 3},
+    emu, sc, restart = stack(faults={"stop_delay_s": 4},
                              env={"OMNI_SIDECAR_STOP_TIMEOUT_S": "60", "OMNI_SIDECAR_STOP_BUDGET_S": "120"})
     with client_of(sc) as client:
         cap = client.start_capture([0, 2])
