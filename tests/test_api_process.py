@@ -1,13 +1,14 @@
 """The sidecar as users run it: ``omni-sidecar serve`` under uvicorn on a free port, in front of
 the emulated vLLM-Omni server, driven over real sockets (curl-level). Only what a process shows:
 its command-line flags reaching the running server (token file, artifact roots, an upstream URL
-with credentials), real-socket paths, its log file, SIGTERM, start-up refusals. The rules behind
-the routes are tested in process (tests/test_api.py, tests/test_controller.py), the faults of
-real processes in the fault matrix (tests/test_faults.py).
+with credentials), real-socket paths and concurrency, its log file, SIGTERM; and the start-up
+refusals of the serve command (in process: it refuses before it binds). The rules behind the
+routes are tested in process (tests/test_api.py, tests/test_controller.py), the faults of real
+processes in the fault matrix (tests/test_faults.py).
 
-The tests that only read what a sidecar serves share one (``served``: started once per module,
-every capture ended between tests); the emulator is the session pool's, with thread workers
-(synthetic traces: the same files and names, made-up ops).
+The sidecar tests share one (``served``: started once per module, every capture ended between
+tests, SIGTERM last); the emulator is the session pool's, with thread workers (synthetic traces:
+the same files and names, made-up ops).
 """
 
 from __future__ import annotations
