@@ -79,17 +79,14 @@ def stack(
     sidecar_factory: Callable[..., Any],
     tmp_path: Path,
 ):
-    """``stack(faults={...}, env={...}, emulator_args=[...], fresh=False)`` → (emulator, sidecar,
-    restart) with one state dir; ``restart()`` starts a new sidecar on it (after a kill -9). The
-    emulator comes from the session pool with ``faults`` set at run time (the pool's reset clears
-    them); ``fresh=True`` gives one of its own, for a test that kills it."""
+    """``stack(env={...}, emulator_args=[...], fresh=False)`` → (emulator, sidecar, restart) with
+    one state dir, for the rows the module's sidecar cannot serve; ``restart()`` starts a new
+    sidecar on it (after a kill -9). The emulator comes from the session pool; ``fresh=True``
+    gives one of its own, for a test that kills it."""
 
-    def make(faults: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-             emulator_args: list[str] | None = None, fresh: bool = False):  # fmt: skip
+    def make(env: dict[str, str] | None = None, emulator_args: list[str] | None = None, fresh: bool = False):
         factory = emulator_factory if fresh else shared_emulator_factory
         emu = factory(deploy, extra_args=[*THREAD, *(emulator_args or [])])
-        if faults:
-            emu.set_faults(**faults)
         state = tmp_path / "state"
 
         def restart() -> Any:
@@ -100,8 +97,9 @@ def stack(
     return make
 
 
-# The rows whose sidecar lives on share one (a sidecar start is most of a row's cost), with stop
-# bounds that fit both a delayed stop (answers within them) and a hung one (outlives them).
+# The rows on the pooled emulator share one sidecar (a sidecar start is most of a row's cost; a
+# kill row starts its successor), with stop bounds that fit both a delayed stop (answers within
+# them) and a hung one (outlives them).
 SHARED_ENV = {**FAST, "OMNI_SIDECAR_STOP_TIMEOUT_S": "8", "OMNI_SIDECAR_STOP_BUDGET_S": "8"}
 STOP_DELAY_S = 3  # well inside SHARED_ENV's bounds, and long enough to look at the stop in flight
 
@@ -281,36 +279,40 @@ def _recovered(restart: Callable[[], Any], cid: str) -> tuple[Any, dict[str, Any
         return settled(client, cid), client.healthz()
 
 
-def test_kill9_in_starting(stack: Any, tmp_path: Path) -> None:
+# The module's sidecar is killed and its successor on the same state dir recovers the journal;
+# later rows use the successor (one sidecar start per kill, not two).
+
+
+def test_kill9_in_starting(shared: ModuleSidecar) -> None:
     # the journal as a kill -9 leaves it mid-start: `starting`, the start already delivered
-    emu, sc, restart = stack()
-    with client_of(sc) as client:
+    emu, sc = shared.emulator, shared.sidecar
+    with shared.client() as client:
         cap = client.start_capture([0, 2])
         traffic(emu)
-    assert poll(lambda: journaled(tmp_path / "state", cap.id) == "active")
+    assert poll(lambda: journaled(sc.state_dir, cap.id) == "active")
     sc.kill()
-    path = tmp_path / "state" / "captures" / f"{cap.id}.json"
+    path = sc.state_dir / "captures" / f"{cap.id}.json"
     data = json.loads(path.read_text())
     path.write_text(json.dumps({**data, "state": "starting", "started_at": None}))
-    final, _ = _recovered(restart, cap.id)
+    final, _ = _recovered(shared.restart, cap.id)
     assert (final.state.value, final.stop_reason.value) == ("completed", "stopped_on_recovery")
     assert recording(emu) == NONE_RECORDING
 
 
-def test_kill9_in_active_and_a_bad_journal_entry_beside_it(stack: Any, tmp_path: Path) -> None:
-    emu, sc, restart = stack()
-    with client_of(sc) as client:
+def test_kill9_in_active_and_a_bad_journal_entry_beside_it(shared: ModuleSidecar) -> None:
+    emu, sc = shared.emulator, shared.sidecar
+    with shared.client() as client:
         cap = client.start_capture([0, 2])
         traffic(emu)
-    assert poll(lambda: journaled(tmp_path / "state", cap.id) == "active")
+    assert poll(lambda: journaled(sc.state_dir, cap.id) == "active")
     sc.kill()
     still = recording(emu)
     # beside it, an entry the next start-up cannot load (a timestamp without timezone)
-    journal = tmp_path / "state" / "captures"
+    journal = sc.state_dir / "captures"
     bad = journal / "20260101-000000-aaaaaa.json"
     good = json.loads((journal / f"{cap.id}.json").read_text())
     bad.write_text(json.dumps({**good, "id": bad.stem, "created_at": "2026-01-01T00:00:00"}))
-    final, health = _recovered(restart, cap.id)
+    final, health = _recovered(shared.restart, cap.id)
     assert still == {"0": True, "1": False, "2": True}  # a kill -9 stops nothing
     assert (final.state.value, final.stop_reason.value) == ("completed", "stopped_on_recovery")
     # the bad entry is set aside and counted; the rest is recovered
@@ -319,26 +321,27 @@ def test_kill9_in_active_and_a_bad_journal_entry_beside_it(stack: Any, tmp_path:
     assert recording(emu) == NONE_RECORDING
 
 
-def test_kill9_in_stopping(stack: Any, tmp_path: Path) -> None:
+def test_kill9_in_stopping(shared: ModuleSidecar) -> None:
     # the stop is on the server, unanswered, when the sidecar dies
-    emu, sc, restart = stack(faults={"stop_delay_s": 4},
-                             env={"OMNI_SIDECAR_STOP_TIMEOUT_S": "60", "OMNI_SIDECAR_STOP_BUDGET_S": "120"})
-    with client_of(sc) as client:
+    emu, sc = shared.emulator, shared.sidecar
+    emu.set_faults(stop_delay_s=STOP_DELAY_S)
+    with shared.client() as client:
         cap = client.start_capture([0, 2])
         traffic(emu)
         client.stop_capture(cap.id)
-    assert poll(lambda: journaled(tmp_path / "state", cap.id) == "stopping")
+    assert poll(lambda: journaled(sc.state_dir, cap.id) == "stopping")
     in_flight = [c["status"] for c in upstream_calls(emu, "/stop_profile")] == [None]
     sc.kill()
-    final, _ = _recovered(restart, cap.id)
+    final, _ = _recovered(shared.restart, cap.id)
     assert (in_flight, final.terminal, final.stop_reason.value) == (True, True, "stopped_on_recovery")
     assert final.state.value in ("completed", "degraded")
     assert recording(emu) == NONE_RECORDING
 
 
 def test_kill9_in_collecting(stack: Any, tmp_path: Path) -> None:
-    # the server answered the stop and is still gzipping its traces when the sidecar dies
-    emu, sc, restart = stack(emulator_args=["--gzip-delay", "4"])  # a start-up option: its own pooled emulator
+    # the server answered the stop and is still gzipping its traces when the sidecar dies; a
+    # gzip delay is a start-up option: an emulator (and so a sidecar pair) of its own
+    emu, sc, restart = stack(emulator_args=["--gzip-delay", "4"])
     with client_of(sc) as client:
         cap = client.start_capture([0, 2])
         traffic(emu)
