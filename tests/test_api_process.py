@@ -1,51 +1,44 @@
 """The sidecar as users run it: ``omni-sidecar serve`` under uvicorn on a free port, in front of
-the emulated vLLM-Omni server, driven over real sockets (curl-level)."""
+the emulated vLLM-Omni server, driven over real sockets (curl-level). Only what a process shows:
+its command-line flags reaching the running server (token file, artifact roots, an upstream URL
+with credentials), real-socket paths and concurrency, its log file, SIGTERM; and the start-up
+refusals of the serve command (in process: it refuses before it binds). The rules behind the
+routes are tested in process (tests/test_api.py, tests/test_controller.py), the faults of real
+processes in the fault matrix (tests/test_faults.py).
+
+The sidecar tests share one (``served``: started once per module, every capture ended between
+tests, SIGTERM last); the emulator is the session pool's, with thread workers (synthetic traces:
+the same files and names, made-up ops).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
 import re
-import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from sidecar.api.launcher import SidecarProcess
-from sidecar.client import SidecarClient
-from tests.fixtures.emulator import emulator_state, make_deploy
+from tests.fixtures.emulator import EmulatorPool, emulator_state, make_deploy
+from tests.fixtures.sidecar import ModuleSidecar
 
 pytestmark = pytest.mark.slow
 
-FAST = {  # small bounds so fault tests end quickly; the defaults are minutes
+FAST = {  # small bounds so a failing test ends quickly; the defaults are minutes
     "OMNI_SIDECAR_COLLECT_TIMEOUT_S": "5",
+    "OMNI_SIDECAR_SETTLE_S": "0.3",
     "OMNI_SIDECAR_CLOSE_TIMEOUT_S": "20",
 }
+STAGES = {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}}  # like Qwen2.5-Omni
+THREAD = ["--workers", "thread"]
+TOKEN = "tok-0123456789"
+PASSWORD = "pw-0123456789"
+HTTP_TIMEOUT = 120  # explicit and generous: a start waits for the upstream's start
+WAIT = 90
 SESSION = re.compile(r"^\d{8}-\d{6}_stage(\d+)_rank0_\d+$")
-
-
-@pytest.fixture
-def deploy(tmp_path: Path) -> Path:
-    """Three stages like Qwen2.5-Omni: 0 and 2 profiled with torch, 1 without a profiler."""
-    return make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
-
-
-@pytest.fixture
-def stack(
-    deploy: Path, emulator_factory: Callable[..., Any], sidecar_factory: Callable[..., SidecarProcess]
-) -> Callable[..., tuple[Any, SidecarProcess]]:
-    """``stack(emulator_args=[...], env={...}, **sidecar opts)`` → (emulator, sidecar), both torn down."""
-
-    def make(emulator_args: list[str] | None = None, env: dict[str, str] | None = None, **opts: Any) -> tuple[Any, SidecarProcess]:
-        emu = emulator_factory(deploy, extra_args=emulator_args or [])
-        sc = sidecar_factory(emu.url, deploy, env={**FAST, **(env or {})}, **opts)
-        return emu, sc
-
-    return make
 
 
 def upstream_calls(emu: Any, path: str) -> list[dict[str, Any]]:
@@ -57,247 +50,171 @@ def profiling(emu: Any) -> dict[str, bool]:
 
 
 def busy(emu: Any) -> int:
-    """One chat request through every stage, so the window records work (an idle one is ``empty``);
-    the status (500 once a stage on the way is dead: the stages before it still ran)."""
+    """One chat request through every stage, so the window records work (an idle one is ``empty``)."""
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    return httpx.post(f"{emu.url}/v1/chat/completions", json=body, timeout=120).status_code
+    return httpx.post(f"{emu.url}/v1/chat/completions", json=body, timeout=HTTP_TIMEOUT).status_code
 
 
-def poll(check: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.1)
-    return False
+# --- one sidecar for the tests that read what it serves ----------------------------------------
 
 
-def test_start_overlap_stop_completes_with_traces(stack: Any) -> None:
-    emu, sc = stack()
-    first = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]}, timeout=60)
-    overlap = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]}, timeout=60)
-    assert busy(emu) == 200
-    done = httpx.post(f"{sc.url}/v1/captures/{first.json()['id']}/stop?wait=true", timeout=60).json()
+class Served(ModuleSidecar):
+    """``omni-sidecar serve --token-file ... --artifact-root TRACES=MOUNT`` with an upstream URL
+    that carries credentials; ``mount`` is a link to the server's trace dirs (as a container
+    mount would show them)."""
+
+    @property
+    def root(self) -> Path:
+        return self.deploy.parent
+
+    @property
+    def mount(self) -> Path:
+        return self.root / "mnt"
+
+    def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        return httpx.post(f"{self.url}{path}", headers=headers, timeout=HTTP_TIMEOUT, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def _served(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("served")
+    deploy = make_deploy(root, STAGES)
+    (root / "mnt").symlink_to(root / "traces", target_is_directory=True)
+    (root / "token").write_text(TOKEN + "\n")
+    yield from Served.for_module(
+        emulator_pool, deploy, emulator_args=THREAD, token=TOKEN, timeout=HTTP_TIMEOUT,
+        upstream=lambda url: url.replace("http://", f"http://admin:{PASSWORD}@"),
+        state_dir=root / "state", token_file=root / "token", env=FAST, log_path=root / "sidecar.log",
+        artifact_roots={str(root / "traces"): str(root / "mnt")},
+    )  # fmt: skip
+
+
+@pytest.fixture
+def served(_served: Served) -> Iterator[Served]:
+    """The module's sidecar, ready for this test; every capture ended afterwards."""
+    yield from _served.each_test(settle_timeout=WAIT)
+
+
+def test_a_capture_over_real_sockets_completes_with_a_trace_per_stage(served: Served) -> None:
+    first = served.post("/v1/captures", json={"stages": [0, 2]})
+    assert busy(served.emulator) == 200
+    done = served.post(f"/v1/captures/{first.json()['id']}/stop", params={"wait": "true"}).json()
     names = {
         v["stage_id"]: (v["verdict"], Path(s["path"]).name, sorted(f["name"] for f in s["files"]))
         for v in done["verdicts"]
         for s in v["sessions"]
     }
-    assert (first.status_code, overlap.status_code, overlap.json()["error"]["code"], done["state"]) == (
-        201, 409, "capture_active", "completed"
-    )
+    assert (first.status_code, done["state"], sorted(names)) == (201, "completed", [0, 2])
     for sid, (verdict, folder, files) in names.items():
         assert verdict == "ok" and SESSION.match(folder) and SESSION.match(folder).group(1) == str(sid)
         assert "trace_rank0.json.gz" in files
-    assert sorted(names) == [0, 2]
 
 
-@pytest.mark.parametrize("stages", [[], [9], [1]], ids=["empty", "unknown", "unprofiled"])
-def test_bad_stages_are_422_and_never_reach_the_server(stack: Any, stages: list[int]) -> None:
-    emu, sc = stack()
-    reply = httpx.post(f"{sc.url}/v1/captures", json={"stages": stages})
-    assert (reply.status_code, upstream_calls(emu, "/start_profile")) == (422, [])
-
-
-def test_slow_stop_stays_stopping_and_api_answers(stack: Any) -> None:
-    emu, sc = stack(emulator_args=["--fault-stop-delay", "6"])
-    with SidecarClient(sc.url) as client:
-        cap = client.start_capture([0])
-        assert busy(emu) == 200
-        client.stop_capture(cap.id)
-        time.sleep(1.0)  # the upstream stop is now in flight for several more seconds
-        health = httpx.get(f"{sc.url}/healthz", timeout=30).status_code  # a blocked loop answers after the stop: then `state` is no longer stopping
-        state = client.get_capture(cap.id).state.value
-        final = client.wait_capture(cap.id, timeout=60).state.value
-    assert (health, state, final) == (200, "stopping", "completed")
-
-
-def test_hung_stop_stays_stopping_and_a_new_start_is_409_stop_pending(stack: Any) -> None:
-    # the server never answers the stop: past its budget the capture is held in `stopping` (the
-    # profiler may still run), the error says so, and no new start may race it
-    emu, sc = stack(
-        emulator_args=["--fault-hang-stop"],
-        env={"OMNI_SIDECAR_STOP_TIMEOUT_S": "1", "OMNI_SIDECAR_STOP_BUDGET_S": "2", "OMNI_SIDECAR_CLOSE_TIMEOUT_S": "1"},
-    )
-    with SidecarClient(sc.url) as client:
-        cap = client.start_capture([0])
-        client.stop_capture(cap.id)
-        assert poll(lambda: bool(client.get_capture(cap.id).verdicts), timeout=60)  # the budget ended
-        held = client.get_capture(cap.id)
-        again = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]}, timeout=60)
-    assert (held.state.value, held.errors[-1].code, [v.stage_id for v in held.verdicts]) == (
-        "stopping", "upstream_timeout", [0])
-    assert (again.status_code, again.json()["error"]["code"], again.json()["error"]["details"].get("active_id")) == (
-        409, "capture_stop_pending", cap.id)
-    assert len(upstream_calls(emu, "/start_profile")) == 1
-
-
-def test_dead_stage_starts_and_that_stage_is_missing_naming_the_dead_worker(stack: Any) -> None:
-    # a dead worker: the server still answers start and stop 200 SUCCESS (it swallows the error);
-    # the other stage records, the dead one writes nothing and its verdict says why
-    emu, sc = stack(emulator_args=["--fault-dead-stage", "2"])
-    assert poll(lambda: not emulator_state(emu)["stages"]["2"]["alive"])
-    reply = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]}, timeout=120)
-    busy(emu)  # 500 at stage 2; stage 0 ran
-    done = httpx.post(f"{sc.url}/v1/captures/{reply.json()['id']}/stop?wait=true", timeout=120).json()
-    verdicts = {v["stage_id"]: v["verdict"] for v in done["verdicts"]}
-    reason = next(v["reason"] for v in done["verdicts"] if v["stage_id"] == 2) or ""
-    assert (reply.status_code, done["state"], verdicts, "dead or restarted worker" in reason) == (
-        201, "degraded", {0: "ok", 2: "missing"}, True)
-    assert profiling(emu)["0"] is False
-
-
-def test_stage_dead_mid_window_degrades_with_that_stage_missing(stack: Any) -> None:
-    # stage 2's worker acknowledges the start, then exits: the stop still answers 200 SUCCESS
-    emu, sc = stack(emulator_args=["--fault-die-after-start", "2", "--gzip-delay", "0"])
-    created = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0, 2]}, timeout=120).json()
-    poll(lambda: not emulator_state(emu)["stages"]["2"]["alive"])
-    busy(emu)  # 500 at stage 2; stage 0 ran
-    done = httpx.post(f"{sc.url}/v1/captures/{created['id']}/stop?wait=true", timeout=120).json()
-    verdicts = {v["stage_id"]: v["verdict"] for v in done["verdicts"]}
-    reason = next(v["reason"] for v in done["verdicts"] if v["stage_id"] == 2) or ""
-    assert (done["state"], verdicts, "worker most likely died or failed during the window" in reason) == (
-        "degraded", {0: "ok", 2: "missing"}, True
-    )
-
-
-def test_start_500_is_502_and_the_capture_failed(stack: Any) -> None:
-    emu, sc = stack(emulator_args=["--fault-start-500"])
-    reply = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]})
-    captures = httpx.get(f"{sc.url}/v1/captures").json()["captures"]
-    assert (reply.status_code, [c["state"] for c in captures]) == (502, ["failed"])
-    assert upstream_calls(emu, "/stop_profile"), "start failure must roll back with a stop"
-
-
-def test_sigterm_stops_the_active_capture_before_exit(stack: Any) -> None:
-    emu, sc = stack()
-    with SidecarClient(sc.url) as client:
-        client.start_capture([0, 2])
-    assert profiling(emu) == {"0": True, "1": False, "2": True}
-    sc.stop(grace=30)  # uvicorn re-raises SIGTERM after its shutdown, so the exit code is -15
-    assert (profiling(emu), len(upstream_calls(emu, "/stop_profile"))) == ({"0": False, "1": False, "2": False}, 1)
-
-
-def test_kill9_then_restart_stops_on_recovery(stack: Any, sidecar_factory: Any, deploy: Path, tmp_path: Path) -> None:
-    state_dir = tmp_path / "shared-state"
-    emu, sc = stack(state_dir=state_dir)
-    with SidecarClient(sc.url) as client:
+def test_artifact_root_maps_server_paths_to_local_ones(served: Served) -> None:
+    # the server's trace dirs as the sidecar sees them: under the mount given by --artifact-root
+    with served.client() as client:
         cap = client.start_capture([0, 2])
-    sc.kill()
-    still = profiling(emu)
-    again = sidecar_factory(emu.url, deploy, state_dir=state_dir, env=FAST)
-    with SidecarClient(again.url) as client:
-        final = client.wait_capture(cap.id, timeout=60)
-    assert still == {"0": True, "1": False, "2": True}
-    assert (final.stop_reason.value if final.stop_reason else None, final.terminal) == ("stopped_on_recovery", True)
-    assert profiling(emu) == {"0": False, "1": False, "2": False}
+        assert busy(served.emulator) == 200
+        final = client.stop_capture(cap.id, wait=True, timeout=WAIT)
+    seen = {v.stage_id: (v.verdict.value, [s.local_path.startswith(f"{served.mount}/") for s in v.sessions])
+            for v in final.verdicts}  # fmt: skip
+    assert (final.state.value, seen) == ("completed", {0: ("ok", [True]), 2: ("ok", [True])})
 
 
-def test_fifty_concurrent_starts_make_one_capture(stack: Any) -> None:
-    emu, sc = stack()
+def test_token_required_on_mutating_routes(served: Served) -> None:
+    without = httpx.post(f"{served.url}/v1/captures", json={"stages": [0]}, timeout=HTTP_TIMEOUT)
+    wrong = httpx.post(f"{served.url}/v1/captures", json={"stages": [0]}, timeout=HTTP_TIMEOUT,
+                       headers={"Authorization": "Bearer tok-wrong"})  # fmt: skip
+    with served.client() as client:
+        cap = client.start_capture([0])
+    assert (without.status_code, without.json()["error"]["code"], wrong.status_code) == (401, "unauthorized", 401)
+    assert cap.state.value == "active"  # the token file's value, its newline stripped
 
+
+def test_file_download_is_confined_to_the_capture(served: Served) -> None:
+    (served.root / "secret.txt").write_text("not yours")
+    with served.client() as client:
+        cap = client.start_capture([0])
+        assert busy(served.emulator) == 200
+        done = client.stop_capture(cap.id, wait=True, timeout=WAIT)
+    folder = Path(done.verdicts[0].sessions[0].path).name
+    files = f"{served.url}/v1/captures/{cap.id}/files"
+    ok = httpx.get(f"{files}/{folder}/trace_rank0.json.gz", timeout=HTTP_TIMEOUT)
+    escapes = [
+        httpx.get(f"{files}/{folder}/../../../secret.txt", timeout=HTTP_TIMEOUT),
+        httpx.get(f"{files}/{folder}/..%2F..%2F..%2Fsecret.txt", timeout=HTTP_TIMEOUT),
+    ]
+    assert (ok.status_code, ok.content[:2]) == (200, b"\x1f\x8b")
+    assert [r.status_code for r in escapes] == [404, 404]
+
+
+def test_upstream_credentials_are_never_shown(served: Served) -> None:
+    created = served.post("/v1/captures", json={"stages": [0]})
+    ready = httpx.get(f"{served.url}/readyz", timeout=HTTP_TIMEOUT)
+    with served.client() as client:
+        client.stop_capture(created.json()["id"], wait=True, timeout=WAIT)
+    listed = httpx.get(f"{served.url}/v1/captures", timeout=HTTP_TIMEOUT).text
+    log = served.sidecar.log_path.read_text()
+    assert (created.status_code, ready.status_code) == (201, 200)
+    assert PASSWORD not in created.text + ready.text + listed + log
+    assert "***@" in created.text  # the URL is shown, its user-info part replaced
+
+
+def test_fifty_concurrent_starts_make_one_capture(served: Served) -> None:
+    # over real sockets, through uvicorn's loop: the controller's one-at-a-time rule holds
     async def burst() -> list[int]:
-        async with httpx.AsyncClient(base_url=sc.url, timeout=60) as http:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with httpx.AsyncClient(base_url=served.url, headers=headers, timeout=HTTP_TIMEOUT) as http:
             replies = await asyncio.gather(*(http.post("/v1/captures", json={"stages": [0]}) for _ in range(50)))
         return [r.status_code for r in replies]
 
     codes = asyncio.run(burst())
-    assert (codes.count(201), codes.count(409), len(upstream_calls(emu, "/start_profile"))) == (1, 49, 1)
+    assert (codes.count(201), codes.count(409), len(upstream_calls(served.emulator, "/start_profile"))) == (1, 49, 1)
 
 
-def test_token_required_on_mutating_routes(stack: Any, tmp_path: Path) -> None:
-    token_file = tmp_path / "token"
-    token_file.write_text("tok-0123456789\n")
-    _, sc = stack(token_file=token_file)
-    without = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]})
-    with SidecarClient(sc.url, token="tok-0123456789") as client:
-        cap = client.start_capture([0])
-    assert (without.status_code, without.json()["error"]["code"], cap.state.value) == (401, "unauthorized", "active")
+def test_sigterm_stops_the_active_capture_before_exit(served: Served) -> None:
+    # last of the module's tests on purpose: the next user of ``served`` would start a new one
+    with served.client() as client:
+        client.start_capture([0, 2])
+    assert profiling(served.emulator) == {"0": True, "1": False, "2": True}
+    served.sidecar.stop(grace=30)  # uvicorn re-raises SIGTERM after its shutdown, so the exit code is -15
+    assert (profiling(served.emulator), len(upstream_calls(served.emulator, "/stop_profile"))) == (
+        {"0": False, "1": False, "2": False}, 1)
 
 
-def test_file_download_is_confined_to_the_capture(stack: Any, tmp_path: Path) -> None:
-    (tmp_path / "secret.txt").write_text("not yours")
-    _, sc = stack()
-    with SidecarClient(sc.url) as client:
-        cap = client.start_capture([0])
-        done = client.stop_capture(cap.id, wait=True, timeout=60)
-    folder = Path(done.verdicts[0].sessions[0].path).name
-    ok = httpx.get(f"{sc.url}/v1/captures/{cap.id}/files/{folder}/trace_rank0.json.gz")
-    escapes = [
-        httpx.get(f"{sc.url}/v1/captures/{cap.id}/files/{folder}/../../../secret.txt"),
-        httpx.get(f"{sc.url}/v1/captures/{cap.id}/files/{folder}/..%2F..%2F..%2Fsecret.txt"),
-    ]
-    assert ok.status_code == 200 and ok.content[:2] == b"\x1f\x8b"
-    assert [r.status_code for r in escapes] == [404, 404]
+# --- start-up refusals: exit 1 naming the fix (the serve command in process: it refuses before
+# it binds a port, and a process adds nothing to that) ----------------------------------------
 
 
-def test_artifact_root_maps_server_paths_to_local_ones(stack: Any, tmp_path: Path) -> None:
-    # the server's stage-0 dir "mounted" at a path where nothing is: the sidecar cannot see it
-    emu, sc = stack(artifact_roots={str(tmp_path / "traces" / "stage0"): str(tmp_path / "no" / "such" / "mount")})
-    with SidecarClient(sc.url) as client:
-        cap = client.start_capture([0, 2])
-        assert busy(emu) == 200
-        final = client.stop_capture(cap.id, wait=True, timeout=60)
-    verdicts = {v.stage_id: v.verdict.value if v.verdict else None for v in final.verdicts}
-    assert (final.state.value, verdicts) == ("degraded", {0: "unverified", 2: "ok"})
+@pytest.fixture
+def deploy(tmp_path: Path) -> Path:
+    return make_deploy(tmp_path, STAGES)
 
 
-# --- start-up refusals: exit 1 naming the fix -------------------------------------------------
+def _serve_refused(deploy: Path, *args: str) -> str:
+    """``omni-sidecar serve`` with ``args``: asserts it exits 1 before serving; its stderr."""
+    from typer.testing import CliRunner
 
+    from sidecar.cli import app
 
-def _serve(deploy: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    import os
-    import sys
-
-    return subprocess.run(
-        [sys.executable, "-m", "sidecar", "serve", "--deploy-config", str(deploy), *args],
-        capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    result = CliRunner().invoke(app, ["serve", "--deploy-config", str(deploy), *args])
+    assert result.exit_code == 1, result.output
+    return result.stderr
 
 
 def test_an_unwritable_state_dir_stops_start_up(deploy: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    proc = _serve(deploy, "--port", "0", "--state-dir", str(blocker / "state"))
-    assert proc.returncode == 1 and str(blocker / "state") in proc.stderr and "state_dir_unusable" in proc.stderr
+    err = _serve_refused(deploy, "--port", "0", "--state-dir", str(blocker / "state"))
+    assert str(blocker / "state") in err.replace("\n", "") and "state_dir_unusable" in err
 
 
 def test_an_upstream_without_scheme_stops_start_up(deploy: Path, tmp_path: Path) -> None:
-    proc = _serve(deploy, "--upstream", "127.0.0.1:8000", "--state-dir", str(tmp_path / "s"))
-    assert proc.returncode == 1 and "http://127.0.0.1:8000" in proc.stderr
+    err = _serve_refused(deploy, "--upstream", "127.0.0.1:8000", "--state-dir", str(tmp_path / "s"))
+    assert "http://127.0.0.1:8000" in err
 
 
 def test_listening_beyond_loopback_needs_a_token(deploy: Path, tmp_path: Path) -> None:
-    proc = _serve(deploy, "--host", "0.0.0.0", "--state-dir", str(tmp_path / "s"))
-    assert proc.returncode == 1 and "--token-file" in proc.stderr
-
-
-def test_upstream_credentials_are_never_shown(stack: Any, deploy: Path, emulator_factory: Any,
-                                              sidecar_factory: Any) -> None:
-    emu = emulator_factory(deploy)
-    url = emu.url.replace("http://", "http://admin:pw-0123456789@")
-    sc = sidecar_factory(url, deploy, env=FAST)
-    cap = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]}, timeout=60).text
-    ready = httpx.get(f"{sc.url}/readyz", timeout=30).text
-    log = sc.log_path.read_text() if sc.log_path.exists() else ""
-    assert "pw-0123456789" not in cap + ready + log and "***@" in cap
-
-
-def test_a_bad_journal_entry_is_quarantined_and_the_rest_recovered(
-    stack: Any, sidecar_factory: Any, deploy: Path, tmp_path: Path
-) -> None:
-    state_dir = tmp_path / "shared-state"
-    emu, sc = stack(state_dir=state_dir)
-    with SidecarClient(sc.url) as client:
-        cap = client.start_capture([0, 2])
-    sc.kill()
-    bad = state_dir / "captures" / "20260101-000000-aaaaaa.json"
-    good = json.loads((state_dir / "captures" / f"{cap.id}.json").read_text())
-    bad.write_text(json.dumps({**good, "id": bad.stem, "created_at": "2026-01-01T00:00:00"}))  # no timezone
-    again = sidecar_factory(emu.url, deploy, state_dir=state_dir, env=FAST)
-    with SidecarClient(again.url) as client:
-        final = client.wait_capture(cap.id, timeout=60)
-        health = client.healthz()
-    assert (final.stop_reason.value if final.stop_reason else None, health["journal"]["quarantined"]) == (
-        "stopped_on_recovery", 1)
-    assert bad.with_name(bad.name + ".bad").exists() and profiling(emu) == {"0": False, "1": False, "2": False}
+    err = _serve_refused(deploy, "--host", "0.0.0.0", "--state-dir", str(tmp_path / "s"))
+    assert "--token-file" in err
