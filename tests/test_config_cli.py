@@ -51,22 +51,24 @@ def test_table_lists_stages(qwen25_deploy: Path) -> None:
 
 
 def test_broken_file_exits_1_with_file_line_col(deploy_data: Path) -> None:
-    # a real process, as a user runs it: the console entry point, its exit status and stderr
-    proc = subprocess.run(
-        [sys.executable, "-m", "sidecar", "validate", str(deploy_data / "unknown_key.yaml")],
-        check=False, capture_output=True, text=True, timeout=120,
-        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-    )  # fmt: skip
+    proc = run("validate", deploy_data / "unknown_key.yaml")
     assert proc.returncode == 1
     assert f"{deploy_data / 'unknown_key.yaml'}:6:7: error[profiler_config_invalid]" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
-def test_serve_refuses_a_broken_deploy_naming_the_error_code(deploy_data: Path) -> None:
-    # the shared CLI error path (cli_errors/print_error): the [code] must survive rich markup
-    proc = run("serve", "--upstream", "http://127.0.0.1:9", "--deploy-config", deploy_data / "unknown_key.yaml")
+def test_serve_refuses_a_broken_deploy_naming_the_error_code_and_key(deploy_data: Path, tmp_path: Path) -> None:
+    # a real process, as a user runs it: the console entry point, its exit status and stderr; the
+    # shared CLI error path (cli_errors/print_error): the [code] must survive rich markup
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar", "serve", "--upstream", "http://127.0.0.1:9",
+         "--deploy-config", str(deploy_data / "unknown_key.yaml"), "--state-dir", str(tmp_path / "state")],
+        check=False, capture_output=True, text=True, timeout=120,
+        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )  # fmt: skip
     assert proc.returncode == 1
-    assert "error[profiler_config_invalid]" in proc.stderr and "Traceback" not in proc.stderr
+    assert "error[profiler_config_invalid]" in proc.stderr and "torch_profiler_with_stak" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_unreadable_file_exits_2(deploy_data: Path) -> None:
