@@ -1,5 +1,5 @@
-"""``omni-sidecar start|stop|status|capture|list`` against a real sidecar and emulator, and
-``serve`` refusing an invalid deploy. Exit codes: 0 completed, 1 degraded/failed/error."""
+"""``omni-sidecar start|stop|status|capture|list`` against a real sidecar and emulator (``serve``
+refusing an invalid deploy is tests/test_config_cli.py's). Exit codes: 0 completed, 1 degraded/failed/error."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -20,21 +20,20 @@ from typer.testing import CliRunner
 from sidecar.api.launcher import SidecarProcess, free_port
 from sidecar.cli import app
 from sidecar.client import SidecarClient
-from sidecar.emulator.launcher import EmulatorProcess
-from tests.fixtures.emulator import make_deploy
+from tests.fixtures.emulator import EmulatorPool, make_deploy
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """(sidecar url, emulator url)."""
+def urls(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool) -> Iterator[tuple[str, str]]:
+    """(sidecar url, emulator url). Thread workers: the CLI prints verdicts and file names, the ops
+    in the traces do not matter."""
     root = tmp_path_factory.mktemp("cli")
     deploy = make_deploy(root, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
-    with EmulatorProcess(deploy) as emu, SidecarProcess(
-        emu.url, deploy, state_dir=root / "state", env={"OMNI_SIDECAR_SETTLE_S": "0.3"}
-    ) as sc:
+    emu = emulator_pool.get(deploy, extra_args=["--workers", "thread"], startup_timeout=120)
+    with SidecarProcess(emu.url, deploy, state_dir=root / "state", env={"OMNI_SIDECAR_SETTLE_S": "0.3"}) as sc:
         yield sc.url, emu.url
 
 
@@ -143,18 +142,6 @@ def test_unreachable_sidecar_exits_1() -> None:
     assert (result.exit_code, "sidecar_unreachable" in result.stderr) == (1, True)
 
 
-def test_serve_refuses_an_invalid_deploy(tmp_path: Path) -> None:
-    deploy = tmp_path / "bad.yaml"
-    deploy.write_text("stages:\n  - stage_id: 0\n    profiler_config:\n      profiler: torch\n      bogus_key: 1\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "sidecar", "serve", "--upstream", "http://127.0.0.1:9", "--deploy-config", str(deploy),
-         "--port", str(free_port()), "--state-dir", str(tmp_path / "state")],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert proc.returncode == 1
-    assert "bogus_key" in proc.stderr and "Traceback" not in proc.stderr
-
-
 def test_capture_until_ctrl_c_still_stops_and_reports(sidecar: str, emu_url: str) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0"],
@@ -177,6 +164,12 @@ def test_capture_until_ctrl_c_still_stops_and_reports(sidecar: str, emu_url: str
     assert "completed" in seen and "trace_rank0.json.gz" in seen
 
 
+def _past_the_lease(cap: Any) -> bool:
+    """Still active, with a heartbeat more than one lease after the start."""
+    beat, started = cap.last_heartbeat_at, cap.started_at
+    return cap.state.value == "active" and beat is not None and (beat - started).total_seconds() > cap.lease_s
+
+
 def test_a_killed_capture_cli_leaves_nothing_recording(sidecar: str) -> None:
     # the window is the server's: duration_s and a lease the CLI heartbeats, so kill -9 of the CLI
     # ends the capture when the lease runs out, not never
@@ -194,15 +187,19 @@ def test_a_killed_capture_cli_leaves_nothing_recording(sidecar: str) -> None:
                 time.sleep(0.2)
             assert live, "the CLI never started a capture"
             cap = live[0]
-            time.sleep(4)  # past one lease: heartbeats keep it active
-            still = client.get_capture(cap.id).state.value
+            # heartbeats keep it active past one lease
+            still = client.get_capture(cap.id)
+            while not _past_the_lease(still) and time.monotonic() < deadline + 60:
+                time.sleep(0.2)
+                still = client.get_capture(cap.id)
+            assert _past_the_lease(still), still
             proc.kill()
             proc.wait(timeout=30)
             final = client.wait_capture(cap.id, timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert (cap.duration_s, cap.lease_s, still) == (600, 3, "active")
+    assert (cap.duration_s, cap.lease_s) == (600, 3)
     assert (final.terminal, final.stop_reason.value if final.stop_reason else None) == (True, "lease_expired")
 
 

@@ -10,21 +10,20 @@ import pytest
 
 from sidecar.api.launcher import SidecarProcess, free_port
 from sidecar.client import AsyncSidecarClient, SidecarClient, SidecarUnreachable, WaitTimeout
-from sidecar.emulator.launcher import EmulatorProcess
 from sidecar.errors import CaptureActive, CaptureNotFound, StageSelectionError
-from tests.fixtures.emulator import make_deploy
+from tests.fixtures.emulator import EmulatorPool, make_deploy
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+def urls(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool) -> Iterator[tuple[str, str]]:
     """(sidecar url, emulator url)."""
     root = tmp_path_factory.mktemp("client")
     deploy = make_deploy(root, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
-    with EmulatorProcess(deploy) as emu, SidecarProcess(
-        emu.url, deploy, state_dir=root / "state", env={"OMNI_SIDECAR_SETTLE_S": "0.3"}
-    ) as sc:
+    # thread workers: the client's round trips and the summary's shape, not real torch ops
+    emu = emulator_pool.get(deploy, extra_args=["--workers", "thread"], startup_timeout=120)
+    with SidecarProcess(emu.url, deploy, state_dir=root / "state", env={"OMNI_SIDECAR_SETTLE_S": "0.3"}) as sc:
         yield sc.url, emu.url
 
 

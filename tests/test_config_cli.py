@@ -1,27 +1,42 @@
-"""`omni-sidecar validate` and `render` as a user runs them: a real process, exit codes, output."""
+"""`omni-sidecar validate` and `render` as a user runs them: the typer app in process (exit codes,
+stdout, stderr as the console writes them), and ``serve`` as a real process where a test needs one
+listening."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from sidecar.cli import app
 from tests.test_config_verl import GOOD
 
+runner = CliRunner()
 
-def run(*args: str | Path, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "sidecar", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=cwd,
-        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-    )
+
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run(*args: str | Path) -> Ran:
+    """``omni-sidecar ARGS`` in process, with no ``OMNI_SIDECAR_*`` setting from the caller's
+    environment. An exception that escaped the command is raised here: in a terminal it would be
+    a traceback, which every command promises never to print."""
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("OMNI_SIDECAR_")}
+    result = runner.invoke(app, [str(a) for a in args], env={**env, "COLUMNS": "200"})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return Ran(result.exit_code, result.stdout, result.stderr)
 
 
 def test_every_example_validates_clean(example_deploys: list[Path]) -> None:
@@ -42,11 +57,18 @@ def test_broken_file_exits_1_with_file_line_col(deploy_data: Path) -> None:
     assert "Traceback" not in proc.stderr
 
 
-def test_serve_refuses_a_broken_deploy_naming_the_error_code(deploy_data: Path) -> None:
-    # the shared CLI error path (cli_errors/print_error): the [code] must survive rich markup
-    proc = run("serve", "--upstream", "http://127.0.0.1:9", "--deploy-config", deploy_data / "unknown_key.yaml")
+def test_serve_refuses_a_broken_deploy_naming_the_error_code_and_key(deploy_data: Path, tmp_path: Path) -> None:
+    # a real process, as a user runs it: the console entry point, its exit status and stderr; the
+    # shared CLI error path (cli_errors/print_error): the [code] must survive rich markup
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar", "serve", "--upstream", "http://127.0.0.1:9",
+         "--deploy-config", str(deploy_data / "unknown_key.yaml"), "--state-dir", str(tmp_path / "state")],
+        check=False, capture_output=True, text=True, timeout=120,
+        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )  # fmt: skip
     assert proc.returncode == 1
-    assert "error[profiler_config_invalid]" in proc.stderr and "Traceback" not in proc.stderr
+    assert "error[profiler_config_invalid]" in proc.stderr and "torch_profiler_with_stak" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_unreadable_file_exits_2(deploy_data: Path) -> None:
@@ -212,7 +234,7 @@ def serve_process(tmp_path: Path):
         port = free_port()
         log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115
         proc = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", "serve", "--port", str(port), "--state-dir", str(tmp_path / "state"), *args],
+            [sys.executable, "-m", "sidecar", "serve", "--port", str(port), "--state-dir", str(tmp_path / f"state-{port}"), *args],
             stdout=log, stderr=subprocess.STDOUT, text=True,
             env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
         )  # fmt: skip
@@ -234,7 +256,7 @@ def _stages_of(proc: subprocess.Popen[str], port: int) -> list[dict] | None:
 
     import httpx
 
-    deadline = time.monotonic() + 90
+    deadline = time.monotonic() + 120
     stages = None
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -249,19 +271,17 @@ def _stages_of(proc: subprocess.Popen[str], port: int) -> list[dict] | None:
     return stages
 
 
-def test_serve_plain_vllm_without_a_deploy_yaml(serve_process) -> None:
-    proc, port = serve_process("--upstream", "http://127.0.0.1:9", "--flavor", "vllm",
-                               "--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/srv/vllm-traces"}')  # fmt: skip
-    stages = _stages_of(proc, port)
-    assert stages is not None and [(s["stage_id"], s["profiler_dir"]) for s in stages] == [(0, "/srv/vllm-traces")]
-
-
-def test_serve_accepts_an_all_cuda_deploy(serve_process, tmp_path: Path) -> None:
-    path = tmp_path / "nsys.yaml"
-    path.write_text("stages:\n  - {stage_id: 0, profiler_config: {profiler: cuda}}\n")
-    proc, port = serve_process("--upstream", "http://127.0.0.1:9", "--deploy-config", str(path))
-    stages = _stages_of(proc, port)
-    assert stages is not None and [s["profiler"] for s in stages] == ["cuda"]
+def test_serve_builds_its_stages_from_the_command_line_alone_or_an_all_cuda_deploy(serve_process, tmp_path: Path) -> None:
+    # two real servers started side by side: plain vLLM from --profiler-config with no deploy YAML,
+    # and a deploy whose every stage is `cuda` (nsys)
+    nsys = tmp_path / "nsys.yaml"
+    nsys.write_text("stages:\n  - {stage_id: 0, profiler_config: {profiler: cuda}}\n")
+    plain = serve_process("--upstream", "http://127.0.0.1:9", "--flavor", "vllm",
+                          "--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/srv/vllm-traces"}')  # fmt: skip
+    cuda = serve_process("--upstream", "http://127.0.0.1:9", "--deploy-config", str(nsys))
+    plain_stages, cuda_stages = _stages_of(*plain), _stages_of(*cuda)
+    assert plain_stages is not None and [(s["stage_id"], s["profiler_dir"]) for s in plain_stages] == [(0, "/srv/vllm-traces")]
+    assert cuda_stages is not None and [s["profiler"] for s in cuda_stages] == ["cuda"]
 
 
 def test_emulate_refuses_bad_stage_overrides_before_starting(qwen25_deploy: Path) -> None:

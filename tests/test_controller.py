@@ -101,7 +101,10 @@ async def test_controller_stays_responsive_during_slow_stop(ctl, fake_omni):
     cap = await ctl.start([0])
     await ctl.stop(cap.id)
     still = await ctl.wait(cap.id, timeout=0.2)
-    assert still.state is CaptureState.stopping and ctl.get(cap.id).state is CaptureState.stopping
+    during = (still.state, ctl.get(cap.id).state, [c.id for c in ctl.list()], ctl.active.id)
+    done = await ctl.wait(cap.id, timeout=20)
+    assert (during, done.state) == (
+        (CaptureState.stopping, CaptureState.stopping, [cap.id], cap.id), CaptureState.completed)
 
 
 async def test_timings_are_recorded(ctl):
@@ -187,8 +190,8 @@ async def test_start_500_rolls_back_and_fails(ctl, fake_omni):
     with pytest.raises(UpstreamError) as err:
         await ctl.start([0, 2])
     cap = ctl.get(err.value.details["capture_id"])
-    assert (cap.state, cap.stop_reason, fake_omni.stops()[0]["stages"]) == (
-        CaptureState.failed, StopReason.rollback, [0, 2])
+    assert (cap.state, cap.stop_reason, [c["stages"] for c in fake_omni.stops()]) == (
+        CaptureState.failed, StopReason.rollback, [[0, 2]])
 
 
 async def test_start_failure_records_upstream_reason(ctl, fake_omni):
@@ -319,10 +322,11 @@ async def test_transient_stop_errors_are_retried(ctl, fake_omni):
 
 
 async def test_dead_stage_is_missing_and_capture_degraded(ctl, fake_omni):
+    # 0.30 answers 200 to start and stop with a dead stage: nothing is rolled back, no stop error
     fake_omni.dead_stages = {2}
     done = await _run(ctl, stages=[0, 2])
-    assert (done.state, done.verdict(0).verdict, done.verdict(2).verdict) == (
-        CaptureState.degraded, Verdict.ok, Verdict.missing)
+    assert (done.state, done.stop_reason, done.verdict(0).verdict, done.verdict(2).verdict, done.errors) == (
+        CaptureState.degraded, StopReason.explicit, Verdict.ok, Verdict.missing, [])
 
 
 async def test_folder_without_trace_after_a_200_stop_is_missing(ctl, fake_omni):
@@ -344,8 +348,10 @@ async def test_stop_500_still_collects_and_blames_the_stage(ctl, fake_omni):
     fake_omni.dead_stages = {2}
     fake_omni.stop_status = 500
     done = await _run(ctl, stages=[0, 2])
-    assert (done.state, done.verdict(2).verdict, "the stop failed on the server" in done.verdict(2).reason) == (
-        CaptureState.degraded, Verdict.missing, True)
+    reason = done.verdict(2).reason or ""
+    assert (done.state, done.verdict(2).verdict, "the stop failed on the server" in reason,
+            "Failed to stop profiler" in reason, "server log for stage 2" in reason, done.errors[-1].code) == (
+        CaptureState.degraded, Verdict.missing, True, True, True, "stop_server_error")
 
 
 async def test_idle_window_is_empty_and_still_listed(ctl, fake_omni):
@@ -410,16 +416,18 @@ async def test_artifact_root_mapping_reads_the_mounted_copy(fake_omni, upstream,
 # --- watchdogs ----------------------------------------------------------------------------
 
 
-async def test_duration_elapsed_stops_the_capture(ctl):
+async def test_duration_elapsed_stops_the_capture(ctl, fake_omni):
     cap = await ctl.start([0], duration_s=0.3)
     done = await ctl.wait(cap.id, timeout=20)
-    assert (done.state, done.stop_reason) == (CaptureState.completed, StopReason.duration)
+    assert (done.state, done.stop_reason, [c["stages"] for c in fake_omni.stops()]) == (
+        CaptureState.completed, StopReason.duration, [[0]])
 
 
-async def test_lease_without_heartbeat_expires(ctl):
+async def test_lease_without_heartbeat_expires(ctl, fake_omni):
     cap = await ctl.start([0], lease_s=0.3)
     done = await ctl.wait(cap.id, timeout=20)
-    assert done.stop_reason is StopReason.lease_expired
+    assert (done.stop_reason, done.state, [c["stages"] for c in fake_omni.stops()]) == (
+        StopReason.lease_expired, CaptureState.completed, [[0]])
 
 
 async def test_heartbeats_keep_a_lease_alive(ctl):

@@ -1,6 +1,9 @@
 """CaptureController driving the real emulator (a vLLM-Omni stand-in in child processes, torch
-profilers in its stage workers) on free ports: the capture lifecycle, validation with no upstream
-call, the fault knobs, watchdogs, 50 concurrent starts, and recovery after a kill -9."""
+profilers in its stage workers) on free ports, for what only real processes show: real torch trace
+files and their names, an idle real trace, a worker that really dies mid-window, plain vLLM's
+file layout, and recovery after a kill -9 of the controller's process. The rules themselves
+(validation, overlap, rollback, held and failed stops, watchdogs) are tests/test_controller.py's,
+in process against FakeOmni."""
 
 from __future__ import annotations
 
@@ -10,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,9 +22,8 @@ from sidecar.config.deploy import load_deploy_config
 from sidecar.control.controller import CaptureController, ControlSettings
 from sidecar.control.models import CaptureState, StopReason, Verdict
 from sidecar.emulator.launcher import EmulatorProcess
-from sidecar.errors import CaptureActive, StageSelectionError, UpstreamError
 from sidecar.upstream.server import Flavor, UpstreamServer
-from tests.fixtures.emulator import emulator_state, make_deploy
+from tests.fixtures.emulator import _pool_key, emulator_state, make_deploy
 
 pytestmark = pytest.mark.slow
 
@@ -36,15 +37,11 @@ def _deploy(root: Path) -> Path:
     return make_deploy(root, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}}, diffusion=[2])
 
 
-def _emulator(root: Path, *faults: str) -> EmulatorProcess:
-    """Not started yet: use it as a context manager, so it is stopped even when a test fails."""
-    return EmulatorProcess(_deploy(root), extra_args=list(faults), startup_timeout=120)
-
-
 @pytest.fixture(scope="module")
-def emulator(tmp_path_factory) -> Iterator[EmulatorProcess]:
-    with _emulator(tmp_path_factory.mktemp("emu")) as emu:
-        yield emu
+def emulator(tmp_path_factory, emulator_pool) -> EmulatorProcess:
+    """One emulator (process workers, real torch profilers) for the module, from the session pool;
+    a test that sets a fault resets it before it ends."""
+    return emulator_pool.get(_deploy(tmp_path_factory.mktemp("emu")), startup_timeout=120)
 
 
 def _posts(emu: EmulatorProcess, path: str) -> list[dict]:
@@ -102,46 +99,6 @@ async def test_idle_window_is_empty_no_request_ran(ctl):
         CaptureState.degraded, Verdict.empty, True)
 
 
-async def test_upstream_got_the_same_explicit_set_for_start_and_stop(ctl, emulator):
-    before = len(_posts(emulator, "/start_profile"))
-    await _capture(ctl, [2])
-    starts, stops = _posts(emulator, "/start_profile")[before:], _posts(emulator, "/stop_profile")[-1:]
-    assert [c["stages"] for c in starts + stops] == [[2], [2]]
-
-
-@pytest.mark.parametrize(("stages", "code"), [([], "stages_empty"), ([9], "stage_unknown"), ([1], "stage_not_profiled")])
-async def test_bad_stages_make_no_upstream_call(ctl, emulator, stages, code):
-    before = len(emulator_state(emulator)["calls"])
-    with pytest.raises(StageSelectionError) as err:
-        await ctl.start(stages)
-    assert (err.value.code, emulator_state(emulator)["calls"][before:]) == (code, [])
-
-
-async def test_fifty_concurrent_starts_one_wins_one_upstream_start(ctl, emulator):
-    before = len(_posts(emulator, "/start_profile"))
-    results = await asyncio.gather(*(ctl.start([0]) for _ in range(50)), return_exceptions=True)
-    won = [r for r in results if not isinstance(r, BaseException)]
-    refused = [r for r in results if isinstance(r, CaptureActive)]
-    await ctl.stop(won[0].id)
-    await ctl.wait(won[0].id, timeout=WAIT)
-    assert (len(won), len(refused), len(_posts(emulator, "/start_profile")) - before) == (1, 49, 1)
-
-
-async def test_duration_auto_stops_and_upstream_stops_profiling(ctl, emulator):
-    cap = await ctl.start([0], duration_s=1)
-    await _request(ctl.upstream.base_url)
-    done = await ctl.wait(cap.id, timeout=WAIT)
-    assert (done.stop_reason, done.state, emulator_state(emulator)["stages"]["0"]["profiling"]) == (
-        StopReason.duration, CaptureState.completed, False), done.verdicts
-
-
-async def test_lease_expiry_stops_the_capture(ctl):
-    cap = await ctl.start([0], lease_s=1)
-    await _request(ctl.upstream.base_url)
-    done = await ctl.wait(cap.id, timeout=WAIT)
-    assert (done.stop_reason, done.state) == (StopReason.lease_expired, CaptureState.completed)
-
-
 _CRASHER = textwrap.dedent(
     """
     import asyncio, sys, time
@@ -188,75 +145,14 @@ async def test_kill_9_mid_capture_is_recovered_and_upstream_stopped(emulator, tm
         StopReason.stopped_on_recovery, CaptureState.completed, [False, False])
 
 
-# --- faults (one emulator per knob) -------------------------------------------------------
+# --- a worker that really dies ------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def slow_stop_emulator(tmp_path_factory) -> Iterator[EmulatorProcess]:
-    with _emulator(tmp_path_factory.mktemp("slow"), "--fault-stop-delay", "4") as emu:
-        yield emu
-
-
-async def test_slow_stop_stays_stopping_and_controller_answers(slow_stop_emulator):
-    up, ctl = await _controller(slow_stop_emulator)
-    try:
-        cap = await ctl.start([0])
-        await _request(slow_stop_emulator.url)
-        await ctl.stop(cap.id)
-        await asyncio.sleep(1.0)
-        during = (ctl.get(cap.id).state, [c.id for c in ctl.list()], ctl.active.id)
-        done = await ctl.wait(cap.id, timeout=WAIT)
-    finally:
-        await ctl.close()
-        await up.aclose()
-    assert (during, done.state) == ((CaptureState.stopping, [cap.id], cap.id), CaptureState.completed)
-
-
-async def test_hung_stop_is_held_with_what_was_found_so_far(tmp_path_factory):
-    with _emulator(tmp_path_factory.mktemp("hang"), "--fault-hang-stop") as emu:
-        up, ctl = await _controller(emu, stop_budget_s=3)
-        try:
-            cap = await ctl.start([0])
-            await ctl.stop(cap.id)
-            for _ in range(int(WAIT / 0.2)):
-                if ctl.get(cap.id).verdicts:
-                    break
-                await asyncio.sleep(0.2)
-            held = ctl.get(cap.id)
-            with pytest.raises(CaptureActive) as refused:
-                await ctl.start([0])
-        finally:
-            await ctl.close()
-            await up.aclose()
-    assert (held.state, held.errors[-1].code, held.verdict(0).reason.startswith("stop timed out after 3s"),
-            refused.value.code) == (CaptureState.stopping, "upstream_timeout", True, "capture_stop_pending")
-
-
-async def test_dead_stage_before_start_is_missing_and_the_start_is_not_rolled_back(tmp_path_factory):
-    # vLLM-Omni 0.30's StagePool swallows the dead stage's EngineDeadError and start/stop answer 200
-    # SUCCESS (DESIGN.md §3), as the emulator does: so a stage dead before the start is a capture that
-    # runs (nothing rolled back) and ends degraded, that stage `missing` as a dead worker. A 500 start
-    # is `test_start_500_rolls_back_and_fails`; a stage that dies during the window is the next test.
-    with _emulator(tmp_path_factory.mktemp("dead"), "--fault-dead-stage", "2") as emu:
-        up, ctl = await _controller(emu)
-        try:
-            cap = await ctl.start([0, 2])
-            await _request(emu.url)  # stage 0 works; the request then fails at the dead stage 2
-            await ctl.stop(cap.id)
-            done = await ctl.wait(cap.id, timeout=WAIT)
-            stage0 = emulator_state(emu)["stages"]["0"]["profiling"]
-        finally:
-            await ctl.close()
-            await up.aclose()
-    assert (done.state, done.stop_reason, done.verdict(0).verdict, done.verdict(2).verdict,
-            "dead or restarted worker" in (done.verdict(2).reason or ""), done.errors, stage0) == (
-        CaptureState.degraded, StopReason.explicit, Verdict.ok, Verdict.missing, True, [], False)
-
-
-@pytest.fixture(scope="module")
-def died_mid_window(tmp_path_factory):
+def died_mid_window(emulator):
     """A capture of [0, 2] whose stage 2 worker exits right after acknowledging the start:
-    (the finished capture, the emulator's state after it)."""
+    (the finished capture, the emulator's state after it). The emulator is reset after it (the
+    worker respawned, the fault cleared, the stages still on this module's trace dirs)."""
 
     async def run(emu: EmulatorProcess):
         up, ctl = await _controller(emu)
@@ -270,8 +166,11 @@ def died_mid_window(tmp_path_factory):
             await ctl.close()
             await up.aclose()
 
-    with _emulator(tmp_path_factory.mktemp("midwin"), "--fault-die-after-start", "2", "--gzip-delay", "0") as emu:
-        return asyncio.run(run(emu))
+    emulator.set_faults(die_after_start=2)
+    try:
+        return asyncio.run(run(emulator))
+    finally:
+        emulator.reset(profiler_dirs=_pool_key(emulator.deploy_config)[1])
 
 
 async def test_stage_dead_mid_window_degrades_with_that_stage_missing(died_mid_window):
@@ -287,55 +186,23 @@ async def test_stage_dead_mid_window_reason_says_the_worker_died_and_no_stop_err
     assert ("died" in reason, "check the server log for this stage" in reason, done.errors) == (True, True, [])
 
 
-async def test_stop_500_degrades_and_the_reason_names_the_stop_error(tmp_path_factory):
-    # A stop the server answers 500 (only when an exception escapes; the emulator's knob, which reaches
-    # no worker) on every retry: `stop_server_error`, and a stage without a trace quotes it.
-    with _emulator(tmp_path_factory.mktemp("stop500"), "--fault-stop-500") as emu:
-        up, ctl = await _controller(emu)
-        try:
-            cap = await ctl.start([0, 2])
-            await _request(emu.url)
-            await ctl.stop(cap.id)
-            done = await ctl.wait(cap.id, timeout=WAIT)
-        finally:
-            await ctl.close()
-            await up.aclose()
-    reason = done.verdict(2).reason or ""
-    assert (done.state, done.verdict(2).verdict, "Failed to stop profiler" in reason, "server log for stage 2" in reason,
-            done.errors[-1].code) == (CaptureState.degraded, Verdict.missing, True, True, "stop_server_error")
-
-
 async def test_stage_dead_mid_window_leaves_no_profiler_running(died_mid_window):
     _, state = died_mid_window
     assert (state["stages"]["0"]["profiling"], state["stages"]["2"]["alive"]) == (False, False)
 
 
-async def test_start_500_rolls_back_and_fails(tmp_path_factory):
-    with _emulator(tmp_path_factory.mktemp("s500"), "--fault-start-500") as emu:
-        up, ctl = await _controller(emu)
-        try:
-            with pytest.raises(UpstreamError) as err:
-                await ctl.start([0, 2])
-            cap = ctl.get(err.value.details["capture_id"])
-            stops = [c["stages"] for c in _posts(emu, "/stop_profile")]
-        finally:
-            await ctl.close()
-            await up.aclose()
-    assert (cap.state, cap.stop_reason, stops, "injected fault" in cap.errors[0].message) == (
-        CaptureState.failed, StopReason.rollback, [[0, 2]], True)
-
-
-async def test_plain_vllm_flavor_finds_trace_files_in_the_dir(tmp_path):
+async def test_plain_vllm_flavor_finds_trace_files_in_the_dir(tmp_path, shared_emulator_factory):
+    # the file layout is what counts here, not the ops in the traces: thread workers
     deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}})
-    with EmulatorProcess(deploy, flavor="vllm", startup_timeout=120) as emu:
-        up = UpstreamServer(emu.url, flavor=Flavor.vllm, stop_budget_s=60)
-        ctl = CaptureController(up, load_deploy_config(deploy), settings=SETTINGS)
-        try:
-            await ctl.open()
-            done = await _capture(ctl, [0])
-        finally:
-            await ctl.close()
-            await up.aclose()
+    emu = shared_emulator_factory(deploy, flavor="vllm", extra_args=["--workers", "thread"], startup_timeout=120)
+    up = UpstreamServer(emu.url, flavor=Flavor.vllm, stop_budget_s=60)
+    ctl = CaptureController(up, load_deploy_config(deploy), settings=SETTINGS)
+    try:
+        await ctl.open()
+        done = await _capture(ctl, [0])
+    finally:
+        await ctl.close()
+        await up.aclose()
     # Plain vLLM writes a worker trace and a front-end (`*.async_llm.*`) trace per stop; the expected
     # count is the worker traces.
     traces = [f.name for f in done.verdict(0).sessions[0].files if ".pt.trace.json" in f.name]
