@@ -1,7 +1,7 @@
-"""Fleet fan-out: per-target results over both target kinds (emulators and a real sidecar),
-all-or-nothing start and per-target stop budgets for upstream targets (the in-process
-controller's paths; sidecar targets at scale are in test_fleet_scale.py), input refused before
-anything is sent, and the CLI (over in-process fake upstreams: real sockets and folders)."""
+"""Fleet fan-out: per-target results over both target kinds (emulators and a real sidecar);
+all-or-nothing start, per-target stop budgets and the CLI over in-process fake upstreams (real
+sockets and session folders: the in-process controller's paths; sidecar targets at scale are in
+test_fleet_scale.py); input refused before anything is sent."""
 
 from __future__ import annotations
 
@@ -52,15 +52,13 @@ async def test_a_refused_start_stops_the_started_targets_and_lists_every_outcome
     assert not any(good.profiling().values()) and len(good.calls("/stop_profile")) == 1
 
 
-@pytest.mark.slow
-async def test_each_target_stops_within_its_own_budget(replica_factory):
-    hung, fine = replica_factory(2, faults={0: {"hang_stop": True}})
+async def test_each_target_stops_within_its_own_budget(fake_replica_factory):
+    hung, fine = fake_replica_factory(2, stages=(0,))
+    hung.fake.stop_delay = 3600  # the stop is held: this upstream does not answer
     targets = [Target.upstream(hung.url, hung.deploy), Target.upstream(fine.url, fine.deploy)]
-    async with Fleet(targets, stages=[0], control_settings=FAST, stop_budget_s=3) as fleet:
-        fc = await fleet.start()
-        await asyncio.to_thread(fine.generate)  # the fine target's window records work (an idle one is `empty`)
-        fc = await fleet.stop(fc)
-        await asyncio.to_thread(hung.reset)  # the hung stop answers now: the fleet closes at once
+    async with Fleet(targets, control_settings=FAST, stop_budget_s=3) as fleet:
+        fc = await fleet.stop(await fleet.start())
+        hung.fake.stop_delay = 0  # the held stop answers now: the fleet closes at once
     assert fc.targets[targets[0].name].outcome is TargetOutcome.stop_timeout
     ok = fc.targets[targets[1].name]
     assert ok.outcome is TargetOutcome.stopped and ok.state is CaptureState.completed
