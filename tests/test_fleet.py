@@ -1,11 +1,12 @@
-"""Fleet fan-out over real emulators and sidecars on free ports: per-target results, all-or-
-nothing start, per-target stop budgets, input refused before anything is sent, and the CLI."""
+"""Fleet fan-out: per-target results over both target kinds (emulators and a real sidecar);
+all-or-nothing start, per-target stop budgets and the CLI over in-process fake upstreams (real
+sockets and session folders: the in-process controller's paths; sidecar targets at scale are in
+test_fleet_scale.py); input refused before anything is sent."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -21,29 +22,15 @@ from tests.fixtures.emulator import make_deploy
 FAST = ControlSettings(collect_timeout_s=30, close_timeout_s=3, summarize=False)
 
 
-def _generate_once_recording(replica, stage: int = 0, timeout: float = 120) -> threading.Thread:
-    """A thread that sends one request as soon as ``stage`` records (an idle window is ``empty``):
-    for a CLI command that opens the window itself. Join it after the command."""
-    def run() -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not replica.profiling().get(stage):
-            time.sleep(0.05)
-        replica.generate()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.mark.slow
 async def test_sidecar_and_upstream_targets_report_capture_verdicts_and_folders(replica_factory, sidecar_factory):
-    a, b = replica_factory(2, stages=(0, 1))
-    side = sidecar_factory(a.url, a.deploy)
+    a, b = replica_factory(2)
+    side = await asyncio.to_thread(sidecar_factory, a.url, a.deploy)
     targets = [Target.sidecar(side.url), Target.upstream(b.url, b.deploy)]
     async with Fleet(targets, stages=[1], control_settings=FAST) as fleet:
         fc = await fleet.start(label="both")
-        a.generate()
-        b.generate()
+        await asyncio.to_thread(a.generate)
+        await asyncio.to_thread(b.generate)
         fc = await fleet.stop(fc)
     assert fc.ok
     for replica, target in ((a, targets[0]), (b, targets[1])):
@@ -53,50 +40,51 @@ async def test_sidecar_and_upstream_targets_report_capture_verdicts_and_folders(
         assert res.folders == [str(p) for p in replica.sessions(1)] and replica.sessions(0) == []
 
 
-@pytest.mark.slow
-async def test_a_refused_start_stops_the_started_targets_and_lists_every_outcome(replica_factory):
-    good, bad = replica_factory(2, stages=(0,), faults={1: ["--fault-start-500"]})
+async def test_a_refused_start_stops_the_started_targets_and_lists_every_outcome(fake_replica_factory):
+    good, bad = fake_replica_factory(2)
+    bad.fake.start_status = 500
     targets = [Target.upstream(good.url, good.deploy), Target.upstream(bad.url, bad.deploy)]
     async with Fleet(targets, control_settings=FAST) as fleet:
         with pytest.raises(FleetError) as info:
             await fleet.start()
     outcomes = {t["target"]: t["outcome"] for t in info.value.details["targets"]}
     assert outcomes == {targets[0].name: "rolled_back", targets[1].name: "start_failed"}
-    assert good.profiling() == {0: False} and len(good.calls("/stop_profile")) == 1
+    assert not any(good.profiling().values()) and len(good.calls("/stop_profile")) == 1
 
 
-@pytest.mark.slow
-async def test_each_target_stops_within_its_own_budget(replica_factory):
-    hung, fine = replica_factory(2, stages=(0,), faults={0: ["--fault-hang-stop"]})
+async def test_each_target_stops_within_its_own_budget(fake_replica_factory):
+    hung, fine = fake_replica_factory(2, stages=(0,))
+    hung.fake.stop_delay = 3600  # the stop is held: this upstream does not answer
     targets = [Target.upstream(hung.url, hung.deploy), Target.upstream(fine.url, fine.deploy)]
     async with Fleet(targets, control_settings=FAST, stop_budget_s=3) as fleet:
-        fc = await fleet.start()
-        fine.generate()  # the fine target's window records work (an idle one is `empty`)
-        fc = await fleet.stop(fc)
+        fc = await fleet.stop(await fleet.start())
+        hung.fake.stop_delay = 0  # the held stop answers now: the fleet closes at once
     assert fc.targets[targets[0].name].outcome is TargetOutcome.stop_timeout
     ok = fc.targets[targets[1].name]
     assert ok.outcome is TargetOutcome.stopped and ok.state is CaptureState.completed
 
 
-@pytest.mark.slow
-def test_cli_capture_and_split_start_stop(replica_factory, tmp_path):
-    (r,) = replica_factory(1, stages=(0,))
-    runner = CliRunner()
-    common = ["--targets", f"upstream={r.url}", "--deploy-config", str(r.deploy), "--state-dir", str(tmp_path / "st")]
-    busy = _generate_once_recording(r)  # the window must record work: an idle one is `empty`
-    out = runner.invoke(app, ["fleet", "capture", *common, "--duration", "5", "--json"])
-    busy.join()
+def test_cli_capture_prints_each_targets_folders(fake_replica_factory, tmp_path):
+    (r,) = fake_replica_factory(1, stages=(0,))
+    out = CliRunner().invoke(app, ["fleet", "capture", "--targets", f"upstream={r.url}", "--deploy-config",
+                                   str(r.deploy), "--state-dir", str(tmp_path / "st"), "--duration", "0.2", "--json"])
     assert out.exit_code == 0, out.output
     (target,) = json.loads(out.output)["targets"]
-    assert target["state"] == "completed" and target["folders"] == [str(p) for p in r.sessions(0)]
+    assert target["state"] == "completed" and target["folders"] == [str(p) for p in r.sessions(0)] != []
 
+
+def test_cli_split_start_stop_across_invocations(fake_replica_factory, tmp_path):
+    (r,) = fake_replica_factory(1, stages=(0,))
+    runner = CliRunner()
+    common = ["--targets", f"upstream={r.url}", "--deploy-config", str(r.deploy), "--state-dir", str(tmp_path / "st")]
     started = runner.invoke(app, ["fleet", "start", *common, "--json"])
     assert started.exit_code == 0, started.output
     assert r.profiling() == {0: True}  # left running for `fleet stop`, journaled in --state-dir
-    r.generate()
     stopped = runner.invoke(app, ["fleet", "stop", *common, "--json"])
     assert stopped.exit_code == 0, stopped.output
-    assert r.profiling() == {0: False} and len(r.sessions(0)) == 2
+    assert r.profiling() == {0: False} and len(r.calls("/stop_profile")) == 1
+    (target,) = json.loads(stopped.output)["targets"]
+    assert target["state"] == "completed" and target["folders"] == [str(p) for p in r.sessions(0)] != []
 
 
 # --- input refused before anything is sent -----------------------------------------------

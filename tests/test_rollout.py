@@ -1,13 +1,18 @@
-"""RolloutProfiler against real emulators on free ports (upstream targets driven in-process):
-only the chosen steps are profiled, on every selected replica and stage; failures are best
-effort by default and raised in strict mode; an exception in the block still stops every target.
+"""RolloutProfiler: only the chosen steps are profiled, on every selected replica and stage;
+failures are best effort by default and raised in strict mode; an exception in the block still
+stops every target. The rules run against in-process fake upstreams (``fake_replica_factory``:
+real sockets and session folders); one end-to-end test runs them against emulators (the trace
+folders a server writes, checked on disk).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
+import shutil
 import threading
+import time
 
 import pytest
 
@@ -15,114 +20,125 @@ from sidecar import RolloutProfiler
 from sidecar.control.controller import ControlSettings
 from sidecar.control.models import CaptureState, Verdict
 from sidecar.errors import FleetError, FleetInvalid, ValidationFailed
-from sidecar.fleet import TargetOutcome
+from sidecar.fleet import Target, TargetOutcome
+from tests.fixtures.fleet import poll
 
-pytestmark = pytest.mark.slow
-
-FAST = ControlSettings(settle_s=0.3, collect_timeout_s=30, close_timeout_s=5, summarize=False)
+FAST = ControlSettings(collect_timeout_s=30, close_timeout_s=5, summarize=False)
 
 
 def _profiler(replicas, **kwargs) -> RolloutProfiler:
+    """One Target per replica, each with its own deploy file (its own trace folders)."""
     kwargs.setdefault("control_settings", FAST)
-    targets = [f"upstream={r.url}" for r in replicas]
-    return RolloutProfiler(targets, deploy_config=replicas[0].deploy, **kwargs)
+    return RolloutProfiler([Target.upstream(r.url, r.deploy) for r in replicas], **kwargs)
 
 
-def _upstream_profilers(replicas, **kwargs) -> RolloutProfiler:
-    """Each replica has its own deploy file (its own trace folders): one Target per replica."""
-    from sidecar.fleet import Target
-
-    kwargs.setdefault("control_settings", FAST)
-    targets = [Target.upstream(r.url, r.deploy) for r in replicas]
-    return RolloutProfiler(targets, **kwargs)
+def _name(replica) -> str:
+    return f"upstream={replica.url}"
 
 
 class Boom(Exception):
     pass
 
 
+# --- end to end: emulators --------------------------------------------------------------
+
+
+def _next_second(since: float) -> None:
+    """Servers name session folders by the second: a later profiled step gets its own folder
+    once the clock has moved past the second the previous step ended in (a real rollout step
+    takes minutes)."""
+    poll(lambda: int(time.time()) > int(since), timeout=10, what="the next wall-clock second")
+
+
+@pytest.mark.slow
 def test_profiles_exactly_the_chosen_steps_on_every_replica_and_stage(replica_factory):
-    replicas = replica_factory(4, stages=(0, 1))
-    with _upstream_profilers(replicas, steps=[1, 3], stages=[0, 1], all_ranks=True) as prof:
+    replicas = replica_factory(2, stages=(0, 1))
+    with _profiler(replicas, steps=[1, 3], stages=[0, 1], all_ranks=True) as prof:
         for step in range(1, 5):
             with prof.step(step):
                 for r in replicas:
                     r.generate()
+            if step == 1:
+                _next_second(time.time())
         results = prof.results()
 
     assert sorted(results) == [1, 3]
     for step, res in results.items():
         assert res.label == f"step{step}" and res.ok
-        assert len(res.targets) == 4
+        assert len(res.targets) == 2
         for target in res.targets.values():
             assert {v.stage_id: v.verdict for v in target.verdicts} == {0: Verdict.ok, 1: Verdict.ok}
     # On disk: one session folder per profiled step, replica and stage; none for steps 2 and 4.
     for r in replicas:
+        assert len(r.calls("/start_profile")) == 2
         for stage in (0, 1):
             on_disk = {str(p) for p in r.sessions(stage)}
-            reported = {f for res in results.values()
-                        for f in res.targets[f"upstream={r.url}"].folders if f"stage{stage}_" in f}
+            reported = {f for res in results.values() for f in res.targets[_name(r)].folders if f"stage{stage}_" in f}
             assert len(on_disk) == 2 and on_disk == reported
 
 
-def test_outside_the_steps_nothing_is_sent_and_no_thread_starts(replica_factory):
-    (replica,) = replica_factory(1, stages=(0,))
-    threads = threading.active_count()
+# --- the rules: in-process fake upstreams -----------------------------------------------
+
+
+def test_outside_the_steps_nothing_is_sent_and_no_thread_starts(fake_replica_factory):
+    (replica,) = fake_replica_factory(1)
+    before = set(threading.enumerate())
     prof = _profiler([replica], steps=[5])
     with prof.step(1) as res:
         replica.generate()
     assert res is None
-    assert prof._loop is None and threading.active_count() == threads
+    assert prof._loop is None and set(threading.enumerate()) - before == set()
     assert replica.calls("/start_profile") == [] and replica.calls("/stop_profile") == []
     prof.close()
 
 
-def test_one_replica_refusing_start_stops_the_others_and_training_goes_on(replica_factory, caplog):
-    replicas = replica_factory(3, stages=(0,), faults={1: ["--fault-start-500"]})
+def test_one_replica_refusing_start_stops_the_others_and_training_goes_on(fake_replica_factory, caplog):
+    replicas = fake_replica_factory(3)
+    replicas[1].fake.start_status = 500
     ran = []
-    with caplog.at_level(logging.WARNING, logger="sidecar.rollout"):
-        with _upstream_profilers(replicas, steps=[1], all_ranks=True) as prof:
-            with prof.step(1):
-                ran.append(True)
-            res = prof.results()[1]
+    with caplog.at_level(logging.WARNING, logger="sidecar.rollout"), _profiler(replicas, steps=[1], all_ranks=True) as prof:
+        with prof.step(1):
+            ran.append(True)
+        res = prof.results()[1]
     assert ran == [True]  # best effort: the block ran unprofiled
-    assert res.error is not None and res.error.code == "fleet_failed"
+    assert res.error is not None and res.error.code == "fleet_failed" and not res.ok
     outcomes = {name: t.outcome for name, t in res.targets.items()}
-    assert outcomes[f"upstream={replicas[1].url}"] is TargetOutcome.start_failed
-    assert {outcomes[f"upstream={replicas[i].url}"] for i in (0, 2)} == {TargetOutcome.rolled_back}
-    for r in replicas:
-        assert not any(r.profiling().values())
+    assert outcomes[_name(replicas[1])] is TargetOutcome.start_failed
+    assert {outcomes[_name(replicas[i])] for i in (0, 2)} == {TargetOutcome.rolled_back}
+    for i in (0, 2):
+        assert len(replicas[i].calls("/stop_profile")) == 1
+    assert not any(v for r in replicas for v in r.profiling().values())
     assert any("did not start" in rec.message for rec in caplog.records)
 
 
-def test_strict_mode_raises_when_a_replica_refuses_start(replica_factory):
-    replicas = replica_factory(2, stages=(0,), faults={0: ["--fault-start-500"]})
+def test_strict_mode_raises_when_a_replica_refuses_start(fake_replica_factory):
+    replicas = fake_replica_factory(2)
+    replicas[0].fake.start_status = 500
     ran = []
-    with _upstream_profilers(replicas, steps=[1], all_ranks=True, strict=True) as prof:
-        with pytest.raises(FleetError) as info:
-            with prof.step(1):
-                ran.append(True)
+    prof = _profiler(replicas, steps=[1], all_ranks=True, strict=True)
+    with prof, pytest.raises(FleetError) as info, prof.step(1):
+        ran.append(True)
     assert ran == []  # strict: the start failure is raised before the block
     assert {t["outcome"] for t in info.value.details["targets"]} == {"start_failed", "rolled_back"}
-    assert not any(replicas[1].profiling().values())
+    assert len(replicas[1].calls("/stop_profile")) == 1 and not any(replicas[1].profiling().values())
 
 
-def test_an_exception_in_the_block_stops_every_target_and_propagates_unchanged(replica_factory):
-    replicas = replica_factory(2, stages=(0,))
+def test_an_exception_in_the_block_stops_every_target_and_propagates_unchanged(fake_replica_factory):
+    replicas = fake_replica_factory(2)
     boom = Boom("generation failed")
-    with _upstream_profilers(replicas, steps=[2], all_ranks=True) as prof:
-        with pytest.raises(Boom) as info:
-            with prof.step(2):
-                assert all(r.profiling() == {0: True} for r in replicas)
-                raise boom
+    with _profiler(replicas, steps=[2], stages=[0], all_ranks=True) as prof:
+        with pytest.raises(Boom) as info, prof.step(2):
+            assert all(r.profiling()[0] for r in replicas)
+            raise boom
         res = prof.results()[2]
     assert info.value is boom
-    assert all(r.profiling() == {0: False} for r in replicas)
+    assert not any(v for r in replicas for v in r.profiling().values())
+    assert all(len(r.calls("/stop_profile")) == 1 for r in replicas)
     assert {t.outcome for t in res.targets.values()} == {TargetOutcome.stopped}
 
 
-async def test_async_hook_and_sync_hook_inside_a_running_loop(replica_factory):
-    (replica,) = replica_factory(1, stages=(0,))
+async def test_async_hook_and_sync_hook_inside_a_running_loop(fake_replica_factory):
+    (replica,) = fake_replica_factory(1)
     prof = _profiler([replica], steps=[1, 2])
     async with prof.astep(1):
         await asyncio.to_thread(replica.generate)
@@ -130,37 +146,44 @@ async def test_async_hook_and_sync_hook_inside_a_running_loop(replica_factory):
         replica.generate()
     prof.close()
     assert [r.ok for r in prof.results().values()] == [True, True]
+    assert len(replica.calls("/start_profile")) == 2 and len(replica.calls("/stop_profile")) == 2
 
 
-def test_without_waiting_for_artifacts_the_check_finishes_in_the_background(replica_factory):
-    (replica,) = replica_factory(1, stages=(0,))
+def test_without_waiting_for_artifacts_the_check_finishes_in_the_background(fake_replica_factory):
+    (replica,) = fake_replica_factory(1, stages=(0,))
+    replica.fake.gzip_delay = 3600  # the server's gzip is held: the test finishes it below
     prof = _profiler([replica], steps=[1], wait_artifacts=False)
     with prof.step(1):
         replica.generate()
     right_after = prof.results()[1]
-    final = prof.wait(timeout=60)[1]
-    prof.close()
     (target,) = right_after.targets.values()
     assert target.outcome is TargetOutcome.stopped and target.state is not CaptureState.stopping
+    assert not right_after.done  # the trace is still being written: the block did not wait for it
+    (folder,) = replica.sessions(0)
+    trace = folder / "trace_rank0.json"
+    with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:  # the gzip lands
+        shutil.copyfileobj(src, dst)
+    trace.unlink()
+    final = prof.wait(timeout=60)[1]
+    prof.close()
     assert final.done and final.ok
 
 
-def test_default_replica_selection_is_rank_zero_like_verl(replica_factory):
-    replicas = replica_factory(2, stages=(0,))
-    with _upstream_profilers(replicas, steps=[1]) as prof:
+def test_default_replica_selection_is_rank_zero_like_verl(fake_replica_factory):
+    replicas = fake_replica_factory(2)
+    with _profiler(replicas, steps=[1]) as prof:
         with prof.step(1):
             pass
         res = prof.results()[1]
-    assert list(res.targets) == [f"upstream={replicas[0].url}"]
-    assert replicas[1].calls("/start_profile") == []
+    assert list(res.targets) == [_name(replicas[0])] and res.ok
+    assert len(replicas[0].calls("/start_profile")) == 1 and replicas[1].calls("/start_profile") == []
 
 
 def test_an_unreachable_replica_is_logged_and_recorded_in_best_effort_mode(caplog):
     prof = RolloutProfiler(["sidecar=http://127.0.0.1:9"], steps=[1])
     ran = []
-    with caplog.at_level(logging.WARNING, logger="sidecar.rollout"):
-        with prof.step(1) as res:
-            ran.append(True)
+    with caplog.at_level(logging.WARNING, logger="sidecar.rollout"), prof.step(1) as res:
+        ran.append(True)
     prof.close()
     assert ran == [True] and res.error is not None and res.error.code == "fleet_failed"
     assert prof.results()[1].error.code == "fleet_failed"
@@ -169,9 +192,8 @@ def test_an_unreachable_replica_is_logged_and_recorded_in_best_effort_mode(caplo
 
 def test_an_unreachable_replica_raises_in_strict_mode():
     prof = RolloutProfiler(["sidecar=http://127.0.0.1:9"], steps=[1], strict=True)
-    with pytest.raises(FleetError):
-        with prof.step(1):
-            pass
+    with pytest.raises(FleetError), prof.step(1):
+        pass
     prof.close()
 
 

@@ -1,11 +1,10 @@
 """The verl integration's own logic, without verl (the real wheel runs in the ``-m verl`` group,
 tests/verl/): the hook follows the start/stop calls a trainer makes on its rollout manager
-(``sidecar=``/``upstream=`` targets, real emulators), writes one result per step, and the package
-imports without verl.
-
-Each replica has its own trace folders (a shared ``torch_profiler_dir`` is refused up front): the
-block's one ``deploy_config`` is replica 0's, so replica 0 is an ``upstream=`` target and the
-others are ``sidecar=`` targets, each sidecar started with its own replica's deploy YAML.
+(``sidecar=``/``upstream=`` targets), writes one result per step, and the package imports
+without verl. The hook's logic needs no real server: replica 0 is an in-process fake upstream
+(``upstream=``, the block's one ``deploy_config``), replica 1 a stub sidecar (``sidecar=``,
+tests/fixtures/stubs.py), so no two targets share a trace folder. The fleet over a real sidecar
+and emulators is test_fleet.py's; the real verl wheel over emulators is tests/verl/'s.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import importlib
 import importlib.util
 import json
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,6 +21,7 @@ import pytest
 
 from sidecar.errors import ConfigError
 from sidecar.integrations.verl import attach, hook_config
+from tests.fixtures.stubs import StubFleet
 
 HAVE_VERL = importlib.util.find_spec("verl") is not None
 
@@ -37,12 +38,11 @@ def _trainer_config(save_path: str, targets: list[str], deploy: str) -> dict[str
     }
 
 
-def _targets(replicas: list[Any], sidecar_factory: Any) -> list[str]:
-    """Replica 0 driven in-process (``upstream=``, the block's deploy_config), every other replica
-    through its own sidecar: no two targets share a trace folder."""
-    return [f"upstream={replicas[0].url}"] + [
-        f"sidecar={sidecar_factory(r.url, r.deploy).url}" for r in replicas[1:]
-    ]
+def _trainer(save: Path, upstream: Any, sidecar: StubFleet) -> Trainer:
+    """Replica 0 driven in-process (``upstream=``, the block's deploy_config), replica 1 through
+    its (stub) sidecar."""
+    targets = [f"upstream={upstream.url}", f"sidecar={sidecar.urls[0]}"]
+    return Trainer(_trainer_config(str(save), targets, str(upstream.deploy)))
 
 
 class Trainer:
@@ -62,31 +62,31 @@ class Trainer:
         return attach(SimpleNamespace(), self.config, sys._getframe())
 
 
-@pytest.mark.slow
-def test_the_hook_follows_the_trainers_calls_and_writes_one_result_per_step(replica_factory, sidecar_factory, tmp_path):
-    replicas = replica_factory(2, stages=(0,))
+def test_the_hook_follows_the_trainers_calls_and_writes_one_result_per_step(fake_replica_factory, tmp_path):
+    (upstream,) = fake_replica_factory(1, stages=(0,))
     save = tmp_path / "profile"
-    trainer = Trainer(_trainer_config(str(save), _targets(replicas, sidecar_factory), str(replicas[0].deploy)))
-    hook = trainer.init_workers()
-    manager = trainer.llm_server_manager
-    for step in range(1, 5):
-        trainer.global_steps = step
-        if step in (1, 3):
-            manager.start_profile()
-            manager.start_profile()  # a second rollout manager of the same step: one window
-        for r in replicas:
-            r.generate()
-        if step in (1, 3):
-            manager.stop_profile()
-            manager.stop_profile()
-        if step == 2:
-            manager.stop_profile()  # a stop without a start (continuous steps): nothing is live
-    results = hook.wait(timeout=120)
-    hook.close()
+    with StubFleet(1, mode="sidecar", root=tmp_path / "stubs") as sidecar:
+        trainer = _trainer(save, upstream, sidecar)
+        hook = trainer.init_workers()
+        manager = trainer.llm_server_manager
+        for step in range(1, 5):
+            trainer.global_steps = step
+            if step in (1, 3):
+                manager.start_profile()
+                manager.start_profile()  # a second rollout manager of the same step: one window
+            if step in (1, 3):
+                manager.stop_profile()
+                manager.stop_profile()
+            if step == 2:
+                manager.stop_profile()  # a stop without a start (continuous steps): nothing is live
+        results = hook.wait(timeout=120)
+        hook.close()
+        sidecar_starts = sidecar.received("/v1/captures")[0]
+        sidecar_stops = [p for m, p, _ in sidecar.log()[0]["calls"] if m == "POST" and p.endswith("/stop")]
     assert trainer.verl_calls == []  # the trainer's own start/stop were replaced
     assert sorted(results) == [1, 3] and all(r.ok and len(r.targets) == 2 for r in results.values())
-    for r in replicas:
-        assert len(r.calls("/start_profile")) == 2 and len(r.sessions(0)) == 2
+    assert len(upstream.calls("/start_profile")) == 2 and len(upstream.calls("/stop_profile")) == 2
+    assert len(sidecar_starts) == 2 and len(sidecar_stops) == 2
     written = sorted(p.name for p in (save / "omni_sidecar").iterdir())
     assert written == ["step1.json", "step3.json"]
     assert json.loads((save / "omni_sidecar" / "step3.json").read_text())["ok"] is True
@@ -106,24 +106,24 @@ def test_the_package_imports_without_verl_and_says_what_is_missing():
     assert "verl" not in sys.modules
 
 
-@pytest.mark.slow
-def test_best_effort_a_failed_start_is_in_the_steps_result_and_one_log_line(
-    replica_factory, sidecar_factory, tmp_path, caplog
-):
+def test_best_effort_a_failed_start_is_in_the_steps_result_and_one_log_line(fake_replica_factory, tmp_path, caplog):
     import logging
 
-    replicas = replica_factory(2, stages=(0,), faults={1: ["--fault-start-500"]})
+    (upstream,) = fake_replica_factory(1, stages=(0,))
     save = tmp_path / "profile"
-    trainer = Trainer(_trainer_config(str(save), _targets(replicas, sidecar_factory), str(replicas[0].deploy)))
-    hook = trainer.init_workers()
-    trainer.global_steps = 1
-    with caplog.at_level(logging.WARNING, logger="sidecar.integrations.verl"):
-        trainer.llm_server_manager.start_profile()  # does not raise: training goes on
-        trainer.llm_server_manager.stop_profile()
-    results = hook.wait(timeout=120)
-    hook.close()
+    with StubFleet(1, mode="sidecar", root=tmp_path / "stubs", faults={0: "refuse_start"}) as sidecar:
+        trainer = _trainer(save, upstream, sidecar)
+        hook = trainer.init_workers()
+        trainer.global_steps = 1
+        with caplog.at_level(logging.WARNING, logger="sidecar.integrations.verl"):
+            trainer.llm_server_manager.start_profile()  # does not raise: training goes on
+            trainer.llm_server_manager.stop_profile()
+        results = hook.wait(timeout=120)
+        hook.close()
+        assert not sidecar.log()[0]["recording"]
     assert results[1].error is not None and not results[1].ok
     ours = [r for r in caplog.records if r.name == "sidecar.integrations.verl"]
     assert len(ours) == 1 and "rollout step 1" in ours[0].getMessage()
     assert json.loads((save / "omni_sidecar" / "step1.json").read_text())["ok"] is False
-    assert not any(r.profiling()[0] for r in replicas)  # the started replica was rolled back
+    # the started replica was rolled back
+    assert upstream.profiling() == {0: False} and len(upstream.calls("/stop_profile")) == 1
