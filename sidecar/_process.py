@@ -54,6 +54,7 @@ class ManagedProcess:
         stop_grace: float,
     ) -> None:
         self.host = host
+        self._port_picked = not port  # picked here: another may take it before the child binds it
         self.port = port if port else free_port(host)
         self.log_path = log_path
         self.env = dict(env) if env is not None else None
@@ -84,7 +85,32 @@ class ManagedProcess:
         kept = [ln for ln in text.splitlines() if not ln.startswith(self.log_noise)] if self.log_noise else text.splitlines()
         return "\n".join(kept[-lines:])
 
+    # A port picked with free_port() is released before the child binds it; another process may
+    # take it meanwhile. Then the child exits with EADDRINUSE and a fresh port is tried.
+    PORT_ATTEMPTS: ClassVar[int] = 3
+
     def start(self) -> Self:
+        for attempt in range(1, self.PORT_ATTEMPTS + 1):
+            offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+            try:
+                return self._start_once()
+            except SidecarError:
+                if not (self._port_picked and attempt < self.PORT_ATTEMPTS and self._lost_port(offset)):
+                    raise
+                self._proc = None
+                self.port = free_port(self.host)
+        raise AssertionError("unreachable")
+
+    def _lost_port(self, offset: int) -> bool:
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(offset)
+                text = fh.read().decode(errors="replace")
+        except OSError:
+            return False
+        return "address already in use" in text.lower()
+
+    def _start_once(self) -> Self:
         if self._proc is not None:
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

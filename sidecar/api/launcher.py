@@ -43,9 +43,9 @@ class SidecarProcess(ManagedProcess):
         startup_timeout: float = 30.0,
     ) -> None:
         state = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="omni-sidecar-state-"))
-        port = port or free_port(host)
-        log = Path(log_path) if log_path else state / f"sidecar-{port}.log"
-        # A long grace: on SIGTERM the sidecar first stops its active capture upstream.
+        log = Path(log_path) if log_path else state / "sidecar.log"
+        # A long grace: on SIGTERM the sidecar first stops its active capture upstream. A port left
+        # to pick is picked by ManagedProcess (and picked again if another process takes it first).
         super().__init__(host=host, port=port, log_path=log, env=env, startup_timeout=startup_timeout, stop_grace=30.0)
         self.upstream_url = upstream_url
         self.deploy_config = Path(deploy_config) if deploy_config is not None else None
