@@ -178,6 +178,16 @@ class UpstreamServer:
             "404 when not); is --upstream a vLLM-Omni server?",
         )
 
+    async def warm(self) -> bool:
+        """Open a connection before it is needed (one ``GET /health``, best effort), so a later
+        start pays no TCP connect. False when the server did not answer."""
+        timeout = httpx.Timeout(self.timeouts.probe, connect=min(self.timeouts.connect, self.timeouts.probe))
+        try:
+            await self._client.get("/health", timeout=timeout)
+        except httpx.HTTPError:
+            return False
+        return True
+
     # --- profiling ------------------------------------------------------------------------
 
     async def start_profile(self, stages: list[int]) -> None:
