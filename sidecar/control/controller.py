@@ -410,14 +410,24 @@ class CaptureController:
             rt.watches = self._watches(cap.stages, shared_stages)
             self._captures[cap.id] = cap
             self._busy.append(cap.id)
+            sent = False
+
+            async def send_now() -> None:  # the request is built; from here on it may be delivered
+                nonlocal sent
+                if release is not None:
+                    await release()
+                sent = True
+
             try:
                 await _snapshot(rt.watches)
                 self._open_window(cap, rt)
                 self._changed(cap)
                 await self.flush()  # journaled with the baselines before anything can start upstream
-                if release is not None:
-                    await release()
+                await self.upstream.start_profile(cap.stages, before_send=send_now)
             except BaseException as exc:
+                if sent:
+                    await self._start_failed(cap, rt, exc)
+                    raise
                 # Nothing reached the server: no stop to send, and the slot is free again at once.
                 if isinstance(exc, asyncio.CancelledError):
                     code, message = "start_cancelled", "start was cancelled before it was sent upstream"
@@ -430,24 +440,6 @@ class CaptureController:
                 if isinstance(exc, SidecarError):
                     exc.details.setdefault("capture_id", cap.id)
                 raise
-            try:
-                await self.upstream.start_profile(cap.stages)
-            except UpstreamError as exc:
-                await self._rollback(cap, exc.code, exc.message, delivered=not isinstance(exc, UpstreamUnreachable))
-                exc.details.setdefault("capture_id", cap.id)
-                raise
-            except asyncio.CancelledError:
-                # The caller went away mid-start: the server may be recording; undo it in the background.
-                self._error(cap, "start_cancelled", "start was cancelled before the upstream answered")
-                cap.stop_reason = StopReason.rollback
-                cap.state = CaptureState.stopping
-                self._changed(cap)
-                rt.stopper = asyncio.create_task(self._run_stop(cap.id, collect=False))
-                raise
-            except Exception as exc:  # a bug must not leave a profiler running or the slot taken
-                log.exception("capture %s: start failed unexpectedly", cap.id)
-                await self._rollback(cap, "internal_error", f"{type(exc).__name__}: {exc}", delivered=True)
-                raise
             cap.state = CaptureState.active
             cap.started_at = cap.last_heartbeat_at = _now()
             self.claims.mark_started(cap.id, cap.started_at.timestamp())
@@ -458,6 +450,22 @@ class CaptureController:
             elif cap.duration_s is not None or cap.lease_s is not None:
                 rt.watchdog = asyncio.create_task(self._watchdog(cap.id), name=f"watchdog-{cap.id}")
             return _copy(cap)
+
+    async def _start_failed(self, cap: Capture, rt: _Runtime, exc: BaseException) -> None:
+        """The start was sent and did not succeed: roll back what the server may have started."""
+        if isinstance(exc, UpstreamError):
+            await self._rollback(cap, exc.code, exc.message, delivered=not isinstance(exc, UpstreamUnreachable))
+            exc.details.setdefault("capture_id", cap.id)
+        elif isinstance(exc, asyncio.CancelledError):
+            # The caller went away mid-start: the server may be recording; undo it in the background.
+            self._error(cap, "start_cancelled", "start was cancelled before the upstream answered")
+            cap.stop_reason = StopReason.rollback
+            cap.state = CaptureState.stopping
+            self._changed(cap)
+            rt.stopper = asyncio.create_task(self._run_stop(cap.id, collect=False))
+        elif isinstance(exc, Exception):  # a bug must not leave a profiler running or the slot taken
+            log.exception("capture %s: start failed unexpectedly", cap.id)
+            await self._rollback(cap, "internal_error", f"{type(exc).__name__}: {exc}", delivered=True)
 
     def _refuse_overlap(self) -> None:
         if not self._busy:

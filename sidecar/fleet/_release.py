@@ -38,8 +38,8 @@ def check_start_at(start_at: float | datetime | None, *, max_ahead_s: float = ST
     shown = datetime.fromtimestamp(start_at, timezone.utc).isoformat(timespec="milliseconds")
     if ahead <= 0:
         raise StartAtInvalid(
-            f"start_at {shown} is {-ahead:.3f}s in the past; give a time a little ahead (a second is plenty "
-            "for a thousand targets), e.g. --start-at +2",
+            f"start_at {shown} is {-ahead:.3f}s in the past; give a time ahead, leaving the fleet time to open "
+            "and prepare every target (seconds for a thousand), e.g. --start-at +5",
             details={"start_at": start_at, "now": now})
     if ahead > max_ahead_s:
         raise StartAtInvalid(
@@ -47,6 +47,28 @@ def check_start_at(start_at: float | datetime | None, *, max_ahead_s: float = ST
             "prepared; start nearer the time",
             details={"start_at": start_at, "now": now, "max_ahead_s": max_ahead_s})
     return float(start_at)
+
+
+def parse_start_at(text: str, *, now: float | None = None) -> float:
+    """The CLI's ``--start-at``: ``+S`` (seconds from now), epoch seconds, or an ISO 8601 time
+    with its zone (``2026-12-01T14:05:00Z``). Refused (``StartAtInvalid``) otherwise; the range
+    is checked by :func:`check_start_at`."""
+    raw = text.strip()
+    now = time.time() if now is None else now
+    try:
+        if raw.startswith("+"):
+            return now + float(raw[1:])
+        if raw.replace(".", "", 1).isdigit():
+            return float(raw)
+        when = datetime.fromisoformat(raw)
+    except ValueError:
+        raise StartAtInvalid(f"--start-at {text!r} is not a time; write +2 (seconds from now), epoch seconds, "
+                             "or an ISO time with its zone such as 2026-12-01T14:05:00Z",
+                             details={"start_at": text}) from None
+    if when.tzinfo is None:
+        raise StartAtInvalid(f"--start-at {text!r} has no time zone; add one (Z or +00:00), or write +S seconds",
+                             details={"start_at": text})
+    return when.timestamp()
 
 
 class Release:
