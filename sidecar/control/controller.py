@@ -59,7 +59,7 @@ from sidecar.errors import (
     SidecarError,
     StageSetMismatch,
 )
-from sidecar.scrub import scrub_secrets
+from sidecar.scrub import env_secret_values, scrub_secrets
 from sidecar.upstream.server import Flavor, UpstreamServer
 
 if TYPE_CHECKING:
@@ -396,10 +396,11 @@ class CaptureController:
         async with self._start_lock:
             self._refuse_overlap()
             now = _now()
+            secrets = env_secret_values()  # read once: the environment scan is most of a start's CPU
             cap = Capture(
                 id=_new_id(),
-                label=scrub_secrets(label) if label else None,
-                upstream=scrub_secrets(self.upstream.base_url),  # no URL credentials in the record
+                label=scrub_secrets(label, secrets) if label else None,
+                upstream=scrub_secrets(self.upstream.base_url, secrets),  # no URL credentials in the record
                 stages=list(selected),
                 kind=kind,
                 duration_s=duration_s,
@@ -412,10 +413,9 @@ class CaptureController:
             self._busy.append(cap.id)
             sent = False
 
-            async def send_now() -> None:  # the request is built; from here on it may be delivered
+            async def send_now() -> None:  # from here on the start may be delivered
                 nonlocal sent
-                if release is not None:
-                    await release()
+                await release()  # type: ignore[misc]
                 sent = True
 
             try:
@@ -423,7 +423,11 @@ class CaptureController:
                 self._open_window(cap, rt)
                 self._changed(cap)
                 await self.flush()  # journaled with the baselines before anything can start upstream
-                await self.upstream.start_profile(cap.stages, before_send=send_now)
+                if release is None:
+                    sent = True
+                    await self.upstream.start_profile(cap.stages)
+                else:  # the request waits, all but sent, for the fan-out's release
+                    await self.upstream.start_profile(cap.stages, before_send=send_now)
             except BaseException as exc:
                 if sent:
                     await self._start_failed(cap, rt, exc)
