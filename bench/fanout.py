@@ -9,7 +9,8 @@ the sidecar API (``--kind sidecar``), holding each start/stop ``--latency`` seco
 holds are 0.1 s and 0.5 s: vLLM-Omni answers start_profile after every targeted worker started its
 torch profiler (a collective RPC round trip plus ``torch.profiler.start``: ~0.1 s on an idle
 engine, ~0.5 s with several stages or a busy step); a hold of 0 would measure only the trainer's
-CPU. Stubs bind their own ports (port 0) and report them; one stub process per 128 replicas.
+CPU. Stubs bind their own ports (port 0) and report them; one stub process per 64 replicas (a
+stub writes its traces on the event loop; more per process and the stubs are what is measured).
 1,024 replicas need ~2,100 file descriptors here (the soft limit is raised).
 
 Columns. ``start``: the call until every upstream accepted (plain: prepare + send + hold; with
@@ -56,7 +57,7 @@ def _fds() -> tuple[int, int]:
 
 def _lead(n: int) -> float:
     """How far ahead start_at is set: the preparation of n targets on this machine, with margin."""
-    return 1.0 + 0.006 * n
+    return 1.0 + 0.01 * n
 
 
 async def _round(targets: list[Target], stubs: StubFleet, size: int, synced: bool) -> dict[str, float]:
@@ -125,7 +126,7 @@ def _table(kind: str, n: int, latency: float, repeat: int, rows: dict[tuple[int,
 def _bench(kind: str, n: int, latencies: list[float], repeat: int, serial_n: int) -> None:
     with tempfile.TemporaryDirectory(prefix="omni-fanout-") as tmp:
         root = Path(tmp)
-        with StubFleet(n, mode=kind, root=root, latency=latencies[0], processes=-(-n // 128)) as stubs:
+        with StubFleet(n, mode=kind, root=root, latency=latencies[0], processes=-(-n // 64)) as stubs:
             if kind == "upstream":
                 targets = [Target.upstream(u, d) for u, d in zip(stubs.urls, write_deploys(root, n))]
             else:
