@@ -87,9 +87,11 @@ async def _round(targets: list[Target], stubs: StubFleet, size: int, synced: boo
 
 
 async def _serial(urls: list[str]) -> float:
+    from sidecar.fleet._drivers import FleetTransports
     from sidecar.upstream.server import UpstreamServer
 
-    servers = [UpstreamServer(u) for u in urls]
+    pools = FleetTransports()  # as the fleet's: a default client would build a TLS context each (RSS)
+    servers = [UpstreamServer(u, transport=pools.for_target()) for u in urls]
     await asyncio.gather(*(s.warm() for s in servers))  # connected, as the fleet's are
     t0 = time.perf_counter()
     for s in servers:  # one after another: what a per-replica loop does

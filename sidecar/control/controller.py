@@ -162,8 +162,12 @@ class _ThreadBatch:
                         fut.set_exception(results.exception() or asyncio.CancelledError())
                 return
             for (_, fut), (ok, value) in zip(batch, results.result()):
-                if not fut.done():
-                    fut.set_result(value) if ok else fut.set_exception(value)
+                if fut.done():  # its caller was cancelled meanwhile
+                    continue
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
 
         loop.run_in_executor(None, work).add_done_callback(done)
 
