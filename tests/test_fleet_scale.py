@@ -84,6 +84,7 @@ async def test_hung_and_dead_targets_do_not_hold_the_others_stop_and_roll_up_as_
     assert roll["outcomes"] == {"stop_failed": FAULTS, "stop_timeout": FAULTS, "stopped": N - 2 * FAULTS}
     assert roll["verdicts"] == {"stage 0: ok": N - 2 * FAULTS}
     assert roll["failures_total"] == 2 * FAULTS and len(roll["failures"]) == 5
+    assert all(f["outcome"] in ("stop_timeout", "stop_failed") and f["reason"] for f in roll["failures"])
     assert len(roll["slowest_stop"]) == 3
 
 
