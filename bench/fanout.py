@@ -1,15 +1,25 @@
 """Fan-out at scale: ``Fleet.start``/``stop`` over N stub replicas against one replica, side by side
-in one run, with the start skew across replicas (from the stubs' own receive timestamps), the
-trainer-side cost (peak RSS, open fds/sockets, CPU seconds) and a one-after-another loop for
-reference. Ratios are printed, never asserted.
+in one run, plain and with ``start_at``, with the start skew across replicas (from the stubs' own
+receive timestamps), the trainer-side cost (peak RSS, open fds/sockets, CPU seconds) and a
+one-after-another loop for reference. Ratios are printed, never asserted.
 
 Method. Each replica is a stub (``tests/fixtures/stubs.py``): vLLM-Omni's profiler endpoints
 (``--kind upstream``: the fleet drives them in-process with ``CaptureController``, the RL path) or
-the sidecar API (``--kind sidecar``), holding each start/stop ``--latency`` seconds like a worker
-round trip. Stubs bind their own ports (port 0) and report them; one stub process per 256
-replicas. 1,024 replicas need ~1,100 file descriptors in this process (``ulimit -n``).
+the sidecar API (``--kind sidecar``), holding each start/stop ``--latency`` seconds. The default
+holds are 0.1 s and 0.5 s: vLLM-Omni answers start_profile after every targeted worker started its
+torch profiler (a collective RPC round trip plus ``torch.profiler.start``: ~0.1 s on an idle
+engine, ~0.5 s with several stages or a busy step); a hold of 0 would measure only the trainer's
+CPU. Stubs bind their own ports (port 0) and report them; one stub process per 64 replicas (a
+stub writes its traces on the event loop; more per process and the stubs are what is measured).
+1,024 replicas need ~2,100 file descriptors here (the soft limit is raised).
 
-    python bench/fanout.py --replicas 128 [--kind upstream|sidecar|both] [--latency 0.5] [--repeat 3]
+Columns. ``start``: the call until every upstream accepted (plain: prepare + send + hold; with
+start_at: from start_at). ``prep``: the call until the starts were released (the preparation
+phase). ``skew``: first to p50 / last replica receiving its start; with start_at also the
+earliest receive relative to start_at (never below 0 by construction). The machine is shared: the
+load average is printed with each table.
+
+    python bench/fanout.py --replicas 128 [--kind upstream|sidecar|both] [--latency 0.1,0.5] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -30,7 +40,7 @@ from sidecar.control.controller import ControlSettings  # noqa: E402
 from sidecar.fleet import Fleet, Target  # noqa: E402
 from tests.fixtures.stubs import StubFleet, write_deploys  # noqa: E402
 
-SETTINGS = ControlSettings(settle_s=0.2, collect_timeout_s=60, close_timeout_s=10, summarize=False)
+SETTINGS = ControlSettings(collect_timeout_s=60, close_timeout_s=10, summarize=False)
 
 
 def _fds() -> tuple[int, int]:
@@ -45,13 +55,20 @@ def _fds() -> tuple[int, int]:
     return fds, socks
 
 
-async def _round(targets: list[Target], stubs: StubFleet, size: int) -> dict[str, float]:
+def _lead(n: int) -> float:
+    """How far ahead start_at is set: the preparation of n targets on this machine, with margin."""
+    return 1.0 + 0.01 * n
+
+
+async def _round(targets: list[Target], stubs: StubFleet, size: int, synced: bool) -> dict[str, float]:
     stubs.reset()
     cpu0 = sum(os.times()[:2])
     async with Fleet(targets[:size], control_settings=SETTINGS, stop_budget_s=120, client_timeout_s=120) as fleet:
+        called = time.time()
+        start_at = called + _lead(size) if synced else None
         t0 = time.perf_counter()
-        fc = await fleet.start(label="bench")
-        t_start = time.perf_counter() - t0
+        fc = await fleet.start(label="bench", start_at=start_at)
+        t_start = time.perf_counter() - t0 - (start_at - called if start_at else 0.0)
         fds, socks = _fds()
         t0 = time.perf_counter()
         fc = await fleet.stop(fc, wait_artifacts=False)
@@ -63,14 +80,19 @@ async def _round(targets: list[Target], stubs: StubFleet, size: int) -> dict[str
     path = "/start_profile" if targets[0].kind.value == "upstream" else "/v1/captures"
     got = sorted(ts[0] for i, ts in stubs.received(path).items() if i < size and ts)
     skews = [(t - got[0]) / 1e6 for t in got]
-    return {"start": t_start, "stop": t_stop, "skew_p50": statistics.median(skews), "skew_max": skews[-1],
+    return {"start": t_start, "prep": (fc.released_at or called) - called, "stop": t_stop,
+            "skew_p50": statistics.median(skews), "skew_max": skews[-1],
+            "early": (got[0] / 1e9 - start_at) * 1e3 if start_at else float("nan"),
             "fds": fds, "socks": socks, "cpu": cpu, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 async def _serial(urls: list[str]) -> float:
+    from sidecar.fleet._drivers import FleetTransports
     from sidecar.upstream.server import UpstreamServer
 
-    servers = [UpstreamServer(u) for u in urls]
+    pools = FleetTransports()  # as the fleet's: a default client would build a TLS context each (RSS)
+    servers = [UpstreamServer(u, transport=pools.for_target()) for u in urls]
+    await asyncio.gather(*(s.warm() for s in servers))  # connected, as the fleet's are
     t0 = time.perf_counter()
     for s in servers:  # one after another: what a per-replica loop does
         await s.start_profile([0])
@@ -80,52 +102,65 @@ async def _serial(urls: list[str]) -> float:
     return elapsed
 
 
-def _bench(kind: str, n: int, latency: float, repeat: int, serial_n: int) -> None:
+def _table(kind: str, n: int, latency: float, repeat: int, rows: dict[tuple[int, bool], dict[str, float]],
+           serial: float | None, serial_n: int) -> None:
+    one = rows[(1, False)]
+    print(f"\n{kind} targets: {n} stub replicas vs 1, start/stop hold {latency:g}s (median of {repeat}; "
+          f"{os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f})")
+    print(f"{'replicas':>8} {'start_at':>8} {'start s':>8} {'vs 1':>6} {'prep s':>7} {'stop s':>7} {'vs 1':>6} "
+          f"{'skew p50 ms':>11} {'skew max ms':>11} {'1st-at ms':>9} {'RSS MiB':>8} {'fds':>5} {'socks':>5} "
+          f"{'CPU s':>6}")
+    for (size, synced), r in rows.items():
+        early = f"{r['early']:>9.1f}" if synced else f"{'-':>9}"
+        print(f"{size:>8} {'yes' if synced else 'no':>8} {r['start']:>8.3f} {r['start'] / one['start']:>5.2f}x "
+              f"{r['prep']:>7.3f} {r['stop']:>7.3f} {r['stop'] / one['stop']:>5.2f}x {r['skew_p50']:>11.1f} "
+              f"{r['skew_max']:>11.1f} {early} {r['rss']:>8.0f} {r['fds']:>5.0f} {r['socks']:>5.0f} {r['cpu']:>6.2f}")
+    if serial is not None:
+        print(f"serial loop (start one after another) on {serial_n} replicas: {serial:.3f}s "
+              f"= {serial / rows[(n, False)]['start']:.1f}x the fleet's concurrent start on {n}"
+              + (f" (x{n / serial_n:.0f} for all {n})" if serial_n < n else ""))
+    plain = rows[(n, False)]
+    ratio = plain["start"] / one["start"]
+    print(f"goal: start on {n} <= 2x one -> {'met' if ratio <= 2 else 'NOT met'} ({ratio:.2f}x); "
+          f"skew p50 <= 20 ms -> plain {plain['skew_p50']:.1f} ms, start_at {rows[(n, True)]['skew_p50']:.1f} ms")
+
+
+def _bench(kind: str, n: int, latencies: list[float], repeat: int, serial_n: int) -> None:
     with tempfile.TemporaryDirectory(prefix="omni-fanout-") as tmp:
         root = Path(tmp)
-        with StubFleet(n, mode=kind, root=root, latency=latency) as stubs:
+        with StubFleet(n, mode=kind, root=root, latency=latencies[0], processes=-(-n // 64)) as stubs:
             if kind == "upstream":
                 targets = [Target.upstream(u, d) for u, d in zip(stubs.urls, write_deploys(root, n))]
             else:
                 targets = [Target.sidecar(u) for u in stubs.urls]
-            rows = {}
-            for size in (1, n):
-                runs = [asyncio.run(_round(targets, stubs, size)) for _ in range(repeat)]
-                rows[size] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-                rows[size]["rss"] = max(r["rss"] for r in runs)
-            serial = asyncio.run(_serial(stubs.urls[:serial_n])) if kind == "upstream" else None
-    one = rows[1]
-    print(f"\n{kind} targets: {n} stub replicas vs 1 (start/stop hold {latency:g}s; median of {repeat}; "
-          f"{os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f})")
-    print(f"{'replicas':>8} {'start s':>8} {'vs 1':>6} {'stop s':>8} {'vs 1':>6} {'skew p50 ms':>11} "
-          f"{'skew max ms':>11} {'peak RSS MiB':>12} {'fds':>6} {'sockets':>7} {'CPU s':>6}")
-    for size, r in rows.items():
-        print(f"{size:>8} {r['start']:>8.3f} {r['start'] / one['start']:>5.2f}x {r['stop']:>8.3f} "
-              f"{r['stop'] / one['stop']:>5.2f}x {r['skew_p50']:>11.1f} {r['skew_max']:>11.1f} {r['rss']:>12.0f} "
-              f"{r['fds']:>6.0f} {r['socks']:>7.0f} {r['cpu']:>6.2f}")
-    if serial is not None:
-        print(f"serial loop (start one after another) on {serial_n} replicas: {serial:.3f}s "
-              f"= {serial / rows[n]['start']:.1f}x the fleet's concurrent start on {n}"
-              + (f" (x{n / serial_n:.0f} for all {n})" if serial_n < n else ""))
-    ratio = rows[n]["start"] / one["start"]
-    print(f"target: start on {n} <= 2x one -> {'met' if ratio <= 2 else 'NOT met'} ({ratio:.2f}x); "
-          f"skew p50 <= 20 ms -> {'met' if rows[n]['skew_p50'] <= 20 else 'NOT met'} ({rows[n]['skew_p50']:.1f} ms)")
+            for latency in latencies:
+                stubs.reset(latency=latency)
+                rows: dict[tuple[int, bool], dict[str, float]] = {}
+                for size in (1, n):
+                    for synced in (False, True):
+                        runs = [asyncio.run(_round(targets, stubs, size, synced)) for _ in range(repeat)]
+                        rows[(size, synced)] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                        rows[(size, synced)]["rss"] = max(r["rss"] for r in runs)
+                serial = asyncio.run(_serial(stubs.urls[:serial_n])) if kind == "upstream" else None
+                _table(kind, n, latency, repeat, rows, serial, serial_n)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=128)
-    ap.add_argument("--kind", choices=("upstream", "sidecar", "both"), default="both")
-    ap.add_argument("--latency", type=float, default=0.5, help="seconds each stub holds a start/stop call")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--kind", choices=("upstream", "sidecar", "both"), default="upstream")
+    ap.add_argument("--latency", default="0.1,0.5", help="seconds each stub holds a start/stop call (comma list)")
+    ap.add_argument("--repeat", type=int, default=None, help="rounds per row (default 3; 1 above 256 replicas)")
     ap.add_argument("--serial", type=int, default=64, help="replicas in the serial reference loop")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = 2 * args.replicas + 256
     if soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+    repeat = args.repeat or (3 if args.replicas <= 256 else 1)
+    latencies = [float(x) for x in args.latency.split(",") if x.strip()]
     for kind in (("upstream", "sidecar") if args.kind == "both" else (args.kind,)):
-        _bench(kind, args.replicas, args.latency, args.repeat, min(args.serial, args.replicas))
+        _bench(kind, args.replicas, latencies, repeat, min(args.serial, args.replicas))
 
 
 if __name__ == "__main__":

@@ -637,6 +637,22 @@ class FleetDurationInvalid(FleetInvalid):
     code = "duration_invalid"
 
 
+class StartAtInvalid(FleetInvalid):
+    """``start_at`` (the wall-clock time every target's start is released at) is not a time, is
+    in the past, or is further ahead than the fleet allows; nothing was sent."""
+
+    code = "start_at_invalid"
+    http_status = 422
+
+
+class StartWithheld(FleetError):
+    """This target's start was prepared but never sent: another target failed before the starts
+    were released together, or the fan-out was cancelled. Nothing reached this server."""
+
+    code = "start_withheld"
+    http_status = 409
+
+
 class ConcurrencyInvalid(FleetInvalid):
     code = "concurrency_invalid"
 

@@ -1,107 +1,187 @@
 """Fleet at scale over stub replicas (tests/fixtures/stubs.py): a few hundred targets with 5%
-faults, cancellation mid-start and mid-window, and the one-screen roll-up. No time assertions."""
+faults, cancellation mid-start and mid-window, the one-screen roll-up, and the synchronized start
+(``start_at``). One stub fleet per module, reset between tests. No time assertions: "no start
+before start_at" is a correctness property on one host clock."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
 
-from sidecar.errors import FleetError
-from sidecar.fleet import Fleet, Target, TargetOutcome
-from tests.fixtures.stubs import StubFleet
+from sidecar.errors import FleetError, StartAtInvalid
+from sidecar.fleet import Fleet, Target, TargetOutcome, parse_start_at
+from tests.fixtures.stubs import StubFleet, write_deploys
 
 N = 300
 FAULTS = 15  # 5%
+SMALL = 40
+# time.time_ns() in the stubs and time.time() here read one clock; this covers its granularity.
+CLOCK_SLACK_NS = 2_000_000
 
 
 def _faults(kind: str) -> dict[int, str]:
     return {i: kind for i in range(7, N, N // FAULTS)}
 
 
-def _targets(stubs: StubFleet) -> list[Target]:
-    return [Target.sidecar(u) for u in stubs.urls]
+@pytest.fixture(scope="module")
+def sidecars(tmp_path_factory: pytest.TempPathFactory):
+    with StubFleet(N, mode="sidecar", root=tmp_path_factory.mktemp("sidecars"), processes=2) as stubs:
+        yield stubs
 
 
-def _fleet(stubs: StubFleet, **kw) -> Fleet:
-    return Fleet(_targets(stubs), stop_budget_s=3, client_timeout_s=60, poll_s=0.05, **kw)
+@pytest.fixture
+def stubs(sidecars: StubFleet) -> StubFleet:
+    sidecars.reset(faults={}, latency=0.0)
+    return sidecars
+
+
+@pytest.fixture(scope="module")
+def upstreams(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("upstreams")
+    with StubFleet(SMALL, mode="upstream", root=root) as stubs:
+        stubs.targets = [Target.upstream(u, d) for u, d in zip(stubs.urls, write_deploys(root, SMALL))]
+        yield stubs
+
+
+def _fleet(stubs: StubFleet, n: int = N, **kw) -> Fleet:
+    return Fleet([Target.sidecar(u) for u in stubs.urls[:n]], stop_budget_s=3, client_timeout_s=60, poll_s=0.05, **kw)
 
 
 def _started_never_stopped(stubs: StubFleet) -> list[int]:
     return [i for i, r in stubs.log().items() if r["recording"] and not r["dead"]]
 
 
-async def test_five_percent_refusing_start_rolls_back_every_started_target(tmp_path: Path):
-    with StubFleet(N, mode="sidecar", root=tmp_path, faults=_faults("refuse_start")) as stubs:
-        async with _fleet(stubs) as fleet:
-            with pytest.raises(FleetError) as info:
-                await fleet.start()
-        outcomes = [t["outcome"] for t in info.value.details["targets"]]
-        assert outcomes.count("start_failed") == FAULTS and outcomes.count("rolled_back") == N - FAULTS
-        assert _started_never_stopped(stubs) == []
+async def test_five_percent_refusing_start_rolls_back_every_started_target(stubs: StubFleet):
+    stubs.reset(faults=_faults("refuse_start"))
+    async with _fleet(stubs) as fleet:
+        with pytest.raises(FleetError) as info:
+            await fleet.start()
+    outcomes = [t["outcome"] for t in info.value.details["targets"]]
+    assert outcomes.count("start_failed") == FAULTS and outcomes.count("rolled_back") == N - FAULTS
+    assert _started_never_stopped(stubs) == []
 
 
-async def test_hung_and_dead_targets_do_not_hold_the_others_stop(tmp_path: Path):
+async def test_hung_and_dead_targets_do_not_hold_the_others_stop_and_roll_up_as_counts(stubs: StubFleet):
     faults = {**_faults("hang_stop"), **{i + 1: "die_after_start" for i in _faults("hang_stop")}}
-    with StubFleet(N, mode="sidecar", root=tmp_path, faults=faults) as stubs:
-        async with _fleet(stubs) as fleet:
-            fc = await fleet.start()
-            fc = await fleet.stop(fc)
-        by_outcome: dict[str, set[int]] = {}
-        for i, r in enumerate(fc.targets.values()):
-            by_outcome.setdefault(r.outcome.value, set()).add(i)
-        hung = {i for i, f in faults.items() if f == "hang_stop"}
-        dead = {i for i, f in faults.items() if f == "die_after_start"}
-        assert by_outcome["stop_timeout"] == hung and by_outcome["stop_failed"] == dead
-        assert len(by_outcome["stopped"]) == N - len(faults)
-        assert all(r.ok for r in fc.targets.values() if r.outcome is TargetOutcome.stopped)
-        assert _started_never_stopped(stubs) == sorted(hung)  # still stopping: their own budget ran out
+    stubs.reset(faults=faults)
+    async with _fleet(stubs) as fleet:
+        fc = await fleet.start()
+        fc = await fleet.stop(fc)
+    by_outcome: dict[str, set[int]] = {}
+    for i, r in enumerate(fc.targets.values()):
+        by_outcome.setdefault(r.outcome.value, set()).add(i)
+    hung = {i for i, f in faults.items() if f == "hang_stop"}
+    dead = {i for i, f in faults.items() if f == "die_after_start"}
+    assert by_outcome["stop_timeout"] == hung and by_outcome["stop_failed"] == dead
+    assert len(by_outcome["stopped"]) == N - len(faults)
+    assert all(r.ok for r in fc.targets.values() if r.outcome is TargetOutcome.stopped)
+    assert _started_never_stopped(stubs) == sorted(hung)  # still stopping: their own budget ran out
 
-
-def test_the_rollup_counts_instead_of_listing(tmp_path: Path):
-    with StubFleet(N, mode="sidecar", root=tmp_path, faults=_faults("hang_stop")) as stubs:
-        async def run():
-            async with _fleet(stubs) as fleet:
-                return await fleet.stop(await fleet.start())
-
-        roll = asyncio.run(run()).rollup(slowest=3, failures=5)
-    assert roll["outcomes"] == {"stop_timeout": FAULTS, "stopped": N - FAULTS}
-    assert roll["verdicts"] == {"stage 0: ok": N - FAULTS}
-    assert roll["failures_total"] == FAULTS and len(roll["failures"]) == 5
-    assert all(f["reason"].startswith("stop_timeout") for f in roll["failures"])
+    roll = fc.rollup(slowest=3, failures=5)  # one screen for 300 targets
+    assert roll["outcomes"] == {"stop_failed": FAULTS, "stop_timeout": FAULTS, "stopped": N - 2 * FAULTS}
+    assert roll["verdicts"] == {"stage 0: ok": N - 2 * FAULTS}
+    assert roll["failures_total"] == 2 * FAULTS and len(roll["failures"]) == 5
+    assert all(f["outcome"] in ("stop_timeout", "stop_failed") and f["reason"] for f in roll["failures"])
     assert len(roll["slowest_stop"]) == 3
 
 
 @pytest.mark.parametrize("when", ["mid_start", "mid_window"])
-async def test_a_cancelled_capture_stops_every_started_target(tmp_path: Path, when: str):
-    latency = 1.5 if when == "mid_start" else 0.0
-    with StubFleet(40, mode="sidecar", root=tmp_path, latency=latency) as stubs:
-        async with _fleet(stubs) as fleet:
-            task = asyncio.ensure_future(fleet.capture(3600))
-            path = "/v1/captures"
-            for _ in range(600):  # until every stub received its start (and, mid-window, answered it)
-                await asyncio.sleep(0.05)
-                got = await asyncio.to_thread(stubs.received, path)
-                if all(got.values()) and (when == "mid_start" or all(r["recording"] for r in stubs.log().values())):
-                    break
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-        log = stubs.log()
-        assert all(r["calls"] for r in log.values())
-        assert [i for i, r in log.items() if r["recording"]] == []
+async def test_a_cancelled_capture_stops_every_started_target(stubs: StubFleet, when: str):
+    stubs.reset(latency=1.5 if when == "mid_start" else 0.0)
+    async with _fleet(stubs, SMALL) as fleet:
+        task = asyncio.ensure_future(fleet.capture(3600))
+        for _ in range(600):  # until every stub received its start (and, mid-window, answered it)
+            await asyncio.sleep(0.05)
+            log = {i: r for i, r in (await asyncio.to_thread(stubs.log)).items() if i < SMALL}
+            if all(r["calls"] for r in log.values()) and (when == "mid_start" or all(r["recording"] for r in log.values())):
+                break
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    log = {i: r for i, r in stubs.log().items() if i < SMALL}
+    assert all(r["calls"] for r in log.values())
+    assert [i for i, r in log.items() if r["recording"]] == []
 
 
-def test_the_cli_prints_one_rollup_table_for_a_large_fleet(tmp_path: Path):
+def test_the_cli_prints_one_rollup_table_for_a_large_fleet(stubs: StubFleet, tmp_path: Path):
     from typer.testing import CliRunner
 
     from sidecar.cli import app
 
-    with StubFleet(40, mode="sidecar", root=tmp_path, faults={3: "hang_stop"}) as stubs:
-        targets = ",".join(stubs.urls)
-        out = CliRunner().invoke(app, ["fleet", "capture", "--targets", targets, "--duration", "0.2",
-                                       "--state-dir", str(tmp_path / "st"), "--kind", "torch", "--stop-budget", "2"])
+    stubs.reset(faults={3: "hang_stop"})
+    targets = ",".join(stubs.urls[:SMALL])
+    out = CliRunner().invoke(app, ["fleet", "capture", "--targets", targets, "--duration", "0.2", "--start-at", "+2",
+                                   "--state-dir", str(tmp_path / "st"), "--kind", "torch", "--stop-budget", "2"])
     assert out.exit_code == 1, out.output
-    assert "39 of 40 ok" in out.output and "outcome stop_timeout" in out.output.replace("│", " ").replace("  ", " ")
+    assert f"{SMALL - 1} of {SMALL} ok" in out.output
+    assert "outcome stop_timeout" in out.output.replace("│", " ").replace("  ", " ")
     assert out.output.count("127.0.0.1") < 20  # counts and the worst few, not a row per target
+
+
+# --- the synchronized start ------------------------------------------------------------------
+
+
+def _starts(stubs: StubFleet, path: str, n: int) -> list[int]:
+    return [ts[0] for i, ts in stubs.received(path).items() if i < n and ts]
+
+
+async def test_no_sidecar_target_receives_its_start_before_start_at(stubs: StubFleet):
+    async with _fleet(stubs, SMALL) as fleet:
+        start_at = time.time() + 2
+        fc = await fleet.start(start_at=start_at)
+        await fleet.stop(fc, wait_artifacts=False)
+    got = _starts(stubs, "/v1/captures", SMALL)
+    assert len(got) == SMALL and min(got) >= start_at * 1e9 - CLOCK_SLACK_NS
+    assert fc.start_at == start_at and fc.released_at >= start_at
+
+
+async def test_no_upstream_target_receives_its_start_before_start_at(upstreams: StubFleet):
+    upstreams.reset()
+    async with Fleet(upstreams.targets, stop_budget_s=30) as fleet:
+        start_at = time.time() + 3  # upstream targets are prepared in this process first
+        fc = await fleet.start(start_at=start_at)
+        fc = await fleet.stop(fc, wait_artifacts=False)
+    got = _starts(upstreams, "/start_profile", SMALL)
+    assert len(got) == SMALL and min(got) >= start_at * 1e9 - CLOCK_SLACK_NS
+    assert all(r.outcome is TargetOutcome.stopped for r in fc.targets.values())
+
+
+async def test_a_start_cancelled_before_start_at_sends_nothing_and_frees_every_target(upstreams: StubFleet):
+    upstreams.reset()
+    async with Fleet(upstreams.targets, stop_budget_s=30) as fleet:
+        task = asyncio.ensure_future(fleet.start(start_at=time.time() + 60))
+        await asyncio.sleep(0.5)  # wherever the cancellation lands before start_at, nothing is sent
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        live = await fleet.live()  # every controller's slot is free again
+    assert _starts(upstreams, "/start_profile", SMALL) == [] and _starts(upstreams, "/stop_profile", SMALL) == []
+    assert {r.outcome for r in live.targets.values()} == {TargetOutcome.not_started}
+
+
+@pytest.mark.parametrize(("start_at", "why"), [
+    (lambda: time.time() - 1, "in the past"),
+    (lambda: time.time() + 3600, "ahead"),
+    (lambda: float("nan"), "wall-clock time"),
+    (lambda: "soon", "wall-clock time"),
+])
+async def test_a_bad_start_at_is_refused_before_anything_is_sent(stubs: StubFleet, start_at, why: str):
+    async with _fleet(stubs, SMALL) as fleet:
+        with pytest.raises(StartAtInvalid) as info:
+            await fleet.start(start_at=start_at())
+    assert (info.value.code, info.value.http_status) == ("start_at_invalid", 422) and why in info.value.message
+    assert _starts(stubs, "/v1/captures", SMALL) == []
+
+
+@pytest.mark.parametrize(("text", "ok"), [("+2.5", True), ("2026-12-01T14:05:00Z", True), ("1796132648", True),
+                                          ("2026-12-01T14:05:00", False), ("tomorrow", False)])
+def test_start_at_text_is_seconds_from_now_epoch_or_iso_with_a_zone(text: str, ok: bool):
+    if ok:
+        assert parse_start_at(text, now=1000.0) == {"+2.5": 1002.5, "1796132648": 1796132648.0}.get(
+            text, 1796133900.0)
+    else:
+        with pytest.raises(StartAtInvalid):
+            parse_start_at(text)

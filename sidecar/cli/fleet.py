@@ -54,6 +54,9 @@ HostLocalOpt = Annotated[bool, typer.Option(
     "--dirs-host-local", help="the same dir path on different hosts is a different (host-local) folder")]
 BudgetOpt = Annotated[float, typer.Option("--stop-budget", help="seconds each target's stop may take (s)")]
 KindOpt = Annotated[str, typer.Option("--kind", help="torch (trace files) or nsys (profiler: cuda stages)")]
+StartAtOpt = Annotated[Optional[str], typer.Option(
+    "--start-at", help="send every start at this wall-clock time: +S (seconds from now), epoch seconds, "
+    "or ISO with zone (2026-12-01T14:05:00Z); every target is prepared first")]
 # Up to this many targets the table has a row per target; beyond it, one roll-up table.
 ROWS_MAX = 16
 
@@ -78,6 +81,13 @@ def _fleet(targets: str, stages: str | None, deploy_config: Path | None, flavor:
     return Fleet(targets, stages=parse_stage_list(stages), deploy_config=deploy_config, flavor=flavor,  # type: ignore[arg-type]
                  token=token, state_dir=state_dir or _default_state_dir(),
                  allow_shared_dirs=allow_shared_dirs, dirs_host_local=dirs_host_local, stop_budget_s=stop_budget_s)
+
+
+def _start_at(text: str | None) -> float | None:
+    from sidecar.fleet import check_start_at, parse_start_at
+
+    # Read once, when the command starts: "+2" means two seconds from now, not from the fan-out.
+    return None if text is None else check_start_at(parse_start_at(text))
 
 
 def _print(fc: Any, as_json: bool) -> None:
@@ -141,9 +151,11 @@ def start(
     allow_shared_dirs: SharedOpt = False,
     dirs_host_local: HostLocalOpt = False,
     kind: KindOpt = "torch",
+    start_at: StartAtOpt = None,
 ) -> None:
     """Start on every target at once; all or nothing (a failure stops the ones that started)."""
     with cli_errors():
+        at = _start_at(start_at)
         fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir, allow_shared_dirs,
                        dirs_host_local)
         upstream = [t.name for t in fleet.targets if t.kind.value == "upstream"]
@@ -156,7 +168,7 @@ def start(
         async def run() -> Any:
             await fleet.open()
             try:
-                return await fleet.start(label=label, duration_s=duration, kind=kind)  # type: ignore[arg-type]
+                return await fleet.start(label=label, duration_s=duration, kind=kind, start_at=at)  # type: ignore[arg-type]
             finally:
                 await fleet.close(keep_live=True)  # `fleet stop` stops them (journal in --state-dir)
 
@@ -209,10 +221,12 @@ def capture(
     dirs_host_local: HostLocalOpt = False,
     kind: KindOpt = "torch",
     stop_budget: BudgetOpt = 1800.0,
+    start_at: StartAtOpt = None,
 ) -> None:
     """Start everywhere, keep the window open --duration seconds (Ctrl-C stops early), stop
     everywhere, check the traces and print where they are."""
     with cli_errors():
+        at = _start_at(start_at)
         if not duration > 0:
             raise FleetDurationInvalid(f"--duration must be > 0 seconds, got {duration}")
         fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir, allow_shared_dirs,
@@ -220,7 +234,8 @@ def capture(
 
         async def run() -> Any:
             async with fleet:
-                return await fleet.capture(duration, label=label, artifact_timeout_s=timeout, kind=kind)  # type: ignore[arg-type]
+                return await fleet.capture(duration, label=label, artifact_timeout_s=timeout, kind=kind,  # type: ignore[arg-type]
+                                           start_at=at)
 
         fc = asyncio.run(run())
         _print(fc, as_json)

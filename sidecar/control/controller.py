@@ -17,7 +17,7 @@ import math
 import secrets
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,9 +56,10 @@ from sidecar.errors import (
     DurationInvalid,
     LeaseInvalid,
     SidecarClosing,
+    SidecarError,
     StageSetMismatch,
 )
-from sidecar.scrub import scrub_secrets
+from sidecar.scrub import env_secret_values, scrub_secrets
 from sidecar.upstream.server import Flavor, UpstreamServer
 
 if TYPE_CHECKING:
@@ -115,6 +116,74 @@ def _is_server_error(exc: UpstreamError) -> bool:
 
 def _now() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def _copy(cap: Capture) -> Capture:
+    """A copy that never changes under its holder, without a deep copy's cost (measured: a third
+    of a fan-out's CPU per target): scalars, datetimes and enums are immutable, error records are
+    never changed once appended, so only the lists and the verdicts are copied."""
+    return cap.model_copy(update={"stages": list(cap.stages), "errors": list(cap.errors),
+                                  "verdicts": [v.model_copy(deep=True) for v in cap.verdicts]})
+
+
+class _ThreadBatch:
+    """Blocking calls made in one event-loop tick run in one thread hop: a fan-out starting a
+    thousand controllers at once takes one worker thread for their baselines, not a thousand
+    hops queued on the default pool."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Callable[[], Any], asyncio.Future[Any]]] | None = None
+
+    async def run(self, fn: Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        if self._pending is None:
+            self._pending = []
+            loop.call_soon(self._flush, loop)
+        self._pending.append((fn, fut))
+        return await fut
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        batch, self._pending = self._pending or [], None
+
+        def work() -> list[tuple[bool, Any]]:
+            out: list[tuple[bool, Any]] = []
+            for fn, _ in batch:
+                try:
+                    out.append((True, fn()))
+                except BaseException as exc:  # handed to its caller, like to_thread does
+                    out.append((False, exc))
+            return out
+
+        def done(results: asyncio.Future[list[tuple[bool, Any]]]) -> None:
+            if results.cancelled() or results.exception() is not None:
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(results.exception() or asyncio.CancelledError())
+                return
+            for (_, fut), (ok, value) in zip(batch, results.result()):
+                if fut.done():  # its caller was cancelled meanwhile
+                    continue
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+
+        loop.run_in_executor(None, work).add_done_callback(done)
+
+
+_SNAPSHOTS: dict[asyncio.AbstractEventLoop, _ThreadBatch] = {}
+
+
+async def _snapshot(watches: list[StageWatch]) -> None:
+    """The baselines before a start, in a thread shared by every controller starting this tick."""
+    loop = asyncio.get_running_loop()
+    batch = _SNAPSHOTS.get(loop)
+    if batch is None:
+        for old in [lp for lp in _SNAPSHOTS if lp.is_closed()]:
+            del _SNAPSHOTS[old]
+        batch = _SNAPSHOTS[loop] = _ThreadBatch()
+    await batch.run(lambda: [artifacts.snapshot(w) for w in watches])
 
 
 def _new_id() -> str:
@@ -214,7 +283,7 @@ class CaptureController:
             cap.stop_reason = StopReason.stopped_on_recovery
             cap.stop_requested_at = _now()
             self._changed(cap)
-            recovered.append(cap.model_copy(deep=True))
+            recovered.append(_copy(cap))
         if recovered:
             ids = [c.id for c in recovered]
             log.warning("recovering captures left live by a previous run: %s", ", ".join(ids))
@@ -277,17 +346,17 @@ class CaptureController:
                 f"no capture {capture_id!r}; list captures with GET /v1/captures",
                 details={"capture_id": capture_id},
             )
-        return cap.model_copy(deep=True)
+        return _copy(cap)
 
     def list(self) -> list[Capture]:
         """Every capture this sidecar knows (journal history included), newest first."""
         caps = sorted(self._captures.values(), key=lambda c: (c.created_at, c.id), reverse=True)
-        return [c.model_copy(deep=True) for c in caps]
+        return [_copy(c) for c in caps]
 
     @property
     def active(self) -> Capture | None:
         """The live capture (any non-terminal state), or None."""
-        return self._captures[self._busy[-1]].model_copy(deep=True) if self._busy else None
+        return _copy(self._captures[self._busy[-1]]) if self._busy else None
 
     def subscribe(self, callback: OnChange) -> Callable[[], None]:
         """Call ``callback(capture)`` after every state change (e.g. to update metrics).
@@ -306,11 +375,16 @@ class CaptureController:
         lease_s: float | None = None,
         kind: str | CaptureKind = CaptureKind.torch,
         shared_stages: Mapping[int, str] | None = None,
+        release: Callable[[], Awaitable[None]] | None = None,
     ) -> Capture:
         """Start a capture of ``stages`` (default: every stage of that ``kind``, sent explicitly).
         ``kind="nsys"`` targets ``profiler: cuda`` stages (verdict ``unverified`` with the nsys
         wrapper to run under). ``shared_stages`` maps a stage id to who else writes into its
-        folder: those stages end ``ambiguous``, never ``ok``.
+        folder: those stages end ``ambiguous``, never ``ok``. ``release``, when given, is awaited
+        once the capture is prepared (baselines taken, journaled) and just before the start is
+        sent: a fan-out prepares every target, then releases all their starts together. If it
+        raises (or the caller is cancelled while waiting at it), nothing was sent: the capture
+        ends ``failed`` without a stop upstream and the exception is raised.
         Returns once the upstream accepted (state ``active``, or ``stopping`` when a stop was asked
         for while it was starting). On an upstream failure or an
         ambiguous start the same set is stopped (rollback), the capture ends ``failed`` and the
@@ -326,10 +400,11 @@ class CaptureController:
         async with self._start_lock:
             self._refuse_overlap()
             now = _now()
+            secrets = env_secret_values()  # read once: the environment scan is most of a start's CPU
             cap = Capture(
                 id=_new_id(),
-                label=scrub_secrets(label) if label else None,
-                upstream=scrub_secrets(self.upstream.base_url),  # no URL credentials in the record
+                label=scrub_secrets(label, secrets) if label else None,
+                upstream=scrub_secrets(self.upstream.base_url, secrets),  # no URL credentials in the record
                 stages=list(selected),
                 kind=kind,
                 duration_s=duration_s,
@@ -340,27 +415,38 @@ class CaptureController:
             rt.watches = self._watches(cap.stages, shared_stages)
             self._captures[cap.id] = cap
             self._busy.append(cap.id)
+            sent = False
+
+            async def send_now() -> None:  # from here on the start may be delivered
+                nonlocal sent
+                await release()  # type: ignore[misc]
+                sent = True
+
             try:
-                await asyncio.to_thread(lambda: [artifacts.snapshot(w) for w in rt.watches])
+                await _snapshot(rt.watches)
                 self._open_window(cap, rt)
                 self._changed(cap)
                 await self.flush()  # journaled with the baselines before anything can start upstream
-                await self.upstream.start_profile(cap.stages)
-            except UpstreamError as exc:
-                await self._rollback(cap, exc.code, exc.message, delivered=not isinstance(exc, UpstreamUnreachable))
-                exc.details.setdefault("capture_id", cap.id)
-                raise
-            except asyncio.CancelledError:
-                # The caller went away mid-start: the server may be recording; undo it in the background.
-                self._error(cap, "start_cancelled", "start was cancelled before the upstream answered")
-                cap.stop_reason = StopReason.rollback
-                cap.state = CaptureState.stopping
-                self._changed(cap)
-                rt.stopper = asyncio.create_task(self._run_stop(cap.id, collect=False))
-                raise
-            except Exception as exc:  # a bug must not leave a profiler running or the slot taken
-                log.exception("capture %s: start failed unexpectedly", cap.id)
-                await self._rollback(cap, "internal_error", f"{type(exc).__name__}: {exc}", delivered=True)
+                if release is None:
+                    sent = True
+                    await self.upstream.start_profile(cap.stages)
+                else:  # the request waits, all but sent, for the fan-out's release
+                    await self.upstream.start_profile(cap.stages, before_send=send_now)
+            except BaseException as exc:
+                if sent:
+                    await self._start_failed(cap, rt, exc)
+                    raise
+                # Nothing reached the server: no stop to send, and the slot is free again at once.
+                if isinstance(exc, asyncio.CancelledError):
+                    code, message = "start_cancelled", "start was cancelled before it was sent upstream"
+                elif isinstance(exc, SidecarError):
+                    code, message = exc.code, exc.message
+                else:
+                    log.exception("capture %s: start failed unexpectedly before it was sent", cap.id)
+                    code, message = "internal_error", f"{type(exc).__name__}: {exc}"
+                await self._rollback(cap, code, message, delivered=False)
+                if isinstance(exc, SidecarError):
+                    exc.details.setdefault("capture_id", cap.id)
                 raise
             cap.state = CaptureState.active
             cap.started_at = cap.last_heartbeat_at = _now()
@@ -371,7 +457,23 @@ class CaptureController:
                 await self.stop(cap.id, reason=rt.pending_stop)
             elif cap.duration_s is not None or cap.lease_s is not None:
                 rt.watchdog = asyncio.create_task(self._watchdog(cap.id), name=f"watchdog-{cap.id}")
-            return cap.model_copy(deep=True)
+            return _copy(cap)
+
+    async def _start_failed(self, cap: Capture, rt: _Runtime, exc: BaseException) -> None:
+        """The start was sent and did not succeed: roll back what the server may have started."""
+        if isinstance(exc, UpstreamError):
+            await self._rollback(cap, exc.code, exc.message, delivered=not isinstance(exc, UpstreamUnreachable))
+            exc.details.setdefault("capture_id", cap.id)
+        elif isinstance(exc, asyncio.CancelledError):
+            # The caller went away mid-start: the server may be recording; undo it in the background.
+            self._error(cap, "start_cancelled", "start was cancelled before the upstream answered")
+            cap.stop_reason = StopReason.rollback
+            cap.state = CaptureState.stopping
+            self._changed(cap)
+            rt.stopper = asyncio.create_task(self._run_stop(cap.id, collect=False))
+        elif isinstance(exc, Exception):  # a bug must not leave a profiler running or the slot taken
+            log.exception("capture %s: start failed unexpectedly", cap.id)
+            await self._rollback(cap, "internal_error", f"{type(exc).__name__}: {exc}", delivered=True)
 
     def _refuse_overlap(self) -> None:
         if not self._busy:
@@ -494,7 +596,7 @@ class CaptureController:
         cap.last_heartbeat_at = _now()
         self._rt[capture_id].heartbeat_mono = time.monotonic()
         # Not journaled on purpose: a heartbeat is frequent and only matters while we run.
-        return cap.model_copy(deep=True)
+        return _copy(cap)
 
     async def _watchdog(self, capture_id: str) -> None:
         cap = self._captures[capture_id]
@@ -527,9 +629,9 @@ class CaptureController:
         assert cap is not None
         if cap.state is CaptureState.starting:
             self._rt[capture_id].pending_stop = reason
-            return cap.model_copy(deep=True)
+            return _copy(cap)
         if cap.state is not CaptureState.active:
-            return cap.model_copy(deep=True)
+            return _copy(cap)
         rt = self._rt[capture_id]
         cap.state = CaptureState.stopping
         cap.stop_reason = StopReason(reason)
@@ -539,7 +641,7 @@ class CaptureController:
         rt.watchdog = None
         self._changed(cap)
         rt.stopper = asyncio.create_task(self._run_stop(capture_id), name=f"stop-{capture_id}")
-        return cap.model_copy(deep=True)
+        return _copy(cap)
 
     async def _gone(self) -> str:
         """Returns (with the probe's reason) once the server has been unreachable for
@@ -791,7 +893,7 @@ class CaptureController:
         return counts
 
     def _changed(self, cap: Capture) -> None:
-        snap = cap.model_copy(deep=True)
+        snap = _copy(cap)
         if self.journal is not None:
             rt = self._rt.get(cap.id)
             extra = {"watches": [w.to_json() for w in rt.watches]} if rt and not cap.terminal else None

@@ -1,14 +1,17 @@
 """Fan-out of one capture over many targets: sidecar URLs, or upstream servers driven in-process by
 the same ``CaptureController``. One concept per module: ``_targets`` (what a replica is, parsing
 target lists), ``_results`` (per-target outcomes and the roll-up), ``_drivers`` (one per target
-kind), ``_fleet`` (the concurrent, all-or-nothing fan-out).
+kind), ``_release`` (the two-phase start and ``start_at``), ``_fleet`` (the concurrent, all-or-nothing
+fan-out).
 """
 
 from sidecar.fleet._fleet import Fleet
+from sidecar.fleet._release import START_AT_MAX_S, check_start_at, parse_start_at
 from sidecar.fleet._results import FanOutResult, FleetCapture, TargetError, TargetOutcome, TargetResult
 from sidecar.fleet._targets import Target, TargetKind, parse_targets
 
 __all__ = [
+    "START_AT_MAX_S",
     "FanOutResult",
     "Fleet",
     "FleetCapture",
@@ -17,5 +20,7 @@ __all__ = [
     "TargetKind",
     "TargetOutcome",
     "TargetResult",
+    "check_start_at",
+    "parse_start_at",
     "parse_targets",
 ]

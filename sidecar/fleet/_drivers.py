@@ -8,6 +8,7 @@ import asyncio
 import inspect
 import ssl
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal, Protocol
 
 import httpx
@@ -33,6 +34,8 @@ TERMINAL = tuple(s for s in CaptureState if s.terminal)
 
 
 Kind = Literal["torch", "nsys"]
+# Awaited once a target's start is prepared, just before it is sent (sidecar/fleet/_release.py).
+ReleaseHook = Callable[[], Awaitable[None]]
 
 
 class Driver(Protocol):
@@ -40,7 +43,7 @@ class Driver(Protocol):
 
     async def open(self) -> DeployConfig | None: ...
     async def start(self, stages: list[int] | None, label: str | None, duration_s: float | None,
-                    lease_s: float | None, kind: Kind = "torch") -> Capture: ...
+                    lease_s: float | None, kind: Kind = "torch", release: ReleaseHook | None = None) -> Capture: ...
     async def stop(self, capture_id: str, reason: StopReason) -> Capture: ...
     async def get(self, capture_id: str) -> Capture: ...
     async def wait(self, capture_id: str, timeout: float | None) -> Capture: ...
@@ -98,7 +101,12 @@ class SidecarDriver:
     async def open(self) -> DeployConfig | None:
         return deploy_from_stages_reply(await self.client.stages())
 
-    async def start(self, stages, label, duration_s, lease_s, kind: Kind = "torch") -> Capture:  # type: ignore[no-untyped-def]
+    async def start(self, stages, label, duration_s, lease_s, kind: Kind = "torch",  # type: ignore[no-untyped-def]
+                    release: ReleaseHook | None = None) -> Capture:
+        # The sidecar prepares its capture itself once asked, so the fleet's release (and its
+        # start_at) gates the request: the skew adds the sidecar's own preparation (~ms).
+        if release is not None:
+            await release()
         if kind == "torch":  # sent only when asked: a sidecar without nsys captures refuses the field
             return await self.client.start_capture(stages=stages, label=label, duration_s=duration_s, lease_s=lease_s)
         if "kind" in inspect.signature(self.client.start_capture).parameters:
@@ -163,16 +171,21 @@ class UpstreamDriver:
 
     async def open(self) -> DeployConfig | None:
         await self.controller.open()
+        # A connection made now is one the start does not pay for (TCP connect, pool setup):
+        # best effort, an unreachable server is reported by the start itself.
+        await self.upstream.warm()
         return self.deploy
 
-    async def start(self, stages, label, duration_s, lease_s, kind: Kind = "torch") -> Capture:  # type: ignore[no-untyped-def]
+    async def start(self, stages, label, duration_s, lease_s, kind: Kind = "torch",  # type: ignore[no-untyped-def]
+                    release: ReleaseHook | None = None) -> Capture:
+        extra: dict[str, Any] = {} if release is None else {"release": release}
         if kind == "torch":
-            return await self.controller.start(stages, label=label, duration_s=duration_s, lease_s=lease_s)
+            return await self.controller.start(stages, label=label, duration_s=duration_s, lease_s=lease_s, **extra)
         if "kind" not in inspect.signature(self.controller.start).parameters:
             raise KindUnsupported(f"{self.target.name}: this build's capture controller has no {kind} captures; "
                                "upgrade omni-sidecar, or capture with kind='torch'")
         return await self.controller.start(stages, label=label, duration_s=duration_s, lease_s=lease_s,  # type: ignore[call-arg]
-                                           kind=kind)
+                                           kind=kind, **extra)
 
     async def stop(self, capture_id: str, reason: StopReason) -> Capture:
         # controller.stop returns at once; wait (by subscription, no polling) for the upstream reply.

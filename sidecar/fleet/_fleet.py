@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -16,8 +17,9 @@ from sidecar.config.models import DeployConfig
 from sidecar.config.rules import select_stages
 from sidecar.config.sharing import RENDER_FIX, shared_dir_groups, shared_profiler_dirs
 from sidecar.control.models import Capture, CaptureState, StopReason
-from sidecar.errors import StagesNotShared, ConcurrencyInvalid, FlavorsMixed, FleetClosed, FleetStagesInvalid, KindInvalid, FleetError, FleetInvalid, ProfilerDirShared, SidecarError, StageSelectionError
+from sidecar.errors import StagesNotShared, ConcurrencyInvalid, FlavorsMixed, FleetClosed, FleetStagesInvalid, KindInvalid, FleetError, FleetInvalid, ProfilerDirShared, SidecarError, StageSelectionError, StartWithheld
 from sidecar.fleet._drivers import Driver, Kind, FleetTransports, SidecarDriver, UpstreamDriver
+from sidecar.fleet._release import START_AT_MAX_S, Release, check_start_at
 from sidecar.fleet._results import FleetCapture, TargetError, TargetOutcome, TargetResult, error_of, mark_ambiguous
 from sidecar.fleet._targets import Flavor, Target, TargetKind, parse_targets, server_key
 
@@ -36,8 +38,11 @@ class Fleet:
     timeout towards sidecars (their start returns once the upstream accepted).
 
     Scale: one TLS context for all targets and a small connection pool per target (see
-    ``FleetTransports``); no thread or process per target; at most ``max_concurrency`` targets are started at once (default: all,
-    so the start skew is one round trip). Stops are bounded by one deadline per fan-out.
+    ``FleetTransports``), warmed by ``open()``; no thread or process per target; at most
+    ``max_concurrency`` targets are started at once (default: all). A start is two-phase: every
+    target prepares (baselines, journal), then all starts are sent together, at ``start_at``
+    when given (``sidecar/fleet/_release.py``), so the skew is the send alone. Stops are bounded
+    by one deadline per fan-out.
 
     Shared dirs: before anything starts, the targets' effective profiler dirs are compared
     (``sidecar.config.sharing``); two targets writing into one dir are refused with
@@ -62,6 +67,7 @@ class Fleet:
         allow_shared_dirs: bool = False,
         dirs_host_local: bool = False,
         max_concurrency: int | None = None,
+        start_at_max_s: float = START_AT_MAX_S,
     ) -> None:
         self.targets = parse_targets(targets, deploy_config=deploy_config, flavor=flavor, token=token)
         if stages is not None and (
@@ -80,6 +86,7 @@ class Fleet:
         self.allow_shared_dirs = allow_shared_dirs
         self.dirs_host_local = dirs_host_local
         self.max_concurrency = max_concurrency or len(self.targets)
+        self.start_at_max_s = start_at_max_s
         vllm = [t.name for t in self.targets if t.kind is TargetKind.upstream and t.flavor == "vllm"]
         if vllm and self.stages is not None:
             raise FlavorsMixed(
@@ -235,31 +242,60 @@ class Fleet:
 
     async def start(
         self, *, label: str | None = None, duration_s: float | None = None, lease_s: float | None = None,
-        kind: Kind = "torch",
+        kind: Kind = "torch", start_at: float | datetime | None = None,
     ) -> FleetCapture:
         """Start on every target at once. Returns when every upstream accepted. If any target
         fails, the started ones are stopped (concurrently) and ``FleetError`` lists every outcome.
         Cancelled midway, the starts in flight are let finish and every started target is stopped
-        before the cancellation goes on (the cleanup is shielded)."""
+        before the cancellation goes on (the cleanup is shielded).
+
+        Two-phase: each target's capture is prepared first (stage selection, baselines, journal),
+        then every start is sent together; a target failing its preparation withholds the others'
+        (outcome ``not_started``, nothing sent). ``start_at`` (epoch seconds or an aware datetime,
+        like dynolog's ``--profile-start-time``) releases the sends at that wall-clock time;
+        refused with ``StartAtInvalid`` when in the past or more than ``start_at_max_s`` ahead.
+        Sidecar targets are released by the fleet at ``start_at`` (the request is sent then)."""
         if kind not in ("torch", "nsys"):
             raise KindInvalid(f"kind must be 'torch' or 'nsys', got {kind!r}")
+        at = check_start_at(start_at, max_ahead_s=self.start_at_max_s)
         # open() checked the stage list against torch and cuda stages; now the kind is known.
         self._check_stages(self._seen_deploys, allow_cuda=kind == "nsys")
         names = [t.name for t in self.targets]
         drivers = [self._driver(n) for n in names]
         loop = asyncio.get_running_loop()
         t0 = loop.time()  # one clock read for the fan-out; each target's own end is read as it lands
+        # A fleet that starts at most max_concurrency at once cannot hold every target prepared.
+        release = Release(len(drivers), start_at=at, barrier=self.max_concurrency >= len(drivers))
 
         async def one(d: Driver) -> tuple[Capture, float]:
-            cap = await d.start(self.stages, label, duration_s, lease_s, kind)
+            arrived = False
+
+            async def gate() -> None:
+                nonlocal arrived
+                arrived = True
+                release.arrive()
+                await release.wait()
+
+            try:
+                cap = await d.start(self.stages, label, duration_s, lease_s, kind, gate)
+            except BaseException as exc:
+                if not arrived:  # failed in its preparation: nobody sends (all or nothing)
+                    release.arrive()
+                    release.abort(f"{d.target.name} failed before the starts were sent "
+                                  f"({error_of(exc).code})")
+                raise
             return cap, loop.time() - t0
 
         fan_out = asyncio.ensure_future(self._each(drivers, one))
         try:
             results = await asyncio.shield(fan_out)
         except asyncio.CancelledError:
+            release.abort("the fleet start was cancelled")
             await _uncancellable(self._undo_start(fan_out, label))
             raise
+        if at is not None and release.released_at is not None and release.released_at - at > 0.05:
+            log.warning("start_at %.3f: the targets were prepared %.3fs after it; released then", at,
+                        release.released_at - at)
         out: dict[str, TargetResult] = {}
         for t, res in zip(self.targets, results):
             base = TargetResult(target=t.name, kind=t.kind, outcome=TargetOutcome.started)
@@ -267,12 +303,12 @@ class Fleet:
                 if not isinstance(res, Exception):
                     raise res  # KeyboardInterrupt is not a target failure
                 cid = res.details.get("capture_id") if isinstance(res, SidecarError) else None
-                out[t.name] = base.model_copy(update={"outcome": TargetOutcome.start_failed,
-                                                      "error": error_of(res), "capture_id": cid})
+                outcome = TargetOutcome.not_started if isinstance(res, StartWithheld) else TargetOutcome.start_failed
+                out[t.name] = base.model_copy(update={"outcome": outcome, "error": error_of(res), "capture_id": cid})
             else:
                 cap, took = res
                 out[t.name] = base.with_capture(cap, start_s=took)
-        fc = FleetCapture(label=label, stages=self.stages, targets=out)
+        fc = FleetCapture(label=label, stages=self.stages, targets=out, start_at=at, released_at=release.released_at)
         if all(r.outcome is TargetOutcome.started for r in out.values()):
             return fc
         started = [n for n, r in out.items() if r.outcome is TargetOutcome.started]
@@ -282,7 +318,7 @@ class Fleet:
             out[name] = r.model_copy(update={
                 "outcome": TargetOutcome.rolled_back if r.outcome is TargetOutcome.stopped
                 else TargetOutcome.rollback_failed})
-        fc = FleetCapture(label=label, stages=self.stages, targets=out)
+        fc = FleetCapture(label=label, stages=self.stages, targets=out, start_at=at, released_at=release.released_at)
         err = fc.to_error("start")
         log.warning("%s; stopped the %d that had started", err.message, len(started))
         raise err
@@ -403,11 +439,12 @@ class Fleet:
 
     async def capture(
         self, duration_s: float, *, label: str | None = None, wait_artifacts: bool = True,
-        artifact_timeout_s: float | None = None, kind: Kind = "torch",
+        artifact_timeout_s: float | None = None, kind: Kind = "torch", start_at: float | datetime | None = None,
     ) -> FleetCapture:
-        """Start, keep the window open ``duration_s`` seconds, stop. Cancelled at any point, every
-        started target is stopped before the cancellation goes on (the artifact wait is skipped)."""
-        fc = await self.start(label=label, kind=kind)
+        """Start (at ``start_at`` when given, see :meth:`start`), keep the window open
+        ``duration_s`` seconds, stop. Cancelled at any point, every started target is stopped
+        before the cancellation goes on (the artifact wait is skipped)."""
+        fc = await self.start(label=label, kind=kind, start_at=start_at)
         try:
             await asyncio.sleep(duration_s)
         except asyncio.CancelledError:

@@ -183,3 +183,5 @@ class FleetCapture(BaseModel, FanOutResult):
     label: str | None = None
     stages: list[int] | None = None  # as asked; each target's own list is in its result
     targets: dict[str, TargetResult]
+    start_at: float | None = None  # the wall-clock time the starts were asked for (epoch s)
+    released_at: float | None = None  # when the prepared starts were sent (epoch s)

@@ -7,7 +7,10 @@ HTTP 200 only means "delivered" (DESIGN.md §3). Errors: ``UpstreamUnreachable``
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
@@ -178,17 +181,65 @@ class UpstreamServer:
             "404 when not); is --upstream a vLLM-Omni server?",
         )
 
+    async def warm(self) -> bool:
+        """Open a connection before it is needed (one ``GET /health``, best effort), so a later
+        start pays no TCP connect. False when the server did not answer."""
+        timeout = httpx.Timeout(self.timeouts.probe, connect=min(self.timeouts.connect, self.timeouts.probe))
+        try:
+            await self._client.get("/health", timeout=timeout)
+        except httpx.HTTPError:
+            return False
+        return True
+
     # --- profiling ------------------------------------------------------------------------
 
-    async def start_profile(self, stages: list[int]) -> None:
-        """Start the profiler on exactly ``stages``. Retried only when never delivered."""
+    async def start_profile(self, stages: list[int], *,
+                            before_send: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Start the profiler on exactly ``stages``. Retried only when never delivered.
+
+        ``before_send`` is awaited just before the request is complete (a fan-out releasing its
+        starts together); if it raises, the request is never completed and the server never
+        handles it. With a body, everything but its last byte is sent first (the server cannot
+        dispatch a request whose body is incomplete), so what is left after the release is one
+        byte per target: the skew across a fleet is a write, not httpx's per-request CPU."""
         body = self._body(stages)
         timeout = httpx.Timeout(self.timeouts.start, connect=self.timeouts.connect)
+        released = before_send is None
+
+        async def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                await before_send()  # type: ignore[misc]
+
+        if body is not None and before_send is not None:
+            payload = json.dumps(body).encode()
+
+            async def held() -> AsyncIterator[bytes]:
+                yield payload[:-1]
+                await release()
+                yield payload[-1:]
+
+            request = self._client.build_request(
+                "POST", "/start_profile", content=held(), timeout=timeout,
+                headers={"content-type": "application/json", "content-length": str(len(payload))})
+        else:
+            request = self._request("/start_profile", body, timeout)
+            await release()
+        try:
+            await self._send(request)  # the first attempt without the retry machinery: less CPU per start
+            return
+        except UpstreamUnreachable:
+            if self.start_attempts <= 1:
+                await release()
+                raise
+        await release()  # never connected: the fan-out is released before the retries wait
+        await asyncio.sleep(min(0.2, self.retry_wait_max_s))  # as tenacity's first wait would
         try:
             async for attempt in AsyncRetrying(
                 retry=retry_if_exception(lambda e: isinstance(e, UpstreamUnreachable)),
-                stop=stop_after_attempt(self.start_attempts),
-                wait=wait_exponential(multiplier=0.2, max=self.retry_wait_max_s),
+                stop=stop_after_attempt(self.start_attempts - 1),
+                wait=wait_exponential(multiplier=0.4, max=self.retry_wait_max_s),
                 reraise=True,
             ):
                 with attempt:
@@ -252,13 +303,19 @@ class UpstreamServer:
             return None
         return {"stages": [int(s) for s in stages]}
 
+    def _request(self, path: str, body: dict[str, Any] | None, timeout: httpx.Timeout) -> httpx.Request:
+        if body is None:
+            return self._client.build_request("POST", path, timeout=timeout)
+        return self._client.build_request("POST", path, json=body, timeout=timeout)
+
     async def _post(self, path: str, body: dict[str, Any] | None, timeout: httpx.Timeout) -> None:
-        url = f"{self.base_url}{path}"
+        await self._send(self._request(path, body, timeout))
+
+    async def _send(self, request: httpx.Request) -> None:
+        url = str(request.url)
+        read = request.extensions["timeout"].get("read")
         try:
-            if body is None:
-                resp = await self._client.post(path, timeout=timeout)
-            else:
-                resp = await self._client.post(path, json=body, timeout=timeout)
+            resp = await self._client.send(request)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise UpstreamUnreachable(
                 f"could not connect to {url} ({exc.__class__.__name__}); the request was not delivered. "
@@ -267,9 +324,9 @@ class UpstreamServer:
             ) from None
         except httpx.TimeoutException as exc:
             raise UpstreamTimeout(
-                f"{url} did not answer within {timeout.read:g}s ({exc.__class__.__name__}); the request "
+                f"{url} did not answer within {read:g}s ({exc.__class__.__name__}); the request "
                 "was sent and its effect is unknown",
-                details={"url": url, "timeout_s": timeout.read},
+                details={"url": url, "timeout_s": read},
             ) from None
         except httpx.HTTPError as exc:
             # A dropped connection mid-request: delivered or not, nobody knows.
