@@ -171,3 +171,18 @@ def test_written_file_has_no_secret(tmp_path):
 def test_values_of_secret_env_vars_are_scrubbed(monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "plainvalue123456")
     assert scrub_secrets("server said plainvalue123456") == "server said ***"
+
+
+def test_many_journals_share_a_few_writer_threads_and_the_newest_state_wins(tmp_path):
+    import threading
+
+    journals = [CaptureJournal(tmp_path / f"replica{i}") for i in range(64)]  # a fleet's controllers
+    states = [CaptureState.starting, CaptureState.active, CaptureState.stopping, CaptureState.completed]
+    for j in journals:
+        for state in states:
+            j.write(_cap(state=state))
+    for j in journals:
+        j.drain()
+    writers = [t for t in threading.enumerate() if t.name.startswith("journal")]
+    assert 1 <= len(writers) <= 4
+    assert {j.load()[0].capture.state for j in journals} == {CaptureState.completed}

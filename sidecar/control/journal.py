@@ -92,9 +92,15 @@ def _check_entry(path: Path, data: Any) -> JournalEntry:
     return JournalEntry(cap, extra)
 
 
+# fsyncs wait on the disk, not the CPU: a few threads keep many journals' writes moving
+_WRITERS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="journal")
+
+
 class CaptureJournal:
-    """The journal of one sidecar. Writes are handed to one writer thread (in order; ``flush``
-    waits for them), so fsyncs never block the event loop. A file that cannot be used is
+    """The journal of one sidecar. Writes are handed to the process's journal writer threads
+    (``_WRITERS``, shared by every journal, so a fleet of a thousand in-process controllers holds
+    a few threads, not a thousand; per file the newest write wins; ``flush`` waits for them), so
+    fsyncs never block the event loop. A file that cannot be used is
     quarantined (renamed ``*.bad``) and counted, and the rest loads. ``keep`` / ``keep_days``
     bound the history of finished captures."""
 
@@ -106,9 +112,11 @@ class CaptureJournal:
         self.quarantined: list[str] = []  # file names set aside at load
         self.write_errors = 0
         self.last_write_error: str | None = None
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="journal")
-        self._last: Future[None] | None = None
+        self._pending: list[Future[None]] = []  # writes handed over and not yet known done
         self._lock = threading.Lock()
+        self._io = threading.Lock()  # this journal's files are written one at a time
+        self._seq = 0
+        self._written: dict[Path, int] = {}  # per file, the newest write on disk
 
     def path(self, capture_id: str) -> Path:
         if not _CAPTURE_ID.match(capture_id):
@@ -151,12 +159,18 @@ class CaptureJournal:
         path = self.path(capture.id)
         text = json.dumps(data, indent=1, sort_keys=True)
         with self._lock:
-            self._last = fut = self._writer.submit(self._write_file, path, text)
+            self._seq += 1
+            fut = _WRITERS.submit(self._write_file, path, text, self._seq)
+            self._pending = [f for f in self._pending if not f.done()] + [fut]
         return fut
 
-    def _write_file(self, path: Path, text: str) -> None:
+    def _write_file(self, path: Path, text: str, seq: int) -> None:
         try:
-            atomic_write_text(path, text)
+            with self._io:
+                if self._written.get(path, 0) > seq:
+                    return  # a newer state of this capture is on disk already
+                atomic_write_text(path, text)
+                self._written[path] = seq
         except OSError as exc:
             # The capture goes on; losing history is better than leaving a profiler running.
             self.write_errors += 1
@@ -165,13 +179,15 @@ class CaptureJournal:
 
     async def flush(self) -> None:
         """Until every write handed over so far is on disk (or failed and counted)."""
-        fut = self._last
-        if fut is not None:
+        with self._lock:
+            pending = list(self._pending)
+        for fut in pending:
             await asyncio.wrap_future(fut)
 
     def drain(self) -> None:
-        fut = self._last
-        if fut is not None:
+        with self._lock:
+            pending = list(self._pending)
+        for fut in pending:
             fut.result()
 
     # --- reads ---------------------------------------------------------------------------
@@ -215,15 +231,19 @@ class CaptureJournal:
         ids = [c.id for c in drop]
         if ids:
             with self._lock:
-                self._last = self._writer.submit(self._delete_files, ids)
+                self._seq += 1
+                fut = _WRITERS.submit(self._delete_files, ids, self._seq)
+                self._pending = [f for f in self._pending if not f.done()] + [fut]
         return ids
 
-    def _delete_files(self, ids: list[str]) -> None:
-        for cid in ids:
-            summaries = self.state_dir / "summaries"
-            for p in (self.path(cid), *summaries.glob(f"{cid}.*json")):
-                with _suppress_oserror():
-                    p.unlink()
+    def _delete_files(self, ids: list[str], seq: int) -> None:
+        with self._io:
+            for cid in ids:
+                self._written[self.path(cid)] = seq  # an older write still queued does not bring it back
+                summaries = self.state_dir / "summaries"
+                for p in (self.path(cid), *summaries.glob(f"{cid}.*json")):
+                    with _suppress_oserror():
+                        p.unlink()
 
     # Summaries are cached beside the journal, not in it: they can be large and are recomputable.
     def summary_path(self, capture_id: str) -> Path:
