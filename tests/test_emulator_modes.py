@@ -56,8 +56,8 @@ def deploy(tmp_path: Path) -> Path:
 # --- thread workers ------------------------------------------------------------------------------
 
 
-def test_thread_workers_write_the_omni_layout(deploy: Path, emulator_factory: Any) -> None:
-    emu = emulator_factory(deploy, extra_args=THREAD)
+def test_thread_workers_write_the_omni_layout(deploy: Path, shared_emulator_factory: Any) -> None:
+    emu = shared_emulator_factory(deploy, extra_args=THREAD)
     new = capture(emu, [0, 1], 4)
     names = [p.name for sid in ("0", "1") for p in new[sid]]
     assert re.fullmatch(r"\d{8}-\d{6}_stage0_rank0_\d+", names[0])
@@ -67,10 +67,12 @@ def test_thread_workers_write_the_omni_layout(deploy: Path, emulator_factory: An
     ] * 2
 
 
-def test_thread_worker_traces_have_ops_per_step_and_none_when_idle(deploy: Path, emulator_factory: Any) -> None:
-    emu = emulator_factory(deploy, extra_args=THREAD)
+def test_thread_worker_traces_have_ops_per_step_and_none_when_idle(
+    deploy: Path, tmp_path: Path, shared_emulator_factory: Any
+) -> None:
+    emu = shared_emulator_factory(deploy, extra_args=THREAD)
     busy = read_trace(capture(emu, [0], 4)["0"][0])
-    time.sleep(1.1)  # a fresh second: a fresh folder name
+    emu.reset(profiler_dirs={0: tmp_path / "idle"})  # a dir of its own: no folder-name clash
     idle = read_trace(capture(emu, [0], 0)["0"][0])
 
     def count(doc: dict[str, Any], **match: str) -> int:

@@ -249,7 +249,9 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
             _die_soon(spec.stage_id)
 
 
-_PRELOAD = ["sidecar.emulator._torch_backend"]
+# What every worker needs, imported once in the forkserver (torch, torch._inductor: see
+# _torch_backend) so a forked worker only builds its model.
+_PRELOAD = ["sidecar.emulator._torch_backend", "sidecar.emulator._profiler", "sidecar.emulator.worker"]
 
 
 def worker_context(start_method: str) -> BaseContext:
