@@ -27,7 +27,7 @@ def emu(omni_emulator: EmulatorProcess) -> EmulatorProcess:
 
 
 def post(emu: EmulatorProcess, path: str, body: Any = None, timeout: float = TIMEOUT) -> httpx.Response:
-    return httpx.post(f"{emu.url}{path}", json=body, timeout=timeout)
+    return emu.http.post(path, json=body, timeout=timeout)
 
 
 def sessions(emu: EmulatorProcess) -> dict[str, list[str]]:
@@ -74,10 +74,10 @@ def test_dead_stage_failure_is_logged_as_the_stage_pool_does(emu: EmulatorProces
 
 
 def test_health_is_503_unhealthy_with_a_dead_stage_and_ready_stays_200(emu: EmulatorProcess) -> None:
-    before = httpx.get(f"{emu.url}/health", timeout=TIMEOUT)
+    before = emu.http.get("/health", timeout=TIMEOUT)
     emu.set_faults(dead_stage=2)
-    health = httpx.get(f"{emu.url}/health", timeout=TIMEOUT)
-    ready = httpx.get(f"{emu.url}/emulator/ready", timeout=TIMEOUT)
+    health = emu.http.get("/health", timeout=TIMEOUT)
+    ready = emu.http.get("/emulator/ready", timeout=TIMEOUT)
     assert [(r.status_code, r.json().get("status")) for r in (before, health)] == [(200, "healthy"), (503, "unhealthy")]
     assert ready.status_code == 200
 
@@ -87,7 +87,7 @@ def test_dead_stage_from_the_command_line(tmp_path: Path, emulator_factory: Any)
     e = emulator_factory(deploy, extra_args=["--fault-dead-stage", "1", "--workers", "thread"])
     alive = {sid: s["alive"] for sid, s in emulator_state(e)["stages"].items()}
     r = post(e, "/start_profile", {"stages": [1]})
-    assert (alive, httpx.get(f"{e.url}/health", timeout=TIMEOUT).status_code, r.status_code) == (
+    assert (alive, e.http.get("/health", timeout=TIMEOUT).status_code, r.status_code) == (
         {"0": True, "1": False},
         503,
         200,
@@ -137,7 +137,10 @@ def test_stop_500_reaches_no_worker(emu: EmulatorProcess) -> None:
 
 def _stop_in_background(emu: EmulatorProcess) -> tuple[threading.Thread, list[httpx.Response]]:
     replies: list[httpx.Response] = []
-    t = threading.Thread(target=lambda: replies.append(post(emu, "/stop_profile", {"stages": [0]}, timeout=120)))
+    # its own client: this thread's request is in flight while the test polls on emu.http
+    t = threading.Thread(
+        target=lambda: replies.append(httpx.post(f"{emu.url}/stop_profile", json={"stages": [0]}, timeout=120))
+    )
     t.start()
     return t, replies
 
@@ -175,7 +178,7 @@ def test_hang_stop_replies_only_after_a_reset(emu: EmulatorProcess) -> None:
 def test_faults_route_changes_only_the_knobs_given(emu: EmulatorProcess) -> None:
     emu.set_faults(start_500=True)
     now = emu.set_faults(stop_delay_s=1.5)
-    got = httpx.get(f"{emu.url}/emulator/faults", timeout=TIMEOUT).json()
+    got = emu.http.get("/emulator/faults", timeout=TIMEOUT).json()
     assert (now, got["start_500"], got["stop_delay_s"]) == (got, True, 1.5)
 
 

@@ -30,7 +30,7 @@ def emu(tmp_path: Path, shared_emulator_factory: Any) -> EmulatorProcess:
 
 
 def post(emu: EmulatorProcess, path: str, body: Any = None) -> httpx.Response:
-    return httpx.post(f"{emu.url}{path}", json=body, timeout=60)
+    return emu.http.post(path, json=body, timeout=60)
 
 
 def chat(emu: EmulatorProcess, max_tokens: int) -> None:

@@ -37,21 +37,28 @@ def deploy(tmp_path: Path) -> Path:
     return make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: None})
 
 
+@pytest.fixture
+def one_stage(tmp_path: Path) -> Path:
+    # one worker is enough to see who outlives whom (each costs a torch import with spawn), and
+    # without a profiler the forkserver preloads no more than torch
+    return make_deploy(tmp_path, {0: None}, name="one_stage.yaml")
+
+
 def test_healthy_after_start_with_url_and_port(deploy: Path, emulator_factory: Any) -> None:
     emu = emulator_factory(deploy, extra_args=["--workers", "thread"])
     assert (emu.url, httpx.get(f"{emu.url}/health", timeout=60).status_code) == (f"http://127.0.0.1:{emu.port}", 200)
 
 
-def test_stop_reaps_server_and_workers(deploy: Path) -> None:
-    emu = EmulatorProcess(deploy).start()
+def test_stop_reaps_server_and_workers(one_stage: Path) -> None:
+    emu = EmulatorProcess(one_stage).start()
     pids = [emu.pid] + [c.pid for c in psutil.Process(emu.pid).children(recursive=True)]
     emu.stop()
-    assert len(pids) >= 3 and _gone(pids)
+    assert len(pids) >= 3 and _gone(pids)  # the server, the forkserver, the worker
 
 
 @pytest.mark.parametrize("start", ["forkserver", "spawn"])
-def test_workers_die_with_a_sigkilled_server(deploy: Path, start: str) -> None:
-    emu = EmulatorProcess(deploy, extra_args=["--worker-start", start]).start()
+def test_workers_die_with_a_sigkilled_server(one_stage: Path, start: str) -> None:
+    emu = EmulatorProcess(one_stage, extra_args=["--worker-start", start]).start()
     try:
         workers = [int(p) for p in emu.state()["stages"]["0"]["pids"]]
         others = [c.pid for c in psutil.Process(emu.pid).children(recursive=True)]  # the forkserver too

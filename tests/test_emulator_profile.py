@@ -36,11 +36,11 @@ def emu(omni_emulator: EmulatorProcess) -> EmulatorProcess:
 def post(emu: EmulatorProcess, path: str, body: Any = None, **kw: Any) -> httpx.Response:
     if body is not None:
         kw["json"] = body
-    return httpx.post(f"{emu.url}{path}", timeout=TIMEOUT, **kw)
+    return emu.http.post(path, timeout=TIMEOUT, **kw)
 
 
 def get(emu: EmulatorProcess, path: str) -> httpx.Response:
-    return httpx.get(f"{emu.url}{path}", timeout=TIMEOUT)
+    return emu.http.get(path, timeout=TIMEOUT)
 
 
 def chat(emu: EmulatorProcess, max_tokens: int = 3) -> httpx.Response:
@@ -247,18 +247,17 @@ def test_idle_window_writes_a_valid_trace_with_zero_ops(emu: EmulatorProcess) ->
     assert len(new) == 2 and [sum(e.get("cat") == "cpu_op" for e in ev) for ev in events] == [0, 0]
 
 
+# The header of torch's ``key_averages().table()`` with CPU activity only (torch 2.13), as the
+# real worker writes it to profiler_out_<rank>.txt; checked here without importing torch.
+KEY_AVERAGES_HEADER = ["Name", "Self CPU %", "Self CPU", "CPU total %", "CPU total", "CPU time avg", "# of Calls"]
+
+
 def test_profiler_out_is_a_key_averages_table(emu: EmulatorProcess) -> None:
-    torch = pytest.importorskip("torch")
     _, _, new = one_capture(emu, [0])
     ours = (new["0"][0] / "profiler_out_0.txt").read_text().splitlines()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        torch.ones(2) + 1
-    ref = prof.key_averages().table(sort_by="self_cuda_time_total").splitlines()
-
-    def header(lines: list[str]) -> list[str]:
-        return re.split(r"\s{2,}", lines[1].strip())
-
-    assert header(ours) == header(ref)
+    rows = [re.split(r"\s{2,}", ln.strip()) for ln in ours[3:] if ln.strip() and not ln.startswith("-")]
+    assert re.split(r"\s{2,}", ours[1].strip()) == KEY_AVERAGES_HEADER
+    assert "aten::linear" in {r[0] for r in rows}
     assert re.fullmatch(r"Self CPU time total: [\d.]+(us|ms|s)", ours[-2 if ours[-1] == "" else -1])
 
 

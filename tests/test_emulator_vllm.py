@@ -43,7 +43,7 @@ def emu(trace_dir: Path, shared_emulator_factory: Any) -> EmulatorProcess:
 
 
 def post(emu: EmulatorProcess, path: str, **kw: Any) -> httpx.Response:
-    return httpx.post(f"{emu.url}{path}", timeout=TIMEOUT, **kw)
+    return emu.http.post(path, timeout=TIMEOUT, **kw)
 
 
 def chat(emu: EmulatorProcess, max_tokens: int) -> None:
@@ -115,7 +115,7 @@ def test_body_is_ignored(emu: EmulatorProcess) -> None:
 
 
 def test_one_implicit_stage_and_empty_health(emu: EmulatorProcess) -> None:
-    health = httpx.get(f"{emu.url}/health", timeout=TIMEOUT)
+    health = emu.http.get("/health", timeout=TIMEOUT)
     assert (list(emulator_state(emu)["stages"]), health.status_code, health.content) == (["0"], 200, b"")
 
 

@@ -12,11 +12,6 @@ from typing import Any
 import torch
 import torch.profiler  # noqa: F401  (preloaded in the forkserver with the rest)
 
-# torch.profiler.profile.start() looks for torch._inductor (``hasattr`` imports it, and dynamo
-# with it): ~2.5 s of CPU in every worker at its first capture. Imported here, the forkserver
-# pays it once for all workers, before any capture; a real vLLM worker has it loaded anyway.
-import torch._inductor.config  # noqa: F401
-
 from sidecar.config.profiler import ProfilerConfig
 from sidecar.emulator._workload import build_workload
 
