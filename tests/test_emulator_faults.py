@@ -153,7 +153,7 @@ def _pending_stop_with_workers_done(emu: EmulatorProcess) -> bool:
 
 def test_stop_delay_holds_the_reply_after_workers_are_done(emu: EmulatorProcess) -> None:
     post(emu, "/start_profile", {"stages": [0]})
-    emu.set_faults(stop_delay_s=2)
+    emu.set_faults(stop_delay_s=3)  # long enough to be seen under load
     t, replies = _stop_in_background(emu)
     seen = wait_for(lambda: _pending_stop_with_workers_done(emu))
     t.join(120)
