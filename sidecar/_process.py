@@ -131,22 +131,25 @@ class ManagedProcess:
             raise
         return self
 
-    def _healthy_or_exited(self) -> bool:
+    def _healthy_or_exited(self, http: httpx.Client) -> bool:
         if self.returncode is not None:
             return True
         try:
-            return httpx.get(f"{self.url}{self.health_path}", timeout=1.0).status_code == 200
+            return http.get(f"{self.url}{self.health_path}").status_code == 200
         except httpx.HTTPError:
             return False
 
     def _wait_healthy(self) -> None:
+        # One client for the whole wait: ``httpx.get`` builds a client (an SSL context, proxy
+        # lookup) per call, ~45 ms of CPU each, which polling every 50 ms takes from the child.
         wait = Retrying(
             stop=stop_after_delay(self.startup_timeout),
-            wait=wait_fixed(0.1),
+            wait=wait_fixed(0.05),
             retry=retry_if_result(lambda done: not done),
         )
         try:
-            wait(self._healthy_or_exited)
+            with httpx.Client(timeout=2.0, trust_env=False) as http:
+                wait(self._healthy_or_exited, http)
         except RetryError:
             raise self.start_error(
                 f"{self.name} did not answer {self.health_path} within {self.startup_timeout:g}s "

@@ -1,5 +1,7 @@
-"""``omni-sidecar demo`` — the README's main-job command — run as users run it: a subprocess,
-exit 0, and a completed capture with ``ok`` traces for stages 0 and 2 in its journal."""
+"""``omni-sidecar demo`` — the README's main-job command — run as users run it: a subprocess. One
+full run serves the checks on its exit code, journal and files; a second run is interrupted
+(Ctrl-C) as soon as its capture is active, and must leave nothing running and nothing on disk.
+"""
 
 from __future__ import annotations
 
@@ -23,31 +25,34 @@ def demo_command() -> list[str]:
     return [exe, "demo"] if exe else [sys.executable, "-m", "sidecar", "demo"]
 
 
-def test_demo_exits_0_with_ok_traces_for_stages_0_and_2(tmp_path: Path) -> None:
-    out = tmp_path / "demo"
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    out = tmp_path_factory.mktemp("demo") / "out"
     proc = subprocess.run([*demo_command(), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    return proc, out
+
+
+def test_demo_exits_0_with_ok_traces_for_stages_0_and_2(demo_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    proc, out = demo_run
     journal = [json.loads(p.read_text()) for p in (out / "state" / "captures").glob("*.json")]
     verdicts = {v["stage_id"]: v["verdict"] for cap in journal for v in cap["verdicts"]}
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert ([c["state"] for c in journal], verdicts) == (["completed"], {0: "ok", 2: "ok"})
 
 
-def test_demo_cleans_up_without_keep(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [*demo_command()], capture_output=True, text=True, timeout=300, env={**_env(), "TMPDIR": str(tmp_path)}
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert [p.name for p in tmp_path.glob("omni-sidecar-demo-*")] == []
+def test_demo_keeps_traces_of_the_captured_stages_in_out(demo_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    proc, out = demo_run
+    traces = {p.parent.parent.name for p in (out / "traces").glob("stage*/*/trace_rank0.json*")}
+    assert (traces, (out / "deploy.yaml").is_file(), f"kept {out.resolve()}" in proc.stdout) == (
+        {"stage0", "stage2"}, True, True)  # fmt: skip
 
 
-def _env() -> dict[str, str]:
-    return dict(os.environ)
-
-
-def test_ctrl_c_mid_capture_shuts_everything_down(tmp_path: Path) -> None:
+def test_ctrl_c_mid_capture_shuts_everything_down_and_cleans_up(tmp_path: Path) -> None:
+    # Without --out the demo works in a temporary folder it deletes on the way out, Ctrl-C included.
     proc = subprocess.Popen(
-        [*demo_command(), "--out", str(tmp_path / "demo")],
+        demo_command(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a shell's & would ignore it
     )  # fmt: skip
     try:
@@ -56,6 +61,7 @@ def test_ctrl_c_mid_capture_shuts_everything_down(tmp_path: Path) -> None:
             line = proc.stdout.readline() if proc.stdout else ""
             assert line, f"demo ended early:\n{seen}"
             seen += line
+        started = [p.name for p in tmp_path.glob("omni-sidecar-demo-*")]
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         seen += proc.communicate(timeout=120)[0]
     finally:
@@ -69,4 +75,5 @@ def test_ctrl_c_mid_capture_shuts_everything_down(tmp_path: Path) -> None:
             still_up.append(url)
         except httpx.TransportError:
             pass
-    assert (proc.returncode, len(urls), still_up) == (130, 2, [])
+    left = [p.name for p in tmp_path.glob("omni-sidecar-demo-*")]
+    assert (proc.returncode, len(urls), still_up, len(started), left) == (130, 2, [], 1, []), seen

@@ -1,5 +1,6 @@
 """delay_iterations / max_iterations as vLLM's WorkerProfiler honours them (counted in engine
 steps), and ``profiler: cuda`` writing nothing. Stage 0: LLM, torch, delay 2, max 3; stage 1: cuda.
+A pooled emulator with thread workers, reset before each test and writing into its tmp_path.
 """
 
 from __future__ import annotations
@@ -7,7 +8,6 @@ from __future__ import annotations
 import gzip
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,30 +18,19 @@ from sidecar.emulator.launcher import EmulatorProcess
 from tests.fixtures.emulator import emulator_state, make_deploy
 
 
-@pytest.fixture(scope="module")
-def deploy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("iters")
-
-
-@pytest.fixture(scope="module")
-def emu(deploy_dir: Path) -> Iterator[EmulatorProcess]:
+@pytest.fixture
+def emu(tmp_path: Path, shared_emulator_factory: Any) -> EmulatorProcess:
+    # thread workers: the state machine is the profiler's, whichever backend records (the
+    # synthetic one annotates every step as the torch one does)
     deploy = make_deploy(
-        deploy_dir,
+        tmp_path,
         {0: {"profiler": "torch", "delay_iterations": 2, "max_iterations": 3}, 1: {"profiler": "cuda"}},
     )
-    with EmulatorProcess(deploy, extra_args=["--gzip-delay", "0", "--step-ms", "1"]) as e:
-        yield e
-
-
-@pytest.fixture(autouse=True)
-def _all_stopped(emu: EmulatorProcess) -> Iterator[None]:
-    time.sleep(1.1)  # each test's session folder gets a second of its own
-    yield
-    httpx.post(f"{emu.url}/stop_profile", timeout=60)
+    return shared_emulator_factory(deploy, extra_args=["--workers", "thread", "--gzip-delay", "0", "--step-ms", "1"])
 
 
 def post(emu: EmulatorProcess, path: str, body: Any = None) -> httpx.Response:
-    return httpx.post(f"{emu.url}{path}", json=body, timeout=60)
+    return emu.http.post(path, json=body, timeout=60)
 
 
 def chat(emu: EmulatorProcess, max_tokens: int) -> None:
@@ -63,21 +52,19 @@ def test_recording_starts_after_delay_iterations_steps(emu: EmulatorProcess) -> 
 
 
 def test_max_iterations_stops_inside_a_step_and_writes_artifacts(emu: EmulatorProcess) -> None:
-    before = set(stage(emu, "0")["sessions"])
     post(emu, "/start_profile", {"stages": [0]})
     chat(emu, 10)
     s = stage(emu, "0")
-    (session,) = (Path(p) for p in s["sessions"] if p not in before)
+    (session,) = (Path(p) for p in s["sessions"])
     assert (s["profiling"], s["active"], (session / "profiler_out_0.txt").exists()) == (False, False, True)
 
 
 def test_max_iterations_records_exactly_that_many_steps(emu: EmulatorProcess) -> None:
-    before = set(stage(emu, "0")["sessions"])
     post(emu, "/start_profile", {"stages": [0]})
     chat(emu, 10)
-    (session,) = (Path(p) for p in stage(emu, "0")["sessions"] if p not in before)
+    (session,) = (Path(p) for p in stage(emu, "0")["sessions"])
     gz = session / "trace_rank0.json.gz"
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 30
     while not gz.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     events = json.loads(gzip.decompress(gz.read_bytes()))["traceEvents"]
@@ -88,17 +75,17 @@ def test_max_iterations_records_exactly_that_many_steps(emu: EmulatorProcess) ->
 def test_stop_after_auto_stop_is_a_noop(emu: EmulatorProcess) -> None:
     post(emu, "/start_profile", {"stages": [0]})
     chat(emu, 10)
-    (session,) = (Path(p) for p in stage(emu, "0")["sessions"][-1:])
+    (session,) = (Path(p) for p in stage(emu, "0")["sessions"])
     files = sorted(session.iterdir())
     r = post(emu, "/stop_profile", {"stages": [0]})
     assert (r.json(), sorted(session.iterdir())) == ({"status": "SUCCESS"}, files)
 
 
-def test_cuda_profiler_stage_writes_nothing(emu: EmulatorProcess, deploy_dir: Path) -> None:
+def test_cuda_profiler_stage_writes_nothing(emu: EmulatorProcess, tmp_path: Path) -> None:
     r1 = post(emu, "/start_profile", {"stages": [1]})
     chat(emu, 2)
     r2 = post(emu, "/stop_profile", {"stages": [1]})
-    written = [p for p in deploy_dir.rglob("*") if p.is_file() and "stage0" not in p.parts and p.name != "deploy.yaml"]
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and p.name != "deploy.yaml"]
     assert (r1.json(), r2.json(), stage(emu, "1")["sessions"], written) == (
         {"status": "SUCCESS"},
         {"status": "SUCCESS"},
@@ -108,10 +95,10 @@ def test_cuda_profiler_stage_writes_nothing(emu: EmulatorProcess, deploy_dir: Pa
 
 
 def test_diffusion_stages_option_and_replicas_name_one_folder_per_replica(
-    tmp_path: Path, emulator_factory: Any
+    tmp_path: Path, shared_emulator_factory: Any
 ) -> None:
     deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}}, extra={0: {"num_replicas": 2}})
-    emu = emulator_factory(deploy, extra_args=["--diffusion-stages", "0", "--gzip-delay", "0", "--workers", "thread"])
+    emu = shared_emulator_factory(deploy, extra_args=["--diffusion-stages", "0", "--gzip-delay", "0", "--workers", "thread"])
     post(emu, "/start_profile", {"stages": [0]})
     post(emu, "/stop_profile", {"stages": [0]})
     names = sorted(Path(p).name.split("_", 1)[1].rsplit("_", 1)[0] for p in stage(emu, "0")["sessions"])

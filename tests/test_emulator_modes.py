@@ -23,7 +23,7 @@ THREAD = ["--workers", "thread", "--gzip-delay", "0", "--step-ms", "1"]
 
 
 def post(emu: EmulatorProcess, path: str, body: Any = None) -> httpx.Response:
-    return httpx.post(f"{emu.url}{path}", json=body, timeout=TIMEOUT)
+    return emu.http.post(path, json=body, timeout=TIMEOUT)
 
 
 def chat(emu: EmulatorProcess, max_tokens: int) -> None:
@@ -56,8 +56,8 @@ def deploy(tmp_path: Path) -> Path:
 # --- thread workers ------------------------------------------------------------------------------
 
 
-def test_thread_workers_write_the_omni_layout(deploy: Path, emulator_factory: Any) -> None:
-    emu = emulator_factory(deploy, extra_args=THREAD)
+def test_thread_workers_write_the_omni_layout(deploy: Path, shared_emulator_factory: Any) -> None:
+    emu = shared_emulator_factory(deploy, extra_args=THREAD)
     new = capture(emu, [0, 1], 4)
     names = [p.name for sid in ("0", "1") for p in new[sid]]
     assert re.fullmatch(r"\d{8}-\d{6}_stage0_rank0_\d+", names[0])
@@ -67,10 +67,12 @@ def test_thread_workers_write_the_omni_layout(deploy: Path, emulator_factory: An
     ] * 2
 
 
-def test_thread_worker_traces_have_ops_per_step_and_none_when_idle(deploy: Path, emulator_factory: Any) -> None:
-    emu = emulator_factory(deploy, extra_args=THREAD)
+def test_thread_worker_traces_have_ops_per_step_and_none_when_idle(
+    deploy: Path, tmp_path: Path, shared_emulator_factory: Any
+) -> None:
+    emu = shared_emulator_factory(deploy, extra_args=THREAD)
     busy = read_trace(capture(emu, [0], 4)["0"][0])
-    time.sleep(1.1)  # a fresh second: a fresh folder name
+    emu.reset(profiler_dirs={0: tmp_path / "idle"})  # a dir of its own: no folder-name clash
     idle = read_trace(capture(emu, [0], 0)["0"][0])
 
     def count(doc: dict[str, Any], **match: str) -> int:
@@ -83,26 +85,17 @@ def test_thread_worker_traces_have_ops_per_step_and_none_when_idle(deploy: Path,
 # --- the pool ------------------------------------------------------------------------------------
 
 
-def test_pool_reuses_one_emulator_for_the_same_deploy_in_other_dirs(tmp_path: Path) -> None:
-    pool = EmulatorPool(size=2)
+def test_pool_reuses_an_emulator_for_the_same_deploy_and_replaces_it_for_other_options(tmp_path: Path) -> None:
+    pool = EmulatorPool(size=1)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     try:
         a = pool.get(make_deploy(tmp_path / "a", {0: {"profiler": "torch"}}), extra_args=THREAD)
         b = pool.get(make_deploy(tmp_path / "b", {0: {"profiler": "torch"}}), extra_args=THREAD)
-        (folder,) = capture(b, [0], 1)["0"]
+        (folder,) = capture(b, [0], 1)["0"]  # the same emulator, pointed at b's trace dir
+        c = pool.get(make_deploy(tmp_path / "b", {0: {"profiler": "torch"}}), extra_args=[*THREAD, "--step-ms", "2"])
         assert (a is b, folder.parent) == (True, tmp_path / "b" / "traces" / "stage0")
-    finally:
-        pool.stop_all()
-
-
-def test_pool_starts_another_for_other_options_and_stops_the_oldest(tmp_path: Path) -> None:
-    pool = EmulatorPool(size=1)
-    try:
-        d = make_deploy(tmp_path, {0: {"profiler": "torch"}})
-        a = pool.get(d, extra_args=THREAD)
-        b = pool.get(d, extra_args=[*THREAD, "--step-ms", "2"])
-        assert (a is b, a.returncode is not None, b.returncode) == (False, True, None)
+        assert (c is a, a.returncode is not None, c.returncode) == (False, True, None)  # the oldest is stopped
     finally:
         pool.stop_all()
 

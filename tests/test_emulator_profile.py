@@ -1,6 +1,8 @@
 """The emulator's profiler endpoints over HTTP: every trap row of DESIGN.md §3, folder and file
-names, gzip after the reply, and real torch artifacts. One emulator serves the module (stage 0:
-LLM + torch, stage 1: LLM without profiler, stage 2: diffusion + torch); each test stops all.
+names, gzip after the reply, and real torch artifacts. A pooled emulator with real torch workers
+(``omni_emulator``: stage 0 LLM + torch, stage 1 LLM without profiler, stage 2 diffusion + torch)
+is reset before each test and writes into that test's own trace dirs, so every session folder a
+test sees is its own.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,30 +20,27 @@ import httpx
 import pytest
 
 from sidecar.emulator.launcher import EmulatorProcess
-from tests.fixtures.emulator import emulator_state, make_deploy
+from tests.fixtures.emulator import emulator_state, log_offset, log_since, make_deploy
 
+TIMEOUT = 60
 LLM_FOLDER = re.compile(r"^(\d{8}-\d{6})_stage0_rank0_(\d+)$")
 DIFFUSION_FOLDER = re.compile(r"^(\d{8}-\d{6})_stage_2_rep_0_diffusion_(\d+)$")
+THREAD = ["--workers", "thread", "--gzip-delay", "1", "--step-ms", "1"]
 
 
-@pytest.fixture(scope="module")
-def emu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorProcess]:
-    tmp = tmp_path_factory.mktemp("emu")
-    deploy = make_deploy(tmp, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}}, diffusion=[2])
-    with EmulatorProcess(deploy, extra_args=["--gzip-delay", "1.0", "--step-ms", "1"]) as e:
-        yield e
-
-
-@pytest.fixture(autouse=True)
-def _all_stopped(emu: EmulatorProcess) -> Iterator[None]:
-    yield
-    httpx.post(f"{emu.url}/stop_profile", timeout=60)
+@pytest.fixture
+def emu(omni_emulator: EmulatorProcess) -> EmulatorProcess:
+    return omni_emulator
 
 
 def post(emu: EmulatorProcess, path: str, body: Any = None, **kw: Any) -> httpx.Response:
     if body is not None:
         kw["json"] = body
-    return httpx.post(f"{emu.url}{path}", timeout=60, **kw)
+    return emu.http.post(path, timeout=TIMEOUT, **kw)
+
+
+def get(emu: EmulatorProcess, path: str) -> httpx.Response:
+    return emu.http.get(path, timeout=TIMEOUT)
 
 
 def chat(emu: EmulatorProcess, max_tokens: int = 3) -> httpx.Response:
@@ -54,38 +52,53 @@ def stages(emu: EmulatorProcess) -> dict[str, dict[str, Any]]:
     return emulator_state(emu)["stages"]
 
 
-def sessions(emu: EmulatorProcess) -> dict[str, list[str]]:
-    return {sid: s["sessions"] for sid, s in stages(emu).items()}
+def sessions(emu: EmulatorProcess) -> dict[str, list[Path]]:
+    return {sid: [Path(p) for p in s["sessions"]] for sid, s in stages(emu).items()}
 
 
 def profiling(emu: EmulatorProcess) -> dict[str, bool]:
     return {sid: s["profiling"] for sid, s in stages(emu).items()}
 
 
-def wait_for(predicate: Any, timeout: float = 20.0) -> bool:
+def wait_for(predicate: Any, timeout: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return True
         time.sleep(0.05)
-    return predicate()
+    return bool(predicate())
 
 
-def gzipped_trace(session: Path) -> dict[str, Any]:
-    gz = session / "trace_rank0.json.gz"
-    assert wait_for(lambda: gz.exists() and not (session / "trace_rank0.json").exists())
-    return json.loads(gzip.decompress(gz.read_bytes()))
+def next_second() -> None:
+    """Session folders are named to the second: wait until the clock has moved to a new one."""
+    now = int(time.time())
+    assert wait_for(lambda: int(time.time()) > now, timeout=5)
 
 
-def log_text(emu: EmulatorProcess) -> str:
-    return emu.log_path.read_text(errors="replace")
+def read_trace(session: Path) -> dict[str, Any]:
+    """The trace as written at stop: ``trace_rank0.json`` until the background gzip replaced it
+    (it is complete from the stop reply on; the .gz is complete once the .json is gone)."""
+    try:
+        with open(session / "trace_rank0.json", "rb") as f:
+            return json.loads(f.read())  # type: ignore[no-any-return]
+    except FileNotFoundError:
+        return json.loads(gzip.decompress((session / "trace_rank0.json.gz").read_bytes()))  # type: ignore[no-any-return]
+
+
+def one_capture(emu: EmulatorProcess, stage_ids: list[int]) -> tuple[float, float, dict[str, list[Path]]]:
+    t0 = time.time()
+    post(emu, "/start_profile", {"stages": stage_ids})
+    t1 = time.time()
+    chat(emu)
+    post(emu, "/stop_profile", {"stages": stage_ids})
+    return t0, t1, sessions(emu)
 
 
 # --- mounting, body, reply ---------------------------------------------------------------------
 
 
 def test_get_on_mounted_endpoint_is_405(emu: EmulatorProcess) -> None:
-    assert httpx.get(f"{emu.url}/start_profile").status_code == 405
+    assert get(emu, "/start_profile").status_code == 405
 
 
 def test_start_reply_is_success_json(emu: EmulatorProcess) -> None:
@@ -118,54 +131,45 @@ def test_bad_body_is_400_and_profiles_nothing(emu: EmulatorProcess, content: byt
 
 
 def test_empty_list_profiles_nothing_but_succeeds(emu: EmulatorProcess) -> None:
-    before = sessions(emu)
     r = post(emu, "/start_profile", {"stages": []})
     assert (r.json(), profiling(emu), sessions(emu)) == (
         {"status": "SUCCESS"},
         {"0": False, "1": False, "2": False},
-        before,
+        {"0": [], "1": [], "2": []},
     )
 
 
 def test_unknown_stage_id_is_skipped_with_warning(emu: EmulatorProcess) -> None:
+    offset = log_offset(emu)
     r = post(emu, "/start_profile", {"stages": [0, 7]})
     assert r.json() == {"status": "SUCCESS"}
     assert profiling(emu)["0"] is True
-    assert "collective_rpc: ignoring invalid stage_id 7" in log_text(emu)
+    assert "collective_rpc: ignoring invalid stage_id 7" in log_since(emu, offset)
 
 
 def test_unprofiled_llm_stage_fails_in_worker_but_succeeds(emu: EmulatorProcess) -> None:
+    offset = log_offset(emu)
     r = post(emu, "/start_profile", {"stages": [1]})
     assert (r.status_code, r.json(), profiling(emu)["1"]) == (200, {"status": "SUCCESS"}, False)
-    assert "stage=1 replica=0 method=profile: RuntimeError: Profiling is not enabled" in log_text(emu)
+    assert "stage=1 replica=0 method=profile: RuntimeError: Profiling is not enabled" in log_since(emu, offset)
 
 
-def test_double_start_makes_a_fresh_empty_session_folder(emu: EmulatorProcess) -> None:
-    before = set(sessions(emu)["0"])
-    time.sleep(1.1)  # a start within the same second as an earlier one reuses its folder name
+def test_double_start_makes_a_fresh_empty_folder_and_records_into_the_latest(emu: EmulatorProcess) -> None:
     post(emu, "/start_profile", {"stages": [0]})
-    time.sleep(1.1)  # folder names have one-second resolution
+    next_second()  # folder names have one-second resolution: a start in the same second reuses one
     post(emu, "/start_profile", {"stages": [0]})
-    new = [Path(p) for p in sessions(emu)["0"] if p not in before]
-    assert len(new) == 2 and all(p.is_dir() and not any(p.iterdir()) for p in new)
-
-
-def test_double_start_keeps_recording_into_the_latest_folder(emu: EmulatorProcess) -> None:
-    before = set(sessions(emu)["0"])
-    time.sleep(1.1)
-    post(emu, "/start_profile", {"stages": [0]})
-    time.sleep(1.1)
-    post(emu, "/start_profile", {"stages": [0]})
+    at_second_start = sessions(emu)["0"]
+    empty_then = [p.is_dir() and not any(p.iterdir()) for p in at_second_start]
     chat(emu)
     post(emu, "/stop_profile", {"stages": [0]})
-    first, second = (Path(p) for p in sessions(emu)["0"] if p not in before)
-    assert (list(first.iterdir()), (second / "profiler_out_0.txt").exists()) == ([], True)
+    first, second = sessions(emu)["0"]
+    assert (empty_then, list(first.iterdir()), (second / "profiler_out_0.txt").exists()) == ([True, True], [], True)
 
 
-def test_stop_without_start_is_a_noop_success(emu: EmulatorProcess) -> None:
-    before = sessions(emu)
+def test_stop_without_start_is_a_noop_success(emu: EmulatorProcess, tmp_path: Path) -> None:
     r = post(emu, "/stop_profile", {"stages": [0, 2]})
-    assert (r.json(), sessions(emu)) == ({"status": "SUCCESS"}, before)
+    traces = tmp_path / "traces"
+    assert (r.json(), sessions(emu), list(traces.rglob("*"))) == ({"status": "SUCCESS"}, {"0": [], "1": [], "2": []}, [])
 
 
 def test_stop_of_a_subset_leaves_the_others_recording(emu: EmulatorProcess) -> None:
@@ -175,105 +179,85 @@ def test_stop_of_a_subset_leaves_the_others_recording(emu: EmulatorProcess) -> N
 
 
 def test_stop_returns_after_trace_and_table_are_written(emu: EmulatorProcess) -> None:
-    before = set(sessions(emu)["0"])
-    time.sleep(1.1)
     post(emu, "/start_profile", {"stages": [0]})
     chat(emu)
     post(emu, "/stop_profile", {"stages": [0]})
-    (session,) = (Path(p) for p in sessions(emu)["0"] if p not in before)
+    (session,) = sessions(emu)["0"]
     # the trace may already be gzipped under load; either name proves it was written
     assert sorted(f.name.removesuffix(".gz") for f in session.iterdir()) == ["profiler_out_0.txt", "trace_rank0.json"]
 
 
-def test_gzip_replaces_the_trace_only_after_the_stop_reply(emu: EmulatorProcess) -> None:
-    stage_dir = emu.deploy_config.parent / "traces" / "stage2"  # make_deploy's default
-    before = set(stage_dir.glob("*"))
-    time.sleep(1.1)
+def test_gzip_replaces_the_trace_only_after_the_stop_reply(emu: EmulatorProcess, tmp_path: Path) -> None:
+    stage_dir = tmp_path / "traces" / "stage2"  # make_deploy's default
     post(emu, "/start_profile", {"stages": [2]})
     post(emu, "/stop_profile", {"stages": [2]})
-    (session,) = set(stage_dir.glob("*")) - before  # the disk first, before any other round trip
+    (session,) = stage_dir.iterdir()  # the disk first, before any other round trip
     at_reply = sorted(p.name for p in session.iterdir())
     later = wait_for(lambda: not (session / "trace_rank0.json").exists() and (session / "trace_rank0.json.gz").exists())
     assert ("trace_rank0.json" in at_reply, "trace_rank0.json.gz" in at_reply, later) == (True, False, True)
 
 
 def test_calls_are_recorded_with_stages_and_status(emu: EmulatorProcess) -> None:
-    n = len(emulator_state(emu)["calls"])
     post(emu, "/start_profile", {"stages": [2]})
     post(emu, "/stop_profile", {"stages": [2]})
-    calls = emulator_state(emu)["calls"][n:]
+    calls = emulator_state(emu)["calls"]
     assert [(c["path"], c["stages"], c["status"]) for c in calls] == [
         ("/start_profile", [2], 200),
         ("/stop_profile", [2], 200),
     ]
 
 
-# --- artifacts -------------------------------------------------------------------------------
-
-
-def _one_capture(emu: EmulatorProcess, stage_ids: list[int]) -> tuple[float, float, dict[str, list[Path]]]:
-    before = sessions(emu)
-    time.sleep(1.1)  # a fresh second, so the session folder is a new one
-    t0 = time.time()
-    post(emu, "/start_profile", {"stages": stage_ids})
-    t1 = time.time()
-    chat(emu)
-    post(emu, "/stop_profile", {"stages": stage_ids})
-    new = {sid: [Path(p) for p in ps if p not in before[sid]] for sid, ps in sessions(emu).items()}
-    return t0, t1, new
+# --- artifacts (real torch) --------------------------------------------------------------------
 
 
 def test_llm_session_folder_name_and_place(emu: EmulatorProcess) -> None:
-    t0, t1, new = _one_capture(emu, [0])
+    t0, t1, new = one_capture(emu, [0])
     (folder,) = new["0"]
     m = LLM_FOLDER.match(folder.name)
     assert m and int(t0) <= int(m.group(2)) <= int(t1) and folder.parent.name == "stage0"
 
 
 def test_diffusion_session_folder_name_and_place(emu: EmulatorProcess) -> None:
-    t0, t1, new = _one_capture(emu, [2])
+    t0, t1, new = one_capture(emu, [2])
     (folder,) = new["2"]
     m = DIFFUSION_FOLDER.match(folder.name)
     assert m and int(t0) <= int(m.group(2)) <= int(t1) and folder.parent.name == "stage2"
 
 
 def test_trace_is_chrome_json_with_cpu_ops_of_the_workload(emu: EmulatorProcess) -> None:
-    _, _, new = _one_capture(emu, [0])
-    events = gzipped_trace(new["0"][0])["traceEvents"]
+    _, _, new = one_capture(emu, [0])
+    events = read_trace(new["0"][0])["traceEvents"]
     cpu_ops = {e["name"] for e in events if e.get("cat") == "cpu_op"}
     annotations = {e["name"] for e in events if e.get("cat") == "user_annotation"}
     assert {"aten::linear", "aten::embedding"} <= cpu_ops and "execute_model" in annotations
 
 
 def test_diffusion_trace_has_conv_ops_and_step_annotation(emu: EmulatorProcess) -> None:
-    _, _, new = _one_capture(emu, [2])
-    events = gzipped_trace(new["2"][0])["traceEvents"]
+    _, _, new = one_capture(emu, [2])
+    events = read_trace(new["2"][0])["traceEvents"]
     assert "aten::conv2d" in {e["name"] for e in events if e.get("cat") == "cpu_op"}
     assert "diffusion_forward" in {e["name"] for e in events if e.get("cat") == "user_annotation"}
 
 
 def test_idle_window_writes_a_valid_trace_with_zero_ops(emu: EmulatorProcess) -> None:
-    before = sessions(emu)
-    time.sleep(1.1)
     post(emu, "/start_profile", {"stages": [0, 2]})
     post(emu, "/stop_profile", {"stages": [0, 2]})
-    new = [Path(p) for sid in ("0", "2") for p in sessions(emu)[sid] if p not in before[sid]]
-    events = [gzipped_trace(folder)["traceEvents"] for folder in new]
+    new = [p for sid in ("0", "2") for p in sessions(emu)[sid]]
+    events = [read_trace(folder)["traceEvents"] for folder in new]
     assert len(new) == 2 and [sum(e.get("cat") == "cpu_op" for e in ev) for ev in events] == [0, 0]
 
 
+# The header of torch's ``key_averages().table()`` with CPU activity only (torch 2.13), as the
+# real worker writes it to profiler_out_<rank>.txt; checked here without importing torch.
+KEY_AVERAGES_HEADER = ["Name", "Self CPU %", "Self CPU", "CPU total %", "CPU total", "CPU time avg", "# of Calls"]
+
+
 def test_profiler_out_is_a_key_averages_table(emu: EmulatorProcess) -> None:
-    torch = pytest.importorskip("torch")
-    _, _, new = _one_capture(emu, [0])
+    _, _, new = one_capture(emu, [0])
     ours = (new["0"][0] / "profiler_out_0.txt").read_text().splitlines()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        torch.ones(2) + 1
-    ref = prof.key_averages().table(sort_by="self_cuda_time_total").splitlines()
-
-    def header(lines: list[str]) -> list[str]:
-        return re.split(r"\s{2,}", lines[1].strip())
-
-    assert header(ours) == header(ref)
+    rows = [re.split(r"\s{2,}", ln.strip()) for ln in ours[3:] if ln.strip() and not ln.startswith("-")]
+    assert re.split(r"\s{2,}", ours[1].strip()) == KEY_AVERAGES_HEADER
+    assert "aten::linear" in {r[0] for r in rows}
     assert re.fullmatch(r"Self CPU time total: [\d.]+(us|ms|s)", ours[-2 if ours[-1] == "" else -1])
 
 
@@ -281,16 +265,14 @@ def test_profiler_out_is_a_key_averages_table(emu: EmulatorProcess) -> None:
 
 
 def test_chat_completion_steps_every_stage(emu: EmulatorProcess) -> None:
-    before = {sid: s["iterations"] for sid, s in stages(emu).items()}
     r = chat(emu, max_tokens=5)
-    after = {sid: s["iterations"] for sid, s in stages(emu).items()}
     assert r.json()["usage"]["completion_tokens"] == 5
-    assert {sid: after[sid] - before[sid] for sid in after} == {"0": 5, "1": 5, "2": 4}
+    assert {sid: s["iterations"] for sid, s in stages(emu).items()} == {"0": 5, "1": 5, "2": 4}
 
 
 def test_models_and_health(emu: EmulatorProcess) -> None:
-    models = httpx.get(f"{emu.url}/v1/models").json()
-    assert (httpx.get(f"{emu.url}/health").status_code, models["data"][0]["id"]) == (200, "omni-emulator")
+    models = get(emu, "/v1/models").json()
+    assert (get(emu, "/health").status_code, models["data"][0]["id"]) == (200, "omni-emulator")
 
 
 def test_chat_without_messages_is_400(emu: EmulatorProcess) -> None:
@@ -300,23 +282,9 @@ def test_chat_without_messages_is_400(emu: EmulatorProcess) -> None:
 # --- separate servers -------------------------------------------------------------------------
 
 
-def test_endpoints_are_404_when_no_stage_has_a_profiler(tmp_path: Path, emulator_factory: Any) -> None:
-    emu = emulator_factory(make_deploy(tmp_path, {0: None, 1: None}), extra_args=["--workers", "thread"])
-    codes = httpx.get(f"{emu.url}/start_profile").status_code, httpx.post(f"{emu.url}/stop_profile").status_code
-    assert codes == (404, 404)
-
-
-def test_invalid_deploy_exits_1_with_the_loader_message(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("stages:\n  - stage_id: 0\n    profiler_config: {profiler: torch}\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "sidecar.emulator", "--deploy-config", str(bad), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    out = proc.stdout + proc.stderr
-    assert (proc.returncode, "torch_profiler_dir must be set" in out, "Traceback" in out) == (1, True, False)
+def test_endpoints_are_404_when_no_stage_has_a_profiler(tmp_path: Path, shared_emulator_factory: Any) -> None:
+    e = shared_emulator_factory(make_deploy(tmp_path, {0: None, 1: None}), extra_args=THREAD)
+    assert (get(e, "/start_profile").status_code, post(e, "/stop_profile").status_code) == (404, 404)
 
 
 def test_legacy_schema_is_refused_at_start_up(tmp_path: Path) -> None:
@@ -326,25 +294,28 @@ def test_legacy_schema_is_refused_at_start_up(tmp_path: Path) -> None:
         [sys.executable, "-m", "sidecar.emulator", "--deploy-config", str(bad), "--port", "0"],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=120,
     )
-    assert (proc.returncode, "stage_args" in proc.stderr + proc.stdout) == (1, True)
+    out = proc.stdout + proc.stderr
+    assert (proc.returncode, "stage_args" in out, "Traceback" in out) == (1, True, False)
 
 
 # --- an LLM stage with num_replicas > 1 ------------------------------------------------------------
 
 
-def test_llm_replicas_write_one_folder_and_the_last_trace_wins(tmp_path: Path, emulator_factory: Any) -> None:
+def test_llm_replicas_write_one_folder_and_the_last_trace_wins(tmp_path: Path, shared_emulator_factory: Any) -> None:
     """0.30: every replica is rank 0 of its own engine, called one after another within ms: the
-    same folder name, the same trace_rank0.json; replica 1 (stopped last) overwrites replica 0."""
+    same folder name, the same trace_rank0.json; replica 1 (stopped last) overwrites replica 0.
+    Thread workers: the naming is the profiler's, whichever backend records."""
     deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}}, extra={0: {"num_replicas": 2}})
-    e = emulator_factory(deploy, extra_args=["--gzip-delay", "1", "--step-ms", "1"])
+    e = shared_emulator_factory(deploy, extra_args=THREAD)
     post(e, "/start_profile", {"stages": [0]})
     chat(e, max_tokens=2)  # round robin: replica 0
     chat(e, max_tokens=5)  # replica 1
     post(e, "/stop_profile", {"stages": [0]})
     listed = sessions(e)["0"]
     on_disk = list((tmp_path / "traces" / "stage0").iterdir())
-    steps = [ev for ev in gzipped_trace(on_disk[0])["traceEvents"] if ev.get("name") == "execute_model"]
+    assert wait_for(lambda: (on_disk[0] / "trace_rank0.json.gz").exists() and not (on_disk[0] / "trace_rank0.json").exists())
+    steps = [ev for ev in read_trace(on_disk[0])["traceEvents"] if ev.get("name") == "execute_model"]
     assert (len(listed), len(on_disk), sorted(p.name for p in on_disk[0].iterdir()), len(steps)) == (
         1, 1, ["profiler_out_0.txt", "trace_rank0.json.gz"], 5)  # fmt: skip

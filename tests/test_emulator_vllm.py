@@ -2,7 +2,8 @@
 ignored, empty 200s for double start / double stop / stop-before-start, no session folders: each
 stop writes the worker trace ``<instance_id>-rank-<r>.<ns>.pt.trace.json.gz``, the front-end trace
 ``<host>_<pid>.async_llm.<ns>.pt.trace.json.gz`` and ``profiler_out_<r>.txt`` (rewritten) flat in
-``torch_profiler_dir``; with ``max_iterations`` the worker trace is written mid-window.
+``torch_profiler_dir``; with ``max_iterations`` the worker trace is written mid-window. Pooled
+emulators, reset before each test and writing into its tmp_path.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 import re
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,26 +30,20 @@ def frontend_re(emu: EmulatorProcess) -> re.Pattern[str]:
     return re.compile(rf"^{re.escape(socket.gethostname())}_{emu.pid}\.async_llm\.(\d+)\.pt\.trace\.json\.gz$")
 
 
-@pytest.fixture(scope="module")
-def trace_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("vllm") / "t"
+@pytest.fixture
+def trace_dir(tmp_path: Path) -> Path:
+    return tmp_path / "t"
 
 
-@pytest.fixture(scope="module")
-def emu(trace_dir: Path) -> Iterator[EmulatorProcess]:
+@pytest.fixture
+def emu(trace_dir: Path, shared_emulator_factory: Any) -> EmulatorProcess:
+    # real torch workers: the worker trace and table are torch's own
     deploy = make_deploy(trace_dir.parent, {0: {"profiler": "torch", "torch_profiler_dir": str(trace_dir)}, 1: None})
-    with EmulatorProcess(deploy, flavor="vllm", extra_args=["--step-ms", "1"]) as e:
-        yield e
-
-
-@pytest.fixture(autouse=True)
-def _idle(emu: EmulatorProcess) -> Iterator[None]:
-    yield
-    httpx.post(f"{emu.url}/stop_profile", timeout=TIMEOUT)
+    return shared_emulator_factory(deploy, flavor="vllm", extra_args=["--step-ms", "1"])
 
 
 def post(emu: EmulatorProcess, path: str, **kw: Any) -> httpx.Response:
-    return httpx.post(f"{emu.url}{path}", timeout=TIMEOUT, **kw)
+    return emu.http.post(path, timeout=TIMEOUT, **kw)
 
 
 def chat(emu: EmulatorProcess, max_tokens: int) -> None:
@@ -121,20 +115,23 @@ def test_body_is_ignored(emu: EmulatorProcess) -> None:
 
 
 def test_one_implicit_stage_and_empty_health(emu: EmulatorProcess) -> None:
-    health = httpx.get(f"{emu.url}/health", timeout=TIMEOUT)
+    health = emu.http.get("/health", timeout=TIMEOUT)
     assert (list(emulator_state(emu)["stages"]), health.status_code, health.content) == (["0"], 200, b"")
 
 
 # --- max_iterations, ignore_frontend -----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmulatorProcess, Path]]:
-    tmp = tmp_path_factory.mktemp("bounded")
-    d = tmp / "t"
+@pytest.fixture
+def bounded(tmp_path: Path, shared_emulator_factory: Any) -> tuple[EmulatorProcess, Path]:
+    # thread workers: the bounded window and the front-end switch are the profiler's, whichever
+    # backend records (the synthetic one annotates every step as the torch one does)
+    d = tmp_path / "t"
     cfg = {"profiler": "torch", "torch_profiler_dir": str(d), "max_iterations": 3, "ignore_frontend": True}
-    with EmulatorProcess(make_deploy(tmp, {0: cfg}), flavor="vllm", extra_args=["--step-ms", "1"]) as e:
-        yield e, d
+    e = shared_emulator_factory(
+        make_deploy(tmp_path, {0: cfg}), flavor="vllm", extra_args=["--workers", "thread", "--step-ms", "1"]
+    )
+    return e, d
 
 
 def test_max_iterations_writes_the_worker_trace_mid_window(bounded: tuple[EmulatorProcess, Path]) -> None:

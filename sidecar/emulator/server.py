@@ -58,7 +58,8 @@ def _stage_kind(stage_id: int, kind: StageKind, options: EmulatorOptions) -> str
 
 def plan_stages(deploy: DeployConfig, options: EmulatorOptions) -> list[StageRuntime]:
     stages = deploy.stages[:1] if options.flavor == "vllm" else deploy.stages
-    ctx = worker_context(options.worker_start) if options.workers == "process" else None
+    torch_profiler = any(s.profiler == "torch" for s in stages)
+    ctx = worker_context(options.worker_start, torch_profiler) if options.workers == "process" else None
     instance_id = str(time.time_ns())  # plain vLLM's VllmConfig.instance_id, one per server
     runtimes: list[StageRuntime] = []
     for stage in stages:

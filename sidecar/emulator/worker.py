@@ -249,15 +249,22 @@ def worker_main(conn: Connection, spec: WorkerSpec) -> None:
             _die_soon(spec.stage_id)
 
 
-_PRELOAD = ["sidecar.emulator._torch_backend"]
+# What every worker needs, imported once in the forkserver so a forked worker only builds its
+# model.
+_PRELOAD = ["sidecar.emulator._torch_backend", "sidecar.emulator._profiler", "sidecar.emulator.worker"]
+# torch.profiler.profile.start() asks ``hasattr(torch, "_inductor")``, which imports it and dynamo
+# with it: ~2.5 s of CPU in every worker at its first capture (a real vLLM worker has it loaded
+# anyway). Preloaded when some stage has a torch profiler; spawned workers pay it there.
+_PRELOAD_TORCH_PROFILER = ["torch._inductor.config"]
 
 
-def worker_context(start_method: str) -> BaseContext:
+def worker_context(start_method: str, torch_profiler: bool = True) -> BaseContext:
     """``forkserver``: one interpreter imports torch once and forks every worker from it;
-    ``spawn``: each worker is a fresh interpreter importing torch itself (slower, no sharing)."""
+    ``spawn``: each worker is a fresh interpreter importing torch itself (slower, no sharing).
+    ``torch_profiler``: some worker will start a torch profiler (preload what that needs)."""
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(_PRELOAD)  # type: ignore[attr-defined]
+        ctx.set_forkserver_preload(_PRELOAD + (_PRELOAD_TORCH_PROFILER if torch_profiler else []))  # type: ignore[attr-defined]
     return ctx
 
 
