@@ -692,7 +692,7 @@ async def test_a_lost_diffusion_replica_is_named(tmp_path):
 
     done = await _one(deploy, [0], fake_setup=setup)
     assert (done.verdict(0).verdict, "replica(s) [1] wrote no trace" in done.verdict(0).reason) == (
-        Verdict.partial, True)
+        Verdict.partial, True), done.model_dump_json(indent=1)
 
 
 # --- identity -----------------------------------------------------------------------------

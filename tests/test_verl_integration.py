@@ -34,7 +34,7 @@ def _trainer_config(save_path: str, targets: list[str], deploy: str) -> dict[str
             "tool": "torch", "enable": True, "all_ranks": True, "ranks": [], "save_path": save_path,
             "tool_config": {"torch": {"discrete": True, "contents": []}}}}},
         "trainer": {"resume_mode": "disable"},
-        "omni_sidecar": {"targets": targets, "deploy_config": deploy, "settle_s": 0.3},
+        "omni_sidecar": {"targets": targets, "deploy_config": deploy},
     }
 
 

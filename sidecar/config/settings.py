@@ -74,7 +74,9 @@ class SidecarSettings(BaseSettings):
     stop_budget_s: float = Field(default=1800, gt=0)  # total time stop is retried for
     # captures
     collect_timeout_s: float = Field(default=120, ge=0)
-    settle_s: float = Field(default=1.0, ge=0)
+    # Not read any more (completeness comes from the files: gzip, closed JSON, sizes); accepted so
+    # an old OMNI_SIDECAR_SETTLE_S does not fail the start.
+    settle_s: float | None = Field(default=None, ge=0)
     # SERVER_PATH -> LOCAL_PATH; from the environment as JSON or as SERVER=LOCAL[,SERVER=LOCAL]
     artifact_roots: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
     default_lease_s: float | None = Field(default=None, gt=0)

@@ -322,7 +322,6 @@ async def collect(
     wait: bool = True,
     note: str | None = None,
     nsys_hints: dict[int, str] | None = None,
-    settle_s: float | None = None,  # accepted for old callers; completeness is read from the files
 ) -> list[StageVerdict]:
     """Wait (bounded by ``collect_timeout_s``) until nothing is still being written after the
     reply, then return a verdict per stage, in ``watches`` order, and claim what they list.

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from sidecar.config.models import DeployConfig, StageKind
 from sidecar.config.rules import select_stages
@@ -72,6 +72,8 @@ _LIVE = (CaptureState.starting, CaptureState.active, CaptureState.stopping, Capt
 
 
 class ControlSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # a misspelt knob is an error, not silently ignored
+
     collect_timeout_s: float = Field(default=120, ge=0)  # bound on waiting for gzip after the stop
     poll_s: float = Field(default=0.05, gt=0)  # how often a pending gzip is looked at
     artifact_roots: dict[str, str] = Field(default_factory=dict)  # SERVER_PATH -> LOCAL_PATH

@@ -19,7 +19,7 @@ from tests.verl.conftest import compose, recipe
 
 pytestmark = pytest.mark.verl
 
-FAST = ["+omni_sidecar.settle_s=0.3", "+omni_sidecar.collect_timeout_s=60"]
+FAST = ["+omni_sidecar.collect_timeout_s=60"]
 STANDIN = ["actor_rollout_ref.rollout.name=emulator", "actor_rollout_ref.rollout.agent.num_workers=0"]
 
 

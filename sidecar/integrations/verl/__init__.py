@@ -63,7 +63,7 @@ class SidecarHookConfig(BaseModel):
     trainer: str | None = None  # the entry module, for `validate` (at run time it is found)
     agent_loop_manager_class: str | None = None  # the manager to build instead of verl's default
     collect_timeout_s: float = Field(default=120.0, ge=0)
-    settle_s: float = Field(default=1.0, ge=0)
+    settle_s: float | None = Field(default=None, ge=0)  # not read (completeness comes from the files); old configs keep working
     start_timeout_s: float = Field(default=300.0, gt=0)
     stop_budget_s: float = Field(default=1800.0, gt=0)
     # explicit steps/ranks: only with `targets`, when verl's own rollout profiling is off
@@ -209,7 +209,7 @@ def attach(agent_loop_manager: Any, config: Any, frame: Any) -> Any:
                 deploys[r.rank] = deploy_for_server(r.profiler_config, None)
         captures = NodeCaptures(
             replicas, deploys=deploys, stages=hook.stages if any(r.flavor == "omni" for r in replicas) else None,
-            lease_s=hook.lease_s, control={"collect_timeout_s": hook.collect_timeout_s, "settle_s": hook.settle_s},
+            lease_s=hook.lease_s, control={"collect_timeout_s": hook.collect_timeout_s},
             start_timeout_s=hook.start_timeout_s, stop_budget_s=hook.stop_budget_s,
             artifact_timeout_s=hook.collect_timeout_s + 60,
         )
