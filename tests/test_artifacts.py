@@ -403,3 +403,24 @@ def test_another_servers_folder_never_passes(tmp_path):
     _finished(claims, "first", folder, at=100.0)
     claims.open_window("second", "http://b", [str(tmp_path)], 100.6)
     assert claims.held_by_other(folder, "second") == "first"
+
+
+async def test_a_folder_listed_without_trace_is_looked_at_again_before_it_is_missing(tmp_path, monkeypatch):
+    # A gzip that writes trace.json.gz and removes trace.json while the folder is being listed can
+    # hide both names from that one listing; the trace is there at the next look.
+    import sidecar.control.collect as collect_mod
+
+    w = _watch(tmp_path)
+    folder = _session(tmp_path, LLM.format(sid=1), trace=None)
+    real_scan, looks = collect_mod.scan, []
+
+    def scan_then_the_gzip_lands(*args, **kwargs):
+        found = real_scan(*args, **kwargs)
+        looks.append(found)
+        if len(looks) == 1:
+            (folder / "trace_rank0.json.gz").write_bytes(gzip.compress(BUSY))
+        return found
+
+    monkeypatch.setattr(collect_mod, "scan", scan_then_the_gzip_lands)
+    [v] = await _collect(w)
+    assert (v.verdict, len(looks)) == (Verdict.ok, 2)
