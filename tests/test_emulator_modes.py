@@ -80,6 +80,12 @@ def test_thread_worker_traces_have_ops_per_step_and_none_when_idle(
 
     assert (count(busy, name="execute_model"), count(busy, cat="cpu_op") > 0, count(idle, cat="cpu_op")) == (4, True, 0)
     assert busy["emulator_synthetic"] is True
+    # one thread runs one op at a time, inside its step: no op overlaps the next (which would
+    # nest them and give the outer one a negative self time) or outlives its step
+    ops = sorted((e for e in busy["traceEvents"] if e.get("cat") == "cpu_op"), key=lambda e: (e["tid"], e["ts"]))
+    steps = [e for e in busy["traceEvents"] if e.get("name") == "execute_model"]
+    assert all(a["ts"] + a["dur"] <= b["ts"] for a, b in zip(ops, ops[1:]) if a["tid"] == b["tid"])
+    assert all(any(s["ts"] <= o["ts"] and o["ts"] + o["dur"] <= s["ts"] + s["dur"] for s in steps) for o in ops)
 
 
 # --- the pool ------------------------------------------------------------------------------------

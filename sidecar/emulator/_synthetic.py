@@ -38,10 +38,14 @@ class SyntheticRecorder:
         self._events: list[dict[str, Any]] = []
         self._metadata: dict[str, Any] = {}
         self._t0 = self._t1 = 0.0
+        # Per thread, where its last op ended: ops "run" for their nominal time, so the next one
+        # starts after it (one thread runs one op at a time; overlapping ops would nest and give
+        # the outer one a negative self time).
+        self._ends: dict[int, float] = {}
 
     def start(self) -> None:
         with self._lock:
-            self._events, self._t0, self.recording = [], _now_us(), True
+            self._events, self._t0, self.recording, self._ends = [], _now_us(), True, {}
 
     def stop(self) -> None:
         with self._lock:
@@ -54,10 +58,12 @@ class SyntheticRecorder:
     def add_op(self, name: str, dur_us: float) -> None:
         if not self.recording:
             return
-        ts = _now_us()
+        tid = threading.get_native_id()
         with self._lock:
+            ts = max(_now_us(), self._ends.get(tid, 0.0))
+            self._ends[tid] = ts + dur_us
             self._events.append({"ph": "X", "cat": "cpu_op", "name": name, "pid": os.getpid(),
-                                 "tid": threading.get_native_id(), "ts": ts, "dur": dur_us,
+                                 "tid": tid, "ts": ts, "dur": dur_us,
                                  "args": {"External id": len(self._events) + 1}})  # fmt: skip
 
     @contextmanager
@@ -67,9 +73,11 @@ class SyntheticRecorder:
             yield
         finally:
             if self.recording:
+                tid = threading.get_native_id()
                 with self._lock:
+                    end = max(_now_us(), self._ends.get(tid, 0.0))  # the step holds every op it ran
                     self._events.append({"ph": "X", "cat": "user_annotation", "name": name, "pid": os.getpid(),
-                                         "tid": threading.get_native_id(), "ts": ts, "dur": _now_us() - ts,
+                                         "tid": tid, "ts": ts, "dur": end - ts,
                                          "args": {}})  # fmt: skip
 
     def add_metadata_json(self, key: str, value: str) -> None:
