@@ -405,22 +405,25 @@ def test_another_servers_folder_never_passes(tmp_path):
     assert claims.held_by_other(folder, "second") == "first"
 
 
-async def test_a_folder_listed_without_trace_is_looked_at_again_before_it_is_missing(tmp_path, monkeypatch):
-    # A gzip that writes trace.json.gz and removes trace.json while the folder is being listed can
-    # hide both names from that one listing; the trace is there at the next look.
-    import sidecar.control.collect as collect_mod
+
+async def test_a_trace_gzipped_while_its_folder_is_listed_is_still_found(tmp_path, monkeypatch):
+    # The gzip writes trace.json.gz and removes trace.json between the folder's listing (which saw
+    # only trace.json) and the stat of that name: the folder is listed again, not left looking empty.
+    import sidecar.control.artifacts as artifacts_mod
 
     w = _watch(tmp_path)
-    folder = _session(tmp_path, LLM.format(sid=1), trace=None)
-    real_scan, looks = collect_mod.scan, []
+    folder = _session(tmp_path, LLM.format(sid=1), trace=BUSY, gz=False)
+    plain = folder / "trace_rank0.json"
+    real_lstat, swapped = artifacts_mod.os.lstat, []
 
-    def scan_then_the_gzip_lands(*args, **kwargs):
-        found = real_scan(*args, **kwargs)
-        looks.append(found)
-        if len(looks) == 1:
-            (folder / "trace_rank0.json.gz").write_bytes(gzip.compress(BUSY))
-        return found
+    def lstat_racing_the_gzip(path, *args, **kwargs):
+        if str(path) == str(plain) and not swapped:
+            (folder / "trace_rank0.json.gz").write_bytes(gzip.compress(plain.read_bytes()))
+            plain.unlink()
+            swapped.append(path)
+        return real_lstat(path, *args, **kwargs)
 
-    monkeypatch.setattr(collect_mod, "scan", scan_then_the_gzip_lands)
+    monkeypatch.setattr(artifacts_mod.os, "lstat", lstat_racing_the_gzip)
     [v] = await _collect(w)
-    assert (v.verdict, len(looks)) == (Verdict.ok, 2)
+    assert (v.verdict, [f.name for s in v.sessions for f in s.files], len(swapped)) == (
+        Verdict.ok, ["trace_rank0.json.gz"], 1)

@@ -277,21 +277,38 @@ class Scan:
         return tuple((s.path, tuple((f.name, f.size) for f in s.files)) for s in self.sessions)
 
 
-def list_files(folder: Path) -> list[ArtifactFile]:
+def list_files(folder: Path, attempts: int = 3) -> list[ArtifactFile]:
+    """The files under ``folder`` (no symlinks), sorted. A file that is gone between the listing
+    and its stat means the folder changed under the listing (a gzip replaced ``trace.json`` by
+    ``trace.json.gz``, which the listing may have passed already): the folder is listed again, so
+    neither name is lost."""
     out: list[ArtifactFile] = []
+    for _ in range(attempts):
+        out, vanished = _list_files_once(folder)
+        if not vanished:
+            break
+    return out
+
+
+def _list_files_once(folder: Path) -> tuple[list[ArtifactFile], bool]:
+    out: list[ArtifactFile] = []
+    vanished = False
     for dirpath, dirnames, filenames in os.walk(folder):  # os.walk does not follow symlinks
         for name in filenames:
             full = os.path.join(dirpath, name)
             try:
                 st = os.lstat(full)
+            except FileNotFoundError:
+                vanished = True
+                continue
             except OSError:
-                continue  # removed meanwhile (gzip deletes the .json when done)
+                continue
             if not os.path.isfile(full) or os.path.islink(full):
                 continue
             out.append(ArtifactFile(name=os.path.relpath(full, folder), size=st.st_size))
         dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
     out.sort(key=lambda f: f.name)
-    return out
+    return out, vanished
 
 
 def _scan_flat(watch: StageWatch, local: Path, window: Window | None, claims: ClaimRegistry | None,

@@ -80,12 +80,6 @@ class _TraceState:
     sizes: dict[str, int] = field(default_factory=dict)  # unclosed .json -> size at last look
 
 
-def _hollow(watch: StageWatch, found: Scan) -> bool:
-    """A session folder of this capture that lists no trace file."""
-    return not watch.flat and any(
-        not any(TRACE_FILE.match(os.path.basename(f.name)) for f in s.files) for s in found.sessions)
-
-
 def _pending(watch: StageWatch, found: Scan, state: _TraceState) -> list[str]:
     """Files the server is still writing after its reply."""
     out: list[str] = []
@@ -334,7 +328,6 @@ async def collect(
     ``wait=False`` looks once (a stop that timed out: "found so far"); ``note`` prefixes reasons."""
     deadline = time.monotonic() + collect_timeout_s
     states = [_TraceState() for _ in watches]
-    hollow_before = False
     while True:
         def look() -> tuple[list[Scan], list[list[str]]]:
             scans = [scan(w, window, claims, capture_id) for w in watches]
@@ -343,12 +336,8 @@ async def collect(
         scans, pending = await asyncio.to_thread(look)
         now = time.monotonic()
         timed_out = now >= deadline
-        # A folder listed with no trace at all is believed on the second look only: a gzip that
-        # writes ``.json.gz`` and removes ``.json`` while the folder is being listed can hide both.
-        hollow = any(_hollow(w, s) for w, s in zip(watches, scans))
-        if not wait or timed_out or not (any(pending) or (hollow and not hollow_before)):
+        if not wait or timed_out or not any(pending):
             break
-        hollow_before = hollow
         await asyncio.sleep(min(poll_s, max(deadline - now, 0.0)) or poll_s)
 
     def judge() -> list[StageVerdict]:
