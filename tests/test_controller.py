@@ -24,6 +24,7 @@ from sidecar.errors import (
 )
 from sidecar.upstream.server import UpstreamServer
 from tests.fixtures.control import FakeOmni
+from tests.fixtures.waits import apoll
 
 FAST = ControlSettings(collect_timeout_s=10, poll_s=0.02, gone_poll_s=0.05, gone_after_s=0.5, close_timeout_s=5)
 
@@ -224,14 +225,6 @@ async def test_failed_start_frees_the_slot(ctl, fake_omni):
 # --- stop faults --------------------------------------------------------------------------
 
 
-async def _until(cond, timeout: float = 30.0) -> bool:
-    for _ in range(int(timeout / 0.05)):
-        if cond():
-            return True
-        await asyncio.sleep(0.05)
-    return cond()
-
-
 def _hung(fake_omni, budget: float = 0.5, read: float = 60):
     from sidecar.upstream.server import UpstreamTimeouts
 
@@ -244,7 +237,7 @@ async def test_stop_past_its_budget_stays_stopping_with_what_was_found(fake_omni
     async with _hung(fake_omni) as up, CaptureController(up, control_deploy, settings=FAST) as c:
         cap = await c.start([0])
         await c.stop(cap.id)
-        await _until(lambda: c.get(cap.id).verdicts)
+        await apoll(lambda: c.get(cap.id).verdicts)
         held = c.get(cap.id)
         fake_omni.stop_delay = 0  # let close() end it
     assert (held.state, held.errors[-1].code, held.verdict(0).reason.startswith(
@@ -258,7 +251,7 @@ async def test_start_while_a_stop_is_unanswered_is_refused_naming_why(fake_omni,
     async with _hung(fake_omni) as up, CaptureController(up, control_deploy, settings=FAST) as c:
         cap = await c.start([0])
         await c.stop(cap.id)
-        await _until(lambda: c.get(cap.id).verdicts)
+        await apoll(lambda: c.get(cap.id).verdicts)
         with pytest.raises(CaptureStopPending) as err:
             await c.start([0])
         fake_omni.stop_delay = 0
@@ -306,12 +299,12 @@ async def test_start_cancelled_during_its_rollback_frees_the_slot(ctl, fake_omni
     fake_omni.start_status = 500
     fake_omni.stop_delay = 1.0
     task = asyncio.create_task(ctl.start([0]))
-    await _until(lambda: bool(fake_omni.stops()))
+    await apoll(lambda: bool(fake_omni.stops()))
     cid = ctl.active.id
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await _until(lambda: ctl.active is None)
+    await apoll(lambda: ctl.active is None)
     assert (ctl.active, ctl.get(cid).state) == (None, CaptureState.failed)
 
 
@@ -564,7 +557,7 @@ async def test_corrupt_journal_file_is_set_aside(upstream, control_deploy, tmp_p
 async def test_the_baseline_is_journaled_before_the_server_is_asked_to_start(ctl, fake_omni, tmp_path):
     fake_omni.start_delay = 1.0
     task = asyncio.create_task(ctl.start([0]))
-    await _until(lambda: bool(fake_omni.starts()))
+    await apoll(lambda: bool(fake_omni.starts()))
     files = list((tmp_path / "state" / "captures").glob("*.json"))
     data = json.loads(files[0].read_text())
     await task

@@ -8,7 +8,6 @@ it (SUCCESS, no trace, /health 503), a worker dying mid-window, a stop held or h
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import pytest
 
 from sidecar.emulator.launcher import EmulatorProcess
 from tests.fixtures.emulator import emulator_state, log_offset, log_since, make_deploy
+from tests.fixtures.waits import poll
 
 TIMEOUT = 60
 
@@ -32,15 +32,6 @@ def post(emu: EmulatorProcess, path: str, body: Any = None, timeout: float = TIM
 
 def sessions(emu: EmulatorProcess) -> dict[str, list[str]]:
     return {sid: s["sessions"] for sid, s in emulator_state(emu)["stages"].items()}
-
-
-def wait_for(predicate: Any, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return bool(predicate())
 
 
 def files(folder: str) -> list[str]:
@@ -100,7 +91,7 @@ def test_dead_stage_from_the_command_line(tmp_path: Path, emulator_factory: Any)
 def test_die_after_start_acknowledges_then_leaves_an_empty_folder(emu: EmulatorProcess) -> None:
     emu.set_faults(die_after_start=0)
     started = post(emu, "/start_profile", {"stages": [0, 2]})
-    assert wait_for(lambda: not emulator_state(emu)["stages"]["0"]["alive"])
+    assert poll(lambda: not emulator_state(emu)["stages"]["0"]["alive"])
     stopped = post(emu, "/stop_profile", {"stages": [0, 2]})
     got = sessions(emu)
     assert [(r.status_code, r.json()) for r in (started, stopped)] == [(200, {"status": "SUCCESS"})] * 2
@@ -155,7 +146,7 @@ def test_stop_delay_holds_the_reply_after_workers_are_done(emu: EmulatorProcess)
     post(emu, "/start_profile", {"stages": [0]})
     emu.set_faults(stop_delay_s=3)  # long enough to be seen under load
     t, replies = _stop_in_background(emu)
-    seen = wait_for(lambda: _pending_stop_with_workers_done(emu))
+    seen = poll(lambda: _pending_stop_with_workers_done(emu))
     t.join(120)
     assert (seen, replies[0].json()) == (True, {"status": "SUCCESS"})
 
@@ -165,7 +156,7 @@ def test_hang_stop_replies_only_after_a_reset(emu: EmulatorProcess) -> None:
     emu.set_faults(hang_stop=True)
     t, replies = _stop_in_background(emu)
     # delivered (the worker stopped recording), not answered
-    assert wait_for(lambda: _pending_stop_with_workers_done(emu))
+    assert poll(lambda: _pending_stop_with_workers_done(emu))
     waiting = (t.is_alive(), list(replies))
     emu.reset()
     t.join(120)

@@ -21,6 +21,7 @@ import pytest
 
 from sidecar.emulator.launcher import EmulatorProcess
 from tests.fixtures.emulator import emulator_state, log_offset, log_since, make_deploy
+from tests.fixtures.waits import poll
 
 TIMEOUT = 60
 LLM_FOLDER = re.compile(r"^(\d{8}-\d{6})_stage0_rank0_(\d+)$")
@@ -60,19 +61,10 @@ def profiling(emu: EmulatorProcess) -> dict[str, bool]:
     return {sid: s["profiling"] for sid, s in stages(emu).items()}
 
 
-def wait_for(predicate: Any, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return bool(predicate())
-
-
 def next_second() -> None:
     """Session folders are named to the second: wait until the clock has moved to a new one."""
     now = int(time.time())
-    assert wait_for(lambda: int(time.time()) > now, timeout=5)
+    assert poll(lambda: int(time.time()) > now, timeout=5)
 
 
 def read_trace(session: Path) -> dict[str, Any]:
@@ -193,7 +185,7 @@ def test_gzip_replaces_the_trace_only_after_the_stop_reply(emu: EmulatorProcess,
     post(emu, "/stop_profile", {"stages": [2]})
     (session,) = stage_dir.iterdir()  # the disk first, before any other round trip
     at_reply = sorted(p.name for p in session.iterdir())
-    later = wait_for(lambda: not (session / "trace_rank0.json").exists() and (session / "trace_rank0.json.gz").exists())
+    later = poll(lambda: not (session / "trace_rank0.json").exists() and (session / "trace_rank0.json.gz").exists())
     assert ("trace_rank0.json" in at_reply, "trace_rank0.json.gz" in at_reply, later) == (True, False, True)
 
 
@@ -315,7 +307,7 @@ def test_llm_replicas_write_one_folder_and_the_last_trace_wins(tmp_path: Path, s
     post(e, "/stop_profile", {"stages": [0]})
     listed = sessions(e)["0"]
     on_disk = list((tmp_path / "traces" / "stage0").iterdir())
-    assert wait_for(lambda: (on_disk[0] / "trace_rank0.json.gz").exists() and not (on_disk[0] / "trace_rank0.json").exists())
+    assert poll(lambda: (on_disk[0] / "trace_rank0.json.gz").exists() and not (on_disk[0] / "trace_rank0.json").exists())
     steps = [ev for ev in read_trace(on_disk[0])["traceEvents"] if ev.get("name") == "execute_model"]
     assert (len(listed), len(on_disk), sorted(p.name for p in on_disk[0].iterdir()), len(steps)) == (
         1, 1, ["profiler_out_0.txt", "trace_rank0.json.gz"], 5)  # fmt: skip

@@ -19,7 +19,7 @@ from sidecar.control.controller import ControlSettings
 from sidecar.control.models import CaptureState, Verdict
 from sidecar.errors import FleetError, FleetInvalid, ValidationFailed
 from sidecar.fleet import Target, TargetOutcome
-from tests.fixtures.fleet import poll
+from tests.fixtures.waits import poll
 
 FAST = ControlSettings(collect_timeout_s=30, close_timeout_s=5, summarize=False)
 
@@ -45,7 +45,7 @@ def _next_second(since: float) -> None:
     """Servers name session folders by the second: a later profiled step gets its own folder
     once the clock has moved past the second the previous step ended in (a real rollout step
     takes minutes)."""
-    poll(lambda: int(time.time()) > int(since), timeout=10, what="the next wall-clock second")
+    assert poll(lambda: int(time.time()) > int(since), timeout=10), "the clock did not reach the next second"
 
 
 @pytest.mark.slow
