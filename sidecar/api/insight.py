@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse
 
 from sidecar.api.openapi import error as openapi_error
+from sidecar.api.responses import SafeJSONResponse
 from sidecar.control import artifacts
 from sidecar.errors import CaptureNotFound, CaptureNotTerminal, SummaryUnavailable
 from sidecar.scrub import Scrubber
@@ -79,10 +80,10 @@ async def capture_timeline(request: Request, capture_id: str) -> FileResponse:
 
 @router.get("/v1/captures/{a}/diff/{b}", summary="Per stage: ops and kernels by change in self CPU / device time (B - A)",
             responses=_RESPONSES)
-async def capture_diff(request: Request, a: str, b: str, top: int = Query(20, ge=1, le=500)) -> JSONResponse:
+async def capture_diff(request: Request, a: str, b: str, top: int = Query(20, ge=1, le=500)) -> SafeJSONResponse:
     from sidecar.analysis.diff import diff_paths
 
     _, pa = _traces(request, a)
     _, pb = _traces(request, b)
     result = await asyncio.to_thread(diff_paths, pa, pb, top=top, label_a=a, label_b=b)
-    return JSONResponse(_scrubber().data(result.model_dump(mode="json")))
+    return SafeJSONResponse(_scrubber().data(result.model_dump(mode="json")))

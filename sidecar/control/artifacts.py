@@ -200,7 +200,8 @@ def _digest(folder: str) -> str:
                     st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                h.update(f"{e.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+                # the name's bytes: a name that is not UTF-8 has no str encoding
+                h.update(os.fsencode(e.name) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     except OSError:
         return ""
     return h.hexdigest()
