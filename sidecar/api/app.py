@@ -41,6 +41,8 @@ from sidecar.errors import (
     StageSelectionError,
     StageSetMismatch,
     SummaryUnavailable,
+    TraceError,
+    TraceTooLarge,
     UpstreamNotReady,
     UpstreamUnreachable,
     WindowInvalid,
@@ -356,6 +358,7 @@ def create_app(
         responses={
             404: openapi_error(CaptureNotFound, SummaryUnavailable),
             409: openapi_error(CaptureNotTerminal),
+            422: openapi_error(TraceError, TraceTooLarge),
         },
     )
     async def summary(capture_id: str, top: int = Query(20, ge=1, le=500)) -> SafeJSONResponse:
