@@ -141,3 +141,29 @@ def test_a_non_utf8_folder_name_does_not_stop_the_next_start(shared: ModuleSidec
         assert "d\\xff/x\\xfe" in names
     finally:
         shutil.rmtree(os.fsdecode(sub), ignore_errors=True)
+
+
+def test_the_web_page_shows_the_name_and_downloads_the_file(web_stack: Any, open_page: Any) -> None:
+    from tests.fixtures.waits import poll
+
+    cap = httpx.post(f"{web_stack.url}/v1/captures", json={"stages": [0]}, timeout=WAIT).json()
+    traces = web_stack.deploy.parent / "traces" / "stage0"
+    assert poll(lambda: traces.is_dir() and any(p.is_dir() for p in traces.iterdir()))
+    session = max((p for p in traces.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    planted = _plant(session)
+    try:
+        web_stack.chat(1)
+        done = httpx.post(f"{web_stack.url}/v1/captures/{cap['id']}/stop", params={"wait": "true"}, timeout=WAIT).json()
+        assert done["state"] in ("completed", "degraded"), done
+        page = open_page(web_stack.url)
+        page.goto(f"/captures/{cap['id']}")
+        css_value = SHOWN.replace("\\", "\\\\")  # a backslash escapes in a CSS string
+        link = page.locator(f'#capture-stages .stage-block[data-stage="0"] a.download[download="{css_value}"]')
+        link.wait_for()
+        assert link.get_attribute("href") == f"v1/captures/{cap['id']}/files/{session.name}/{QUOTED}"
+        assert SHOWN in page.locator('#capture-stages .stage-block[data-stage="0"]').inner_text()
+        with page.expect_download() as info:
+            link.click()
+        assert Path(info.value.path()).read_bytes() == b"planted"
+    finally:
+        planted.unlink(missing_ok=True)
