@@ -104,3 +104,22 @@ def test_slim_of_unparseable_or_truncated_input_exits_1_with_the_reason(tmp_path
     code, text, exc = _cli("slim", str(src), "-o", str(out))
     assert (code, type(exc)) == (1, SystemExit), text
     assert "0 of 0 events" not in text and "trace_invalid" in text and not out.exists()
+
+
+def test_an_analysis_worker_past_its_memory_cap_is_trace_too_large_and_the_caller_lives() -> None:
+    from sidecar.analysis.isolated import run_isolated
+
+    with pytest.raises(TraceTooLarge) as err:
+        run_isolated(bytearray, 2 << 30, memory_bytes=512 << 20)  # 2 GiB asked under a 512 MB cap
+    assert "memory limit" in err.value.message
+    assert len(run_isolated(bytearray, 1 << 20)) == 1 << 20  # the next analysis runs as usual
+
+
+def test_an_error_in_the_worker_keeps_its_class(hostile_dir: Path) -> None:
+    from sidecar.analysis.isolated import run_isolated
+
+    with pytest.raises(TraceTooLarge):
+        run_isolated(summarize_trace, hostile_dir / "bomb.json.gz")
+    with pytest.raises(TraceError) as err:
+        run_isolated(summarize_trace, hostile_dir / "deep.json.gz")
+    assert type(err.value) is TraceError

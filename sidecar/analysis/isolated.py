@@ -6,12 +6,15 @@ of the threaded server) whose address space is capped with ``RLIMIT_AS`` (``memo
 default ``ANALYSIS_MEMORY_BYTES``) and returns its result. A ``SidecarError`` raised there is
 raised here as the same class; a child that runs out of memory or dies is ``TraceTooLarge``. The
 reader's own limits (``sidecar.analysis.reader``) keep a trace within far less than this; the cap
-is the second wall. Sync: call it in a thread from async code.
+is the second wall. At most ``MAX_WORKERS`` analyses run at once per process (a burst of diff
+requests waits its turn rather than multiplying the cap). Sync: call it in a thread from async code.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
+import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -22,6 +25,8 @@ from sidecar.errors import SidecarError, TraceTooLarge, class_for_code
 T = TypeVar("T")
 
 ANALYSIS_MEMORY_BYTES = 1 << 30  # address space of one analysis worker (RSS stays far below)
+MAX_WORKERS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)))
+_slots = threading.BoundedSemaphore(MAX_WORKERS)
 
 
 def _limit_memory(limit: int) -> None:
@@ -63,13 +68,15 @@ def _error(name: str, code: str, message: str, details: dict[str, Any]) -> Sidec
 def run_isolated(fn: Callable[..., T], *args: Any, memory_bytes: int = ANALYSIS_MEMORY_BYTES, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` in a memory-capped worker process (``fn`` and its arguments are
     pickled: a module-level function and plain data)."""
-    pool = ProcessPoolExecutor(max_workers=1, mp_context=_context(), initializer=_limit_memory, initargs=(memory_bytes,))
-    try:
-        status, value = pool.submit(_call, fn, args, kwargs).result()
-    except BrokenProcessPool:
-        status, value = "memory", None
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+    with _slots:
+        pool = ProcessPoolExecutor(max_workers=1, mp_context=_context(), initializer=_limit_memory,
+                                   initargs=(memory_bytes,))  # fmt: skip
+        try:
+            status, value = pool.submit(_call, fn, args, kwargs).result()
+        except BrokenProcessPool:  # killed: the kernel's OOM killer, or a crash under the cap
+            status, value = "memory", None
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
     if status == "ok":
         return value  # type: ignore[no-any-return]
     if status == "error":
@@ -81,4 +88,4 @@ def run_isolated(fn: Callable[..., T], *args: Any, memory_bytes: int = ANALYSIS_
     )
 
 
-__all__ = ["ANALYSIS_MEMORY_BYTES", "run_isolated"]
+__all__ = ["ANALYSIS_MEMORY_BYTES", "MAX_WORKERS", "run_isolated"]
