@@ -83,6 +83,11 @@ def test_a_non_utf8_name_in_a_session_folder_round_trips_and_survives_a_restart(
         assert all(f.get("name_quoted") is None for n, f in files.items() if n != SHOWN)
         download = _get(f"{url}/v1/captures/{cid}/files/{session.name}/{QUOTED}")
         assert (download.status_code, download.content) == (200, b"planted")
+        # the Python client: the name as Capture holds it (the OS's), and the download by it
+        with shared.client() as client:
+            cap = client.get_capture(cid)
+            name = next(f.name for s in cap.verdicts[0].sessions for f in s.files if f.name.startswith("notes-"))
+            assert (name, client.download(cid, f"{session.name}/{name}")) == (os.fsdecode(BAD), b"planted")
         # the journal is plain UTF-8 JSON again
         journal = shared.sidecar.state_dir / "captures" / f"{cid}.json"
         json.loads(journal.read_bytes().decode("utf-8"))

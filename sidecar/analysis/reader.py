@@ -208,8 +208,9 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _kind(mode: int) -> str | None:
-    """What a file that is not a regular one is, or None for a regular file."""
+def not_regular(mode: int) -> str | None:
+    """Why a file of this ``st_mode`` is not read (a folder, FIFO, device, socket), or None for a
+    regular file: the one wording for the reader and for ``control.artifacts.confined``."""
     if stat.S_ISREG(mode):
         return None
     if stat.S_ISDIR(mode):
@@ -296,7 +297,7 @@ class TraceReader:
         """The file, opened only once ``stat`` says it is a regular one (opening a FIFO blocks),
         and without blocking, then checked again on the open descriptor (it may have been swapped)."""
         try:
-            why = _kind(os.stat(self.path).st_mode)
+            why = not_regular(os.stat(self.path).st_mode)
             if why is not None:
                 raise self._fail(why)
             fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
@@ -306,7 +307,7 @@ class TraceReader:
             raise self._fail(f"cannot be opened ({err.strerror or err})") from None
         f = os.fdopen(fd, "rb")
         st = os.fstat(fd)
-        why = _kind(st.st_mode) or ("is empty (0 bytes); the profiler may still be writing it" if st.st_size == 0 else None)
+        why = not_regular(st.st_mode) or ("is empty (0 bytes); the profiler may still be writing it" if st.st_size == 0 else None)
         if why is not None:
             f.close()
             raise self._fail(why)

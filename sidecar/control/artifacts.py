@@ -11,11 +11,11 @@ import hashlib
 import math
 import os
 import re
-import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sidecar.analysis.reader import not_regular
 from sidecar.config.models import Stage, StageKind
 from sidecar.control.claims import ClaimRegistry
 from sidecar.control.models import ArtifactFile, SessionFolder, StageVerdict
@@ -413,10 +413,9 @@ def confined(folder: Path, relpath: str) -> tuple[Path | None, str | None]:
         return None, f"{folder.name}/{relpath} is gone"
     except (OSError, ValueError, RuntimeError) as exc:  # ENAMETOOLONG, a link loop
         return None, f"{folder.name}/{relpath} cannot be looked at ({exc})"
-    if not stat.S_ISREG(mode):
-        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) \
-            else "a socket" if stat.S_ISSOCK(mode) else "a folder" if stat.S_ISDIR(mode) else "not a regular file"
-        return None, f"{folder.name}/{relpath} is {kind}, not a trace file: skipped, never opened"
+    why = not_regular(mode)
+    if why is not None:
+        return None, f"{folder.name}/{relpath} {why}"
     return target, None
 
 
