@@ -65,6 +65,12 @@ def test_timeline_and_slim_refuse_deep_json_and_a_bomb_with_exit_1(hostile_dir: 
         assert "Traceback" not in out and ("trace_invalid" in out or "trace_too_large" in out), out
 
 
+def test_diff_cli_refuses_deep_json_and_a_bomb_with_exit_1(hostile_dir: Path) -> None:
+    code, out, exc = _cli("diff", str(hostile_dir / "deep.json.gz"), str(hostile_dir / "bomb.json.gz"))
+    assert (code, type(exc)) == (1, SystemExit), out
+    assert "[trace_invalid]" in out and "Traceback" not in out
+
+
 def test_identical_nested_events_keep_the_open_op_stack_bounded(tmp_path: Path) -> None:
     # every event inside the one before (same ts, same dur): the stack of open ops grew per event
     path = write_hostile(tmp_path, "identical", 8 << 20)
