@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 import httpx
 
+from sidecar.control import filenames
 from sidecar.control.models import Capture
 from sidecar.errors import SidecarError, class_for_code
 
@@ -141,7 +142,8 @@ class _Calls:
 
     @staticmethod
     def download(capture_id: str, relpath: str) -> _Call:
-        return _Call("GET", f"/v1/captures/{capture_id}/files/{relpath}", _content)
+        # a name that is not UTF-8 (as Capture holds it) travels as its bytes, percent-encoded
+        return _Call("GET", f"/v1/captures/{capture_id}/files/{filenames.quoted(relpath) or relpath}", _content)
 
 
 def _deadline(timeout: float | None) -> float | None:

@@ -507,6 +507,15 @@ class TraceError(SidecarError):
     http_status = 422
 
 
+class TraceTooLarge(TraceError):
+    """A trace breaks a reader limit: more decompressed JSON than the cap, no event boundary within
+    the event limit (one giant string or a body that is no list of events), a header too long, or
+    an analysis that ran out of its worker's memory. The message names the limit."""
+
+    code = "trace_too_large"
+    http_status = 422
+
+
 class SlimWindowInvalid(TraceError):
     """``slim --window`` is neither ``step:N`` nor ``START..END`` (ms), or names a missing step."""
 

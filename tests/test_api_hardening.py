@@ -77,6 +77,14 @@ async def test_a_same_host_origin_is_accepted(api: AppClient) -> None:
 # --- bounds ------------------------------------------------------------------------------------
 
 
+async def test_a_json_null_body_starts_like_no_body(api: AppClient, fake_omni: Any) -> None:
+    # the OpenAPI document allows the body to be absent; JSON null is read the same (issue 20, item 13)
+    client = await api()
+    reply = await client.post("/v1/captures", content=b"null", headers={"content-type": "application/json"})
+    assert reply.status_code == 201, reply.text
+    assert (reply.json()["stages"], [s["stages"] for s in fake_omni.starts()]) == ([0, 2], [[0, 2]])
+
+
 async def test_a_body_over_1_mib_is_413(api: AppClient) -> None:
     client = await api()
     big = b'{"label": "' + b"x" * (1024 * 1024 + 10) + b'"}'

@@ -125,12 +125,15 @@ def find_sources(paths: Iterable[str | Path | TraceSource]) -> list[TraceSource]
     return out
 
 
-def _aggregate(src: TraceSource) -> tuple[Aggregate, TraceMeta, int] | str:
-    """One file, in a worker: the aggregate, or the error message."""
+Result = tuple[Aggregate, TraceMeta, int] | TraceError
+
+
+def _aggregate(src: TraceSource) -> Result:
+    """One file, in a worker: the aggregate, or the error."""
     try:
         return aggregate_trace(src.path, stage_id=src.stage_id, replica=src.replica)
     except TraceError as err:
-        return str(err)
+        return err
 
 
 def default_workers(sources: Sequence[TraceSource]) -> int:
@@ -147,9 +150,7 @@ def default_workers(sources: Sequence[TraceSource]) -> int:
     return max(1, min(len(sources), cores))
 
 
-def aggregate_sources(
-    sources: Sequence[TraceSource], *, workers: int | None = None
-) -> list[tuple[Aggregate, TraceMeta, int] | str]:
+def aggregate_sources(sources: Sequence[TraceSource], *, workers: int | None = None) -> list[Result]:
     """Aggregate every source, in order; ``workers`` processes (default: ``default_workers``).
     The pool uses ``forkserver`` (never ``fork``: callers run event loops and threads)."""
     n = default_workers(sources) if workers is None else max(1, min(workers, len(sources)))
@@ -187,10 +188,10 @@ def _pool_context() -> Any:
     return ctx
 
 
-def _replica_stats(sources: Sequence[TraceSource], results: Sequence[tuple[Aggregate, TraceMeta, int] | str]) -> list[ReplicaStat]:
+def _replica_stats(sources: Sequence[TraceSource], results: Sequence[Result]) -> list[ReplicaStat]:
     groups: dict[tuple[int | None, int | None, int | None], Aggregate] = {}
     for src, res in zip(sources, results):
-        if isinstance(res, str):
+        if isinstance(res, TraceError):
             continue
         agg, meta, _ = res
         groups.setdefault((src.stage_id, src.replica, meta.rank), Aggregate()).merge(agg)
@@ -238,9 +239,10 @@ def summarize_paths(
 
     ``paths`` are files, folders or ``TraceSource`` (a caller that knows each file's stage and
     replica). ``workers`` processes summarise the files in parallel (default: one per file up to
-    the usable cores, 1 for small captures). Raises ``TraceError`` only when a path does not
-    exist or a folder holds no trace; a file that cannot be read is reported in ``errors`` (and
-    ``truncated`` where part of it was used).
+    the usable cores, 1 for small captures). Raises ``TraceError`` when a path does not exist, a
+    folder holds no trace, or no file at all can be read (the first file's error, its class kept:
+    ``TraceTooLarge`` for a file past the reader's limits); a file that cannot be read beside
+    readable ones is reported in ``errors`` (and ``truncated`` where part of it was used).
     """
     sources = find_sources(paths)
     results = aggregate_sources(sources, workers=workers)
@@ -249,9 +251,16 @@ def summarize_paths(
     per_file: list[TraceSummary] = []
     errors: list[str] = []
     warnings: list[str] = []
+    failed = [res for res in results if isinstance(res, TraceError)]
+    if failed and len(failed) == len(results):
+        first = failed[0]
+        raise type(first)(
+            "; ".join(str(e) for e in failed),
+            details={**first.details, "errors": [str(e) for e in failed]},
+        )
     for src, res in zip(sources, results):
-        if isinstance(res, str):
-            errors.append(res)
+        if isinstance(res, TraceError):
+            errors.append(str(res))
             continue
         agg, meta, raw = res
         ts = trace_summary(src.path, agg, meta, raw, top)

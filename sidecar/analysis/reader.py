@@ -7,12 +7,21 @@ summary needs (chosen by measurement: see docs/summaries.md). Header keys
 (``distributedInfo``, ``deviceProperties``, ...) land in ``meta``. A file that ends early sets
 ``truncated`` and ``error`` after yielding every complete event; unreadable input raises
 ``TraceError`` naming the file.
+
+Limits are part of the contract (docs/summaries.md, "Limits"): at most ``max_bytes`` of
+decompressed JSON, an event boundary at least every ``max_event_bytes``, a header (the keys
+before ``traceEvents``, leading whitespace included) of at most 1 MB, JSON nested no deeper than
+msgspec decodes. Input that breaks one raises ``TraceTooLarge`` (``trace_too_large``) or
+``TraceError`` (``trace_invalid``, nesting), so memory stays bounded by about two slices whatever
+the file holds, and time by the bytes read.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import re
+import stat
 import threading
 import zlib
 from collections.abc import Iterator
@@ -21,7 +30,7 @@ from typing import IO, Any
 
 import msgspec
 
-from sidecar.errors import TraceError
+from sidecar.errors import TraceError, TraceTooLarge
 
 try:  # ISA-L's inflate is 2-3x zlib's; same API (python-isal), optional
     from isal import isal_zlib as _inflate
@@ -33,7 +42,13 @@ _INFLATE_ERRORS: tuple[type[BaseException], ...] = (zlib.error, OSError) + (
 )
 
 CHUNK = 4 << 20  # bytes of raw JSON parsed per batch: big enough to amortise, small for RSS
-_HEADER_LIMIT = 64 << 20  # metadata before "traceEvents" larger than this is not a trace
+MAX_RAW_BYTES = 8 << 30  # decompressed JSON read from one trace (time bound: a few GB/min)
+MAX_EVENT_BYTES = 4 << 20  # no event boundary within this many bytes: not a trace we read
+_HEADER_LIMIT = 1 << 20  # metadata before "traceEvents" larger than this is not a trace
+# "}" "," "{" between two events; whitespace runs longer than _GAP between them are not Kineto's
+_BOUNDARY = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")
+_GAP = 4096
+_TAIL = 64 << 10  # bytes before the end searched first for the last boundary
 _WS = b" \t\r\n"
 _PYFN = b'"cat": "python_function"'
 
@@ -99,8 +114,8 @@ class _GunzipStream:
     a cut-off end are kept (``gzip.GzipFile.read`` drops them when it raises). ``truncated`` is set
     at such an end."""
 
-    def __init__(self, path: Path, raw_chunk: int = 1 << 20) -> None:
-        self._f = open(path, "rb")
+    def __init__(self, f: IO[bytes], raw_chunk: int = 1 << 20) -> None:
+        self._f = f
         self._d = _inflate.decompressobj(wbits=31)
         self._raw_chunk = raw_chunk
         self.truncated = False
@@ -193,18 +208,34 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _is_gzip(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(2) == b"\x1f\x8b"
+def not_regular(mode: int) -> str | None:
+    """Why a file of this ``st_mode`` is not read (a folder, FIFO, device, socket), or None for a
+    regular file: the one wording for the reader and for ``control.artifacts.confined``."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a folder, not a trace file"
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
+        "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+    return f"is {kind}, not a trace file: not read"
 
 
 class TraceReader:
     """One pass over one trace file. Not reusable: call ``batches()`` once."""
 
     def __init__(
-        self, path: str | Path, *, chunk_size: int = CHUNK, read_ahead: bool | None = None, skip_python: bool = False
+        self,
+        path: str | Path,
+        *,
+        chunk_size: int = CHUNK,
+        read_ahead: bool | None = None,
+        skip_python: bool = False,
+        max_bytes: int = MAX_RAW_BYTES,
+        max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
         self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.max_event_bytes = max_event_bytes
         # a read-ahead thread pays off only with a second core to run on
         self.read_ahead = _cores() > 1 if read_ahead is None else read_ahead
         # Python stack events (with_stack) are often most of a trace and no summary needs them:
@@ -225,6 +256,9 @@ class TraceReader:
     def _fail(self, what: str) -> TraceError:
         return TraceError(f"{self.path}: {what}", details={"file": str(self.path)})
 
+    def _too_large(self, what: str, limit: int) -> TraceTooLarge:
+        return TraceTooLarge(f"{self.path}: {what}", details={"file": str(self.path), "limit_bytes": limit})
+
     def _read(self) -> bytes:
         """Next chunk of decompressed bytes; b"" at the end. A broken gzip stream ends the input
         and marks it truncated (the bytes before the break are still used)."""
@@ -243,6 +277,13 @@ class TraceReader:
             if getattr(self._f, "truncated", False):
                 self._truncate("gzip stream ends early (file truncated while being written or copied?)")
         self.raw_bytes += len(data)
+        if self.raw_bytes > self.max_bytes:
+            self._eof = True
+            raise self._too_large(
+                f"more than {_mb(self.max_bytes)} of JSON (decompressed); the reader stops there. "
+                "Summarise a smaller window (omni-sidecar slim) or a shorter capture",
+                self.max_bytes,
+            )
         return data
 
     def _truncate(self, why: str) -> None:
@@ -252,14 +293,35 @@ class TraceReader:
 
     # --- parsing -----------------------------------------------------------------------------
 
+    def _open(self) -> IO[bytes]:
+        """The file, opened only once ``stat`` says it is a regular one (opening a FIFO blocks),
+        and without blocking, then checked again on the open descriptor (it may have been swapped)."""
+        try:
+            why = not_regular(os.stat(self.path).st_mode)
+            if why is not None:
+                raise self._fail(why)
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise self._fail("no such file") from None
+        except OSError as err:
+            raise self._fail(f"cannot be opened ({err.strerror or err})") from None
+        f = os.fdopen(fd, "rb")
+        st = os.fstat(fd)
+        why = not_regular(st.st_mode) or ("is empty (0 bytes); the profiler may still be writing it" if st.st_size == 0 else None)
+        if why is not None:
+            f.close()
+            raise self._fail(why)
+        return f
+
     def batches(self) -> Iterator[list[TraceEvent]]:
-        if not self.path.exists():
-            raise self._fail("no such file")
-        if self.path.is_dir():
-            raise self._fail("is a folder, not a trace file")
-        if self.path.stat().st_size == 0:
-            raise self._fail("is empty (0 bytes); the profiler may still be writing it")
-        src: Any = _GunzipStream(self.path) if _is_gzip(self.path) else open(self.path, "rb")
+        f = self._open()
+        try:
+            gz = f.read(2) == b"\x1f\x8b"
+            f.seek(0)
+        except OSError as err:
+            f.close()
+            raise self._fail(f"cannot be read ({err.strerror or err})") from None
+        src: Any = _GunzipStream(f) if gz else f
         self._f = _ReadAhead(src, self.chunk_size) if self.read_ahead else src
         try:
             yield from self._batches()
@@ -268,8 +330,12 @@ class TraceReader:
 
     def _batches(self) -> Iterator[list[TraceEvent]]:
         buf = self._read()
-        while not self._eof and len(buf.lstrip(_WS)) == 0:
-            buf += self._read()
+        blank = 0  # whitespace chunks dropped before the first JSON byte
+        while not self._eof and not buf.lstrip(_WS):
+            blank += len(buf)
+            if blank > _HEADER_LIMIT:
+                raise self._too_large(f"starts with more than {_mb(_HEADER_LIMIT)} of whitespace", _HEADER_LIMIT)
+            buf = self._read()
         stripped = buf.lstrip(_WS)
         if not stripped:
             if self.truncated:
@@ -295,6 +361,8 @@ class TraceReader:
                     rest = buf[j:].lstrip(_WS)
                     if len(rest) >= 2 or self._eof:
                         break
+                    if len(buf) - j > _HEADER_LIMIT:
+                        raise self._too_large(f"more than {_mb(_HEADER_LIMIT)} of whitespace after 'traceEvents'", _HEADER_LIMIT)
                     buf += self._read()
                 rest = buf[j:].lstrip(_WS)
                 if rest[:1] == b":" and rest[1:].lstrip(_WS)[:1] == b"[":
@@ -304,12 +372,18 @@ class TraceReader:
                     if head:
                         try:
                             self.meta.update(_DECODE_ANY(b"{" + head + b"}"))
-                        except _JSONError:
+                        except (_JSONError, RecursionError, TypeError, ValueError):
                             pass  # metadata is a nicety; the events are what matter
                     self._buf = buf
                     return pos
-            if self._eof or len(buf) > _HEADER_LIMIT:
+            if self._eof:
                 break
+            if len(buf) > _HEADER_LIMIT:
+                raise self._too_large(
+                    f"no 'traceEvents' array in its first {_mb(_HEADER_LIMIT)} (not a Chrome trace, or a header "
+                    "far larger than Kineto writes)",
+                    _HEADER_LIMIT,
+                )
             buf += self._read()
         # No traceEvents array: say what the file is instead.
         if self.truncated:
@@ -318,30 +392,40 @@ class TraceReader:
             doc = _DECODE_ANY(buf)
         except _JSONError as err:
             raise self._fail(f"is not valid JSON ({err})") from None
+        except RecursionError:
+            raise self._deep() from None
         keys = ", ".join(list(doc)[:6]) if isinstance(doc, dict) else type(doc).__name__
         raise self._fail(f"is JSON but not a Chrome trace: no 'traceEvents' array (top-level keys: {keys})")
 
     @staticmethod
-    def _last_boundary(data: bytes, end: int) -> int:
+    def _last_boundary(data: bytes | bytearray, end: int) -> int:
         """Index just past the last ``}`` before ``end`` that is followed by ``,`` and ``{``
-        (an event boundary in the array), or -1."""
-        i = data.rfind(b"}", 0, end)
-        while i >= 0:
-            k = i + 1
-            n = len(data)
-            while k < n and data[k] in _WS:
-                k += 1
-            if k < n and data[k] == 0x2C:  # ','
-                k += 1
-                while k < n and data[k] in _WS:
-                    k += 1
-                if k < n and data[k] == 0x7B:  # '{'
-                    return i + 1
-            i = data.rfind(b"}", 0, i)
-        return -1
+        (an event boundary in the array), or -1. The regex runs in C: a run of ``}`` or of
+        whitespace costs one linear scan, not a Python loop per byte. The last ``_TAIL`` bytes
+        are searched first (where a boundary almost always is), then the rest."""
+        stop = min(len(data), end + _GAP)
+        lo = max(0, end - _TAIL)
+        while True:
+            last = -1
+            for m in _BOUNDARY.finditer(data, lo, stop):
+                if m.start() >= end:
+                    break
+                last = m.start() + 1
+            if last >= 0 or lo == 0:
+                return last
+            stop, lo = min(len(data), lo + _GAP), 0
+
+    def _deep(self) -> TraceError:
+        return self._fail("nests JSON deeper than the decoder allows (about 1000 levels); Kineto writes 3 or 4")
 
     def _decode_doc(self, doc: Any) -> list[Any]:
         """A whole JSON array of events (bytes or a memoryview) → events."""
+        try:
+            return self._decode(doc)
+        except RecursionError:
+            raise self._deep() from None
+
+    def _decode(self, doc: Any) -> list[Any]:
         try:
             return _DECODE(doc)
         except msgspec.ValidationError:  # valid JSON, odd field types: take the slow path
@@ -369,8 +453,15 @@ class TraceReader:
                 yield from self._finish(bytes(buf))
                 return
             events, used = self._parse_in_place(buf)
-            if used == 0:
-                continue  # no complete boundary yet (one very large event): read more
+            if used == 0:  # no complete boundary yet (one very large event): read more, within the limit
+                if len(buf) > self.max_event_bytes + self.chunk_size:
+                    raise self._too_large(
+                        f"no event boundary within {_mb(self.max_event_bytes)} after byte "
+                        f"{self.raw_bytes - len(buf)} (one value larger than that, or traceEvents is not "
+                        "a list of event objects)",
+                        self.max_event_bytes,
+                    )
+                continue
             del buf[:used]
             if events:
                 self.events_read += len(events)
@@ -443,20 +534,8 @@ class TraceReader:
     @staticmethod
     def _next_boundary(data: bytearray, start: int, end: int) -> int:
         """Index just past the first ``}`` after ``start`` followed by ``,`` and ``{``, or -1."""
-        i = data.find(b"}", start, end)
-        n = len(data)
-        while i >= 0:
-            k = i + 1
-            while k < n and data[k] in _WS:
-                k += 1
-            if k < n and data[k] == 0x2C:
-                k += 1
-                while k < n and data[k] in _WS:
-                    k += 1
-                if k < n and data[k] == 0x7B:
-                    return i + 1
-            i = data.find(b"}", i + 1, end)
-        return -1
+        m = _BOUNDARY.search(data, start, min(len(data), end + _GAP))
+        return m.start() + 1 if m is not None and m.start() < end else -1
 
     def _finish(self, data: bytes) -> Iterator[list[TraceEvent]]:
         """The rest of the file: last events, ``]``, then the trailing keys (``traceName``)."""
@@ -475,7 +554,7 @@ class TraceReader:
                     extra = _DECODE_ANY(b"{" + tail[1:])
                     if isinstance(extra, dict):
                         self.meta.update(extra)
-                except _JSONError:
+                except (_JSONError, RecursionError):
                     self._truncate("trailing keys after traceEvents are cut off")
             elif tail not in (b"}", b"") and not self.truncated:
                 self._truncate("unexpected text after the traceEvents array")
@@ -503,8 +582,12 @@ class RawTraceReader(TraceReader):
     def __init__(self, path: str | Path, *, chunk_size: int = 1 << 20, read_ahead: bool | None = None) -> None:
         super().__init__(path, chunk_size=chunk_size, read_ahead=read_ahead)
 
-    def _decode_doc(self, doc: Any) -> list[Any]:
+    def _decode(self, doc: Any) -> list[Any]:
         return [e for e in _DECODE_ANY(doc) if isinstance(e, dict)]
+
+
+def _mb(n: int) -> str:
+    return f"{n / (1 << 20):,.0f} MB" if n < 1 << 30 else f"{n / (1 << 30):,.0f} GB"
 
 
 def read_header(path: str | Path) -> dict[str, Any]:

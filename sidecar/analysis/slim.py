@@ -45,11 +45,14 @@ class SlimReport:
 
 
 def _scan(path: Path) -> tuple[float | None, float | None, dict[int, tuple[float, float]], int]:
-    """First pass, typed and fast: first and last timestamp, ProfilerStep#N spans, raw bytes."""
+    """First pass, typed and fast: first and last timestamp, ProfilerStep#N spans, raw bytes.
+    ``TraceError`` for a trace cut short or holding no event: a copy of it would hide that."""
     reader = TraceReader(path)
     first = last = None
     steps: dict[int, tuple[float, float]] = {}
+    events = 0
     for batch in reader.batches():
+        events += len(batch)
         for e in batch:
             if e.ph == "M":
                 continue
@@ -64,6 +67,12 @@ def _scan(path: Path) -> tuple[float | None, float | None, dict[int, tuple[float
                     steps[int(e.name[len("ProfilerStep#"):])] = (ts, te)
                 except ValueError:
                     pass
+    if reader.truncated:
+        raise TraceError(f"{reader.error}; slim copies whole traces only: nothing written",
+                         details={"file": str(path)})
+    if events == 0:
+        raise TraceError(f"{path}: holds no trace event (an empty or non-event traceEvents array): nothing to slim",
+                         details={"file": str(path)})
     return first, last, steps, reader.raw_bytes
 
 

@@ -5,6 +5,10 @@ CPU op ``External id`` (so GPU time and CUDA API calls can be charged to the op 
 them, as torch's key_averages does), and per device a sorted block of at most 64k intervals.
 A trace's devices are keyed by (stage, replica, rank, device): every stage process calls its own
 GPU ``cuda:0``, so the device number alone would add different GPUs together.
+
+Every one of those is capped (names, threads, open ops per thread, devices and streams, sparse
+ids), so a hostile file of unique names or ever-nested ops cannot grow them without bound: what
+passes a cap is counted in an overflow row or left out, and ``limits`` says which cap was hit.
 """
 
 from __future__ import annotations
@@ -45,7 +49,17 @@ _RANK_IN_NAME = re.compile(r"^trace_rank(\d+)\.json")
 _EPS = 5e-4  # µs: timestamps carry ns precision; float sums must not un-nest siblings
 _BLOCK = 65536  # device intervals merged per sorted block
 _OVERHEAD_GAP = 200.0  # µs between a CUPTI buffer request and the API call that caused it
-_OVERHEAD_LIMIT = 1 << 20  # overhead events kept for placement (a few per trace in practice)
+_OVERHEAD_LIMIT = 1 << 16  # overhead events kept for placement (a few per trace in practice)
+# Caps that only a hostile or broken trace reaches (a real one has thousands of names, tens of
+# threads, a call depth of tens, a handful of devices)
+_MAX_ROWS = 200_000  # distinct names, all tables together
+_MAX_NAME_BYTES = 32 << 20  # characters of those names
+_MAX_THREADS = 4096
+_MAX_KEY_CHARS = 256  # a pid/tid string longer than this is not a thread id
+_MAX_OPEN = 1024  # open ops on one thread's stack
+_MAX_DEVICES = 256  # (device, stream) pairs and devices
+_MAX_SPARSE_IDS = 1 << 18
+OTHER_NAMES = "(other names: too many distinct names in this trace)"
 _EXT_DENSE_LIMIT = 1 << 23  # External ids above this go to a dict (the array stays <= 32 MB)
 _UNSET = array("i", [-1])
 TOO_BIG_BYTES = 200_000_000  # raw JSON above this: warn that Perfetto's UI may not open it
@@ -139,21 +153,68 @@ class Aggregate:
         self._ov: list[list[Any]] = []
         self._busy: dict[int, _DeviceBusy] = {}
         self._stream_of: dict[tuple[int, int], list[float]] = {}
+        self._block = _BLOCK  # pending intervals per device before a flush: _BLOCK over all devices
+        self._names = 0  # distinct names in the tables
+        self._name_bytes = 0
+        self.limits: list[str] = []  # caps this trace hit (see the module docstring)
+
+    def _limit(self, what: str) -> None:
+        if what not in self.limits:
+            self.limits.append(what)
+
+    def _room_for(self, name: str) -> bool:
+        """Whether one more distinct name fits the caps (else it is counted under OTHER_NAMES)."""
+        if self._names < _MAX_ROWS and self._name_bytes + len(name) <= _MAX_NAME_BYTES:
+            self._names += 1
+            self._name_bytes += len(name)
+            return True
+        self._limit(f"more than {_MAX_ROWS:,} distinct names or {_MAX_NAME_BYTES >> 20} MB of them: the rest counted as {OTHER_NAMES!r}")
+        return False
 
     # --- one trace ---------------------------------------------------------------------------
 
     def _new_row(self, table: dict[str, list[Any]], name: str) -> list[Any]:
+        if not self._room_for(name):
+            name = OTHER_NAMES
+            if name in table:
+                return table[name]
         row = table[name] = [name, 0, 0.0, 0.0, 0.0, len(self._rows)]
         self._rows.append(row)
         return row
+
+    def _new_gpu_row(self, table: dict[str, list[Any]], name: str) -> list[Any]:
+        if not self._room_for(name):
+            name = OTHER_NAMES
+            if name in table:
+                return table[name]
+        row = table[name] = [name, 0, 0.0, 0.0, 0.0, -1]
+        return row
+
+    def _new_thread(self, key: tuple[Any, Any], ts: float) -> list[Any]:
+        if len(self._stacks) >= _MAX_THREADS or any(isinstance(k, str) and len(k) > _MAX_KEY_CHARS for k in key):
+            self._limit(f"more than {_MAX_THREADS:,} threads (or a thread id of over {_MAX_KEY_CHARS} characters): "
+                        "their ops share one stack")
+            key = (None, None)
+            if key in self._stacks:
+                return self._stacks[key]
+        th = self._stacks[key] = [ts, []]
+        return th
+
+    def _device_slot(self, dev: int, stream: int) -> tuple[int, int]:
+        if len(self._stream_of) < _MAX_DEVICES:
+            return dev, stream
+        self._limit(f"more than {_MAX_DEVICES} device streams: the rest counted as device -1, stream -1")
+        return -1, -1
 
     def _remember_slow(self, ext: int, pos: int) -> None:
         if 0 <= ext < _EXT_DENSE_LIMIT:
             ext_arr = self._ext
             ext_arr.extend(_UNSET * max(ext + 1 - len(ext_arr), len(ext_arr) // 4 + 1024))
             ext_arr[ext] = pos
-        else:
+        elif len(self._ext_sparse) < _MAX_SPARSE_IDS:
             self._ext_sparse[ext] = pos
+        else:
+            self._limit(f"more than {_MAX_SPARSE_IDS:,} External ids above {_EXT_DENSE_LIMIT:,}: later ones not linked")
 
     def _launcher(self, ext: int | None) -> list[Any] | None:
         if ext is None or ext <= 0:
@@ -222,7 +283,7 @@ class Aggregate:
                 key = (e.pid, e.tid)
                 th = stacks.get(key)  # [start of the last op seen, open ops as (end, row)]
                 if th is None:
-                    th = stacks[key] = [ts, []]
+                    th = self._new_thread(key, ts)
                 elif ts < th[0] - _EPS:
                     self.out_of_order += 1
                 th[0] = ts
@@ -231,7 +292,10 @@ class Aggregate:
                     st.pop()
                 if st:
                     st[-1][1][3] -= dur  # a child's time is not its parent's self time
-                st.append((te, row))
+                if len(st) < _MAX_OPEN:
+                    st.append((te, row))
+                else:  # deeper than any real call stack: not a parent
+                    self._limit(f"more than {_MAX_OPEN} open ops on one thread: deeper ones are nobody's parent")
                 a = e.args
                 if a is not None:
                     x = a.external_id
@@ -250,7 +314,7 @@ class Aggregate:
                 name = e.name
                 row = table.get(name)
                 if row is None:
-                    row = table[name] = [name, 0, 0.0, 0.0, 0.0, -1]
+                    row = self._new_gpu_row(table, name)
                 row[1] += 1
                 row[2] += dur
                 a = e.args
@@ -272,15 +336,20 @@ class Aggregate:
                 sk = (dev, stream)
                 s = stream_of.get(sk)
                 if s is None:
-                    s = stream_of[sk] = [0, 0.0]
+                    sk = self._device_slot(dev, stream)
+                    dev = sk[0]
+                    s = stream_of.get(sk)
+                    if s is None:
+                        s = stream_of[sk] = [0, 0.0]
                 s[0] += 1
                 s[1] += dur
                 busy = busy_of.get(dev)
                 if busy is None:
                     busy = busy_of[dev] = _DeviceBusy()
+                    self._block = max(1024, _BLOCK // len(busy_of))
                 pend = busy.pending
                 pend.append((ts, te))
-                if len(pend) >= _BLOCK:
+                if len(pend) >= self._block:
                     busy.flush()
             elif cat in _RUNTIME_CATS:
                 ts = e.ts
@@ -360,6 +429,10 @@ class Aggregate:
             mine = self.tables[cat]
             for name, row in table.items():
                 m = mine.get(name)
+                if m is None and not self._room_for(name):
+                    m = mine.get(OTHER_NAMES)
+                    if m is None:
+                        m = mine[OTHER_NAMES] = [OTHER_NAMES, 0, 0.0, 0.0, 0.0, -1]
                 if m is None:
                     mine[name] = list(row)
                 else:
@@ -392,6 +465,7 @@ class Aggregate:
         self.truncated = self.truncated or other.truncated
         self.errors += other.errors
         self.files += other.files
+        self.limits += [w for w in other.limits if w not in self.limits]
 
     def body(self, top: int) -> dict[str, Any]:
         """The fields of ``SummaryBody``, tables cut to the ``top`` rows by time."""
@@ -543,6 +617,7 @@ def aggregate_trace(
 def trace_summary(path: str | Path, agg: Aggregate, meta: TraceMeta, raw: int, top: int) -> TraceSummary:
     """The ``TraceSummary`` of one aggregated file, with the too-big warning where it applies."""
     summary = TraceSummary(file=str(path), bytes_raw=raw, meta=meta, stage_id=agg.stage_id, replica=agg.replica, **agg.body(top))
+    summary.warnings += [f"{path}: {what}" for what in agg.limits]
     if raw > TOO_BIG_BYTES:
         summary.too_big = True
         summary.slim_command = slim_command(path)

@@ -23,6 +23,7 @@ from sidecar.errors import TraceError
 _FLOW_PHASES = frozenset({"s", "t", "f"})
 _FLOW_ID_STRIDE = 1 << 40  # source k's flow ids move by k × this, so they never meet
 _DROPPED_META = frozenset({"process_name", "process_labels", "process_sort_index"})
+_MAX_THREADS = 65536  # (pid, tid) pairs mapped per source; more only in a hostile file
 
 
 @dataclass
@@ -84,6 +85,8 @@ class _SourceRewriter:
         key = (pid, tid)
         t = self.tids.get(key)
         if t is None:
+            if len(self.tids) >= _MAX_THREADS:  # a hostile file of unique ids: one shared thread
+                return _MAX_THREADS + 1
             t = self.tids[key] = len(self.tids) + 1
         return t
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal, Optional
+from urllib.parse import unquote_to_bytes
 
-from fastapi import Body, Depends, FastAPI, Query, Response
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi import Body, Depends, FastAPI, Query, Request, Response
+from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 
 import sidecar
@@ -25,7 +27,9 @@ from sidecar.api.insight import router as insight_router
 from sidecar.api.guard import RequestGuard
 from sidecar.api.metrics import Metrics, MetricsMiddleware
 from sidecar.api.openapi import ERROR_RESPONSES, install_docs, responses
+from sidecar.api.responses import SafeJSONResponse
 from sidecar.config.models import DeployConfig
+from sidecar.control import filenames
 from sidecar.control.models import Capture, CaptureState
 from sidecar.api.openapi import error as openapi_error
 from sidecar.errors import (
@@ -37,6 +41,8 @@ from sidecar.errors import (
     StageSelectionError,
     StageSetMismatch,
     SummaryUnavailable,
+    TraceError,
+    TraceTooLarge,
     UpstreamNotReady,
     UpstreamUnreachable,
     WindowInvalid,
@@ -103,6 +109,18 @@ def _describe_kinds(app: FastAPI, deploy: Any) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+def _raw_relpath(request: Request, capture_id: str, relpath: str) -> str:
+    """``relpath`` as the bytes the client sent: the server decodes a URL's ``%FF`` to U+FFFD, so a
+    file name that is not UTF-8 (listed with its ``name_quoted``) is taken from the raw path."""
+    raw = request.scope.get("raw_path")
+    if not isinstance(raw, bytes) or "\ufffd" not in relpath:
+        return relpath
+    head = f"/v1/captures/{capture_id}/files/".encode()
+    path = unquote_to_bytes(raw.split(b"?", 1)[0])
+    at = path.find(head)
+    return os.fsdecode(path[at + len(head):]) if at >= 0 else relpath
+
+
 class CompatProfileRequest(BaseModel):
     """The upstream server's body for ``/start_profile`` and ``/stop_profile``."""
 
@@ -167,8 +185,8 @@ def create_app(
     def capture_json(cap: Capture) -> dict[str, Any]:
         return scrubber.data(cap.model_dump(mode="json"))
 
-    def capture_response(cap: Capture, status: int = 200) -> JSONResponse:
-        return JSONResponse(capture_json(cap), status_code=status)
+    def capture_response(cap: Capture, status: int = 200) -> SafeJSONResponse:
+        return SafeJSONResponse(capture_json(cap), status_code=status)
 
     # --- health --------------------------------------------------------------------------
 
@@ -205,7 +223,7 @@ def create_app(
                 ),
                 scrubber=scrubber,
             )
-        return JSONResponse(
+        return SafeJSONResponse(
             scrubber.data({"status": "ready", "upstream": upstream.base_url, "profiler_mounted": probe.profiler_mounted})
         )
 
@@ -253,19 +271,20 @@ def create_app(
         responses={**responses("mutating", "start"), 422: openapi_error(RequestInvalid, StageSelectionError, WindowInvalid),
                    503: openapi_error(UpstreamUnreachable, SidecarClosing)},
     )
-    async def start_capture(req: CaptureRequest = Body(default_factory=CaptureRequest)) -> JSONResponse:
+    async def start_capture(req: CaptureRequest = Body(default_factory=CaptureRequest)) -> SafeJSONResponse:
         cap = await controller.start(
             req.stages, label=req.label, duration_s=req.duration_s, lease_s=req.lease_s, kind=req.kind
         )
         return capture_response(cap, 201)
 
-    @app.get("/v1/captures", tags=["captures"], summary="Captures, newest first (survives restarts), a page at a time")
+    @app.get("/v1/captures", tags=["captures"], summary="Captures, newest first (survives restarts), a page at a time",
+             response_model=dict[str, Any])
     async def list_captures(
         limit: int = Query(100, ge=1, le=1000, description="at most this many captures"),
         before: Optional[str] = Query(
             None, max_length=128, description="only captures older than this capture id (the previous page's next_before)"
         ),
-    ) -> dict[str, Any]:
+    ) -> SafeJSONResponse:
         caps = controller.list()
         if before is not None:
             ref = next((c for c in caps if c.id == before), None)
@@ -276,7 +295,9 @@ def create_app(
                 caps = [c for c in caps if c.id < before]
         page = caps[:limit]
         more = len(caps) > limit
-        return {"captures": [capture_json(c) for c in page], "next_before": page[-1].id if more and page else None}
+        return SafeJSONResponse(
+            {"captures": [capture_json(c) for c in page], "next_before": page[-1].id if more and page else None}
+        )
 
     @app.get(
         "/v1/captures/{capture_id}",
@@ -284,7 +305,7 @@ def create_app(
         summary="One capture: state, verdicts, files",
         responses=responses("capture"),
     )
-    async def get_capture(capture_id: str) -> JSONResponse:
+    async def get_capture(capture_id: str) -> SafeJSONResponse:
         return capture_response(controller.get(capture_id))
 
     @app.post(
@@ -299,7 +320,7 @@ def create_app(
         capture_id: str,
         wait: bool = Query(False, description="block until the capture is terminal"),
         timeout: float | None = Query(None, gt=0, description="with wait: give up waiting after this many seconds"),
-    ) -> JSONResponse:
+    ) -> SafeJSONResponse:
         # stopping a capture that is already stopping or finished returns it unchanged
         cap = await controller.stop(capture_id)
         if wait and not cap.terminal:
@@ -313,7 +334,7 @@ def create_app(
         summary="Extend the capture's lease",
         responses={**responses("mutating", "capture"), 409: openapi_error(CaptureStateError)},
     )
-    async def heartbeat(capture_id: str) -> JSONResponse:
+    async def heartbeat(capture_id: str) -> SafeJSONResponse:
         return capture_response(await controller.heartbeat(capture_id))
 
     @app.get(
@@ -326,9 +347,9 @@ def create_app(
         },
         response_class=FileResponse,
     )
-    async def download(capture_id: str, relpath: str) -> FileResponse:
-        path = controller.artifact_path(capture_id, relpath)
-        return FileResponse(path, filename=path.name)
+    async def download(request: Request, capture_id: str, relpath: str) -> FileResponse:
+        path = controller.artifact_path(capture_id, _raw_relpath(request, capture_id, relpath))
+        return FileResponse(path, filename=filenames.shown(path.name))
 
     @app.get(
         "/v1/captures/{capture_id}/summary",
@@ -337,10 +358,11 @@ def create_app(
         responses={
             404: openapi_error(CaptureNotFound, SummaryUnavailable),
             409: openapi_error(CaptureNotTerminal),
+            422: openapi_error(TraceError, TraceTooLarge),
         },
     )
-    async def summary(capture_id: str, top: int = Query(20, ge=1, le=500)) -> JSONResponse:
-        return JSONResponse(scrubber.data(await controller.summarize(capture_id, top=top)))
+    async def summary(capture_id: str, top: int = Query(20, ge=1, le=500)) -> SafeJSONResponse:
+        return SafeJSONResponse(scrubber.data(await controller.summarize(capture_id, top=top)))
 
     # --- compat: the upstream's own endpoints, with the sidecar's safety -------------------
 
@@ -352,9 +374,9 @@ def create_app(
         responses={**responses("mutating", "start"), 422: openapi_error(RequestInvalid, StageSelectionError),
                    503: openapi_error(UpstreamUnreachable, SidecarClosing)},
     )
-    async def compat_start(body: CompatProfileRequest | None = Body(default=None)) -> JSONResponse:
+    async def compat_start(body: CompatProfileRequest | None = Body(default=None)) -> SafeJSONResponse:
         cap = await controller.start(body.stages if body else None, label="compat")
-        return JSONResponse({"status": "SUCCESS", "capture_id": cap.id, "capture": capture_json(cap)})
+        return SafeJSONResponse({"status": "SUCCESS", "capture_id": cap.id, "capture": capture_json(cap)})
 
     @app.post(
         "/stop_profile",
@@ -363,13 +385,13 @@ def create_app(
         summary="Upstream-compatible stop: stops the active capture and waits until its traces are checked",
         responses={**responses("mutating"), 409: openapi_error(StageSetMismatch)},
     )
-    async def compat_stop(body: CompatStopRequest | None = Body(default=None)) -> JSONResponse:
+    async def compat_stop(body: CompatStopRequest | None = Body(default=None)) -> SafeJSONResponse:
         cap = await controller.stop_active(body.stages if body else None)
         if cap is None:
             # the upstream answers SUCCESS to a stop without a start; so do we, and say so
-            return JSONResponse({"status": "SUCCESS", "capture_id": None, "capture": None})
+            return SafeJSONResponse({"status": "SUCCESS", "capture_id": None, "capture": None})
         status = "SUCCESS" if cap.state is CaptureState.completed else cap.state.value.upper()
-        return JSONResponse({"status": status, "capture_id": cap.id, "capture": capture_json(cap)})
+        return SafeJSONResponse({"status": status, "capture_id": cap.id, "capture": capture_json(cap)})
 
     @app.get(
         "/metrics",

@@ -10,9 +10,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sidecar.api.responses import SafeJSONResponse
 from sidecar.errors import (
     AuthError,
     BodyTooLarge,
@@ -45,7 +45,7 @@ def error_response(
     scrubber: Scrubber | None = None,
     status: int | None = None,
     headers: dict[str, str] | None = None,
-) -> JSONResponse:
+) -> SafeJSONResponse:
     """The reply for ``err``: its body, and its class's status unless ``status`` overrides it."""
     payload = err.to_dict()
     body = error_body(payload["code"], payload["message"], payload["details"])
@@ -53,7 +53,7 @@ def error_response(
         body = scrubber.data(body)
     if isinstance(err, AuthError):
         headers = {"WWW-Authenticate": "Bearer", **(headers or {})}
-    return JSONResponse(body, status_code=status or err.http_status, headers=headers)
+    return SafeJSONResponse(body, status_code=status or err.http_status, headers=headers)
 
 
 def status_table() -> list[tuple[int, str, str]]:
@@ -76,11 +76,11 @@ def _methods_of(request: Request) -> list[str]:
 def install_error_handlers(app: FastAPI, scrubber: Scrubber) -> None:
     """Every error leaves as ``{"error": {...}}``; clients never see FastAPI's ``{"detail": ...}``."""
 
-    async def sidecar_error(_: Request, err: Exception) -> JSONResponse:
+    async def sidecar_error(_: Request, err: Exception) -> SafeJSONResponse:
         assert isinstance(err, SidecarError)
         return error_response(err, scrubber=scrubber)
 
-    async def validation_error(_: Request, err: Exception) -> JSONResponse:
+    async def validation_error(_: Request, err: Exception) -> SafeJSONResponse:
         assert isinstance(err, RequestValidationError)
         errors = [
             {"loc": list(e.get("loc", ())), "msg": e.get("msg", ""), "type": e.get("type", "")}
@@ -96,7 +96,7 @@ def install_error_handlers(app: FastAPI, scrubber: Scrubber) -> None:
             scrubber=scrubber,
         )
 
-    async def http_error(request: Request, err: Exception) -> JSONResponse:
+    async def http_error(request: Request, err: Exception) -> SafeJSONResponse:
         assert isinstance(err, StarletteHTTPException)
         message = err.detail if isinstance(err.detail, str) else "request failed"
         if err.status_code == 404 and message == "Not Found":
@@ -111,7 +111,7 @@ def install_error_handlers(app: FastAPI, scrubber: Scrubber) -> None:
         cls = _HTTP_ERRORS.get(err.status_code, RequestError)
         return error_response(cls(message), scrubber=scrubber, status=err.status_code, headers=headers or None)
 
-    async def unexpected(_: Request, err: Exception) -> JSONResponse:
+    async def unexpected(_: Request, err: Exception) -> SafeJSONResponse:
         # a bug: logged with its traceback by uvicorn; the client gets the shape, not the trace
         return error_response(
             InternalError(f"internal error ({type(err).__name__}); see the sidecar log"), scrubber=scrubber

@@ -3,7 +3,8 @@
 ``GET /v1/captures/{id}/timeline`` streams one Perfetto trace of every stage/replica/rank of a
 terminal capture (built once, kept beside the journal's summary); ``GET /v1/captures/{a}/diff/{b}``
 compares two terminal captures per stage. Thin: the controller finds the capture and its traces
-(``sidecar.control.artifacts.trace_paths``); the analysis layer does the rest, in a thread.
+(``sidecar.control.artifacts.trace_paths``); the analysis layer does the rest, in a memory-capped
+worker process (``sidecar.analysis.isolated``), so a hostile trace cannot take the server down.
 """
 
 from __future__ import annotations
@@ -15,19 +16,22 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse
 
+from sidecar.analysis.isolated import run_isolated
 from sidecar.api.openapi import error as openapi_error
+from sidecar.api.responses import SafeJSONResponse
 from sidecar.control import artifacts
-from sidecar.errors import CaptureNotFound, CaptureNotTerminal, SummaryUnavailable
+from sidecar.errors import CaptureNotFound, CaptureNotTerminal, SummaryUnavailable, TraceError, TraceTooLarge
 from sidecar.scrub import Scrubber
 
 router = APIRouter(tags=["captures"])
 
-# what _traces raises, for the OpenAPI document
+# what _traces and the analyses raise, for the OpenAPI document
 _RESPONSES: dict[int | str, dict[str, Any]] = {
     404: openapi_error(CaptureNotFound, SummaryUnavailable),
     409: openapi_error(CaptureNotTerminal),
+    422: openapi_error(TraceError, TraceTooLarge),
 }
 
 
@@ -45,10 +49,12 @@ def _traces(request: Request, capture_id: str) -> tuple[Any, list[Path]]:
             f"(wait with POST /v1/captures/{capture_id}/stop?wait=true)",
             details={"state": cap.state.value},
         )
-    paths = artifacts.trace_paths(cap.verdicts)
+    paths, skipped = artifacts.trace_files(cap.verdicts)  # confined: what a download may read
     if not paths:
         raise SummaryUnavailable(
-            f"capture {capture_id} has no readable trace (state {cap.state.value}); see its verdicts",
+            f"capture {capture_id} has no readable trace (state {cap.state.value}); see its verdicts"
+            + "".join(f"; {why}" for why in skipped),
+            details={"skipped": skipped},
         )
     return controller, paths
 
@@ -73,16 +79,16 @@ async def capture_timeline(request: Request, capture_id: str) -> FileResponse:
     out = _timeline_file(controller, capture_id)
     async with _locks.setdefault(capture_id, asyncio.Lock()):
         if not out.is_file():
-            await asyncio.to_thread(write_timeline, paths, out)
+            await asyncio.to_thread(run_isolated, write_timeline, paths, out)
     return FileResponse(out, media_type="application/gzip", filename=f"{capture_id}.timeline.json.gz")
 
 
 @router.get("/v1/captures/{a}/diff/{b}", summary="Per stage: ops and kernels by change in self CPU / device time (B - A)",
             responses=_RESPONSES)
-async def capture_diff(request: Request, a: str, b: str, top: int = Query(20, ge=1, le=500)) -> JSONResponse:
+async def capture_diff(request: Request, a: str, b: str, top: int = Query(20, ge=1, le=500)) -> SafeJSONResponse:
     from sidecar.analysis.diff import diff_paths
 
     _, pa = _traces(request, a)
     _, pb = _traces(request, b)
-    result = await asyncio.to_thread(diff_paths, pa, pb, top=top, label_a=a, label_b=b)
-    return JSONResponse(_scrubber().data(result.model_dump(mode="json")))
+    result = await asyncio.to_thread(run_isolated, diff_paths, pa, pb, top=top, label_a=a, label_b=b)
+    return SafeJSONResponse(_scrubber().data(result.model_dump(mode="json")))

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sidecar.analysis.reader import not_regular
 from sidecar.config.models import Stage, StageKind
 from sidecar.control.claims import ClaimRegistry
 from sidecar.control.models import ArtifactFile, SessionFolder, StageVerdict
@@ -200,7 +201,8 @@ def _digest(folder: str) -> str:
                     st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                h.update(f"{e.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+                # the name's bytes: a name that is not UTF-8 has no str encoding
+                h.update(os.fsencode(e.name) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     except OSError:
         return ""
     return h.hexdigest()
@@ -394,23 +396,57 @@ def session_rank(session: SessionFolder) -> int | None:
     return int(m.group("rank")) if m else None
 
 
-def trace_paths(verdicts: list[StageVerdict]) -> list[Path]:
-    """Local paths of every trace file of the given verdicts that exists now (for summaries).
+def confined(folder: Path, relpath: str) -> tuple[Path | None, str | None]:
+    """The one rule for every reader of a capture's files (downloads, summaries, timelines, diffs):
+    ``folder/relpath`` as a real path that stays inside ``folder`` (links resolved; the folder
+    itself no link) and is a regular file, else None and why. Decided from ``stat``, never by
+    opening: opening a FIFO blocks."""
+    try:
+        root = folder.resolve()
+        if folder.is_symlink() or root != folder.parent.resolve() / folder.name:
+            return None, f"{folder} became a link since the capture"
+        target = root.joinpath(*Path(relpath).parts).resolve()
+        if not target.is_relative_to(root):
+            return None, f"{folder.name}/{relpath} is a link out of its session folder: not read"
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return None, f"{folder.name}/{relpath} is gone"
+    except (OSError, ValueError, RuntimeError) as exc:  # ENAMETOOLONG, a link loop
+        return None, f"{folder.name}/{relpath} cannot be looked at ({exc})"
+    why = not_regular(mode)
+    if why is not None:
+        return None, f"{folder.name}/{relpath} {why}"
+    return target, None
+
+
+def trace_files(verdicts: list[StageVerdict]) -> tuple[list[Path], list[str]]:
+    """Local paths of every trace file of the given verdicts that exists now and passes
+    ``confined`` (for summaries, timelines, diffs), and why each other listed trace was skipped.
     A trace listed as ``.json`` whose gzip finished later is returned as the ``.json.gz``."""
     out: list[Path] = []
+    skipped: list[str] = []
     for v in verdicts:
         for s in v.sessions:
             if s.local_path is None:
                 continue
+            folder = Path(s.local_path)
             for f in s.files:
                 if not is_trace(f.name):
                     continue
-                path = Path(s.local_path) / f.name
-                if not path.is_file() and path.suffix == ".json":
-                    path = path.with_name(path.name + ".gz")
-                if path.is_file() and path not in out:
+                name = f.name
+                if name.endswith(".json") and not os.path.lexists(folder / name):
+                    name += ".gz"
+                path, why = confined(folder, name)
+                if path is None:
+                    skipped.append(why or name)
+                elif path not in out:
                     out.append(path)
-    return out
+    return out, skipped
+
+
+def trace_paths(verdicts: list[StageVerdict]) -> list[Path]:
+    """``trace_files`` without the reasons."""
+    return trace_files(verdicts)[0]
 
 
 def resolve_artifact(verdicts: list[StageVerdict], relpath: str, copies_root: Path | None = None) -> Path | None:
@@ -441,15 +477,5 @@ def resolve_artifact(verdicts: list[StageVerdict], relpath: str, copies_root: Pa
                 return real if real.is_relative_to(copies_root.resolve()) else None
             if listed is None:
                 return None  # only the files this capture listed, not whatever the folder holds now
-            try:
-                folder = Path(s.local_path)
-                root = folder.resolve()
-                if folder.is_symlink() or root != folder.parent.resolve() / folder.name:
-                    return None  # the session folder itself became a link since the capture
-                target = root.joinpath(*parts[1:]).resolve()
-                if not target.is_relative_to(root) or not target.is_file():
-                    return None
-            except (OSError, ValueError):  # e.g. a 300-character name: ENAMETOOLONG
-                return None
-            return target
+            return confined(Path(s.local_path), rest)[0]
     return None

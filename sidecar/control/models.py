@@ -9,7 +9,11 @@ from __future__ import annotations
 from datetime import datetime
 from enum import Enum
 
-from pydantic import BaseModel, Field
+from typing import Any
+
+from pydantic import BaseModel, Field, computed_field, field_serializer, model_validator
+
+from sidecar.control import filenames
 
 
 class CaptureState(str, Enum):
@@ -50,11 +54,33 @@ class CaptureKind(str, Enum):
 
 
 class ArtifactFile(BaseModel):
-    name: str  # path relative to the session folder
+    # path relative to the session folder, as the OS names it; in JSON a name that is not UTF-8 is
+    # shown with \\xNN bytes and its bytes travel in name_quoted (sidecar/control/filenames.py)
+    name: str
     size: int
     # Where the sidecar serves it from when it is a copy taken at collect time (a file that later
     # stops rewrite in place, e.g. plain vLLM's profiler_out_<r>.txt); None: the session folder's.
     copy_path: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_from_quoted(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "name_quoted" in data:
+            data = dict(data)
+            raw = data.pop("name_quoted")
+            if isinstance(raw, str):  # the bytes, not the shown form, are the name
+                data["name"] = filenames.unquote(raw)
+        return data
+
+    @field_serializer("name", when_used="json")
+    def _shown_name(self, name: str) -> str:
+        return filenames.shown(name)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def name_quoted(self) -> str | None:
+        """The name's bytes percent-encoded (the download URL's path), when it is not UTF-8."""
+        return filenames.quoted(self.name)
 
 
 class SessionFolder(BaseModel):

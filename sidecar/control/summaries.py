@@ -1,4 +1,5 @@
-"""Trace summaries of finished captures: computed in a thread by ``sidecar.analysis``, cached in
+"""Trace summaries of finished captures: computed by ``sidecar.analysis`` in a memory-capped worker
+process (``sidecar.analysis.isolated``), cached in
 memory and beside the journal (``<state_dir>/summaries/<id>.json``, ``<id>.top<N>.json``), one
 summarizer per capture at a time. A summary never changes a verdict.
 """
@@ -60,19 +61,24 @@ class SummaryCache:
         return data
 
     async def _compute(self, cap: Capture, top: int) -> dict[str, Any]:
-        paths = artifacts.trace_paths(cap.verdicts)
+        paths, skipped = artifacts.trace_files(cap.verdicts)
         if not paths:
             raise SummaryUnavailable(
-                f"capture {cap.id} has no readable trace (state {cap.state.value}); see its verdicts",
+                f"capture {cap.id} has no readable trace (state {cap.state.value}); see its verdicts"
+                + "".join(f"; {why}" for why in skipped),
+                details={"skipped": skipped},
             )
         try:
             from sidecar.analysis import summarize_paths
+            from sidecar.analysis.isolated import run_isolated
         except ImportError:
             raise SummaryUnavailable(
                 "this sidecar has no trace summarizer installed; download the traces instead",
             ) from None
-        result = await asyncio.to_thread(summarize_paths, paths, top=top)
+        # in a memory-capped worker: a hostile trace costs that worker, never the server
+        result = await asyncio.to_thread(run_isolated, summarize_paths, paths, top=top)
         data: dict[str, Any] = result.model_dump(mode="json")
+        data["warnings"] = skipped + data.get("warnings", [])
         path = self._file(cap.id, top)
         if path is not None:
             try:

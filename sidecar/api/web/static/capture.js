@@ -110,8 +110,10 @@ function folderName(session) {
   return p.slice(p.lastIndexOf("/") + 1);
 }
 
-function fileHref(capId, session, name) {
-  return `v1/captures/${encodeURIComponent(capId)}/files/${[folderName(session), ...name.split("/")].map(encodeURIComponent).join("/")}`;
+// a name that is not UTF-8 comes with its bytes percent-encoded (name_quoted): that is its URL path
+function fileHref(capId, session, f) {
+  const path = f.name_quoted || f.name.split("/").map(encodeURIComponent).join("/");
+  return `v1/captures/${encodeURIComponent(capId)}/files/${encodeURIComponent(folderName(session))}/${path}`;
 }
 
 function renderStages(card, cap) {
@@ -149,8 +151,8 @@ function sessionTable(cap, sid, session) {
         "tbody",
         {},
         session.files.map((f) => {
-          const href = fileHref(cap.id, session, f.name);
-          const isTrace = TRACE_FILE.test(f.name);
+          const href = fileHref(cap.id, session, f);
+          const isTrace = TRACE_FILE.test(f.name) && !f.name_quoted; // Perfetto gets text names only
           const open = isTrace
             ? el("button", {
                 class: "small perfetto",

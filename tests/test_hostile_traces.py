@@ -1,0 +1,131 @@
+"""Hostile trace files through the reader and the CLI (issue 20, items 9-11): a gzip bomb, leading
+whitespace, a numbers-only array, a run of ``}``, a huge header, JSON nested 1,000 deep, a FIFO,
+and cut-off input to ``slim``. Each ends in one error family (``trace_too_large`` /
+``trace_invalid``): CLI exit 1 with the message, never a traceback. The server side (a worker
+process, 422, its RSS) is tests/test_hostile_server.py; peak RSS per input is bench/hostile.py."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sidecar.analysis import summarize_trace
+from sidecar.analysis.reader import TraceReader
+from sidecar.cli import app
+from sidecar.errors import TraceError, TraceTooLarge
+from tests.fixtures.hostile import write_hostile
+
+TOO_LARGE = ["bomb", "whitespace", "numbers", "braces", "header"]
+
+
+def _cli(*args: str) -> tuple[int, str, BaseException | None]:
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.output, result.exception
+
+
+@pytest.mark.parametrize("kind", TOO_LARGE)
+def test_a_1_gib_hostile_body_is_trace_too_large_after_a_bounded_read(hostile_dir: Path, kind: str) -> None:
+    reader = TraceReader(hostile_dir / f"{kind}.json.gz")
+    with pytest.raises(TraceTooLarge) as err:
+        for _ in reader.batches():
+            pass
+    assert (err.value.code, err.value.http_status) == ("trace_too_large", 422)
+    # stopped at the limit, not at the end of the gigabyte
+    assert reader.raw_bytes < 4 * (reader.chunk_size + reader.max_event_bytes) < (1 << 30) // 8
+
+
+@pytest.mark.parametrize("kind", TOO_LARGE + ["deep"])
+def test_summarize_cli_exits_1_with_the_message_and_no_traceback(hostile_dir: Path, kind: str) -> None:
+    path = hostile_dir / f"{kind}.json.gz"
+    code, out, exc = _cli("summarize", str(path))
+    want = "trace_invalid" if kind == "deep" else "trace_too_large"
+    assert (code, type(exc)) == (1, SystemExit), out
+    assert f"[{want}]" in out and path.name in out and "Traceback" not in out
+
+
+def test_json_nested_1000_deep_is_trace_invalid_not_a_recursion_error(hostile_dir: Path) -> None:
+    path = hostile_dir / "deep.json.gz"
+    assert len(gzip.decompress(path.read_bytes())) < 3000
+    with pytest.raises(TraceError) as err:
+        summarize_trace(path)
+    assert type(err.value) is TraceError and "nests JSON deeper" in err.value.message
+
+
+@pytest.mark.parametrize("command", ["timeline", "slim"])
+def test_timeline_and_slim_refuse_deep_json_and_a_bomb_with_exit_1(hostile_dir: Path, tmp_path: Path, command: str) -> None:
+    for kind in ("deep", "bomb"):
+        code, out, exc = _cli(command, str(hostile_dir / f"{kind}.json.gz"), "-o", str(tmp_path / f"{kind}.out.json.gz"))
+        assert (code, type(exc)) == (1, SystemExit), out
+        assert "Traceback" not in out and ("trace_invalid" in out or "trace_too_large" in out), out
+
+
+def test_diff_cli_refuses_deep_json_and_a_bomb_with_exit_1(hostile_dir: Path) -> None:
+    code, out, exc = _cli("diff", str(hostile_dir / "deep.json.gz"), str(hostile_dir / "bomb.json.gz"))
+    assert (code, type(exc)) == (1, SystemExit), out
+    assert "[trace_invalid]" in out and "Traceback" not in out
+
+
+def test_identical_nested_events_keep_the_open_op_stack_bounded(tmp_path: Path) -> None:
+    # every event inside the one before (same ts, same dur): the stack of open ops grew per event
+    path = write_hostile(tmp_path, "identical", 8 << 20)
+    summary = summarize_trace(path)
+    assert summary.totals.cpu_ops > 50_000
+    assert any("open ops on one thread" in w for w in summary.warnings), summary.warnings
+
+
+def test_unique_names_past_the_cap_are_counted_in_one_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.analysis import summary as summary_mod
+
+    monkeypatch.setattr(summary_mod, "_MAX_ROWS", 100)
+    events = ",".join(f'{{"ph":"X","cat":"cpu_op","name":"op{i}","pid":1,"tid":1,"ts":{i * 10},"dur":5}}' for i in range(500))
+    path = tmp_path / "names.json"
+    path.write_text('{"traceEvents": [' + events + "]}")
+    s = summarize_trace(path, top=1000)
+    names = {o.name for o in s.cpu_ops}
+    assert len(names) == 101 and summary_mod.OTHER_NAMES in names
+    assert sum(o.count for o in s.cpu_ops) == 500  # nothing lost: counted under the overflow row
+
+
+def test_a_fifo_is_refused_without_being_opened(tmp_path: Path) -> None:
+    fifo = tmp_path / "trace_rank0.json"
+    os.mkfifo(fifo)
+    # a child process, so a reader that opened the FIFO would block there and time out, not here
+    code = "from sidecar.analysis import summarize_trace\nsummarize_trace(%r)" % str(fifo)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert proc.returncode == 1 and "is a FIFO, not a trace file: not read" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("body", [b'{"traceEvents": [{"ph": "X", "name": "a", "ts": 1', b"not json at all", b'{"traceEvents": ['])
+def test_slim_of_unparseable_or_truncated_input_exits_1_with_the_reason(tmp_path: Path, body: bytes) -> None:
+    src = tmp_path / "in.json"
+    src.write_bytes(body)
+    out = tmp_path / "out.json"
+    code, text, exc = _cli("slim", str(src), "-o", str(out))
+    assert (code, type(exc)) == (1, SystemExit), text
+    assert "0 of 0 events" not in text and "trace_invalid" in text and not out.exists()
+
+
+def test_an_analysis_worker_past_its_memory_cap_is_trace_too_large_and_the_caller_lives() -> None:
+    from sidecar.analysis.isolated import run_isolated
+
+    with pytest.raises(TraceTooLarge) as err:
+        run_isolated(bytearray, 2 << 30, memory_bytes=512 << 20)  # 2 GiB asked under a 512 MB cap
+    assert "memory limit" in err.value.message
+    assert len(run_isolated(bytearray, 1 << 20)) == 1 << 20  # the next analysis runs as usual
+
+
+def test_an_error_in_the_worker_keeps_its_class(hostile_dir: Path) -> None:
+    from sidecar.analysis.isolated import run_isolated
+
+    with pytest.raises(TraceTooLarge):
+        run_isolated(summarize_trace, hostile_dir / "bomb.json.gz")
+    with pytest.raises(TraceError) as err:
+        run_isolated(summarize_trace, hostile_dir / "deep.json.gz")
+    assert type(err.value) is TraceError
