@@ -36,7 +36,7 @@ case "${1:-}" in
       if ! flock -n 9; then echo "venvs: $name is already being built" >&2; exec 9>&-; continue; fi
       rm -f "$LOGS/$name.rc"
       # The lock is taken here and inherited by the build, so a `wait` right after cannot pass it.
-      ( build "$name" "$s" ) </dev/null &
+      ( build "$name" "$s" ) </dev/null >/dev/null 2>&1 &  # its output goes to the log only
       exec 9>&-
       echo "venvs: building $name in the background (log $LOGS/$name.log)" >&2
     done
