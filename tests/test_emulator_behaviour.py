@@ -4,6 +4,7 @@ ones), run here on the emulator as the CPU platform, and a test per behaviour ch
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, Callable
 
@@ -93,3 +94,12 @@ def test_gzip_starts_right_after_the_export_before_the_tables(tmp_path: Path, sh
     log = log_since(emu, offset)
     steps = [log.find(s) for s in ("Trace exported to", "Triggered background compression", "Stop hook done")]
     assert -1 not in steps and steps == sorted(steps), log[-3000:]
+
+
+@pytest.mark.parametrize("sid", [0, 2], ids=["llm", "diffusion"])
+def test_real_torch_workers_session_files(omni_emulator: EmulatorProcess, tmp_path: Path, sid: int) -> None:
+    # process workers (real torch.profiler), the default GPU layout; the xlsx where pandas + openpyxl are
+    stages = {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}}
+    server = as_server(omni_emulator, tmp_path, stages, "cuda")
+    server.xlsx = all(importlib.util.find_spec(m) is not None for m in ("pandas", "openpyxl"))
+    check_session_layout(server, sid)
