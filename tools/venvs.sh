@@ -46,9 +46,11 @@ case "${1:-}" in
     s="$(script_of "$name")"
     exec 9>"$LOGS/$name.lock"
     flock 9  # until a build in progress ends
-    [ -f "$LOGS/$name.rc" ] || build "$name" "$s"  # none was started: this group builds its own
-    rc="$(cat "$LOGS/$name.rc")"
+    # A background build that failed is reported, once; otherwise the script runs here (a reuse
+    # takes seconds after a background build, and checks the venv is still there).
+    rc="$(cat "$LOGS/$name.rc" 2>/dev/null || echo 0)"
     rm -f "$LOGS/$name.rc"
+    [ "$rc" != 0 ] || { build "$name" "$s"; rc="$(cat "$LOGS/$name.rc")"; rm -f "$LOGS/$name.rc"; }
     if [ "$rc" != 0 ]; then
       echo "venvs: building the $name venv failed (bash $s: exit $rc). Last lines of $LOGS/$name.log:" >&2
       grep -v '^WARNING: Location' "$LOGS/$name.log" | tail -n 40 >&2
