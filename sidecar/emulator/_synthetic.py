@@ -109,7 +109,7 @@ class SyntheticRecorder:
 
     def export_stacks(self, path: str, metric: str) -> None:
         counts: dict[str, float] = defaultdict(float)
-        for e in self._ops():
+        for e in self._ops() if "cuda" not in metric else []:  # CPU ops only, as torch on CPU
             counts[f"worker.py(1): execute_model;{e['name']}"] += e["dur"]
         with open(path, "w") as f:
             f.writelines(f"{k} {int(v)}\n" for k, v in counts.items())

@@ -50,6 +50,9 @@ class EmulatorOptions(BaseModel):
     # process: one process per stage replica, real torch.profiler traces;
     # thread: in the API process, torch-free synthetic traces (same files, made-up ops)
     workers: Literal["process", "thread"] = "process"
+    # cuda: the files a GPU server writes (profiler_out_<N>.txt on every stage, stacks_cuda with
+    # stacks); cpu: what vLLM-Omni on vLLM's CPU platform writes (no profiler_out for LLM stages)
+    platform: Literal["cuda", "cpu"] = "cuda"
     # how process workers start: forked from a forkserver with torch preloaded, or spawned
     worker_start: Literal["forkserver", "spawn"] = "forkserver"
     # --- fault knobs at start-up (test aids; a real server has none of these) ---

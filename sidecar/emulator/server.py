@@ -79,6 +79,7 @@ def plan_stages(deploy: DeployConfig, options: EmulatorOptions) -> list[StageRun
                 gzip_delay_s=options.gzip_delay_s,
                 backend="torch" if ctx is not None else "synthetic",
                 instance_id=instance_id,
+                platform=options.platform,
             )
             workers.append(ProcessWorker(spec, ctx) if ctx is not None else ThreadWorker(spec))
         runtimes.append(StageRuntime(stage.stage_id, kind, stage.profiler, workers, cfg))

@@ -50,6 +50,7 @@ class WorkerSpec:
     step_ms: float = 5.0
     gzip_delay_s: float = 0.0
     backend: str = "torch"  # "torch" | "synthetic"
+    platform: str = "cuda"  # "cuda" | "cpu": the files a GPU server's workers write, or a CPU server's
     instance_id: str = ""  # plain vLLM's VllmConfig.instance_id (time_ns at start-up)
 
 
@@ -88,9 +89,13 @@ class _Stage:
             name = f"{spec.instance_id}-rank-{spec.rank}"
             return _profiler.PlainVllmTorchProfiler(cfg, self.backend.recorder(cfg), name, spec.rank)
         if cfg.profiler == "torch":
+            if spec.platform == "cpu" and spec.kind == "llm":
+                # vLLM's CPU platform turns the CUDA table off for its workers: no profiler_out_<N>.txt
+                # (the diffusion worker, built apart from that platform code, still writes it)
+                cfg = cfg.model_copy(update={"torch_profiler_dump_cuda_time_total": False})
             return _profiler.OmniTorchProfiler(
                 cfg, self.backend.recorder(cfg), f"stage{spec.stage_id}_rank{spec.rank}", spec.rank,
-                gzip_delay_s=spec.gzip_delay_s,
+                gzip_delay_s=spec.gzip_delay_s, cuda_activity=spec.platform == "cuda",
             )  # fmt: skip
         if cfg.profiler == "cuda":
             return _profiler.CudaRangeProfiler(cfg)

@@ -9,12 +9,11 @@ import sys
 
 import pytest
 
-from tests.verl.conftest import HAVE_VERL, ROOT
+from tests.verl.conftest import ROOT
 
 pytestmark = pytest.mark.verl
 
 
-@pytest.mark.skipif(HAVE_VERL, reason="verl is installed in this interpreter: the group runs here directly")
 def test_the_verl_group_passes_in_its_venv() -> None:
     build = subprocess.run(["bash", str(ROOT / "tools" / "verl-env.sh")], capture_output=True, text=True,
                            timeout=3600, env={**os.environ, "PY": sys.executable})
