@@ -200,9 +200,13 @@ def list_(
         if as_json:
             console.print_json(json.dumps([c.model_dump(mode="json") for c in captures]))
             return
-        table = Table(title=f"captures on {sidecar}", title_justify="left")
-        for col in ("id", "state", "stages", "label", "created", "stop reason"):
-            table.add_column(col)
+        upstreams = sorted({c.upstream for c in captures})
+        where = f" · upstream {upstreams[0]}" if len(upstreams) == 1 else ""
+        table = Table(title=f"captures on {sidecar}{where}", title_justify="left")
+        # the id is the value users copy: never cut it; the other columns fold
+        table.add_column("id", no_wrap=True, min_width=max((len(c.id) for c in captures), default=2))
+        for col in ("state", "stages", "label", "created", "stop reason", *(["upstream"] if len(upstreams) > 1 else [])):
+            table.add_column(col, overflow="fold")
         for c in captures:
             table.add_row(
                 c.id,
@@ -211,6 +215,7 @@ def list_(
                 c.label or "",
                 c.created_at.strftime("%Y-%m-%d %H:%M:%S"),
                 c.stop_reason.value if c.stop_reason else "",
+                *([c.upstream] if len(upstreams) > 1 else []),
             )
         console.print(table)
 
