@@ -83,11 +83,13 @@ def diff(
     b: str = typer.Argument(..., help="capture B, the same way"),
     top: int = typer.Option(20, "--top", min=1, help="rows per table"),
     as_json: bool = typer.Option(False, "--json", help="print the diff as JSON"),
-    sidecar: str | None = typer.Option(None, "--sidecar", envvar="OMNI_SIDECAR_URL", help="A and B are capture ids on this sidecar"),
+    sidecar: str | None = typer.Option(None, "--sidecar", envvar="OMNI_SIDECAR_URL", help="A and B are capture ids on this sidecar (unless both exist as paths here)"),
 ) -> None:
     """Per stage: ops and kernels ranked by the change in self CPU and self device time, B − A."""
     with cli_errors():
-        result = _remote(sidecar, a, b, top) if sidecar else diff_paths([Path(a)], [Path(b)], top=top)
+        # files win: an exported OMNI_SIDECAR_URL must not turn two trace folders into capture ids
+        on_disk = Path(a).exists() and Path(b).exists()
+        result = _remote(sidecar, a, b, top) if sidecar and not on_disk else diff_paths([Path(a)], [Path(b)], top=top)
     if as_json:
         console.print_json(json.dumps(result.model_dump(mode="json")))
     else:
