@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import httpx
 
 from sidecar.control.models import Capture
-from sidecar.errors import SidecarError, class_for_code
+from sidecar.errors import CaptureIdAmbiguous, CaptureNotFound, SidecarError, class_for_code
 
 DEFAULT_URL = "http://127.0.0.1:8092"
 DEFAULT_TIMEOUT = 30.0
@@ -107,6 +107,22 @@ class _Call(NamedTuple):
         return self.parse(response)
 
 
+def match_capture_id(text: str, ids: list[str]) -> str:
+    """``text`` itself, or the one id of ``ids`` it is a prefix of."""
+    if text in ids:
+        return text
+    found = [i for i in ids if i.startswith(text)]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise CaptureNotFound(f"no capture id starts with {text!r}; `omni-sidecar list` shows them",
+                              details={"prefix": text})
+    raise CaptureIdAmbiguous(
+        f"{text!r} is the start of {len(found)} capture ids: {', '.join(found)}; give more of the id",
+        details={"prefix": text, "candidates": found},
+    )
+
+
 class _Calls:
     """Every route the clients use, built once."""
 
@@ -152,10 +168,12 @@ def _wait_over(cap: Capture, timeout: float | None, deadline: float | None) -> b
     """True once ``cap`` is terminal; ``WaitTimeout`` past the deadline; False: poll again."""
     if cap.terminal:
         return True
-    if deadline is not None and time.monotonic() >= deadline:
+    now = time.monotonic()
+    if deadline is not None and timeout is not None and now >= deadline:
+        waited = now - (deadline - timeout)  # measured: what the caller really waited
         raise WaitTimeout(
-            f"capture {cap.id} still {cap.state.value} after {timeout:g}s; wait again or check it later",
-            details={"capture_id": cap.id, "state": cap.state.value},
+            f"capture {cap.id} still {cap.state.value} after {waited:.1f}s; wait again or check it later",
+            details={"capture_id": cap.id, "state": cap.state.value, "waited_s": round(waited, 3)},
         )
     return False
 
@@ -231,6 +249,10 @@ class AsyncSidecarClient:
     async def list_captures(self) -> list[Capture]:
         return await self._send(_Calls.list_captures)
 
+    async def resolve_id(self, text: str) -> str:
+        """As :meth:`SidecarClient.resolve_id`."""
+        return match_capture_id(text, [c.id for c in await self.list_captures()])
+
     async def heartbeat(self, capture_id: str) -> Capture:
         return await self._send(_Calls.heartbeat(capture_id))
 
@@ -300,15 +322,26 @@ class SidecarClient:
     def get_capture(self, capture_id: str) -> Capture:
         return self._send(_Calls.get_capture(capture_id))
 
-    def wait_capture(self, capture_id: str, timeout: float | None = None, poll_s: float = 0.5) -> Capture:
-        """Poll until terminal. Polling, not one long request: a flush can outlast any HTTP timeout."""
+    def wait_capture(self, capture_id: str, timeout: float | None = None, poll_s: float = 0.5,
+                     on_poll: Callable[[Capture], None] | None = None) -> Capture:
+        """Poll until terminal. Polling, not one long request: a flush can outlast any HTTP timeout.
+        ``on_poll`` sees each state read (a progress display)."""
         deadline = _deadline(timeout)
-        while not _wait_over(cap := self.get_capture(capture_id), timeout, deadline):
+        while True:
+            cap = self.get_capture(capture_id)
+            if on_poll is not None:
+                on_poll(cap)
+            if _wait_over(cap, timeout, deadline):
+                return cap
             time.sleep(poll_s)
-        return cap
 
     def list_captures(self) -> list[Capture]:
         return self._send(_Calls.list_captures)
+
+    def resolve_id(self, text: str) -> str:
+        """The capture whose id is ``text`` or starts with it (``CaptureNotFound`` /
+        ``CaptureIdAmbiguous`` listing the candidates otherwise): ids are long to type."""
+        return match_capture_id(text, [c.id for c in self.list_captures()])
 
     def heartbeat(self, capture_id: str) -> Capture:
         return self._send(_Calls.heartbeat(capture_id))

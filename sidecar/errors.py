@@ -442,6 +442,13 @@ class CaptureNotFound(CaptureError):
     http_status = 404
 
 
+class CaptureIdAmbiguous(CaptureError):
+    """A capture id prefix matches more than one capture; the message lists them."""
+
+    code = "capture_id_ambiguous"
+    http_status = 422
+
+
 class CaptureStateError(CaptureError):
     """The capture is in a state where this action makes no sense (e.g. stop when completed)."""
 

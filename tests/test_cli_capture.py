@@ -102,7 +102,7 @@ def test_capture_prints_the_verdict_table(sidecar: str, emu_url: str) -> None:
     with _traffic(emu_url):
         result = runner.invoke(app, ["capture", "--sidecar", sidecar, "--stages", "2", "--duration", "0.5"])
     assert result.exit_code == 0
-    assert "completed" in result.stdout and "trace_rank0.json.gz" in result.stdout and " ok " in result.stdout
+    assert "completed" in result.stdout and "trace_rank0.json.gz" in result.stdout and "stage 2  ok" in result.stdout
 
 
 def test_start_then_stop_wait(sidecar: str, emu_url: str) -> None:
@@ -211,7 +211,7 @@ def test_capture_duration_is_sent_to_the_server(sidecar: str, emu_url: str) -> N
 
 
 def test_every_verdict_has_a_colour_in_the_table() -> None:
-    from sidecar.cli.capture import VERDICT_STYLES
+    from sidecar.cli._render import VERDICT_STYLES
     from sidecar.control.models import Verdict
 
     assert {v.value: bool(VERDICT_STYLES.get(v.value)) for v in Verdict} == {v.value: True for v in Verdict}

@@ -45,6 +45,7 @@ from sidecar.client import SidecarClient
 from tests.fixtures.emulator import EmulatorPool
 from tests.test_config_verl import GOOD
 
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(bash|sh|shell|python|py)\s*$")

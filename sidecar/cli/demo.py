@@ -95,7 +95,7 @@ def demo(
     """Run an emulated 3-stage Qwen2.5-Omni server and a sidecar, capture stages 0 and 2, show the result."""
     with cli_errors():
         from sidecar.api.launcher import SidecarProcess
-        from sidecar.cli.capture import verdict_table, wait_with_progress
+        from sidecar.cli.capture import print_capture, wait_with_progress
         from sidecar.client import SidecarClient
         from sidecar.control.models import CaptureState, Verdict
         from sidecar.emulator.launcher import EmulatorProcess
@@ -113,7 +113,7 @@ def demo(
                 f"traces under {workdir / 'traces'})"
             )
             console.print("[bold]2/5[/] starting the emulated vLLM-Omni server (3 stages, CPU torch profiler)…")
-            with EmulatorProcess(overlay, flavor="omni") as emulator:
+            with EmulatorProcess(overlay, flavor="omni", log_path=workdir / "emulator.log") as emulator:
                 console.print(f"      server at {emulator.url}")
                 console.print("[bold]3/5[/] starting the sidecar…")
                 with SidecarProcess(
@@ -127,7 +127,7 @@ def demo(
                     client.stop_capture(cap.id)
                     cap = wait_with_progress(client, cap.id, timeout=300, quiet=False)
                     console.print("[bold]5/5[/] result")
-                    console.print(verdict_table(cap))
+                    print_capture(cap, as_json=False)
                     ok = cap.state is CaptureState.completed and all(
                         (v := cap.verdict(s)) is not None and v.verdict is Verdict.ok for s in DEMO_STAGES
                     )
@@ -138,7 +138,8 @@ def demo(
                             console.print(f"(no summary: {err})")
                     where = "" if keep else " (deleted on exit; pass --keep or --out DIR to keep them)"
                     console.print(f"traces: {workdir / 'traces'}{where}")
-                    console.print(f"journal: {workdir / 'state'}; sidecar log: {workdir / 'sidecar.log'}")
+                    console.print(f"journal: {workdir / 'state'}; logs: {workdir / 'sidecar.log'}, "
+                                  f"{workdir / 'emulator.log'}{where}")
                     console.print("shutting down…")
         finally:
             if not keep:

@@ -12,9 +12,13 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, parse_stage_list
+from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, err_console, parse_stage_list
+from sidecar.cli._render import STATE_STYLES, VERDICT_STYLES, print_verdicts, print_wide, styled
+from sidecar.control.models import Verdict
 from sidecar.errors import FleetDurationInvalid, TargetInvalid
 
 fleet_app = typer.Typer(
@@ -48,6 +52,7 @@ StateDirOpt = Annotated[
     typer.Option("--state-dir", help="journal of upstream targets' captures, so `fleet stop` can find them"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON (every target in full) instead of a table")]
+WideOpt = Annotated[bool, typer.Option("--wide", help="one table row per target and stage, as wide as its values")]
 SharedOpt = Annotated[bool, typer.Option(
     "--allow-shared-dirs", help="run even where targets share a torch_profiler_dir (their verdicts are then ambiguous)")]
 HostLocalOpt = Annotated[bool, typer.Option(
@@ -90,7 +95,7 @@ def _start_at(text: str | None) -> float | None:
     return None if text is None else check_start_at(parse_start_at(text))
 
 
-def _print(fc: Any, as_json: bool) -> None:
+def _print(fc: Any, as_json: bool, wide: bool = False) -> None:
     if as_json:
         console.print_json(json.dumps({
             "label": fc.label, "ok": fc.ok,
@@ -100,18 +105,40 @@ def _print(fc: Any, as_json: bool) -> None:
     if len(fc.targets) > ROWS_MAX:
         _print_rollup(fc)
         return
-    table = Table(title=f"fleet {fc.label or ''}".rstrip(), title_justify="left")
-    for col in ("target", "outcome", "capture", "state", "stages", "session folders", "error"):
-        table.add_column(col, overflow="fold")
+    ok = sum(r.ok for r in fc.targets.values())
+    title = f"fleet {fc.label or ''}".rstrip() + f": {ok} of {len(fc.targets)} ok"
+    if wide:
+        print_wide(title, _wide_table(fc))
+        return
+    # A target URL, a capture id and a folder are never cut: each on its own unwrapped line.
+    console.print(title, highlight=False, soft_wrap=True)
     for r in fc.targets.values():
         state = r.state.value if r.state else "-"
-        style = {"completed": "green", "degraded": "yellow", "failed": "red"}.get(state, "")
-        table.add_row(
-            r.target, r.outcome.value, r.capture_id or "-", f"[{style}]{state}[/]" if style else state,
-            ",".join(map(str, r.stages)) or "-", "\n".join(r.folders) or "-",
-            f"{r.error.code}: {r.error.message}" if r.error else "",
-        )
-    console.print(table)
+        console.print(f"{escape(r.target)}  {escape(r.outcome.value)}  {styled(state, STATE_STYLES)}",
+                      highlight=False, soft_wrap=True)
+        if r.capture_id:
+            console.print(f"  capture {r.capture_id}", highlight=False, soft_wrap=True)
+        if r.error:
+            console.print(f"  [red]{escape(r.error.code)}[/]: {escape(r.error.message)}", highlight=False, soft_wrap=True)
+        print_verdicts(console, r.verdicts, indent="  ")
+
+
+def _wide_table(fc: Any) -> Table:
+    table = Table()
+    for col in ("target", "outcome", "capture", "state", "stage", "verdict", "reason", "session folders"):
+        table.add_column(col, no_wrap=True)
+    for r in fc.targets.values():
+        state = styled(r.state.value if r.state else "-", STATE_STYLES)
+        head = [escape(r.target), r.outcome.value, r.capture_id or "-", state]
+        error = f"{r.error.code}: {r.error.message}" if r.error else ""
+        if not r.verdicts:
+            table.add_row(*head, "-", "-", escape(error), "-")
+        for v in r.verdicts:
+            verdict = styled(v.verdict.value if v.verdict else "-", VERDICT_STYLES)
+            reason = escape(error or (v.reason if v.verdict is not Verdict.ok else "") or "")
+            folders = "\n".join(escape(s.local_path or s.path) for s in v.sessions) or "-"
+            table.add_row(*head, str(v.stage_id), verdict, reason, folders)
+    return table
 
 
 def _print_rollup(fc: Any) -> None:
@@ -152,6 +179,7 @@ def start(
     dirs_host_local: HostLocalOpt = False,
     kind: KindOpt = "torch",
     start_at: StartAtOpt = None,
+    wide: WideOpt = False,
 ) -> None:
     """Start on every target at once; all or nothing (a failure stops the ones that started)."""
     with cli_errors():
@@ -173,7 +201,7 @@ def start(
                 await fleet.close(keep_live=True)  # `fleet stop` stops them (journal in --state-dir)
 
         fc = asyncio.run(run())
-        _print(fc, as_json)
+        _print(fc, as_json, wide)
 
 
 @fleet_app.command("stop")
@@ -187,6 +215,7 @@ def stop(
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
     stop_budget: BudgetOpt = 1800.0,
+    wide: WideOpt = False,
 ) -> None:
     """Stop the live capture on every target at once, each within its own budget."""
     with cli_errors():
@@ -201,7 +230,7 @@ def stop(
                 await fleet.close()
 
         fc = asyncio.run(run())
-        _print(fc, as_json)
+        _print(fc, as_json, wide)
         _exit(fc)
 
 
@@ -222,9 +251,11 @@ def capture(
     kind: KindOpt = "torch",
     stop_budget: BudgetOpt = 1800.0,
     start_at: StartAtOpt = None,
+    wide: WideOpt = False,
 ) -> None:
     """Start everywhere, keep the window open --duration seconds (Ctrl-C stops early), stop
-    everywhere, check the traces and print where they are."""
+    everywhere, check the traces and print where they are. On a terminal a progress line follows
+    the start (and its --start-at wait), the window, the stops and the traces collected."""
     with cli_errors():
         at = _start_at(start_at)
         if not duration > 0:
@@ -234,9 +265,47 @@ def capture(
 
         async def run() -> Any:
             async with fleet:
-                return await fleet.capture(duration, label=label, artifact_timeout_s=timeout, kind=kind,  # type: ignore[arg-type]
-                                           start_at=at)
+                with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                              console=err_console, transient=True, disable=as_json) as progress:
+                    return await _capture_with_progress(fleet, progress, duration, label=label, timeout=timeout,
+                                                        kind=kind, start_at=at)
 
         fc = asyncio.run(run())
-        _print(fc, as_json)
+        _print(fc, as_json, wide)
         _exit(fc)
+
+
+async def _capture_with_progress(fleet: Any, progress: Progress, duration: float, *, label: str | None,
+                                 timeout: float | None, kind: str, start_at: float | None) -> Any:
+    """``Fleet.capture`` in its three public steps (start, window, stop, then the artifact checks
+    read until done), so each can show on the progress line. Interrupted, every started target is
+    stopped before the interrupt goes on, as ``Fleet.capture`` does."""
+    import time
+
+    from sidecar.fleet import TargetOutcome
+
+    n = len(fleet.targets)
+    when = f" at {time.strftime('%H:%M:%S', time.localtime(start_at))}" if start_at is not None else ""
+    task = progress.add_task(f"starting {n} target(s){when}", total=None)
+    fc = await fleet.start(label=label, kind=kind, start_at=start_at)
+    started = sum(r.outcome is TargetOutcome.started for r in fc.targets.values())
+    progress.update(task, description=f"window: {started} of {n} started, {duration:g}s", total=duration, completed=0)
+    t0 = time.monotonic()
+    try:
+        while (left := duration - (time.monotonic() - t0)) > 0:
+            await asyncio.sleep(min(0.2, left))
+            progress.update(task, completed=min(duration, time.monotonic() - t0))
+    except asyncio.CancelledError:
+        await asyncio.shield(fleet.stop(fc, wait_artifacts=False))
+        raise
+    progress.update(task, description=f"stopping {started} target(s) (the servers write traces now)", total=None)
+    fc = await asyncio.shield(fleet.stop(fc, wait_artifacts=False))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        waiting = [r for r in fc.targets.values()
+                   if r.capture_id and not r.done and r.outcome is TargetOutcome.stopped]
+        progress.update(task, description=f"collected {started - len(waiting)} of {started} target(s)' traces")
+        if not waiting or (deadline is not None and time.monotonic() >= deadline):
+            return fc
+        await asyncio.sleep(0.5)
+        fc = await fleet.refresh(fc)
