@@ -215,3 +215,20 @@ def test_every_verdict_has_a_colour_in_the_table() -> None:
     from sidecar.control.models import Verdict
 
     assert {v.value: bool(VERDICT_STYLES.get(v.value)) for v in Verdict} == {v.value: True for v in Verdict}
+
+
+@pytest.mark.parametrize(("kind", "verdicts", "code"), [
+    ("nsys", ["unverified"], 0),            # nsys writes the report itself: unverified is the expected outcome
+    ("nsys", ["unverified", "missing"], 1),
+    ("torch", ["unverified"], 1),           # a torch stage the sidecar cannot see is a real gap
+])
+def test_only_nsys_captures_whose_stages_are_unverified_exit_0(kind, verdicts, code):
+    from datetime import datetime, timezone
+
+    from sidecar.cli.capture import exit_code
+    from sidecar.control.models import Capture, StageVerdict
+
+    cap = Capture(id="20261201-000000-abcdef", upstream="http://127.0.0.1:8091", stages=list(range(len(verdicts))),
+                  kind=kind, state="degraded", created_at=datetime.now(timezone.utc),
+                  verdicts=[StageVerdict(stage_id=i, verdict=v) for i, v in enumerate(verdicts)])
+    assert exit_code(cap) == code

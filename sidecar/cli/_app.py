@@ -7,6 +7,7 @@ message (with file:line:col when known) and an exit code, never a traceback.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Iterator
 
@@ -32,8 +33,23 @@ EXIT_ERROR = 1  # invalid input / failed capture
 EXIT_UNREADABLE = 2  # input could not be read at all
 
 
+# The controller's hints name the HTTP routes (its callers are the API and the client); a CLI user
+# is told the command that does the same.
+_ROUTE_TO_CLI = [
+    (re.compile(r"POST /v1/captures/([\w.-]+)/stop\?wait=true"), r"`omni-sidecar stop \1 --wait`"),
+    (re.compile(r"POST /v1/captures/([\w.-]+)/stop"), r"`omni-sidecar stop \1`"),
+    (re.compile(r"GET /v1/captures\b"), "`omni-sidecar list`"),
+]
+
+
+def cli_words(message: str) -> str:
+    for route, command in _ROUTE_TO_CLI:
+        message = route.sub(command, message)
+    return message
+
+
 def print_error(err: SidecarError) -> None:
-    err_console.print(f"[bold red]error[/]{escape(f'[{err.code}]')}: {escape(str(err))}", highlight=False)
+    err_console.print(f"[bold red]error[/]{escape(f'[{err.code}]')}: {escape(cli_words(str(err)))}", highlight=False)
     for finding in err.findings:
         err_console.print(f"  {escape(str(finding))}", highlight=False)
 

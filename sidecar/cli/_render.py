@@ -13,7 +13,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from sidecar.control.models import StageVerdict, Verdict
+from sidecar.control.artifacts import is_trace
+from sidecar.control.models import SessionFolder, StageVerdict, Verdict
 
 # every Verdict has a colour: red where traces are lost, yellow where they exist but prove less
 VERDICT_STYLES: dict[str, str] = {
@@ -48,8 +49,8 @@ def styled(value: str, styles: dict[str, str]) -> str:
     return f"[{style}]{escape(value)}[/]" if style else escape(value)
 
 
-def _traces(session) -> str:  # type: ignore[no-untyped-def]
-    files = [f for f in session.files if Path(f.name).name.startswith("trace")]
+def _traces(session: SessionFolder) -> str:
+    files = [f for f in session.files if is_trace(Path(f.name).name)]  # plain vLLM's *.pt.trace.json.gz too
     return ", ".join(f"{f.name} ({size_text(f.size)})" for f in files)
 
 

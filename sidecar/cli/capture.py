@@ -19,7 +19,7 @@ from rich.table import Table
 from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, parse_stage_list
 from sidecar.cli._render import STATE_STYLES, print_verdicts, print_wide, styled, verdict_table
 from sidecar.client import DEFAULT_URL, SidecarClient
-from sidecar.control.models import Capture, CaptureState, Verdict
+from sidecar.control.models import Capture, CaptureKind, CaptureState, Verdict
 
 SidecarOpt = Annotated[
     str, typer.Option("--sidecar", envvar="OMNI_SIDECAR_URL", help="URL of a running `omni-sidecar serve`")
@@ -62,12 +62,24 @@ def print_capture(cap: Capture, as_json: bool, wide: bool = False) -> None:
         print_verdicts(console, cap.verdicts, indent="  ")
     if cap.stop_reason:
         console.print(f"stop reason: {cap.stop_reason.value}")
+    if only_expected_unverified(cap):
+        console.print("note: nsys writes its report itself, so the sidecar cannot check it (unverified, as "
+                      "expected); exit 0. Look for the .nsys-rep where `nsys profile -o` points.",
+                      highlight=False, soft_wrap=True)
     for err in cap.errors:
         console.print(f"[red]{escape(err.code)}[/]: {escape(err.message)}", highlight=False, soft_wrap=True)
 
 
+def only_expected_unverified(cap: Capture) -> bool:
+    """An nsys capture whose stages are all ``unverified``: nsys writes the report itself, so that
+    is the expected outcome, not a failure."""
+    return (cap.kind is CaptureKind.nsys and cap.state is CaptureState.degraded and bool(cap.verdicts)
+            and all(v.verdict in (Verdict.ok, Verdict.unverified) for v in cap.verdicts))
+
+
 def exit_code(cap: Capture) -> int:
-    return EXIT_OK if cap.state is CaptureState.completed else EXIT_ERROR
+    """0 for a completed capture, and for an nsys one whose only non-ok verdicts are ``unverified``."""
+    return EXIT_OK if cap.state is CaptureState.completed or only_expected_unverified(cap) else EXIT_ERROR
 
 
 def wait_with_progress(client: SidecarClient, capture_id: str, timeout: float | None, quiet: bool) -> Capture:
