@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import httpx
 
 from sidecar.control.models import Capture
+
+if TYPE_CHECKING:
+    from sidecar.analysis.models import CaptureSummary
 from sidecar.errors import CaptureIdAmbiguous, CaptureNotFound, SidecarError, class_for_code
 
 DEFAULT_URL = "http://127.0.0.1:8092"
@@ -75,6 +78,12 @@ def _capture(response: httpx.Response) -> Capture:
 
 def _captures(response: httpx.Response) -> list[Capture]:
     return [Capture.model_validate(c) for c in response.json()["captures"]]
+
+
+def _summary(response: httpx.Response) -> CaptureSummary:
+    from sidecar.analysis.models import CaptureSummary
+
+    return CaptureSummary.model_validate(response.json())
 
 
 def _content(response: httpx.Response) -> bytes:
@@ -153,7 +162,7 @@ class _Calls:
 
     @staticmethod
     def summary(capture_id: str, top: int) -> _Call:
-        return _Call("GET", f"/v1/captures/{capture_id}/summary", _json, params={"top": top})
+        return _Call("GET", f"/v1/captures/{capture_id}/summary", _summary, params={"top": top})
 
     @staticmethod
     def download(capture_id: str, relpath: str) -> _Call:
@@ -256,7 +265,7 @@ class AsyncSidecarClient:
     async def heartbeat(self, capture_id: str) -> Capture:
         return await self._send(_Calls.heartbeat(capture_id))
 
-    async def summary(self, capture_id: str, top: int = 20) -> dict[str, Any]:
+    async def summary(self, capture_id: str, top: int = 20) -> CaptureSummary:
         return await self._send(_Calls.summary(capture_id, top))
 
     async def download(self, capture_id: str, relpath: str) -> bytes:
@@ -346,7 +355,7 @@ class SidecarClient:
     def heartbeat(self, capture_id: str) -> Capture:
         return self._send(_Calls.heartbeat(capture_id))
 
-    def summary(self, capture_id: str, top: int = 20) -> dict[str, Any]:
+    def summary(self, capture_id: str, top: int = 20) -> CaptureSummary:
         return self._send(_Calls.summary(capture_id, top))
 
     def download(self, capture_id: str, relpath: str) -> bytes:

@@ -10,8 +10,10 @@ import contextlib
 import re
 import sys
 from collections.abc import Iterator
+from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperOption
 from rich.console import Console
 from rich.markup import escape
 
@@ -24,6 +26,27 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from sidecar import __version__
+
+        typer.echo(f"omni-sidecar {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version,
+                                 help="print the version and exit"),
+) -> None:
+    """Profiling controller for `vllm serve <model> --omni`: validate, capture, verify, summarise."""
+
+
+# typer 0.29 shows a type after every option, `<bool>` after a flag too, which takes no value
+_display_type = TyperOption.display_type_rich
+TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _display_type(self, ctx)  # type: ignore[method-assign]
 
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # an error line is never broken mid-path or mid-code
@@ -65,6 +88,24 @@ def cli_errors() -> Iterator[None]:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         raise typer.Exit(130) from None
+
+
+# One vocabulary: the options several commands take mean the same and default the same everywhere
+# (start, capture, stop and fleet start|stop|capture).
+StagesOpt = Annotated[
+    Optional[str], typer.Option("--stages", help="comma-separated stage ids, e.g. 0,2 (default: every profiled stage)")
+]
+WaitOpt = Annotated[
+    bool, typer.Option("--wait/--no-wait", help="wait until the traces are written and checked, then print the verdicts")
+]
+TimeoutOpt = Annotated[
+    Optional[float],
+    typer.Option("--timeout", help="stop waiting for the traces after N s (the stop goes on; default: no limit)"),
+]
+WindowOpt = Annotated[
+    Optional[float],
+    typer.Option("--duration", help="profile N s, then stop (default: until Ctrl-C)"),
+]
 
 
 def parse_stage_list(value: str | None) -> list[int] | None:

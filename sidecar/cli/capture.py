@@ -16,7 +16,18 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, parse_stage_list
+from sidecar.cli._app import (
+    EXIT_ERROR,
+    EXIT_OK,
+    StagesOpt,
+    TimeoutOpt,
+    WaitOpt,
+    WindowOpt,
+    app,
+    cli_errors,
+    console,
+    parse_stage_list,
+)
 from sidecar.cli._render import STATE_STYLES, print_verdicts, print_wide, styled, verdict_table
 from sidecar.client import DEFAULT_URL, SidecarClient
 from sidecar.control.models import Capture, CaptureKind, CaptureState, Verdict
@@ -35,12 +46,7 @@ IdArg = Annotated[
 ]
 # the lease `capture` asks for and heartbeats: a killed CLI leaves a capture recording at most this long
 MAX_CLI_LEASE_S = 60.0
-TimeoutOpt = Annotated[
-    Optional[float], typer.Option("--timeout", help="give up waiting for the stop's traces after N s (default: no limit)")
-]
-StagesOpt = Annotated[
-    Optional[str], typer.Option("--stages", help="comma-separated stage ids, e.g. 0,2 (default: every profiled stage)")
-]
+LabelOpt = Annotated[Optional[str], typer.Option("--label", help="a name for the capture, shown in lists")]
 
 
 def _client(sidecar: str, token_file: Path | None) -> SidecarClient:
@@ -101,9 +107,14 @@ def wait_with_progress(client: SidecarClient, capture_id: str, timeout: float | 
 def start(
     sidecar: SidecarOpt = DEFAULT_URL,
     stages: StagesOpt = None,
-    duration: Annotated[Optional[float], typer.Option("--duration", help="auto-stop after N seconds")] = None,
-    lease: Annotated[Optional[float], typer.Option("--lease", help="auto-stop without heartbeat for N s")] = None,
-    label: Annotated[Optional[str], typer.Option("--label")] = None,
+    duration: Annotated[
+        Optional[float], typer.Option("--duration", help="the server stops it after N s (default: at `omni-sidecar stop`)")
+    ] = None,
+    lease: Annotated[
+        Optional[float],
+        typer.Option("--lease", min=1, help="the server stops it after N s without a heartbeat (default: no lease)"),
+    ] = None,
+    label: LabelOpt = None,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -120,13 +131,13 @@ def start(
 def stop(
     capture_id: IdArg = None,
     sidecar: SidecarOpt = DEFAULT_URL,
-    wait: Annotated[bool, typer.Option("--wait", help="wait until traces are written and checked")] = False,
+    wait: WaitOpt = True,
     timeout: TimeoutOpt = None,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
     wide: WideOpt = False,
 ) -> None:
-    """Stop a capture; with --wait show progress while the server flushes, then the verdicts."""
+    """Stop a capture; show progress while the server flushes, then the verdicts (--no-wait: return at once)."""
     with cli_errors(), _client(sidecar, token_file) as client:
         capture_id = client.resolve_id(capture_id) if capture_id else _active_id(client)
         cap = client.stop_capture(capture_id)
@@ -217,14 +228,13 @@ def list_(
 def capture(
     sidecar: SidecarOpt = DEFAULT_URL,
     stages: StagesOpt = None,
-    duration: Annotated[
-        Optional[float], typer.Option("--duration", help="capture for N seconds (default: until Ctrl-C)")
-    ] = None,
-    label: Annotated[Optional[str], typer.Option("--label")] = None,
+    duration: WindowOpt = None,
+    label: LabelOpt = None,
     timeout: TimeoutOpt = None,
     lease: Annotated[
         float,
-        typer.Option("--lease", min=1, max=MAX_CLI_LEASE_S, help="the server stops the capture if this CLI is gone this long"),
+        typer.Option("--lease", min=1, max=MAX_CLI_LEASE_S,
+                     help="the server stops it after N s without a heartbeat (this command sends them)"),
     ] = MAX_CLI_LEASE_S,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
@@ -232,7 +242,7 @@ def capture(
 ) -> None:
     """Start, wait DURATION (or until Ctrl-C), stop, wait for the traces, print the verdicts.
 
-    The window is the server's: it gets ``duration_s`` and a lease this command heartbeats, so a
+    The window is the server's: it gets the duration and a lease this command heartbeats, so a
     killed CLI leaves nothing recording (the lease runs out within --lease seconds)."""
     with cli_errors(), _client(sidecar, token_file) as client:
         cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console
+
+if TYPE_CHECKING:
+    from sidecar.analysis.models import CaptureSummary
 
 DEMO_STAGES = [0, 2]
 DEMO_REQUESTS = 4
@@ -71,17 +74,17 @@ def send_chat_requests(url: str, n: int) -> int:
     return done
 
 
-def print_summary(summary: dict[str, Any], top: int = 5) -> None:
-    """Top CPU ops per stage from ``GET /v1/captures/{id}/summary`` (``analysis.CaptureSummary``)."""
+def print_summary(summary: CaptureSummary, top: int = 5) -> None:
+    """Top CPU ops per stage of a capture's summary (``GET /v1/captures/{id}/summary``)."""
     from rich.table import Table
 
-    for stage in summary.get("stages") or []:
-        table = Table(title=f"stage {stage.get('stage_id')}: top ops by self CPU time", title_justify="left")
+    for stage in summary.stages:
+        table = Table(title=f"stage {stage.stage_id}: top ops by self CPU time", title_justify="left")
         table.add_column("op", overflow="fold")
         table.add_column("calls", justify="right")
         table.add_column("self (ms)", justify="right")
-        for op in (stage.get("cpu_ops") or [])[:top]:
-            table.add_row(str(op.get("name")), str(op.get("count", "")), f"{float(op.get('self_us') or 0) / 1000:.2f}")
+        for op in stage.cpu_ops[:top]:
+            table.add_row(op.name, str(op.count), f"{op.self_us / 1000:.2f}")
         console.print(table)
 
 

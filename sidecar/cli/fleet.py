@@ -6,8 +6,10 @@ rollout hook, by hand. A target is ``sidecar=URL`` (a bare URL is a sidecar) or 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -16,7 +18,19 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, err_console, parse_stage_list
+from sidecar.cli._app import (
+    EXIT_ERROR,
+    EXIT_OK,
+    StagesOpt,
+    TimeoutOpt,
+    WaitOpt,
+    WindowOpt,
+    app,
+    cli_errors,
+    console,
+    err_console,
+    parse_stage_list,
+)
 from sidecar.cli._render import STATE_STYLES, VERDICT_STYLES, print_verdicts, print_wide, styled
 from sidecar.control.models import Verdict
 from sidecar.errors import FleetDurationInvalid, TargetInvalid
@@ -36,9 +50,6 @@ TargetsOpt = Annotated[
         help="comma-separated: sidecar=http://h:8092 (or a bare URL) and/or upstream=http://h:8091",
     ),
 ]
-StagesOpt = Annotated[
-    Optional[str], typer.Option("--stages", help="comma-separated stage ids, e.g. 0,2 (default: every torch stage)")
-]
 DeployOpt = Annotated[
     Optional[Path], typer.Option("--deploy-config", help="deploy YAML of the upstream targets (upstream=URL only)")
 ]
@@ -52,6 +63,7 @@ StateDirOpt = Annotated[
     typer.Option("--state-dir", help="journal of upstream targets' captures, so `fleet stop` can find them"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON (every target in full) instead of a table")]
+LabelOpt = Annotated[Optional[str], typer.Option("--label", help="a name for the captures, shown in lists")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="one table row per target and stage, as wide as its values")]
 SharedOpt = Annotated[bool, typer.Option(
     "--allow-shared-dirs", help="run even where targets share a torch_profiler_dir (their verdicts are then ambiguous)")]
@@ -168,8 +180,11 @@ def _exit(fc: Any) -> None:
 def start(
     targets: TargetsOpt,
     stages: StagesOpt = None,
-    duration: Annotated[Optional[float], typer.Option("--duration", help="sidecar targets: auto-stop after N s")] = None,
-    label: Annotated[Optional[str], typer.Option("--label")] = None,
+    duration: Annotated[
+        Optional[float],
+        typer.Option("--duration", help="sidecar targets stop by themselves after N s (default: at `fleet stop`)"),
+    ] = None,
+    label: LabelOpt = None,
     deploy_config: DeployOpt = None,
     flavor: FlavorOpt = "omni",
     token_file: TokenFileOpt = None,
@@ -207,8 +222,8 @@ def start(
 @fleet_app.command("stop")
 def stop(
     targets: TargetsOpt,
-    wait: Annotated[bool, typer.Option("--wait/--no-wait", help="wait for the artifact checks")] = True,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", help="bound on the artifact checks (s)")] = None,
+    wait: WaitOpt = True,
+    timeout: TimeoutOpt = None,
     deploy_config: DeployOpt = None,
     flavor: FlavorOpt = "omni",
     token_file: TokenFileOpt = None,
@@ -237,10 +252,10 @@ def stop(
 @fleet_app.command("capture")
 def capture(
     targets: TargetsOpt,
-    duration: Annotated[float, typer.Option("--duration", help="seconds to keep the window open")] = 10.0,
+    duration: WindowOpt = None,
     stages: StagesOpt = None,
-    label: Annotated[Optional[str], typer.Option("--label")] = None,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", help="bound on the artifact checks (s)")] = None,
+    label: LabelOpt = None,
+    timeout: TimeoutOpt = None,
     deploy_config: DeployOpt = None,
     flavor: FlavorOpt = "omni",
     token_file: TokenFileOpt = None,
@@ -253,12 +268,12 @@ def capture(
     start_at: StartAtOpt = None,
     wide: WideOpt = False,
 ) -> None:
-    """Start everywhere, keep the window open --duration seconds (Ctrl-C stops early), stop
+    """Start everywhere, keep the window open --duration seconds (or until Ctrl-C), stop
     everywhere, check the traces and print where they are. On a terminal a progress line follows
     the start (and its --start-at wait), the window, the stops and the traces collected."""
     with cli_errors():
         at = _start_at(start_at)
-        if not duration > 0:
+        if duration is not None and not duration > 0:
             raise FleetDurationInvalid(f"--duration must be > 0 seconds, got {duration}")
         fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir, allow_shared_dirs,
                        dirs_host_local, stop_budget)
@@ -275,7 +290,7 @@ def capture(
         _exit(fc)
 
 
-async def _capture_with_progress(fleet: Any, progress: Progress, duration: float, *, label: str | None,
+async def _capture_with_progress(fleet: Any, progress: Progress, duration: float | None, *, label: str | None,
                                  timeout: float | None, kind: str, start_at: float | None) -> Any:
     """``Fleet.capture`` in its three public steps (start, window, stop, then the artifact checks
     read until done), so each can show on the progress line. Interrupted, every started target is
@@ -289,15 +304,25 @@ async def _capture_with_progress(fleet: Any, progress: Progress, duration: float
     task = progress.add_task(f"starting {n} target(s){when}", total=None)
     fc = await fleet.start(label=label, kind=kind, start_at=start_at)
     started = sum(r.outcome is TargetOutcome.started for r in fc.targets.values())
-    progress.update(task, description=f"window: {started} of {n} started, {duration:g}s", total=duration, completed=0)
+    span = f"{duration:g}s" if duration is not None else "until Ctrl-C"
+    progress.update(task, description=f"window: {started} of {n} started, {span}", total=duration, completed=0)
     t0 = time.monotonic()
+    ended = asyncio.Event()  # Ctrl-C in the window ends it early; the stop and the checks still run
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, ended.set)
     try:
-        while (left := duration - (time.monotonic() - t0)) > 0:
-            await asyncio.sleep(min(0.2, left))
-            progress.update(task, completed=min(duration, time.monotonic() - t0))
+        while duration is None or time.monotonic() - t0 < duration:
+            left = 0.2 if duration is None else min(0.2, duration - (time.monotonic() - t0))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ended.wait(), max(left, 0.0))
+            if ended.is_set():
+                break
+            progress.update(task, completed=time.monotonic() - t0)
     except asyncio.CancelledError:
         await asyncio.shield(fleet.stop(fc, wait_artifacts=False))
         raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
     progress.update(task, description=f"stopping {started} target(s) (the servers write traces now)", total=None)
     fc = await asyncio.shield(fleet.stop(fc, wait_artifacts=False))
     deadline = None if timeout is None else time.monotonic() + timeout

@@ -57,7 +57,7 @@ def serve(
             help="the --profiler-config JSON the server was started with (with --flavor vllm: no --deploy-config needed)",
         ),
     ] = None,
-    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level: debug, info, warning, error")] = "info",
     keep: Annotated[Optional[int], typer.Option("--keep", help="finished captures kept in history (default 1000)")] = None,
     keep_days: Annotated[
         Optional[float], typer.Option("--keep-days", help="drop finished captures older than this many days")
