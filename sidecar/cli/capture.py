@@ -16,18 +16,8 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sidecar.cli._app import (
-    EXIT_ERROR,
-    EXIT_OK,
-    StagesOpt,
-    TimeoutOpt,
-    WaitOpt,
-    WindowOpt,
-    app,
-    cli_errors,
-    console,
-    parse_stage_list,
-)
+from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, parse_stage_list
+from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
 from sidecar.cli._render import STATE_STYLES, print_verdicts, print_wide, styled, verdict_table
 from sidecar.client import DEFAULT_URL, SidecarClient
 from sidecar.control.models import Capture, CaptureKind, CaptureState, Verdict

@@ -18,19 +18,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sidecar.cli._app import (
-    EXIT_ERROR,
-    EXIT_OK,
-    StagesOpt,
-    TimeoutOpt,
-    WaitOpt,
-    WindowOpt,
-    app,
-    cli_errors,
-    console,
-    err_console,
-    parse_stage_list,
-)
+from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, err_console, parse_stage_list
+from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
 from sidecar.cli._render import STATE_STYLES, VERDICT_STYLES, print_verdicts, print_wide, styled
 from sidecar.control.models import Verdict
 from sidecar.errors import FleetDurationInvalid, TargetInvalid
