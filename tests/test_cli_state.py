@@ -108,3 +108,25 @@ def test_after_the_owner_is_killed_a_new_sidecar_takes_the_dir_over_and_recovers
     recording = [emulator_state(emu)["stages"][s]["profiling"] for s in ("0", "2")]
     assert (done.stop_reason.value, done.state.value, recording, owner) == (
         "stopped_on_recovery", "completed", [False, False], pid)
+
+
+_HOLD = ("import sys; from sidecar.control.journal import StateDirLock\n"
+         "StateDirLock(sys.argv[1]).acquire(command='omni-sidecar fleet'); print('held', flush=True); sys.stdin.read()\n")
+
+
+def test_a_fleet_command_with_upstream_targets_refuses_a_state_dir_another_one_holds(tmp_path):
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}})
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path / "fleet")], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        done = subprocess.run(
+            [sys.executable, "-m", "sidecar", "fleet", "capture", "--targets", "upstream=http://127.0.0.1:9",
+             "--deploy-config", str(deploy), "--state-dir", str(tmp_path / "fleet"), "--duration", "1"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    err = " ".join(done.stderr.split())
+    assert (done.returncode, "state_dir_locked" in err, f"pid {holder.pid}" in err) == (1, True, True), err

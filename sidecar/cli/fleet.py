@@ -11,6 +11,7 @@ import json
 import os
 import signal
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Annotated, Any, Optional
 
 import typer
@@ -84,9 +85,28 @@ def _fleet(targets: str, stages: str | None, deploy_config: Path | None, flavor:
         token = SidecarSettings(token_file=token_file).read_token()
     if flavor not in ("omni", "vllm"):
         raise TargetInvalid(f"--flavor must be omni or vllm, got {flavor!r}")
-    return Fleet(targets, stages=parse_stage_list(stages), deploy_config=deploy_config, flavor=flavor,  # type: ignore[arg-type]
-                 token=token, state_dir=state_dir or _default_state_dir(),
-                 allow_shared_dirs=allow_shared_dirs, dirs_host_local=dirs_host_local, stop_budget_s=stop_budget_s)
+    fleet = Fleet(targets, stages=parse_stage_list(stages), deploy_config=deploy_config, flavor=flavor,  # type: ignore[arg-type]
+                  token=token, state_dir=state_dir or _default_state_dir(),
+                  allow_shared_dirs=allow_shared_dirs, dirs_host_local=dirs_host_local, stop_budget_s=stop_budget_s)
+    return fleet
+
+
+@contextlib.contextmanager
+def _owning_state_dir(fleet: Any) -> Iterator[None]:
+    """With upstream targets, this command's controllers journal them in the fleet's state dir:
+    one command at a time there (a second would recover, and so stop, the first's captures)."""
+    if not any(t.kind.value == "upstream" for t in fleet.targets):
+        yield
+        return
+    from sidecar.control.journal import StateDirLock
+
+    lock = StateDirLock(Path(fleet.state_dir))
+    lock.acquire(command="omni-sidecar fleet")
+    try:
+        yield
+    finally:
+        lock.release()
+
 
 
 def _start_at(text: str | None) -> float | None:
@@ -204,7 +224,8 @@ def start(
             finally:
                 await fleet.close(keep_live=True)  # `fleet stop` stops them (journal in --state-dir)
 
-        fc = asyncio.run(run())
+        with _owning_state_dir(fleet):
+            fc = asyncio.run(run())
         _print(fc, as_json, wide)
 
 
@@ -233,7 +254,8 @@ def stop(
             finally:
                 await fleet.close()
 
-        fc = asyncio.run(run())
+        with _owning_state_dir(fleet):
+            fc = asyncio.run(run())
         _print(fc, as_json, wide)
         _exit(fc)
 
@@ -274,7 +296,8 @@ def capture(
                     return await _capture_with_progress(fleet, progress, duration, label=label, timeout=timeout,
                                                         kind=kind, start_at=at)
 
-        fc = asyncio.run(run())
+        with _owning_state_dir(fleet):
+            fc = asyncio.run(run())
         _print(fc, as_json, wide)
         _exit(fc)
 

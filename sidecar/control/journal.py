@@ -115,7 +115,7 @@ class StateDirLock:
         owner = self.owner()
         pid = owner.get("pid", "unknown")
         state_dir = self.path.parent
-        said = ", ".join(f"{k} {owner[k]}" for k in ("host", "upstream", "port") if owner.get(k) is not None)
+        said = ", ".join(f"{k} {owner[k]}" for k in ("host", "upstream", "port", "command") if owner.get(k) is not None)
         return StateDirLocked(
             f"state dir {state_dir} is in use by another live omni-sidecar (pid {pid}"
             f"{', ' + said if said else ''}): one journal belongs to one sidecar, or each would recover "
