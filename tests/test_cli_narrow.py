@@ -131,3 +131,10 @@ def test_stop_wait_timeout_reports_the_time_it_waited(setup):
     waited = re.search(r"after (\d+\.\d)s", err)
     assert (done.returncode, "wait_timeout" in err, waited is not None and float(waited.group(1)) >= 1.0) == (
         1, True, True), err
+
+
+def test_diff_takes_capture_id_prefixes(setup):
+    sc, emu = setup
+    a, b = (_captured(sc, emu).id for _ in range(2))
+    done = cli("diff", a[:-1], b[:-1], "--sidecar", sc.url, "--json")
+    assert done.returncode == 0, done.stderr
