@@ -198,7 +198,8 @@ def _serve_refused(deploy: Path, *args: str) -> str:
 
     from sidecar.cli import app
 
-    result = CliRunner().invoke(app, ["serve", "--deploy-config", str(deploy), *args])
+    # --upstream is required; a test's own --upstream comes later and wins
+    result = CliRunner().invoke(app, ["serve", "--upstream", "http://127.0.0.1:9", "--deploy-config", str(deploy), *args])
     assert result.exit_code == 1, result.output
     return result.stderr
 
@@ -206,7 +207,7 @@ def _serve_refused(deploy: Path, *args: str) -> str:
 def test_an_unwritable_state_dir_stops_start_up(deploy: Path, tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    err = _serve_refused(deploy, "--upstream", "http://127.0.0.1:9", "--port", "0", "--state-dir", str(blocker / "state"))
+    err = _serve_refused(deploy, "--port", "0", "--state-dir", str(blocker / "state"))
     assert str(blocker / "state") in err.replace("\n", "") and "state_dir_unusable" in err
 
 
