@@ -163,22 +163,23 @@ def _wide_table(fc: Any) -> Table:
 
 
 def _print_rollup(fc: Any) -> None:
+    """Counts and the worst few, one unwrapped line each: a target URL is never cut."""
     roll = fc.rollup()
-    table = Table(title=f"fleet {fc.label or ''}: {roll['ok']} of {roll['targets']} ok (--json for every target)",
-                  title_justify="left")
-    table.add_column("what")
-    table.add_column("count / detail", overflow="fold")
+
+    def line(text: str) -> None:
+        console.print(text, highlight=False, soft_wrap=True)
+
+    line(f"fleet {fc.label or ''}".rstrip() + f": {roll['ok']} of {roll['targets']} ok (--json for every target)")
     for group in ("outcomes", "states", "verdicts"):
         for name, count in roll[group].items():
-            table.add_row(f"{group[:-1]} {name}", str(count))
+            line(f"  {group[:-1]} {escape(str(name))}: {count}")
     for what in ("slowest_start", "slowest_stop"):
-        if roll[what]:
-            table.add_row(what.replace("_", " "), "\n".join(f"{x['seconds']:.3f}s {x['target']}" for x in roll[what]))
+        for x in roll[what] or []:
+            line(f"  {what.replace('_', ' ')}: {x['seconds']:.3f}s {escape(x['target'])}")
     for f in roll["failures"]:
-        table.add_row(f"[red]{f['outcome']}[/]", f"{f['target']}: {f['reason']}")
+        line(f"  [red]{escape(f['outcome'])}[/]: {escape(f['target'])}: {escape(f['reason'])}")
     if roll["failures_total"] > len(roll["failures"]):
-        table.add_row("", f"... and {roll['failures_total'] - len(roll['failures'])} more failures")
-    console.print(table)
+        line(f"  ... and {roll['failures_total'] - len(roll['failures'])} more failures")
 
 
 def _exit(fc: Any) -> None:
