@@ -67,3 +67,9 @@ def test_the_windows_of_capture_and_fleet_capture_agree():
         return p.help or "", p.default
 
     assert window("capture") == window("fleet capture")
+
+
+def test_help_paragraphs_reflow_to_the_terminal():
+    # capture's docstring breaks "... so a" / "killed CLI ..." across source lines; help joins them
+    result = CliRunner().invoke(app, ["capture", "--help"], env={"COLUMNS": "200"})
+    assert "so a killed CLI leaves nothing recording" in result.stdout, result.stdout

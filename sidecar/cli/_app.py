@@ -25,6 +25,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode="markdown",  # help paragraphs reflow to the terminal instead of keeping the source's breaks
 )
 
 

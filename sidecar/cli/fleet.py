@@ -29,6 +29,7 @@ fleet_app = typer.Typer(
     name="fleet",
     help="Start, stop or run one capture on many replicas at once (sidecars or upstream servers).",
     no_args_is_help=True,
+    rich_markup_mode="markdown",
 )
 app.add_typer(fleet_app, name="fleet")
 
