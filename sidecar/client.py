@@ -8,13 +8,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import httpx
 
 from sidecar.control import filenames
 from sidecar.control.models import Capture
-from sidecar.errors import SidecarError, class_for_code
+
+if TYPE_CHECKING:
+    from sidecar.analysis.models import CaptureSummary
+from sidecar.errors import CaptureIdAmbiguous, CaptureNotFound, SidecarError, class_for_code
 
 DEFAULT_URL = "http://127.0.0.1:8092"
 DEFAULT_TIMEOUT = 30.0
@@ -78,6 +81,12 @@ def _captures(response: httpx.Response) -> list[Capture]:
     return [Capture.model_validate(c) for c in response.json()["captures"]]
 
 
+def _summary(response: httpx.Response) -> CaptureSummary:
+    from sidecar.analysis.models import CaptureSummary
+
+    return CaptureSummary.model_validate(response.json())
+
+
 def _content(response: httpx.Response) -> bytes:
     return response.content
 
@@ -106,6 +115,22 @@ class _Call(NamedTuple):
         if response.is_error:
             raise error_from_response(response)
         return self.parse(response)
+
+
+def match_capture_id(text: str, ids: list[str]) -> str:
+    """``text`` itself, or the one id of ``ids`` it is a prefix of."""
+    if text in ids:
+        return text
+    found = [i for i in ids if i.startswith(text)]
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise CaptureNotFound(f"no capture id starts with {text!r}; `omni-sidecar list` shows them",
+                              details={"prefix": text})
+    raise CaptureIdAmbiguous(
+        f"{text!r} is the start of {len(found)} capture ids: {', '.join(found)}; give more of the id",
+        details={"prefix": text, "candidates": found},
+    )
 
 
 class _Calls:
@@ -138,7 +163,7 @@ class _Calls:
 
     @staticmethod
     def summary(capture_id: str, top: int) -> _Call:
-        return _Call("GET", f"/v1/captures/{capture_id}/summary", _json, params={"top": top})
+        return _Call("GET", f"/v1/captures/{capture_id}/summary", _summary, params={"top": top})
 
     @staticmethod
     def download(capture_id: str, relpath: str) -> _Call:
@@ -154,10 +179,12 @@ def _wait_over(cap: Capture, timeout: float | None, deadline: float | None) -> b
     """True once ``cap`` is terminal; ``WaitTimeout`` past the deadline; False: poll again."""
     if cap.terminal:
         return True
-    if deadline is not None and time.monotonic() >= deadline:
+    now = time.monotonic()
+    if deadline is not None and timeout is not None and now >= deadline:
+        waited = now - (deadline - timeout)  # measured: what the caller really waited
         raise WaitTimeout(
-            f"capture {cap.id} still {cap.state.value} after {timeout:g}s; wait again or check it later",
-            details={"capture_id": cap.id, "state": cap.state.value},
+            f"capture {cap.id} still {cap.state.value} after {waited:.1f}s; wait again or check it later",
+            details={"capture_id": cap.id, "state": cap.state.value, "waited_s": round(waited, 3)},
         )
     return False
 
@@ -233,10 +260,14 @@ class AsyncSidecarClient:
     async def list_captures(self) -> list[Capture]:
         return await self._send(_Calls.list_captures)
 
+    async def resolve_id(self, text: str) -> str:
+        """As :meth:`SidecarClient.resolve_id`."""
+        return match_capture_id(text, [c.id for c in await self.list_captures()])
+
     async def heartbeat(self, capture_id: str) -> Capture:
         return await self._send(_Calls.heartbeat(capture_id))
 
-    async def summary(self, capture_id: str, top: int = 20) -> dict[str, Any]:
+    async def summary(self, capture_id: str, top: int = 20) -> CaptureSummary:
         return await self._send(_Calls.summary(capture_id, top))
 
     async def download(self, capture_id: str, relpath: str) -> bytes:
@@ -302,20 +333,31 @@ class SidecarClient:
     def get_capture(self, capture_id: str) -> Capture:
         return self._send(_Calls.get_capture(capture_id))
 
-    def wait_capture(self, capture_id: str, timeout: float | None = None, poll_s: float = 0.5) -> Capture:
-        """Poll until terminal. Polling, not one long request: a flush can outlast any HTTP timeout."""
+    def wait_capture(self, capture_id: str, timeout: float | None = None, poll_s: float = 0.5,
+                     on_poll: Callable[[Capture], None] | None = None) -> Capture:
+        """Poll until terminal. Polling, not one long request: a flush can outlast any HTTP timeout.
+        ``on_poll`` sees each state read (a progress display)."""
         deadline = _deadline(timeout)
-        while not _wait_over(cap := self.get_capture(capture_id), timeout, deadline):
+        while True:
+            cap = self.get_capture(capture_id)
+            if on_poll is not None:
+                on_poll(cap)
+            if _wait_over(cap, timeout, deadline):
+                return cap
             time.sleep(poll_s)
-        return cap
 
     def list_captures(self) -> list[Capture]:
         return self._send(_Calls.list_captures)
 
+    def resolve_id(self, text: str) -> str:
+        """The capture whose id is ``text`` or starts with it (``CaptureNotFound`` /
+        ``CaptureIdAmbiguous`` listing the candidates otherwise): ids are long to type."""
+        return match_capture_id(text, [c.id for c in self.list_captures()])
+
     def heartbeat(self, capture_id: str) -> Capture:
         return self._send(_Calls.heartbeat(capture_id))
 
-    def summary(self, capture_id: str, top: int = 20) -> dict[str, Any]:
+    def summary(self, capture_id: str, top: int = 20) -> CaptureSummary:
         return self._send(_Calls.summary(capture_id, top))
 
     def download(self, capture_id: str, relpath: str) -> bytes:

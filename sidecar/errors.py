@@ -378,6 +378,14 @@ class StateDirUnusable(ConfigError):
     code = "state_dir_unusable"
 
 
+class StateDirLocked(ConfigError):
+    """Another live sidecar owns the ``--state-dir`` (its lock file names the pid): two sidecars on
+    one journal would recover, and so stop, each other's captures; refuse to start."""
+
+    code = "state_dir_locked"
+    http_status = 409
+
+
 class StageNotCuda(StageSelectionError):
     """An nsys capture names a stage that is not ``profiler: cuda`` (or the deploy has none)."""
 
@@ -432,6 +440,13 @@ class CaptureActive(CaptureError):
 class CaptureNotFound(CaptureError):
     code = "capture_not_found"
     http_status = 404
+
+
+class CaptureIdAmbiguous(CaptureError):
+    """A capture id prefix matches more than one capture; the message lists them."""
+
+    code = "capture_id_ambiguous"
+    http_status = 422
 
 
 class CaptureStateError(CaptureError):

@@ -198,7 +198,8 @@ def _serve_refused(deploy: Path, *args: str) -> str:
 
     from sidecar.cli import app
 
-    result = CliRunner().invoke(app, ["serve", "--deploy-config", str(deploy), *args])
+    # --upstream is required; a test's own --upstream comes later and wins
+    result = CliRunner().invoke(app, ["serve", "--upstream", "http://127.0.0.1:9", "--deploy-config", str(deploy), *args])
     assert result.exit_code == 1, result.output
     return result.stderr
 

@@ -102,7 +102,7 @@ def test_capture_prints_the_verdict_table(sidecar: str, emu_url: str) -> None:
     with _traffic(emu_url):
         result = runner.invoke(app, ["capture", "--sidecar", sidecar, "--stages", "2", "--duration", "0.5"])
     assert result.exit_code == 0
-    assert "completed" in result.stdout and "trace_rank0.json.gz" in result.stdout and " ok " in result.stdout
+    assert "completed" in result.stdout and "trace_rank0.json.gz" in result.stdout and "stage 2  ok" in result.stdout
 
 
 def test_start_then_stop_wait(sidecar: str, emu_url: str) -> None:
@@ -211,7 +211,24 @@ def test_capture_duration_is_sent_to_the_server(sidecar: str, emu_url: str) -> N
 
 
 def test_every_verdict_has_a_colour_in_the_table() -> None:
-    from sidecar.cli.capture import VERDICT_STYLES
+    from sidecar.cli._render import VERDICT_STYLES
     from sidecar.control.models import Verdict
 
     assert {v.value: bool(VERDICT_STYLES.get(v.value)) for v in Verdict} == {v.value: True for v in Verdict}
+
+
+@pytest.mark.parametrize(("kind", "verdicts", "code"), [
+    ("nsys", ["unverified"], 0),            # nsys writes the report itself: unverified is the expected outcome
+    ("nsys", ["unverified", "missing"], 1),
+    ("torch", ["unverified"], 1),           # a torch stage the sidecar cannot see is a real gap
+])
+def test_only_nsys_captures_whose_stages_are_unverified_exit_0(kind, verdicts, code):
+    from datetime import datetime, timezone
+
+    from sidecar.cli.capture import exit_code
+    from sidecar.control.models import Capture, StageVerdict
+
+    cap = Capture(id="20261201-000000-abcdef", upstream="http://127.0.0.1:8091", stages=list(range(len(verdicts))),
+                  kind=kind, state="degraded", created_at=datetime.now(timezone.utc),
+                  verdicts=[StageVerdict(stage_id=i, verdict=v) for i, v in enumerate(verdicts)])
+    assert exit_code(cap) == code

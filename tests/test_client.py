@@ -116,9 +116,9 @@ def test_summary_has_top_ops_per_stage(client: SidecarClient, urls: tuple[str, s
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     httpx.post(f"{urls[1]}/v1/chat/completions", json=chat, timeout=60).raise_for_status()
     final = client.stop_capture(cap.id, wait=True, timeout=60)
-    summary = client.summary(final.id, top=5)
-    assert {s["stage_id"] for s in summary["stages"]} == {0, 2}
-    assert all(0 < len(s["cpu_ops"]) <= 5 for s in summary["stages"])
+    summary = client.summary(final.id, top=5)  # a model, like every other reply
+    assert {s.stage_id for s in summary.stages} == {0, 2}
+    assert all(0 < len(s.cpu_ops) <= 5 for s in summary.stages)
 
 
 def test_unreachable_sidecar_raises_a_typed_error() -> None:
@@ -130,3 +130,10 @@ async def test_async_unreachable_sidecar_raises_a_typed_error() -> None:
     async with AsyncSidecarClient(f"http://127.0.0.1:{free_port()}", timeout=2) as client:
         with pytest.raises(SidecarUnreachable):
             await client.healthz()
+
+
+def test_values_print_as_words(client: SidecarClient, urls: tuple[str, str]) -> None:
+    cap = client.start_capture([0])
+    final = client.stop_capture(cap.id, wait=True, timeout=60)
+    printed = " ".join(map(str, (final.state, final.stop_reason, final.verdicts[0].verdict, final.kind)))  # as print() does
+    assert printed == f"{final.state.value} explicit {final.verdicts[0].verdict.value} torch"

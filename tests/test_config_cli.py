@@ -299,3 +299,10 @@ def test_serve_reads_the_server_command_line_from_the_environment(tmp_path: Path
         '{"profiler": "cuda"}',
         '{"0": {"profiler_config": {"profiler": "cuda"}}}',
     )
+
+
+def test_serve_without_an_upstream_is_refused_naming_both_usual_urls(tmp_path):
+    result = CliRunner().invoke(app, ["serve", "--port", "0", "--state-dir", str(tmp_path / "s")],
+                                env={"OMNI_SIDECAR_UPSTREAM_URL": ""})
+    err = " ".join(result.stderr.split())
+    assert (result.exit_code, "--upstream" in err, "8000" in err, "8091" in err) == (1, True, True, True)

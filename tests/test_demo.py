@@ -20,6 +20,11 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
+ROOT = Path(__file__).resolve().parents[1]
+# the console script imports `sidecar` from the checkout under test, not from wherever it is installed
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+
+
 def demo_command() -> list[str]:
     exe = shutil.which("omni-sidecar")
     return [exe, "demo"] if exe else [sys.executable, "-m", "sidecar", "demo"]
@@ -28,7 +33,7 @@ def demo_command() -> list[str]:
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
     out = tmp_path_factory.mktemp("demo") / "out"
-    proc = subprocess.run([*demo_command(), "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*demo_command(), "--out", str(out)], capture_output=True, text=True, timeout=300, env=ENV)
     return proc, out
 
 
@@ -47,12 +52,18 @@ def test_demo_keeps_traces_of_the_captured_stages_in_out(demo_run: tuple[subproc
         {"stage0", "stage2"}, True, True)  # fmt: skip
 
 
+def test_demo_out_keeps_both_logs_and_prints_no_numpy_warning(demo_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    proc, out = demo_run
+    logs = [(out / name).is_file() and (out / name).stat().st_size > 0 for name in ("sidecar.log", "emulator.log")]
+    assert (logs, "Failed to initialize NumPy" in proc.stdout + proc.stderr) == ([True, True], False)
+
+
 def test_ctrl_c_mid_capture_shuts_everything_down_and_cleans_up(tmp_path: Path) -> None:
     # Without --out the demo works in a temporary folder it deletes on the way out, Ctrl-C included.
     proc = subprocess.Popen(
         demo_command(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env={**os.environ, "TMPDIR": str(tmp_path)},
+        env={**ENV, "TMPDIR": str(tmp_path)},
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a shell's & would ignore it
     )  # fmt: skip
     try:

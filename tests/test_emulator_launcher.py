@@ -97,6 +97,25 @@ def test_start_failure_raises_with_the_log_tail(tmp_path: Path) -> None:
     assert (err.value.details["exit_code"], "Traceback" in log) == (1, False)
 
 
+def test_a_clean_stop_deletes_the_log_it_made_and_a_given_log_is_kept(deploy: Path, tmp_path: Path) -> None:
+    made = EmulatorProcess(deploy, extra_args=["--workers", "thread"]).start()
+    given = EmulatorProcess(deploy, extra_args=["--workers", "thread"], log_path=tmp_path / "emu.log").start()
+    for emu in (made, given):
+        emu.stop()
+    assert (made.log_path.exists(), given.log_path.exists()) == (False, True)
+
+
+def test_a_failed_start_keeps_its_log(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages:\n  - stage_id: 0\n    profiler_config: {profiler: torch}\n")
+    emu = EmulatorProcess(bad)
+    with pytest.raises(EmulatorStartError):
+        emu.start()
+    emu.stop()
+    assert emu.log_path.exists()
+    emu.log_path.unlink()
+
+
 def test_launcher_imports_neither_torch_nor_fastapi() -> None:
     code = "import sys, sidecar.emulator.launcher; print('torch' in sys.modules, 'fastapi' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120).stdout

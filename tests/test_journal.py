@@ -4,6 +4,7 @@ beside the record, corrupt files set aside, secrets scrubbed."""
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime, timezone
 
 import pytest
@@ -186,3 +187,32 @@ def test_many_journals_share_a_few_writer_threads_and_the_newest_state_wins(tmp_
     writers = [t for t in threading.enumerate() if t.name.startswith("journal")]
     assert 1 <= len(writers) <= 4
     assert {j.load()[0].capture.state for j in journals} == {CaptureState.completed}
+
+
+_HOLD_LOCK = (
+    "import sys; from sidecar.control.journal import StateDirLock\n"
+    "StateDirLock(sys.argv[1]).acquire(upstream='http://127.0.0.1:8091', port=8092)\n"
+    "print('held', flush=True); sys.stdin.read()\n"
+)
+
+
+def test_a_state_dir_held_by_a_live_process_is_refused_naming_its_pid_and_taken_once_it_is_gone(tmp_path):
+    import subprocess
+    import sys
+
+    from sidecar.control.journal import StateDirLock
+    from sidecar.errors import StateDirLocked
+
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(StateDirLocked) as info:
+            StateDirLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    with StateDirLock(tmp_path) as lock:
+        owner = lock.owner()
+    assert (info.value.details["owner_pid"], "http://127.0.0.1:8091" in info.value.message, owner["pid"]) == (
+        holder.pid, True, os.getpid())

@@ -10,6 +10,7 @@ flow ids are made unique per source, and flow events without a usable id or time
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +146,15 @@ class _SourceRewriter:
         return out
 
 
+def _tell_apart(procs: list[TimelineProcess]) -> None:
+    """Processes of one name (the same stage, replica and rank from several captures, merged from a
+    stage dir) get their session folder's name appended, so a timeline never shows two alike."""
+    names = Counter(p.name for p in procs)
+    for p in procs:
+        if names[p.name] > 1:
+            p.name = f"{p.name} · {Path(p.file).parent.name}"
+
+
 def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path) -> TimelineReport:
     """Merge every trace under ``paths`` into ``out`` (``.json`` or ``.json.gz``).
 
@@ -181,6 +191,7 @@ def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path) -
             replica=src.replica, rank=rank, kind=src.kind,
             offset_us=((b - base) / 1000.0) if (b is not None and base is not None) else 0.0,
         ))
+    _tell_apart(procs)
     header: dict[str, Any] = {"schemaVersion": 1, "displayTimeUnit": "ms"}
     if base is not None:
         header["baseTimeNanoseconds"] = base

@@ -7,10 +7,13 @@ message (with file:line:col when known) and an exit code, never a traceback.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Iterator
+from typing import Annotated, Optional
 
 import typer
+from typer.core import TyperOption
 from rich.console import Console
 from rich.markup import escape
 
@@ -22,7 +25,29 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    rich_markup_mode="markdown",  # help paragraphs reflow to the terminal instead of keeping the source's breaks
 )
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from sidecar import __version__
+
+        typer.echo(f"omni-sidecar {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_show_version,
+                                 help="print the version and exit"),
+) -> None:
+    """Profiling controller for `vllm serve <model> --omni`: validate, capture, verify, summarise."""
+
+
+# typer 0.29 shows a type after every option, `<bool>` after a flag too, which takes no value
+_display_type = TyperOption.display_type_rich
+TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _display_type(self, ctx)  # type: ignore[method-assign]
 
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # an error line is never broken mid-path or mid-code
@@ -32,8 +57,23 @@ EXIT_ERROR = 1  # invalid input / failed capture
 EXIT_UNREADABLE = 2  # input could not be read at all
 
 
+# The controller's hints name the HTTP routes (its callers are the API and the client); a CLI user
+# is told the command that does the same.
+_ROUTE_TO_CLI = [
+    (re.compile(r"POST /v1/captures/([\w.-]+)/stop\?wait=true"), r"`omni-sidecar stop \1 --wait`"),
+    (re.compile(r"POST /v1/captures/([\w.-]+)/stop"), r"`omni-sidecar stop \1`"),
+    (re.compile(r"GET /v1/captures\b"), "`omni-sidecar list`"),
+]
+
+
+def cli_words(message: str) -> str:
+    for route, command in _ROUTE_TO_CLI:
+        message = route.sub(command, message)
+    return message
+
+
 def print_error(err: SidecarError) -> None:
-    err_console.print(f"[bold red]error[/]{escape(f'[{err.code}]')}: {escape(str(err))}", highlight=False)
+    err_console.print(f"[bold red]error[/]{escape(f'[{err.code}]')}: {escape(cli_words(str(err)))}", highlight=False)
     for finding in err.findings:
         err_console.print(f"  {escape(str(finding))}", highlight=False)
 
@@ -49,6 +89,24 @@ def cli_errors() -> Iterator[None]:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         raise typer.Exit(130) from None
+
+
+# One vocabulary: the options several commands take mean the same and default the same everywhere
+# (start, capture, stop and fleet start|stop|capture).
+StagesOpt = Annotated[
+    Optional[str], typer.Option("--stages", help="comma-separated stage ids, e.g. 0,2 (default: every profiled stage)")
+]
+WaitOpt = Annotated[
+    bool, typer.Option("--wait/--no-wait", help="wait until the traces are written and checked, then print the verdicts")
+]
+TimeoutOpt = Annotated[
+    Optional[float],
+    typer.Option("--timeout", help="stop waiting for the traces after N s (the stop goes on; default: no limit)"),
+]
+WindowOpt = Annotated[
+    Optional[float],
+    typer.Option("--duration", help="profile N s, then stop (default: until Ctrl-C)"),
+]
 
 
 def parse_stage_list(value: str | None) -> list[int] | None:

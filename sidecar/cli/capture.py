@@ -11,13 +11,16 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich import box
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, parse_stage_list
+from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
+from sidecar.cli._render import STATE_STYLES, print_verdicts, print_wide, styled, verdict_table
 from sidecar.client import DEFAULT_URL, SidecarClient
-from sidecar.control.models import Capture, CaptureState, Verdict
+from sidecar.control.models import Capture, CaptureKind, CaptureState, Verdict
 
 SidecarOpt = Annotated[
     str, typer.Option("--sidecar", envvar="OMNI_SIDECAR_URL", help="URL of a running `omni-sidecar serve`")
@@ -27,11 +30,13 @@ TokenFileOpt = Annotated[
     typer.Option("--token-file", envvar="OMNI_SIDECAR_TOKEN_FILE", help="file holding the bearer token"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
+WideOpt = Annotated[bool, typer.Option("--wide", help="one table row per session folder, as wide as its values")]
+IdArg = Annotated[
+    Optional[str], typer.Argument(help="capture id or a unique start of it (default: the active capture)")
+]
 # the lease `capture` asks for and heartbeats: a killed CLI leaves a capture recording at most this long
 MAX_CLI_LEASE_S = 60.0
-StagesOpt = Annotated[
-    Optional[str], typer.Option("--stages", help="comma-separated stage ids, e.g. 0,2 (default: every profiled stage)")
-]
+LabelOpt = Annotated[Optional[str], typer.Option("--label", help="a name for the capture, shown in lists")]
 
 
 def _client(sidecar: str, token_file: Path | None) -> SidecarClient:
@@ -41,86 +46,65 @@ def _client(sidecar: str, token_file: Path | None) -> SidecarClient:
     return SidecarClient(sidecar, token=token)
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
-# every Verdict has a colour: red where traces are lost, yellow where they exist but prove less
-VERDICT_STYLES: dict[str, str] = {
-    Verdict.ok.value: "green",
-    Verdict.empty.value: "yellow",
-    Verdict.missing.value: "red",
-    Verdict.partial.value: "red",
-    Verdict.ambiguous.value: "yellow",
-    Verdict.unverified.value: "yellow",
-}
-
-
-def verdict_table(cap: Capture) -> Table:
-    """Stage, verdict, session folder, trace file + size, reason — one row per session folder."""
-    table = Table(title=f"capture {cap.id} — {cap.state.value}", title_justify="left")
-    for col in ("stage", "verdict", "session folder", "trace", "reason"):
-        table.add_column(col, overflow="fold")
-    for v in cap.verdicts:
-        verdict = v.verdict.value if v.verdict else "-"
-        style = VERDICT_STYLES.get(verdict, "")
-        cell = f"[{style}]{verdict}[/]" if style else verdict
-        if not v.sessions:
-            table.add_row(str(v.stage_id), cell, "-", "-", v.reason or "")
-        for session in v.sessions:
-            traces = [f for f in session.files if Path(f.name).name.startswith("trace_")]
-            trace = ", ".join(f"{f.name} ({_size(f.size)})" for f in traces) or "-"
-            table.add_row(str(v.stage_id), cell, session.local_path or session.path, trace, v.reason or "")
-    if not cap.verdicts:
-        table.add_row("-", "-", "-", "-", "; ".join(e.message for e in cap.errors) or "no verdicts yet")
-    return table
-
-
-def print_capture(cap: Capture, as_json: bool) -> None:
+def print_capture(cap: Capture, as_json: bool, wide: bool = False) -> None:
     if as_json:
         console.print_json(cap.model_dump_json())
         return
-    console.print(verdict_table(cap))
+    title = f"capture {cap.id} — {styled(cap.state.value, STATE_STYLES)}"
+    if wide:
+        print_wide(title, verdict_table(cap.verdicts, "; ".join(e.message for e in cap.errors) or "no verdicts yet"))
+    else:
+        console.print(title, highlight=False, soft_wrap=True)
+        print_verdicts(console, cap.verdicts, indent="  ")
     if cap.stop_reason:
         console.print(f"stop reason: {cap.stop_reason.value}")
+    if only_expected_unverified(cap):
+        console.print("note: nsys writes its report itself, so the sidecar cannot check it (unverified, as "
+                      "expected); exit 0. Look for the .nsys-rep where `nsys profile -o` points.",
+                      highlight=False, soft_wrap=True)
     for err in cap.errors:
-        console.print(f"[red]{escape(err.code)}[/]: {escape(err.message)}", highlight=False)
+        console.print(f"[red]{escape(err.code)}[/]: {escape(err.message)}", highlight=False, soft_wrap=True)
+
+
+def only_expected_unverified(cap: Capture) -> bool:
+    """An nsys capture whose stages are all ``unverified``: nsys writes the report itself, so that
+    is the expected outcome, not a failure."""
+    return (cap.kind is CaptureKind.nsys and cap.state is CaptureState.degraded and bool(cap.verdicts)
+            and all(v.verdict in (Verdict.ok, Verdict.unverified) for v in cap.verdicts))
 
 
 def exit_code(cap: Capture) -> int:
-    return EXIT_OK if cap.state is CaptureState.completed else EXIT_ERROR
+    """0 for a completed capture, and for an nsys one whose only non-ok verdicts are ``unverified``."""
+    return EXIT_OK if cap.state is CaptureState.completed or only_expected_unverified(cap) else EXIT_ERROR
 
 
 def wait_with_progress(client: SidecarClient, capture_id: str, timeout: float | None, quiet: bool) -> Capture:
-    """Poll until terminal, showing a spinner with elapsed time and the current state."""
+    """Poll until terminal, showing a spinner with elapsed time and the current state (on a
+    terminal; rich shows nothing when the output is piped)."""
     if quiet:
         return client.wait_capture(capture_id, timeout=timeout)
-    deadline = None if timeout is None else time.monotonic() + timeout
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True
     ) as progress:
         task = progress.add_task(f"capture {capture_id}: stopping", total=None)
-        while True:
-            cap = client.get_capture(capture_id)
-            progress.update(task, description=f"capture {capture_id}: {cap.state.value}")
-            if cap.terminal:
-                return cap
-            if deadline is not None and time.monotonic() >= deadline:
-                return client.wait_capture(capture_id, timeout=0)  # raises WaitTimeout with the state
-            time.sleep(0.25)
+        return client.wait_capture(
+            capture_id, timeout=timeout, poll_s=0.25,
+            on_poll=lambda cap: progress.update(task, description=f"capture {capture_id}: {cap.state.value}"),
+        )
 
 
 @app.command()
 def start(
     sidecar: SidecarOpt = DEFAULT_URL,
     stages: StagesOpt = None,
-    duration: Annotated[Optional[float], typer.Option("--duration", help="auto-stop after N seconds")] = None,
-    lease: Annotated[Optional[float], typer.Option("--lease", help="auto-stop without heartbeat for N s")] = None,
-    label: Annotated[Optional[str], typer.Option("--label")] = None,
+    duration: Annotated[
+        Optional[float], typer.Option("--duration", help="the server stops it after N s (default: at `omni-sidecar stop`)")
+    ] = None,
+    lease: Annotated[
+        Optional[float],
+        typer.Option("--lease", min=1, help="the server stops it after N s without a heartbeat (default: no lease)"),
+    ] = None,
+    label: LabelOpt = None,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -135,20 +119,21 @@ def start(
 
 @app.command()
 def stop(
-    capture_id: Annotated[Optional[str], typer.Argument(help="capture id (default: the active capture)")] = None,
+    capture_id: IdArg = None,
     sidecar: SidecarOpt = DEFAULT_URL,
-    wait: Annotated[bool, typer.Option("--wait", help="wait until traces are written and checked")] = False,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", help="with --wait: give up after N s")] = None,
+    wait: WaitOpt = True,
+    timeout: TimeoutOpt = None,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
-    """Stop a capture; with --wait show progress while the server flushes, then the verdicts."""
+    """Stop a capture; show progress while the server flushes, then the verdicts (--no-wait: return at once)."""
     with cli_errors(), _client(sidecar, token_file) as client:
-        capture_id = capture_id or _active_id(client)
+        capture_id = client.resolve_id(capture_id) if capture_id else _active_id(client)
         cap = client.stop_capture(capture_id)
         if wait:
             cap = wait_with_progress(client, capture_id, timeout, quiet=as_json)
-            print_capture(cap, as_json)
+            print_capture(cap, as_json, wide)
             raise typer.Exit(exit_code(cap))
         if as_json:
             console.print_json(cap.model_dump_json())
@@ -167,10 +152,13 @@ def _active_id(client: SidecarClient) -> str:
 
 @app.command()
 def status(
-    capture_id: Annotated[Optional[str], typer.Argument(help="capture id (default: the newest)")] = None,
+    capture_id: Annotated[
+        Optional[str], typer.Argument(help="capture id or a unique start of it (default: the newest)")
+    ] = None,
     sidecar: SidecarOpt = DEFAULT_URL,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """Show one capture: state, verdicts, session folders and trace files."""
     with cli_errors(), _client(sidecar, token_file) as client:
@@ -182,8 +170,8 @@ def status(
                 raise CaptureNotFound("no captures yet; start one with `omni-sidecar capture`")
             cap = captures[0]
         else:
-            cap = client.get_capture(capture_id)
-        print_capture(cap, as_json)
+            cap = client.get_capture(client.resolve_id(capture_id))
+        print_capture(cap, as_json, wide)
         if cap.terminal:
             raise typer.Exit(exit_code(cap))
 
@@ -200,17 +188,28 @@ def list_(
         if as_json:
             console.print_json(json.dumps([c.model_dump(mode="json") for c in captures]))
             return
-        table = Table(title=f"captures on {sidecar}", title_justify="left")
-        for col in ("id", "state", "stages", "label", "created", "stop reason"):
-            table.add_column(col)
+        upstreams = sorted({c.upstream for c in captures})
+        where = f" · upstream {upstreams[0]}" if len(upstreams) == 1 else ""
+        # no vertical rules: at 80 columns every column keeps its values whole
+        table = Table(title=f"captures on {sidecar}{where}", title_justify="left", box=box.SIMPLE_HEAD,
+                      pad_edge=False, collapse_padding=True)
+        # the id is the value users copy: never cut it; the other columns fold
+        table.add_column("id", no_wrap=True, min_width=max((len(c.id) for c in captures), default=2))
+        table.add_column("state", no_wrap=True)
+        for col in ("stages", "label"):
+            table.add_column(col, overflow="fold")
+        table.add_column("created", no_wrap=True)
+        for col in ("stop reason", *(["upstream"] if len(upstreams) > 1 else [])):
+            table.add_column(col, overflow="fold")
         for c in captures:
             table.add_row(
                 c.id,
                 c.state.value,
                 ",".join(map(str, c.stages)),
                 c.label or "",
-                c.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+                c.created_at.astimezone().strftime("%m-%d %H:%M:%S"),  # the id has the year (UTC)
                 c.stop_reason.value if c.stop_reason else "",
+                *([c.upstream] if len(upstreams) > 1 else []),
             )
         console.print(table)
 
@@ -219,21 +218,21 @@ def list_(
 def capture(
     sidecar: SidecarOpt = DEFAULT_URL,
     stages: StagesOpt = None,
-    duration: Annotated[
-        Optional[float], typer.Option("--duration", help="capture for N seconds (default: until Ctrl-C)")
-    ] = None,
-    label: Annotated[Optional[str], typer.Option("--label")] = None,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", help="give up waiting for the stop after N s")] = None,
+    duration: WindowOpt = None,
+    label: LabelOpt = None,
+    timeout: TimeoutOpt = None,
     lease: Annotated[
         float,
-        typer.Option("--lease", min=1, max=MAX_CLI_LEASE_S, help="the server stops the capture if this CLI is gone this long"),
+        typer.Option("--lease", min=1, max=MAX_CLI_LEASE_S,
+                     help="the server stops it after N s without a heartbeat (this command sends them)"),
     ] = MAX_CLI_LEASE_S,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
+    wide: WideOpt = False,
 ) -> None:
     """Start, wait DURATION (or until Ctrl-C), stop, wait for the traces, print the verdicts.
 
-    The window is the server's: it gets ``duration_s`` and a lease this command heartbeats, so a
+    The window is the server's: it gets the duration and a lease this command heartbeats, so a
     killed CLI leaves nothing recording (the lease runs out within --lease seconds)."""
     with cli_errors(), _client(sidecar, token_file) as client:
         cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease)
@@ -249,7 +248,7 @@ def capture(
         # stop even when interrupted: never leave a profiler running upstream
         client.stop_capture(cap.id)
         cap = wait_with_progress(client, cap.id, timeout, quiet=as_json)
-        print_capture(cap, as_json)
+        print_capture(cap, as_json, wide)
         raise typer.Exit(exit_code(cap))
 
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console
+
+if TYPE_CHECKING:
+    from sidecar.analysis.models import CaptureSummary
 
 DEMO_STAGES = [0, 2]
 DEMO_REQUESTS = 4
@@ -71,17 +74,17 @@ def send_chat_requests(url: str, n: int) -> int:
     return done
 
 
-def print_summary(summary: dict[str, Any], top: int = 5) -> None:
-    """Top CPU ops per stage from ``GET /v1/captures/{id}/summary`` (``analysis.CaptureSummary``)."""
+def print_summary(summary: CaptureSummary, top: int = 5) -> None:
+    """Top CPU ops per stage of a capture's summary (``GET /v1/captures/{id}/summary``)."""
     from rich.table import Table
 
-    for stage in summary.get("stages") or []:
-        table = Table(title=f"stage {stage.get('stage_id')}: top ops by self CPU time", title_justify="left")
+    for stage in summary.stages:
+        table = Table(title=f"stage {stage.stage_id}: top ops by self CPU time", title_justify="left")
         table.add_column("op", overflow="fold")
         table.add_column("calls", justify="right")
         table.add_column("self (ms)", justify="right")
-        for op in (stage.get("cpu_ops") or [])[:top]:
-            table.add_row(str(op.get("name")), str(op.get("count", "")), f"{float(op.get('self_us') or 0) / 1000:.2f}")
+        for op in stage.cpu_ops[:top]:
+            table.add_row(op.name, str(op.count), f"{op.self_us / 1000:.2f}")
         console.print(table)
 
 
@@ -95,7 +98,7 @@ def demo(
     """Run an emulated 3-stage Qwen2.5-Omni server and a sidecar, capture stages 0 and 2, show the result."""
     with cli_errors():
         from sidecar.api.launcher import SidecarProcess
-        from sidecar.cli.capture import verdict_table, wait_with_progress
+        from sidecar.cli.capture import print_capture, wait_with_progress
         from sidecar.client import SidecarClient
         from sidecar.control.models import CaptureState, Verdict
         from sidecar.emulator.launcher import EmulatorProcess
@@ -113,7 +116,7 @@ def demo(
                 f"traces under {workdir / 'traces'})"
             )
             console.print("[bold]2/5[/] starting the emulated vLLM-Omni server (3 stages, CPU torch profiler)…")
-            with EmulatorProcess(overlay, flavor="omni") as emulator:
+            with EmulatorProcess(overlay, flavor="omni", log_path=workdir / "emulator.log") as emulator:
                 console.print(f"      server at {emulator.url}")
                 console.print("[bold]3/5[/] starting the sidecar…")
                 with SidecarProcess(
@@ -127,7 +130,7 @@ def demo(
                     client.stop_capture(cap.id)
                     cap = wait_with_progress(client, cap.id, timeout=300, quiet=False)
                     console.print("[bold]5/5[/] result")
-                    console.print(verdict_table(cap))
+                    print_capture(cap, as_json=False)
                     ok = cap.state is CaptureState.completed and all(
                         (v := cap.verdict(s)) is not None and v.verdict is Verdict.ok for s in DEMO_STAGES
                     )
@@ -138,7 +141,8 @@ def demo(
                             console.print(f"(no summary: {err})")
                     where = "" if keep else " (deleted on exit; pass --keep or --out DIR to keep them)"
                     console.print(f"traces: {workdir / 'traces'}{where}")
-                    console.print(f"journal: {workdir / 'state'}; sidecar log: {workdir / 'sidecar.log'}")
+                    console.print(f"journal: {workdir / 'state'}; logs: {workdir / 'sidecar.log'}, "
+                                  f"{workdir / 'emulator.log'}{where}")
                     console.print("shutting down…")
         finally:
             if not keep:

@@ -58,10 +58,14 @@ def _print_stage(title: str, s: StageDiff) -> None:
 def _remote(url: str, a: str, b: str, top: int) -> CaptureDiff:
     import httpx
 
+    from sidecar.client import SidecarClient
+
     headers = {}
     token = os.environ.get("OMNI_SIDECAR_TOKEN")
     if token:
         headers["Authorization"] = f"Bearer {token}"
+    with SidecarClient(url, token=token) as client:  # ids may be given by a unique start of them
+        a, b = client.resolve_id(a), client.resolve_id(b)
     try:
         r = httpx.get(f"{url.rstrip('/')}/v1/captures/{a}/diff/{b}", params={"top": top}, headers=headers, timeout=600)
     except httpx.HTTPError as err:
@@ -79,15 +83,17 @@ def _remote(url: str, a: str, b: str, top: int) -> CaptureDiff:
 
 @app.command("diff")
 def diff(
-    a: str = typer.Argument(..., help="capture A: a trace file or folder (or a capture id with --sidecar)"),
+    a: str = typer.Argument(..., help="capture A: a trace file or folder (or a capture id, or its unique start, with --sidecar)"),
     b: str = typer.Argument(..., help="capture B, the same way"),
     top: int = typer.Option(20, "--top", min=1, help="rows per table"),
     as_json: bool = typer.Option(False, "--json", help="print the diff as JSON"),
-    sidecar: str | None = typer.Option(None, "--sidecar", envvar="OMNI_SIDECAR_URL", help="A and B are capture ids on this sidecar"),
+    sidecar: str | None = typer.Option(None, "--sidecar", envvar="OMNI_SIDECAR_URL", help="A and B are capture ids on this sidecar (unless both exist as paths here)"),
 ) -> None:
     """Per stage: ops and kernels ranked by the change in self CPU and self device time, B − A."""
     with cli_errors():
-        result = _remote(sidecar, a, b, top) if sidecar else diff_paths([Path(a)], [Path(b)], top=top)
+        # files win: an exported OMNI_SIDECAR_URL must not turn two trace folders into capture ids
+        on_disk = Path(a).exists() and Path(b).exists()
+        result = _remote(sidecar, a, b, top) if sidecar and not on_disk else diff_paths([Path(a)], [Path(b)], top=top)
     if as_json:
         console.print_json(json.dumps(result.model_dump(mode="json")))
     else:

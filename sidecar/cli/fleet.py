@@ -6,21 +6,30 @@ rollout hook, by hand. A target is ``sidecar=URL`` (a bare URL is a sidecar) or 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, parse_stage_list
+from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, err_console, parse_stage_list
+from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
+from sidecar.cli._render import STATE_STYLES, VERDICT_STYLES, print_verdicts, print_wide, styled
+from sidecar.control.models import Verdict
 from sidecar.errors import FleetDurationInvalid, TargetInvalid
 
 fleet_app = typer.Typer(
     name="fleet",
     help="Start, stop or run one capture on many replicas at once (sidecars or upstream servers).",
     no_args_is_help=True,
+    rich_markup_mode="markdown",
 )
 app.add_typer(fleet_app, name="fleet")
 
@@ -31,9 +40,6 @@ TargetsOpt = Annotated[
         envvar="OMNI_SIDECAR_TARGETS",
         help="comma-separated: sidecar=http://h:8092 (or a bare URL) and/or upstream=http://h:8091",
     ),
-]
-StagesOpt = Annotated[
-    Optional[str], typer.Option("--stages", help="comma-separated stage ids, e.g. 0,2 (default: every torch stage)")
 ]
 DeployOpt = Annotated[
     Optional[Path], typer.Option("--deploy-config", help="deploy YAML of the upstream targets (upstream=URL only)")
@@ -48,6 +54,8 @@ StateDirOpt = Annotated[
     typer.Option("--state-dir", help="journal of upstream targets' captures, so `fleet stop` can find them"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON (every target in full) instead of a table")]
+LabelOpt = Annotated[Optional[str], typer.Option("--label", help="a name for the captures, shown in lists")]
+WideOpt = Annotated[bool, typer.Option("--wide", help="one table row per target and stage, as wide as its values")]
 SharedOpt = Annotated[bool, typer.Option(
     "--allow-shared-dirs", help="run even where targets share a torch_profiler_dir (their verdicts are then ambiguous)")]
 HostLocalOpt = Annotated[bool, typer.Option(
@@ -78,9 +86,28 @@ def _fleet(targets: str, stages: str | None, deploy_config: Path | None, flavor:
         token = SidecarSettings(token_file=token_file).read_token()
     if flavor not in ("omni", "vllm"):
         raise TargetInvalid(f"--flavor must be omni or vllm, got {flavor!r}")
-    return Fleet(targets, stages=parse_stage_list(stages), deploy_config=deploy_config, flavor=flavor,  # type: ignore[arg-type]
-                 token=token, state_dir=state_dir or _default_state_dir(),
-                 allow_shared_dirs=allow_shared_dirs, dirs_host_local=dirs_host_local, stop_budget_s=stop_budget_s)
+    fleet = Fleet(targets, stages=parse_stage_list(stages), deploy_config=deploy_config, flavor=flavor,  # type: ignore[arg-type]
+                  token=token, state_dir=state_dir or _default_state_dir(),
+                  allow_shared_dirs=allow_shared_dirs, dirs_host_local=dirs_host_local, stop_budget_s=stop_budget_s)
+    return fleet
+
+
+@contextlib.contextmanager
+def _owning_state_dir(fleet: Any) -> Iterator[None]:
+    """With upstream targets, this command's controllers journal them in the fleet's state dir:
+    one command at a time there (a second would recover, and so stop, the first's captures)."""
+    if not any(t.kind.value == "upstream" for t in fleet.targets):
+        yield
+        return
+    from sidecar.control.journal import StateDirLock
+
+    lock = StateDirLock(Path(fleet.state_dir))
+    lock.acquire(command="omni-sidecar fleet")
+    try:
+        yield
+    finally:
+        lock.release()
+
 
 
 def _start_at(text: str | None) -> float | None:
@@ -90,7 +117,7 @@ def _start_at(text: str | None) -> float | None:
     return None if text is None else check_start_at(parse_start_at(text))
 
 
-def _print(fc: Any, as_json: bool) -> None:
+def _print(fc: Any, as_json: bool, wide: bool = False) -> None:
     if as_json:
         console.print_json(json.dumps({
             "label": fc.label, "ok": fc.ok,
@@ -100,37 +127,60 @@ def _print(fc: Any, as_json: bool) -> None:
     if len(fc.targets) > ROWS_MAX:
         _print_rollup(fc)
         return
-    table = Table(title=f"fleet {fc.label or ''}".rstrip(), title_justify="left")
-    for col in ("target", "outcome", "capture", "state", "stages", "session folders", "error"):
-        table.add_column(col, overflow="fold")
+    ok = sum(r.ok for r in fc.targets.values())
+    title = f"fleet {fc.label or ''}".rstrip() + f": {ok} of {len(fc.targets)} ok"
+    if wide:
+        print_wide(title, _wide_table(fc))
+        return
+    # A target URL, a capture id and a folder are never cut: each on its own unwrapped line.
+    console.print(title, highlight=False, soft_wrap=True)
     for r in fc.targets.values():
         state = r.state.value if r.state else "-"
-        style = {"completed": "green", "degraded": "yellow", "failed": "red"}.get(state, "")
-        table.add_row(
-            r.target, r.outcome.value, r.capture_id or "-", f"[{style}]{state}[/]" if style else state,
-            ",".join(map(str, r.stages)) or "-", "\n".join(r.folders) or "-",
-            f"{r.error.code}: {r.error.message}" if r.error else "",
-        )
-    console.print(table)
+        console.print(f"{escape(r.target)}  {escape(r.outcome.value)}  {styled(state, STATE_STYLES)}",
+                      highlight=False, soft_wrap=True)
+        if r.capture_id:
+            console.print(f"  capture {r.capture_id}", highlight=False, soft_wrap=True)
+        if r.error:
+            console.print(f"  [red]{escape(r.error.code)}[/]: {escape(r.error.message)}", highlight=False, soft_wrap=True)
+        print_verdicts(console, r.verdicts, indent="  ")
+
+
+def _wide_table(fc: Any) -> Table:
+    table = Table()
+    for col in ("target", "outcome", "capture", "state", "stage", "verdict", "reason", "session folders"):
+        table.add_column(col, no_wrap=True)
+    for r in fc.targets.values():
+        state = styled(r.state.value if r.state else "-", STATE_STYLES)
+        head = [escape(r.target), r.outcome.value, r.capture_id or "-", state]
+        error = f"{r.error.code}: {r.error.message}" if r.error else ""
+        if not r.verdicts:
+            table.add_row(*head, "-", "-", escape(error), "-")
+        for v in r.verdicts:
+            verdict = styled(v.verdict.value if v.verdict else "-", VERDICT_STYLES)
+            reason = escape(error or (v.reason if v.verdict is not Verdict.ok else "") or "")
+            folders = "\n".join(escape(s.local_path or s.path) for s in v.sessions) or "-"
+            table.add_row(*head, str(v.stage_id), verdict, reason, folders)
+    return table
 
 
 def _print_rollup(fc: Any) -> None:
+    """Counts and the worst few, one unwrapped line each: a target URL is never cut."""
     roll = fc.rollup()
-    table = Table(title=f"fleet {fc.label or ''}: {roll['ok']} of {roll['targets']} ok (--json for every target)",
-                  title_justify="left")
-    table.add_column("what")
-    table.add_column("count / detail", overflow="fold")
+
+    def line(text: str) -> None:
+        console.print(text, highlight=False, soft_wrap=True)
+
+    line(f"fleet {fc.label or ''}".rstrip() + f": {roll['ok']} of {roll['targets']} ok (--json for every target)")
     for group in ("outcomes", "states", "verdicts"):
         for name, count in roll[group].items():
-            table.add_row(f"{group[:-1]} {name}", str(count))
+            line(f"  {group[:-1]} {escape(str(name))}: {count}")
     for what in ("slowest_start", "slowest_stop"):
-        if roll[what]:
-            table.add_row(what.replace("_", " "), "\n".join(f"{x['seconds']:.3f}s {x['target']}" for x in roll[what]))
+        for x in roll[what] or []:
+            line(f"  {what.replace('_', ' ')}: {x['seconds']:.3f}s {escape(x['target'])}")
     for f in roll["failures"]:
-        table.add_row(f"[red]{f['outcome']}[/]", f"{f['target']}: {f['reason']}")
+        line(f"  [red]{escape(f['outcome'])}[/]: {escape(f['target'])}: {escape(f['reason'])}")
     if roll["failures_total"] > len(roll["failures"]):
-        table.add_row("", f"... and {roll['failures_total'] - len(roll['failures'])} more failures")
-    console.print(table)
+        line(f"  ... and {roll['failures_total'] - len(roll['failures'])} more failures")
 
 
 def _exit(fc: Any) -> None:
@@ -141,8 +191,11 @@ def _exit(fc: Any) -> None:
 def start(
     targets: TargetsOpt,
     stages: StagesOpt = None,
-    duration: Annotated[Optional[float], typer.Option("--duration", help="sidecar targets: auto-stop after N s")] = None,
-    label: Annotated[Optional[str], typer.Option("--label")] = None,
+    duration: Annotated[
+        Optional[float],
+        typer.Option("--duration", help="sidecar targets stop by themselves after N s (default: at `fleet stop`)"),
+    ] = None,
+    label: LabelOpt = None,
     deploy_config: DeployOpt = None,
     flavor: FlavorOpt = "omni",
     token_file: TokenFileOpt = None,
@@ -152,6 +205,7 @@ def start(
     dirs_host_local: HostLocalOpt = False,
     kind: KindOpt = "torch",
     start_at: StartAtOpt = None,
+    wide: WideOpt = False,
 ) -> None:
     """Start on every target at once; all or nothing (a failure stops the ones that started)."""
     with cli_errors():
@@ -172,21 +226,23 @@ def start(
             finally:
                 await fleet.close(keep_live=True)  # `fleet stop` stops them (journal in --state-dir)
 
-        fc = asyncio.run(run())
-        _print(fc, as_json)
+        with _owning_state_dir(fleet):
+            fc = asyncio.run(run())
+        _print(fc, as_json, wide)
 
 
 @fleet_app.command("stop")
 def stop(
     targets: TargetsOpt,
-    wait: Annotated[bool, typer.Option("--wait/--no-wait", help="wait for the artifact checks")] = True,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", help="bound on the artifact checks (s)")] = None,
+    wait: WaitOpt = True,
+    timeout: TimeoutOpt = None,
     deploy_config: DeployOpt = None,
     flavor: FlavorOpt = "omni",
     token_file: TokenFileOpt = None,
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
     stop_budget: BudgetOpt = 1800.0,
+    wide: WideOpt = False,
 ) -> None:
     """Stop the live capture on every target at once, each within its own budget."""
     with cli_errors():
@@ -200,18 +256,19 @@ def stop(
             finally:
                 await fleet.close()
 
-        fc = asyncio.run(run())
-        _print(fc, as_json)
+        with _owning_state_dir(fleet):
+            fc = asyncio.run(run())
+        _print(fc, as_json, wide)
         _exit(fc)
 
 
 @fleet_app.command("capture")
 def capture(
     targets: TargetsOpt,
-    duration: Annotated[float, typer.Option("--duration", help="seconds to keep the window open")] = 10.0,
+    duration: WindowOpt = None,
     stages: StagesOpt = None,
-    label: Annotated[Optional[str], typer.Option("--label")] = None,
-    timeout: Annotated[Optional[float], typer.Option("--timeout", help="bound on the artifact checks (s)")] = None,
+    label: LabelOpt = None,
+    timeout: TimeoutOpt = None,
     deploy_config: DeployOpt = None,
     flavor: FlavorOpt = "omni",
     token_file: TokenFileOpt = None,
@@ -222,21 +279,72 @@ def capture(
     kind: KindOpt = "torch",
     stop_budget: BudgetOpt = 1800.0,
     start_at: StartAtOpt = None,
+    wide: WideOpt = False,
 ) -> None:
-    """Start everywhere, keep the window open --duration seconds (Ctrl-C stops early), stop
-    everywhere, check the traces and print where they are."""
+    """Start everywhere, keep the window open --duration seconds (or until Ctrl-C), stop
+    everywhere, check the traces and print where they are. On a terminal a progress line follows
+    the start (and its --start-at wait), the window, the stops and the traces collected."""
     with cli_errors():
         at = _start_at(start_at)
-        if not duration > 0:
+        if duration is not None and not duration > 0:
             raise FleetDurationInvalid(f"--duration must be > 0 seconds, got {duration}")
         fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir, allow_shared_dirs,
                        dirs_host_local, stop_budget)
 
         async def run() -> Any:
             async with fleet:
-                return await fleet.capture(duration, label=label, artifact_timeout_s=timeout, kind=kind,  # type: ignore[arg-type]
-                                           start_at=at)
+                with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                              console=err_console, transient=True, disable=as_json) as progress:
+                    return await _capture_with_progress(fleet, progress, duration, label=label, timeout=timeout,
+                                                        kind=kind, start_at=at)
 
-        fc = asyncio.run(run())
-        _print(fc, as_json)
+        with _owning_state_dir(fleet):
+            fc = asyncio.run(run())
+        _print(fc, as_json, wide)
         _exit(fc)
+
+
+async def _capture_with_progress(fleet: Any, progress: Progress, duration: float | None, *, label: str | None,
+                                 timeout: float | None, kind: str, start_at: float | None) -> Any:
+    """``Fleet.capture`` in its three public steps (start, window, stop, then the artifact checks
+    read until done), so each can show on the progress line. Interrupted, every started target is
+    stopped before the interrupt goes on, as ``Fleet.capture`` does."""
+    import time
+
+    from sidecar.fleet import TargetOutcome
+
+    n = len(fleet.targets)
+    when = f" at {time.strftime('%H:%M:%S', time.localtime(start_at))}" if start_at is not None else ""
+    task = progress.add_task(f"starting {n} target(s){when}", total=None)
+    fc = await fleet.start(label=label, kind=kind, start_at=start_at)
+    started = sum(r.outcome is TargetOutcome.started for r in fc.targets.values())
+    span = f"{duration:g}s" if duration is not None else "until Ctrl-C"
+    progress.update(task, description=f"window: {started} of {n} started, {span}", total=duration, completed=0)
+    t0 = time.monotonic()
+    ended = asyncio.Event()  # Ctrl-C in the window ends it early; the stop and the checks still run
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, ended.set)
+    try:
+        while duration is None or time.monotonic() - t0 < duration:
+            left = 0.2 if duration is None else min(0.2, duration - (time.monotonic() - t0))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ended.wait(), max(left, 0.0))
+            if ended.is_set():
+                break
+            progress.update(task, completed=time.monotonic() - t0)
+    except asyncio.CancelledError:
+        await asyncio.shield(fleet.stop(fc, wait_artifacts=False))
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    progress.update(task, description=f"stopping {started} target(s) (the servers write traces now)", total=None)
+    fc = await asyncio.shield(fleet.stop(fc, wait_artifacts=False))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        waiting = [r for r in fc.targets.values()
+                   if r.capture_id and not r.done and r.outcome is TargetOutcome.stopped]
+        progress.update(task, description=f"collected {started - len(waiting)} of {started} target(s)' traces")
+        if not waiting or (deadline is not None and time.monotonic() >= deadline):
+            return fc
+        await asyncio.sleep(0.5)
+        fc = await fleet.refresh(fc)

@@ -1,9 +1,11 @@
-"""CLI: ``omni-sidecar serve`` — validate the deploy YAML (refuse errors, print warnings), then
-run the HTTP API under uvicorn. Flags override ``OMNI_SIDECAR_*`` environment settings.
+"""CLI: ``omni-sidecar serve`` — validate the deploy YAML (refuse errors, print warnings), take
+the state dir (one live sidecar per dir), then run the HTTP API under uvicorn. Flags override
+``OMNI_SIDECAR_*`` environment settings.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -16,14 +18,26 @@ from sidecar.cli._app import app, cli_errors, err_console
 @app.command()
 def serve(
     upstream: Annotated[
-        Optional[str], typer.Option("--upstream", help="URL of `vllm serve <model> --omni`, e.g. http://127.0.0.1:8000")
+        Optional[str],
+        typer.Option(
+            "--upstream",
+            help="URL of `vllm serve <model> --omni`, e.g. http://127.0.0.1:8000 (required, or "
+            "OMNI_SIDECAR_UPSTREAM_URL; `omni-sidecar emulate` listens on http://127.0.0.1:8091)",
+        ),
     ] = None,
     deploy_config: Annotated[
         Optional[Path], typer.Option("--deploy-config", help="the deploy YAML the server was started with")
     ] = None,
     host: Annotated[Optional[str], typer.Option("--host", help="bind address (default 127.0.0.1)")] = None,
     port: Annotated[Optional[int], typer.Option("--port", help="port (default 8092)")] = None,
-    state_dir: Annotated[Optional[Path], typer.Option("--state-dir", help="journal of captures")] = None,
+    state_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--state-dir",
+            help="journal of captures, owned by this sidecar while it runs (default "
+            "$XDG_STATE_HOME or ~/.local/state, then omni-sidecar/<upstream host>_<port>-<sidecar port>)",
+        ),
+    ] = None,
     token_file: Annotated[
         Optional[Path], typer.Option("--token-file", help="bearer token required on mutating routes")
     ] = None,
@@ -43,7 +57,7 @@ def serve(
             help="the --profiler-config JSON the server was started with (with --flavor vllm: no --deploy-config needed)",
         ),
     ] = None,
-    log_level: Annotated[str, typer.Option("--log-level")] = "info",
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level: debug, info, warning, error")] = "info",
     keep: Annotated[Optional[int], typer.Option("--keep", help="finished captures kept in history (default 1000)")] = None,
     keep_days: Annotated[
         Optional[float], typer.Option("--keep-days", help="drop finished captures older than this many days")
@@ -60,10 +74,17 @@ def serve(
         from sidecar.config.settings import SidecarSettings
         from pydantic import ValidationError
 
-        from sidecar.control.journal import CaptureJournal
+        from sidecar.control.journal import CaptureJournal, StateDirLock
         from sidecar.errors import ConfigError, SettingInvalid, ValidationFailed
         from sidecar.scrub import scrub_secrets
 
+        if upstream is None and not os.environ.get("OMNI_SIDECAR_UPSTREAM_URL"):
+            raise SettingInvalid(
+                "no upstream: pass --upstream URL of the server, e.g. --upstream http://127.0.0.1:8000 for "
+                "`vllm serve` or --upstream http://127.0.0.1:8091 for `omni-sidecar emulate` (or set "
+                "OMNI_SIDECAR_UPSTREAM_URL)",
+                key="upstream_url",
+            )
         given: dict[str, Any] = {
             "upstream_url": upstream,
             "deploy_config": deploy_config,
@@ -90,7 +111,8 @@ def serve(
             ) from None
         token = settings.read_token()  # an unreadable token file must stop start-up, not open the routes
         settings.check_exposure(token)  # beyond loopback, mutating routes need a token
-        CaptureJournal(settings.state_dir).check_writable()  # no journal = no history and no recovery
+        state = Path(settings.state_dir or ".")  # never None: the settings fill it in per sidecar
+        CaptureJournal(state).check_writable()  # no journal = no history and no recovery
         # A legacy `stage_args:` file is refused: a 0.30 server cannot have started with it.
         deploy = load_server_config(
             settings.deploy_config,
@@ -111,22 +133,29 @@ def serve(
         for finding in findings:
             err_console.print(f"[yellow]{escape(str(finding))}[/]", highlight=False)
 
-        import uvicorn
+        # Held while this sidecar runs (the kernel drops it even on kill -9): a second sidecar on
+        # this dir would recover, and so stop, the captures this one runs.
+        lock = StateDirLock(state)
+        lock.acquire(upstream=scrub_secrets(settings.upstream_url), port=settings.port)
+        try:
+            import uvicorn
 
-        from sidecar.api.app import build_app
+            from sidecar.api.app import build_app
 
-        fastapi_app = build_app(settings, deploy)
-        err_console.print(
-            f"omni-sidecar: upstream {scrub_secrets(settings.upstream_url)}, deploy {settings.deploy_config or '(--profiler-config)'}, "
-            f"http://{settings.host}:{settings.port} (docs at /docs)",
-            highlight=False,
-        )
-        # a short graceful window: a client blocked on ?wait=true must not delay the shutdown
-        # stop of the active capture (lifespan shutdown runs after connections close)
-        uvicorn.run(
-            fastapi_app,
-            host=settings.host,
-            port=settings.port,
-            log_level=log_level,
-            timeout_graceful_shutdown=5,
-        )
+            fastapi_app = build_app(settings, deploy)
+            err_console.print(
+                f"omni-sidecar: upstream {scrub_secrets(settings.upstream_url)}, deploy {settings.deploy_config or '(--profiler-config)'}, "
+                f"http://{settings.host}:{settings.port} (docs at /docs), state {settings.state_dir}",
+                highlight=False,
+            )
+            # a short graceful window: a client blocked on ?wait=true must not delay the shutdown
+            # stop of the active capture (lifespan shutdown runs after connections close)
+            uvicorn.run(
+                fastapi_app,
+                host=settings.host,
+                port=settings.port,
+                log_level=log_level,
+                timeout_graceful_shutdown=5,
+            )
+        finally:
+            lock.release()

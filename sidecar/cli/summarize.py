@@ -93,6 +93,22 @@ def _tables(title: str, body: SummaryBody, by: By) -> None:
         console.print(tab)
 
 
+def merged_notes(summary: CaptureSummary) -> list[str]:
+    """What a summary merged when one stage's traces come from session folders opened at
+    different times (several captures under a stage dir): said, so a window over many captures is
+    not read as one."""
+    notes = []
+    for st in summary.stages:
+        folders = sorted({Path(f).parent.name for f in st.files})
+        starts = sorted({name[:15] for name in folders if name[:8].isdigit()})  # YYYYmmdd-HHMMSS
+        if len(starts) > 1:
+            label = f"stage {st.stage_id}" if st.stage_id is not None else "stage ?"
+            notes.append(f"{label} merges {len(st.files)} trace(s) from {len(folders)} session folders opened "
+                         f"from {starts[0]} to {starts[-1]} (several captures?); pass one session folder to "
+                         "summarise one capture")
+    return notes
+
+
 @app.command("summarize")
 def summarize(
     paths: list[Path] = typer.Argument(..., help="trace files (.json/.json.gz) or session/capture folders"),
@@ -124,6 +140,8 @@ def summarize(
                             f"{g.slowest_replica if g.slowest_replica is not None else '-'}/{g.slowest_rank if g.slowest_rank is not None else '-'}",
                             _ms(g.slowest_us), _ms(g.median_us), f"{g.ratio:.2f}x")
             console.print(tab)
+    for note in merged_notes(summary):
+        err_console.print(f"[bold]note[/]: {escape(note)}", highlight=False, soft_wrap=True)
     for msg in summary.warnings:
         err_console.print(f"[bold yellow]warning[/]: {escape(msg)}", highlight=False, soft_wrap=True)
     for msg in summary.errors:

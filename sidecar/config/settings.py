@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 import json
+import os
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from sidecar.errors import ArtifactRootInvalid, TokenFileUnreadable
@@ -30,8 +32,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def default_state_dir() -> Path:
-    return Path.home() / ".local" / "state" / "omni-sidecar"
+def default_state_dir(upstream_url: str | None = None, port: int | None = None) -> Path:
+    """``$XDG_STATE_HOME/omni-sidecar`` (else ``~/.local/state/omni-sidecar``), and for one sidecar
+    the folder ``<upstream host>_<upstream port>-<sidecar port>`` in it: two sidecars on one host
+    (replicas, a fleet) never share a journal by default."""
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state") / "omni-sidecar"
+    if upstream_url is None:
+        return base
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(upstream_url)
+    upstream_port = parts.port or (443 if parts.scheme == "https" else 80)
+    key = re.sub(r"[^A-Za-z0-9.-]+", "_", f"{parts.hostname}_{upstream_port}")
+    return base / f"{key}-{port}"
 
 
 def parse_artifact_root(text: str) -> tuple[str, str]:
@@ -64,8 +77,8 @@ class SidecarSettings(BaseSettings):
     token_file: Path | None = None  # bearer token for mutating routes (file content, stripped)
     # Host / Origin names accepted besides loopback ones (DNS rebinding, cross-site requests); "*" = any
     allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    # state
-    state_dir: Path = Field(default_factory=default_state_dir)
+    # state; unset = default_state_dir(upstream_url, port), one folder per sidecar
+    state_dir: Path | None = None
     # upstream timeouts, seconds
     connect_timeout_s: float = Field(default=5, gt=0)
     start_timeout_s: float = Field(default=300, gt=0)
@@ -99,6 +112,12 @@ class SidecarSettings(BaseSettings):
                 f"e.g. --upstream http://{value.split('://')[-1] or '127.0.0.1:8000'}"
             )
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _state_dir_per_sidecar(self) -> SidecarSettings:
+        if self.state_dir is None:
+            self.state_dir = default_state_dir(self.upstream_url, self.port)
+        return self
 
     @field_validator("artifact_roots", mode="before")
     @classmethod

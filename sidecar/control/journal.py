@@ -1,16 +1,19 @@
 """Capture journal: one JSON file per capture under ``<state_dir>/captures/<id>.json``, written
 atomically (temp file, fsync, ``os.replace``, fsync of the folder) in a writer thread off the event
 loop, so history and a capture left active survive a crash. A file that cannot be used is
-quarantined, not fatal. Secrets are scrubbed from every string before it is written.
+quarantined, not fatal. Secrets are scrubbed from every string before it is written. A state dir
+belongs to one live sidecar at a time: ``StateDirLock`` (``flock`` on ``<state_dir>/lock``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
 import os
 import re
+import socket
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,7 +24,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from sidecar.control.models import Capture
-from sidecar.errors import StateDirUnusable
+from sidecar.errors import StateDirLocked, StateDirUnusable
 from sidecar.scrub import Scrubber
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,77 @@ class _suppress_oserror:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> bool:
         return isinstance(exc, OSError)
+
+
+class StateDirLock:
+    """The claim of one live sidecar on its state dir: an exclusive ``flock`` on
+    ``<state_dir>/lock``, a file that names the owner (pid, host, upstream, port). The kernel
+    drops the lock when the owner dies, even by kill -9, so a crashed sidecar's dir is taken over
+    (and its live captures recovered) by the next one, while a second sidecar on the dir of a live
+    one is refused (``StateDirLocked``, naming the owner's pid): it would recover, and so stop,
+    the captures the first is running."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = Path(state_dir).expanduser() / "lock"
+        self._fd: int | None = None
+
+    def owner(self) -> dict[str, Any]:
+        """What the lock file says about its owner ({} when it says nothing readable)."""
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8") or "{}")
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def acquire(self, **owner: Any) -> None:
+        """Take the dir for this process (``owner`` is written into the lock file beside pid and
+        host), or raise ``StateDirLocked`` naming the live owner."""
+        if self._fd is not None:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise self._refusal() from None
+        except BaseException:
+            os.close(fd)
+            raise
+        text = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), **owner}, sort_keys=True)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, text.encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with _suppress_oserror():
+            os.ftruncate(self._fd, 0)  # the file stays: unlinking it races a sidecar opening it
+        os.close(self._fd)  # closing the last descriptor drops the flock
+        self._fd = None
+
+    def _refusal(self) -> StateDirLocked:
+        owner = self.owner()
+        pid = owner.get("pid", "unknown")
+        state_dir = self.path.parent
+        said = ", ".join(f"{k} {owner[k]}" for k in ("host", "upstream", "port", "command") if owner.get(k) is not None)
+        return StateDirLocked(
+            f"state dir {state_dir} is in use by another live omni-sidecar (pid {pid}"
+            f"{', ' + said if said else ''}): one journal belongs to one sidecar, or each would recover "
+            f"the other's captures. Stop that sidecar (`kill {pid}`), or give this one its own "
+            "--state-dir (the default is per upstream and port)",
+            key="state_dir",
+            details={"state_dir": str(state_dir), "owner_pid": pid, "owner": owner},
+        )
+
+    def __enter__(self) -> StateDirLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class JournalEntry:

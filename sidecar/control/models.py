@@ -16,7 +16,14 @@ from pydantic import BaseModel, Field, computed_field, field_serializer, model_v
 from sidecar.control import filenames
 
 
-class CaptureState(str, Enum):
+class _Word(str, Enum):
+    """A str enum that prints as its value (``ok``, not ``Verdict.ok``): what users print is a word."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class CaptureState(_Word):
     starting = "starting"
     active = "active"
     stopping = "stopping"
@@ -30,7 +37,7 @@ class CaptureState(str, Enum):
         return self in (CaptureState.completed, CaptureState.degraded, CaptureState.failed)
 
 
-class StopReason(str, Enum):
+class StopReason(_Word):
     explicit = "explicit"
     duration = "duration"  # duration_s elapsed
     lease_expired = "lease_expired"  # no heartbeat within lease_s
@@ -39,7 +46,7 @@ class StopReason(str, Enum):
     rollback = "rollback"  # start failed or was ambiguous; the same set was stopped
 
 
-class Verdict(str, Enum):
+class Verdict(_Word):
     ok = "ok"  # every expected trace is present, complete and records work (an op or a kernel)
     empty = "empty"  # traces are present but no op and no kernel ran in the window
     missing = "missing"  # no trace for this stage (no new session folder, or a folder without trace)
@@ -48,7 +55,7 @@ class Verdict(str, Enum):
     unverified = "unverified"  # the sidecar cannot see this stage's folder (or nsys writes the report)
 
 
-class CaptureKind(str, Enum):
+class CaptureKind(_Word):
     torch = "torch"  # torch profiler stages: trace files the sidecar finds and checks
     nsys = "nsys"  # ``profiler: cuda`` stages: capture ranges for an outer ``nsys profile``
 

@@ -1,11 +1,14 @@
 """Start and stop an emulator as a child process (tests, demo, benchmarks). Imports no torch and
 no FastAPI: it runs ``python -m sidecar.emulator`` and waits for ``GET /emulator/ready`` to answer 200.
-Stop is SIGTERM, then SIGKILL of the whole process group, so stage workers never outlive it.
+Stop is SIGTERM, then SIGKILL of the whole process group, so stage workers never outlive it. A log
+it made itself (no ``log_path``) is deleted after a clean stop and kept, and named, otherwise.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -16,6 +19,8 @@ import httpx
 
 from sidecar._process import ManagedProcess, free_port
 from sidecar.errors import SidecarError
+
+log = logging.getLogger(__name__)
 
 
 class EmulatorStartError(SidecarError):
@@ -44,12 +49,17 @@ class EmulatorProcess(ManagedProcess):
         env: Mapping[str, str] | None = None,
         startup_timeout: float = 60,
         stop_grace: float = 5.0,
+        log_path: Path | str | None = None,
     ) -> None:
         port = port if port is not None else free_port(host)
-        fd, log = tempfile.mkstemp(prefix=f"omni-emulator-{port}-", suffix=".log")
-        os.close(fd)
+        self._own_log = log_path is None  # a temporary log: ours to delete after a clean stop
+        if log_path is None:
+            fd, made = tempfile.mkstemp(prefix=f"omni-emulator-{port}-", suffix=".log")
+            os.close(fd)
+            log_path = made
         super().__init__(
-            host=host, port=port, log_path=Path(log), env=env, startup_timeout=startup_timeout, stop_grace=stop_grace
+            host=host, port=port, log_path=Path(log_path), env=env, startup_timeout=startup_timeout,
+            stop_grace=stop_grace,
         )
         self.deploy_config = Path(deploy_config)
         self.flavor = flavor
@@ -91,6 +101,18 @@ class EmulatorProcess(ManagedProcess):
             self._http.close()
             self._http = None
         return super().kill()
+
+    def stop(self, grace: float | None = None) -> int | None:
+        """As ``ManagedProcess.stop``; then the temporary log goes if the server exited on SIGTERM
+        (clean), and stays, named in a warning, if it had to be killed or had failed."""
+        started = self._proc is not None
+        code = super().stop(grace)
+        if self._own_log and started:
+            if code in (0, -signal.SIGTERM):
+                self.log_path.unlink(missing_ok=True)
+            else:
+                log.warning("emulator exited with code %s; its log is kept at %s", code, self.log_path)
+        return code
 
     @property
     def command(self) -> list[str]:

@@ -1,0 +1,75 @@
+"""The CLI's help and vocabulary: ``--version``, every option has help, no literal reST, flags
+show no value type, and the options several commands share mean and default the same."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from sidecar import __version__
+from sidecar.cli import app
+
+ROOT = typer.main.get_command(app)
+
+
+def _commands(group: Any = ROOT, prefix: str = "") -> dict[str, Any]:
+    """Every command by its full name (typer 0.29 vendors click: duck-typed, not isinstance)."""
+    found: dict[str, Any] = {}
+    for name, cmd in group.commands.items():
+        if hasattr(cmd, "commands"):
+            found.update(_commands(cmd, f"{prefix}{name} "))
+        else:
+            found[f"{prefix}{name}"] = cmd
+    return found
+
+
+def _option(param: Any) -> bool:
+    return param.param_type_name == "option"
+
+
+COMMANDS = _commands()
+SHARED = ("--stages", "--wait", "--timeout", "--duration", "--lease", "--label", "--json", "--sidecar", "--token-file")
+
+
+def test_version():
+    result = CliRunner().invoke(app, ["--version"])
+    assert (result.exit_code, result.stdout.strip()) == (0, f"omni-sidecar {__version__}")
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_option_has_help_and_no_rest(name):
+    cmd = COMMANDS[name]
+    missing = [p.opts[0] for p in cmd.params if _option(p) and not (p.help or "").strip()]
+    texts = [cmd.help or ""] + [p.help or "" for p in cmd.params if _option(p)]
+    assert (missing, [t for t in texts if "``" in t]) == ([], [])
+
+
+def test_flags_show_no_value_type():
+    result = CliRunner().invoke(app, ["stop", "--help"], env={"COLUMNS": "120"})
+    assert ("--wait" in result.stdout, "<bool>" in result.stdout) == (True, False)
+
+
+def test_shared_options_mean_and_default_the_same_everywhere():
+    seen: dict[str, set[tuple[str, str]]] = {}
+    for cmd in ("start", "stop", "capture", "fleet start", "fleet stop", "fleet capture"):
+        for p in COMMANDS[cmd].params:
+            if _option(p) and p.opts[0] in ("--stages", "--wait", "--timeout"):
+                seen.setdefault(p.opts[0], set()).add((p.help or "", repr(p.default)))
+    assert {k: len(v) for k, v in seen.items()} == {"--stages": 1, "--wait": 1, "--timeout": 1}, seen
+
+
+def test_the_windows_of_capture_and_fleet_capture_agree():
+    def window(cmd: str) -> tuple[str, object]:
+        (p,) = [p for p in COMMANDS[cmd].params if p.opts[0] == "--duration"]
+        return p.help or "", p.default
+
+    assert window("capture") == window("fleet capture")
+
+
+def test_help_paragraphs_reflow_to_the_terminal():
+    # capture's docstring breaks "... so a" / "killed CLI ..." across source lines; help joins them
+    result = CliRunner().invoke(app, ["capture", "--help"], env={"COLUMNS": "200"})
+    assert "so a killed CLI leaves nothing recording" in result.stdout, result.stdout

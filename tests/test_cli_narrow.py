@@ -1,0 +1,140 @@
+"""The CLI on an 80-column terminal, through the real command line (``python -m sidecar`` with
+COLUMNS=80) against a real sidecar and emulator: capture ids, URLs and session-folder paths are
+never cut, ids may be given by a unique prefix, every non-``ok`` verdict shows its reason, and
+``fleet capture`` shows progress on a terminal and stays quiet when piped."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sidecar.api.launcher import SidecarProcess
+from sidecar.client import SidecarClient
+from tests.fixtures.emulator import EmulatorPool, make_deploy
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool) -> Iterator[tuple[Any, Any]]:
+    root = tmp_path_factory.mktemp("narrow")
+    # a long trace dir: its session-folder paths are longer than the terminal is wide
+    deep = root / ("a-long-trace-directory-name-" * 2) / "traces"
+    deploy = make_deploy(root, {0: {"profiler": "torch", "torch_profiler_dir": str(deep / "stage0")}, 1: None,
+                                2: {"profiler": "torch", "torch_profiler_dir": str(deep / "stage2")}})
+    emu = emulator_pool.get(deploy, extra_args=["--workers", "thread"], startup_timeout=120)
+    with SidecarProcess(emu.url, deploy, state_dir=root / "state") as sc:
+        yield sc, emu
+
+
+def cli(*args: str, terminal: bool = False) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT)}
+    env.pop("OMNI_SIDECAR_URL", None)
+    if terminal:  # rich treats the pipe as an interactive terminal
+        env.update(TTY_COMPATIBLE="1", TTY_INTERACTIVE="1")
+    return subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+
+
+def _captured(sc: Any, emu: Any, traffic: bool = True) -> Any:
+    with SidecarClient(sc.url, timeout=120) as client:
+        cap = client.start_capture([0, 2])
+        if traffic:
+            emu.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 2}).raise_for_status()
+        return client.stop_capture(cap.id, wait=True, timeout=120)
+
+
+def test_list_shows_every_capture_id_whole_and_the_upstream(setup):
+    sc, emu = setup
+    ids = [_captured(sc, emu).id for _ in range(2)]
+    out = cli("list", "--sidecar", sc.url).stdout
+    assert ([cid in out for cid in ids], emu.url in out, max(map(len, out.splitlines())) <= 80) == (
+        [True, True], True, True), out
+
+
+def test_status_prints_whole_session_folder_paths_and_takes_an_id_prefix(setup):
+    sc, emu = setup
+    cap = _captured(sc, emu)
+    done = cli("status", cap.id[:-2], "--sidecar", sc.url)
+    folders = [s.local_path or s.path for v in cap.verdicts for s in v.sessions]
+    lines = [ln.strip() for ln in done.stdout.splitlines()]
+    assert (done.returncode, len(folders), all(f in lines for f in folders), cap.id in done.stdout) == (
+        0, 2, True, True), done.stdout
+
+
+def test_an_ambiguous_id_prefix_lists_the_candidates(setup):
+    sc, emu = setup
+    ids = [_captured(sc, emu).id for _ in range(2)]
+    common = os.path.commonprefix(ids)
+    done = cli("status", common, "--sidecar", sc.url)
+    err = " ".join(done.stderr.split())
+    assert (done.returncode, "capture_id_ambiguous" in err, all(i in err for i in ids)) == (1, True, True), err
+
+
+def test_a_non_ok_verdict_shows_its_reason(setup):
+    sc, emu = setup
+    cap = _captured(sc, emu, traffic=False)  # an idle window: every stage is empty
+    done = cli("status", cap.id, "--sidecar", sc.url)
+    reasons = [v.reason for v in cap.verdicts]
+    assert (done.returncode, [v.verdict.value for v in cap.verdicts], all(r and r in " ".join(done.stdout.split())
+                                                                          for r in reasons)) == (
+        1, ["empty", "empty"], True), done.stdout
+
+
+def test_wide_keeps_each_session_folder_on_one_table_row(setup):
+    sc, emu = setup
+    cap = _captured(sc, emu)
+    done = cli("status", cap.id, "--sidecar", sc.url, "--wide")
+    folders = [s.local_path or s.path for v in cap.verdicts for s in v.sessions]
+    assert (done.returncode, all(f in done.stdout for f in folders)) == (0, True), done.stdout
+
+
+def test_fleet_capture_names_targets_ids_and_reasons_whole_and_is_quiet_when_piped(setup):
+    sc, _ = setup
+    done = cli("fleet", "capture", "--targets", f"sidecar={sc.url}", "--stages", "0,2", "--duration", "0.5")
+    with SidecarClient(sc.url) as client:
+        cap = client.list_captures()[0]
+    text = " ".join(done.stdout.split())
+    assert (done.returncode, f"sidecar={sc.url}" in done.stdout, cap.id in done.stdout,
+            all(v.reason and v.reason in text for v in cap.verdicts), "window" in done.stderr) == (
+        1, True, True, True, False), done.stdout + done.stderr
+
+
+def test_fleet_capture_shows_progress_on_a_terminal(setup):
+    sc, _ = setup
+    done = cli("fleet", "capture", "--targets", f"sidecar={sc.url}", "--stages", "0,2", "--duration", "1",
+               terminal=True)
+    assert ("window: 1 of 1 started" in done.stderr, "collected" in done.stderr) == (True, True), done.stderr
+
+
+def test_stop_wait_timeout_reports_the_time_it_waited(setup):
+    sc, emu = setup
+    emu.set_faults(stop_delay_s=5)
+    try:
+        with SidecarClient(sc.url) as client:
+            cid = client.start_capture([0]).id
+        done = cli("stop", cid, "--sidecar", sc.url, "--wait", "--timeout", "1")
+    finally:
+        emu.set_faults(stop_delay_s=0)
+        with SidecarClient(sc.url, timeout=120) as client:
+            client.wait_capture(cid, timeout=120)
+    err = " ".join(done.stderr.split())
+    waited = re.search(r"after (\d+\.\d)s", err)
+    assert (done.returncode, "wait_timeout" in err, waited is not None and float(waited.group(1)) >= 1.0) == (
+        1, True, True), err
+
+
+def test_diff_takes_capture_id_prefixes(setup):
+    sc, emu = setup
+    a, b = (_captured(sc, emu).id for _ in range(2))
+    done = cli("diff", a[:-1], b[:-1], "--sidecar", sc.url, "--json")
+    assert done.returncode == 0, done.stderr
