@@ -358,6 +358,19 @@ class HookConfigInvalid(ConfigError):
     code = "hook_config_invalid"
 
 
+class VerlVersionUnknown(ConfigError):
+    """The installed verl is not in the table of versions the hook was checked against
+    (config/verl.py ``KNOWN_VERL``); refused with ``omni_sidecar.strict``, else warned once."""
+
+    code = "verl_version_unknown"
+
+
+class VerlTrainerNotFound(ConfigError):
+    """The rollout hook found no verl trainer, or several, for the agent-loop manager it built."""
+
+    code = "verl_trainer_not_found"
+
+
 class ArtifactRootInvalid(ConfigError):
     code = "artifact_root_invalid"
 
