@@ -650,12 +650,22 @@ class FleetDurationInvalid(FleetInvalid):
     code = "duration_invalid"
 
 
+class BudgetInvalid(FleetInvalid):
+    code = "budget_invalid"
+
+
 class StartAtInvalid(FleetInvalid):
     """``start_at`` (the wall-clock time every target's start is released at) is not a time, is
     in the past, or is further ahead than the fleet allows; nothing was sent."""
 
     code = "start_at_invalid"
     http_status = 422
+
+
+class TargetNoAnswer(FleetError):
+    """A target accepted a call and did not answer it within the fan-out's budget for it."""
+
+    code = "target_no_answer"
 
 
 class StartWithheld(FleetError):

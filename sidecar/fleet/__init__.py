@@ -5,13 +5,14 @@ kind), ``_release`` (the two-phase start and ``start_at``), ``_fleet`` (the conc
 fan-out).
 """
 
-from sidecar.fleet._fleet import Fleet
+from sidecar.fleet._fleet import START_TIMEOUT_S, Fleet
 from sidecar.fleet._release import START_AT_MAX_S, check_start_at, parse_start_at
 from sidecar.fleet._results import FanOutResult, FleetCapture, TargetError, TargetOutcome, TargetResult
 from sidecar.fleet._targets import Target, TargetKind, parse_targets
 
 __all__ = [
     "START_AT_MAX_S",
+    "START_TIMEOUT_S",
     "FanOutResult",
     "Fleet",
     "FleetCapture",
