@@ -18,8 +18,8 @@ from sidecar.config.models import DeployConfig
 from sidecar.config.rules import select_stages
 from sidecar.config.sharing import RENDER_FIX, shared_dir_groups, shared_profiler_dirs
 from sidecar.control.models import Capture, CaptureState, StopReason
-from sidecar.errors import BudgetInvalid, TargetNoAnswer, StagesNotShared, ConcurrencyInvalid, FlavorsMixed, FleetClosed, FleetStagesInvalid, KindInvalid, FleetError, FleetInvalid, ProfilerDirShared, SidecarError, StageSelectionError, StartWithheld
-from sidecar.fleet._drivers import Driver, Kind, FleetTransports, SidecarDriver, UpstreamDriver
+from sidecar.errors import BudgetInvalid, TargetInvalid, TargetNoAnswer, StagesNotShared, ConcurrencyInvalid, FlavorsMixed, FleetClosed, FleetStagesInvalid, KindInvalid, FleetError, FleetInvalid, ProfilerDirShared, SidecarError, StageSelectionError, StartWithheld
+from sidecar.fleet._drivers import Driver, DriverFactory, Kind, FleetTransports, SidecarDriver, UpstreamDriver
 from sidecar.fleet._release import START_AT_MAX_S, Release, check_start_at
 from sidecar.fleet._results import FleetCapture, TargetError, TargetOutcome, TargetResult, error_of, mark_ambiguous
 from sidecar.fleet._targets import Flavor, Target, TargetKind, parse_targets, server_key
@@ -64,6 +64,9 @@ class Fleet:
     when given (``sidecar/fleet/_release.py``), so the skew is the send alone. Stops are bounded
     by one deadline per fan-out.
 
+    ``drivers`` places ``ray`` targets (:class:`~sidecar.fleet._ray.RayNodes`: each target's
+    controller in a Ray actor on its server's node); the protocol above is the same for every driver.
+
     Shared dirs: before anything starts, the targets' effective profiler dirs are compared
     (``sidecar.config.sharing``); two targets writing into one dir are refused with
     ``ProfilerDirShared`` unless ``allow_shared_dirs``, and then every affected stage verdict is
@@ -89,6 +92,7 @@ class Fleet:
         dirs_host_local: bool = False,
         max_concurrency: int | None = None,
         start_at_max_s: float = START_AT_MAX_S,
+        drivers: DriverFactory | None = None,
     ) -> None:
         self.targets = parse_targets(targets, deploy_config=deploy_config, flavor=flavor, token=token)
         if stages is not None and (
@@ -112,6 +116,13 @@ class Fleet:
         self.dirs_host_local = dirs_host_local
         self.max_concurrency = max_concurrency or len(self.targets)
         self.start_at_max_s = start_at_max_s
+        self._make_driver = drivers
+        placed = [t.name for t in self.targets if t.kind is TargetKind.ray]
+        if placed and drivers is None:
+            raise TargetInvalid(
+                f"ray targets ({', '.join(placed[:3])}) are placed by a driver factory; pass "
+                "drivers=RayNodes(...) (sidecar.fleet._ray), as the verl integration does",
+                details={"targets": placed})
         vllm = [t.name for t in self.targets if t.kind is TargetKind.upstream and t.flavor == "vllm"]
         if vllm and self.stages is not None:
             raise FlavorsMixed(
@@ -150,7 +161,9 @@ class Fleet:
 
     async def _open(self) -> None:
         for t in self.targets:
-            if t.kind is TargetKind.sidecar:
+            if t.kind is TargetKind.ray:
+                self._drivers[t.name] = self._make_driver(t, stop_budget_s=self.stop_budget_s)  # type: ignore[misc]
+            elif t.kind is TargetKind.sidecar:
                 self._drivers[t.name] = SidecarDriver(t, timeout_s=self.client_timeout_s, poll_s=self.poll_s,
                                                       transport=self._transports.for_target())
             else:
