@@ -59,7 +59,7 @@ class Trainer:
             stop_profile=lambda: self.verl_calls.append("stop"))
 
     def init_workers(self) -> Any:
-        return attach(SimpleNamespace(), self.config, sys._getframe())
+        return attach(SimpleNamespace(), self.config, self)
 
 
 def test_the_hook_follows_the_trainers_calls_and_writes_one_result_per_step(fake_replica_factory, tmp_path):
