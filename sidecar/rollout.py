@@ -100,6 +100,20 @@ class _LoopThread:
             self.loop.close()
 
 
+def _at_exit(fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn`` when the main thread ends, before the interpreter shuts down its thread pools
+    (``threading._register_atexit``: a check still running then needs ``asyncio.to_thread``,
+    which an ``atexit`` handler is too late for). Falls back to ``atexit``."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(fn, *args)
+        return
+    try:
+        register(fn, *args)
+    except RuntimeError:  # already shutting down
+        atexit.register(fn, *args)
+
+
 def _close_at_exit(ref: weakref.ReferenceType[RolloutProfiler]) -> None:
     prof = ref()
     if prof is not None:
@@ -291,7 +305,7 @@ class RolloutProfiler:
         with self._lock:
             if self._loop is None:
                 self._loop = _LoopThread()
-                atexit.register(_close_at_exit, weakref.ref(self))
+                _at_exit(_close_at_exit, weakref.ref(self))
             return self._loop
 
     async def _astart(self, step: int) -> tuple[StepResult, FleetCapture | None, asyncio.Task[None] | None]:
