@@ -1,6 +1,6 @@
 """Reading a verl / verl-omni trainer config (plain YAML, a Hydra-composed dump, a dict or an
 OmegaConf object) into the rollout or reward profiler plan the sidecar hook must follow, and the
-rules for what verl would silently skip (DESIGN.md §3 "The RL side", §4).
+rules for what verl would silently skip (docs/rl.md; the verl versions checked: KNOWN_VERL below).
 """
 
 from __future__ import annotations

@@ -80,6 +80,9 @@ class NodeProfiler:
         self._driver: Any = None
         self._dir: tempfile.TemporaryDirectory[str] | None = None
 
+    def ready(self) -> bool:
+        return True
+
     async def _call(self, work: Callable[[], Awaitable[Any]]) -> tuple[str, Any]:
         try:
             return _answer(await work())
@@ -229,15 +232,38 @@ class RayNodes:
         self.placements = dict(placements)
         self.control = dict(control or {})
         self.drivers: dict[str, RayNodeDriver] = {}
+        self._launched: dict[str, Any] = {}
 
-    def __call__(self, target: Target, *, stop_budget_s: float) -> RayNodeDriver:
+    def _actor(self, target: Target, stop_budget_s: float) -> Any:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         where = self.placements[target.name]
-        actor = ray.remote(num_cpus=0)(NodeProfiler).options(
+        return ray.remote(num_cpus=0)(NodeProfiler).options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=where.node_id, soft=False),
         ).remote(target.url, where.deploy, flavor=target.flavor, stop_budget_s=stop_budget_s, control=self.control)
+
+    def launch(self, targets: list[Target], *, stop_budget_s: float, timeout_s: float = 300.0) -> None:
+        """Start every target's actor now and wait (at most ``timeout_s``) until each is up: an
+        actor is a new process on its node (seconds each on a busy node), paid here, at trainer
+        start, not inside a step's start budget. Raises ``TargetNoAnswer`` naming those not up."""
+        import ray
+
+        actors = {t.name: self._actor(t, stop_budget_s) for t in targets if t.name not in self._launched}
+        refs = {name: a.ready.remote() for name, a in actors.items()}
+        done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        late = [name for name, ref in refs.items() if ref not in done]
+        self._launched.update({n: a for n, a in actors.items() if n not in late})
+        for name in late:
+            ray.kill(actors[name])
+        if late:
+            raise _errors.TargetNoAnswer(
+                f"the node profiler actors of {', '.join(late[:3])}{' and more' if len(late) > 3 else ''} did not "
+                f"start within {timeout_s:g}s (is each replica's node alive, with room for one more process?)",
+                details={"targets": late})
+
+    def __call__(self, target: Target, *, stop_budget_s: float) -> RayNodeDriver:
+        actor = self._launched.pop(target.name, None) or self._actor(target, stop_budget_s)
         driver = self.drivers[target.name] = RayNodeDriver(target, actor)
         return driver
 

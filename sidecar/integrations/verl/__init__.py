@@ -212,6 +212,11 @@ def attach(agent_loop_manager: Any, config: Any, trainer: Any, *, entry: str | N
             placements[target.name] = Placement(node_id=r.node_id, deploy=deploy)
             targets.append(target)
         nodes = RayNodes(placements, control={"collect_timeout_s": hook.collect_timeout_s})
+        try:  # each replica's node profiler up now, at trainer start, not inside step 1's start budget
+            nodes.launch(targets, stop_budget_s=hook.stop_budget_s)
+        except Exception as exc:
+            _refuse(hook, "verl_node_profilers_not_started", str(exc))
+            return None
         stages = hook.stages if any(r.flavor == "omni" for r in replicas) else None
         # The replicas verl's rule chose, every one profiled: the rule was applied above.
         prof = RolloutProfiler(targets, plan.steps, stages, drivers=nodes, **common)

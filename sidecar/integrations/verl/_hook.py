@@ -30,6 +30,13 @@ log = logging.getLogger("sidecar.integrations.verl")
 
 # --- finding verl's objects -----------------------------------------------------------------
 
+# What the hook reads on verl's objects (tests/verl/test_seams.py checks each on verl's own classes).
+TRAINER_READS = ("llm_server_manager", "global_steps")  # v1 also `_rollout_server_managers()`
+MANAGER_READS = ("get_replicas", "start_profile", "stop_profile")  # LLMServerManager
+REPLICA_READS = ("replica_rank", "servers", "server_address")  # RolloutReplica
+SERVER_READS = ("profiler_controller", "replica_rank")  # vLLMHttpServer, inside its actor
+PROFILER_READS = ("check_enable", "check_this_rank", "is_discrete_mode", "config", "tool_config")
+
 
 def _trainer_of(owner: Any) -> Any | None:
     """``owner`` itself when it is a verl trainer with rollout servers (v0 ``RayPPOTrainer``, v1
