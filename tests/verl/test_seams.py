@@ -124,4 +124,5 @@ def test_the_standins_have_what_the_real_classes_have():
     for name in ("start_profile", "stop_profile"):
         assert callable(getattr(ActorRolloutRefWorker, name, None)) and callable(getattr(standin.WorkerGroup, name)), name
     # CheckpointEngineManager (weight sync) → CheckpointManager
-    assert callable(getattr(CheckpointEngineManager, "sleep_replicas")) and callable(standin.CheckpointManager.sleep_replicas)
+    for name in ("sleep_replicas", "update_weights"):
+        assert callable(getattr(CheckpointEngineManager, name)) and callable(getattr(standin.CheckpointManager, name))
