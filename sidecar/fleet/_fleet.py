@@ -306,9 +306,11 @@ class Fleet:
         # A fleet that starts at most max_concurrency at once cannot hold every target prepared.
         release = Release(len(drivers), start_at=at, barrier=self.max_concurrency >= len(drivers))
         # One deadline for every start: the time until start_at is not the targets' to answer in.
-        deadline = t0 + self.start_timeout_s + (0.0 if at is None else max(at - time.time(), 0.0))
-        if self.max_concurrency < len(drivers):  # started in waves: each wave has the whole budget
-            deadline = None
+        def start_by(now: float) -> float:
+            return now + self.start_timeout_s + (0.0 if at is None else max(at - time.time(), 0.0))
+
+        deadline = start_by(t0)
+        waves = self.max_concurrency < len(drivers)  # started in waves: each target's own budget from its turn
 
         async def one(d: Driver) -> tuple[Capture, float]:
             arrived = False
@@ -320,7 +322,8 @@ class Fleet:
                 await release.wait()
 
             try:
-                cap = await _by(deadline, d.start(self.stages, label, duration_s, lease_s, kind, gate), "start", self.start_timeout_s)
+                by = start_by(loop.time()) if waves else deadline
+                cap = await _by(by, d.start(self.stages, label, duration_s, lease_s, kind, gate), "start", self.start_timeout_s)
             except BaseException as exc:
                 if not arrived:  # failed in its preparation: nobody sends (all or nothing)
                     release.arrive()
