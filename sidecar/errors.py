@@ -358,6 +358,19 @@ class HookConfigInvalid(ConfigError):
     code = "hook_config_invalid"
 
 
+class VerlVersionUnknown(ConfigError):
+    """The installed verl is not in the table of versions the hook was checked against
+    (config/verl.py ``KNOWN_VERL``); refused with ``omni_sidecar.strict``, else warned once."""
+
+    code = "verl_version_unknown"
+
+
+class VerlTrainerNotFound(ConfigError):
+    """The rollout hook found no verl trainer, or several, for the agent-loop manager it built."""
+
+    code = "verl_trainer_not_found"
+
+
 class ArtifactRootInvalid(ConfigError):
     code = "artifact_root_invalid"
 
@@ -661,12 +674,22 @@ class FleetDurationInvalid(FleetInvalid):
     code = "duration_invalid"
 
 
+class BudgetInvalid(FleetInvalid):
+    code = "budget_invalid"
+
+
 class StartAtInvalid(FleetInvalid):
     """``start_at`` (the wall-clock time every target's start is released at) is not a time, is
     in the past, or is further ahead than the fleet allows; nothing was sent."""
 
     code = "start_at_invalid"
     http_status = 422
+
+
+class TargetNoAnswer(FleetError):
+    """A target accepted a call and did not answer it within the fan-out's budget for it."""
+
+    code = "target_no_answer"
 
 
 class StartWithheld(FleetError):

@@ -15,7 +15,7 @@ import logging
 import numbers
 import threading
 import weakref
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
@@ -100,6 +100,20 @@ class _LoopThread:
             self.loop.close()
 
 
+def _at_exit(fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn`` when the main thread ends, before the interpreter shuts down its thread pools
+    (``threading._register_atexit``: a check still running then needs ``asyncio.to_thread``,
+    which an ``atexit`` handler is too late for). Falls back to ``atexit``."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(fn, *args)
+        return
+    try:
+        register(fn, *args)
+    except RuntimeError:  # already shutting down
+        atexit.register(fn, *args)
+
+
 def _close_at_exit(ref: weakref.ReferenceType[RolloutProfiler]) -> None:
     prof = ref()
     if prof is not None:
@@ -109,7 +123,8 @@ def _close_at_exit(ref: weakref.ReferenceType[RolloutProfiler]) -> None:
 class RolloutProfiler:
     """Profile generation at ``steps`` on the selected replicas (``targets`` in replica order).
 
-    Replica selection mirrors verl: every target with ``all_ranks``, else ``ranks``, else ``[0]``.
+    Replica selection: every target given, or only ``ranks`` (indices into ``targets``); a list
+    given by hand is an explicit choice. :meth:`from_verl_config` applies verl's rule instead.
     ``stages=None`` profiles every torch-profiled stage of each target (sent explicitly).
     ``wait_artifacts=False`` returns from the block once every upstream answered stop; the
     artifact check then finishes in the background (see :meth:`results`, :meth:`wait`).
@@ -117,7 +132,10 @@ class RolloutProfiler:
     stop the capture itself when heartbeats stop (a dead or hung trainer): they are sent every
     ``lease_s / 3`` while the window is open.
     Other keyword arguments (``deploy_config``, ``flavor``, ``token``, ``stop_budget_s``,
-    ``client_timeout_s``, ``control_settings``, ``state_dir``) go to :class:`Fleet`.
+    ``client_timeout_s``, ``start_timeout_s``, ``control_settings``, ``state_dir``, ``drivers``) go
+    to :class:`Fleet`. ``on_result(step_result)`` is called once per step, when its result is final
+    (its check over, or the step failed): from the profiler's own thread, before :meth:`wait` or
+    :meth:`close` return.
     """
 
     def __init__(
@@ -133,6 +151,7 @@ class RolloutProfiler:
         artifact_timeout_s: float | None = 600.0,
         lease_s: float | None = DEFAULT_LEASE_S,
         label_prefix: str = "step",
+        on_result: Callable[[StepResult], None] | None = None,
         **fleet_options: Any,
     ) -> None:
         parse_opts = {k: fleet_options[k] for k in ("deploy_config", "flavor", "token") if k in fleet_options}
@@ -145,8 +164,6 @@ class RolloutProfiler:
         if min(self.steps) < 1:
             raise StepsInvalid(f"steps are 1-based training steps (as verl's global_steps), got {sorted(self.steps)}")
         self.ranks = self._select(len(all_targets), ranks, all_ranks)
-        if len(all_targets) > 1 and not all_ranks and ranks is None:
-            log.info("RolloutProfiler: profiling replica 0 only (verl's default); pass all_ranks=True or ranks=[...]")
         self.targets = [all_targets[r] for r in self.ranks]
         self.stages = stages
         self.strict = strict
@@ -154,6 +171,7 @@ class RolloutProfiler:
         self.artifact_timeout_s = artifact_timeout_s
         self.lease_s = lease_s
         self.label_prefix = label_prefix
+        self.on_result = on_result
         # Built now so every input error surfaces here; nothing is contacted until a profiled step.
         self._fleet = Fleet(self.targets, stages=stages, **fleet_options)
         self._results: dict[int, StepResult] = {}
@@ -165,10 +183,11 @@ class RolloutProfiler:
 
     @staticmethod
     def _select(n: int, ranks: list[int] | None, all_ranks: bool) -> list[int]:
-        if all_ranks:
+        if all_ranks or ranks is None:
             return list(range(n))
-        if ranks is None or len(ranks) == 0:
-            return [0]
+        if len(ranks) == 0:
+            raise RanksInvalid("ranks is empty: no target would be profiled; leave ranks out to profile every "
+                               "target, or name some", details={"ranks": [], "targets": n})
         chosen = [_as_step(r, "each of ranks") for r in ranks]
         bad = [r for r in chosen if not 0 <= r < n]
         if bad:
@@ -208,7 +227,7 @@ class RolloutProfiler:
             raise ValidationFailed.relay(errors[0].code, "; ".join(f.message for f in errors), findings=errors)
         if plan.all_ranks:
             return cls(targets, plan.steps, all_ranks=True, **kwargs)
-        # The one rank rule (config/verl.py); ranks naming no target are refused there.
+        # The one rank rule (config/verl.py; none given: replica 0); ranks naming no target are refused there.
         return cls(targets, plan.steps, ranks=plan.replica_ranks(n, rank_mode), **kwargs)
 
     # --- the hook -----------------------------------------------------------------------------
@@ -253,7 +272,7 @@ class RolloutProfiler:
         """Wait for background artifact checks (``wait_artifacts=False``), then :meth:`results`."""
         if self._loop is not None and self._checks:
             try:
-                self._loop.submit(self._await_checks()).result(timeout)
+                self._loop.submit(self._await_checks(timeout)).result(None if timeout is None else timeout + 5)
             except concurrent.futures.TimeoutError:
                 pass
         return self.results()
@@ -286,7 +305,7 @@ class RolloutProfiler:
         with self._lock:
             if self._loop is None:
                 self._loop = _LoopThread()
-                atexit.register(_close_at_exit, weakref.ref(self))
+                _at_exit(_close_at_exit, weakref.ref(self))
             return self._loop
 
     async def _astart(self, step: int) -> tuple[StepResult, FleetCapture | None, asyncio.Task[None] | None]:
@@ -319,9 +338,23 @@ class RolloutProfiler:
             beat = asyncio.get_running_loop().create_task(self._heartbeats(fc))
         return self._results[step], fc, beat
 
-    async def _await_checks(self) -> None:
-        if self._checks:
-            await asyncio.gather(*list(self._checks), return_exceptions=True)
+    async def _await_checks(self, timeout: float | None = None) -> None:
+        """The background checks, for at most ``timeout`` (default: one artifact timeout and the
+        start timeout, what a check itself is bounded by): a check never holds a step longer."""
+        if not self._checks:
+            return
+        if timeout is None and self.artifact_timeout_s is not None:
+            timeout = self.artifact_timeout_s + self._fleet.start_timeout_s
+        await asyncio.wait(list(self._checks), timeout=timeout)
+
+    def _final(self, step: int) -> None:
+        """The step's result is final: hand it to ``on_result`` (whose failure is only logged)."""
+        if self.on_result is None:
+            return
+        try:
+            self.on_result(self._results[step])
+        except Exception as exc:
+            log.warning("RolloutProfiler: on_result for step %d failed: %s", step, exc)
 
     async def _heartbeats(self, fc: FleetCapture) -> None:
         assert self.lease_s is not None
@@ -340,8 +373,10 @@ class RolloutProfiler:
             task = asyncio.get_running_loop().create_task(self._afinish(step, fc))
             self._checks.add(task)
             task.add_done_callback(self._checks.discard)
-        elif not result.ok:
+            return result
+        if not result.ok:
             log.warning("%s", self._describe(result))
+        self._final(step)
         return result
 
     async def _afinish(self, step: int, fc: FleetCapture) -> None:
@@ -350,6 +385,7 @@ class RolloutProfiler:
         self._results[step] = result
         if not result.ok:
             log.warning("%s", self._describe(result))
+        self._final(step)
 
     @staticmethod
     def _describe(result: StepResult) -> str:
@@ -364,6 +400,7 @@ class RolloutProfiler:
     def _start_failed(self, step: int, exc: BaseException) -> None:
         """Best effort: log and go on (the result already records the error)."""
         log.warning("rollout profiling of step %d did not start; generation runs unprofiled: %s", step, exc)
+        self._final(step)
 
     def _stop_failed(self, step: int, exc: BaseException) -> None:
         prev = self._results.get(step)
@@ -372,6 +409,7 @@ class RolloutProfiler:
             msg = exc.message if isinstance(exc, SidecarError) else f"{type(exc).__name__}: {exc}"
             self._results[step] = prev.model_copy(update={"error": TargetError(code=code, message=msg)})
         log.warning("rollout profiling of step %d: stop failed: %s", step, exc)
+        self._final(step)
 
     def _strict_error(self, result: StepResult) -> FleetError | None:
         if not self.strict or result.ok:
@@ -401,6 +439,7 @@ class _Step:
 
     def _start_failed(self, exc: Exception) -> StepResult:
         if self.prof.strict:
+            self.prof._final(self.step)
             raise exc
         self.prof._start_failed(self.step, exc)
         return self.prof._results[self.step]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,83 @@ def test_a_trainer_without_step_profiling_is_refused() -> None:
     cfg = yaml.safe_load(yaml.safe_dump(GOOD))
     cfg["omni_sidecar"] = {"trainer": "verl_omni.trainer.main_diffusion_v1"}
     assert [f.code for f in verl_findings(read_verl_config(cfg))] == ["verl_no_step_profiling"]
+
+
+# --- the installed verl: its version, and the rule applied -----------------------------------
+
+
+def _fake_verl(root: Path, version: str, *, global_rule: bool) -> Path:
+    """A verl distribution on disk as pip leaves one (package + dist-info), never imported."""
+    pkg = root / "verl" / "utils" / "profiler"
+    pkg.mkdir(parents=True)
+    (root / "verl" / "__init__.py").write_text("raise ImportError('importing verl is slow; the sidecar must not')\n")
+    (pkg / "profile.py").write_text("def build_rollout_dist_profiler(): ...\n" if global_rule else "def other(): ...\n")
+    info = root / f"verl-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: verl\nVersion: {version}\n")
+    return root
+
+
+@pytest.fixture
+def verl_on_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    def install(version: str, *, global_rule: bool = True) -> None:
+        monkeypatch.syspath_prepend(str(_fake_verl(tmp_path / version, version, global_rule=global_rule)))
+
+    return install
+
+
+def test_no_verl_assumes_the_0_9_1_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.config import verl as verl_cfg
+
+    monkeypatch.setattr(verl_cfg, "_verl_root", lambda: [])
+    support = verl_cfg.installed_verl()
+    assert (support.version, support.rank_mode) == (None, "global")
+    assert support.describe().startswith("verl not installed: assumed the 0.9.1 rule")
+
+
+def test_a_checked_verl_uses_its_table_entry(verl_on_path) -> None:
+    from sidecar.config.verl import KNOWN_VERL, installed_verl
+
+    verl_on_path("0.9.1", global_rule=False)  # the table wins over the source
+    support = installed_verl()
+    assert (support.version, support.known, support.seams) == ("0.9.1", True, KNOWN_VERL["0.9.1"])
+    assert "verl 0.9.1: the global rank rule" in support.describe()
+
+
+def test_an_unchecked_verl_is_refused_in_strict_mode(verl_on_path) -> None:
+    from sidecar.config.verl import checked_verl
+    from sidecar.errors import VerlVersionUnknown
+
+    verl_on_path("0.8.2", global_rule=False)
+    with pytest.raises(VerlVersionUnknown) as err:
+        checked_verl(strict=True)
+    assert "verl 0.8.2 is not a version omni-sidecar was checked against (0.9.1)" in err.value.message
+    assert "assumed the replica rank rule" in err.value.message
+
+
+def test_an_unchecked_verl_is_warned_once_naming_what_was_assumed(verl_on_path, caplog) -> None:
+    from sidecar.config.verl import checked_verl
+
+    verl_on_path("0.10.0", global_rule=True)
+    with caplog.at_level("WARNING"):
+        first = checked_verl()
+        checked_verl()
+    assert first.rank_mode == "global" and not first.known
+    lines = [r.getMessage() for r in caplog.records if "0.10.0" in r.getMessage()]
+    assert len(lines) == 1 and "assumed the global rank rule" in lines[0] and "build_rollout_dist_profiler" in lines[0]
+
+
+def test_validate_prints_the_verl_version_and_rule(verl_on_path, qwen25_deploy: Path, tmp_path: Path) -> None:
+    from tests.test_config_cli import run
+
+    verl_on_path("0.8.2", global_rule=False)
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["actor_rollout_ref"]["rollout"]["tensor_model_parallel_size"] = 2  # global rule: rank 1 is replica 0
+    cfg = tmp_path / "ppo.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    proc = run("validate", qwen25_deploy, "--verl-config", cfg)
+    assert "verl 0.8.2 is not a version omni-sidecar was checked against" in proc.stdout
+    assert "assumed the replica rank rule" in proc.stdout
+    assert "rollout replicas profiled: 1\n" in proc.stdout  # ranks [1] read as a replica index, not rank // 2
+    report = json.loads(run("validate", qwen25_deploy, "--verl-config", cfg, "--json").stdout)
+    assert (report["verl_version"]["version"], report["verl_version"]["seams"]["rank_mode"]) == ("0.8.2", "replica")

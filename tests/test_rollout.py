@@ -163,14 +163,41 @@ def test_without_waiting_for_artifacts_the_check_finishes_in_the_background(fake
     assert final.done and final.ok
 
 
-def test_default_replica_selection_is_rank_zero_like_verl(fake_replica_factory):
+def test_targets_given_by_hand_are_all_profiled(fake_replica_factory):
     replicas = fake_replica_factory(2)
     with _profiler(replicas, steps=[1]) as prof:
         with prof.step(1):
             pass
         res = prof.results()[1]
-    assert list(res.targets) == [_name(replicas[0])] and res.ok
-    assert len(replicas[0].calls("/start_profile")) == 1 and replicas[1].calls("/start_profile") == []
+    assert list(res.targets) == [_name(r) for r in replicas] and res.ok
+    assert [len(r.calls("/start_profile")) for r in replicas] == [1, 1]
+
+
+def test_ranks_pick_among_the_targets_given(fake_replica_factory):
+    replicas = fake_replica_factory(2)
+    with _profiler(replicas, steps=[1], ranks=[1]) as prof:
+        with prof.step(1):
+            pass
+        res = prof.results()[1]
+    assert list(res.targets) == [_name(replicas[1])] and res.ok
+    assert replicas[0].calls("/start_profile") == [] and len(replicas[1].calls("/start_profile")) == 1
+
+
+def test_from_verl_config_keeps_verls_rule_of_replica_zero():
+    prof = RolloutProfiler.from_verl_config(_verl_cfg(ranks=[]), UNREACHABLE)
+    assert prof.ranks == [0] and [t.name for t in prof.targets] == [UNREACHABLE[0]]
+
+
+def test_a_step_result_is_handed_to_on_result_once_final(fake_replica_factory):
+    replicas = fake_replica_factory(1)
+    seen = []
+    with _profiler(replicas, steps=[1, 2], wait_artifacts=False, on_result=seen.append) as prof:
+        with prof.step(1):
+            pass
+        with prof.step(2):
+            pass
+        prof.wait(timeout=60)
+        assert [(r.step, r.done) for r in seen] == [(1, True), (2, True)]
 
 
 def test_an_unreachable_replica_is_logged_and_recorded_in_best_effort_mode(caplog):

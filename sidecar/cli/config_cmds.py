@@ -25,7 +25,7 @@ from sidecar.config.profiles import (
     render_stage_overrides,
 )
 from sidecar.config.rules import validate_deploy
-from sidecar.config.verl import format_replicas, installed_rank_mode, read_verl_config, verl_findings
+from sidecar.config.verl import format_replicas, installed_verl, read_verl_config, verl_findings
 from sidecar.errors import ConfigUnreadable, Finding, SidecarError
 
 
@@ -121,7 +121,8 @@ def validate(
             plan = None
             if verl_config is not None:
                 plan = read_verl_config(verl_config, role=role)  # type: ignore[arg-type]
-                rank_mode = installed_rank_mode()  # how the installed verl reads `ranks`
+                support = installed_verl()  # its version and the rank rule it reads `ranks` by
+                rank_mode = support.rank_mode
                 findings += verl_findings(plan, rank_mode=rank_mode)
         except SidecarError as err:
             if as_json:
@@ -143,6 +144,7 @@ def validate(
                 "stages": rows,
                 "findings": [f.model_dump(mode="json") for f in findings],
                 "verl": plan.model_dump(mode="json") if plan else None,
+                "verl_version": support.model_dump(mode="json") | {"summary": support.describe()} if plan else None,
                 # the replicas verl profiles: indices, "all", or null when it profiles none
                 "verl_replicas": (plan.requested_replicas(rank_mode) or "all") if plan and plan.enable else None,
             }
@@ -150,6 +152,7 @@ def validate(
         else:
             _print_table(deploy, rows, findings)
             if plan is not None:
+                console.print(support.describe(), highlight=False, markup=False)
                 console.print(
                     f"verl {role}: steps={plan.steps} tool={plan.tool} discrete={plan.discrete} "
                     f"enable={plan.enable} ranks={'all' if plan.all_ranks else plan.ranks or [0]}",

@@ -1,6 +1,6 @@
 """Reading a verl / verl-omni trainer config (plain YAML, a Hydra-composed dump, a dict or an
 OmegaConf object) into the rollout or reward profiler plan the sidecar hook must follow, and the
-rules for what verl would silently skip (DESIGN.md §3 "The RL side", §4).
+rules for what verl would silently skip (docs/rl.md; the verl versions checked: KNOWN_VERL below).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from sidecar.errors import (
     VerlInterpolation,
     VerlRanksPastReplicas,
     VerlRoleInvalid,
+    VerlVersionUnknown,
 )
 
 __all__ = [
@@ -28,7 +29,12 @@ __all__ = [
     "RankMode",
     "VerlProfilerPlan",
     "format_replicas",
+    "KNOWN_VERL",
+    "VerlSeams",
+    "VerlSupport",
+    "checked_verl",
     "installed_rank_mode",
+    "installed_verl",
     "read_verl_config",
     "verl_findings",
 ]
@@ -374,10 +380,54 @@ def verl_findings(
     return out
 
 
-def installed_rank_mode() -> RankMode:
-    """How the installed verl reads rollout ``ranks``, found without importing it (verl takes
-    seconds to import): ``global`` where verl has ``build_rollout_dist_profiler`` (0.9.1), or when
-    no verl is installed (the registry release's rule); ``replica`` for an older verl."""
+class VerlSeams(BaseModel):
+    """What the hook relies on in one verl release (checked against its real code in tests/verl)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    rank_mode: RankMode  # how rollout ``profiler.ranks`` are read
+    v1_trainer: bool  # ``verl.trainer.ppo.v1`` exists and ``trainer.use_v1`` defaults to true
+    # ``build_vllm_profiler_args(config, tool_config, rank, legacy_env=...)``: the keyword exists
+    profiler_args_legacy_env: bool
+
+
+# The one table: verl releases the hook was checked against (the real wheel, tests/verl) → the
+# rank rule and the seams it uses. Any other version is refused (strict) or warned about once.
+KNOWN_VERL: dict[str, VerlSeams] = {
+    "0.9.1": VerlSeams(rank_mode="global", v1_trainer=True, profiler_args_legacy_env=True),
+}
+ASSUMED_WITHOUT_VERL = "0.9.1"  # the registry release: what `validate` assumes with no verl installed
+
+
+class VerlSupport(BaseModel):
+    """The installed verl as the hook sees it: its version, whether it is in :data:`KNOWN_VERL`,
+    and the seams used (from the table, or assumed from its source when it is not)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    version: str | None  # None: verl is not installed
+    known: bool
+    seams: VerlSeams
+    assumed: str | None = None  # why the seams are a guess (outside the table)
+
+    @property
+    def rank_mode(self) -> RankMode:
+        return self.seams.rank_mode
+
+    def describe(self) -> str:
+        """One line for ``validate`` and the logs."""
+        rule = f"the {self.seams.rank_mode} rank rule"
+        if self.version is None:
+            return f"verl not installed: assumed the {ASSUMED_WITHOUT_VERL} rule ({rule})"
+        if self.known:
+            return f"verl {self.version}: {rule} (a checked version)"
+        return (f"verl {self.version} is not a version omni-sidecar was checked against "
+                f"({', '.join(KNOWN_VERL)}): assumed {rule} ({self.assumed}); "
+                "rollout replicas may be chosen wrongly. Pin a checked verl, or set omni_sidecar.strict "
+                "to refuse")
+
+
+def _verl_root() -> list[Path]:
     import importlib.util
 
     try:
@@ -385,11 +435,71 @@ def installed_rank_mode() -> RankMode:
     except (ImportError, ValueError):
         spec = None
     if spec is None or not spec.submodule_search_locations:
-        return "global"
-    for root in spec.submodule_search_locations:
-        profile = Path(root) / "utils" / "profiler" / "profile.py"
-        try:
-            return "global" if "def build_rollout_dist_profiler" in profile.read_text(encoding="utf-8") else "replica"
-        except OSError:
-            continue
-    return "global"
+        return []
+    return [Path(p) for p in spec.submodule_search_locations]
+
+
+def _sniff_seams(roots: list[Path]) -> tuple[VerlSeams, str]:
+    """The seams of a verl outside the table, read from its source (verl takes seconds to import)."""
+    def text(rel: str) -> str:
+        for root in roots:
+            try:
+                return (root / rel).read_text(encoding="utf-8")
+            except OSError:
+                continue
+        return ""
+
+    profile = text("utils/profiler/profile.py")
+    global_rule = "def build_rollout_dist_profiler" in profile
+    seams = VerlSeams(
+        rank_mode="global" if global_rule else "replica",
+        v1_trainer=any((r / "trainer" / "ppo" / "v1").is_dir() for r in roots),
+        profiler_args_legacy_env="legacy_env" in text("utils/profiler/__init__.py") + profile
+        + text("utils/profiler/config.py"),
+    )
+    why = ("its source has build_rollout_dist_profiler: ranks read as global GPU ranks" if global_rule
+           else "its source has no build_rollout_dist_profiler: ranks read as replica indices")
+    return seams, why
+
+
+def installed_verl() -> VerlSupport:
+    """The installed verl (version from its distribution metadata, never imported), its seams
+    from :data:`KNOWN_VERL`, or assumed from its source when the version is not in the table."""
+    from importlib import metadata
+
+    roots = _verl_root()
+    if not roots:
+        return VerlSupport(version=None, known=False, seams=KNOWN_VERL[ASSUMED_WITHOUT_VERL])
+    try:
+        version: str | None = metadata.version("verl")
+    except metadata.PackageNotFoundError:
+        version = None
+    if version in KNOWN_VERL:
+        return VerlSupport(version=version, known=True, seams=KNOWN_VERL[version])
+    seams, why = _sniff_seams(roots)
+    return VerlSupport(version=version or "of unknown version (no distribution metadata)", known=False,
+                       seams=seams, assumed=why)
+
+
+_warned: set[str] = set()
+
+
+def checked_verl(*, strict: bool = False, log: Any = None) -> VerlSupport:
+    """:func:`installed_verl`, refused (``VerlVersionUnknown``) with ``strict`` when the version is
+    outside the table; otherwise a version outside it is warned about once per process, loudly."""
+    import logging
+
+    support = installed_verl()
+    if support.version is None or support.known:
+        return support
+    if strict:
+        raise VerlVersionUnknown(support.describe(), key=f"{CONFIG_KEY}.strict")
+    if support.version not in _warned:
+        _warned.add(support.version)
+        (log or logging.getLogger("sidecar.integrations.verl")).warning("omni-sidecar: %s", support.describe())
+    return support
+
+
+def installed_rank_mode() -> RankMode:
+    """How the installed verl reads rollout ``ranks`` (:func:`installed_verl`)."""
+    return installed_verl().rank_mode

@@ -1,6 +1,7 @@
 """Drivers: one per target kind, the same small async interface (open, start, stop, get, wait,
 heartbeat, live, close). A sidecar target is driven over its HTTP API; an upstream target by the
-same ``CaptureController`` a sidecar runs, in this process."""
+same ``CaptureController`` a sidecar runs, in this process; a ray target by that controller in a
+Ray actor on the server's node (``_ray.py``, made by a ``DriverFactory``)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ class Driver(Protocol):
     async def heartbeat(self, capture_id: str) -> None: ...
     async def live(self) -> Capture | None: ...
     async def close(self, keep_live: bool = False) -> None: ...
+
+
+class DriverFactory(Protocol):
+    """Makes the driver of a target the fleet does not reach itself (``ray`` targets)."""
+
+    def __call__(self, target: Target, *, stop_budget_s: float) -> Driver: ...
 
 
 class FleetTransports:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -17,8 +18,8 @@ from sidecar.config.models import DeployConfig
 from sidecar.config.rules import select_stages
 from sidecar.config.sharing import RENDER_FIX, shared_dir_groups, shared_profiler_dirs
 from sidecar.control.models import Capture, CaptureState, StopReason
-from sidecar.errors import StagesNotShared, ConcurrencyInvalid, FlavorsMixed, FleetClosed, FleetStagesInvalid, KindInvalid, FleetError, FleetInvalid, ProfilerDirShared, SidecarError, StageSelectionError, StartWithheld
-from sidecar.fleet._drivers import Driver, Kind, FleetTransports, SidecarDriver, UpstreamDriver
+from sidecar.errors import BudgetInvalid, TargetInvalid, TargetNoAnswer, StagesNotShared, ConcurrencyInvalid, FlavorsMixed, FleetClosed, FleetStagesInvalid, KindInvalid, FleetError, FleetInvalid, ProfilerDirShared, SidecarError, StageSelectionError, StartWithheld
+from sidecar.fleet._drivers import Driver, DriverFactory, Kind, FleetTransports, SidecarDriver, UpstreamDriver
 from sidecar.fleet._release import START_AT_MAX_S, Release, check_start_at
 from sidecar.fleet._results import FleetCapture, TargetError, TargetOutcome, TargetResult, error_of, mark_ambiguous
 from sidecar.fleet._targets import Flavor, Target, TargetKind, parse_targets, server_key
@@ -28,14 +29,33 @@ log = logging.getLogger("sidecar.fleet")
 T = TypeVar("T")
 R = TypeVar("R")
 
+# The bound on every call that the server answers at once (open, start, live, a read): a target
+# that accepts and never answers costs a fan-out this much, never the HTTP client's default.
+START_TIMEOUT_S = 30.0
+
+
+
+
+async def _by(deadline: float | None, aw: Awaitable[R], what: str, budget_s: float) -> R:
+    """``aw`` bounded by ``deadline`` (loop time; ``None``: unbounded), else ``TargetNoAnswer``."""
+    if deadline is None:
+        return await aw
+    try:
+        # wait_for, not asyncio.timeout_at: the package supports Python 3.10
+        return await asyncio.wait_for(aw, max(deadline - asyncio.get_running_loop().time(), 0.0))
+    except asyncio.TimeoutError:  # on 3.10 not the builtin TimeoutError
+        raise TargetNoAnswer(f"no answer to {what} within {budget_s:g}s") from None
+
 
 class Fleet:
     """Concurrent captures over ``targets``. Use ``async with Fleet(...) as fleet:`` (or call
     :meth:`open` / :meth:`close`). All methods must run on one event loop.
 
     ``stop_budget_s`` bounds each target's stop (until its upstream answered); the artifact check
-    after that is bounded by the target's own collect timeout. ``client_timeout_s`` is the HTTP
-    timeout towards sidecars (their start returns once the upstream accepted).
+    after that is bounded by the target's own collect timeout. ``start_timeout_s`` (default
+    :data:`START_TIMEOUT_S`) bounds every other call on a target (open, start, live, a read),
+    one deadline per fan-out: a target that accepts and never answers costs that, and its outcome
+    says so. ``client_timeout_s`` is the HTTP timeout towards sidecars (default: the start timeout).
 
     Scale: one TLS context for all targets and a small connection pool per target (see
     ``FleetTransports``), warmed by ``open()``; no thread or process per target; at most
@@ -43,6 +63,9 @@ class Fleet:
     target prepares (baselines, journal), then all starts are sent together, at ``start_at``
     when given (``sidecar/fleet/_release.py``), so the skew is the send alone. Stops are bounded
     by one deadline per fan-out.
+
+    ``drivers`` places ``ray`` targets (:class:`~sidecar.fleet._ray.RayNodes`: each target's
+    controller in a Ray actor on its server's node); the protocol above is the same for every driver.
 
     Shared dirs: before anything starts, the targets' effective profiler dirs are compared
     (``sidecar.config.sharing``); two targets writing into one dir are refused with
@@ -60,7 +83,8 @@ class Fleet:
         flavor: Flavor = "omni",
         token: str | None = None,
         stop_budget_s: float = 1800.0,
-        client_timeout_s: float = 330.0,
+        start_timeout_s: float = START_TIMEOUT_S,
+        client_timeout_s: float | None = None,
         poll_s: float = 0.2,
         control_settings: Any | None = None,
         state_dir: str | Path | None = None,
@@ -68,6 +92,7 @@ class Fleet:
         dirs_host_local: bool = False,
         max_concurrency: int | None = None,
         start_at_max_s: float = START_AT_MAX_S,
+        drivers: DriverFactory | None = None,
     ) -> None:
         self.targets = parse_targets(targets, deploy_config=deploy_config, flavor=flavor, token=token)
         if stages is not None and (
@@ -78,8 +103,12 @@ class Fleet:
                                             or max_concurrency < 1):
             raise ConcurrencyInvalid(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
         self.stages = None if stages is None else list(stages)
+        for name, value in (("start_timeout_s", start_timeout_s), ("stop_budget_s", stop_budget_s)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise BudgetInvalid(f"{name} must be a positive number of seconds, got {value!r}")
         self.stop_budget_s = stop_budget_s
-        self.client_timeout_s = client_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.client_timeout_s = start_timeout_s if client_timeout_s is None else client_timeout_s
         self.poll_s = poll_s
         self.control_settings = control_settings
         self.state_dir = Path(state_dir) if state_dir is not None else None
@@ -87,6 +116,13 @@ class Fleet:
         self.dirs_host_local = dirs_host_local
         self.max_concurrency = max_concurrency or len(self.targets)
         self.start_at_max_s = start_at_max_s
+        self._make_driver = drivers
+        placed = [t.name for t in self.targets if t.kind is TargetKind.ray]
+        if placed and drivers is None:
+            raise TargetInvalid(
+                f"ray targets ({', '.join(placed[:3])}) are placed by a driver factory; pass "
+                "drivers=RayNodes(...) (sidecar.fleet._ray), as the verl integration does",
+                details={"targets": placed})
         vllm = [t.name for t in self.targets if t.kind is TargetKind.upstream and t.flavor == "vllm"]
         if vllm and self.stages is not None:
             raise FlavorsMixed(
@@ -125,7 +161,9 @@ class Fleet:
 
     async def _open(self) -> None:
         for t in self.targets:
-            if t.kind is TargetKind.sidecar:
+            if t.kind is TargetKind.ray:
+                self._drivers[t.name] = self._make_driver(t, stop_budget_s=self.stop_budget_s)  # type: ignore[misc]
+            elif t.kind is TargetKind.sidecar:
                 self._drivers[t.name] = SidecarDriver(t, timeout_s=self.client_timeout_s, poll_s=self.poll_s,
                                                       transport=self._transports.for_target())
             else:
@@ -136,7 +174,8 @@ class Fleet:
                     t, self._deploys[t.name], stop_budget_s=self.stop_budget_s,
                     settings=self.control_settings, state_dir=state_dir, transport=self._transports.for_target(),
                 )
-        opened = await self._each(list(self._drivers.values()), lambda d: d.open())
+        deadline = asyncio.get_running_loop().time() + self.start_timeout_s
+        opened = await self._each(list(self._drivers.values()), lambda d: _by(deadline, d.open(), "open", self.start_timeout_s))
         problems: dict[str, TargetError] = {}
         deploys: dict[str, DeployConfig] = {}
         for (name, _), res in zip(self._drivers.items(), opened):
@@ -266,6 +305,12 @@ class Fleet:
         t0 = loop.time()  # one clock read for the fan-out; each target's own end is read as it lands
         # A fleet that starts at most max_concurrency at once cannot hold every target prepared.
         release = Release(len(drivers), start_at=at, barrier=self.max_concurrency >= len(drivers))
+        # One deadline for every start: the time until start_at is not the targets' to answer in.
+        def start_by(now: float) -> float:
+            return now + self.start_timeout_s + (0.0 if at is None else max(at - time.time(), 0.0))
+
+        deadline = start_by(t0)
+        waves = self.max_concurrency < len(drivers)  # started in waves: each target's own budget from its turn
 
         async def one(d: Driver) -> tuple[Capture, float]:
             arrived = False
@@ -277,7 +322,8 @@ class Fleet:
                 await release.wait()
 
             try:
-                cap = await d.start(self.stages, label, duration_s, lease_s, kind, gate)
+                by = start_by(loop.time()) if waves else deadline
+                cap = await _by(by, d.start(self.stages, label, duration_s, lease_s, kind, gate), "start", self.start_timeout_s)
             except BaseException as exc:
                 if not arrived:  # failed in its preparation: nobody sends (all or nothing)
                     release.arrive()
@@ -304,7 +350,11 @@ class Fleet:
                     raise res  # KeyboardInterrupt is not a target failure
                 cid = res.details.get("capture_id") if isinstance(res, SidecarError) else None
                 outcome = TargetOutcome.not_started if isinstance(res, StartWithheld) else TargetOutcome.start_failed
-                out[t.name] = base.model_copy(update={"outcome": outcome, "error": error_of(res), "capture_id": cid})
+                err = error_of(res)
+                if isinstance(res, TargetNoAnswer):  # it may have started: say so (a lease is its safety net)
+                    err = TargetError(code="start_timeout", message=f"{res}; the server may have started "
+                                      "profiling all the same (the capture's lease stops it on a sidecar)")
+                out[t.name] = base.model_copy(update={"outcome": outcome, "error": err, "capture_id": cid})
             else:
                 cap, took = res
                 out[t.name] = base.with_capture(cap, start_s=took)
@@ -383,6 +433,11 @@ class Fleet:
     async def refresh(self, fc: FleetCapture, *, wait: bool = False, timeout: float | None = None) -> FleetCapture:
         """Re-read every target's capture (with ``wait``: until terminal or ``timeout``)."""
 
+        loop = asyncio.get_running_loop()
+        # One deadline for the whole fan-out: every target's check ends by it, hung ones included.
+        deadline = None if timeout is None else loop.time() + timeout
+        read_by = loop.time() + self.start_timeout_s
+
         async def one(r: TargetResult) -> TargetResult:
             if r.capture_id is None or r.done or r.outcome in (TargetOutcome.start_failed,):
                 return r
@@ -391,7 +446,13 @@ class Fleet:
             patient = wait and r.outcome not in (TargetOutcome.stop_timeout, TargetOutcome.stop_failed)
             try:
                 d = self._driver(r.target)
-                cap = await (d.wait(r.capture_id, timeout) if patient else d.get(r.capture_id))
+                if patient:
+                    left = None if deadline is None else max(deadline - loop.time(), 0.0)
+                    # the driver's own wait honours `left`; the bound beyond it is for one that cannot
+                    cap = await _by(None if deadline is None else deadline + self.start_timeout_s,
+                                    d.wait(r.capture_id, left), "the artifact check", timeout or 0.0)
+                else:
+                    cap = await _by(read_by, d.get(r.capture_id), "a read of the capture", self.start_timeout_s)
             except Exception as exc:
                 return r.model_copy(update={"error": r.error or error_of(exc)})
             err = r.error
@@ -407,9 +468,12 @@ class Fleet:
 
     async def heartbeat(self, fc: FleetCapture) -> None:
         """Extend every started capture's lease (best effort; errors are logged)."""
+        deadline = asyncio.get_running_loop().time() + self.start_timeout_s
+
         async def one(r: TargetResult) -> None:
             try:
-                await self._driver(r.target).heartbeat(r.capture_id)  # type: ignore[arg-type]
+                await _by(deadline, self._driver(r.target).heartbeat(r.capture_id),  # type: ignore[arg-type]
+                          "a heartbeat", self.start_timeout_s)
             except Exception as exc:  # a missed heartbeat is not fatal; the lease is the safety net
                 log.debug("heartbeat to %s failed: %s", r.target, exc)
 
@@ -420,10 +484,12 @@ class Fleet:
         non-terminal capture, or one an upstream's journal in ``state_dir`` shows live). Targets
         without one are ``not_started`` with error ``capture_not_found``."""
 
+        deadline = asyncio.get_running_loop().time() + self.start_timeout_s
+
         async def one(t: Target) -> TargetResult:
             base = TargetResult(target=t.name, kind=t.kind, outcome=TargetOutcome.started)
             try:
-                cap = await self._driver(t.name).live()
+                cap = await _by(deadline, self._driver(t.name).live(), "a read of its live capture", self.start_timeout_s)
             except Exception as exc:
                 return base.model_copy(update={"outcome": TargetOutcome.not_started, "error": error_of(exc)})
             if cap is None:

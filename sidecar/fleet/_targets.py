@@ -19,6 +19,7 @@ Flavor = Literal["omni", "vllm"]
 class TargetKind(str, Enum):
     sidecar = "sidecar"  # an `omni-sidecar serve` in front of the server (HTTP API)
     upstream = "upstream"  # the vLLM-Omni server itself, driven in-process by a CaptureController
+    ray = "ray"  # the server driven by a CaptureController in a Ray actor on its node (sidecar/fleet/_ray.py)
 
 
 def _normalize_url(url: str) -> str:
@@ -76,6 +77,14 @@ class Target(BaseModel):
             flavor=flavor,
             platform=platform,
         )
+
+    @classmethod
+    def ray(cls, url: str, *, flavor: Flavor = "vllm") -> Target:
+        """A server whose controller runs on its node in a Ray actor: built in code (the verl
+        integration), driven by a ``Fleet(..., drivers=RayNodes(...))`` that places it."""
+        if flavor not in ("omni", "vllm"):
+            raise TargetInvalid(f"flavor must be 'omni' or 'vllm', got {flavor!r}")
+        return cls(kind=TargetKind.ray, url=_normalize_url(url), flavor=flavor)
 
     @classmethod
     def parse(

@@ -9,7 +9,8 @@
 - ``EmulatedReplica`` is a real ``verl.workers.rollout.replica.RolloutReplica`` whose
   ``launch_servers`` starts that server on this node (registered as rollout name ``emulator``).
 - ``WorkerGroup`` stands in for the FSDP training workers (start/stop_profile calls recorded).
-- ``CheckpointManager`` stands in for weight sync: ``sleep_replicas`` puts every replica to sleep.
+- ``CheckpointManager`` stands in for weight sync: ``sleep_replicas`` puts every replica to sleep,
+  ``update_weights`` (the GPU-to-GPU weight sync) is recorded.
 """
 
 from __future__ import annotations
@@ -125,6 +126,10 @@ class WorkerGroup:
 class CheckpointManager:
     def __init__(self, replicas: list[Any]) -> None:
         self.replicas = replicas
+        self.updates: list[Any] = []
+
+    def update_weights(self, global_steps: Any = None) -> None:  # weight sync from the GPU workers
+        self.updates.append(global_steps)
 
     def sleep_replicas(self) -> None:
         async def all_sleep() -> None:

@@ -3,7 +3,7 @@
 the venv (cached) and runs this folder there.
 
 ``verl_config(*overrides)`` composes verl's own Hydra config (``ppo_trainer``) with overrides as a
-user passes them; ``ray_cluster`` is one small local Ray cluster per module (2 CPUs, 127.0.0.1,
+user passes them; ``ray_cluster`` is one small local Ray cluster per module (4 logical CPUs, 127.0.0.1,
 no dashboard), shut down at the end.
 """
 
@@ -66,7 +66,8 @@ def compose(*overrides: str) -> Any:
 def ray_cluster() -> Iterator[Any]:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+    # 4 logical CPUs (scheduling only): TransferQueue's controller and storage unit take one each
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})  # the actors import sidecar and tests/
     try:
         yield ray

@@ -6,13 +6,12 @@ need GPUs): every refusal happens before any server is contacted."""
 from __future__ import annotations
 
 import logging
-import sys
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from sidecar.errors import ValidationFailed
+from sidecar.errors import ValidationFailed, VerlTrainerNotFound
 from sidecar.integrations.verl import attach
 from tests.verl.conftest import compose, recipe
 
@@ -34,7 +33,7 @@ class Trainer:
             start_profile=_verl_start, stop_profile=_verl_start)
 
     def init_workers(self, strict: bool) -> Any:
-        return attach(SimpleNamespace(), self.config, sys._getframe())
+        return attach(SimpleNamespace(), self.config, self)
 
 
 def _cfg(tmp_path, *extra: str) -> Any:
@@ -89,7 +88,7 @@ def test_a_trainer_without_step_profiling_is_refused(tmp_path):
             self.trainer = trainer
 
         def init_agent_loop_manager(self) -> Any:
-            return attach(SimpleNamespace(), self.trainer.config, sys._getframe())
+            return attach(SimpleNamespace(), self.trainer.config, self.trainer, entry=type(self).__module__)
 
     runner = DiffusionTaskRunnerV1(Trainer(_cfg(tmp_path, "+omni_sidecar.strict=True")))
     with pytest.raises(ValidationFailed) as info:
@@ -97,10 +96,30 @@ def test_a_trainer_without_step_profiling_is_refused(tmp_path):
     assert info.value.code == "verl_no_step_profiling" and "main_diffusion" in info.value.message
 
 
-def test_no_trainer_up_the_stack_is_refused(tmp_path):
-    with pytest.raises(ValidationFailed) as info:
-        attach(SimpleNamespace(), _cfg(tmp_path, "+omni_sidecar.strict=True"), sys._getframe())
-    assert info.value.code == "verl_trainer_not_found"
+def test_no_trainer_calling_create_is_refused_loudly(tmp_path):
+    from sidecar.integrations.verl import SidecarAgentLoopManager
+
+    with pytest.raises(VerlTrainerNotFound) as info:
+        SidecarAgentLoopManager.create(config=_cfg(tmp_path))  # not from a trainer: whose steps?
+    assert "no verl trainer with rollout servers calls the agent-loop manager's create()" in info.value.message
+
+
+def test_two_trainers_up_the_stack_are_refused_naming_both(tmp_path):
+    from sidecar.integrations.verl import SidecarAgentLoopManager
+
+    outer, inner = Trainer(_cfg(tmp_path)), Trainer(_cfg(tmp_path))
+
+    def build(self: Trainer, other: Trainer) -> Any:
+        return other.build()
+
+    inner.build = lambda: _create_as(inner, SidecarAgentLoopManager)  # type: ignore[attr-defined]
+    with pytest.raises(VerlTrainerNotFound) as info:
+        build(outer, inner)
+    assert info.value.message.count("Trainer (tests.verl.test_bad_input)") == 2
+
+
+def _create_as(self: Trainer, cls: Any) -> Any:
+    return cls.create(config=self.config)
 
 
 def test_reward_servers_are_not_followed_in_verl(tmp_path):

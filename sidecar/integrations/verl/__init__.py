@@ -12,6 +12,7 @@ verl is optional: this package imports without it (only ``create`` needs it).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
@@ -21,11 +22,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sidecar.config.verl import (
     CONFIG_KEY,
-    installed_rank_mode,
+    checked_verl,
+    installed_verl,
     read_verl_config,
     verl_findings,
 )
 from sidecar.errors import ConfigError, HookConfigInvalid, ValidationFailed
+from sidecar.fleet import START_TIMEOUT_S
+from sidecar.integrations.verl._hook import find_trainer
 from sidecar.rollout import DEFAULT_LEASE_S, RolloutProfiler
 
 __all__ = [
@@ -64,7 +68,7 @@ class SidecarHookConfig(BaseModel):
     agent_loop_manager_class: str | None = None  # the manager to build instead of verl's default
     collect_timeout_s: float = Field(default=120.0, ge=0)
     settle_s: float | None = Field(default=None, ge=0)  # not read (completeness comes from the files); old configs keep working
-    start_timeout_s: float = Field(default=300.0, gt=0)
+    start_timeout_s: float = Field(default=START_TIMEOUT_S, gt=0)
     stop_budget_s: float = Field(default=1800.0, gt=0)
     # explicit steps/ranks: only with `targets`, when verl's own rollout profiling is off
     steps: list[int] | None = None
@@ -96,8 +100,9 @@ def hook_config(config: Any) -> SidecarHookConfig:
         raise HookConfigInvalid(f"{key}: {first['msg']}", key=key) from None
 
 
-def profiler_from_trainer_config(config: Any, *, rank_mode: str | None = None) -> RolloutProfiler | None:
-    """A :class:`RolloutProfiler` over the block's ``targets`` (``None`` when it names none)."""
+def profiler_from_trainer_config(config: Any, *, rank_mode: str | None = None, **options: Any) -> RolloutProfiler | None:
+    """A :class:`RolloutProfiler` over the block's ``targets`` (``None`` when it names none);
+    ``options`` go to it (over the block's own)."""
     if isinstance(config, (str, os.PathLike)):
         from sidecar.config._yaml import load_yaml
 
@@ -113,10 +118,12 @@ def profiler_from_trainer_config(config: Any, *, rank_mode: str | None = None) -
     common: dict[str, Any] = dict(
         stages=hook.stages, strict=hook.strict, wait_artifacts=hook.wait_artifacts, lease_s=hook.lease_s,
         deploy_config=hook.deploy_config, flavor=hook.flavor or "omni", token=token,
+        start_timeout_s=hook.start_timeout_s, stop_budget_s=hook.stop_budget_s,
     )
+    common.update(options)
     if hook.steps is None:
         return RolloutProfiler.from_verl_config(config, hook.targets, role=hook.role,
-                                                rank_mode=rank_mode or installed_rank_mode(), **common)
+                                                rank_mode=rank_mode or installed_verl().rank_mode, **common)
     return RolloutProfiler(hook.targets, hook.steps, ranks=hook.ranks, all_ranks=hook.all_ranks, **common)
 
 
@@ -130,32 +137,25 @@ def _refuse(hook: SidecarHookConfig, code: str, message: str, findings: list[Any
     log.warning("omni-sidecar: rollout is NOT profiled by the sidecar: %s", message)
 
 
-def attach(agent_loop_manager: Any, config: Any, frame: Any) -> Any:
-    """Find the trainer up ``frame``'s stack, check what verl will profile, and take over its
-    rollout profiling calls. Returns the hook (``None`` when refused in best-effort mode)."""
+def attach(agent_loop_manager: Any, config: Any, trainer: Any, *, entry: str | None = None) -> Any:
+    """Check what verl will profile for ``trainer`` and take over its rollout profiling calls.
+    Returns the hook (``None`` when refused in best-effort mode). ``entry``: the module of the
+    trainer's entry point, for the rules of trainers without step profiling."""
     from sidecar.config.verl import ROLE_PATHS, format_replicas
-    from sidecar.integrations.verl._hook import (
-        NodeCaptures,
-        RolloutHook,
-        TargetCaptures,
-        discover,
-        find_trainer,
-        replicas_of,
-        rollout_managers,
-    )
-    from sidecar.integrations.verl._node import deploy_for_server
+    from sidecar.fleet import Placement, RayNodes, Target
+    from sidecar.fleet._ray import deploy_for_server
+    from sidecar.integrations.verl._hook import RolloutHook, discover, replicas_of, rollout_managers
 
     hook = hook_config(config)
-    found = find_trainer(frame)
-    trainer, entry = found if found is not None else (None, None)
+    support = checked_verl(strict=hook.strict, log=log)  # outside the table: refused (strict) or warned once
     managers = rollout_managers(trainer, agent_loop_manager)
     if not managers:
         _refuse(hook, "verl_trainer_not_found",
-                "no verl trainer with rollout servers was found up the call stack of the agent-loop manager's "
-                "create(); build the manager from the trainer (verl's own init path), or drive the hook yourself "
+                f"the verl trainer {type(trainer).__qualname__} has no rollout servers (no llm_server_manager); "
+                "build the manager from verl's own init path, or drive the profiler yourself "
                 "(sidecar.RolloutProfiler, docs/rl.md)")
         return None
-    rank_mode = installed_rank_mode()
+    rank_mode = support.rank_mode
     plan = read_verl_config(config, role=hook.role)
     n = max((int(getattr(r, "replica_rank", i)) + 1 for m in managers for i, r in enumerate(replicas_of(m))), default=0)
     findings = [f for f in verl_findings(plan, n_replicas=n, rank_mode=rank_mode, trainer=entry) if f.is_error]
@@ -169,9 +169,14 @@ def attach(agent_loop_manager: Any, config: Any, frame: Any) -> Any:
                 "verl drives no step-scoped profiling of reward-model servers (their profiler block is "
                 f"verl-omni's `{base}`); name the reward servers' sidecars in `+{CONFIG_KEY}.targets=[...]`")
         return None
+    common: dict[str, Any] = dict(
+        strict=hook.strict, wait_artifacts=hook.wait_artifacts, lease_s=hook.lease_s,
+        artifact_timeout_s=hook.collect_timeout_s + 60, start_timeout_s=hook.start_timeout_s,
+        stop_budget_s=hook.stop_budget_s)
+    nodes = None
     if hook.targets:
-        prof = profiler_from_trainer_config(config, rank_mode=rank_mode)
-        captures: Any = TargetCaptures(prof)
+        prof = profiler_from_trainer_config(config, rank_mode=rank_mode, **common)
+        assert prof is not None
     else:
         import ray
 
@@ -185,7 +190,8 @@ def attach(agent_loop_manager: Any, config: Any, frame: Any) -> Any:
         except Exception as exc:
             _refuse(hook, "verl_replicas_unreadable", f"the rollout replicas could not be read from verl: {exc}")
             return None
-        deploys: dict[int, Any] = {}
+        placements: dict[str, Placement] = {}
+        targets = []
         for r in replicas:
             if r.profiler_config is None:
                 _refuse(hook, "verl_replica_not_profiled",
@@ -195,30 +201,32 @@ def attach(agent_loop_manager: Any, config: Any, frame: Any) -> Any:
             if r.verl_profiles is False:
                 log.warning("omni-sidecar: verl's own rule on replica %d says it is not profiled, the sidecar's "
                             "says it is; the sidecar follows its rule (config/verl.py)", r.rank)
-            if r.flavor == "omni":
-                if hook.deploy_config:
-                    deploys[r.rank] = hook.deploy_config
-                elif hook.stages:
-                    deploys[r.rank] = deploy_for_server(r.profiler_config, hook.stages)
-                else:
-                    _refuse(hook, "verl_omni_stages_unknown",
-                            f"replica {r.rank} is a vLLM-Omni server; name its stages (`+{CONFIG_KEY}.stages=[0,1]`) "
-                            f"or its deploy YAML (`+{CONFIG_KEY}.deploy_config=PATH`)")
-                    return None
-            else:
-                deploys[r.rank] = deploy_for_server(r.profiler_config, None)
-        captures = NodeCaptures(
-            replicas, deploys=deploys, stages=hook.stages if any(r.flavor == "omni" for r in replicas) else None,
-            lease_s=hook.lease_s, control={"collect_timeout_s": hook.collect_timeout_s},
-            start_timeout_s=hook.start_timeout_s, stop_budget_s=hook.stop_budget_s,
-            artifact_timeout_s=hook.collect_timeout_s + 60,
-        )
-    rollout_hook = RolloutHook(trainer=trainer, managers=managers, captures=captures, save_path=plan.trace_dir,
-                               strict=hook.strict, wait_artifacts=hook.wait_artifacts,
-                               last_step=max(plan.steps) if plan.steps else None)
+            if r.flavor == "omni" and not (hook.deploy_config or hook.stages):
+                _refuse(hook, "verl_omni_stages_unknown",
+                        f"replica {r.rank} is a vLLM-Omni server; name its stages (`+{CONFIG_KEY}.stages=[0,1]`) "
+                        f"or its deploy YAML (`+{CONFIG_KEY}.deploy_config=PATH`)")
+                return None
+            target = Target.ray(r.http_url, flavor=r.flavor)  # type: ignore[arg-type]
+            deploy: Any = (hook.deploy_config or deploy_for_server(r.profiler_config, hook.stages)
+                           if r.flavor == "omni" else deploy_for_server(r.profiler_config, None))
+            placements[target.name] = Placement(node_id=r.node_id, deploy=deploy)
+            targets.append(target)
+        nodes = RayNodes(placements, control={"collect_timeout_s": hook.collect_timeout_s})
+        try:  # each replica's node profiler up now, at trainer start, not inside step 1's start budget
+            nodes.launch(targets, stop_budget_s=hook.stop_budget_s)
+        except Exception as exc:
+            _refuse(hook, "verl_node_profilers_not_started", str(exc))
+            return None
+        stages = hook.stages if any(r.flavor == "omni" for r in replicas) else None
+        # The replicas verl's rule chose, every one profiled: the rule was applied above.
+        prof = RolloutProfiler(targets, plan.steps, stages, drivers=nodes, **common)
+    rollout_hook = RolloutHook(trainer=trainer, managers=managers, profiler=prof, save_path=plan.trace_dir,
+                               nodes=nodes, last_step=max(plan.steps) if plan.steps else None,
+                               wait_timeout_s=hook.collect_timeout_s + 60 + hook.start_timeout_s)
+    prof.on_result = rollout_hook._done
     rollout_hook.install()
-    log.info("omni-sidecar: follows verl's rollout profiling at steps %s on replicas %s (%s ranks); verl's own "
-             "engine start/stop is replaced", plan.steps, format_replicas(chosen), rank_mode)
+    log.info("omni-sidecar: follows verl's rollout profiling at steps %s on replicas %s (%s); verl's own "
+             "engine start/stop is replaced", plan.steps, format_replicas(chosen), support.describe())
     return rollout_hook
 
 
@@ -233,14 +241,25 @@ def _load(fqn: str) -> Any:
 
 
 def _use_v1(config: Any) -> bool:
+    """``trainer.use_v1`` as set; absent, the installed verl's default: v1 where verl has the v1
+    trainer (0.9.1 defaults to it), else v0, said once in the log."""
     trainer = config.get("trainer", {}) if hasattr(config, "get") else {}
-    value = trainer.get("use_v1", True) if hasattr(trainer, "get") else True
-    return bool(True if value is None else value)
+    value = trainer.get("use_v1", None) if hasattr(trainer, "get") else None
+    if value is not None:
+        return bool(value)
+    support = installed_verl()
+    if support.version is not None and not support.seams.v1_trainer:
+        log.info("omni-sidecar: trainer.use_v1 is not set and verl %s has no v1 trainer (verl.trainer.ppo.v1): "
+                 "building the v0 agent-loop manager", support.version)
+        return False
+    return True
 
 
 class _SidecarFactory:
     """What verl loads by name: ``create`` (and a call of the class) builds verl's manager and
-    attaches the hook. The manager returned is verl's own class, unchanged."""
+    attaches the hook. The manager returned is verl's own class, unchanged. Sync or async is
+    the base's: whatever ``base.create(...)`` returns (a manager, or an awaitable of one) is
+    what the caller gets, the hook attached once the manager exists."""
 
     @classmethod
     def _base(cls, config: Any) -> Any:
@@ -249,22 +268,20 @@ class _SidecarFactory:
     @classmethod
     def create(cls, *args: Any, **kwargs: Any) -> Any:
         config = kwargs.get("config", args[0] if args else None)
-        frame = sys._getframe(1)
         fqn = hook_config(config).agent_loop_manager_class
         base = _load(fqn) if fqn else cls._base(config)
-        caller_is_async = bool(frame.f_code.co_flags & 0x80)  # inspect.CO_COROUTINE
-
-        if caller_is_async:
-            async def acreate() -> Any:
-                made = base.create(*args, **kwargs) if hasattr(base, "create") else base(*args, **kwargs)
-                manager = await made if hasattr(made, "__await__") else made
-                attach(manager, config, frame)
+        # verl hands its trainer over as the `self` of the init method calling this (one, or fail).
+        trainer, entry = find_trainer(sys._getframe(1))
+        made = base.create(*args, **kwargs) if hasattr(base, "create") else base(*args, **kwargs)
+        if inspect.isawaitable(made):
+            async def attached() -> Any:
+                manager = await made
+                attach(manager, config, trainer, entry=entry)
                 return manager
 
-            return acreate()
-        manager = base.create(*args, **kwargs) if hasattr(base, "create") else base(*args, **kwargs)
-        attach(manager, config, frame)
-        return manager
+            return attached()
+        attach(made, config, trainer, entry=entry)
+        return made
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:  # older verl builds the manager by calling the class
         return cls.create(*args, **kwargs)
@@ -285,6 +302,11 @@ class SidecarAgentLoopManager(_SidecarFactory):
 
             return AgentLoopManager
         except ImportError as err:
+            support = installed_verl()
+            if support.version is not None:
+                raise ImportError(f"{cls.__qualname__}: verl {support.version} has no {err.name or 'such module'} "
+                                  f"for trainer.use_v1={_use_v1(config)} ({err}); set trainer.use_v1 to match this "
+                                  "verl, or name the manager in omni_sidecar.agent_loop_manager_class") from err
             raise ImportError(f"{cls.__qualname__} needs verl (`pip install verl`); the rest of omni-sidecar "
                               f"works without it ({err})") from err
 

@@ -1,0 +1,61 @@
+"""The fleet's protocol through its Ray driver, on a local Ray cluster: the same all-or-nothing
+start and per-fan-out stop deadline as over HTTP (tests/test_fleet*.py), with each target's
+controller in a node actor. Stub vLLM-Omni servers (tests/fixtures/stubs.py) stand in for the
+rollout servers; their faults make a start refused and a stop that never answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sidecar.control.controller import ControlSettings
+from sidecar.errors import FleetError
+from sidecar.fleet import Fleet, Placement, RayNodes, Target
+from tests.fixtures.stubs import StubFleet, write_deploys
+
+pytestmark = pytest.mark.verl
+
+CONTROL = ControlSettings(collect_timeout_s=30, close_timeout_s=5, summarize=False).model_dump(mode="json")
+
+
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("ray-stubs")
+    with StubFleet(3, mode="upstream", root=root) as fleet:
+        fleet.deploys = write_deploys(root, 3)
+        yield fleet
+
+
+def _fleet(ray_cluster, stubs: StubFleet, **kw) -> tuple[Fleet, list[Target]]:
+    node = ray_cluster.get_runtime_context().get_node_id()
+    targets = [Target.ray(u, flavor="omni") for u in stubs.urls]
+    nodes = RayNodes({t.name: Placement(node, str(d)) for t, d in zip(targets, stubs.deploys)}, control=CONTROL)
+    nodes.launch(targets, stop_budget_s=kw.get("stop_budget_s", 30))
+    return Fleet(targets, stages=[0], drivers=nodes, **kw), targets
+
+
+async def test_a_refused_start_rolls_the_others_back_through_their_node_actors(ray_cluster, stubs: StubFleet):
+    stubs.reset(faults={1: "refuse_start"})
+    fleet, targets = _fleet(ray_cluster, stubs)
+    async with fleet:
+        with pytest.raises(FleetError) as info:
+            await fleet.start(label="step1")
+    outcomes = {t["target"]: t["outcome"] for t in info.value.details["targets"]}
+    assert outcomes == {targets[0].name: "rolled_back", targets[1].name: "start_failed",
+                        targets[2].name: "rolled_back"}
+    assert [i for i, r in stubs.log().items() if r["recording"]] == []
+
+
+async def test_a_hung_stop_ends_at_the_fan_outs_deadline_and_the_others_are_checked(ray_cluster, stubs: StubFleet):
+    stubs.reset(faults={2: "hang_stop"})
+    fleet, targets = _fleet(ray_cluster, stubs, stop_budget_s=3)
+    async with fleet:
+        fc = await fleet.start(label="step1")
+        fc = await fleet.stop(fc, artifact_timeout_s=60)
+    outcome = {n: r.outcome.value for n, r in fc.targets.items()}
+    assert outcome == {targets[0].name: "stopped", targets[1].name: "stopped", targets[2].name: "stop_timeout"}
+    for t in targets[:2]:
+        r = fc.targets[t.name]
+        assert r.ok and [v.verdict.value for v in r.verdicts] == ["ok"] and r.folders
+        assert all(Path(f).is_relative_to(Path(stubs.deploys[0]).parents[1]) for f in r.folders)

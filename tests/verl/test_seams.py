@@ -1,0 +1,128 @@
+"""The seams the hook depends on, checked on verl 0.9.1's own classes (not copies): every
+attribute the hook reads (``sidecar/integrations/verl/_hook.py`` ``*_READS``) is set or defined by
+the real trainer, ``LLMServerManager``, ``RolloutReplica``, ``vLLMHttpServer`` and its profiler;
+and each GPU-free stand-in of tests/verl/_standin.py has what the real class it stands in for has.
+``vLLMHttpServer`` needs vLLM on GPUs to build, so its ``__init__`` is read (the attributes it
+assigns); the profiler is built with verl's own ``build_rollout_dist_profiler``."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from typing import Any
+
+import pytest
+
+from sidecar.integrations.verl import _hook
+
+pytestmark = pytest.mark.verl
+
+
+def _assigned(cls: type, method: str = "__init__") -> set[str]:
+    """The ``self.X`` a method of ``cls`` assigns, read from its source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, method))))
+    out = set()
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        for t in targets:
+            for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and el.value.id == "self":
+                    out.add(el.attr)
+    return out
+
+
+def _has(cls: type, name: str, assigned: set[str]) -> bool:
+    return name in assigned or hasattr(cls, name)
+
+
+def _assigned_in_file(relpath: str, cls_name: str, method: str = "__init__") -> set[str]:
+    """``_assigned`` for a class whose module cannot be imported here (it needs vLLM)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(importlib.util.find_spec("verl").submodule_search_locations[0])  # type: ignore[index, union-attr]
+    tree = ast.parse((root / relpath).read_text())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls_name)
+    fn = next(n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == method)
+    return {el.attr for node in ast.walk(fn) if isinstance(node, (ast.Assign, ast.AnnAssign))
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+            for el in (t.elts if isinstance(t, ast.Tuple) else [t])
+            if isinstance(el, ast.Attribute) and isinstance(el.value, ast.Name) and el.value.id == "self"}
+
+
+def test_vllm_http_server_sets_what_the_hook_reads_inside_its_actor():
+    # its module imports vLLM (GPU builds only): read the class's __init__ from verl's own file
+    assigned = _assigned_in_file("workers/rollout/vllm_rollout/vllm_async_server.py", "vLLMHttpServer")
+    assert [a for a in _hook.SERVER_READS if a not in assigned] == []
+
+
+def test_verls_rollout_profiler_has_what_the_hook_reads():
+    from verl.utils.profiler import build_rollout_dist_profiler
+
+    ctl = build_rollout_dist_profiler(0, 1, config=None, tool_config=None)
+    assert [a for a in _hook.PROFILER_READS if not hasattr(ctl, a)] == []
+
+
+def test_rollout_replica_and_llm_server_manager_have_what_the_hook_reads():
+    from verl.workers.rollout.llm_server import LLMServerManager
+    from verl.workers.rollout.replica import RolloutReplica
+
+    replica = _assigned(RolloutReplica)
+    assert [a for a in _hook.REPLICA_READS if not _has(RolloutReplica, a, replica)] == []
+    assert isinstance(inspect.getattr_static(RolloutReplica, "server_address"), property)
+    assert [a for a in _hook.MANAGER_READS if not callable(getattr(LLMServerManager, a, None))] == []
+
+
+@pytest.mark.parametrize("which", ["v0", "v1"])
+def test_both_trainers_hold_what_the_hook_reads(which: str):
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    cls: Any = RayPPOTrainer if which == "v0" else PPOTrainer
+    # any method of the class (v0 sets them in init_workers, v1 in _setup)
+    methods = [m for m, v in vars(cls).items() if inspect.isfunction(v)]
+    assigned = set().union(*(_assigned(cls, m) for m in methods))
+    assert [a for a in _hook.TRAINER_READS if not _has(cls, a, assigned)] == []
+    if which == "v1":
+        assert callable(getattr(cls, "_rollout_server_managers", None))
+
+
+def test_v1_task_runner_hands_its_trainer_over_as_self_trainer():
+    from verl.trainer.main_ppo import TaskRunnerV1
+
+    runner = TaskRunnerV1.__ray_metadata__.modified_class
+    assert "trainer" in _assigned(runner)
+    source = inspect.getsource(runner.init_agent_loop_manager)
+    assert "agent_loop_manager_class" in source and ".create(" in source
+
+
+def test_the_standins_have_what_the_real_classes_have():
+    from verl.checkpoint_engine.base import CheckpointEngineManager
+    from verl.single_controller.ray import RayWorkerGroup
+    from verl.utils.profiler import build_rollout_dist_profiler
+    from verl.workers.rollout.replica import RolloutReplica
+
+    import tests.verl._standin as standin
+
+    # vLLMHttpServer → EmulatedServer: the attributes the hook reads, and verl's own profiler in it
+    assigned = _assigned(standin.EmulatedServer)
+    assert [a for a in _hook.SERVER_READS if a not in assigned] == []
+    real_ctl = type(build_rollout_dist_profiler(0, 1, config=None, tool_config=None))
+    source = inspect.getsource(standin.EmulatedServer.__init__)
+    assert "build_rollout_dist_profiler(" in source and real_ctl.__name__ == "DistProfiler"
+    # RolloutReplica → EmulatedReplica: a real subclass; only the launch is its own
+    assert issubclass(standin.EmulatedReplica, RolloutReplica)
+    own = {k for k in vars(standin.EmulatedReplica) if not k.startswith("_")}
+    assert own <= {"launch_servers", "sleep"} and all(hasattr(RolloutReplica, k) for k in own)
+    # RayWorkerGroup over ActorRolloutRefWorker (FSDP workers on GPUs) → WorkerGroup: what the fit
+    # loops call on it (the group binds the worker's registered methods at spawn)
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    assert hasattr(RayWorkerGroup, "world_size") and hasattr(standin.WorkerGroup(1), "world_size")
+    for name in ("start_profile", "stop_profile"):
+        assert callable(getattr(ActorRolloutRefWorker, name, None)) and callable(getattr(standin.WorkerGroup, name)), name
+    # CheckpointEngineManager (weight sync) → CheckpointManager
+    for name in ("sleep_replicas", "update_weights"):
+        assert callable(getattr(CheckpointEngineManager, name)) and callable(getattr(standin.CheckpointManager, name))
