@@ -18,6 +18,9 @@ from sidecar.emulator._workload import build_workload
 logger = logging.getLogger("sidecar.emulator.worker")
 
 
+_said_no_excel = False  # the emulator's stand-in for the real server's line at every stop is said once
+
+
 class TorchRecorder:
     """``torch.profiler.profile`` as both vLLM wrappers build it from ``config``."""
 
@@ -67,7 +70,10 @@ class TorchRecorder:
             import openpyxl  # noqa: F401
             import pandas as pd
         except Exception as e:
-            logger.info("pandas/openpyxl not available, skip Excel export: %s", e)
+            global _said_no_excel
+            if not _said_no_excel:
+                _said_no_excel = True
+                logger.info("pandas/openpyxl not available, skip Excel export (said once): %s", e)
             return
         prof = self.profiler
         sheets: dict[str, Any] = {"summary": prof.key_averages()}
