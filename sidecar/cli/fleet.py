@@ -61,6 +61,9 @@ SharedOpt = Annotated[bool, typer.Option(
 HostLocalOpt = Annotated[bool, typer.Option(
     "--dirs-host-local", help="the same dir path on different hosts is a different (host-local) folder")]
 BudgetOpt = Annotated[float, typer.Option("--stop-budget", help="seconds each target's stop may take (s)")]
+StartTimeoutOpt = Annotated[Optional[float], typer.Option(
+    "--start-timeout", help="seconds a target may take to answer an open, a start, a read or a heartbeat "
+    "(default: the fleet's, 30 s)")]
 KindOpt = Annotated[str, typer.Option("--kind", help="torch (trace files) or nsys (profiler: cuda stages)")]
 StartAtOpt = Annotated[Optional[str], typer.Option(
     "--start-at", help="send every start at this wall-clock time: +S (seconds from now), epoch seconds, "
@@ -76,7 +79,8 @@ def _default_state_dir() -> Path:
 
 def _fleet(targets: str, stages: str | None, deploy_config: Path | None, flavor: str,
            token_file: Path | None, state_dir: Path | None, allow_shared_dirs: bool = False,
-           dirs_host_local: bool = False, stop_budget_s: float = 1800.0) -> Any:
+           dirs_host_local: bool = False, stop_budget_s: float = 1800.0,
+           start_timeout_s: float | None = None) -> Any:
     from sidecar.fleet import Fleet
 
     token = None
@@ -88,7 +92,8 @@ def _fleet(targets: str, stages: str | None, deploy_config: Path | None, flavor:
         raise TargetInvalid(f"--flavor must be omni or vllm, got {flavor!r}")
     fleet = Fleet(targets, stages=parse_stage_list(stages), deploy_config=deploy_config, flavor=flavor,  # type: ignore[arg-type]
                   token=token, state_dir=state_dir or _default_state_dir(),
-                  allow_shared_dirs=allow_shared_dirs, dirs_host_local=dirs_host_local, stop_budget_s=stop_budget_s)
+                  allow_shared_dirs=allow_shared_dirs, dirs_host_local=dirs_host_local, stop_budget_s=stop_budget_s,
+                  **({} if start_timeout_s is None else {"start_timeout_s": start_timeout_s}))
     return fleet
 
 
@@ -205,13 +210,14 @@ def start(
     dirs_host_local: HostLocalOpt = False,
     kind: KindOpt = "torch",
     start_at: StartAtOpt = None,
+    start_timeout: StartTimeoutOpt = None,
     wide: WideOpt = False,
 ) -> None:
     """Start on every target at once; all or nothing (a failure stops the ones that started)."""
     with cli_errors():
         at = _start_at(start_at)
         fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir, allow_shared_dirs,
-                       dirs_host_local)
+                       dirs_host_local, start_timeout_s=start_timeout)
         upstream = [t.name for t in fleet.targets if t.kind.value == "upstream"]
         if duration is not None and upstream:
             raise FleetDurationInvalid(
@@ -242,11 +248,13 @@ def stop(
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
     stop_budget: BudgetOpt = 1800.0,
+    start_timeout: StartTimeoutOpt = None,
     wide: WideOpt = False,
 ) -> None:
     """Stop the live capture on every target at once, each within its own budget."""
     with cli_errors():
-        fleet = _fleet(targets, None, deploy_config, flavor, token_file, state_dir, stop_budget_s=stop_budget)
+        fleet = _fleet(targets, None, deploy_config, flavor, token_file, state_dir, stop_budget_s=stop_budget,
+                       start_timeout_s=start_timeout)
 
         async def run() -> Any:
             await fleet.open()
@@ -279,6 +287,7 @@ def capture(
     kind: KindOpt = "torch",
     stop_budget: BudgetOpt = 1800.0,
     start_at: StartAtOpt = None,
+    start_timeout: StartTimeoutOpt = None,
     wide: WideOpt = False,
 ) -> None:
     """Start everywhere, keep the window open --duration seconds (or until Ctrl-C), stop
@@ -289,7 +298,7 @@ def capture(
         if duration is not None and not duration > 0:
             raise FleetDurationInvalid(f"--duration must be > 0 seconds, got {duration}")
         fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir, allow_shared_dirs,
-                       dirs_host_local, stop_budget)
+                       dirs_host_local, stop_budget, start_timeout)
 
         async def run() -> Any:
             async with fleet:
