@@ -39,7 +39,7 @@ def test_the_api_conforms_to_its_openapi_document(
     deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
     # thread workers: the API's shapes and statuses, not real torch ops, are under test
     emu = shared_emulator_factory(deploy, extra_args=["--workers", "thread"], startup_timeout=120)
-    env = {"OMNI_SIDECAR_SETTLE_S": "0.3", "OMNI_SIDECAR_COLLECT_TIMEOUT_S": "3"}
+    env = {"OMNI_SIDECAR_COLLECT_TIMEOUT_S": "3"}
     sc = sidecar_factory(emu.url, deploy, env=env)
     proc = subprocess.run(
         [*_st(), "run", f"{sc.url}/openapi.json", "--url", sc.url, "--checks", "all",

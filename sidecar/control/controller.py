@@ -75,6 +75,8 @@ class ControlSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt knob is an error, not silently ignored
 
     collect_timeout_s: float = Field(default=120, ge=0)  # bound on waiting for gzip after the stop
+    # An unclosed plain .json is still being written until unchanged this long (within the bound).
+    trace_quiet_s: float = Field(default=2.0, gt=0)
     poll_s: float = Field(default=0.05, gt=0)  # how often a pending gzip is looked at
     artifact_roots: dict[str, str] = Field(default_factory=dict)  # SERVER_PATH -> LOCAL_PATH
     default_lease_s: float | None = Field(default=None, gt=0)
@@ -100,6 +102,7 @@ class ControlSettings(BaseModel):
     def from_settings(cls, settings: SidecarSettings) -> ControlSettings:
         return cls(
             collect_timeout_s=settings.collect_timeout_s,
+            trace_quiet_s=settings.trace_quiet_s,
             artifact_roots=dict(settings.artifact_roots),
             default_lease_s=settings.default_lease_s,
             max_duration_s=settings.max_duration_s,
@@ -728,6 +731,7 @@ class CaptureController:
             claims=self.claims,
             capture_id=cap.id,
             collect_timeout_s=self.settings.collect_timeout_s if wait else 0,
+            trace_quiet_s=self.settings.trace_quiet_s,
             poll_s=self.settings.poll_s,
             copy_dir=copies,
             wait=wait,

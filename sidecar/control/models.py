@@ -55,6 +55,10 @@ class ArtifactFile(BaseModel):
     # Where the sidecar serves it from when it is a copy taken at collect time (a file that later
     # stops rewrite in place, e.g. plain vLLM's profiler_out_<r>.txt); None: the session folder's.
     copy_path: str | None = None
+    # Its identity when the verdict was made (a read compares them: replaced since?); None in
+    # records written before they were kept.
+    mtime_ns: int | None = None
+    inode: int | None = None
 
 
 class SessionFolder(BaseModel):
