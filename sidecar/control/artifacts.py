@@ -191,6 +191,12 @@ def _session_epoch(name: str) -> int:
     return int(m.group("epoch")) if m else 0
 
 
+def newest_session_second(watches: list[StageWatch]) -> int | None:
+    """The newest start second (the epoch in the name) among the stages' session folders in their
+    baselines: a start in that same second would get the same folder name and write into it."""
+    return max((_session_epoch(n) for w in watches if not w.flat for n in (w.baseline or {})), default=None)
+
+
 def _digest(folder: str) -> str:
     """What a session folder holds now: changes when any file is added, removed or rewritten."""
     h = hashlib.blake2b(digest_size=8)

@@ -101,6 +101,9 @@ class Capture(BaseModel):
     finished_at: datetime | None = None  # terminal state reached
     verdicts: list[StageVerdict] = Field(default_factory=list)
     errors: list[ErrorRecord] = Field(default_factory=list)
+    # What a reader should know that is not an error: the start waited for a fresh folder second;
+    # files replaced since the verdict (added when the capture is read, not journaled).
+    notes: list[str] = Field(default_factory=list)
 
     @property
     def terminal(self) -> bool:
