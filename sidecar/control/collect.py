@@ -263,7 +263,7 @@ def _lost_slots(watch: StageWatch, counted: list[TraceLook]) -> tuple[tuple[int,
     return ranks, replicas
 
 
-def decide(watch: StageWatch, found: Scan, looks: list[TraceLook], *, shared: bool, pending: bool) -> Decision:
+def decide(watch: StageWatch, found: Scan, looks: list[TraceLook], *, shared: bool) -> Decision:
     """The verdict of one stage from what was found: never ``ok`` without every expected trace
     counted (readable, complete), and ``unverified`` wherever the sidecar could not tell."""
     if watch.profiler != "torch":
@@ -277,7 +277,7 @@ def decide(watch: StageWatch, found: Scan, looks: list[TraceLook], *, shared: bo
         return Decision(Verdict.ambiguous, Rule.shared, d)
     if not found.sessions:
         return Decision(Verdict.missing, Rule.no_flat_trace if watch.flat else Rule.no_session)
-    if not looks and not pending:
+    if not looks:
         return Decision(Verdict.missing, Rule.no_trace)
     counted = [t for t in looks if t.state in (TraceState.work, TraceState.idle)]
     if any(t.state is TraceState.unchecked for t in looks):
@@ -367,8 +367,7 @@ def _words(watch: StageWatch, found: Scan, d: Decision, *, pending: list[str], t
         return (f"stage {watch.stage_id}: not checked: {'; '.join(t.why or t.label for t in d.of(TraceState.unchecked))}"
                 + skipped)
     if r is Rule.unsettled:
-        still = [t.why or t.label for t in d.of(TraceState.unsettled)] or [
-            f"{', '.join(pending)}: gzip had not replaced it within {collect_timeout_s:g}s"]
+        still = [t.why or t.label for t in d.of(TraceState.unsettled)]
         return (f"stage {watch.stage_id}: cannot tell yet: {'; '.join(still)}; raise collect_timeout_s for "
                 "traces this large" + (f"; not counted: {'; '.join(bad)}" if bad else "") + skipped)
     if r is Rule.unreadable:
@@ -406,7 +405,7 @@ def verdict(watch: StageWatch, found: Scan, *, pending: list[str], timed_out: bo
     looks = [] if watch.local_dir is None or watch.profiler != "torch" or not found.visible else [
         _look(watch, s, label, name, files, writing or set(), collect_timeout_s)
         for (label, name), (s, files) in _traces(watch, found).items()]
-    d = decide(watch, found, looks, shared=bool(shared), pending=bool(pending))
+    d = decide(watch, found, looks, shared=bool(shared))
     reason = _words(watch, found, d, pending=pending, timed_out=timed_out, collect_timeout_s=collect_timeout_s,
                     shared=shared, nsys_hint=nsys_hint)
     if note:

@@ -36,12 +36,14 @@ class StopReason(str, Enum):
 
 
 class Verdict(str, Enum):
-    ok = "ok"  # every expected trace is present, complete and records work (an op or a kernel)
+    ok = "ok"  # every expected trace is counted (complete, readable) and records work (an op or a kernel)
     empty = "empty"  # traces are present but no op and no kernel ran in the window
     missing = "missing"  # no trace for this stage (no new session folder, or a folder without trace)
     partial = "partial"  # fewer traces than the stage expects (replicas x ranks): a replica or rank lost
-    ambiguous = "ambiguous"  # the trace folder cannot be told apart from another server's
-    unverified = "unverified"  # the sidecar cannot see this stage's folder (or nsys writes the report)
+    ambiguous = "ambiguous"  # the folder is another server's too, or more traces than one window writes
+    # the sidecar cannot tell: the folder is not visible, nsys writes the report, a trace was still
+    # being written at the collect bound, or the content check cannot run (fail closed)
+    unverified = "unverified"
 
 
 class CaptureKind(str, Enum):
