@@ -246,12 +246,17 @@ async def test_a_rewritten_table_is_copied_at_collect_time(tmp_path):
     assert resolve_artifact(verdicts, "d/profiler_out_0.txt", copies).read_text() == "mine"
 
 
-async def test_collect_waits_until_gzip_is_done(tmp_path):
+async def test_collect_waits_until_gzip_is_done(tmp_path, monkeypatch):
+    import sidecar.control.collect as collect_mod
+
     w = _watch(tmp_path)
     folder = _session(tmp_path, LLM.format(sid=1), gz=False)
+    real_closed, looks = collect_mod._json_closed, []
+    monkeypatch.setattr(collect_mod, "_json_closed", lambda path: looks.append(path) or real_closed(path))
 
     async def gzip_later() -> None:
-        await asyncio.sleep(0.5)
+        while len(looks) < 3:  # the collect has seen the .json waiting for its gzip, several times
+            await asyncio.sleep(0.01)
         raw = (folder / "trace_rank0.json").read_bytes()
         (folder / "trace_rank0.json.gz").write_bytes(gzip.compress(raw))
         os.unlink(folder / "trace_rank0.json")

@@ -159,12 +159,13 @@ async def test_a_bad_stage_list_is_refused_as_such_even_while_a_capture_is_activ
 
 
 async def test_overlapping_start_is_refused_while_the_first_is_still_starting(ctl, fake_omni):
-    fake_omni.start_delay = 1.0
+    fake_omni.start_delay = 60  # held until released below
     first = asyncio.create_task(ctl.start([0]))
-    await asyncio.sleep(0.1)
+    assert await apoll(lambda: fake_omni.starts())  # the first start is at the server, unanswered
     with pytest.raises(CaptureActive):
         await ctl.start([0])
     refused_while_starting = not first.done()
+    fake_omni.start_delay = 0
     await first
     assert refused_while_starting
 
@@ -453,10 +454,11 @@ async def test_idle_trace_is_downloadable(ctl, fake_omni):
 
 
 async def test_stop_during_start_takes_effect_once_started(ctl, fake_omni):
-    fake_omni.start_delay = 0.5
+    fake_omni.start_delay = 60  # held until released below
     starting = asyncio.create_task(ctl.start([0]))
-    await asyncio.sleep(0.1)
+    assert await apoll(lambda: fake_omni.starts())
     await ctl.stop(ctl.active.id)
+    fake_omni.start_delay = 0
     cap = await starting
     done = await ctl.wait(cap.id, timeout=20)
     assert (done.state, done.stop_reason, len(fake_omni.stops())) == (CaptureState.completed, StopReason.explicit, 1)
@@ -513,9 +515,13 @@ async def test_lease_without_heartbeat_expires(ctl, fake_omni):
 
 
 async def test_heartbeats_keep_a_lease_alive(ctl):
-    cap = await ctl.start([0], lease_s=0.5)
-    for _ in range(6):
-        await asyncio.sleep(0.15)
+    import time
+
+    lease = 1.0
+    cap = await ctl.start([0], lease_s=lease)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 2 * lease:  # twice the lease: without the heartbeats it expires
+        await asyncio.sleep(0.05)
         await ctl.heartbeat(cap.id)
     assert ctl.get(cap.id).state is CaptureState.active
 
