@@ -179,7 +179,9 @@ def _look(watch: StageWatch, s: SessionFolder, label: str, name: str, files: lis
     elif listed.size == 0:
         return TraceLook(**look, state=TraceState.unreadable, why=f"{label}/{listed.name}: 0 bytes")
     state, why = trace_has_work(path)
-    return TraceLook(**look, state=state, why=None if why is None else f"{label}/{listed.name}: {why}")
+    if why is not None:  # the reader names the local path; the reason names the session folder
+        why = f"{label}/{path.name}: {why.removeprefix(f'{path}: ').removeprefix(f'{path.name}: ')}"
+    return TraceLook(**look, state=state, why=why)
 
 
 def _relisted(watch: StageWatch, found: Scan) -> Scan:
