@@ -572,3 +572,12 @@ async def test_a_content_check_that_cannot_run_is_unverified(tmp_path, monkeypat
     [v] = await _collect(w)
     assert (v.verdict, v.found_traces, "the content check cannot run" in v.reason,
             "verdicts are unverified" in caplog.text) == (Verdict.unverified, 0, True, True)
+
+
+async def test_two_traces_in_one_rank_folder_do_not_stand_for_the_lost_rank(tmp_path):
+    # Two traces arrived for a stage of two ranks, both in rank 0's folder: rank 1 is still lost.
+    w = snapshot(StageWatch(stage_id=1, kind=StageKind.llm, server_dir=str(tmp_path), local_dir=tmp_path, ranks=2))
+    folder = _session(tmp_path, LLM.format(sid=1))
+    (folder / "trace_rank1.json.gz").write_bytes(gzip.compress(BUSY))
+    [v] = await _collect(w)
+    assert (v.verdict, v.found_traces, "rank(s) [1]" in v.reason) == (Verdict.partial, 2, True)
