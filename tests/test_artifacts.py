@@ -23,7 +23,7 @@ from sidecar.control.artifacts import (
     snapshot,
 )
 from sidecar.control.claims import ClaimRegistry
-from sidecar.control.collect import collect, trace_has_work
+from sidecar.control.collect import TraceState, collect, trace_has_work
 from sidecar.control.models import Verdict
 
 BUSY = b'{"traceEvents": [{"name": "aten::mm", "cat": "cpu_op", "ph": "X", "ts": 0, "dur": 3}]}'
@@ -89,11 +89,21 @@ async def test_folders_from_before_start_are_ignored(tmp_path):
 
 
 async def test_new_llm_and_diffusion_folders_are_both_found(tmp_path):
-    w = _watch(tmp_path)
+    w = snapshot(StageWatch(stage_id=1, kind=StageKind.unknown, server_dir=str(tmp_path), local_dir=tmp_path,
+                            replicas=2))
     _session(tmp_path, LLM.format(sid=1))
     _session(tmp_path, DIFF.format(sid=1).replace("rep_0", "rep_1"))
     [v] = await _collect(w)
-    assert (v.verdict, len(v.sessions)) == (Verdict.ok, 2)
+    assert (v.verdict, len(v.sessions), v.found_traces) == (Verdict.ok, 2, 2)
+
+
+async def test_more_traces_than_the_stage_writes_is_ambiguous_naming_them(tmp_path):
+    w = _watch(tmp_path)  # one replica, one rank: one trace per window
+    _session(tmp_path, LLM.format(sid=1))
+    _session(tmp_path, LLM.format(sid=1).replace("1796000000", "1796000001"))
+    [v] = await _collect(w)
+    assert (v.verdict, v.found_traces, "expects 1 trace(s) in one window and 2 arrived" in v.reason) == (
+        Verdict.ambiguous, 2, True)
 
 
 async def test_folder_without_trace_is_missing(tmp_path):
@@ -129,7 +139,7 @@ def test_content_check_stops_at_the_first_op(tmp_path):
     # Everything after the first op is garbage: a check that read the whole trace would fail.
     path = tmp_path / "t.json"
     path.write_bytes(BUSY[:-2] + b", " + b'{"name": "pad", "ph": "X"}, ' * 200_000 + b"\x00garbage")
-    assert trace_has_work(path) == (True, None)
+    assert trace_has_work(path) == (TraceState.work, None)
 
 
 async def test_unclosed_json_is_not_counted(tmp_path):
@@ -236,12 +246,17 @@ async def test_a_rewritten_table_is_copied_at_collect_time(tmp_path):
     assert resolve_artifact(verdicts, "d/profiler_out_0.txt", copies).read_text() == "mine"
 
 
-async def test_collect_waits_until_gzip_is_done(tmp_path):
+async def test_collect_waits_until_gzip_is_done(tmp_path, monkeypatch):
+    import sidecar.control.collect as collect_mod
+
     w = _watch(tmp_path)
     folder = _session(tmp_path, LLM.format(sid=1), gz=False)
+    real_closed, looks = collect_mod._json_closed, []
+    monkeypatch.setattr(collect_mod, "_json_closed", lambda path: looks.append(path) or real_closed(path))
 
     async def gzip_later() -> None:
-        await asyncio.sleep(0.5)
+        while len(looks) < 3:  # the collect has seen the .json waiting for its gzip, several times
+            await asyncio.sleep(0.01)
         raw = (folder / "trace_rank0.json").read_bytes()
         (folder / "trace_rank0.json.gz").write_bytes(gzip.compress(raw))
         os.unlink(folder / "trace_rank0.json")
@@ -427,3 +442,142 @@ async def test_a_trace_gzipped_while_its_folder_is_listed_is_still_found(tmp_pat
     [v] = await _collect(w)
     assert (v.verdict, [f.name for s in v.sessions for f in s.files], len(swapped)) == (
         Verdict.ok, ["trace_rank0.json.gz"], 1)
+
+
+# --- verdict edges (issue 20): each reproduces the file or the race exactly ------------------
+
+
+@pytest.mark.parametrize("trace", [b"", BUSY[:-3]], ids=["0-byte", "cut-off"])
+async def test_a_trace_never_gzipped_and_unreadable_is_never_ok(tmp_path, trace):
+    # The export failed (a full disk): vLLM-Omni logs it and never starts the gzip, so the .json
+    # stays, 0 bytes or cut off, until the collect bound runs out.
+    w = _watch(tmp_path)  # gzip on
+    _session(tmp_path, LLM.format(sid=1), trace=trace, gz=False)
+    [v] = await _collect(w, collect_timeout_s=0.5, trace_quiet_s=0.1)
+    assert (v.verdict, v.found_traces, "never compressed within 0.5s" in v.reason) == (Verdict.missing, 0, True)
+
+
+async def test_a_trace_still_growing_at_the_bound_is_unverified(tmp_path):
+    w = _watch(tmp_path)
+    folder = _session(tmp_path, LLM.format(sid=1), trace=b'{"traceEvents": [', gz=False)
+    done = asyncio.Event()
+
+    async def keep_writing() -> None:
+        with open(folder / "trace_rank0.json", "ab") as f:
+            while not done.is_set():
+                f.write(b'{"name": "aten::mm", "cat": "cpu_op", "ph": "X", "ts": 0, "dur": 3}, ')
+                f.flush()
+                await asyncio.sleep(0.01)
+
+    writer = asyncio.create_task(keep_writing())
+    try:
+        [v] = await _collect(w, collect_timeout_s=0.5, trace_quiet_s=60)
+    finally:
+        done.set()
+        await writer
+    assert (v.verdict, "still being written when the 0.5s collect bound ran out" in v.reason) == (
+        Verdict.unverified, True)
+
+
+async def test_a_json_and_its_half_written_gz_are_one_trace_and_the_lost_rank_shows(tmp_path):
+    # Rank 0's gzip is half done (both names on disk), rank 1 wrote nothing: one trace of two.
+    w = snapshot(StageWatch(stage_id=1, kind=StageKind.llm, server_dir=str(tmp_path), local_dir=tmp_path, ranks=2))
+    big = BUSY[:-2] + b", " + b'{"name": "pad", "ph": "X", "ts": 1, "dur": 1}, ' * 20_000 + b"{}]}"
+    folder = _session(tmp_path, LLM.format(sid=1), trace=big, gz=False)
+    (folder / "trace_rank0.json.gz").write_bytes(gzip.compress(big)[: len(gzip.compress(big)) // 2])
+    [v] = await _collect(w, collect_timeout_s=0.3)
+    assert (v.verdict, v.expected_traces, v.found_traces, "rank(s) [1]" in v.reason) == (
+        Verdict.partial, 2, 1, True)
+
+
+async def test_a_gzip_right_after_the_stat_of_its_json_keeps_the_trace(tmp_path, monkeypatch):
+    # The gzip finishes between the lstat of trace.json and any second look at that name: the
+    # listing decides from the one lstat, and the trace is read from the .json.gz.
+    import sidecar.control.artifacts as artifacts_mod
+
+    w = _watch(tmp_path)
+    folder = _session(tmp_path, LLM.format(sid=1), trace=BUSY, gz=False)
+    plain = folder / "trace_rank0.json"
+    real_lstat, swapped = artifacts_mod.os.lstat, []
+
+    def gzip_after_the_lstat(path, *args, **kwargs):
+        st = real_lstat(path, *args, **kwargs)
+        if str(path) == str(plain) and not swapped:
+            (folder / "trace_rank0.json.gz").write_bytes(gzip.compress(plain.read_bytes()))
+            plain.unlink()
+            swapped.append(path)
+        return st
+
+    monkeypatch.setattr(artifacts_mod.os, "lstat", gzip_after_the_lstat)
+    [v] = await _collect(w, collect_timeout_s=0.3)
+    assert (v.verdict, v.found_traces, len(swapped)) == (Verdict.ok, 1, 1)
+
+
+async def test_a_gzip_mode_folder_listed_without_its_trace_is_listed_again(tmp_path, monkeypatch):
+    # The listing passed trace.json's slot after the gzip unlinked it and before it saw the .gz:
+    # the folder looks empty once; it is listed again before it is called missing.
+    import sidecar.control.artifacts as artifacts_mod
+
+    w = _watch(tmp_path)
+    folder = _session(tmp_path, LLM.format(sid=1))
+    real_walk, blind = artifacts_mod.os.walk, []
+
+    def walk_that_missed_both(top, *args, **kwargs):
+        if str(top) == str(folder) and not blind:
+            blind.append(top)
+            return iter([(str(folder), [], [])])
+        return real_walk(top, *args, **kwargs)
+
+    monkeypatch.setattr(artifacts_mod.os, "walk", walk_that_missed_both)
+    [v] = await _collect(w)
+    assert (v.verdict, v.found_traces, len(blind)) == (Verdict.ok, 1, 1)
+
+
+async def test_an_uncompressed_trace_whose_writes_pause_is_waited_for(tmp_path, monkeypatch):
+    # The writer pauses for several polls (a slow export), then closes the JSON: the trace is
+    # still being written until it has been quiet for trace_quiet_s, so it counts.
+    import sidecar.control.collect as collect_mod
+
+    w = _watch(tmp_path, gzip_on=False)
+    folder = _session(tmp_path, LLM.format(sid=1), trace=BUSY[:-3], gz=False)  # cut before its closing "}]}"
+    real_closed, looks, closed = collect_mod._json_closed, [], []
+
+    def counting(path):
+        looks.append(path)
+        return real_closed(path)
+
+    monkeypatch.setattr(collect_mod, "_json_closed", counting)
+
+    async def finish_after_some_looks() -> None:
+        while len(looks) < 5:  # the pause: several looks at the unchanged, unclosed file
+            await asyncio.sleep(0.01)
+        with open(folder / "trace_rank0.json", "ab") as f:
+            f.write(BUSY[-3:])
+        closed.append(True)
+
+    writer = asyncio.create_task(finish_after_some_looks())
+    try:
+        [v] = await _collect(w, collect_timeout_s=120, trace_quiet_s=60)
+    finally:
+        writer.cancel()
+    assert (v.verdict, v.found_traces, closed) == (Verdict.ok, 1, [True])
+
+
+async def test_a_content_check_that_cannot_run_is_unverified(tmp_path, monkeypatch, caplog):
+    import sys
+
+    w = _watch(tmp_path)
+    _session(tmp_path, LLM.format(sid=1))
+    monkeypatch.setitem(sys.modules, "sidecar.analysis", None)  # `import sidecar.analysis` fails
+    [v] = await _collect(w)
+    assert (v.verdict, v.found_traces, "the content check cannot run" in v.reason,
+            "verdicts are unverified" in caplog.text) == (Verdict.unverified, 0, True, True)
+
+
+async def test_two_traces_in_one_rank_folder_do_not_stand_for_the_lost_rank(tmp_path):
+    # Two traces arrived for a stage of two ranks, both in rank 0's folder: rank 1 is still lost.
+    w = snapshot(StageWatch(stage_id=1, kind=StageKind.llm, server_dir=str(tmp_path), local_dir=tmp_path, ranks=2))
+    folder = _session(tmp_path, LLM.format(sid=1))
+    (folder / "trace_rank1.json.gz").write_bytes(gzip.compress(BUSY))
+    [v] = await _collect(w)
+    assert (v.verdict, v.found_traces, "rank(s) [1]" in v.reason) == (Verdict.partial, 2, True)

@@ -33,7 +33,7 @@ def urls(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool) 
     root = tmp_path_factory.mktemp("cli")
     deploy = make_deploy(root, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
     emu = emulator_pool.get(deploy, extra_args=["--workers", "thread"], startup_timeout=120)
-    with SidecarProcess(emu.url, deploy, state_dir=root / "state", env={"OMNI_SIDECAR_SETTLE_S": "0.3"}) as sc:
+    with SidecarProcess(emu.url, deploy, state_dir=root / "state", env={}) as sc:
         yield sc.url, emu.url
 
 

@@ -23,7 +23,7 @@ def urls(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool) 
     deploy = make_deploy(root, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
     # thread workers: the client's round trips and the summary's shape, not real torch ops
     emu = emulator_pool.get(deploy, extra_args=["--workers", "thread"], startup_timeout=120)
-    with SidecarProcess(emu.url, deploy, state_dir=root / "state", env={"OMNI_SIDECAR_SETTLE_S": "0.3"}) as sc:
+    with SidecarProcess(emu.url, deploy, state_dir=root / "state", env={}) as sc:
         yield sc.url, emu.url
 
 

@@ -159,12 +159,13 @@ async def test_a_bad_stage_list_is_refused_as_such_even_while_a_capture_is_activ
 
 
 async def test_overlapping_start_is_refused_while_the_first_is_still_starting(ctl, fake_omni):
-    fake_omni.start_delay = 1.0
+    fake_omni.start_delay = 60  # held until released below
     first = asyncio.create_task(ctl.start([0]))
-    await asyncio.sleep(0.1)
+    assert await apoll(lambda: fake_omni.starts())  # the first start is at the server, unanswered
     with pytest.raises(CaptureActive):
         await ctl.start([0])
     refused_while_starting = not first.done()
+    fake_omni.start_delay = 0
     await first
     assert refused_while_starting
 
@@ -222,6 +223,73 @@ async def test_failed_start_frees_the_slot(ctl, fake_omni):
     assert (await ctl.start([0])).state is CaptureState.active
 
 
+async def test_a_rollback_whose_stop_times_out_holds_the_slot_until_the_server_answers(fake_omni, control_deploy):
+    # The start 500s, and the rollback's stop is not answered within its budget: the server may
+    # still be recording, so the capture stays stopping and the next start is refused, until the
+    # stop is answered at last.
+    from sidecar.errors import CaptureStopPending
+
+    fake_omni.start_status = 500
+    fake_omni.stop_delay = 60
+    settings = FAST.model_copy(update={"rollback_budget_s": 0.3})
+    async with _hung(fake_omni, budget=0.3) as up, CaptureController(up, control_deploy, settings=settings) as c:
+        with pytest.raises(UpstreamError) as err:
+            await c.start([0])
+        cid = err.value.details["capture_id"]
+        held = c.get(cid)
+        with pytest.raises(CaptureStopPending) as again:
+            await c.start([0])
+        fake_omni.stop_delay = 0  # the server answers the (repeated) stop
+        done = await c.wait(cid, timeout=30)
+    assert (held.state, [e.code for e in held.errors], again.value.details["active_id"], done.state) == (
+        CaptureState.stopping, ["upstream_failed", "rollback_upstream_timeout"], cid, CaptureState.failed)
+
+
+# --- two captures, one folder name (session folders are named to the second) -------------
+
+
+def _folders(cap) -> list[str]:
+    return [Path(s.path).name for v in cap.verdicts for s in v.sessions]
+
+
+async def test_back_to_back_captures_within_one_second_get_their_own_folders(ctl):
+    import time
+
+    await apoll(lambda: time.time() % 1 < 0.2)  # early in a second: the second capture starts in it
+    first = await _run(ctl, stages=[0])
+    second = await _run(ctl, stages=[0])
+    first_epoch = int(_folders(first)[0].rsplit("_", 1)[1])
+    assert (_folders(first) != _folders(second), [first.state, second.state], ctl.get(first.id).notes,
+            int(_folders(second)[0].rsplit("_", 1)[1]) > first_epoch) == (
+        True, [CaptureState.completed, CaptureState.completed], [], True)
+
+
+async def test_a_start_in_the_second_of_the_previous_folder_waits_and_says_so(ctl, control_deploy):
+    import time
+
+    await apoll(lambda: time.time() % 1 < 0.5)
+    now = int(time.time())
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    (Path(control_deploy.stage(0).profiler_dir) / f"{stamp}_stage0_rank0_{now}").mkdir(parents=True)
+    cap = await ctl.start([0])
+    await ctl.stop(cap.id)
+    done = await ctl.wait(cap.id, timeout=20)
+    assert (done.state, done.notes[0].startswith("start waited"), f"second {now}" in done.notes[0],
+            _folders(done)[0].endswith(f"_{now}")) == (CaptureState.completed, True, True, False)
+
+
+async def test_a_capture_whose_trace_was_replaced_after_its_verdict_says_so(ctl):
+    done = await _run(ctl, stages=[0])
+    session = done.verdicts[0].sessions[0]
+    trace = Path(session.local_path) / "trace_rank0.json.gz"
+    replacement = trace.with_name("replacement")
+    replacement.write_bytes(trace.read_bytes() + b"\0")
+    replacement.replace(trace)  # a later window's trace, written over this one
+    notes = ctl.get(done.id).notes
+    assert (len(notes), f"{Path(session.path).name}/trace_rank0.json.gz" in notes[0],
+            "files changed since the verdict" in notes[0]) == (1, True, True)
+
+
 # --- stop faults --------------------------------------------------------------------------
 
 
@@ -242,6 +310,28 @@ async def test_stop_past_its_budget_stays_stopping_with_what_was_found(fake_omni
         fake_omni.stop_delay = 0  # let close() end it
     assert (held.state, held.errors[-1].code, held.verdict(0).reason.startswith(
         "stop timed out after 0.5s; found so far: no trace")) == (CaptureState.stopping, "upstream_timeout", True)
+
+
+async def test_a_stop_timeout_is_published_with_its_found_so_far_verdicts(fake_omni, control_deploy, monkeypatch):
+    # Whatever a reader sees while the found-so-far look runs: never the timeout without verdicts.
+    import sidecar.control.controller as controller_mod
+
+    fake_omni.stop_delay = 30
+    seen: list[tuple[list[str], int]] = []
+    real_collect = controller_mod.collect
+    async with _hung(fake_omni) as up, CaptureController(up, control_deploy, settings=FAST) as c:
+        async def looking(*args, **kwargs):
+            cap = c.active
+            seen.append(([e.code for e in cap.errors], len(cap.verdicts)))
+            return await real_collect(*args, **kwargs)
+
+        monkeypatch.setattr(controller_mod, "collect", looking)
+        cap = await c.start([0])
+        await c.stop(cap.id)
+        await apoll(lambda: c.get(cap.id).errors)
+        held = c.get(cap.id)
+        fake_omni.stop_delay = 0
+    assert (seen[:1], [e.code for e in held.errors], len(held.verdicts)) == ([([], 0)], ["upstream_timeout"], 1)
 
 
 async def test_start_while_a_stop_is_unanswered_is_refused_naming_why(fake_omni, control_deploy):
@@ -364,10 +454,11 @@ async def test_idle_trace_is_downloadable(ctl, fake_omni):
 
 
 async def test_stop_during_start_takes_effect_once_started(ctl, fake_omni):
-    fake_omni.start_delay = 0.5
+    fake_omni.start_delay = 60  # held until released below
     starting = asyncio.create_task(ctl.start([0]))
-    await asyncio.sleep(0.1)
+    assert await apoll(lambda: fake_omni.starts())
     await ctl.stop(ctl.active.id)
+    fake_omni.start_delay = 0
     cap = await starting
     done = await ctl.wait(cap.id, timeout=20)
     assert (done.state, done.stop_reason, len(fake_omni.stops())) == (CaptureState.completed, StopReason.explicit, 1)
@@ -424,9 +515,13 @@ async def test_lease_without_heartbeat_expires(ctl, fake_omni):
 
 
 async def test_heartbeats_keep_a_lease_alive(ctl):
-    cap = await ctl.start([0], lease_s=0.5)
-    for _ in range(6):
-        await asyncio.sleep(0.15)
+    import time
+
+    lease = 1.0
+    cap = await ctl.start([0], lease_s=lease)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 2 * lease:  # twice the lease: without the heartbeats it expires
+        await asyncio.sleep(0.05)
         await ctl.heartbeat(cap.id)
     assert ctl.get(cap.id).state is CaptureState.active
 
@@ -629,16 +724,23 @@ async def test_summary_is_cached_after_completion(ctl, tmp_path):
     assert (data is not None, (tmp_path / "state" / "summaries" / f"{done.id}.json").is_file()) == (True, True)
 
 
-async def test_summary_failure_leaves_the_verdict_alone(ctl, monkeypatch):
+async def test_summary_failure_leaves_the_verdict_alone(ctl, monkeypatch, caplog):
+    # The broken summariser must have run (and failed) for this to mean anything: wait for its
+    # warning, then the capture is still completed with its ok verdict, and no summary is cached.
     import sidecar.analysis
 
+    calls = []
+
     def broken(paths, **kw):
+        calls.append(paths)
         raise RuntimeError("summarizer bug")
 
     monkeypatch.setattr(sidecar.analysis, "summarize_paths", broken)
     done = await _run(ctl, stages=[0])
-    await asyncio.sleep(0.2)
-    assert (ctl.get(done.id).state, ctl.summary(done.id)) == (CaptureState.completed, None)
+    assert await apoll(lambda: "summary failed: summarizer bug" in caplog.text)
+    after = ctl.get(done.id)
+    assert (len(calls), after.state, after.verdict(0).verdict, ctl.summary(done.id)) == (
+        1, CaptureState.completed, Verdict.ok, None)
 
 
 # --- expected counts ----------------------------------------------------------------------

@@ -24,6 +24,7 @@ from sidecar.control.models import CaptureState, StopReason, Verdict
 from sidecar.emulator.launcher import EmulatorProcess
 from sidecar.upstream.server import Flavor, UpstreamServer
 from tests.fixtures.emulator import _pool_key, emulator_state, make_deploy
+from tests.fixtures.waits import apoll
 
 pytestmark = pytest.mark.slow
 
@@ -159,7 +160,8 @@ def died_mid_window(emulator):
         try:
             cap = await ctl.start([0, 2])
             await _request(emu.url)  # stage 0 works; stage 2's worker is gone by the time it is asked
-            await asyncio.sleep(1.0)  # the worker exits 0.2 s after its start reply
+            # the worker exits 0.2 s after its start reply: stop once the emulator shows it gone
+            assert await apoll(lambda: not emulator_state(emu)["stages"]["2"]["alive"], timeout=WAIT)
             await ctl.stop(cap.id)
             return await ctl.wait(cap.id, timeout=WAIT), emulator_state(emu)
         finally:

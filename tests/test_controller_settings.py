@@ -64,3 +64,37 @@ def test_control_settings_built_from_settings():
     s = SidecarSettings(collect_timeout_s=5, artifact_roots={"/a": "/b"}, default_lease_s=30, max_duration_s=60)
     c = ControlSettings.from_settings(s)
     assert (c.collect_timeout_s, c.artifact_roots, c.default_lease_s, c.max_duration_s) == (5, {"/a": "/b"}, 30, 60)
+
+
+def test_trace_quiet_period_defaults_to_two_seconds_and_reaches_the_controller(monkeypatch):
+    monkeypatch.setenv("OMNI_SIDECAR_TRACE_QUIET_S", "7")
+    assert (SidecarSettings().trace_quiet_s, ControlSettings.from_settings(SidecarSettings()).trace_quiet_s,
+            ControlSettings().trace_quiet_s) == (7, 7, 2.0)
+    monkeypatch.delenv("OMNI_SIDECAR_TRACE_QUIET_S")
+    assert SidecarSettings().trace_quiet_s == 2.0
+
+
+def test_a_quiet_period_past_the_collect_bound_is_refused_naming_both_keys():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError) as err:
+        SidecarSettings(collect_timeout_s=5, trace_quiet_s=10)
+    assert ("trace_quiet_s 10 is longer than collect_timeout_s 5" in str(err.value),
+            SidecarSettings(collect_timeout_s=1).trace_quiet_s) == (True, 2.0)
+
+
+def test_settle_s_is_gone(monkeypatch):
+    # Completeness is read from the files; the old knob is not a setting any more (an old
+    # environment variable is ignored like any unknown one).
+    monkeypatch.setenv("OMNI_SIDECAR_SETTLE_S", "0.3")
+    assert ("settle_s" in SidecarSettings.model_fields, "settle_s" in ControlSettings.model_fields,
+            hasattr(SidecarSettings(), "settle_s")) == (False, False, False)
+
+
+def test_the_verl_block_still_loads_settle_s_and_warns_once(monkeypatch, caplog):
+    import sidecar.integrations.verl as verl_hook
+
+    monkeypatch.setattr(verl_hook, "_WARNED_SETTLE", [])
+    configs = [verl_hook.hook_config({"omni_sidecar": {"settle_s": 2}}) for _ in range(2)]
+    warnings = [r for r in caplog.records if "settle_s is no longer read" in r.getMessage()]
+    assert ([c.collect_timeout_s for c in configs], len(warnings)) == ([120.0, 120.0], 1)

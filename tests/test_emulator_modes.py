@@ -33,7 +33,8 @@ def chat(emu: EmulatorProcess, max_tokens: int) -> None:
 def read_trace(folder: Path) -> dict[str, Any]:
     gz = folder / "trace_rank0.json.gz"
     deadline = time.monotonic() + 30
-    while not gz.exists() and time.monotonic() < deadline:
+    # gzip creates the .gz first and removes the .json once the .gz is whole: wait for both
+    while not (gz.exists() and not (folder / "trace_rank0.json").exists()) and time.monotonic() < deadline:
         time.sleep(0.05)
     return json.loads(gzip.decompress(gz.read_bytes()))
 

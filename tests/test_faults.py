@@ -45,7 +45,6 @@ pytestmark = pytest.mark.slow
 
 FAST = {
     "OMNI_SIDECAR_COLLECT_TIMEOUT_S": "8",
-    "OMNI_SIDECAR_SETTLE_S": "0.3",
     "OMNI_SIDECAR_CLOSE_TIMEOUT_S": "10",
     "OMNI_SIDECAR_STOP_BUDGET_S": "4",
     "OMNI_SIDECAR_STOP_TIMEOUT_S": "2",

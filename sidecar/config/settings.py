@@ -87,9 +87,9 @@ class SidecarSettings(BaseSettings):
     stop_budget_s: float = Field(default=1800, gt=0)  # total time stop is retried for
     # captures
     collect_timeout_s: float = Field(default=120, ge=0)
-    # Not read any more (completeness comes from the files: gzip, closed JSON, sizes); accepted so
-    # an old OMNI_SIDECAR_SETTLE_S does not fail the start.
-    settle_s: float | None = Field(default=None, ge=0)
+    # An unclosed uncompressed trace is still being written until it has not changed for this
+    # long (a slow export pauses between writes); bounded by collect_timeout_s.
+    trace_quiet_s: float = Field(default=2.0, gt=0)
     # SERVER_PATH -> LOCAL_PATH; from the environment as JSON or as SERVER=LOCAL[,SERVER=LOCAL]
     artifact_roots: Annotated[dict[str, str], NoDecode] = Field(default_factory=dict)
     default_lease_s: float | None = Field(default=None, gt=0)
@@ -112,6 +112,17 @@ class SidecarSettings(BaseSettings):
                 f"e.g. --upstream http://{value.split('://')[-1] or '127.0.0.1:8000'}"
             )
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _quiet_within_the_collect_bound(self) -> SidecarSettings:
+        # Only a quiet period the user set is refused; the default is simply cut short by the bound.
+        if "trace_quiet_s" in self.model_fields_set and self.trace_quiet_s > self.collect_timeout_s:
+            raise ValueError(
+                f"trace_quiet_s {self.trace_quiet_s:g} is longer than collect_timeout_s {self.collect_timeout_s:g}: "
+                "no trace could ever be called cut off before the bound; set OMNI_SIDECAR_TRACE_QUIET_S at most "
+                "OMNI_SIDECAR_COLLECT_TIMEOUT_S (or raise the collect timeout)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _state_dir_per_sidecar(self) -> SidecarSettings:

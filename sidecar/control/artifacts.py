@@ -11,6 +11,7 @@ import hashlib
 import math
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,6 +192,12 @@ def _session_epoch(name: str) -> int:
     return int(m.group("epoch")) if m else 0
 
 
+def newest_session_second(watches: list[StageWatch]) -> int | None:
+    """The newest start second (the epoch in the name) among the stages' session folders in their
+    baselines: a start in that same second would get the same folder name and write into it."""
+    return max((_session_epoch(n) for w in watches if not w.flat for n in (w.baseline or {})), default=None)
+
+
 def _digest(folder: str) -> str:
     """What a session folder holds now: changes when any file is added, removed or rewritten."""
     h = hashlib.blake2b(digest_size=8)
@@ -305,12 +312,45 @@ def _list_files_once(folder: Path) -> tuple[list[ArtifactFile], bool]:
                 continue
             except OSError:
                 continue
-            if not os.path.isfile(full) or os.path.islink(full):
+            # Decided from this one lstat: asking the path again (isfile) races the gzip that
+            # replaces trace.json by trace.json.gz, and would drop the file without a relist.
+            if not stat.S_ISREG(st.st_mode):
                 continue
-            out.append(ArtifactFile(name=os.path.relpath(full, folder), size=st.st_size))
+            out.append(_artifact_file(os.path.relpath(full, folder), st))
         dirnames[:] = [d for d in dirnames if not os.path.islink(os.path.join(dirpath, d))]
     out.sort(key=lambda f: f.name)
     return out, vanished
+
+
+def _artifact_file(name: str, st: os.stat_result) -> ArtifactFile:
+    """A listed file with its identity at this look, so a later read can tell it was replaced."""
+    return ArtifactFile(name=name, size=st.st_size, mtime_ns=st.st_mtime_ns, inode=st.st_ino)
+
+
+def changed_since_listed(verdicts: list[StageVerdict]) -> list[str]:
+    """``<session folder>/<file>`` of each listed file that is not the file the verdict saw (another
+    size, mtime or inode: rewritten, replaced, e.g. by a later start that reused the folder name)
+    or is gone. A ``.json`` listed while its gzip ran and now a ``.json.gz`` is the same trace."""
+    out: list[str] = []
+    for v in verdicts:
+        for s in v.sessions:
+            if s.local_path is None:
+                continue
+            for f in s.files:
+                if f.copy_path is not None or f.inode is None:
+                    continue  # a copy the sidecar took, or listed before identities were recorded
+                path = os.path.join(s.local_path, f.name)
+                try:
+                    st = os.lstat(path)
+                except OSError:
+                    if f.name.endswith(".json") and TRACE_FILE.match(os.path.basename(f.name)) \
+                            and os.path.isfile(path + ".gz"):
+                        continue  # gzipped after the verdict, as vLLM-Omni does after its reply
+                    out.append(f"{os.path.basename(s.path.rstrip('/'))}/{f.name} (gone)")
+                    continue
+                if (st.st_size, st.st_mtime_ns, st.st_ino) != (f.size, f.mtime_ns, f.inode):
+                    out.append(f"{os.path.basename(s.path.rstrip('/'))}/{f.name}")
+    return out
 
 
 def _scan_flat(watch: StageWatch, local: Path, window: Window | None, claims: ClaimRegistry | None,
@@ -338,7 +378,7 @@ def _scan_flat(watch: StageWatch, local: Path, window: Window | None, claims: Cl
             if owner is not None:
                 result.skipped.append(f"{e.name} (claimed by capture {owner})")
                 continue
-            files.append(ArtifactFile(name=e.name, size=st.st_size))
+            files.append(_artifact_file(e.name, st))
     if any(VLLM_TRACE_FILE.match(f.name) for f in files):
         result.sessions.append(SessionFolder(path=watch.server_dir or str(local), local_path=str(local), files=files))
     return result

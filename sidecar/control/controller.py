@@ -75,6 +75,8 @@ class ControlSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a misspelt knob is an error, not silently ignored
 
     collect_timeout_s: float = Field(default=120, ge=0)  # bound on waiting for gzip after the stop
+    # An unclosed plain .json is still being written until unchanged this long (within the bound).
+    trace_quiet_s: float = Field(default=2.0, gt=0)
     poll_s: float = Field(default=0.05, gt=0)  # how often a pending gzip is looked at
     artifact_roots: dict[str, str] = Field(default_factory=dict)  # SERVER_PATH -> LOCAL_PATH
     default_lease_s: float | None = Field(default=None, gt=0)
@@ -100,6 +102,7 @@ class ControlSettings(BaseModel):
     def from_settings(cls, settings: SidecarSettings) -> ControlSettings:
         return cls(
             collect_timeout_s=settings.collect_timeout_s,
+            trace_quiet_s=settings.trace_quiet_s,
             artifact_roots=dict(settings.artifact_roots),
             default_lease_s=settings.default_lease_s,
             max_duration_s=settings.max_duration_s,
@@ -124,7 +127,7 @@ def _copy(cap: Capture) -> Capture:
     """A copy that never changes under its holder, without a deep copy's cost (measured: a third
     of a fan-out's CPU per target): scalars, datetimes and enums are immutable, error records are
     never changed once appended, so only the lists and the verdicts are copied."""
-    return cap.model_copy(update={"stages": list(cap.stages), "errors": list(cap.errors),
+    return cap.model_copy(update={"stages": list(cap.stages), "errors": list(cap.errors), "notes": list(cap.notes),
                                   "verdicts": [v.model_copy(deep=True) for v in cap.verdicts]})
 
 
@@ -342,13 +345,23 @@ class CaptureController:
     # --- queries --------------------------------------------------------------------------
 
     def get(self, capture_id: str) -> Capture:
+        """The capture now; a finished one whose listed files were replaced since its verdict (a
+        later start reused the folder name, someone rewrote a trace) says so in its notes."""
         cap = self._captures.get(capture_id)
         if cap is None:
             raise CaptureNotFound(
                 f"no capture {capture_id!r}; list captures with GET /v1/captures",
                 details={"capture_id": capture_id},
             )
-        return _copy(cap)
+        out = _copy(cap)
+        if cap.terminal:
+            changed = artifacts.changed_since_listed(cap.verdicts)
+            if changed:
+                out.notes.append(
+                    f"files changed since the verdict: {', '.join(changed)} (another size, time or inode, or gone): "
+                    "the verdict describes them as they were when checked; what is on disk now may be another "
+                    "window's (a later start that reused the session folder name) or rewritten")
+        return out
 
     def list(self) -> list[Capture]:
         """Every capture this sidecar knows (journal history included), newest first."""
@@ -426,6 +439,7 @@ class CaptureController:
 
             try:
                 await _snapshot(rt.watches)
+                await self._next_folder_second(cap, rt)
                 self._open_window(cap, rt)
                 self._changed(cap)
                 await self.flush()  # journaled with the baselines before anything can start upstream
@@ -460,6 +474,22 @@ class CaptureController:
             elif cap.duration_s is not None or cap.lease_s is not None:
                 rt.watchdog = asyncio.create_task(self._watchdog(cap.id), name=f"watchdog-{cap.id}")
             return _copy(cap)
+
+    async def _next_folder_second(self, cap: Capture, rt: _Runtime) -> None:
+        """Session folders are named to the second: a start in the second of an existing folder of
+        these stages (the previous window's, back to back) would write into that folder and replace
+        its trace. Such a start waits for the next second (bounded by the clock skew), and says so."""
+        newest = artifacts.newest_session_second(rt.watches)
+        if newest is None:
+            return
+        wait = min(newest + 1 - time.time(), 1 + self.settings.clock_skew_s)
+        if wait <= 0:
+            return
+        await asyncio.sleep(wait)
+        await _snapshot(rt.watches)  # the baseline as the start will find it
+        cap.notes.append(
+            f"start waited {wait:.2f}s for the next second: a session folder of this capture's stages is named "
+            f"with second {newest} (the previous window's), and a start in that second would reuse its name")
 
     async def _start_failed(self, cap: Capture, rt: _Runtime, exc: BaseException) -> None:
         """The start was sent and did not succeed: roll back what the server may have started."""
@@ -572,18 +602,54 @@ class CaptureController:
             raise
 
     async def _rollback_stop(self, cap: Capture) -> None:
+        held = False
         try:
             await self.upstream.stop_profile(
                 cap.stages, budget_s=min(self.settings.rollback_budget_s, self.upstream.stop_budget_s)
             )
             cap.stopped_at = _now()
+        except UpstreamTimeout as stop_exc:
+            # Unanswered, like a normal stop past its budget: the server may still be recording or
+            # writing, so the slot stays taken until it answers or is shown gone.
+            held = True
+            rt = self._rt[cap.id]
+            rt.stop_timed_out = True
+            self._error(cap, f"rollback_{stop_exc.code}",
+                        f"rollback stop timed out: {stop_exc.message}; the profiler may still be running on stages "
+                        f"{cap.stages}. The capture stays stopping (new starts are refused) until the server answers "
+                        f"the stop or is shown gone (unreachable for {self.settings.gone_after_s:g}s)")
+            self._changed(cap)
+            rt.stopper = asyncio.create_task(self._hold_rollback(cap, rt), name=f"rollback-held-{cap.id}")
         except UpstreamError as stop_exc:
             self._error(cap, f"rollback_{stop_exc.code}",
                         f"rollback stop failed: {stop_exc.message}; the profiler may still be running "
                         f"on stages {cap.stages}: POST /stop_profile {{\"stages\": {cap.stages}}} by hand")
         finally:
-            self.claims.close_window(cap.id, time.time())
-            self._finish(cap, CaptureState.failed)
+            if not held:
+                self.claims.close_window(cap.id, time.time())
+                self._finish(cap, CaptureState.failed)
+
+    async def _hold_rollback(self, cap: Capture, rt: _Runtime) -> None:
+        """A rollback stop that timed out, sent again until the server answers it or is gone.
+        Cancelled (the sidecar closing): left ``stopping`` in the journal, for recovery."""
+        try:
+            outcome, detail = await self._stop_upstream(cap, rt, hold=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug must not hold the slot forever
+            log.exception("capture %s: held rollback failed unexpectedly", cap.id)
+            outcome, detail = "internal_error", exc
+        if outcome == "answered":
+            cap.stopped_at = _now()
+        elif outcome == "gone":
+            self._error(cap, "upstream_gone", f"the server went away during the rollback stop: {detail}")
+        elif isinstance(detail, SidecarError):
+            self._error(cap, f"rollback_{detail.code}", f"rollback stop failed: {detail.message}; POST "
+                        f"/stop_profile {{\"stages\": {cap.stages}}} by hand")
+        else:
+            self._error(cap, "internal_error", f"{type(detail).__name__}: {detail}")
+        self.claims.close_window(cap.id, time.time())
+        self._finish(cap, CaptureState.failed)
 
     # --- heartbeat / watchdog -------------------------------------------------------------
 
@@ -703,6 +769,9 @@ class CaptureController:
 
     async def _found_so_far(self, cap: Capture, rt: _Runtime, exc: UpstreamError) -> None:
         budget = self.upstream.stop_budget_s
+        # Looked at first, then published with the error in one change: a reader never sees the
+        # timeout without the verdicts it comes with.
+        verdicts = await self._collect(cap, rt, wait=False)
         self._error(
             cap,
             exc.code,
@@ -711,7 +780,6 @@ class CaptureController:
             f"stop or is shown gone (unreachable for {self.settings.gone_after_s:g}s); the verdicts show what "
             "was written so far",
         )
-        verdicts = await self._collect(cap, rt, wait=False)
         cap.verdicts = found_so_far(verdicts, f"stop timed out after {budget:g}s")
         self._changed(cap)
 
@@ -728,6 +796,7 @@ class CaptureController:
             claims=self.claims,
             capture_id=cap.id,
             collect_timeout_s=self.settings.collect_timeout_s if wait else 0,
+            trace_quiet_s=self.settings.trace_quiet_s,
             poll_s=self.settings.poll_s,
             copy_dir=copies,
             wait=wait,

@@ -47,12 +47,14 @@ class StopReason(_Word):
 
 
 class Verdict(_Word):
-    ok = "ok"  # every expected trace is present, complete and records work (an op or a kernel)
+    ok = "ok"  # every expected trace is counted (complete, readable) and records work (an op or a kernel)
     empty = "empty"  # traces are present but no op and no kernel ran in the window
     missing = "missing"  # no trace for this stage (no new session folder, or a folder without trace)
     partial = "partial"  # fewer traces than the stage expects (replicas x ranks): a replica or rank lost
-    ambiguous = "ambiguous"  # the trace folder cannot be told apart from another server's
-    unverified = "unverified"  # the sidecar cannot see this stage's folder (or nsys writes the report)
+    ambiguous = "ambiguous"  # the folder is another server's too, or more traces than one window writes
+    # the sidecar cannot tell: the folder is not visible, nsys writes the report, a trace was still
+    # being written at the collect bound, or the content check cannot run (fail closed)
+    unverified = "unverified"
 
 
 class CaptureKind(_Word):
@@ -68,6 +70,10 @@ class ArtifactFile(BaseModel):
     # Where the sidecar serves it from when it is a copy taken at collect time (a file that later
     # stops rewrite in place, e.g. plain vLLM's profiler_out_<r>.txt); None: the session folder's.
     copy_path: str | None = None
+    # Its identity when the verdict was made (a read compares them: replaced since?); None in
+    # records written before they were kept.
+    mtime_ns: int | None = None
+    inode: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -130,6 +136,9 @@ class Capture(BaseModel):
     finished_at: datetime | None = None  # terminal state reached
     verdicts: list[StageVerdict] = Field(default_factory=list)
     errors: list[ErrorRecord] = Field(default_factory=list)
+    # What a reader should know that is not an error: the start waited for a fresh folder second;
+    # files replaced since the verdict (added when the capture is read, not journaled).
+    notes: list[str] = Field(default_factory=list)
 
     @property
     def terminal(self) -> bool:

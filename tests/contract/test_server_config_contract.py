@@ -6,6 +6,7 @@ deploy file bundled in the wheel, with the command line in several shapes."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -138,25 +139,38 @@ def test_extras_platform_and_command_line_together(omni: Any, tmp_path: Path, pa
 
 
 @pytest.mark.parametrize(
-    "cli",
+    ("cli", "server_says", "ours", "we_say"),
     [
-        {"stage_overrides": '{"0": {"profiler_config": {"torch_profiler_with_stak": false}}}'},
-        {"stage_overrides": '{"1": {"profiler_config": {"profiler": "torch"}}}'},
-        {"profiler_config": '{"torch_profiler_with_stack": false}'},  # resets the file's dir to ""
-        {"stage_overrides": '{"0": {"profiler_config": {"profiler": null}}}'},
+        ({"stage_overrides": '{"0": {"profiler_config": {"torch_profiler_with_stak": false}}}'},
+         "torch_profiler_with_stak\n  Unexpected keyword argument", "StageOverridesInvalid",
+         "unknown key `torch_profiler_with_stak`; did you mean `torch_profiler_with_stack`?"),
+        ({"stage_overrides": '{"1": {"profiler_config": {"profiler": "torch"}}}'},
+         "torch_profiler_dir must be set when profiler is 'torch'", "StageOverridesInvalid",
+         "stage 1: profiler_config: torch_profiler_dir must be set when profiler is 'torch'"),
+        ({"profiler_config": '{"torch_profiler_with_stack": false}'},  # resets the file's dir to ""
+         "torch_profiler_dir must be set when profiler is 'torch'", "ProfilerConfigArgInvalid",
+         "stage 0: profiler_config: torch_profiler_dir must be set when profiler is 'torch'"),
+        ({"stage_overrides": '{"0": {"profiler_config": {"profiler": null}}}'},
+         "torch_profiler_dir is only applicable when profiler is set to 'torch'", "StageOverridesInvalid",
+         "stage 0: profiler_config: torch_profiler_dir is only applicable when profiler is set to 'torch'"),
     ],
     ids=["unknown_key", "torch_without_dir", "global_resets_dir", "null_profiler"],
 )
-def test_refused_where_the_server_refuses(omni: Any, tmp_path: Path, cli: dict[str, str]) -> None:
+def test_refused_where_the_server_refuses(omni: Any, tmp_path: Path, cli: dict[str, str], server_says: str,
+                                          ours: str, we_say: str) -> None:
+    import pydantic
+
     deploy = tmp_path / "d.yaml"
     deploy.write_text(yaml.safe_dump({"stages": [
         {"stage_id": 0, "profiler_config": {"profiler": "torch", "torch_profiler_dir": str(tmp_path / "p")}},
         {"stage_id": 1},
     ]}))
-    with pytest.raises(Exception):
+    # vLLM-Omni 0.30's stage config is a pydantic model: its refusal is a ValidationError.
+    with pytest.raises(pydantic.ValidationError, match=re.escape(server_says)):
         omni.resolve(deploy, "cuda", **cli)
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError) as err:
         load_deploy_config(deploy, **cli)
+    assert (type(err.value).__name__, we_say in err.value.message) == (ours, True)
 
 
 def test_stage_override_shape_errors_match_vllm_omni(omni: Any) -> None:

@@ -127,11 +127,14 @@ def test_kill_9_of_the_sidecar_is_recovered_and_the_server_stops_recording(
 def test_verified_stop_decides_from_the_files_not_a_bound(live: dict[str, Any], sidecar_factory: Any,
                                                           tmp_path: Path) -> None:
     # Plain vLLM's files are complete when its stop answers: the check must end from what the
-    # files show, not by running into its bound (here 300 s, far beyond any real collect).
+    # files show (its first look, milliseconds), not by running into its bound (300 s here, far
+    # beyond any real collect). A tenth of the bound leaves a loaded machine room and still fails
+    # if anything waited out a fixed settle time or the bound.
+    bound_s = 300
     sidecar = sidecar_factory(
         live["server"].url, None, flavor="vllm", state_dir=tmp_path / "state",
         extra_args=["--profiler-config", json.dumps(live["profiler_config"])],
-        env={"OMNI_SIDECAR_COLLECT_TIMEOUT_S": "300"},
+        env={"OMNI_SIDECAR_COLLECT_TIMEOUT_S": str(bound_s)},
     )  # fmt: skip
     cap = _capture(sidecar, live["server"].url)
     assert cap["state"] == "completed", cap
@@ -140,4 +143,4 @@ def test_verified_stop_decides_from_the_files_not_a_bound(live: dict[str, Any], 
     from datetime import datetime
 
     checked = datetime.fromisoformat(cap["finished_at"]) - datetime.fromisoformat(cap["stopped_at"])
-    assert checked.total_seconds() < 300  # the bound was not what ended the check
+    assert checked.total_seconds() < bound_s / 10, checked  # the bound was not what ended the check

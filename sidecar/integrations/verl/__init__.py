@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from sidecar.config.verl import (
     CONFIG_KEY,
@@ -67,13 +67,25 @@ class SidecarHookConfig(BaseModel):
     trainer: str | None = None  # the entry module, for `validate` (at run time it is found)
     agent_loop_manager_class: str | None = None  # the manager to build instead of verl's default
     collect_timeout_s: float = Field(default=120.0, ge=0)
-    settle_s: float | None = Field(default=None, ge=0)  # not read (completeness comes from the files); old configs keep working
+    settle_s: float | None = Field(default=None, ge=0)  # removed: accepted (old configs load) with a warning
     start_timeout_s: float = Field(default=START_TIMEOUT_S, gt=0)
     stop_budget_s: float = Field(default=1800.0, gt=0)
     # explicit steps/ranks: only with `targets`, when verl's own rollout profiling is off
     steps: list[int] | None = None
     ranks: list[int] | None = None
     all_ranks: bool = False
+
+    @field_validator("settle_s")
+    @classmethod
+    def _settle_s_is_gone(cls, value: float | None) -> float | None:
+        if value is not None and not _WARNED_SETTLE:
+            _WARNED_SETTLE.append(value)
+            log.warning("%s.settle_s is no longer read (completeness comes from the trace files; the wait is "
+                        "bounded by collect_timeout_s): remove it from the config", CONFIG_KEY)
+        return value
+
+
+_WARNED_SETTLE: list[float] = []  # warned once per process
 
 
 def _block(config: Any) -> dict[str, Any] | None:
