@@ -726,20 +726,17 @@ async def test_summary_is_cached_after_completion(ctl, tmp_path):
 
 async def test_summary_failure_leaves_the_verdict_alone(ctl, monkeypatch, caplog):
     # The broken summariser must have run (and failed) for this to mean anything: wait for its
-    # warning, then the capture is still completed with its ok verdict, and no summary is cached.
+    # warning (its text comes only from the broken function, run in the analysis worker), then
+    # the capture is still completed with its ok verdict, and no summary is cached.
     import sidecar.analysis
+    from tests.fixtures.analysis import summarizer_bug
 
-    calls = []
-
-    def broken(paths, **kw):
-        calls.append(paths)
-        raise RuntimeError("summarizer bug")
-
-    monkeypatch.setattr(sidecar.analysis, "summarize_paths", broken)
+    monkeypatch.setattr(sidecar.analysis, "summarize_paths", summarizer_bug)
     done = await _run(ctl, stages=[0])
-    assert await apoll(lambda: "summary failed: summarizer bug" in caplog.text)
+    assert await apoll(lambda: "summary failed: summarizer bug (1 trace(s))" in caplog.text)
     after = ctl.get(done.id)
-    assert (len(calls), after.state, after.verdict(0).verdict, ctl.summary(done.id)) == (
+    failed = [r for r in caplog.records if "summary failed" in r.getMessage()]
+    assert (len(failed), after.state, after.verdict(0).verdict, ctl.summary(done.id)) == (
         1, CaptureState.completed, Verdict.ok, None)
 
 

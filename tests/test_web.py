@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import json
+import os
 import re
 from datetime import datetime
 from pathlib import Path
@@ -381,3 +382,17 @@ def test_assets_are_served_from_the_package_with_a_strict_csp(web_stack: WebStac
     assert (js.status_code, js.headers["content-type"].split(";")[0]) == (200, "text/javascript")
     assert outside.status_code == 404
     assert "/" not in httpx.get(f"{web_stack.url}/openapi.json", timeout=30).json()["paths"]
+
+
+def test_a_trace_replaced_after_its_verdict_is_noted_on_the_page(web_stack: WebStack, open_page: Any) -> None:
+    cap = web_stack.capture("replaced later")
+    relpath, local = _trace_file(cap, 0)
+    swap = local.with_name(local.name + ".swap")
+    swap.write_bytes(local.read_bytes())
+    os.replace(swap, local)  # the same bytes under a new inode: what a later window's write leaves
+    page = open_page(web_stack.url)
+    page.goto(f"/captures/{cap['id']}")
+    changed = page.locator("#capture-head .notes li", has_text="files changed since the verdict")
+    changed.wait_for()
+    assert not any("files changed" in n for n in cap["notes"]), cap["notes"]  # the stop's own answer
+    assert relpath in changed.inner_text()

@@ -102,6 +102,11 @@ function renderHead(card, cap, reload) {
           el("ul", {}, cap.errors.map((e) => el("li", {}, el("code", { text: e.code }), " ", e.message, el("span", { class: "muted small", text: ` (${when(e.at)})` })))),
         )
       : null,
+    // what the sidecar did or saw beside the verdicts: a start held to the next second, files
+    // replaced since the verdict
+    cap.notes && cap.notes.length
+      ? el("div", { class: "notes" }, el("h3", { text: "Notes" }), el("ul", {}, cap.notes.map((n) => el("li", { text: n }))))
+      : null,
   );
 }
 
