@@ -1,4 +1,4 @@
-"""Overhead of the sidecar (DESIGN.md §7: off the inference path, milliseconds per call, zero cost
+"""Overhead of the sidecar (docs/design.md §7: off the inference path, milliseconds per call, zero cost
 when idle), measured side by side in one run against one upstream server:
 
 - a direct start + stop against the server vs a sidecar start + *verified* stop

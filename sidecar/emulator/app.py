@@ -59,7 +59,7 @@ class Emulator:
         self.calls: list[dict[str, Any]] = []
         self.faults: Faults = options.faults
         # Held for a whole control call: the real orchestrator dispatches no new request while
-        # it is busy with one (DESIGN.md §3 "new requests are not dispatched meanwhile").
+        # it is busy with one (docs/design.md §3 "new requests are not dispatched meanwhile").
         self.control = asyncio.Lock()
         self.release_hung = asyncio.Event()  # a reset lets hung stops go
         self.frontend = self._make_frontend()

@@ -53,7 +53,7 @@ def load_deploy(options: EmulatorOptions) -> DeployConfig:
 def _stage_kind(stage_id: int, kind: StageKind, options: EmulatorOptions) -> str:
     if stage_id in options.diffusion_stages or kind is StageKind.diffusion:
         return "diffusion"
-    return "llm"  # DESIGN.md §5: every stage is an LLM stage unless told otherwise
+    return "llm"  # docs/design.md §5: every stage is an LLM stage unless told otherwise
 
 
 def plan_stages(deploy: DeployConfig, options: EmulatorOptions) -> list[StageRuntime]:

@@ -1,4 +1,4 @@
-"""Upstream layer (DESIGN.md §2): an async client for one vLLM-Omni / vLLM server."""
+"""Upstream layer (docs/design.md §2): an async client for one vLLM-Omni / vLLM server."""
 
 from sidecar.upstream.server import Flavor, ProbeResult, UpstreamServer, UpstreamTimeouts
 

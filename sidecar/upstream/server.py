@@ -1,7 +1,7 @@
 """Async client for one vLLM-Omni (or plain vLLM) server: readiness, a probe that changes nothing,
 and ``start_profile``/``stop_profile`` that always send an explicit, non-empty stage list.
 
-HTTP 200 only means "delivered" (DESIGN.md §3). Errors: ``UpstreamUnreachable`` (never delivered),
+HTTP 200 only means "delivered" (docs/design.md §3). Errors: ``UpstreamUnreachable`` (never delivered),
 ``UpstreamTimeout`` (sent, effect unknown), ``UpstreamError`` (non-2xx; details ``status``, ``body``).
 """
 
@@ -292,7 +292,7 @@ class UpstreamServer:
                 f"stages must be a list of stage ids, got {type(stages).__name__}",
             )
         if not stages:
-            # {"stages": []} profiles nothing and still answers SUCCESS upstream (DESIGN.md §3).
+            # {"stages": []} profiles nothing and still answers SUCCESS upstream (docs/design.md §3).
             raise StagesEmpty(
                 "the stage list is empty: an empty list profiles nothing upstream; name the stages "
                 "to profile (e.g. [0, 2])",

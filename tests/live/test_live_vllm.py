@@ -24,7 +24,7 @@ TERMINAL = ("completed", "degraded", "failed")
 @pytest.fixture(scope="module")
 def live(vllm_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     trace_dir = tmp_path_factory.mktemp("vllm-traces")
-    # Stacks off: with stacks a stop takes minutes on 2 cores (DESIGN.md §3).
+    # Stacks off: with stacks a stop takes minutes on 2 cores (docs/design.md §3).
     pc = {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": False}
     server = vllm_factory(pc)
     return {"server": server, "dir": trace_dir, "profiler_config": pc}
