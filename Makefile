@@ -3,7 +3,7 @@ PY ?= python3
 # torch is pinned: 2.13.0 is a CPU build here; a plain `torch` pulls a multi-GB CUDA build.
 TORCH = torch==2.13.0
 
-.PHONY: demo test install-demo install-test test-default test-contract test-live test-verl
+.PHONY: demo test install-demo install-test test-default test-contract test-live test-omni test-verl
 
 install-demo:
 	$(PY) -m pip install -q $(TORCH) -e '.[emulator]'
@@ -26,16 +26,21 @@ install-test:
 PYTEST = -m pytest -q -p no:cacheprovider --durations=15
 
 test: install-test
-	$(MAKE) --no-print-directory test-default test-contract test-live test-verl
+	$(MAKE) --no-print-directory test-default test-contract test-live test-omni test-verl
 
 test-default:
-	$(PY) $(PYTEST) -n 3 --dist loadfile -m "not contract and not live and not verl"
+	$(PY) $(PYTEST) -n 3 --dist loadfile -m "not contract and not live and not omni and not verl"
 
 test-contract:
 	$(PY) $(PYTEST) -m contract
 
 test-live:
 	$(PY) $(PYTEST) -m live tests/live
+
+# A real `vllm serve --omni` (vLLM-Omni 0.30 on CPU, docs/omni-cpu.md), its venv built once by
+# tools/omni-cpu-env.sh; the tests run with the system Python, like test-live.
+test-omni:
+	$(PY) $(PYTEST) -m omni tests/omni
 
 test-verl:
 	VERL_PY=$$(bash tools/verl-env.sh | tail -n 1) && PYTHONPATH=$(CURDIR) $$VERL_PY $(PYTEST) -m verl tests/verl

@@ -19,10 +19,24 @@ DEPS="diffusers==0.40.0 accelerate==1.12.0 omegaconf aenum==3.1.16 janus prettyt
 soundfile soxr av imageio pydantic-settings scipy gguf msgpack pyzmq safetensors tqdm
 pandas openpyxl"
 NODEPS="cache-dit==1.5.0"
-RECIPE="$BASE | $OMNI | $DEPS | $NODEPS | $(cat "$ROOT"/tools/omni_cpu/pyproject.toml "$ROOT"/tools/omni_cpu/omni_cpu_platform/*.py 2>/dev/null | sha256sum | cut -c1-16)"
+RECIPE="$BASE | $OMNI | $DEPS | $NODEPS"
 STAMP="$VENV/.omni-sidecar-recipe"
+# The project's own platform package: a change to it reinstalls only it (seconds), not the venv.
+PLATFORM="$ROOT/tools/omni_cpu"
+PLATFORM_HASH="$(cat "$PLATFORM/pyproject.toml" "$PLATFORM"/omni_cpu_platform/*.py | sha256sum | cut -c1-16)"
+PLATFORM_STAMP="$VENV/.omni-cpu-platform"
+
+install_platform() {
+  "$VENV/bin/python" -m pip install -q --no-deps --force-reinstall "$PLATFORM" >&2
+  local site
+  site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  echo "import omni_cpu_platform._cuda_wheels_shim" > "$site/omni_cpu_cuda_wheels_shim.pth"
+  "$VENV/bin/python" -c "import torchvision, torchaudio, vllm, vllm_omni, omni_cpu_platform.platform" >&2
+  echo "$PLATFORM_HASH" > "$PLATFORM_STAMP"
+}
 
 if [ -x "$VENV/bin/python" ] && [ "$(cat "$STAMP" 2>/dev/null)" = "$RECIPE" ]; then
+  [ "$(cat "$PLATFORM_STAMP" 2>/dev/null)" = "$PLATFORM_HASH" ] || install_platform
   echo "$VENV/bin/python"; exit 0
 fi
 
@@ -41,9 +55,6 @@ P="$VENV/bin/python"
 # vLLM-Omni: a .pth line runs omni_cpu_platform/_cuda_wheels_shim.py at start-up, which lets them
 # import without their compiled ops (its docstring says exactly what it skips and why).
 "$P" -m pip uninstall -q -y torchcodec >&2 || true
-"$P" -m pip install -q --no-deps "$ROOT/tools/omni_cpu" >&2
-SITE="$("$P" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-echo "import omni_cpu_platform._cuda_wheels_shim" > "$SITE/omni_cpu_cuda_wheels_shim.pth"
-"$P" -c "import torchvision, torchaudio, vllm, vllm_omni, omni_cpu_platform.platform" >&2
+install_platform
 echo "$RECIPE" > "$STAMP"
 echo "$P"
