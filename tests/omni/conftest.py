@@ -185,7 +185,7 @@ class Setup:
     """A server of the pool with what a sidecar in front of it must be told."""
 
     server: OmniServer
-    deploy: Path
+    deploy: Path | None  # None: the server got no --deploy-config
     server_args: list[str]  # the flags the server got besides --deploy-config
     dirs: dict[int, Path]  # profiled stage -> torch_profiler_dir
 
