@@ -83,11 +83,15 @@ def _trace_dirs(deploy: Path, stages: list[int]) -> list[Path]:
             if st.get("stage_id") in stages and (st.get("profiler_config") or {}).get("torch_profiler_dir")]
 
 
-def _gzip_done(dirs: list[Path], known: set[Path]) -> bool:
-    """Every session folder new since ``known`` holds a ``.json.gz`` trace and no ``.json`` left."""
-    new = [f for d in dirs if d.is_dir() for f in d.iterdir() if f.is_dir() and f not in known]
-    return len(new) >= len(dirs) and all(
-        any(f.glob("trace_rank*.json.gz")) and not any(f.glob("trace_rank*.json")) for f in new)
+def _gz_traces(dirs: list[Path]) -> dict[Path, int]:
+    return {p: p.stat().st_mtime_ns for d in dirs for p in d.glob("*/trace_rank*.json.gz")}
+
+
+def _gzip_done(dirs: list[Path], before: dict[Path, int]) -> bool:
+    """Each dir has a ``.json.gz`` trace written since ``before`` and no ``.json`` waiting for gzip
+    (a start within the second of the last one reuses its folder: compare files, not folders)."""
+    fresh = {p.parents[1] for p, m in _gz_traces(dirs).items() if before.get(p) != m}
+    return fresh >= set(dirs) and not any(any(d.glob("*/trace_rank*.json")) for d in dirs)
 
 
 class Bench:
@@ -110,13 +114,14 @@ class Bench:
                              json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 
     def direct(self) -> None:
-        known = {f for d in self.trace_dirs if d.is_dir() for f in d.iterdir()}
+        before = _gz_traces(self.trace_dirs)
         a, _ = _timed(lambda: self.client.post(f"{self.upstream}/start_profile", json=self.body))
         self._work()
         time.sleep(self.window)
         t0 = time.perf_counter()
         b, _ = _timed(lambda: self.client.post(f"{self.upstream}/stop_profile", json=self.body))
-        while self.trace_dirs and not _gzip_done(self.trace_dirs, known):
+        deadline = time.monotonic() + 60
+        while self.trace_dirs and not _gzip_done(self.trace_dirs, before) and time.monotonic() < deadline:
             time.sleep(0.005)
         files = (time.perf_counter() - t0) * 1000
         self.out["d_start"].append(a)
