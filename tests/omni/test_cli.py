@@ -94,7 +94,7 @@ def test_timeline_merges_both_stages(two_captures: list[dict[str, Any]], tmp_pat
 
 def test_diff_of_two_real_captures_by_id(two_captures: list[dict[str, Any]], sidecar: SidecarProcess) -> None:
     a, b = (c["id"] for c in two_captures)
-    r = cli("diff", a, b, "--sidecar", sidecar.url, "--json")
+    r = cli("diff", a, b, "--sidecar", sidecar.url, "--json", "--top", "500")
     assert r.returncode == 0, r.stderr
     diff = json.loads(r.stdout)
     assert not diff["errors"], diff["errors"]
