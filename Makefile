@@ -59,5 +59,10 @@ EXAMPLES ?= 100
 test-schema-fuzz:
 	OMNI_SIDECAR_SCHEMA_EXAMPLES=$(EXAMPLES) $(PY) $(PYTEST) tests/test_schema.py
 
+# A real `vllm serve --omni` (vLLM-Omni 0.30 on CPU, docs/omni-cpu.md), its venv built once by
+# tools/omni-cpu-env.sh; the tests run with the system Python, like test-live.
+test-omni:
+	OMNI_PY=$$($(VENVS) wait omni-cpu) && OMNI_SIDECAR_OMNI_PYTHON=$$OMNI_PY $(call report,omni) $(PY) $(PYTEST) -m omni tests/omni
+
 test-verl:
 	VERL_PY=$$($(VENVS) wait verl) && PYTHONPATH=$(CURDIR) $(call report,verl) $$VERL_PY $(PYTEST) -m verl tests/verl
