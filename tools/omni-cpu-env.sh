@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds, once, the venv that holds the real vLLM-Omni 0.30 server on CPU for `pytest -m omni`
-# (DESIGN.md §3b). Prints the venv's python on its last line. A change of the recipe below (or of
+# (docs/design.md §3b). Prints the venv's python on its last line. A change of the recipe below (or of
 # tools/omni_cpu/) rebuilds it; delete the folder to force a rebuild.
 #   tools/omni-cpu-env.sh
 #   OMNI_SIDECAR_CACHE=/ci/cache tools/omni-cpu-env.sh
