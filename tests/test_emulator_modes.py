@@ -17,6 +17,7 @@ import pytest
 
 from sidecar.emulator.launcher import EmulatorProcess
 from tests.fixtures.emulator import EmulatorPool, emulator_state, make_deploy
+from tests.fixtures.waits import poll
 
 TIMEOUT = 60
 THREAD = ["--workers", "thread", "--gzip-delay", "0", "--step-ms", "1"]
@@ -63,9 +64,11 @@ def test_thread_workers_write_the_omni_layout(deploy: Path, shared_emulator_fact
     names = [p.name for sid in ("0", "1") for p in new[sid]]
     assert re.fullmatch(r"\d{8}-\d{6}_stage0_rank0_\d+", names[0])
     assert re.fullmatch(r"\d{8}-\d{6}_stage_1_rep_0_diffusion_\d+", names[1])
-    assert [sorted(f.name for f in p.iterdir() if f.suffix != ".json") for p in (new["0"][0], new["1"][0])] == [
-        ["profiler_out_0.txt", "trace_rank0.json.gz"]
-    ] * 2
+    folders = (new["0"][0], new["1"][0])
+    # the gzip runs after the stop's reply, as vLLM-Omni's does: wait for it, then read the layout
+    assert poll(lambda: all((p / "trace_rank0.json.gz").exists() and not (p / "trace_rank0.json").exists()
+                            for p in folders)), [sorted(f.name for f in p.iterdir()) for p in folders]
+    assert [sorted(f.name for f in p.iterdir()) for p in folders] == [["profiler_out_0.txt", "trace_rank0.json.gz"]] * 2
 
 
 def test_thread_worker_traces_have_ops_per_step_and_none_when_idle(
