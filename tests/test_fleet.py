@@ -132,3 +132,18 @@ def test_a_stage_list_one_upstream_cannot_take_is_refused(tmp_path):
         Fleet([Target.upstream("http://h1:1", two), Target.upstream("http://h2:1", one)], stages=[0, 1])
     assert info.value.code == "stages_not_shared"
     assert list(info.value.details["targets"]) == ["upstream=http://h2:1"]
+
+
+def test_cli_nsys_capture_whose_stages_are_unverified_exits_0_and_says_why(tmp_path):
+    # nsys writes its report itself: `unverified` is what an nsys capture ends with (as `capture`)
+    from sidecar.config.deploy import load_deploy_config
+    from tests.fixtures.control import FakeOmni
+
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: {"profiler": "cuda"}})
+    with FakeOmni(load_deploy_config(deploy)) as fake:
+        common = ["fleet", "capture", "--targets", f"upstream={fake.url}", "--deploy-config", str(deploy),
+                  "--state-dir", str(tmp_path / "st"), "--duration", "0.2"]
+        nsys = CliRunner().invoke(app, [*common, "--kind", "nsys"])
+    said = " ".join(nsys.output.split())
+    assert (nsys.exit_code, "unverified" in said, "exit 0" in said) == (0, True, True), nsys.output
+    assert [c["path"] for c in fake.calls] == ["/start_profile", "/stop_profile"]  # one window, stopped

@@ -188,8 +188,25 @@ def _print_rollup(fc: Any) -> None:
         line(f"  ... and {roll['failures_total'] - len(roll['failures'])} more failures")
 
 
-def _exit(fc: Any) -> None:
+def _exit(fc: Any, kind: str = "torch") -> None:
+    if not fc.ok and kind == "nsys" and _only_expected_unverified(fc):
+        console.print("note: nsys writes its reports itself, so the sidecar cannot check them (unverified, as "
+                      "expected); exit 0. Look for the .nsys-rep files where each `nsys profile -o` points.",
+                      highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_OK)
     raise typer.Exit(EXIT_OK if fc.ok else EXIT_ERROR)
+
+
+def _only_expected_unverified(fc: Any) -> bool:
+    """Every target started and stopped cleanly, and its only non-ok verdicts are ``unverified``: what
+    an nsys capture ends with, since nsys writes the report (the same rule as `capture`'s)."""
+    from sidecar.fleet import TargetOutcome
+
+    return all(
+        r.error is None and r.outcome in (TargetOutcome.started, TargetOutcome.stopped) and bool(r.verdicts)
+        and all(v.verdict in (Verdict.ok, Verdict.unverified) for v in r.verdicts)
+        for r in fc.targets.values()
+    )
 
 
 @fleet_app.command("start")
@@ -310,7 +327,7 @@ def capture(
         with _owning_state_dir(fleet):
             fc = asyncio.run(run())
         _print(fc, as_json, wide)
-        _exit(fc)
+        _exit(fc, kind)
 
 
 async def _capture_with_progress(fleet: Any, progress: Progress, duration: float | None, *, label: str | None,
