@@ -6,6 +6,7 @@ before the stop, and stacks on (a stop that takes long while the xlsx is built).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -79,11 +80,18 @@ def test_stacks_on_the_stop_answers_at_once_and_the_verdict_waits_for_the_files(
     with SidecarClient(bounded_sidecar.url, timeout=120) as client:
         cap = client.start_capture(stages=[1], label="stacks")
         complete(bounded.url, n=1)
-        r = subprocess.run([sys.executable, "-m", "sidecar", "stop", cap.id, "--sidecar", bounded_sidecar.url],
+        r = subprocess.run([sys.executable, "-m", "sidecar", "stop", cap.id, "--no-wait", "--sidecar", bounded_sidecar.url],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
         assert r.returncode == 0, r.stderr
         # The API answered while the server was still building the xlsx inside its stop.
         assert client.get_capture(cap.id).state.value in ("stopping", "collecting")
+        # The CLI waits with a progress line on a terminal (rich treats the pipe as one here), then
+        # prints the verdicts; a second stop of a stopping capture only waits.
+        env = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "120"}
+        shown = subprocess.run([sys.executable, "-m", "sidecar", "stop", cap.id, "--sidecar", bounded_sidecar.url,
+                                "--timeout", "900"], capture_output=True, text=True, timeout=960, cwd=ROOT, env=env)
+        assert shown.returncode == 0, shown.stdout + shown.stderr
+        assert f"capture {cap.id}: stopping" in shown.stdout or f"capture {cap.id}: collecting" in shown.stdout
         cap = client.wait_capture(cap.id, timeout=900)
     assert cap.state.value == "completed", cap
     (verdict,) = cap.verdicts
