@@ -100,7 +100,6 @@ def stack(
 # kill row starts its successor), with stop bounds that fit both a delayed stop (answers within
 # them) and a hung one (outlives them).
 SHARED_ENV = {**FAST, "OMNI_SIDECAR_STOP_TIMEOUT_S": "8", "OMNI_SIDECAR_STOP_BUDGET_S": "8"}
-STOP_DELAY_S = 3  # well inside SHARED_ENV's bounds, and long enough to look at the stop in flight
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +184,7 @@ def test_stop_delayed(shared: ModuleSidecar) -> None:
     # the server takes its time to answer the stop: the capture stays `stopping`, the API keeps
     # answering meanwhile (the stop runs beside the event loop), then it completes
     emu = shared.emulator
-    emu.set_faults(stop_delay_s=STOP_DELAY_S)
+    emu.set_faults(hang_stop=True)  # held until turned off: the look below cannot miss it, under load
     with shared.client() as client:
         cap = client.start_capture([0, 2])
         traffic(emu)
@@ -195,6 +194,7 @@ def test_stop_delayed(shared: ModuleSidecar) -> None:
         health = httpx.get(f"{shared.url}/healthz", timeout=HTTP_TIMEOUT).status_code
         during = client.get_capture(cap.id).state.value
         in_flight = [c["status"] for c in upstream_calls(emu, "/stop_profile")] == [None]
+        emu.set_faults(hang_stop=False)  # now the server answers
         final = settled(client, cap.id)
     assert (health, during, in_flight) == (200, "stopping", True)
     assert (final.state.value, final.stop_reason.value, codes(final)) == ("completed", "explicit", [])
@@ -321,16 +321,19 @@ def test_kill9_in_active_and_a_bad_journal_entry_beside_it(shared: ModuleSidecar
 
 
 def test_kill9_in_stopping(shared: ModuleSidecar) -> None:
-    # the stop is on the server, unanswered, when the sidecar dies
+    # the stop is on the server, unanswered, when the sidecar dies: the server holds its reply
+    # until the knob is turned off (a delay could run out before the look, under load)
     emu, sc = shared.emulator, shared.sidecar
-    emu.set_faults(stop_delay_s=STOP_DELAY_S)
+    emu.set_faults(hang_stop=True)
     with shared.client() as client:
         cap = client.start_capture([0, 2])
         traffic(emu)
         client.stop_capture(cap.id)
     assert poll(lambda: journaled(sc.state_dir, cap.id) == "stopping")
+    assert poll(lambda: [c["status"] for c in upstream_calls(emu, "/stop_profile")] == [None])
     in_flight = [c["status"] for c in upstream_calls(emu, "/stop_profile")] == [None]
     sc.kill()
+    emu.set_faults(hang_stop=False)  # the held stop replies, to a sidecar that is gone
     final, _ = _recovered(shared.restart, cap.id)
     assert (in_flight, final.terminal, final.stop_reason.value) == (True, True, "stopped_on_recovery")
     assert final.state.value in ("completed", "degraded")

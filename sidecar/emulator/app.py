@@ -128,7 +128,12 @@ class Emulator:
         return await worker.call("steps", n=n)
 
     async def apply_faults(self, update: dict[str, Any]) -> Faults:
+        was_hanging = self.faults.hang_stop
         self.faults = Faults(**{**self.faults.model_dump(), **update})
+        if was_hanging and not self.faults.hang_stop:
+            # turning the knob off lets the stops it holds reply now (a reset does too)
+            self.release_hung.set()
+            self.release_hung = asyncio.Event()
         await self._kill_dead_stage()
         return self.faults
 
@@ -209,7 +214,8 @@ async def _hold_stop_reply(emu: Emulator) -> None:
     if faults.stop_delay_s:
         await asyncio.sleep(faults.stop_delay_s)
     if faults.hang_stop:
-        logger.warning("fault injected (hang_stop): this stop does not reply until the emulator is reset")
+        logger.warning("fault injected (hang_stop): this stop does not reply until the emulator is reset "
+                       "or hang_stop is turned off")
         await emu.release_hung.wait()
 
 
