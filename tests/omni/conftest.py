@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from sidecar._process import ManagedProcess
 from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
 from sidecar.errors import SidecarError
+from tests.fixtures.venvs import group_python
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV_SCRIPT = ROOT / "tools" / "omni-cpu-env.sh"
@@ -114,16 +114,7 @@ def write_ar_deploy(path: Path, profilers: Sequence[dict[str, Any] | None]) -> P
 
 @pytest.fixture(scope="session")
 def omni_python() -> str:
-    given = os.environ.get("OMNI_SIDECAR_OMNI_PYTHON")
-    if given:
-        return given
-    if shutil.which("bash") is None:
-        pytest.skip("omni: bash is needed to build the vLLM-Omni CPU venv")
-    proc = subprocess.run(["bash", str(ENV_SCRIPT)], capture_output=True, text=True, timeout=1500)
-    if proc.returncode != 0:
-        tail = "\n".join(l for l in proc.stderr.splitlines() if not l.startswith("WARNING: Location"))[-1500:]
-        pytest.skip(f"omni: the vLLM-Omni 0.30 CPU venv could not be built ({ENV_SCRIPT}): {tail}")
-    return proc.stdout.strip().splitlines()[-1]
+    return group_python("omni", "OMNI_SIDECAR_OMNI_PYTHON", ENV_SCRIPT, "vLLM-Omni 0.30 CPU")
 
 
 @pytest.fixture(scope="session")
