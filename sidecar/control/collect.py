@@ -461,6 +461,9 @@ def _claimable(watch: StageWatch, found: Scan) -> list[str]:
     return out
 
 
+FIRST_POLL_S = 0.01  # the first look after the reply comes this soon; later ones back off to poll_s
+
+
 async def collect(
     watches: list[StageWatch],
     *,
@@ -481,6 +484,9 @@ async def collect(
     list. ``wait=False`` looks once (a stop that timed out: "found so far"); ``note`` prefixes reasons."""
     deadline = time.monotonic() + collect_timeout_s
     quiets = [_Quiet() for _ in watches]
+    # Looks start 10 ms apart and double up to poll_s: a small trace's gzip ends within a few
+    # milliseconds of the reply, a big one's takes seconds and is not looked at 100 times a second.
+    interval = min(FIRST_POLL_S, poll_s)
     while True:
         def look() -> tuple[list[Scan], list[tuple[list[str], set[str]]]]:
             scans = [scan(w, window, claims, capture_id) for w in watches]
@@ -492,7 +498,8 @@ async def collect(
         timed_out = now >= deadline
         if not wait or timed_out or not any(p for p, _ in pending):
             break
-        await asyncio.sleep(min(poll_s, max(deadline - now, 0.0)) or poll_s)
+        await asyncio.sleep(min(interval, max(deadline - now, 0.0)) or interval)
+        interval = min(interval * 2, poll_s)
 
     def judge() -> list[StageVerdict]:
         out = []
