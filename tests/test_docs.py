@@ -179,20 +179,26 @@ class Scene:
         path = cwd / "block.sh"
         # background jobs of a block (a walkthrough's servers) end with it, also when it fails
         path.write_text("set -eo pipefail\ntrap 'kill $(jobs -p) 2>/dev/null || true' EXIT\n" + script)
-        proc = subprocess.Popen(["bash", str(path)], cwd=cwd, env=self.env, text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=BLOCK_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            return subprocess.CompletedProcess(proc.args, -9, out + f"\n[timed out after {BLOCK_TIMEOUT_S}s]")
-        finally:
+        # The output goes to a file, not a pipe: a process the block started and left behind (a
+        # server's worker in a session of its own) may hold its stdout open after the block ended,
+        # and a pipe read would wait for it; the block is done when bash is.
+        log = cwd / "block.log"
+        with log.open("w") as out_file:
+            proc = subprocess.Popen(["bash", str(path)], cwd=cwd, env=self.env, text=True,
+                                    stdout=out_file, stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                os.killpg(proc.pid, signal.SIGKILL)  # anything the block left running
-            except ProcessLookupError:
-                pass
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out)
+                proc.wait(timeout=BLOCK_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                out = log.read_text(errors="replace")
+                return subprocess.CompletedProcess(proc.args, -9, out + f"\n[timed out after {BLOCK_TIMEOUT_S}s]")
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # anything the block left running
+                except ProcessLookupError:
+                    pass
+        return subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text(errors="replace"))
 
 
 def as_shell(block: Block) -> str:
