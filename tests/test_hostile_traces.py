@@ -18,8 +18,9 @@ from typer.testing import CliRunner
 from sidecar.analysis import summarize_trace
 from sidecar.analysis.reader import TraceReader
 from sidecar.cli import app
-from sidecar.errors import TraceError, TraceTooLarge
+from sidecar.errors import SidecarClosing, TraceError, TraceTooLarge
 from tests.fixtures.hostile import write_hostile
+from tests.fixtures.waits import poll
 
 TOO_LARGE = ["bomb", "whitespace", "numbers", "braces", "header"]
 
@@ -129,3 +130,57 @@ def test_an_error_in_the_worker_keeps_its_class(hostile_dir: Path) -> None:
     with pytest.raises(TraceError) as err:
         run_isolated(summarize_trace, hostile_dir / "deep.json.gz")
     assert type(err.value) is TraceError
+
+
+_OWNER = """
+import os, sys, threading, time
+import psutil
+from sidecar.analysis.isolated import run_isolated
+
+if __name__ == "__main__":
+    threading.Thread(target=run_isolated, args=(time.sleep, 600), daemon=True).start()
+    me = psutil.Process()
+    while not any(c.ppid() != me.pid for c in me.children(recursive=True)):  # the analysis child, under the forkserver
+        time.sleep(0.02)
+    print(" ".join(str(c.pid) for c in me.children(recursive=True)), flush=True)
+    os.kill(me.pid, 9)
+"""
+
+
+def test_an_analysis_child_and_its_forkserver_never_outlive_a_killed_sidecar(tmp_path: Path) -> None:
+    # a sidecar killed mid-summary left its analysis worker and the forkserver running, holding
+    # its stdout (the docs walkthrough's pipe never closed); now they go with it
+    import psutil
+
+    script = tmp_path / "owner.py"
+    script.write_text(_OWNER)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) >= 2, proc.stdout  # the forkserver and the analysis child at least
+    assert poll(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids), 60)
+
+
+def test_stop_all_ends_an_analysis_in_flight_with_sidecar_closing() -> None:
+    import threading
+    import time
+
+    from sidecar.analysis import isolated
+
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            isolated.run_isolated(time.sleep, 600)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert poll(lambda: any(p.pid for p in isolated._running), 60)
+    isolated.stop_all()
+    thread.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], SidecarClosing), outcome
+    assert len(isolated.run_isolated(bytearray, 10)) == 10  # the next analysis runs as usual

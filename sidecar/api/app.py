@@ -24,6 +24,7 @@ from sidecar.api import web
 from sidecar.api.auth import BearerAuth
 from sidecar.api.errors import error_response, install_error_handlers
 from sidecar.api.insight import router as insight_router
+from sidecar.analysis.isolated import stop_all as stop_analyses
 from sidecar.api.guard import RequestGuard
 from sidecar.api.metrics import Metrics, MetricsMiddleware
 from sidecar.api.openapi import ERROR_RESPONSES, install_docs, responses
@@ -162,6 +163,7 @@ def create_app(
         finally:
             # SIGTERM lands here (uvicorn): stop the active capture before the process exits
             await controller.close()
+            stop_analyses()  # a summary in flight must not hold the exit (its caller gets 503)
             if upstream is not None:
                 with contextlib.suppress(Exception):
                     await upstream.aclose()
