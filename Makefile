@@ -24,8 +24,9 @@ install-test:
 # it. The venvs are built by tools/<name>-env.sh through tools/venvs.sh: `make test` starts every
 # build in the background (mostly network and pip) before the default group, and each group waits
 # for its own; run alone, a group builds its venv itself. A failed build fails its group with the
-# log's tail. The default group runs on 3 xdist workers, a file per worker (--dist loadfile): the
-# module-scoped sidecars, emulators and browsers of a file start once, not once per worker.
+# log's tail. The default group runs on 3 xdist workers (--dist loadgroup): a test that shares a
+# module-scoped sidecar, emulator or browser runs on its module's worker, so those start once; the
+# rest go to whichever worker is free (tests/conftest.py).
 # Under CI=true a skipped test or an empty selection fails its group (tests/fixtures/ci_gate.py);
 # with OMNI_CI_REPORTS=DIR each group writes DIR/<group>.json for .ci/run's closing lines.
 PYTEST = -m pytest -q -p no:cacheprovider --durations=15
@@ -45,7 +46,7 @@ test:
 	$(MAKE) -k --no-print-directory $(GROUPS)
 
 test-default:
-	$(call report,default) $(PY) $(PYTEST) -n 3 --dist loadfile -m "not contract and not live and not verl and not omni"
+	$(call report,default) $(PY) $(PYTEST) -n 3 --dist loadgroup -m "not contract and not live and not verl and not omni"
 
 test-contract:
 	$(call report,contract) $(PY) $(PYTEST) -m contract

@@ -50,6 +50,9 @@ from tests.test_config_verl import GOOD
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
+# the blocks share a module scene (an emulator, a sidecar, two captures): dealt into two groups, so
+# two workers run blocks while the third takes the rest of the suite (tests/conftest.py)
+XDIST_SPLIT = 2
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(bash|sh|shell|python|py)\s*$")
 DIRECTIVE = re.compile(r"<!--\s*docs-test:\s*(skip|exit|walkthrough|traffic)\s*(.*?)\s*-->")

@@ -103,9 +103,25 @@ def test_pool_reuses_an_emulator_for_the_same_deploy_and_replaces_it_for_other_o
         a = pool.get(make_deploy(tmp_path / "a", {0: {"profiler": "torch"}}), extra_args=THREAD)
         b = pool.get(make_deploy(tmp_path / "b", {0: {"profiler": "torch"}}), extra_args=THREAD)
         (folder,) = capture(b, [0], 1)["0"]  # the same emulator, pointed at b's trace dir
+        pool.unpin_all()  # a next test: what the last one was handed may go
         c = pool.get(make_deploy(tmp_path / "b", {0: {"profiler": "torch"}}), extra_args=[*THREAD, "--step-ms", "2"])
         assert (a is b, folder.parent) == (True, tmp_path / "b" / "traces" / "stage0")
         assert (c is a, a.returncode is not None, c.returncode) == (False, True, None)  # the oldest is stopped
+    finally:
+        pool.stop_all()
+
+
+def test_the_pool_never_evicts_an_emulator_the_running_test_was_handed(tmp_path: Path) -> None:
+    pool = EmulatorPool(size=1)
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    try:
+        a = pool.get(make_deploy(tmp_path / "a", {0: {"profiler": "torch"}}), extra_args=[*THREAD, "--model", "a"])
+        b = pool.get(make_deploy(tmp_path / "b", {0: {"profiler": "torch"}}), extra_args=[*THREAD, "--model", "b"])
+        assert (a.returncode, b.returncode) == (None, None)  # two replicas of one test: both alive
+        pool.unpin_all()
+        c = pool.get(make_deploy(tmp_path / "c", {0: {"profiler": "torch"}}), extra_args=[*THREAD, "--model", "c"])
+        assert (a.returncode is not None, b.returncode is not None, c.returncode) == (True, True, None)
     finally:
         pool.stop_all()
 

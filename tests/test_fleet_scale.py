@@ -113,7 +113,7 @@ def test_the_cli_prints_one_rollup_table_for_a_large_fleet(stubs: StubFleet, tmp
 
     stubs.reset(faults={3: "hang_stop"})
     targets = ",".join(stubs.urls[:SMALL])
-    out = CliRunner().invoke(app, ["fleet", "capture", "--targets", targets, "--duration", "0.2", "--start-at", "+2",
+    out = CliRunner().invoke(app, ["fleet", "capture", "--targets", targets, "--duration", "0.2",
                                    "--state-dir", str(tmp_path / "st"), "--kind", "torch", "--stop-budget", "2"])
     assert out.exit_code == 1, out.output
     assert f"{SMALL - 1} of {SMALL} ok" in out.output

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import select
 import threading
 from collections.abc import Callable
@@ -74,6 +75,12 @@ def _call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any])
         return "error", (type(err).__name__, err.code, err.message, err.details)
     except MemoryError:
         return "memory", None
+    except Exception as exc:  # a bug: raised in the caller as it was (a RuntimeError when it will not pickle)
+        try:
+            pickle.dumps(exc)
+        except Exception:
+            exc = RuntimeError(f"{type(exc).__name__}: {exc}")
+        return "raised", exc
 
 
 def _child(conn: Any, limit: int, owner: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -133,6 +140,8 @@ def run_isolated(fn: Callable[..., T], *args: Any, memory_bytes: int = ANALYSIS_
         return value  # type: ignore[no-any-return]
     if status == "error":
         raise _error(*value)
+    if status == "raised":
+        raise value
     raise TraceTooLarge(
         f"the analysis needed more than its {memory_bytes >> 20} MB memory limit and was stopped; the trace is "
         "larger or stranger than the reader's limits expect (see docs/summaries.md, Limits)",
