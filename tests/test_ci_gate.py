@@ -32,7 +32,8 @@ def run_pytest(tmp_path: Path, ci: str | None, *args: str) -> tuple[int, str, di
     (tmp_path / "test_tiny.py").write_text(TESTS)
     report = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "OMNI_CI_REPORT", "PYTEST_ADDOPTS")}
-    env.update(PYTHONPATH=str(ROOT), OMNI_CI_REPORT=str(report))
+    # the installed plugins (xdist, playwright, hypothesis...) are not what is tested: not loaded, ~3 s a run saved
+    env.update(PYTHONPATH=str(ROOT), OMNI_CI_REPORT=str(report), PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
     if ci is not None:
         env["CI"] = ci
     proc = subprocess.run(
