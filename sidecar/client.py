@@ -139,6 +139,7 @@ class _Calls:
     healthz = _Call("GET", "/healthz", _json)
     readyz = _Call("GET", "/readyz", _json)
     stages = _Call("GET", "/v1/stages", _json)
+    clock = _Call("GET", "/v1/clock", _json)
     list_captures = _Call("GET", "/v1/captures", _captures)
 
     @staticmethod
@@ -231,6 +232,10 @@ class AsyncSidecarClient:
     async def stages(self) -> dict[str, Any]:
         return await self._send(_Calls.stages)
 
+    async def clock(self) -> dict[str, Any]:
+        """The sidecar host's ``realtime_ns`` and ``monotonic_ns`` (``GET /v1/clock``)."""
+        return await self._send(_Calls.clock)
+
     async def start_capture(
         self,
         stages: list[int] | None = None,
@@ -313,6 +318,10 @@ class SidecarClient:
 
     def stages(self) -> dict[str, Any]:
         return self._send(_Calls.stages)
+
+    def clock(self) -> dict[str, Any]:
+        """The sidecar host's ``realtime_ns`` and ``monotonic_ns`` (``GET /v1/clock``)."""
+        return self._send(_Calls.clock)
 
     def start_capture(
         self,

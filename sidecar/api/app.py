@@ -11,6 +11,7 @@ import contextlib
 import copy
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal, Optional
 from urllib.parse import unquote_to_bytes
@@ -259,6 +260,11 @@ def create_app(
     @app.get("/v1/stages", tags=["stages"], summary="Stages of the deploy, their profiler and findings")
     async def stages() -> dict[str, Any]:
         return stages_json
+
+    @app.get("/v1/clock", tags=["health"], summary="This host's realtime and monotonic clocks (ns), for a "
+             "fleet's clock-offset exchange (docs/fleet-clocks.md)")
+    async def clock() -> dict[str, int]:
+        return {"realtime_ns": time.time_ns(), "monotonic_ns": time.monotonic_ns()}
 
     # --- captures ------------------------------------------------------------------------
 

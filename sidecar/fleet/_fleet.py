@@ -19,6 +19,7 @@ from sidecar.config.rules import select_stages
 from sidecar.config.sharing import RENDER_FIX, shared_dir_groups, shared_profiler_dirs
 from sidecar.control.models import Capture, CaptureState, StopReason
 from sidecar.errors import BudgetInvalid, TargetInvalid, TargetNoAnswer, StagesNotShared, ConcurrencyInvalid, FlavorsMixed, FleetClosed, FleetStagesInvalid, KindInvalid, FleetError, FleetInvalid, ProfilerDirShared, SidecarError, StageSelectionError, StartWithheld
+from sidecar.fleet._clocks import ClockOffset
 from sidecar.fleet._drivers import Driver, DriverFactory, Kind, FleetTransports, SidecarDriver, UpstreamDriver
 from sidecar.fleet._release import START_AT_MAX_S, Release, check_start_at
 from sidecar.fleet._results import FleetCapture, TargetError, TargetOutcome, TargetResult, error_of, mark_ambiguous
@@ -312,7 +313,7 @@ class Fleet:
         deadline = start_by(t0)
         waves = self.max_concurrency < len(drivers)  # started in waves: each target's own budget from its turn
 
-        async def one(d: Driver) -> tuple[Capture, float]:
+        async def one(d: Driver) -> tuple[Capture, float, ClockOffset | None]:
             arrived = False
 
             async def gate() -> None:
@@ -321,16 +322,20 @@ class Fleet:
                 release.arrive()
                 await release.wait()
 
+            async def begin() -> tuple[Capture, ClockOffset | None]:
+                clock = await _clock_of(d)  # in the preparation: the send (and its skew) is not delayed
+                return await d.start(self.stages, label, duration_s, lease_s, kind, gate), clock
+
             try:
                 by = start_by(loop.time()) if waves else deadline
-                cap = await _by(by, d.start(self.stages, label, duration_s, lease_s, kind, gate), "start", self.start_timeout_s)
+                cap, clock = await _by(by, begin(), "start", self.start_timeout_s)
             except BaseException as exc:
                 if not arrived:  # failed in its preparation: nobody sends (all or nothing)
                     release.arrive()
                     release.abort(f"{d.target.name} failed before the starts were sent "
                                   f"({error_of(exc).code})")
                 raise
-            return cap, loop.time() - t0
+            return cap, loop.time() - t0, clock
 
         fan_out = asyncio.ensure_future(self._each(drivers, one))
         try:
@@ -356,8 +361,8 @@ class Fleet:
                                       "profiling all the same (the capture's lease stops it on a sidecar)")
                 out[t.name] = base.model_copy(update={"outcome": outcome, "error": err, "capture_id": cid})
             else:
-                cap, took = res
-                out[t.name] = base.with_capture(cap, start_s=took)
+                cap, took, clock = res
+                out[t.name] = base.with_capture(cap, start_s=took, clock_start=clock)
         fc = FleetCapture(label=label, stages=self.stages, targets=out, start_at=at, released_at=release.released_at)
         if all(r.outcome is TargetOutcome.started for r in out.values()):
             return fc
@@ -419,10 +424,13 @@ class Fleet:
             except Exception as exc:
                 return r.model_copy(update={"outcome": TargetOutcome.stop_failed, "error": error_of(exc),
                                             "stop_s": loop.time() - t0})
+            took = loop.time() - t0
             err = None
             if cap.state is CaptureState.failed and cap.errors:
                 err = TargetError(code=cap.errors[-1].code, message=cap.errors[-1].message)
-            return self._judged(r.with_capture(cap, outcome=TargetOutcome.stopped, error=err, stop_s=loop.time() - t0))
+            clock = await _clock_of(self._driver(name), by=loop.time() + self.start_timeout_s)
+            return self._judged(r.with_capture(cap, outcome=TargetOutcome.stopped, error=err, stop_s=took,
+                                               clock_stop=clock))
 
         results = await self._each(list(names), one)
         for res in results:
@@ -517,6 +525,20 @@ class Fleet:
             await _uncancellable(self.stop(fc, wait_artifacts=False))
             raise
         return await _uncancellable(self.stop(fc, wait_artifacts=wait_artifacts, artifact_timeout_s=artifact_timeout_s))
+
+
+async def _clock_of(d: Driver, *, by: float | None = None) -> ClockOffset | None:
+    """``d``'s clock exchange (``sidecar/fleet/_clocks.py``), or None where it cannot be measured
+    (a sidecar older than ``GET /v1/clock``, a driver without ``clock``): best effort, never a
+    target's failure; its traces are then mapped at offset 0 and the archive says so."""
+    clock = getattr(d, "clock", None)
+    if clock is None:
+        return None
+    try:
+        return await (clock() if by is None else _by(by, clock(), "a clock exchange", 0.0))
+    except Exception as exc:
+        log.debug("no clock offset for %s: %s", d.target.name, exc)
+        return None
 
 
 async def _uncancellable(aw: Awaitable[R]) -> R:
