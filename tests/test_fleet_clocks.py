@@ -47,7 +47,10 @@ from tests.fixtures.analysis import load_trace  # noqa: E402
 from tests.fixtures.emulator import make_deploy  # noqa: E402
 from tests.fixtures.fleet import EMULATOR_ARGS  # noqa: E402
 
-FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
+FAKETIME = next((p for p in (Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"),
+                              Path("/usr/lib/aarch64-linux-gnu/faketime/libfaketime.so.1"),
+                              Path("/usr/lib/faketime/libfaketime.so.1")) if p.exists()),
+                Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"))
 OFFSETS_NS = (250_000_000, -1_200_000_000)  # +250 ms and -1.2 s, as the issue asks
 TOLERANCE_NS = 2_000_000
 
@@ -171,10 +174,39 @@ def test_the_start_skew_and_the_common_window_match_the_traces_read_with_the_tru
     assert al.spread_ms == pytest.approx(abs(al.spans[0].first_ns - al.spans[1].first_ns) / 1e6)
 
 
+def _result_file(run: Run, path: Path) -> Path:
+    """The capture as `fleet capture --json` writes it (targets as a list), for the CLI to read."""
+    path.write_text(json.dumps({"label": "skewed", "start_at": run.fc.start_at,
+                                "targets": [r.model_dump(mode="json") for r in run.fc.targets.values()]}))
+    return path
+
+
+def test_the_cli_reports_skew_and_writes_the_trimmed_timeline_and_the_archive(skewed_run: Run, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from sidecar.cli import app
+
+    result = str(_result_file(skewed_run, tmp_path / "result.json"))
+    runner = CliRunner()
+    skew = runner.invoke(app, ["fleet", "skew", result, "--json"])
+    assert skew.exit_code == 0, skew.output
+    body = json.loads(skew.output)
+    assert len(body["spans"]) == 2 and body["window_ms"] > 0 and body["requested_ns"] == round(skewed_run.fc.start_at * 1e9)
+    out = tmp_path / "t.json.gz"
+    timeline = runner.invoke(app, ["fleet", "timeline", result, "-o", str(out), "--common-window"])
+    assert timeline.exit_code == 0 and out.exists() and "common window" in timeline.output, timeline.output
+    tar = tmp_path / "run.tar"
+    archive = runner.invoke(app, ["fleet", "archive", result, "-o", str(tar), "--mode", "raw"])
+    assert archive.exit_code == 0 and "2 traces" in archive.output, archive.output
+    with tarfile.open(tar) as t:  # raw: the files byte for byte
+        for m in json.load(t.extractfile(".omni-sidecar/index.json"))["members"]:  # type: ignore[arg-type]
+            assert t.extractfile(m["name"]).read() == Path(m["file"]).read_bytes()  # type: ignore[union-attr]
+    bad = runner.invoke(app, ["fleet", "archive", str(tmp_path / "t.json.gz"), "-o", str(tar)])
+    assert bad.exit_code != 0 and "fleet_result_invalid" in bad.output and "Traceback" not in bad.output
+
+
 def test_the_archive_manifest_names_each_host_with_its_offset_and_places_every_trace(skewed_run: Run, tmp_path: Path) -> None:
-    result = tmp_path / "result.json"  # what `fleet capture --json` writes, read back
-    result.write_text(json.dumps({"label": "skewed", "start_at": skewed_run.fc.start_at,
-                                  "targets": [r.model_dump(mode="json") for r in skewed_run.fc.targets.values()]}))
+    result = _result_file(skewed_run, tmp_path / "result.json")
     out = tmp_path / "run.tar"
     report = fleet_archive(load_fleet_result(result), out)
     with tarfile.open(out) as tar:
