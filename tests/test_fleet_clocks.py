@@ -244,3 +244,22 @@ def gzip_read(tar: tarfile.TarFile, name: str) -> bytes:
     import gzip
 
     return gzip.decompress(tar.extractfile(name).read())  # type: ignore[union-attr]
+
+
+def test_stragglers_name_the_slowest_replica_its_stage_and_diff_its_ops_against_the_median(skewed_run: Run) -> None:
+    from sidecar.fleet import fleet_stragglers
+
+    st = fleet_stragglers(skewed_run.fc, k=1)
+    walls = {}
+    for i, r in enumerate(skewed_run.replicas):  # truth: each replica's steps read with its true offset
+        target = skewed_run.fc.targets[Target.sidecar(r.sidecar.url).name]
+        steps = [e for f in target.folders for p in Path(f).glob("trace_rank*.json*") for e in _steps(load_trace(p))]
+        walls[i] = (max(e["ts"] + e["dur"] for e in steps) - min(e["ts"] for e in steps)) / 1e3
+    slow = max(walls, key=walls.get)  # type: ignore[arg-type]
+    assert st.replicas == 2 and st.median_replica == 1 - slow and len(st.slowest) == 1
+    row = st.slowest[0]
+    assert row.replica == slow and row.stage_id == 0
+    assert row.wall_ms == pytest.approx(walls[slow], abs=0.01) and row.median_wall_ms == pytest.approx(walls[1 - slow], abs=0.01)
+    assert row.diff is not None and [d.stage_id for d in row.diff.stages] == [0]
+    ops = {o.name: o for o in row.diff.stages[0].ops_by_self_cpu}
+    assert "aten::linear" in ops and ops["aten::linear"].count_a > 0 and ops["aten::linear"].count_b > 0

@@ -150,4 +150,74 @@ def align(sources: Sequence[FleetSource], *, requested_ns: int | None = None) ->
     return out
 
 
-__all__ = ["Alignment", "FleetSource", "HostClock", "TraceSpan", "align", "clock_shift_ns", "trace_base_ns", "trace_span"]
+@dataclass
+class ReplicaStraggler:
+    """One of the slowest replicas of a step against the median replica."""
+
+    replica: int | None
+    target: str
+    wall_ms: float  # its last event − its first event, all its traces, on the reference clock
+    median_wall_ms: float
+    excess_ms: float
+    stage_id: int | None  # the stage where it loses the most against the median replica
+    stage_excess_ms: float
+    diff: Any = None  # sidecar.analysis.diff.CaptureDiff: median replica (a) vs this one (b)
+
+
+@dataclass
+class Stragglers:
+    median_replica: int | None
+    median_wall_ms: float
+    replicas: int
+    slowest: list[ReplicaStraggler] = field(default_factory=list)
+
+
+def _walls(spans: Sequence[TraceSpan]) -> dict[int | None, dict[int | None, tuple[int, int]]]:
+    """Per replica, per stage: (first, last) event on the reference clock."""
+    out: dict[int | None, dict[int | None, tuple[int, int]]] = {}
+    for s in spans:
+        if s.first_ns is None or s.last_ns is None:
+            continue
+        stages = out.setdefault(s.replica, {})
+        lo, hi = stages.get(s.stage_id, (s.first_ns, s.last_ns))
+        stages[s.stage_id] = (min(lo, s.first_ns), max(hi, s.last_ns))
+    return out
+
+
+def stragglers(sources: Sequence[FleetSource], alignment: Alignment, *, k: int = 3, top: int = 10,
+               diff_ops: bool = True) -> Stragglers:
+    """For one step (one capture): the ``k`` slowest replicas by wall time against the median
+    replica (the lower median), the stage where each loses the most, and (``diff_ops``) the diff
+    of its top ops against the median replica's (``sidecar.analysis.diff.diff_paths``)."""
+    walls = _walls(alignment.spans)
+
+    def wall(rep: int | None) -> int:
+        st = walls[rep].values()
+        return max(h for _, h in st) - min(lo for lo, _ in st)
+
+    ranked = sorted(walls, key=wall)
+    if not ranked:
+        return Stragglers(median_replica=None, median_wall_ms=0.0, replicas=0)
+    med = ranked[(len(ranked) - 1) // 2]
+    med_wall = wall(med)
+    out = Stragglers(median_replica=med, median_wall_ms=med_wall / 1e6, replicas=len(ranked))
+    by_replica: dict[int | None, list[FleetSource]] = {}
+    for fs in sources:
+        by_replica.setdefault(fs.source.replica, []).append(fs)
+    for rep in [r for r in reversed(ranked) if r != med][:max(0, k)]:
+        excess = {sid: (hi - lo) - (walls[med][sid][1] - walls[med][sid][0] if sid in walls[med] else 0)
+                  for sid, (lo, hi) in walls[rep].items()}
+        stage = max(excess, key=lambda sid: excess[sid])
+        diff = None
+        if diff_ops:
+            from sidecar.analysis.diff import diff_paths
+
+            diff = diff_paths([fs.source for fs in by_replica[med]], [fs.source for fs in by_replica[rep]], top=top,
+                              label_a=f"replica {med} (median)", label_b=f"replica {rep}")
+        out.slowest.append(ReplicaStraggler(
+            replica=rep, target=by_replica[rep][0].target, wall_ms=wall(rep) / 1e6, median_wall_ms=med_wall / 1e6,
+            excess_ms=(wall(rep) - med_wall) / 1e6, stage_id=stage, stage_excess_ms=excess[stage] / 1e6, diff=diff))
+    return out
+
+
+__all__ = ["Alignment", "ReplicaStraggler", "Stragglers", "stragglers", "FleetSource", "HostClock", "TraceSpan", "align", "clock_shift_ns", "trace_base_ns", "trace_span"]

@@ -148,7 +148,7 @@ def write_archive(
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(out, "w", format=tarfile.GNU_FORMAT) as tar, \
             tempfile.TemporaryDirectory(prefix="omni-sidecar-archive-") as tmp:
-        _add_bytes(tar, MANIFEST, json.dumps(doc, indent=1).encode())
+        _add_bytes(tar, MANIFEST, json.dumps(doc).encode())
         kept: list[ArchiveMember] = []
         for i, ((fs, h, rank), m) in enumerate(zip(heads, members)):
             try:

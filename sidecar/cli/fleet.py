@@ -486,3 +486,35 @@ def archive(
         console.print(f"wrote {escape(str(out))}: {len(report.members)} traces + perfetto_manifest.json "
                       f"({report.mode}); open it in https://ui.perfetto.dev", highlight=False, soft_wrap=True)
     _exit_on_trace_errors(report.errors)
+
+
+@fleet_app.command("stragglers")
+def stragglers_cmd(
+    result: ResultArg,
+    k: Annotated[int, typer.Option("-k", help="how many of the slowest replicas")] = 3,
+    top: Annotated[int, typer.Option("--top", help="ops per diff")] = 10,
+    as_json: JsonOpt = False,
+) -> None:
+    """The slowest replicas of one step against the median replica: wall time on the fleet's
+    clock, the stage where each loses it, and how their top ops differ."""
+    from sidecar.fleet import fleet_stragglers, load_fleet_result
+
+    with cli_errors():
+        st = fleet_stragglers(load_fleet_result(result), k=k, top=top)
+    if as_json:
+        from dataclasses import asdict
+
+        body = asdict(st)
+        for row, s in zip(body["slowest"], st.slowest):
+            row["diff"] = None if s.diff is None else s.diff.model_dump(mode="json")
+        console.print_json(json.dumps(body))
+        return
+    console.print(f"median replica {st.median_replica}: {st.median_wall_ms:.3f} ms of {st.replicas} replicas",
+                  highlight=False)
+    for s in st.slowest:
+        console.print(f"replica {s.replica} ({escape(s.target)}): {s.wall_ms:.3f} ms, {s.excess_ms:+.3f} ms; "
+                      f"most in stage {s.stage_id} ({s.stage_excess_ms:+.3f} ms)", highlight=False, soft_wrap=True)
+        stage = next((d for d in (s.diff.stages if s.diff else []) if d.stage_id == s.stage_id), None)
+        for op in (stage.ops_by_self_cpu if stage else [])[:top]:
+            console.print(f"  {escape(op.name)}: {op.delta_self_us:+,.1f} µs self CPU "
+                          f"({op.count_a} → {op.count_b} calls)", highlight=False, soft_wrap=True)

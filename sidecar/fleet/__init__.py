@@ -13,7 +13,14 @@ from sidecar.fleet._ray import Placement, RayNodes
 from sidecar.fleet._release import START_AT_MAX_S, check_start_at, parse_start_at
 from sidecar.fleet._results import FanOutResult, FleetCapture, TargetError, TargetOutcome, TargetResult
 from sidecar.fleet._targets import Target, TargetKind, parse_targets
-from sidecar.fleet._view import align_fleet, fleet_archive, fleet_sources, fleet_timeline, load_fleet_result
+from sidecar.fleet._view import (
+    align_fleet,
+    fleet_archive,
+    fleet_sources,
+    fleet_stragglers,
+    fleet_timeline,
+    load_fleet_result,
+)
 
 __all__ = [
     "START_AT_MAX_S",
@@ -32,6 +39,7 @@ __all__ = [
     "align_fleet",
     "fleet_archive",
     "fleet_sources",
+    "fleet_stragglers",
     "fleet_timeline",
     "load_fleet_result",
     "check_start_at",

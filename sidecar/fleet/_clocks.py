@@ -20,9 +20,11 @@ from pydantic import BaseModel
 # A few samples: the shortest round trip of 3 is within a few hundred µs of the best of 10 on an
 # idle loopback, and a thousand targets pay 3 requests each, not 10 (bench/fanout.py --clocks).
 # While the best round trip still bounds the error above GOOD_NS (a loaded host), up to MORE
-# samples more are taken, PAUSE_S apart: back to back, they would meet the same busy moment.
+# samples more are taken (at least MORE; a small fleet affords more: FLEET_MORE over all its
+# targets), PAUSE_S and more apart: back to back, they would meet the same busy moment.
 SAMPLES = 3
-MORE = 12
+MORE = 6
+FLEET_MORE = 64
 GOOD_NS = 2_000_000
 PAUSE_S = 0.002
 
@@ -59,8 +61,8 @@ async def exchange(read: Callable[[], Awaitable[ClockReading]], *, samples: int 
     best: tuple[int, int, int, int] | None = None  # rtt, offset, midpoint, target monotonic
     taken = 0
     while taken < max(1, samples) or (taken < max(1, samples) + more and best is not None and best[0] > 2 * good_ns):
-        if taken >= max(1, samples):
-            await asyncio.sleep(PAUSE_S)
+        if taken >= max(1, samples):  # the pause grows (to 20 ms): a busy spell can last a while
+            await asyncio.sleep(min(PAUSE_S * 2 ** ((taken - samples) // 4), 0.02))
         taken += 1
         t0 = time.time_ns()
         real, mono = await read()
@@ -80,4 +82,4 @@ def read_clocks() -> ClockReading:
     return time.time_ns(), time.monotonic_ns()
 
 
-__all__ = ["GOOD_NS", "MORE", "SAMPLES", "ClockOffset", "ClockReading", "exchange", "read_clocks"]
+__all__ = ["FLEET_MORE", "GOOD_NS", "MORE", "SAMPLES", "ClockOffset", "ClockReading", "exchange", "read_clocks"]

@@ -23,7 +23,7 @@ from sidecar import errors as _errors
 from sidecar.config.models import DeployConfig
 from sidecar.control.models import Capture, StopReason
 from sidecar.errors import FleetError, SidecarError
-from sidecar.fleet._clocks import ClockOffset, exchange
+from sidecar.fleet._clocks import MORE, ClockOffset, exchange
 from sidecar.fleet._targets import Target
 
 __all__ = ["NodeProfiler", "Placement", "RayNodeDriver", "RayNodes", "TOP_OPS", "deploy_for_server"]
@@ -221,13 +221,13 @@ class RayNodeDriver:
     async def live(self) -> Capture | None:
         return _raise(await self.actor.live.remote())  # type: ignore[no-any-return]
 
-    async def clock(self) -> ClockOffset:
+    async def clock(self, more: int = MORE) -> ClockOffset:
         # The node's controller reads the node's clock, not the trainer's: exchanged like a sidecar's.
         async def read() -> tuple[int, int]:
             real, mono = _raise(await self.actor.clock.remote())
             return int(real), int(mono)
 
-        return await exchange(read)
+        return await exchange(read, more=more)
 
     async def close(self, keep_live: bool = False) -> None:
         import ray

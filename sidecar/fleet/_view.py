@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sidecar.analysis.aligned import Alignment, FleetSource, HostClock, align
+from sidecar.analysis.aligned import Alignment, FleetSource, HostClock, Stragglers, align, stragglers
 from sidecar.analysis.archive import ArchiveMode, ArchiveReport, write_archive
 from sidecar.analysis.capture import find_sources
 from sidecar.analysis.timeline import TimelineReport, write_timeline
@@ -122,4 +122,11 @@ def fleet_archive(fc: FleetCapture, out: str | Path, *, mode: ArchiveMode = "nam
     return write_archive(fleet_sources(fc), out, mode=mode, max_mb=max_mb, attributes=attrs)
 
 
-__all__ = ["align_fleet", "fleet_archive", "fleet_sources", "fleet_timeline", "load_fleet_result", "requested_start_ns"]
+def fleet_stragglers(fc: FleetCapture, *, k: int = 3, top: int = 10) -> Stragglers:
+    """The ``k`` slowest replicas of this capture (one step) against the median replica: wall time
+    on the fleet's clock, the stage where each loses it, and the diff of their top ops."""
+    sources = fleet_sources(fc)
+    return stragglers(sources, align(sources, requested_ns=requested_start_ns(fc)), k=k, top=top)
+
+
+__all__ = ["align_fleet", "fleet_stragglers", "fleet_archive", "fleet_sources", "fleet_timeline", "load_fleet_result", "requested_start_ns"]
