@@ -19,9 +19,10 @@ from pydantic import BaseModel
 
 # A few samples: the shortest round trip of 3 is within a few hundred µs of the best of 10 on an
 # idle loopback, and a thousand targets pay 3 requests each, not 10 (bench/fanout.py --clocks).
-# While the best round trip still bounds the error above GOOD_NS (a loaded host), up to MORE
-# samples more are taken (at least MORE; a small fleet affords more: FLEET_MORE over all its
-# targets), PAUSE_S and more apart: back to back, they would meet the same busy moment.
+# While the best round trip still bounds the error above GOOD_NS (a loaded host), up to ``more``
+# samples more are taken (MORE for one exchange alone; a fleet shares FLEET_MORE over its
+# targets: a thousand targets take none, two take 32), PAUSE_S and more apart: back to back, they
+# would meet the same busy moment.
 SAMPLES = 3
 MORE = 6
 FLEET_MORE = 64

@@ -34,7 +34,7 @@ R = TypeVar("R")
 # that accepts and never answers costs a fan-out this much, never the HTTP client's default.
 START_TIMEOUT_S = 30.0
 # Clock exchanges in flight at once (bench/fanout.py --clocks measures why a bound is needed).
-CLOCK_CONCURRENCY = 8
+CLOCK_CONCURRENCY = 16
 
 
 
@@ -425,7 +425,7 @@ class Fleet:
         if not (self.exchange_clocks and pairs):
             return
         loop = asyncio.get_running_loop()
-        more = max(MORE, FLEET_MORE // len(pairs))  # a small fleet affords more samples on a busy host
+        more = FLEET_MORE // len(pairs)  # a small fleet affords more samples on a busy host
 
         async def run() -> None:
             gate = asyncio.Semaphore(CLOCK_CONCURRENCY)
