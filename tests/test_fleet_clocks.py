@@ -263,3 +263,18 @@ def test_stragglers_name_the_slowest_replica_its_stage_and_diff_its_ops_against_
     assert row.diff is not None and [d.stage_id for d in row.diff.stages] == [0]
     ops = {o.name: o for o in row.diff.stages[0].ops_by_self_cpu}
     assert "aten::linear" in ops and ops["aten::linear"].count_a > 0 and ops["aten::linear"].count_b > 0
+
+
+def test_fleet_capture_json_carries_both_clock_exchanges(skewed_run: Run, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from sidecar.cli import app
+
+    urls = ",".join(f"sidecar={r.sidecar.url}" for r in skewed_run.replicas)
+    out = CliRunner().invoke(app, ["fleet", "capture", "--targets", urls, "--stages", "0", "--duration", "0.2",
+                                   "--json", "--state-dir", str(tmp_path / "state")])
+    body = json.loads(out.output)  # an idle window: degraded (exit 1), its clocks measured all the same
+    for t, r in zip(body["targets"], skewed_run.replicas):
+        for phase in ("clock_start", "clock_stop"):
+            clock = t[phase]
+            assert clock["method"] == "exchange" and abs(clock["offset_ns"] - r.offset_ns) <= clock["error_ns"], t

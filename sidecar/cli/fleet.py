@@ -371,7 +371,7 @@ async def _capture_with_progress(fleet: Any, progress: Progress, duration: float
                    if r.capture_id and not r.done and r.outcome is TargetOutcome.stopped]
         progress.update(task, description=f"collected {started - len(waiting)} of {started} target(s)' traces")
         if not waiting or (deadline is not None and time.monotonic() >= deadline):
-            return fc
+            return await fleet.clocks(fc)  # the offsets exchanged after the stops, for `fleet archive`
         await asyncio.sleep(0.5)
         fc = await fleet.refresh(fc)
 

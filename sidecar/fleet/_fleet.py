@@ -440,6 +440,10 @@ class Fleet:
 
         self._clock_tasks.append(asyncio.ensure_future(run()))
 
+    async def clocks(self, fc: FleetCapture) -> FleetCapture:
+        """``fc`` with every target's clock offsets, once the exchanges in flight have ended."""
+        return await self._with_clocks(fc, wait=True)
+
     async def _with_clocks(self, fc: FleetCapture, *, wait: bool) -> FleetCapture:
         """``fc`` with the clock offsets measured so far (with ``wait``: once the exchanges in
         flight end, each bounded by ``start_timeout_s``)."""
