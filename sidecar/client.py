@@ -159,6 +159,10 @@ class _Calls:
         return _Call("GET", f"/v1/captures/{capture_id}", _capture)
 
     @staticmethod
+    def record_clock(capture_id: str, record: dict[str, Any]) -> _Call:
+        return _Call("POST", f"/v1/captures/{capture_id}/clock", _capture, json=record)
+
+    @staticmethod
     def heartbeat(capture_id: str) -> _Call:
         return _Call("POST", f"/v1/captures/{capture_id}/heartbeat", _capture)
 
@@ -268,6 +272,10 @@ class AsyncSidecarClient:
     async def resolve_id(self, text: str) -> str:
         """As :meth:`SidecarClient.resolve_id`."""
         return match_capture_id(text, [c.id for c in await self.list_captures()])
+
+    async def record_clock(self, capture_id: str, record: dict[str, Any]) -> Capture:
+        """Keep a fleet's clock measurement with the capture (``POST /v1/captures/{id}/clock``)."""
+        return await self._send(_Calls.record_clock(capture_id, record))
 
     async def heartbeat(self, capture_id: str) -> Capture:
         return await self._send(_Calls.heartbeat(capture_id))

@@ -27,6 +27,23 @@ async def test_the_clock_route_answers_both_clocks_and_the_exchange_bounds_its_e
     assert ClockOffset.in_process().method == "in_process" and ClockOffset.in_process().offset_ns == 0
 
 
+async def test_a_capture_keeps_a_clock_record_and_refuses_a_malformed_one(api: AppClient) -> None:
+    from tests.fixtures.sidecar import TOKEN, error_of
+
+    client = await api(token=True)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    cid = (await client.post("/v1/captures", json={}, headers=auth)).json()["id"]
+    record = {"phase": "start", "offset_ns": -1_200_000_000, "error_ns": 350_000, "at_ns": time.time_ns()}
+    assert (await client.post(f"/v1/captures/{cid}/clock", json=record)).status_code == 401  # mutating: token
+    reply = await client.post(f"/v1/captures/{cid}/clock", json=record, headers=auth)
+    assert reply.status_code == 200 and reply.json()["clocks"] == [{**record, "reference": "fleet"}]
+    for bad in ({**record, "phase": "middle"}, {**record, "error_ns": -1}, {"offset_ns": 1}, {**record, "extra": 1}):
+        reply = await client.post(f"/v1/captures/{cid}/clock", json=bad, headers=auth)
+        assert reply.status_code == 422 and error_of(reply)["code"] == "request_invalid", bad
+    assert (await client.post("/v1/captures/nope/clock", json=record, headers=auth)).status_code == 404
+    assert len((await client.get(f"/v1/captures/{cid}")).json()["clocks"]) == 1
+
+
 # --- two replicas whose hosts' clocks are off by known amounts (libfaketime) ----------------------
 
 import asyncio  # noqa: E402
@@ -135,6 +152,19 @@ def test_recovered_offsets_are_within_2ms_of_the_truth_and_within_their_own_boun
             assert abs(clock.offset_ns - r.offset_ns) <= clock.error_ns, (clock, r.offset_ns)
         # the offset its traces are mapped through (the tighter exchange)
         assert res.clock is not None and abs(res.clock.offset_ns - r.offset_ns) <= TOLERANCE_NS, (res.clock, r.offset_ns)
+
+
+def test_each_sidecars_capture_keeps_the_fleets_offsets_of_its_clock(skewed_run: Run) -> None:
+    from sidecar.client import SidecarClient
+
+    for r in skewed_run.replicas:
+        res = skewed_run.fc.targets[Target.sidecar(r.sidecar.url).name]
+        with SidecarClient(r.sidecar.url) as client:
+            cap = client.get_capture(res.capture_id)  # read back from the sidecar (journaled there)
+        kept = {c.phase: c for c in cap.clocks}
+        assert set(kept) == {"start", "stop"}
+        for phase, clock in (("start", res.clock_start), ("stop", res.clock_stop)):
+            assert (kept[phase].offset_ns, kept[phase].error_ns, kept[phase].at_ns) == (clock.offset_ns, clock.error_ns, clock.at_ns)
 
 
 def test_the_merged_timeline_puts_each_request_where_it_happened_and_trims_to_the_common_window(skewed_run: Run) -> None:

@@ -31,7 +31,7 @@ from sidecar.api.openapi import ERROR_RESPONSES, install_docs, responses
 from sidecar.api.responses import SafeJSONResponse
 from sidecar.config.models import DeployConfig
 from sidecar.control import filenames
-from sidecar.control.models import Capture, CaptureState
+from sidecar.control.models import Capture, CaptureState, ClockRecord
 from sidecar.api.openapi import error as openapi_error
 from sidecar.errors import (
     CaptureNotFound,
@@ -342,6 +342,16 @@ def create_app(
     )
     async def heartbeat(capture_id: str) -> SafeJSONResponse:
         return capture_response(await controller.heartbeat(capture_id))
+
+    @app.post(
+        "/v1/captures/{capture_id}/clock",
+        tags=["captures"],
+        dependencies=mutating,
+        summary="Record a fleet's measurement of this host's clock with the capture (docs/fleet-clocks.md)",
+        responses=responses("mutating", "capture"),
+    )
+    async def record_clock(capture_id: str, record: ClockRecord) -> SafeJSONResponse:
+        return capture_response(await controller.record_clock(capture_id, record))
 
     @app.get(
         "/v1/captures/{capture_id}/files/{relpath:path}",

@@ -78,9 +78,15 @@ async def exchange(read: Callable[[], Awaitable[ClockReading]], *, samples: int 
                        at_ns=mid, target_monotonic_ns=mono)
 
 
+def clock_record(phase: str, clock: ClockOffset) -> dict[str, object]:
+    """What a capture keeps of an exchange (``ClockRecord``, ``POST /v1/captures/{id}/clock``)."""
+    return {"phase": phase, "offset_ns": clock.offset_ns, "error_ns": clock.error_ns, "at_ns": clock.at_ns,
+            "reference": "fleet" if clock.method == "exchange" else "fleet (in process: the same clock)"}
+
+
 def read_clocks() -> ClockReading:
     """This process's clocks, as a target reports them (``GET /v1/clock``, the Ray node actor)."""
     return time.time_ns(), time.monotonic_ns()
 
 
-__all__ = ["FLEET_MORE", "GOOD_NS", "MORE", "SAMPLES", "ClockOffset", "ClockReading", "exchange", "read_clocks"]
+__all__ = ["FLEET_MORE", "GOOD_NS", "MORE", "SAMPLES", "ClockOffset", "ClockReading", "clock_record", "exchange", "read_clocks"]

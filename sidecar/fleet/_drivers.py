@@ -18,7 +18,7 @@ from sidecar.config.models import DeployConfig, Stage, StageKind
 from sidecar.config.profiler import ProfilerConfig
 from sidecar.control.models import Capture, CaptureState, StopReason
 from sidecar.errors import KindUnsupported, FleetInvalid
-from sidecar.fleet._clocks import MORE, ClockOffset, exchange
+from sidecar.fleet._clocks import MORE, ClockOffset, clock_record, exchange
 from sidecar.fleet._targets import Target
 
 # "upstream answered stop": the capture left `stopping` (collecting, or already terminal).
@@ -158,6 +158,9 @@ class SidecarDriver:
     async def live(self) -> Capture | None:
         return next((c for c in await self.client.list_captures() if not c.terminal), None)
 
+    async def record_clock(self, capture_id: str, phase: str, clock: ClockOffset) -> None:
+        await self.client.record_clock(capture_id, clock_record(phase, clock))
+
     async def clock(self, more: int = MORE) -> ClockOffset:
         async def read() -> tuple[int, int]:
             reply = await self.client.clock()
@@ -234,6 +237,11 @@ class UpstreamDriver:
     async def live(self) -> Capture | None:
         # After open(), a capture journaled live by an earlier process is here, already stopping.
         return self.controller.active
+
+    async def record_clock(self, capture_id: str, phase: str, clock: ClockOffset) -> None:
+        from sidecar.control.models import ClockRecord
+
+        await self.controller.record_clock(capture_id, ClockRecord(**clock_record(phase, clock)))
 
     async def clock(self, more: int = MORE) -> ClockOffset:
         return ClockOffset.in_process()  # the controller runs here: the traces' host clock is ours

@@ -433,8 +433,15 @@ class Fleet:
             async def one(name: str, cid: str) -> None:
                 async with gate:
                     clock = await _clock_of(self._drivers[name], by=loop.time() + self.start_timeout_s, more=more)
-                if clock is not None:
-                    self._clocks[(phase, cid)] = clock
+                if clock is None:
+                    return
+                self._clocks[(phase, cid)] = clock
+                record = getattr(self._drivers.get(name), "record_clock", None)
+                if record is not None:  # the capture keeps it too (journaled on its host); best effort
+                    try:
+                        await _by(loop.time() + self.start_timeout_s, record(cid, phase, clock), "a clock record", 0.0)
+                    except Exception as exc:  # a sidecar older than POST /v1/captures/{id}/clock
+                        log.debug("clock offset not recorded on %s: %s", name, exc)
 
             await asyncio.gather(*(one(n, c) for n, c in pairs if n in self._drivers), return_exceptions=True)
 
