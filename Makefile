@@ -17,6 +17,7 @@ install-test:
 	$(PY) -m pip install -q $(TORCH) -e '.[emulator,test,vllm]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	[ -x /usr/bin/chromium ] || { [ "$$(id -u)" = 0 ] && apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } || echo "no chromium: tests/test_web.py will skip"
+	[ -e /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 ] || { [ "$$(id -u)" = 0 ] && apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q faketime; } || echo "no libfaketime: tests/test_fleet_clocks.py's skewed replicas will skip"
 
 # The groups, each runnable alone (after `make install-test`): default (fast), contract (the real
 # vllm / vllm-omni packages), live (a real vLLM 0.30 CPU server, its own venv), verl (the real verl

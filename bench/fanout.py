@@ -145,6 +145,65 @@ def _bench(kind: str, n: int, latencies: list[float], repeat: int, serial_n: int
                 _table(kind, n, latency, repeat, rows, serial, serial_n)
 
 
+async def _clock_round(targets: list[Target], stubs: StubFleet, size: int, synced: bool, clocks: bool) -> dict[str, float]:
+    """One start/stop of ``size`` targets, with or without the clock exchange (issue 23): the start,
+    the stop, the skew, and how long after the stop every offset is known, with its error bound."""
+    stubs.reset()
+    async with Fleet(targets[:size], control_settings=SETTINGS, stop_budget_s=120, client_timeout_s=120,
+                     exchange_clocks=clocks) as fleet:
+        called = time.time()
+        start_at = called + _lead(size) if synced else None
+        t0 = time.perf_counter()
+        fc = await fleet.start(label="bench", start_at=start_at)
+        t_start = time.perf_counter() - t0 - (start_at - called if start_at else 0.0)
+        await asyncio.sleep(0.5)  # the window: the start's exchanges run in it
+        t0 = time.perf_counter()
+        fc = await fleet.stop(fc, wait_artifacts=False)
+        t_stop = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        fc = await fleet.refresh(fc, wait=True, timeout=120)  # joins the stop's exchanges
+        t_known = time.perf_counter() - t0
+        if not fc.ok:
+            raise SystemExit(f"fan-out failed: {fc.rollup()}")
+    path = "/start_profile" if targets[0].kind.value == "upstream" else "/v1/captures"
+    got = sorted(ts[0] for i, ts in stubs.received(path).items() if i < size and ts)
+    errors = sorted(r.clock.error_ns / 1e6 for r in fc.targets.values() if r.clock is not None)
+    return {"start": t_start, "stop": t_stop, "known": t_known,
+            "skew_p50": statistics.median((t - got[0]) / 1e6 for t in got),
+            "measured": len(errors) / size, "err_p50": statistics.median(errors) if errors else float("nan"),
+            "err_max": errors[-1] if errors else float("nan")}
+
+
+def _clock_goals(n: int, latency: float, repeat: int) -> None:
+    """Issue 23's figures at ``n`` sidecar stub replicas, each printed beside its goal."""
+    with tempfile.TemporaryDirectory(prefix="omni-fanout-") as tmp, \
+            StubFleet(n, mode="sidecar", root=Path(tmp), latency=latency, processes=-(-n // 64)) as stubs:
+        targets = [Target.sidecar(u) for u in stubs.urls]
+        rows: dict[tuple[int, bool, bool], dict[str, float]] = {}
+        for size in (1, n):
+            for synced in (False, True):
+                for clocks in (False, True):
+                    runs = [asyncio.run(_clock_round(targets, stubs, size, synced, clocks)) for _ in range(repeat)]
+                    rows[(size, synced, clocks)] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    print(f"\nissue 23 at {n} sidecar stub replicas, hold {latency:g}s (median of {repeat}; {os.cpu_count()} CPUs; "
+          f"load {os.getloadavg()[0]:.1f})")
+    print(f"{'replicas':>8} {'start_at':>8} {'clocks':>6} {'start s':>8} {'stop s':>7} {'skew p50 ms':>11} "
+          f"{'known s':>8} {'measured':>8} {'err p50 ms':>10} {'err max ms':>10}")
+    for (size, synced, clocks), r in rows.items():
+        print(f"{size:>8} {'yes' if synced else 'no':>8} {'on' if clocks else 'off':>6} {r['start']:>8.3f} "
+              f"{r['stop']:>7.3f} {r['skew_p50']:>11.1f} {r['known'] if clocks else float('nan'):>8.3f} "
+              f"{r['measured']:>8.0%} {r['err_p50']:>10.3f} {r['err_max']:>10.3f}")
+
+    def goal(name: str, value: float, limit: float, unit: str) -> None:
+        print(f"  {name}: {value:.2f}{unit} (goal <= {limit:g}{unit}) -> {'met' if value <= limit else 'NOT met'}")
+
+    on, off = rows[(n, False, True)], rows[(n, False, False)]
+    goal("offset exchange's cost to the start", 100 * (on["start"] / off["start"] - 1), 10, "%")
+    goal("start with start_at vs one replica", rows[(n, True, True)]["start"] / rows[(1, True, True)]["start"], 3, "x")
+    goal("skew p50 with start_at", rows[(n, True, True)]["skew_p50"], 20, " ms")
+    goal("stop vs one replica", on["stop"] / rows[(1, False, True)]["stop"], 3, "x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=128)
@@ -152,6 +211,8 @@ def main() -> None:
     ap.add_argument("--latency", default="0.1,0.5", help="seconds each stub holds a start/stop call (comma list)")
     ap.add_argument("--repeat", type=int, default=None, help="rounds per row (default 3; 1 above 256 replicas)")
     ap.add_argument("--serial", type=int, default=64, help="replicas in the serial reference loop")
+    ap.add_argument("--clocks", action="store_true",
+                    help="issue 23's figures instead (sidecar stubs, the clock exchange on and off, each beside its goal)")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = 2 * args.replicas + 256
@@ -159,6 +220,9 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
     repeat = args.repeat or (3 if args.replicas <= 256 else 1)
     latencies = [float(x) for x in args.latency.split(",") if x.strip()]
+    if args.clocks:
+        _clock_goals(args.replicas, latencies[0], repeat)
+        return
     for kind in (("upstream", "sidecar") if args.kind == "both" else (args.kind,)):
         _bench(kind, args.replicas, latencies, repeat, min(args.serial, args.replicas))
 

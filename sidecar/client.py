@@ -139,6 +139,7 @@ class _Calls:
     healthz = _Call("GET", "/healthz", _json)
     readyz = _Call("GET", "/readyz", _json)
     stages = _Call("GET", "/v1/stages", _json)
+    clock = _Call("GET", "/v1/clock", _json)
     list_captures = _Call("GET", "/v1/captures", _captures)
 
     @staticmethod
@@ -156,6 +157,10 @@ class _Calls:
     @staticmethod
     def get_capture(capture_id: str) -> _Call:
         return _Call("GET", f"/v1/captures/{capture_id}", _capture)
+
+    @staticmethod
+    def record_clock(capture_id: str, record: dict[str, Any]) -> _Call:
+        return _Call("POST", f"/v1/captures/{capture_id}/clock", _capture, json=record)
 
     @staticmethod
     def heartbeat(capture_id: str) -> _Call:
@@ -231,6 +236,10 @@ class AsyncSidecarClient:
     async def stages(self) -> dict[str, Any]:
         return await self._send(_Calls.stages)
 
+    async def clock(self) -> dict[str, Any]:
+        """The sidecar host's ``realtime_ns`` and ``monotonic_ns`` (``GET /v1/clock``)."""
+        return await self._send(_Calls.clock)
+
     async def start_capture(
         self,
         stages: list[int] | None = None,
@@ -263,6 +272,10 @@ class AsyncSidecarClient:
     async def resolve_id(self, text: str) -> str:
         """As :meth:`SidecarClient.resolve_id`."""
         return match_capture_id(text, [c.id for c in await self.list_captures()])
+
+    async def record_clock(self, capture_id: str, record: dict[str, Any]) -> Capture:
+        """Keep a fleet's clock measurement with the capture (``POST /v1/captures/{id}/clock``)."""
+        return await self._send(_Calls.record_clock(capture_id, record))
 
     async def heartbeat(self, capture_id: str) -> Capture:
         return await self._send(_Calls.heartbeat(capture_id))
@@ -313,6 +326,10 @@ class SidecarClient:
 
     def stages(self) -> dict[str, Any]:
         return self._send(_Calls.stages)
+
+    def clock(self) -> dict[str, Any]:
+        """The sidecar host's ``realtime_ns`` and ``monotonic_ns`` (``GET /v1/clock``)."""
+        return self._send(_Calls.clock)
 
     def start_capture(
         self,

@@ -674,6 +674,12 @@ class FleetDurationInvalid(FleetInvalid):
     code = "duration_invalid"
 
 
+class FleetResultInvalid(FleetInvalid):
+    """A file given as a fleet result is not one (``fleet archive``, ``fleet timeline``)."""
+
+    code = "fleet_result_invalid"
+
+
 class BudgetInvalid(FleetInvalid):
     code = "budget_invalid"
 

@@ -396,3 +396,66 @@ def test_a_trace_replaced_after_its_verdict_is_noted_on_the_page(web_stack: WebS
     changed.wait_for()
     assert not any("files changed" in n for n in cap["notes"]), cap["notes"]  # the stop's own answer
     assert relpath in changed.inner_text()
+
+
+# Read a TAR as a browser does (512-byte headers, ustar/GNU), find the manifest the way Perfetto's
+# importer sniffs it (the first bytes, whitespace removed, start with {"perfetto_manifest"; see
+# docs/fleet-clocks.md) and hand back the names, the gzip magic of each member and the manifest.
+READ_ARCHIVE = """async (url) => {
+  const buf = new Uint8Array(await (await fetch(url)).arrayBuffer());
+  const text = (b) => new TextDecoder().decode(b).replace(/\\0[\\s\\S]*$/, '');
+  const members = {};
+  for (let off = 0; off + 512 <= buf.length;) {
+    const h = buf.subarray(off, off + 512);
+    if (h.every((b) => b === 0)) break;
+    const size = parseInt(text(h.subarray(124, 136)).trim() || '0', 8);
+    if (h[156] === 48 || h[156] === 0) members[text(h.subarray(0, 100))] = buf.subarray(off + 512, off + 512 + size);
+    off += 512 + Math.ceil(size / 512) * 512;
+  }
+  const sniff = (b) => new TextDecoder().decode(b.subarray(0, 256)).replace(/\\s/g, '').startsWith('{"perfetto_manifest"');
+  const manifests = Object.keys(members).filter((n) => sniff(members[n]));
+  return {
+    names: Object.keys(members),
+    gzip: Object.fromEntries(Object.entries(members).map(([n, b]) => [n, b[0] === 0x1f && b[1] === 0x8b])),
+    manifests,
+    manifest: manifests.length ? JSON.parse(new TextDecoder().decode(members[manifests[0]])) : null,
+  };
+}"""
+
+
+def test_a_fleet_archive_read_in_the_browser_has_one_manifest_that_fits_perfettos_schema(
+        web_stack: WebStack, open_page: Any, tmp_path: Path) -> None:
+    from sidecar.analysis.aligned import FleetSource, HostClock
+    from sidecar.analysis.archive import write_archive
+    from sidecar.analysis.capture import TraceSource
+
+    clocks = [HostClock("gpu-node-a", offset_ns=250_000_000, error_ns=400_000, method="exchange"),
+              HostClock("gpu-node-b", offset_ns=-1_200_000_000, error_ns=300_000, method="exchange")]
+    sources = [FleetSource(TraceSource(TRACE_DATA / f"fleet_rank{i}.json.gz", stage_id=0, replica=i), f"t{i}", clocks[i])
+               for i in (0, 1)]
+    tar = tmp_path / "run.tar"
+    write_archive(sources, tar)
+    page = open_page(web_stack.url)
+    page.route("**/fleet/run.tar", lambda route: route.fulfill(body=tar.read_bytes(), content_type="application/x-tar"))
+    page.goto("/")
+    got = page.evaluate(READ_ARCHIVE, "/fleet/run.tar")
+    traces = [n for n in got["names"] if not n.startswith(".") and n != "perfetto_manifest.json"]
+    assert got["manifests"] == ["perfetto_manifest.json"] and len(traces) == 2
+    assert all(len(n) <= 99 for n in got["names"]) and all(got["gzip"][n] for n in traces)
+    doc = got["manifest"]
+    assert list(doc) == ["perfetto_manifest"]
+    manifest = doc["perfetto_manifest"]
+    assert manifest["version"] == 1 and set(manifest) <= {"version", "trace_time", "files", "attributes"}
+    paths = [f["path"] for f in manifest["files"]]
+    assert sorted(paths) == sorted(traces)  # every trace listed, each once
+    for f in manifest["files"]:
+        assert set(f) <= {"path", "machine", "clocks"} and isinstance(f["machine"]["name"], str) and f["machine"]["name"]
+        if "clocks" in f:  # a clockless JSON pinned to another listed file's own timeline
+            assert set(f["clocks"]) == {"sync_to", "offset_ns"} and f["clocks"]["sync_to"]["file"] in paths
+            assert isinstance(f["clocks"]["offset_ns"], int) and f["clocks"]["offset_ns"] >= 0
+    assert sum("clocks" not in f for f in manifest["files"]) == 1  # one reference
+    assert {f["machine"]["name"] for f in manifest["files"]} == {"gpu-node-a", "gpu-node-b"}
+    attrs = manifest["attributes"]
+    assert all(k and isinstance(v, (str, int)) and not isinstance(v, bool) for k, v in attrs.items())
+    assert (attrs["omni_sidecar.machine.gpu-node-a.offset_ns"], attrs["omni_sidecar.machine.gpu-node-b.offset_ns"]) == (
+        250_000_000, -1_200_000_000)

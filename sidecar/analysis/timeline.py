@@ -11,7 +11,7 @@ flow ids are made unique per source, and flow events without a usable id or time
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,11 +49,21 @@ class TimelineReport:
     events: int = 0
     raw_bytes: int = 0
     flows_dropped: int = 0
+    trimmed: int = 0  # events outside the window asked for, left out
     errors: list[str] = field(default_factory=list)
 
 
 def _as_int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def trace_base_ns(header: dict[str, Any]) -> int | None:
+    """What a trace's ``ts`` (µs) count from: its ``baseTimeNanoseconds`` (Kineto), or None where
+    its ``ts`` are absolute: no base, or the emulator's synthetic traces, which write epoch-µs
+    ``ts`` and a base beside them (``"emulator_synthetic": true``, sidecar/emulator/_synthetic.py)."""
+    if header.get("emulator_synthetic") is True:
+        return None
+    return _as_int(header.get("baseTimeNanoseconds"))
 
 
 def _rank(header: dict[str, Any], path: Path) -> int | None:
@@ -74,8 +84,10 @@ def process_name(src: TraceSource, rank: int | None) -> str:
 class _SourceRewriter:
     """Maps one source's (pid, tid) pairs to threads of one output process, shifts ts."""
 
-    def __init__(self, proc: TimelineProcess, index: int) -> None:
+    def __init__(self, proc: TimelineProcess, index: int, *, window_us: tuple[float, float] | None = None) -> None:
         self.proc = proc
+        self.window_us = window_us
+        self.trimmed = 0  # events outside the window, left out
         self.flow_shift = index * _FLOW_ID_STRIDE
         self.tids: dict[tuple[Any, Any], int] = {}
         self.labels: dict[Any, str] = {}  # source pid -> "CPU" / "GPU 0" (process_labels)
@@ -100,6 +112,17 @@ class _SourceRewriter:
                 label = str(pid) if pid not in (None, "") else ""
         base = name.strip() if name else (f"stream {tid}" if label.startswith("GPU") else f"thread {tid}")
         return f"{label} · {base}" if label else base
+
+    def _outside(self, e: dict[str, Any], off: float) -> bool:
+        """The event (moved by ``off``) does not overlap the window; one without a time is kept."""
+        ts = e.get("ts")
+        if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+            return False
+        dur = e.get("dur")
+        start = ts + off
+        end = start + (dur if isinstance(dur, (int, float)) and not isinstance(dur, bool) and dur > 0 else 0)
+        lo, hi = self.window_us  # type: ignore[misc]
+        return end < lo or start > hi
 
     def rewrite(self, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
@@ -129,6 +152,9 @@ class _SourceRewriter:
                     self.flows_dropped += 1
                     continue
                 e["id"] = fid + self.flow_shift if isinstance(fid, int) else f"{self.flow_shift}:{fid}"
+            if self.window_us is not None and self._outside(e, off):
+                self.trimmed += 1
+                continue
             t = self._tid(pid, tid, out)
             if t not in self.named:
                 self.named.add(t)
@@ -155,13 +181,19 @@ def _tell_apart(procs: list[TimelineProcess]) -> None:
             p.name = f"{p.name} · {Path(p.file).parent.name}"
 
 
-def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path) -> TimelineReport:
+def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path, *,
+                   clock_offsets_ns: Mapping[str, int] | None = None,
+                   window_ns: tuple[int, int] | None = None) -> TimelineReport:
     """Merge every trace under ``paths`` into ``out`` (``.json`` or ``.json.gz``).
 
     Sources are ordered by stage, replica, rank. A source that cannot be read is left out and
     named in ``errors`` (a source cut short keeps the events read before the cut); ``TraceError``
-    when none is usable.
+    when none is usable. ``clock_offsets_ns`` (by file path): how far each file's host clock is
+    ahead of the reference clock (a fleet's, ``sidecar/analysis/aligned.py``); its events move
+    back by that much. ``window_ns`` (reference clock, epoch ns) keeps only the events that
+    overlap it (metadata always kept).
     """
+    offsets = {str(k): int(v) for k, v in (clock_offsets_ns or {}).items()}
     sources = find_sources(paths)
     headers: list[tuple[TraceSource, dict[str, Any]]] = []
     errors: list[str] = []
@@ -179,18 +211,21 @@ def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path) -
         return (src.stage_id if src.stage_id is not None else 1 << 30, src.replica or 0, r or 0, str(src.path))
 
     headers.sort(key=order)
-    bases = [_as_int(h.get("baseTimeNanoseconds")) for _, h in headers]
-    known = [b for b in bases if b is not None]
+    skews = [offsets.get(str(src.path), 0) for src, _ in headers]
+    bases = [trace_base_ns(h) for _, h in headers]
+    known = [b - k for b, k in zip(bases, skews) if b is not None]
     base = min(known) if known else None
     report = TimelineReport(out=str(out), base_time_ns=base, errors=errors)
     procs = []
-    for i, ((src, head), b) in enumerate(zip(headers, bases)):
+    for i, ((src, head), b, k) in enumerate(zip(headers, bases, skews)):
         rank = _rank(head, src.path)
         procs.append(TimelineProcess(
             pid=i + 1, name=process_name(src, rank), file=str(src.path), stage_id=src.stage_id,
             replica=src.replica, rank=rank, kind=src.kind,
-            offset_us=((b - base) / 1000.0) if (b is not None and base is not None) else 0.0,
+            offset_us=((b - k - base) / 1000.0) if (b is not None and base is not None) else -k / 1000.0,
         ))
+    # the window on the output's clock: its ts are µs from its base (absolute where there is none)
+    window_us = None if window_ns is None else tuple((w - (base or 0)) / 1000.0 for w in window_ns)
     _tell_apart(procs)
     header: dict[str, Any] = {"schemaVersion": 1, "displayTimeUnit": "ms"}
     if base is not None:
@@ -204,7 +239,7 @@ def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path) -
                 {"ph": "M", "name": "process_sort_index", "pid": p.pid, "tid": 0, "ts": 0, "args": {"sort_index": p.pid}},
             ])
         for i, p in enumerate(procs):
-            rw = _SourceRewriter(p, i)
+            rw = _SourceRewriter(p, i, window_us=window_us)  # type: ignore[arg-type]
             reader = RawTraceReader(p.file)
             try:
                 for batch in reader.batches():
@@ -214,9 +249,10 @@ def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path) -
             if reader.truncated and reader.error:
                 errors.append(reader.error)
             report.flows_dropped += rw.flows_dropped
+            report.trimmed += rw.trimmed
         report.events, report.raw_bytes = w.events, w.raw_bytes
     report.processes = procs
     return report
 
 
-__all__ = ["TimelineProcess", "TimelineReport", "process_name", "write_timeline"]
+__all__ = ["TimelineProcess", "TimelineReport", "process_name", "trace_base_ns", "write_timeline"]

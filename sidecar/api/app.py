@@ -11,6 +11,7 @@ import contextlib
 import copy
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Literal, Optional
 from urllib.parse import unquote_to_bytes
@@ -31,7 +32,7 @@ from sidecar.api.openapi import ERROR_RESPONSES, install_docs, responses
 from sidecar.api.responses import SafeJSONResponse
 from sidecar.config.models import DeployConfig
 from sidecar.control import filenames
-from sidecar.control.models import Capture, CaptureState
+from sidecar.control.models import Capture, CaptureState, ClockRecord
 from sidecar.api.openapi import error as openapi_error
 from sidecar.errors import (
     CaptureNotFound,
@@ -262,6 +263,11 @@ def create_app(
     async def stages() -> dict[str, Any]:
         return stages_json
 
+    @app.get("/v1/clock", tags=["health"], summary="This host's realtime and monotonic clocks (ns), for a "
+             "fleet's clock-offset exchange (docs/fleet-clocks.md)")
+    async def clock() -> dict[str, int]:
+        return {"realtime_ns": time.time_ns(), "monotonic_ns": time.monotonic_ns()}
+
     # --- captures ------------------------------------------------------------------------
 
     @app.post(
@@ -338,6 +344,16 @@ def create_app(
     )
     async def heartbeat(capture_id: str) -> SafeJSONResponse:
         return capture_response(await controller.heartbeat(capture_id))
+
+    @app.post(
+        "/v1/captures/{capture_id}/clock",
+        tags=["captures"],
+        dependencies=mutating,
+        summary="Record a fleet's measurement of this host's clock with the capture (docs/fleet-clocks.md)",
+        responses=responses("mutating", "capture"),
+    )
+    async def record_clock(capture_id: str, record: ClockRecord) -> SafeJSONResponse:
+        return capture_response(await controller.record_clock(capture_id, record))
 
     @app.get(
         "/v1/captures/{capture_id}/files/{relpath:path}",

@@ -123,9 +123,9 @@ def _start_at(text: str | None) -> float | None:
 
 
 def _print(fc: Any, as_json: bool, wide: bool = False) -> None:
-    if as_json:
+    if as_json:  # `fleet archive` / `fleet timeline` / `fleet skew` read this back
         console.print_json(json.dumps({
-            "label": fc.label, "ok": fc.ok,
+            "label": fc.label, "ok": fc.ok, "stages": fc.stages, "start_at": fc.start_at, "released_at": fc.released_at,
             "targets": [{**r.model_dump(mode="json"), "folders": r.folders} for r in fc.targets.values()],
         }))
         return
@@ -371,6 +371,150 @@ async def _capture_with_progress(fleet: Any, progress: Progress, duration: float
                    if r.capture_id and not r.done and r.outcome is TargetOutcome.stopped]
         progress.update(task, description=f"collected {started - len(waiting)} of {started} target(s)' traces")
         if not waiting or (deadline is not None and time.monotonic() >= deadline):
-            return fc
+            return await fleet.clocks(fc)  # the offsets exchanged after the stops, for `fleet archive`
         await asyncio.sleep(0.5)
         fc = await fleet.refresh(fc)
+
+
+ResultArg = Annotated[Path, typer.Argument(help="a fleet result: the output of `fleet capture ... --json`")]
+
+
+def _print_alignment(al: Any) -> None:
+    """Per trace: host, clock offset ± error, first event against the requested start; then the
+    spread and the common window."""
+    table = Table(title="start skew on the fleet's clock")
+    for col in ("replica", "stage", "rank", "machine", "offset ms", "± ms", "first event ms", "trace"):
+        table.add_column(col, no_wrap=col != "trace")
+
+    def ms(v: float | None, fmt: str = "{:+.3f}") -> str:
+        return "-" if v is None else fmt.format(v)
+
+    for sp in al.spans:
+        table.add_row(str(sp.replica), str(sp.stage_id), str(sp.rank), escape(sp.host), ms(sp.offset_ns / 1e6),
+                      ms(None if sp.error_ns is None else sp.error_ns / 1e6, "{:.3f}"), ms(sp.start_skew_ms),
+                      escape(sp.file))
+    console.print(table)
+    line = f"spread of first events: {ms(al.spread_ms, '{:.3f}')} ms"
+    if al.skew_p50_ms is not None:
+        line += f"; against the requested start: p50 {al.skew_p50_ms:+.3f} ms, worst {al.skew_max_ms:+.3f} ms"
+    console.print(line, highlight=False, soft_wrap=True)
+    if al.window_ns is not None:
+        console.print(f"common window: {al.window_ms:.3f} ms (latest first event → earliest last event)",
+                      highlight=False)
+    elif al.window_empty:
+        console.print("[yellow]no common window[/]: one trace ends before another begins", highlight=False)
+
+
+def _exit_on_trace_errors(errors: list[str]) -> None:
+    """Each trace that could not be read, on stderr; exit 1 if any (the others were used)."""
+    for msg in errors:
+        err_console.print(f"[bold red]error[/]{escape('[trace_invalid]')}: {escape(msg)}", highlight=False)
+    if errors:
+        raise typer.Exit(EXIT_ERROR)
+
+
+def _alignment_json(al: Any) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {**asdict(al), "window_ms": al.window_ms}
+
+
+@fleet_app.command("skew")
+def skew(result: ResultArg, as_json: JsonOpt = False) -> None:
+    """Each trace's first profiled event against the requested start, on the fleet's clock (each
+    host's clock offset applied), their spread, and the common window."""
+    from sidecar.fleet import align_fleet, load_fleet_result
+
+    with cli_errors():
+        al = align_fleet(load_fleet_result(result))
+    if as_json:
+        console.print_json(json.dumps(_alignment_json(al)))
+    else:
+        _print_alignment(al)
+    _exit_on_trace_errors(al.errors)
+
+
+@fleet_app.command("timeline")
+def fleet_timeline_cmd(
+    result: ResultArg,
+    out: Annotated[Path, typer.Option("-o", "--out", help="the merged trace (.json or .json.gz)")],
+    common_window: Annotated[bool, typer.Option(
+        "--common-window", help="trim every trace to the window all of them cover")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """One merged Perfetto trace of a fleet capture, every host's events on the fleet's clock."""
+    from sidecar.fleet import fleet_timeline, load_fleet_result
+
+    with cli_errors():
+        report, al = fleet_timeline(load_fleet_result(result), out, common_window=common_window)
+    if as_json:
+        from dataclasses import asdict
+
+        console.print_json(json.dumps({**asdict(report), "alignment": None if al is None else _alignment_json(al)}))
+    else:
+        if al is not None:
+            console.print(f"common window: {al.window_ms:.3f} ms; {report.trimmed:,} events outside it left out",
+                          highlight=False)
+        console.print(f"wrote {escape(str(out))}: {len(report.processes)} processes, {report.events:,} events; "
+                      "open it in https://ui.perfetto.dev", highlight=False, soft_wrap=True)
+    _exit_on_trace_errors(report.errors)
+
+
+@fleet_app.command("archive")
+def archive(
+    result: ResultArg,
+    out: Annotated[Path, typer.Option("-o", "--out", help="the archive to write (.tar)")],
+    mode: Annotated[str, typer.Option(
+        "--mode", help="named (each trace's process named stage · replica · rank), raw (files unchanged) "
+        "or slim (Python stacks dropped, --max-mb per trace)")] = "named",
+    max_mb: Annotated[Optional[float], typer.Option("--max-mb", help="slim: at most this many MB per trace")] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Every trace of a fleet capture in one TAR with a perfetto_manifest.json: open it in
+    https://ui.perfetto.dev and the hosts' traces are merged, one machine per host, aligned."""
+    from sidecar.fleet import fleet_archive, load_fleet_result
+
+    with cli_errors():
+        report = fleet_archive(load_fleet_result(result), out, mode=mode, max_mb=max_mb)  # type: ignore[arg-type]
+    if as_json:
+        from dataclasses import asdict
+
+        console.print_json(json.dumps(asdict(report)))
+    else:
+        for name, off in report.machines.items():
+            console.print(f"machine {escape(name)}: clock {off / 1e6:+.3f} ms", highlight=False, soft_wrap=True)
+        console.print(f"wrote {escape(str(out))}: {len(report.members)} traces + perfetto_manifest.json "
+                      f"({report.mode}); open it in https://ui.perfetto.dev", highlight=False, soft_wrap=True)
+    _exit_on_trace_errors(report.errors)
+
+
+@fleet_app.command("stragglers")
+def stragglers_cmd(
+    result: ResultArg,
+    k: Annotated[int, typer.Option("-k", help="how many of the slowest replicas")] = 3,
+    top: Annotated[int, typer.Option("--top", help="ops per diff")] = 10,
+    as_json: JsonOpt = False,
+) -> None:
+    """The slowest replicas of one step against the median replica: wall time on the fleet's
+    clock, the stage where each loses it, and how their top ops differ."""
+    from sidecar.fleet import fleet_stragglers, load_fleet_result
+
+    with cli_errors():
+        st = fleet_stragglers(load_fleet_result(result), k=k, top=top)
+    if as_json:
+        from dataclasses import asdict
+
+        body = asdict(st)
+        for row, s in zip(body["slowest"], st.slowest):
+            row["diff"] = None if s.diff is None else s.diff.model_dump(mode="json")
+        console.print_json(json.dumps(body))
+        return
+    console.print(f"median replica {st.median_replica}: {st.median_wall_ms:.3f} ms of {st.replicas} replicas",
+                  highlight=False)
+    for s in st.slowest:
+        console.print(f"replica {s.replica} ({escape(s.target)}): {s.wall_ms:.3f} ms, {s.excess_ms:+.3f} ms; "
+                      f"most in stage {s.stage_id} ({s.stage_excess_ms:+.3f} ms)", highlight=False, soft_wrap=True)
+        stage = next((d for d in (s.diff.stages if s.diff else []) if d.stage_id == s.stage_id), None)
+        for op in (stage.ops_by_self_cpu if stage else [])[:top]:
+            console.print(f"  {escape(op.name)}: {op.delta_self_us:+,.1f} µs self CPU "
+                          f"({op.count_a} → {op.count_b} calls)", highlight=False, soft_wrap=True)

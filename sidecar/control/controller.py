@@ -32,9 +32,11 @@ from sidecar.control.claims import CLAIMS, ClaimRegistry
 from sidecar.control.collect import after_stop_error, collect, found_so_far
 from sidecar.control.journal import CaptureJournal
 from sidecar.control.models import (
+    CLOCKS_MAX,
     Capture,
     CaptureKind,
     CaptureState,
+    ClockRecord,
     ErrorRecord,
     StageVerdict,
     StopReason,
@@ -664,6 +666,14 @@ class CaptureController:
         cap.last_heartbeat_at = _now()
         self._rt[capture_id].heartbeat_mono = time.monotonic()
         # Not journaled on purpose: a heartbeat is frequent and only matters while we run.
+        return _copy(cap)
+
+    async def record_clock(self, capture_id: str, record: ClockRecord) -> Capture:
+        """Keep a fleet's measurement of this host's clock with the capture (journaled: it maps
+        the capture's traces onto the fleet's clock later). At most ``CLOCKS_MAX``, newest kept."""
+        cap = self._live(capture_id)
+        cap.clocks = [*cap.clocks, record][-CLOCKS_MAX:]
+        self._changed(cap)
         return _copy(cap)
 
     async def _watchdog(self, capture_id: str) -> None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from datetime import datetime
 from enum import Enum
 
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field, computed_field, field_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_serializer, model_validator
 
 from sidecar.control import filenames
 
@@ -118,6 +118,23 @@ class ErrorRecord(BaseModel):
     at: datetime
 
 
+class ClockRecord(BaseModel):
+    """A fleet's measurement of this host's clock while the capture ran (docs/fleet-clocks.md):
+    this host's realtime − the fleet's, within ``error_ns``, at the fleet's ``at_ns``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    phase: Literal["start", "stop"]
+    offset_ns: int
+    error_ns: int = Field(ge=0)
+    at_ns: int
+    reference: str = Field(default="fleet", max_length=200)  # whose clock the offset is against
+
+
+# A capture keeps at most this many clock records (a start and a stop per fleet, a few fleets).
+CLOCKS_MAX = 8
+
+
 class Capture(BaseModel):
     id: str
     label: str | None = None
@@ -139,6 +156,7 @@ class Capture(BaseModel):
     # What a reader should know that is not an error: the start waited for a fresh folder second;
     # files replaced since the verdict (added when the capture is read, not journaled).
     notes: list[str] = Field(default_factory=list)
+    clocks: list[ClockRecord] = Field(default_factory=list)  # a fleet's offsets of this host's clock
 
     @property
     def terminal(self) -> bool:

@@ -18,6 +18,7 @@ from sidecar.config.models import DeployConfig, Stage, StageKind
 from sidecar.config.profiler import ProfilerConfig
 from sidecar.control.models import Capture, CaptureState, StopReason
 from sidecar.errors import KindUnsupported, FleetInvalid
+from sidecar.fleet._clocks import MORE, ClockOffset, clock_record, exchange
 from sidecar.fleet._targets import Target
 
 # "upstream answered stop": the capture left `stopping` (collecting, or already terminal).
@@ -50,6 +51,7 @@ class Driver(Protocol):
     async def wait(self, capture_id: str, timeout: float | None) -> Capture: ...
     async def heartbeat(self, capture_id: str) -> None: ...
     async def live(self) -> Capture | None: ...
+    async def clock(self, more: int = MORE) -> ClockOffset: ...
     async def close(self, keep_live: bool = False) -> None: ...
 
 
@@ -156,6 +158,16 @@ class SidecarDriver:
     async def live(self) -> Capture | None:
         return next((c for c in await self.client.list_captures() if not c.terminal), None)
 
+    async def record_clock(self, capture_id: str, phase: str, clock: ClockOffset) -> None:
+        await self.client.record_clock(capture_id, clock_record(phase, clock))
+
+    async def clock(self, more: int = MORE) -> ClockOffset:
+        async def read() -> tuple[int, int]:
+            reply = await self.client.clock()
+            return int(reply["realtime_ns"]), int(reply["monotonic_ns"])
+
+        return await exchange(read, more=more)
+
     async def close(self, keep_live: bool = False) -> None:
         await self.client.aclose()
 
@@ -225,6 +237,14 @@ class UpstreamDriver:
     async def live(self) -> Capture | None:
         # After open(), a capture journaled live by an earlier process is here, already stopping.
         return self.controller.active
+
+    async def record_clock(self, capture_id: str, phase: str, clock: ClockOffset) -> None:
+        from sidecar.control.models import ClockRecord
+
+        await self.controller.record_clock(capture_id, ClockRecord(**clock_record(phase, clock)))
+
+    async def clock(self, more: int = MORE) -> ClockOffset:
+        return ClockOffset.in_process()  # the controller runs here: the traces' host clock is ours
 
     async def close(self, keep_live: bool = False) -> None:
         try:

@@ -19,6 +19,7 @@ from sidecar.config.rules import select_stages
 from sidecar.config.sharing import RENDER_FIX, shared_dir_groups, shared_profiler_dirs
 from sidecar.control.models import Capture, CaptureState, StopReason
 from sidecar.errors import BudgetInvalid, TargetInvalid, TargetNoAnswer, StagesNotShared, ConcurrencyInvalid, FlavorsMixed, FleetClosed, FleetStagesInvalid, KindInvalid, FleetError, FleetInvalid, ProfilerDirShared, SidecarError, StageSelectionError, StartWithheld
+from sidecar.fleet._clocks import FLEET_MORE, MORE, ClockOffset
 from sidecar.fleet._drivers import Driver, DriverFactory, Kind, FleetTransports, SidecarDriver, UpstreamDriver
 from sidecar.fleet._release import START_AT_MAX_S, Release, check_start_at
 from sidecar.fleet._results import FleetCapture, TargetError, TargetOutcome, TargetResult, error_of, mark_ambiguous
@@ -32,6 +33,8 @@ R = TypeVar("R")
 # The bound on every call that the server answers at once (open, start, live, a read): a target
 # that accepts and never answers costs a fan-out this much, never the HTTP client's default.
 START_TIMEOUT_S = 30.0
+# Clock exchanges in flight at once (bench/fanout.py --clocks measures why a bound is needed).
+CLOCK_CONCURRENCY = 16
 
 
 
@@ -67,6 +70,12 @@ class Fleet:
     ``drivers`` places ``ray`` targets (:class:`~sidecar.fleet._ray.RayNodes`: each target's
     controller in a Ray actor on its server's node); the protocol above is the same for every driver.
 
+    Clocks: just after each target's start and its stop, the fleet exchanges timestamps with it
+    in the background (``sidecar/fleet/_clocks.py``; ``exchange_clocks=False`` skips it) and
+    records its offset in ``TargetResult.clock_start`` / ``clock_stop`` (filled in by ``stop`` and
+    ``refresh``): what maps its traces onto the fleet's clock (``sidecar/fleet/_view.py``,
+    docs/fleet-clocks.md).
+
     Shared dirs: before anything starts, the targets' effective profiler dirs are compared
     (``sidecar.config.sharing``); two targets writing into one dir are refused with
     ``ProfilerDirShared`` unless ``allow_shared_dirs``, and then every affected stage verdict is
@@ -93,6 +102,7 @@ class Fleet:
         max_concurrency: int | None = None,
         start_at_max_s: float = START_AT_MAX_S,
         drivers: DriverFactory | None = None,
+        exchange_clocks: bool = True,
     ) -> None:
         self.targets = parse_targets(targets, deploy_config=deploy_config, flavor=flavor, token=token)
         if stages is not None and (
@@ -117,6 +127,7 @@ class Fleet:
         self.max_concurrency = max_concurrency or len(self.targets)
         self.start_at_max_s = start_at_max_s
         self._make_driver = drivers
+        self.exchange_clocks = exchange_clocks
         placed = [t.name for t in self.targets if t.kind is TargetKind.ray]
         if placed and drivers is None:
             raise TargetInvalid(
@@ -143,6 +154,8 @@ class Fleet:
         self._drivers: dict[str, Driver] = {}
         self._transports = FleetTransports()
         self._opened = False
+        self._clock_tasks: list[asyncio.Future[None]] = []
+        self._clocks: dict[tuple[str, str], ClockOffset] = {}  # (start|stop, capture id) -> offset
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -198,6 +211,9 @@ class Fleet:
         """Close clients and controllers. An in-process controller stops its live capture on
         close; ``keep_live=True`` leaves it running, journaled in ``state_dir``, for a later
         ``Fleet(..., state_dir=same).open()`` to stop (that is how ``fleet start``/``stop`` work)."""
+        for task in self._clock_tasks:  # an exchange in flight is not worth holding a close for
+            task.cancel()
+        self._clock_tasks = []
         drivers, self._drivers = list(self._drivers.values()), {}
         await asyncio.gather(*(d.close(keep_live) for d in drivers), return_exceptions=True)
         self._opened = False
@@ -360,6 +376,7 @@ class Fleet:
                 out[t.name] = base.with_capture(cap, start_s=took)
         fc = FleetCapture(label=label, stages=self.stages, targets=out, start_at=at, released_at=release.released_at)
         if all(r.outcome is TargetOutcome.started for r in out.values()):
+            self._exchange_later("start", fc, list(out))
             return fc
         started = [n for n, r in out.items() if r.outcome is TargetOutcome.started]
         stopped = await _uncancellable(self._stop_all(fc, started, reason=StopReason.rollback))
@@ -394,9 +411,59 @@ class Fleet:
         out = dict(fc.targets)
         out.update(stopped)
         fc = fc.model_copy(update={"targets": out})
+        self._exchange_later("stop", fc, [n for n in names if out[n].outcome is TargetOutcome.stopped])
         if wait_artifacts:
-            fc = await self.refresh(fc, wait=True, timeout=artifact_timeout_s)
-        return fc
+            return await self.refresh(fc, wait=True, timeout=artifact_timeout_s)
+        return await self._with_clocks(fc, wait=False)
+
+    def _exchange_later(self, phase: str, fc: FleetCapture, names: Sequence[str]) -> None:
+        """Each target's clock exchange (``sidecar/fleet/_clocks.py``) just after its start or stop,
+        in the background and at most ``CLOCK_CONCURRENCY`` at once: a thousand exchanges at once
+        would queue on this loop and each round trip (the error bound) would grow with the fleet.
+        The results land in ``clock_start`` / ``clock_stop`` at the next ``stop`` / ``refresh``."""
+        pairs = [(n, fc.targets[n].capture_id) for n in names if fc.targets[n].capture_id]
+        if not (self.exchange_clocks and pairs):
+            return
+        loop = asyncio.get_running_loop()
+        more = FLEET_MORE // len(pairs)  # a small fleet affords more samples on a busy host
+
+        async def run() -> None:
+            gate = asyncio.Semaphore(CLOCK_CONCURRENCY)
+
+            async def one(name: str, cid: str) -> None:
+                async with gate:
+                    clock = await _clock_of(self._drivers[name], by=loop.time() + self.start_timeout_s, more=more)
+                if clock is None:
+                    return
+                self._clocks[(phase, cid)] = clock
+                record = getattr(self._drivers.get(name), "record_clock", None)
+                if record is not None:  # the capture keeps it too (journaled on its host); best effort
+                    try:
+                        await _by(loop.time() + self.start_timeout_s, record(cid, phase, clock), "a clock record", 0.0)
+                    except Exception as exc:  # a sidecar older than POST /v1/captures/{id}/clock
+                        log.debug("clock offset not recorded on %s: %s", name, exc)
+
+            await asyncio.gather(*(one(n, c) for n, c in pairs if n in self._drivers), return_exceptions=True)
+
+        self._clock_tasks.append(asyncio.ensure_future(run()))
+
+    async def clocks(self, fc: FleetCapture) -> FleetCapture:
+        """``fc`` with every target's clock offsets, once the exchanges in flight have ended."""
+        return await self._with_clocks(fc, wait=True)
+
+    async def _with_clocks(self, fc: FleetCapture, *, wait: bool) -> FleetCapture:
+        """``fc`` with the clock offsets measured so far (with ``wait``: once the exchanges in
+        flight end, each bounded by ``start_timeout_s``)."""
+        if wait and self._clock_tasks:
+            await asyncio.wait(list(self._clock_tasks))
+        self._clock_tasks = [t for t in self._clock_tasks if not t.done()]
+        out = {}
+        for name, r in fc.targets.items():
+            start, stop = self._clocks.get(("start", r.capture_id or "")), self._clocks.get(("stop", r.capture_id or ""))
+            if (start and not r.clock_start) or (stop and not r.clock_stop):
+                r = r.model_copy(update={"clock_start": r.clock_start or start, "clock_stop": r.clock_stop or stop})
+            out[name] = r
+        return fc.model_copy(update={"targets": out})
 
     async def _stop_all(self, fc: FleetCapture, names: Sequence[str], *, reason: StopReason) -> dict[str, TargetResult]:
         loop = asyncio.get_running_loop()
@@ -419,10 +486,11 @@ class Fleet:
             except Exception as exc:
                 return r.model_copy(update={"outcome": TargetOutcome.stop_failed, "error": error_of(exc),
                                             "stop_s": loop.time() - t0})
+            took = loop.time() - t0
             err = None
             if cap.state is CaptureState.failed and cap.errors:
                 err = TargetError(code=cap.errors[-1].code, message=cap.errors[-1].message)
-            return self._judged(r.with_capture(cap, outcome=TargetOutcome.stopped, error=err, stop_s=loop.time() - t0))
+            return self._judged(r.with_capture(cap, outcome=TargetOutcome.stopped, error=err, stop_s=took))
 
         results = await self._each(list(names), one)
         for res in results:
@@ -464,7 +532,8 @@ class Fleet:
         for res in results:
             if isinstance(res, BaseException):
                 raise res
-        return fc.model_copy(update={"targets": {r.target: r for r in results}})  # type: ignore[union-attr]
+        fc = fc.model_copy(update={"targets": {r.target: r for r in results}})  # type: ignore[union-attr]
+        return await self._with_clocks(fc, wait=wait)
 
     async def heartbeat(self, fc: FleetCapture) -> None:
         """Extend every started capture's lease (best effort; errors are logged)."""
@@ -517,6 +586,20 @@ class Fleet:
             await _uncancellable(self.stop(fc, wait_artifacts=False))
             raise
         return await _uncancellable(self.stop(fc, wait_artifacts=wait_artifacts, artifact_timeout_s=artifact_timeout_s))
+
+
+async def _clock_of(d: Driver, *, by: float | None = None, more: int = MORE) -> ClockOffset | None:
+    """``d``'s clock exchange (``sidecar/fleet/_clocks.py``), or None where it cannot be measured
+    (a sidecar older than ``GET /v1/clock``, a driver without ``clock``): best effort, never a
+    target's failure; its traces are then mapped at offset 0 and the archive says so."""
+    clock = getattr(d, "clock", None)
+    if clock is None:
+        return None
+    try:
+        return await (clock(more) if by is None else _by(by, clock(more), "a clock exchange", 0.0))
+    except Exception as exc:
+        log.debug("no clock offset for %s: %s", d.target.name, exc)
+        return None
 
 
 async def _uncancellable(aw: Awaitable[R]) -> R:

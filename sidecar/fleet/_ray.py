@@ -23,6 +23,7 @@ from sidecar import errors as _errors
 from sidecar.config.models import DeployConfig
 from sidecar.control.models import Capture, StopReason
 from sidecar.errors import FleetError, SidecarError
+from sidecar.fleet._clocks import MORE, ClockOffset, exchange
 from sidecar.fleet._targets import Target
 
 __all__ = ["NodeProfiler", "Placement", "RayNodeDriver", "RayNodes", "TOP_OPS", "deploy_for_server"]
@@ -141,6 +142,12 @@ class NodeProfiler:
     async def live(self) -> tuple[str, Any]:
         return await self._call(lambda: self._driver.live())
 
+    def clock(self) -> tuple[str, Any]:
+        """This node's realtime and monotonic clocks (ns): one sample of the fleet's exchange."""
+        from sidecar.fleet._clocks import read_clocks
+
+        return _answer(read_clocks())
+
     async def close(self, keep_live: bool = False) -> tuple[str, Any]:
         async def work() -> None:
             try:
@@ -213,6 +220,14 @@ class RayNodeDriver:
 
     async def live(self) -> Capture | None:
         return _raise(await self.actor.live.remote())  # type: ignore[no-any-return]
+
+    async def clock(self, more: int = MORE) -> ClockOffset:
+        # The node's controller reads the node's clock, not the trainer's: exchanged like a sidecar's.
+        async def read() -> tuple[int, int]:
+            real, mono = _raise(await self.actor.clock.remote())
+            return int(real), int(mono)
+
+        return await exchange(read, more=more)
 
     async def close(self, keep_live: bool = False) -> None:
         import ray

@@ -12,6 +12,7 @@ from pydantic import BaseModel, Field
 
 from sidecar.control.models import Capture, CaptureState, StageVerdict, Verdict
 from sidecar.errors import FleetError, SidecarError
+from sidecar.fleet._clocks import ClockOffset
 from sidecar.fleet._targets import TargetKind
 
 
@@ -44,6 +45,16 @@ class TargetResult(BaseModel):
     error: TargetError | None = None
     start_s: float | None = None  # how long this target's start took (from the fan-out's start)
     stop_s: float | None = None  # how long until its upstream answered stop (from the fan-out's stop)
+    # Its clock against the fleet's, exchanged before its start and after its stop (None: not
+    # measured, e.g. a sidecar older than GET /v1/clock); docs/fleet-clocks.md.
+    clock_start: ClockOffset | None = None
+    clock_stop: ClockOffset | None = None
+
+    @property
+    def clock(self) -> ClockOffset | None:
+        """The tighter of the start and stop exchanges (its traces are mapped through this)."""
+        known = [c for c in (self.clock_start, self.clock_stop) if c is not None]
+        return min(known, key=lambda c: c.error_ns) if known else None
 
     @property
     def folders(self) -> list[str]:

@@ -1,0 +1,223 @@
+"""Traces of many hosts on one clock: each trace's events mapped through its host's clock offset,
+the start skew against the requested start, and the common window (docs/fleet-clocks.md).
+
+A trace's own clock: Kineto writes ``ts`` in µs relative to ``baseTimeNanoseconds`` (a trace
+without one in its header, such as the emulator's, has absolute ``ts``: base 0). Its host's
+clock is ``offset_ns`` ahead of the reference clock (the fleet's), so an event at ``ts`` sits at
+``base + ts·1000 − offset_ns`` on the reference clock. Each trace is read once, streamed
+(``TraceReader``), for its first and last profiled event.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.analysis.capture import TraceSource
+from sidecar.analysis.reader import TraceReader, read_header
+from sidecar.analysis.timeline import _rank
+from sidecar.analysis.timeline import trace_base_ns as _trace_base_ns
+from sidecar.errors import TraceError
+
+# Not profiled work: the profiler's own span and its global instants ("Record Window End").
+_NOT_WORK = frozenset({"Trace"})
+
+
+@dataclass(frozen=True)
+class HostClock:
+    """Where a trace was recorded and how its clock relates to the reference clock."""
+
+    host: str  # the machine's name (one per clock domain)
+    offset_ns: int = 0  # the host's clock − the reference clock
+    error_ns: int | None = None  # bound on |offset error|; None: not measured (offset 0 assumed)
+    method: str = "unmeasured"  # exchange / in_process / unmeasured
+
+
+@dataclass(frozen=True)
+class FleetSource:
+    """One trace of a fleet capture: the file, which target recorded it, on which host clock."""
+
+    source: TraceSource
+    target: str
+    clock: HostClock
+
+
+def trace_base_ns(header: dict[str, Any]) -> int:
+    """What the trace's ``ts`` count from, in ns (0 where they are absolute: ``timeline.trace_base_ns``)."""
+    return _trace_base_ns(header) or 0
+
+
+def clock_shift_ns(base_ns: int, clock: HostClock) -> int:
+    """What to add to ``ts·1000`` of a trace to put it on the reference clock."""
+    return base_ns - clock.offset_ns
+
+
+@dataclass
+class TraceSpan:
+    """One trace on the reference clock: its first and last profiled event (epoch ns)."""
+
+    target: str
+    file: str
+    host: str
+    stage_id: int | None
+    replica: int | None
+    rank: int | None
+    base_ns: int
+    offset_ns: int
+    error_ns: int | None
+    first_ns: int | None = None
+    last_ns: int | None = None
+    events: int = 0
+    start_skew_ms: float | None = None  # first_ns − the requested start
+
+
+def trace_span(fs: FleetSource) -> TraceSpan:
+    """Read ``fs`` once for its first and last profiled event (``X`` events but the profiler's
+    own span), mapped onto the reference clock. ``TraceError`` when it cannot be read."""
+    header = read_header(fs.source.path)
+    base = trace_base_ns(header)
+    shift = clock_shift_ns(base, fs.clock)
+    lo = hi = None
+    n = 0
+    reader = TraceReader(fs.source.path)
+    for batch in reader.batches():
+        for e in batch:
+            if e.ph != "X" or e.cat in _NOT_WORK or e.ts <= 0:
+                continue
+            n += 1
+            end = e.ts + max(e.dur, 0.0)
+            lo = e.ts if lo is None or e.ts < lo else lo
+            hi = end if hi is None or end > hi else hi
+    src = fs.source
+    return TraceSpan(
+        target=fs.target, file=str(src.path), host=fs.clock.host, stage_id=src.stage_id, replica=src.replica,
+        rank=_rank(header, src.path), base_ns=base, offset_ns=fs.clock.offset_ns, error_ns=fs.clock.error_ns,
+        first_ns=None if lo is None else shift + round(lo * 1000), last_ns=None if hi is None else shift + round(hi * 1000),
+        events=n,
+    )
+
+
+@dataclass
+class Alignment:
+    """Every trace of a capture on one clock, the skew of their starts and the common window."""
+
+    requested_ns: int | None  # the start asked for (start_at, else when the starts were sent)
+    spans: list[TraceSpan] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    spread_ms: float | None = None  # latest first event − earliest first event
+    skew_p50_ms: float | None = None  # median first event − requested start
+    skew_max_ms: float | None = None
+    window_ns: tuple[int, int] | None = None  # latest first event → earliest last event
+    window_empty: bool = False  # the traces do not overlap at all
+
+    @property
+    def window_ms(self) -> float | None:
+        return None if self.window_ns is None else (self.window_ns[1] - self.window_ns[0]) / 1e6
+
+
+def align(sources: Sequence[FleetSource], *, requested_ns: int | None = None) -> Alignment:
+    """Each source's span on the reference clock (read once each), the start skew per trace
+    against ``requested_ns``, its spread, and the common window. A source that cannot be read is
+    named in ``errors``; ``TraceError`` when none can."""
+    out = Alignment(requested_ns=requested_ns)
+    for fs in sources:
+        try:
+            out.spans.append(trace_span(fs))
+        except TraceError as err:
+            out.errors.append(str(err))
+    if not out.spans and out.errors:
+        raise TraceError("no readable trace in the fleet capture: " + "; ".join(out.errors[:5]),
+                         details={"errors": out.errors})
+    timed = [s for s in out.spans if s.first_ns is not None and s.last_ns is not None]
+    if not timed:
+        return out
+    firsts = [s.first_ns for s in timed]  # type: ignore[misc]
+    lasts = [s.last_ns for s in timed]  # type: ignore[misc]
+    out.spread_ms = (max(firsts) - min(firsts)) / 1e6
+    if requested_ns is not None:
+        for s in timed:
+            s.start_skew_ms = (s.first_ns - requested_ns) / 1e6  # type: ignore[operator]
+        skews = [s.start_skew_ms for s in timed]
+        out.skew_p50_ms = statistics.median(skews)  # type: ignore[arg-type]
+        out.skew_max_ms = max(skews, key=abs)  # type: ignore[arg-type]
+    lo, hi = max(firsts), min(lasts)
+    if lo < hi:
+        out.window_ns = (lo, hi)
+    else:
+        out.window_empty = True
+    return out
+
+
+@dataclass
+class ReplicaStraggler:
+    """One of the slowest replicas of a step against the median replica."""
+
+    replica: int | None
+    target: str
+    wall_ms: float  # its last event − its first event, all its traces, on the reference clock
+    median_wall_ms: float
+    excess_ms: float
+    stage_id: int | None  # the stage where it loses the most against the median replica
+    stage_excess_ms: float
+    diff: Any = None  # sidecar.analysis.diff.CaptureDiff: median replica (a) vs this one (b)
+
+
+@dataclass
+class Stragglers:
+    median_replica: int | None
+    median_wall_ms: float
+    replicas: int
+    slowest: list[ReplicaStraggler] = field(default_factory=list)
+
+
+def _walls(spans: Sequence[TraceSpan]) -> dict[int | None, dict[int | None, tuple[int, int]]]:
+    """Per replica, per stage: (first, last) event on the reference clock."""
+    out: dict[int | None, dict[int | None, tuple[int, int]]] = {}
+    for s in spans:
+        if s.first_ns is None or s.last_ns is None:
+            continue
+        stages = out.setdefault(s.replica, {})
+        lo, hi = stages.get(s.stage_id, (s.first_ns, s.last_ns))
+        stages[s.stage_id] = (min(lo, s.first_ns), max(hi, s.last_ns))
+    return out
+
+
+def stragglers(sources: Sequence[FleetSource], alignment: Alignment, *, k: int = 3, top: int = 10,
+               diff_ops: bool = True) -> Stragglers:
+    """For one step (one capture): the ``k`` slowest replicas by wall time against the median
+    replica (the lower median), the stage where each loses the most, and (``diff_ops``) the diff
+    of its top ops against the median replica's (``sidecar.analysis.diff.diff_paths``)."""
+    walls = _walls(alignment.spans)
+
+    def wall(rep: int | None) -> int:
+        st = walls[rep].values()
+        return max(h for _, h in st) - min(lo for lo, _ in st)
+
+    ranked = sorted(walls, key=wall)
+    if not ranked:
+        return Stragglers(median_replica=None, median_wall_ms=0.0, replicas=0)
+    med = ranked[(len(ranked) - 1) // 2]
+    med_wall = wall(med)
+    out = Stragglers(median_replica=med, median_wall_ms=med_wall / 1e6, replicas=len(ranked))
+    by_replica: dict[int | None, list[FleetSource]] = {}
+    for fs in sources:
+        by_replica.setdefault(fs.source.replica, []).append(fs)
+    for rep in [r for r in reversed(ranked) if r != med][:max(0, k)]:
+        excess = {sid: (hi - lo) - (walls[med][sid][1] - walls[med][sid][0] if sid in walls[med] else 0)
+                  for sid, (lo, hi) in walls[rep].items()}
+        stage = max(excess, key=lambda sid: excess[sid])
+        diff = None
+        if diff_ops:
+            from sidecar.analysis.diff import diff_paths
+
+            diff = diff_paths([fs.source for fs in by_replica[med]], [fs.source for fs in by_replica[rep]], top=top,
+                              label_a=f"replica {med} (median)", label_b=f"replica {rep}")
+        out.slowest.append(ReplicaStraggler(
+            replica=rep, target=by_replica[rep][0].target, wall_ms=wall(rep) / 1e6, median_wall_ms=med_wall / 1e6,
+            excess_ms=(wall(rep) - med_wall) / 1e6, stage_id=stage, stage_excess_ms=excess[stage] / 1e6, diff=diff))
+    return out
+
+
+__all__ = ["Alignment", "ReplicaStraggler", "Stragglers", "stragglers", "FleetSource", "HostClock", "TraceSpan", "align", "clock_shift_ns", "trace_base_ns", "trace_span"]
