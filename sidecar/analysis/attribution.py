@@ -46,6 +46,7 @@ CATEGORY_NAMES = ("gemm", "attention", "communication", "elementwise", "reductio
 LAUNCH_CALLS = frozenset({"cudaLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaMemsetAsync"})
 CAPTURE_BEGIN = frozenset({"cudaStreamBeginCapture", "cudaStreamBeginCaptureToGraph"})
 CAPTURE_END = "cudaStreamEndCapture"
+CAPTURE_CALLS = CAPTURE_BEGIN | {CAPTURE_END}
 KERNEL_WAIT_US = 30.0  # HTA's consecutive_kernel_delay default (its trace clock is µs)
 SHORT_KERNEL_US = 10.0
 CPU_BOUND_SHORTER = 0.5  # share of launches whose kernel ran shorter than its launch call
@@ -232,24 +233,55 @@ class DeviceAttribution:
         return dict(temporal=temporal, idle_breakdown=idle, kernel_categories=cats, overlap=overlap, launch=launch, steady=steady)
 
 
-class _Dev:
-    """Pass state of one device."""
+# which unions an event of each kind joins: compute, comm, compute∪comm, ∪memory, all
+_JOINS = {COMPUTE: (0, 2, 3, 4), COMMUNICATION: (1, 2, 3, 4), MEMORY: (3, 4), OTHER: (4,)}
 
-    __slots__ = ("first", "last", "unions", "idle", "cats", "gpu_us", "sketch", "launches", "shorter", "kernels", "short")
+
+class _Dev:
+    """Pass state of one device: its GPU events as (start, end, kind), swept in sorted blocks
+    into the five unions (compute, comm, compute∪comm, ∪memory, all) in one go."""
+
+    __slots__ = ("first", "last", "ivs", "cs", "ce", "tot", "idle", "sketch", "launches", "shorter", "short")
 
     def __init__(self) -> None:
         self.first = math.inf
         self.last = -math.inf
-        self.unions = [Union() for _ in range(5)]
+        self.ivs: list[tuple[float, float, int]] = []
+        self.cs: list[float | None] = [None] * 5
+        self.ce = [0.0] * 5
+        self.tot = [0.0] * 5
         self.idle = [0.0, 0.0, 0.0]
-        self.cats: dict[str, list[float]] = {}
-        self.gpu_us = 0.0
         self.sketch = Sketch()
-        self.launches = self.shorter = self.kernels = self.short = 0
+        self.launches = self.shorter = self.short = 0
 
+    def flush(self) -> None:
+        ivs = self.ivs
+        if not ivs:
+            return
+        ivs.sort()
+        cs, ce, tot = self.cs, self.ce, self.tot
+        if ivs[0][0] < self.first:
+            self.first = ivs[0][0]
+        last = self.last
+        for s, e, k in ivs:
+            if e > last:
+                last = e
+            for i in _JOINS[k]:
+                c = cs[i]
+                if c is None:
+                    cs[i], ce[i] = s, e
+                elif s <= ce[i]:
+                    if e > ce[i]:
+                        ce[i] = e
+                else:
+                    tot[i] += ce[i] - c
+                    cs[i], ce[i] = s, e
+        self.last = last
+        self.ivs = []
 
-# which unions an event of each kind joins: compute, comm, compute∪comm, ∪memory, all
-_JOINS = {COMPUTE: (0, 2, 3, 4), COMMUNICATION: (1, 2, 3, 4), MEMORY: (3, 4), OTHER: (4,)}
+    def unions(self) -> list[float]:
+        self.flush()
+        return [t + (self.ce[i] - c if c is not None else 0.0) for i, (t, c) in enumerate(zip(self.tot, self.cs))]
 
 
 class TraceAttribution:
@@ -260,64 +292,56 @@ class TraceAttribution:
     def __init__(self, steady: bool = True) -> None:
         self.steady = steady
         self.step_start = math.inf  # first step annotation (ProfilerStep#N, engine step)
+        self._cut = -math.inf  # GPU events before this are the profiler-start transient
         self.captures: list[list[float]] = []  # CUDA graph captures: [begin, end]
         self._open_capture: float | None = None
         self.devs: dict[int, _Dev] = {}
         # per stream: [device, the last event's end, events as [ts, te, API call start]]. Kineto
         # writes a stream's events in CUPTI buffers, not in time order: they are sorted per block.
         self.streams: dict[tuple[int, int], list[Any]] = {}
-        self._pending: dict[int, list[list[Any]]] = {}
-        self._kinds: dict[tuple[str, str], tuple[int, str]] = {}
+        self.pending: dict[int, list[list[Any]]] = {}  # correlation -> GPU events awaiting their API call
+        self._kinds: dict[str, int] = {}
         self.transient = [math.inf, -math.inf, 0]  # GPU events before the first step: first, last, count
 
     def step(self, ts: float) -> None:
         if ts < self.step_start:
             self.step_start = ts
+            if self.steady:
+                self._cut = ts
 
-    def gpu(self, dev: int, stream: int, ts: float, te: float, dur: float, name: str, cat: str, corr: int | None) -> None:
-        if self.steady and ts < self.step_start and self.step_start != math.inf:
+    def gpu(self, sk: tuple[int, int], ts: float, te: float, dur: float, name: str, cat: str, corr: int | None) -> None:
+        """One kernel / memcpy / memset on stream ``sk`` = (device, stream)."""
+        if ts < self._cut:
             t = self.transient
             t[0], t[1], t[2] = min(t[0], ts), max(t[1], te), t[2] + 1
             return
-        d = self.devs.get(dev)
-        if d is None:
-            d = self.devs[dev] = _Dev()
-        if ts < d.first:
-            d.first = ts
-        if te > d.last:
-            d.last = te
-        kc = self._kinds.get((name, cat))
-        if kc is None:
-            kc = self._kinds[(name, cat)] = (kernel_kind(name, cat), kernel_category(name, cat))
-        iv = (ts, te)
-        unions = d.unions
-        for i in _JOINS[kc[0]]:
-            p = unions[i].pending
-            p.append(iv)
-            if len(p) >= _BLOCK:
-                unions[i].flush()
-        c = d.cats.get(kc[1])
-        if c is None:
-            c = d.cats[kc[1]] = [0, 0.0]
-        c[0] += 1
-        c[1] += dur
-        d.gpu_us += dur
-        if cat == "kernel":
-            d.kernels += 1
-            if dur < SHORT_KERNEL_US:
-                d.short += 1
-        st = self.streams.get((dev, stream))
+        st = self.streams.get(sk)
         if st is None:
-            st = self.streams[(dev, stream)] = [d, None, []]
+            d = self.devs.get(sk[0])
+            if d is None:
+                d = self.devs[sk[0]] = _Dev()
+            st = self.streams[sk] = [d, None, []]
+        d = st[0]
+        k = self._kinds.get(name)
+        if k is None:
+            k = self._kinds[name] = kernel_kind(name, cat)
+        ivs = d.ivs
+        ivs.append((ts, te, k))
+        if len(ivs) >= _BLOCK:
+            d.flush()
+        if dur < SHORT_KERNEL_US and cat == "kernel":
+            d.short += 1
         rec = [ts, te, None, dur, d]
         recs = st[2]
         recs.append(rec)
         if len(recs) >= _BLOCK:
             self._gaps(st)
-        if corr is not None and corr > 0 and len(self._pending) < _MAX_PENDING:
-            w = self._pending.get(corr)
+        if corr:
+            pending = self.pending
+            w = pending.get(corr)
             if w is None:
-                self._pending[corr] = [rec]
+                if len(pending) < _MAX_PENDING:
+                    pending[corr] = [rec]
             else:
                 w.append(rec)
 
@@ -349,7 +373,7 @@ class TraceAttribution:
             if self.steady:
                 self.captures.append([self._open_capture, ts + dur])
             self._open_capture = None
-        waiting = self._pending.pop(corr, None) if corr else None
+        waiting = self.pending.pop(corr, None) if corr else None
         if waiting is None:
             return
         launch = name in LAUNCH_CALLS
@@ -368,14 +392,26 @@ class TraceAttribution:
         category's top kernels."""
         for st in self.streams.values():
             self._gaps(st)
-        self._pending = {}
-        tops: dict[str, list[list[Any]]] = {}
+        self.pending = {}
+        # categories from the trace's own tables (one GPU per trace in practice; a trace with
+        # several gives each of them the trace's split)
+        cats: dict[str, list[Any]] = {}
+        gpu_us = kernels = 0.0
         for cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             for row in tables.get(cat, {}).values():
-                tops.setdefault(kernel_category(row[0], cat), []).append([row[0], int(row[1]), row[2]])
+                c = cats.setdefault(kernel_category(row[0], cat), [0, 0.0, []])
+                c[0] += int(row[1])
+                c[1] += row[2]
+                c[2].append([row[0], int(row[1]), row[2]])
+                gpu_us += row[2]
+                if cat == "kernel":
+                    kernels += row[1]
+        for c in cats.values():
+            c[2] = sorted(c[2], key=lambda r: -r[2])[:_TOP]
         out: dict[int, DeviceAttribution] = {}
         for dev, d in self.devs.items():
             a = DeviceAttribution()
+            a.busy = d.unions()
             if d.first == math.inf:
                 out[dev] = a
                 continue
@@ -391,12 +427,11 @@ class TraceAttribution:
                 a.left_out.insert(0, LeftOut(what="profiler_start", start_us=t[0], end_us=min(t[1], self.step_start),
                                              us=max(0.0, self.step_start - t[0]), gpu_events=int(t[2])))
             a.window_us = max(0.0, d.last - d.first - captured)
-            a.busy = [u.length() for u in d.unions]
             a.idle = d.idle
-            a.cats = {c: [int(v[0]), v[1], sorted(tops.get(c, []), key=lambda r: -r[2])[:_TOP]] for c, v in d.cats.items()}
-            a.gpu_us = d.gpu_us
+            a.cats = {c: [v[0], v[1], list(v[2])] for c, v in cats.items()}
+            a.gpu_us = gpu_us
             a.sketch = d.sketch
-            a.launches, a.shorter, a.kernels, a.short = d.launches, d.shorter, d.kernels, d.short
+            a.launches, a.shorter, a.kernels, a.short = d.launches, d.shorter, int(kernels), d.short
             out[dev] = a
         return out
 

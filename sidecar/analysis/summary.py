@@ -20,7 +20,7 @@ from bisect import bisect_left
 from pathlib import Path
 from typing import Any
 
-from sidecar.analysis.attribution import DeviceAttribution, TraceAttribution, Union
+from sidecar.analysis.attribution import CAPTURE_CALLS, DeviceAttribution, TraceAttribution, Union
 from sidecar.analysis.models import (
     DeviceStat,
     GpuSplit,
@@ -231,7 +231,7 @@ class Aggregate:
         rows = self._rows
         busy_of, stream_of = self._busy, self._stream_of
         new_row = self._new_row
-        att_gpu, att_runtime = self._att.gpu, self._att.runtime
+        att_gpu, att_runtime, att_pending = self._att.gpu, self._att.runtime, self._att.pending
         start, end = self.start, self.end
         if start is None:
             start, end = float("inf"), float("-inf")
@@ -329,7 +329,7 @@ class Aggregate:
                 pend.append((ts, te))
                 if len(pend) >= self._block:
                     busy.flush()
-                att_gpu(dev, sk[1], ts, te, dur, name, cat, corr)
+                att_gpu(sk, ts, te, dur, name, cat, corr)
             elif cat in _RUNTIME_CATS:
                 ts = e.ts
                 dur = e.dur
@@ -343,7 +343,9 @@ class Aggregate:
                 row[3] += dur
                 a = e.args
                 if a is not None:
-                    att_runtime(name, ts, dur, a.correlation)
+                    corr = a.correlation
+                    if corr in att_pending or name in CAPTURE_CALLS:
+                        att_runtime(name, ts, dur, corr)
                     parent = self._launcher(a.external_id)
                     if parent is not None:
                         parent[3] -= dur  # the API call ran inside that op on its thread
@@ -585,7 +587,7 @@ def aggregate_trace(
     """One pass over ``path``. Raises ``TraceError`` when nothing usable was read. ``stage_id``
     and ``replica`` key its devices (with the rank from the trace). ``steady=False`` keeps the
     profiler-start transient and graph captures in the attribution window (as HTA does)."""
-    reader = TraceReader(path, skip_python=True)
+    reader = TraceReader(path, skip_python=True, complete_only=True)
     agg = Aggregate(steady=steady)
     # The pass allocates millions of short-lived structs and no cycles: the cyclic GC would only
     # rescan the growing tables on every generation-0 threshold.
