@@ -62,8 +62,7 @@ class EventArgs(msgspec.Struct, gc=False):
     stream: int | None = None
 
 
-class TraceEvent(msgspec.Struct, gc=False):
-    ph: str = ""
+class _EventFields(msgspec.Struct, gc=False):
     cat: str | None = None
     name: str = ""
     pid: int | str | None = None
@@ -71,22 +70,19 @@ class TraceEvent(msgspec.Struct, gc=False):
     ts: float = 0.0
     dur: float = 0.0
     args: EventArgs | None = None
+
+
+class TraceEvent(_EventFields, gc=False):
+    ph: str = ""
 
 
 _DECODE = msgspec.json.Decoder(list[TraceEvent]).decode
 
 
-class CompleteEvent(msgspec.Struct, tag_field="ph", tag="X", gc=False):
-    """A ``"ph": "X"`` event, for readers that use nothing else (``summary_events``)."""
+class CompleteEvent(_EventFields, tag_field="ph", tag="X", gc=False):
+    """A ``"ph": "X"`` event, for readers that use nothing else (the summary)."""
 
     ph: ClassVar[str] = "X"
-    cat: str | None = None
-    name: str = ""
-    pid: int | str | None = None
-    tid: int | str | None = None
-    ts: float = 0.0
-    dur: float = 0.0
-    args: EventArgs | None = None
 
 
 def _placeholder(ph: str) -> type:
