@@ -241,7 +241,7 @@ class _Dev:
     """Pass state of one device: its GPU events as (start, end, kind), swept in sorted blocks
     into the five unions (compute, comm, compute∪comm, ∪memory, all) in one go."""
 
-    __slots__ = ("first", "last", "ivs", "cs", "ce", "tot", "idle", "sketch", "launches", "shorter", "short")
+    __slots__ = ("first", "last", "ivs", "cs", "ce", "tot", "idle", "sketch", "launches", "shorter", "kernels", "short")
 
     def __init__(self) -> None:
         self.first = math.inf
@@ -252,7 +252,7 @@ class _Dev:
         self.tot = [0.0] * 5
         self.idle = [0.0, 0.0, 0.0]
         self.sketch = Sketch()
-        self.launches = self.shorter = self.short = 0
+        self.launches = self.shorter = self.kernels = self.short = 0
 
     def flush(self) -> None:
         ivs = self.ivs
@@ -329,8 +329,10 @@ class TraceAttribution:
         ivs.append((ts, te, k))
         if len(ivs) >= _BLOCK:
             d.flush()
-        if dur < SHORT_KERNEL_US and cat == "kernel":
-            d.short += 1
+        if cat == "kernel":
+            d.kernels += 1
+            if dur < SHORT_KERNEL_US:
+                d.short += 1
         rec = [ts, te, None, dur, d]
         recs = st[2]
         recs.append(rec)
@@ -396,7 +398,7 @@ class TraceAttribution:
         # categories from the trace's own tables (one GPU per trace in practice; a trace with
         # several gives each of them the trace's split)
         cats: dict[str, list[Any]] = {}
-        gpu_us = kernels = 0.0
+        gpu_us = 0.0
         for cat in ("kernel", "gpu_memcpy", "gpu_memset"):
             for row in tables.get(cat, {}).values():
                 c = cats.setdefault(kernel_category(row[0], cat), [0, 0.0, []])
@@ -404,8 +406,6 @@ class TraceAttribution:
                 c[1] += row[2]
                 c[2].append([row[0], int(row[1]), row[2]])
                 gpu_us += row[2]
-                if cat == "kernel":
-                    kernels += row[1]
         for c in cats.values():
             c[2] = sorted(c[2], key=lambda r: -r[2])[:_TOP]
         out: dict[int, DeviceAttribution] = {}
@@ -431,7 +431,7 @@ class TraceAttribution:
             a.cats = {c: [v[0], v[1], list(v[2])] for c, v in cats.items()}
             a.gpu_us = gpu_us
             a.sketch = d.sketch
-            a.launches, a.shorter, a.kernels, a.short = d.launches, d.shorter, int(kernels), d.short
+            a.launches, a.shorter, a.kernels, a.short = d.launches, d.shorter, d.kernels, d.short
             out[dev] = a
         return out
 
