@@ -93,3 +93,21 @@ def test_start_skew_against_the_requested_start() -> None:
     assert min(d.start_skew_us for d in cap2.devices) == pytest.approx(2e6, abs=1)
     one = summarize_paths([TRACES / "fleet_rank0.json.gz", TRACES / "fleet_rank1.json.gz"])
     assert "start_skew" not in _rules(one) and one.common_window.span_us > 30_000
+
+
+def test_cli_prints_the_why_table_and_findings_after_the_tables() -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from sidecar.cli import app
+
+    out = CliRunner().invoke(app, ["summarize", str(TRACES / "host_bound.json.gz")], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    text = out.output
+    assert text.index("Why, per stage·replica·rank·GPU") < text.index("Findings")
+    assert "high   the trace: GPU idle 97% of the window, 100% of it waiting on the host" in text
+    as_json = CliRunner().invoke(app, ["summarize", str(TRACES / "host_bound.json.gz"), "--json"])
+    doc = json.loads(as_json.stdout)
+    assert {"host_bound", "launch_bound"} <= {f["rule"] for f in doc["findings"]}
+    assert doc["devices"][0]["temporal"]["idle_share"] > 0.9 and doc["devices"][0]["launch"]["cpu_bound"] is True
