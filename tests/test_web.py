@@ -242,23 +242,28 @@ def test_open_in_perfetto_hands_the_trace_over_by_postmessage(web_stack: WebStac
     assert "sent the trace to Perfetto" in page.locator('.stage-block[data-stage="0"] .perfetto-status').inner_text()
 
 
-def test_gpu_summary_draws_kernels_busy_idle_and_steps(web_stack: WebStack, open_page: Any, screenshot: Any) -> None:
-    # a real H200 trace through the product's summarizer, drawn by the page's own renderer
-    summary = summarize_paths([TRACE_DATA / "cuda_small.json.gz"], top=20).model_dump(mode="json")
-    page = open_page(web_stack.url)
+def _render_summary(page: Any, summary: dict[str, Any], card_id: str) -> Any:
+    """``summary`` drawn by the page's own renderer (capture.js) into a card ``card_id``."""
     page.goto("/stages")
     page.locator("#stages-card .stage-block").first.wait_for()
     page.evaluate(
-        """async (s) => {
+        """async ([s, id]) => {
             const m = await import(new URL("web/capture.js", document.baseURI).href);
             const card = document.createElement("section");
             card.className = "card";
-            card.id = "gpu-summary";
+            card.id = id;
             document.getElementById("main").replaceChildren(card);
             m.renderSummary(card, s);
         }""",
-        summary,
+        [summary, card_id],
     )
+    return page
+
+
+def test_gpu_summary_draws_kernels_busy_idle_and_steps(web_stack: WebStack, open_page: Any, screenshot: Any) -> None:
+    # a real H200 trace through the product's summarizer, drawn by the page's own renderer
+    summary = summarize_paths([TRACE_DATA / "cuda_small.json.gz"], top=20).model_dump(mode="json")
+    page = _render_summary(open_page(web_stack.url), summary, "gpu-summary")
     captions = page.locator("#gpu-summary figcaption").all_inner_texts()
     kernels = page.locator("#gpu-summary figure.chart", has_text="Top kernels by GPU time").locator("rect.bar")
     busy = page.locator("#gpu-summary figure.chart", has_text="Busy vs idle per device (whole capture)")
@@ -275,20 +280,7 @@ def test_summary_shows_findings_first_then_why_bars_per_stage(web_stack: WebStac
 
     summary = summarize_paths([TraceSource(TRACE_DATA / "busy_gemm.json.gz", stage_id=0),
                                TraceSource(TRACE_DATA / "host_bound.json.gz", stage_id=1)], top=10).model_dump(mode="json")
-    page = open_page(web_stack.url)
-    page.goto("/stages")
-    page.locator("#stages-card .stage-block").first.wait_for()
-    page.evaluate(
-        """async (s) => {
-            const m = await import(new URL("web/capture.js", document.baseURI).href);
-            const card = document.createElement("section");
-            card.className = "card";
-            card.id = "why-summary";
-            document.getElementById("main").replaceChildren(card);
-            m.renderSummary(card, s);
-        }""",
-        summary,
-    )
+    page = _render_summary(open_page(web_stack.url), summary, "why-summary")
     card = page.locator("#why-summary")
     # the findings come right after the heading, ranked as the summary ranks them
     assert card.locator(":scope > *").nth(1).evaluate("n => n.className") == "summary-findings"
