@@ -424,7 +424,7 @@ class TraceAttribution:
                     a.left_out.append(LeftOut(what="cuda_graph_capture", start_us=b, end_us=e, us=hi - lo))
             if dev == min(self.devs) and self.transient[2]:
                 t = self.transient
-                a.left_out.insert(0, LeftOut(what="profiler_start", start_us=t[0], end_us=min(t[1], self.step_start),
+                a.left_out.insert(0, LeftOut(what="profiler_start", start_us=t[0], end_us=self.step_start,
                                              us=max(0.0, self.step_start - t[0]), gpu_events=int(t[2])))
             a.window_us = max(0.0, d.last - d.first - captured)
             a.idle = d.idle
