@@ -55,6 +55,7 @@ _BLOCK = 16384  # intervals per union before a sorted merge
 _MAX_PENDING = 1 << 16  # GPU events waiting for their API call (it follows within a few events)
 _TOP = 5
 _first = itemgetter(0)
+_log, _ceil = math.log, math.ceil
 
 
 def kernel_category(name: str, cat: str) -> str:
@@ -113,7 +114,8 @@ class Sketch:
 
     __slots__ = ("buckets", "zeros", "n")
     _LOG = math.log(1.02)
-    _MIN = 1e-3  # µs: below this a delay is zero
+    INV_LOG = 1.0 / _LOG
+    MIN = 1e-3  # µs: below this a value is zero
 
     def __init__(self) -> None:
         self.buckets: dict[int, int] = {}
@@ -122,10 +124,10 @@ class Sketch:
 
     def add(self, v: float) -> None:
         self.n += 1
-        if v < self._MIN:
+        if v < self.MIN:
             self.zeros += 1
             return
-        k = math.ceil(math.log(v) / self._LOG)
+        k = _ceil(_log(v) * self.INV_LOG)
         b = self.buckets
         b[k] = b.get(k, 0) + 1
 
@@ -384,7 +386,14 @@ class TraceAttribution:
             if launch:
                 d = rec[4]
                 delay = rec[0] - ts - dur
-                d.sketch.add(delay if delay > 0 else 0.0)
+                sk = d.sketch  # Sketch.add, inlined: one call per launch adds up
+                sk.n += 1
+                if delay < Sketch.MIN:
+                    sk.zeros += 1
+                else:
+                    k = _ceil(_log(delay) * Sketch.INV_LOG)
+                    b = sk.buckets
+                    b[k] = b.get(k, 0) + 1
                 d.launches += 1
                 if rec[3] < dur:
                     d.shorter += 1

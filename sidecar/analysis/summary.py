@@ -235,6 +235,8 @@ class Aggregate:
         start, end = self.start, self.end
         if start is None:
             start, end = float("inf"), float("-inf")
+        ext_n = len(ext_arr)
+        last_pid = last_tid = last_th = None  # Kineto writes a thread's ops in runs: skip the lookup
         for e in events:
             if e.ph != "X":
                 continue
@@ -256,12 +258,19 @@ class Aggregate:
                 row[1] += 1
                 row[2] += dur
                 row[3] += dur
-                key = (e.pid, e.tid)
-                th = stacks.get(key)  # [start of the last op seen, open ops as (end, row)]
-                if th is None:
-                    th = self._new_thread(key, ts)
-                elif ts < th[0] - _EPS:
-                    self.out_of_order += 1
+                pid, tid = e.pid, e.tid
+                if tid == last_tid and pid == last_pid and last_th is not None:
+                    th = last_th
+                    if ts < th[0] - _EPS:
+                        self.out_of_order += 1
+                else:
+                    key = (pid, tid)
+                    th = stacks.get(key)  # [start of the last op seen, open ops as (end, row)]
+                    if th is None:
+                        th = self._new_thread(key, ts)
+                    elif ts < th[0] - _EPS:
+                        self.out_of_order += 1
+                    last_pid, last_tid, last_th = pid, tid, th
                 th[0] = ts
                 st = th[1]
                 while st and st[-1][0] <= ts + _EPS:
@@ -276,10 +285,11 @@ class Aggregate:
                 if a is not None:
                     x = a.external_id
                     if x:
-                        if 0 < x < len(ext_arr):
+                        if 0 < x < ext_n:
                             ext_arr[x] = row[5]
                         else:
                             self._remember_slow(x, row[5])
+                            ext_n = len(ext_arr)
             elif cat == "python_function" or cat is None:
                 continue
             elif cat == KERNEL or cat == MEMCPY or cat == MEMSET:
@@ -299,7 +309,7 @@ class Aggregate:
                     corr = a.correlation
                     x = a.external_id
                     if x is not None and x > 0:
-                        pos = ext_arr[x] if x < len(ext_arr) else self._ext_sparse.get(x, -1)
+                        pos = ext_arr[x] if x < ext_n else self._ext_sparse.get(x, -1)
                         if pos >= 0:
                             rows[pos][4] += dur
                     dev = a.device
