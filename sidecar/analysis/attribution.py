@@ -240,15 +240,17 @@ _JOINS = {COMPUTE: (0, 2, 3, 4), COMMUNICATION: (1, 2, 3, 4), MEMORY: (3, 4), OT
 
 
 class _Dev:
-    """Pass state of one device: its GPU events as (start, end, kind), swept in sorted blocks
-    into the five unions (compute, comm, compute∪comm, ∪memory, all) in one go."""
+    """Pass state of one device: its streams' GPU events (``[ts, te, API call start, dur, device,
+    kind]``), swept in sorted blocks into the five unions (compute, comm, compute∪comm, ∪memory,
+    all) in one go."""
 
-    __slots__ = ("first", "last", "ivs", "cs", "ce", "tot", "idle", "sketch", "launches", "shorter", "kernels", "short")
+    __slots__ = ("first", "last", "streams", "count", "cs", "ce", "tot", "idle", "sketch", "launches", "shorter", "kernels", "short")
 
     def __init__(self) -> None:
         self.first = math.inf
         self.last = -math.inf
-        self.ivs: list[tuple[float, float, int]] = []
+        self.streams: list[list[Any]] = []  # [device, the stream's last end, its events]
+        self.count = 0  # events waiting in the streams
         self.cs: list[float | None] = [None] * 5
         self.ce = [0.0] * 5
         self.tot = [0.0] * 5
@@ -256,16 +258,15 @@ class _Dev:
         self.sketch = Sketch()
         self.launches = self.shorter = self.kernels = self.short = 0
 
-    def flush(self) -> None:
-        ivs = self.ivs
+    def sweep(self, ivs: list[list[Any]]) -> None:
+        """Add events sorted by start to the unions."""
         if not ivs:
             return
-        ivs.sort()
         cs, ce, tot = self.cs, self.ce, self.tot
         if ivs[0][0] < self.first:
             self.first = ivs[0][0]
         last = self.last
-        for s, e, k in ivs:
+        for s, e, _, _, _, k in ivs:
             if e > last:
                 last = e
             for i in _JOINS[k]:
@@ -279,10 +280,8 @@ class _Dev:
                     tot[i] += ce[i] - c
                     cs[i], ce[i] = s, e
         self.last = last
-        self.ivs = []
 
     def unions(self) -> list[float]:
-        self.flush()
         return [t + (self.ce[i] - c if c is not None else 0.0) for i, (t, c) in enumerate(zip(self.tot, self.cs))]
 
 
@@ -323,23 +322,20 @@ class TraceAttribution:
             if d is None:
                 d = self.devs[sk[0]] = _Dev()
             st = self.streams[sk] = [d, None, []]
+            d.streams.append(st)
         d = st[0]
         k = self._kinds.get(name)
         if k is None:
             k = self._kinds[name] = kernel_kind(name, cat)
-        ivs = d.ivs
-        ivs.append((ts, te, k))
-        if len(ivs) >= _BLOCK:
-            d.flush()
         if cat == "kernel":
             d.kernels += 1
             if dur < SHORT_KERNEL_US:
                 d.short += 1
-        rec = [ts, te, None, dur, d]
-        recs = st[2]
-        recs.append(rec)
-        if len(recs) >= _BLOCK:
-            self._gaps(st)
+        rec = [ts, te, None, dur, d, k]
+        st[2].append(rec)
+        d.count += 1
+        if d.count >= _BLOCK:
+            self._flush(d)
         if corr:
             pending = self.pending
             w = pending.get(corr)
@@ -349,7 +345,18 @@ class TraceAttribution:
             else:
                 w.append(rec)
 
-    def _gaps(self, st: list[Any]) -> None:
+    def _flush(self, d: _Dev) -> None:
+        """A device's waiting events: each stream's gaps, then the unions (over all streams, in
+        time order)."""
+        merged: list[list[Any]] = []
+        for st in d.streams:
+            merged += self._gaps(st)
+        if len(d.streams) > 1:
+            merged.sort(key=_first)
+        d.sweep(merged)
+        d.count = 0
+
+    def _gaps(self, st: list[Any]) -> list[list[Any]]:
         """HTA's idle categories for the gaps between a stream's consecutive events (in time
         order): host wait when the next event's API call started after the gap began, kernel wait
         when the gap is under 30 µs, else other. A graph capture inside a gap is not idle."""
@@ -357,7 +364,7 @@ class TraceAttribution:
         recs.sort(key=_first)
         idle = d.idle
         caps = self.captures
-        for ts, te, rt, _, _ in recs:
+        for ts, te, rt, _, _, _ in recs:
             if prev is not None:
                 gap = ts - prev
                 if gap > 0:
@@ -369,6 +376,7 @@ class TraceAttribution:
                         idle[i] += gap
             prev = te
         st[1], st[2] = prev, []
+        return recs
 
     def runtime(self, name: str, ts: float, dur: float, corr: int | None) -> None:
         if name in CAPTURE_BEGIN:
@@ -401,8 +409,8 @@ class TraceAttribution:
     def finish(self, tables: dict[str, dict[str, list[Any]]]) -> dict[int, DeviceAttribution]:
         """Settle every device; ``tables`` (the trace's kernel/memcpy/memset rows) give each
         category's top kernels."""
-        for st in self.streams.values():
-            self._gaps(st)
+        for d in self.devs.values():
+            self._flush(d)
         self.pending = {}
         # categories from the trace's own tables (one GPU per trace in practice; a trace with
         # several gives each of them the trace's split)
