@@ -111,3 +111,18 @@ def test_cli_prints_the_why_table_and_findings_after_the_tables() -> None:
     doc = json.loads(as_json.stdout)
     assert {"host_bound", "launch_bound"} <= {f["rule"] for f in doc["findings"]}
     assert doc["devices"][0]["temporal"]["idle_share"] > 0.9 and doc["devices"][0]["launch"]["cpu_bound"] is True
+
+
+def test_a_summary_written_before_these_fields_still_loads(caps: dict) -> None:
+    from sidecar.analysis.models import CaptureSummary
+
+    old = caps["host_bound"].model_dump(mode="json")
+    for key in ("findings", "common_window"):
+        old.pop(key)
+    for body in [old, *old["stages"], *old["files"]]:
+        for d in body["devices"]:
+            for key in ("temporal", "idle_breakdown", "kernel_categories", "overlap", "launch", "steady",
+                        "first_event_epoch_us", "start_skew_us"):
+                d.pop(key)
+    back = CaptureSummary.model_validate(old)
+    assert back.findings == [] and back.devices[0].temporal is None and back.devices[0].busy_us > 0
