@@ -4,6 +4,13 @@ and big ones by replicating a real trace's events with shifted timestamps and id
   python3 bench/gen_traces.py cpu --out /tmp/traces --steps 4 8 32     # one trace per step count
   python3 bench/gen_traces.py gpu --out $OUT                           # on the GPU machine
   python3 bench/gen_traces.py replicate SRC.json[.gz] DST.json --size-mb 1000
+  python3 bench/gen_traces.py hostbound --out $OUT                     # on the GPU machine
+
+``hostbound`` writes three small real CUDA traces that exercise the attribution fields: a batch-1
+loop of tiny elementwise kernels (the host cannot launch fast enough), the same with a CUDA graph
+captured and replayed inside the window (``cuda_graph``), and a one-rank NCCL job whose 2048²
+matmuls keep the GPU busy (``busy_gemm``; on one rank NCCL's all-reduce launches no kernel, so
+the trace has no communication, only a GPU that is not idle).
 
 Each real trace is written with ``<name>.key_averages.json`` beside it: torch's own per-key
 count / self CPU / self device totals for the very same run (the correctness reference).
@@ -87,6 +94,94 @@ def profile_run(out: Path, name: str, *, device: str, steps: int, d_model: int, 
     return path
 
 
+def _finish(prof, out: Path, name: str) -> Path:
+    import torch
+
+    torch.cuda.synchronize()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    prof.export_chrome_trace(str(path))
+    (out / f"{name}.key_averages.json").write_text(json.dumps(key_averages_json(prof), indent=1))
+    with open(path, "rb") as src, gzip.open(str(path) + ".gz", "wb", compresslevel=9) as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    path.unlink()
+    path = Path(str(path) + ".gz")
+    print(f"{path}: {path.stat().st_size / 1e6:.2f} MB", flush=True)
+    return path
+
+
+def host_bound(out: Path, name: str, *, steps: int, ops: int, graph: bool) -> Path:
+    """Batch 1, ``ops`` × 3 tiny elementwise kernels per step: GPU idle, waiting on the launches.
+    With ``graph``: a CUDA graph of the same step is captured inside the window, then replayed."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    x = torch.randn(1, 64, device="cuda")
+
+    def step(y):
+        for _ in range(ops):
+            y = torch.relu(y * 1.0001 + 0.0001)
+        return y
+
+    for _ in range(2):
+        step(x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph() if graph else None
+    side = torch.cuda.Stream()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        if g is not None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step(x)  # warm the side stream, as torch.cuda.graph's docs ask
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(g):
+                static = step(x)
+        for i in range(steps):
+            with record_function(f"ProfilerStep#{i + 1}"):
+                if g is not None:
+                    g.replay()
+                    static.sum().item()
+                else:
+                    step(x).sum().item()
+    return _finish(prof, out, name)
+
+
+def busy_gemm(out: Path, name: str, *, steps: int) -> Path:
+    """One-rank NCCL: each step all-reduces a 64 MB tensor (async) beside 2048² matmuls, then more
+    matmuls: a busy GPU. (On one rank the all-reduce launches no kernel.)"""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda:0"))
+    try:
+        buf = torch.randn(16 << 20, device="cuda")
+        a = torch.randn(2048, 2048, device="cuda")
+
+        def step():
+            w = dist.all_reduce(buf, async_op=True)
+            for _ in range(4):
+                a.matmul(a)
+            w.wait()
+            for _ in range(4):
+                a.matmul(a)
+            torch.cuda.synchronize()
+
+        for _ in range(2):
+            step()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for i in range(steps):
+                with record_function(f"ProfilerStep#{i + 1}"):
+                    step()
+        return _finish(prof, out, name)
+    finally:
+        dist.destroy_process_group()
+
+
 def _open(path: Path):
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
@@ -166,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     g = sub.add_parser("gpu", help="real CUDA traces: a small one to commit, a large one to bench")
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--large-steps", type=int, default=30)
+    h = sub.add_parser("hostbound", help="real CUDA traces: host-bound, CUDA graph, busy GPU")
+    h.add_argument("--out", type=Path, required=True)
     r = sub.add_parser("replicate", help="grow a trace to a size by repeating its events")
     r.add_argument("src", type=Path)
     r.add_argument("dst", type=Path)
@@ -186,6 +283,14 @@ def main(argv: list[str] | None = None) -> None:
                     batch=4, seq=32, with_stack=True, gz=True)
         profile_run(a.out, "cuda_large", device="cuda", steps=a.large_steps, d_model=512, layers=4,
                     batch=16, seq=256, with_stack=True, gz=True)
+    elif a.cmd == "hostbound":
+        for label, make in (("host_bound", lambda: host_bound(a.out, "host_bound", steps=6, ops=100, graph=False)),
+                            ("cuda_graph", lambda: host_bound(a.out, "cuda_graph", steps=6, ops=100, graph=True)),
+                            ("busy_gemm", lambda: busy_gemm(a.out, "busy_gemm", steps=3))):
+            try:  # one recipe failing must not cost the others
+                make()
+            except Exception as exc:  # noqa: BLE001 - reported, the next one runs
+                print(f"{label}: failed: {type(exc).__name__}: {exc}", flush=True)
     else:
         replicate(a.src, a.dst, a.size_mb)
     print(f"done in {time.time() - t:.1f}s", file=sys.stderr)

@@ -4,6 +4,14 @@ the speedup of a capture's files summarised in parallel.
   python3 bench/summarize.py TRACE.json.gz                      # one trace, every contender
   python3 bench/summarize.py TRACE.json.gz --files A B C D      # + 4 files on 1 core vs 2 cores
   python3 bench/summarize.py TRACE.json.gz --repeats 5 --no-hta
+  python3 bench/summarize.py TRACE.json.gz --hta-python /tmp/hta-venv/bin/python --ready TRACE_100MB.json.gz
+
+``ours`` is the whole product path: ``summarize_paths`` (per-file summary, the attribution fields,
+findings). ``hta, four analyses`` is HTA 0.5.0 loading the trace and running the same four
+analyses (temporal and idle time breakdown, comm/comp overlap, kernel launch statistics; see
+bench/hta_reference.py), in the Python given by ``--hta-python`` (HTA needs pandas and torch).
+``--ready`` times the work between a stop's reply and its summary + findings (the summary of
+that file in a fresh process). The last table puts each figure beside its goal.
 
 Each measurement runs in its own fresh subprocess pinned to the cores it is given
 (``sched_setaffinity``), so its peak RSS (ru_maxrss) is its own and "one core" means one core (our
@@ -44,11 +52,10 @@ def _raw_size(path: Path) -> int:
 
 
 def run_ours(paths: list[str], workers: int = 1) -> dict:
-    from sidecar.analysis import summarize_paths, summarize_trace
+    from sidecar.analysis import summarize_paths
 
-    if len(paths) == 1:
-        return {"events": summarize_trace(paths[0]).totals.events}
-    return {"events": summarize_paths(paths, workers=workers).totals.events}
+    s = summarize_paths(paths, workers=workers)
+    return {"events": s.totals.events, "findings": len(s.findings)}
 
 
 def run_ours_no_isal(paths: list[str]) -> dict:
@@ -107,7 +114,19 @@ def run_hta(paths: list[str]) -> dict:
     return {"events": n, "seconds_override": load}
 
 
+def run_hta_four(paths: list[str]) -> dict:
+    """HTA's load + the four analyses the summary's attribution fields reproduce."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import hta_reference
+
+    os.environ.setdefault("HTA_DISABLE_NS_ROUNDING", "1")
+    t0 = time.perf_counter()
+    out = hta_reference.four_analyses(hta_reference._analysis(Path(paths[0])))
+    return {"events": len(out["ranks"]), "seconds_override": time.perf_counter() - t0}
+
+
 CONTENDERS = {
+    "hta, four analyses": run_hta_four,
     "ours": lambda p: run_ours(p),
     "ours, zlib instead of ISA-L": run_ours_no_isal,
     "json.load+python": run_json_load,
@@ -123,12 +142,13 @@ def child(name: str, cpus: list[int], paths: list[str]) -> None:
     try:
         if name.startswith("ours"):
             import sidecar.analysis  # noqa: F401
-        if name == "hta":
+        if name.startswith("hta"):
             import hta.trace_analysis  # noqa: F401
     except ImportError as exc:
         print(json.dumps({"error": f"not installed: {exc}"}))
         return
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    c0 = _cpu()
     t0 = time.perf_counter()
     try:
         out = CONTENDERS[name](paths)
@@ -136,9 +156,17 @@ def child(name: str, cpus: list[int], paths: list[str]) -> None:
     except Exception as exc:  # report, don't crash the table
         out, err = {}, f"{type(exc).__name__}: {str(exc)[:160]}"
     secs = out.pop("seconds_override", None) or (time.perf_counter() - t0)
+    cpu = _cpu() - c0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    print(json.dumps({"seconds": secs, "peak_rss_mb": max(peak, kids), "base_rss_mb": base, "error": err, **out}))
+    print(json.dumps({"seconds": secs, "cpu_seconds": cpu, "peak_rss_mb": max(peak, kids), "base_rss_mb": base, "error": err, **out}))
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and its finished children: on a shared machine, wall time also
+    counts the waits for a core; CPU time is the work."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 # --- parent ----------------------------------------------------------------------------------
@@ -147,7 +175,8 @@ def child(name: str, cpus: list[int], paths: list[str]) -> None:
 def measure(name: str, cpus: list[int], paths: list[Path]) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("HTA_PATH", "") if name == "hta" else "", env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, __file__, "--child", name, "--cpus", ",".join(map(str, cpus)), str(paths[0])]
+    python = os.environ.get("HTA_PYTHON", sys.executable) if name.startswith("hta") else sys.executable
+    cmd = [python, __file__, "--child", name, "--cpus", ",".join(map(str, cpus)), str(paths[0])]
     if len(paths) > 1:
         cmd += ["--files", *map(str, paths[1:])]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -175,6 +204,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hta-repeats", type=int, default=1)
     ap.add_argument("--no-hta", action="store_true")
+    ap.add_argument("--hta-python", help="a Python with HTA (holistictraceanalysis) for the HTA contenders")
+    ap.add_argument("--ready", type=Path, help="a ~100 MB trace: time from a stop's reply to its summary + findings")
     ap.add_argument("--no-json-load", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--cpus", default="", help=argparse.SUPPRESS)
@@ -182,6 +213,8 @@ def main() -> None:
     if a.child:
         child(a.child, [int(c) for c in a.cpus.split(",") if c], [str(a.trace), *map(str, a.files)])
         return
+    if a.hta_python:
+        os.environ["HTA_PYTHON"] = a.hta_python
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     one, two = cores[-1:], cores[-2:]
     print(f"before: {_load()}; one core = CPU {one}, two cores = CPUs {two}")
@@ -196,6 +229,10 @@ def main() -> None:
     if not a.no_hta:
         for _ in range(a.hta_repeats):
             results.setdefault(("hta", tuple(one)), []).append(measure("hta", one, [a.trace]))
+            results.setdefault(("hta, four analyses", tuple(one)), []).append(measure("hta, four analyses", one, [a.trace]))
+    ready: list[dict] = []
+    if a.ready:
+        ready = [measure("ours", one, [a.ready]) for _ in range(a.repeats)]
     multi: dict[str, list[dict]] = {}
     files_mb = 0.0
     if a.files:
@@ -210,11 +247,12 @@ def main() -> None:
 
     ref = med(results[("ours", tuple(one))], "seconds")
     print(f"\n{a.trace.name}: {raw_mb:.1f} MB raw JSON; medians of {a.repeats} (HTA: {a.hta_repeats}); time × = against ours on one core")
-    print(f"{'contender':32} {'cores':>5} {'seconds':>8} {'MB/s':>7} {'peak RSS MB':>11} {'time ×':>7}  runs / note")
+    print(f"{'contender':32} {'cores':>5} {'seconds':>8} {'MB/s':>7} {'CPU s':>7} {'MB/CPU s':>8} {'peak RSS MB':>11} {'time ×':>7}  runs / note")
     for (name, cpus), rs in results.items():
         s = med(rs, "seconds")
+        c = med(rs, "cpu_seconds")
         err = next((r["error"] for r in rs if r.get("error")), "")
-        print(f"{name:32} {len(cpus):5d} {s:8.2f} {raw_mb / s:7.1f} {med(rs, 'peak_rss_mb'):11.0f} {s / ref:7.1f}  "
+        print(f"{name:32} {len(cpus):5d} {s:8.2f} {raw_mb / s:7.1f} {c:7.2f} {raw_mb / c:8.1f} {med(rs, 'peak_rss_mb'):11.0f} {s / ref:7.1f}  "
               f"{_runs(rs)} {err}")
     if multi:
         base = med(multi["1 core, one by one"], "seconds")
@@ -223,7 +261,32 @@ def main() -> None:
             s = med(rs, "seconds")
             print(f"{label:32} {s:8.2f} s {files_mb / s:7.1f} MB/s  peak RSS {med(rs, 'peak_rss_mb'):5.0f} MB  "
                   f"speedup {base / s:4.2f}x  runs {_runs(rs)}")
+    goals(results, one, raw_mb, ready, _raw_size(a.ready) / 1e6 if a.ready else 0.0, med)
     print(f"\nafter: {_load()}")
+
+
+def goals(results: dict, one: list[int], raw_mb: float, ready: list[dict], ready_mb: float, med) -> None:
+    """Each figure of issue 22's speed lines beside its goal (measured above, in this run)."""
+    ours = results.get(("ours", tuple(one)), [])
+    hta4 = results.get(("hta, four analyses", tuple(one)), [])
+    s = med(ours, "seconds")
+    c = med(ours, "cpu_seconds")
+    rows = [("MB/s raw per core (ours, 1 core)", raw_mb / s, ">= 300", raw_mb / s >= 300),
+            ("  the same per CPU second (load-independent)", raw_mb / c, ">= 300", raw_mb / c >= 300),
+            ("peak RSS MB (ours, 1 core)", med(ours, "peak_rss_mb"), "<= 150", med(ours, "peak_rss_mb") <= 150)]
+    if hta4:
+        x = med(hta4, "seconds") / s
+        rows.append(("x faster than HTA's four analyses", x, ">= 25", x >= 25))
+        xc = med(hta4, "cpu_seconds") / c
+        rows.append(("  the same in CPU seconds", xc, ">= 25", xc >= 25))
+    if ready:
+        r = med(ready, "seconds")
+        rows.append((f"stop reply -> summary + findings, {ready_mb:.0f} MB trace, s", r, "<= 1.5", r <= 1.5))
+        rc = med(ready, "cpu_seconds")
+        rows.append(("  the same in CPU seconds", rc, "<= 1.5", rc <= 1.5))
+    print("\ngoal (issue 22)                                        measured   goal    met")
+    for label, value, goal, ok in rows:
+        print(f"{label:52} {value:9.2f}  {goal:7} {'yes' if ok else 'NO'}")
 
 
 if __name__ == "__main__":

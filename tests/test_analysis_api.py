@@ -40,3 +40,13 @@ async def test_timeline_of_an_active_capture_is_409(api: AppClient) -> None:  # 
     cap = (await client.post("/v1/captures", json={"stages": [0]})).json()
     reply = await client.get(f"/v1/captures/{cap['id']}/timeline")
     assert (reply.status_code, error_of(reply)["code"]) == (409, "capture_not_terminal")
+
+
+async def test_summary_route_serves_the_attribution_fields(api: AppClient) -> None:  # noqa: F811
+    # the fake upstream writes CPU-only traces without baseTimeNanoseconds: the fields are there,
+    # and say nothing (no GPU: no device, no finding, no common window), rather than made-up figures
+    client = await api()
+    cid = await _capture(client, [0])
+    data = (await client.get(f"/v1/captures/{cid}/summary", timeout=60)).json()
+    assert (data["findings"], data["common_window"], data["devices"]) == ([], None, [])
+    assert data["totals"]["cpu_ops"] > 0

@@ -242,23 +242,28 @@ def test_open_in_perfetto_hands_the_trace_over_by_postmessage(web_stack: WebStac
     assert "sent the trace to Perfetto" in page.locator('.stage-block[data-stage="0"] .perfetto-status').inner_text()
 
 
-def test_gpu_summary_draws_kernels_busy_idle_and_steps(web_stack: WebStack, open_page: Any, screenshot: Any) -> None:
-    # a real H200 trace through the product's summarizer, drawn by the page's own renderer
-    summary = summarize_paths([TRACE_DATA / "cuda_small.json.gz"], top=20).model_dump(mode="json")
-    page = open_page(web_stack.url)
+def _render_summary(page: Any, summary: dict[str, Any], card_id: str) -> Any:
+    """``summary`` drawn by the page's own renderer (capture.js) into a card ``card_id``."""
     page.goto("/stages")
     page.locator("#stages-card .stage-block").first.wait_for()
     page.evaluate(
-        """async (s) => {
+        """async ([s, id]) => {
             const m = await import(new URL("web/capture.js", document.baseURI).href);
             const card = document.createElement("section");
             card.className = "card";
-            card.id = "gpu-summary";
+            card.id = id;
             document.getElementById("main").replaceChildren(card);
             m.renderSummary(card, s);
         }""",
-        summary,
+        [summary, card_id],
     )
+    return page
+
+
+def test_gpu_summary_draws_kernels_busy_idle_and_steps(web_stack: WebStack, open_page: Any, screenshot: Any) -> None:
+    # a real H200 trace through the product's summarizer, drawn by the page's own renderer
+    summary = summarize_paths([TRACE_DATA / "cuda_small.json.gz"], top=20).model_dump(mode="json")
+    page = _render_summary(open_page(web_stack.url), summary, "gpu-summary")
     captions = page.locator("#gpu-summary figcaption").all_inner_texts()
     kernels = page.locator("#gpu-summary figure.chart", has_text="Top kernels by GPU time").locator("rect.bar")
     busy = page.locator("#gpu-summary figure.chart", has_text="Busy vs idle per device (whole capture)")
@@ -267,6 +272,36 @@ def test_gpu_summary_draws_kernels_busy_idle_and_steps(web_stack: WebStack, open
     assert kernels.count() == 10
     assert f"{round((1 - device['idle_share']) * 100)} % busy" in busy.locator("text.bar-value").first.text_content()
     screenshot(page, "web-gpu-summary")
+
+
+def test_summary_shows_findings_first_then_why_bars_per_stage(web_stack: WebStack, open_page: Any, screenshot: Any) -> None:
+    # real H200 traces as a 2-stage capture: stage 0 a busy GPU (matmuls), stage 1 host-bound (tiny kernels)
+    from sidecar.analysis import TraceSource
+
+    summary = summarize_paths([TraceSource(TRACE_DATA / "busy_gemm.json.gz", stage_id=0),
+                               TraceSource(TRACE_DATA / "host_bound.json.gz", stage_id=1)], top=10).model_dump(mode="json")
+    page = _render_summary(open_page(web_stack.url), summary, "why-summary")
+    card = page.locator("#why-summary")
+    # the findings come right after the heading, ranked as the summary ranks them
+    assert card.locator(":scope > *").nth(1).evaluate("n => n.className") == "summary-findings"
+    items = card.locator("ol.summary-findings li")
+    assert items.first.get_attribute("class") == "sev-high"
+    assert [i.get_attribute("data-rule") for i in items.all()] == [f["rule"] for f in summary["findings"]]
+    host = card.locator('ol.summary-findings li[data-rule="host_bound"]')
+    assert "stage 1: GPU idle 97% of the window, 100% of it waiting on the host" in host.inner_text()
+    # the busy GPU has nothing to say but that its trace started 1.9 s after the other (two runs)
+    assert {i.get_attribute("data-rule") for i in items.all() if "stage 0" in i.inner_text()} == {"start_skew"}
+    for sid, dev in ((0, summary["stages"][0]["devices"][0]), (1, summary["stages"][1]["devices"][0])):
+        stage = card.locator(f'.summary-stage[data-stage="{sid}"]')
+        where = stage.locator("figure.chart", has_text="Where the steady window went")
+        idle_seg = where.locator('rect.seg[data-part="idle_share"]')
+        total = float(where.locator("rect.bar-track").get_attribute("width"))
+        assert float(idle_seg.get_attribute("width")) == pytest.approx(dev["temporal"]["idle_share"] * total, abs=1.0)
+        assert f"idle {dev['temporal']['idle_share'] * 100:.1f} %" in idle_seg.locator("title").text_content()
+        why = stage.locator("figure.chart", has_text="Why the GPU was idle")
+        host = why.locator('rect.seg[data-part="host_wait_share"]')
+        assert float(host.get_attribute("width")) == pytest.approx(dev["idle_breakdown"]["host_wait_share"] * total, abs=1.0)
+    screenshot(page, "web-summary-why")
 
 
 def test_degraded_capture_shows_reason_and_what_to_do(web_stack: WebStack, open_page: Any, screenshot: Any) -> None:

@@ -21,8 +21,11 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from sidecar.analysis.findings import capture_findings
 from sidecar.analysis.models import (
     CaptureSummary,
+    CommonWindow,
+    DeviceStat,
     ReplicaStat,
     StageSummary,
     Straggler,
@@ -232,8 +235,33 @@ def stragglers(replicas: Sequence[ReplicaStat]) -> list[Straggler]:
     return out
 
 
+def common_window(agg: Aggregate, requested_start: float | None = None) -> tuple[CommonWindow | None, dict[Any, float]]:
+    """The span every device was recording (epoch µs, from each trace's ``baseTimeNanoseconds``)
+    and each device's start skew: its first event against ``requested_start`` (epoch seconds,
+    the capture's start) or, without it, against the earliest device."""
+    eps = agg.epochs
+    if not eps:
+        return None, {}
+    firsts = [f for f, _ in eps.values()]
+    ref = requested_start * 1e6 if requested_start is not None else min(firsts)
+    start, end = max(firsts), min(e for _, e in eps.values())
+    window = CommonWindow(
+        start_epoch_us=start, end_epoch_us=end, span_us=max(0.0, end - start), devices=len(eps),
+        reference="requested_start" if requested_start is not None else "earliest_rank",
+        requested_start_epoch_us=ref if requested_start is not None else None,
+    )
+    return window, {k: f - ref for k, (f, _) in eps.items()}
+
+
+def _with_skew(devices: list[DeviceStat], skew: dict[Any, float]) -> list[DeviceStat]:
+    for d in devices:
+        d.start_skew_us = skew.get((d.stage_id, d.replica, d.rank, d.device))
+    return devices
+
+
 def summarize_paths(
-    paths: Iterable[str | Path | TraceSource], *, top: int = 20, workers: int | None = None
+    paths: Iterable[str | Path | TraceSource], *, top: int = 20, workers: int | None = None,
+    requested_start: float | None = None,
 ) -> CaptureSummary:
     """Summaries of every trace under ``paths``: per file, per stage, per replica, and all merged.
 
@@ -243,6 +271,8 @@ def summarize_paths(
     folder holds no trace, or no file at all can be read (the first file's error, its class kept:
     ``TraceTooLarge`` for a file past the reader's limits); a file that cannot be read beside
     readable ones is reported in ``errors`` (and ``truncated`` where part of it was used).
+    ``requested_start`` (epoch seconds) is when the capture was started: each device's
+    ``start_skew_us`` is measured from it (else from the earliest device).
     """
     sources = find_sources(paths)
     results = aggregate_sources(sources, workers=workers)
@@ -271,14 +301,19 @@ def summarize_paths(
     body = total.body(top)
     body["errors"] = errors + body["errors"]
     body["warnings"] = warnings
+    window, skew = common_window(total, requested_start)
+    _with_skew(body["devices"], skew)
+    stage_bodies = [(sid, agg.files, agg.body(top)) for sid, agg in sorted(stages.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
+    for _, _, b in stage_bodies:
+        _with_skew(b["devices"], skew)
     replicas = _replica_stats(sources, results)
+    lagging = stragglers(replicas)
     return CaptureSummary(
         **body,
-        stages=[
-            StageSummary(stage_id=sid, files=agg.files, **agg.body(top))
-            for sid, agg in sorted(stages.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
-        ],
+        findings=capture_findings(body["devices"], lagging, window),
+        common_window=window,
+        stages=[StageSummary(stage_id=sid, files=files, **b) for sid, files, b in stage_bodies],
         files=per_file,
         replicas=replicas,
-        stragglers=stragglers(replicas),
+        stragglers=lagging,
     )

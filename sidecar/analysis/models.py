@@ -40,6 +40,93 @@ class StreamStat(BaseModel):
     idle_share: float  # 1 - busy / window span
 
 
+class Temporal(BaseModel):
+    """HTA's temporal breakdown over the steady window: each share is of ``window_us``.
+    ``compute`` = the union of computation kernels; ``communication`` = NCCL kernels not under
+    compute; ``memory`` = memcpy/memset under neither; ``other`` = the rest of the busy time
+    (kernels named ``*Sync``); ``idle`` = no GPU activity at all."""
+
+    window_us: float = 0.0
+    compute_us: float = 0.0
+    communication_us: float = 0.0
+    memory_us: float = 0.0
+    other_us: float = 0.0
+    idle_us: float = 0.0
+    compute_share: float = 0.0
+    communication_share: float = 0.0
+    memory_share: float = 0.0
+    other_share: float = 0.0
+    idle_share: float = 0.0
+
+
+class IdleBreakdown(BaseModel):
+    """HTA's idle time breakdown: the gaps between consecutive GPU events of each stream, summed
+    over streams. ``host_wait``: the next event's API call started after the gap began (the host
+    had not launched it yet); ``kernel_wait``: a gap under 30 µs (launch overhead); ``other``."""
+
+    idle_us: float = 0.0
+    host_wait_us: float = 0.0
+    kernel_wait_us: float = 0.0
+    other_us: float = 0.0
+    host_wait_share: float = 0.0
+    kernel_wait_share: float = 0.0
+    other_share: float = 0.0
+
+
+class KernelCategory(BaseModel):
+    """Device time of one kernel category (gemm, attention, communication, elementwise,
+    reduction, memory, other): share of the device's GPU time, and its largest kernels."""
+
+    category: str
+    count: int = 0
+    total_us: float = 0.0
+    share: float = 0.0
+    top: list[GpuStat] = Field(default_factory=list)
+
+
+class Overlap(BaseModel):
+    """HTA's comm/comp overlap: the share of communication time that computation overlaps."""
+
+    communication_us: float = 0.0
+    overlapped_us: float = 0.0
+    share: float | None = None  # None: no communication kernel
+
+
+class LaunchStats(BaseModel):
+    """HTA's kernel launch statistics: delay from the end of the launch call (cudaLaunchKernel,
+    cudaLaunchKernelExC, cudaMemcpyAsync, cudaMemsetAsync) to the start of its GPU event."""
+
+    launches: int = 0
+    delay_p50_us: float | None = None  # from a log-bucket sketch (1 % buckets)
+    delay_p95_us: float | None = None
+    kernels: int = 0
+    short_share: float = 0.0  # kernels shorter than 10 µs
+    gpu_shorter_than_launch_share: float = 0.0  # GPU event shorter than the call that launched it
+    cpu_bound: bool = False
+    rule: str = ""  # what decides cpu_bound, with its thresholds
+
+
+class LeftOut(BaseModel):
+    """A span left out of the steady window."""
+
+    what: str  # profiler_start | cuda_graph_capture
+    start_us: float
+    end_us: float
+    us: float = 0.0
+    gpu_events: int = 0
+
+
+class SteadyWindow(BaseModel):
+    """The window the attribution fields cover: first to last GPU event of the device, less the
+    profiler-start transient (GPU events before the first step annotation) and CUDA graph
+    captures (``cudaStreamBeginCapture`` to ``cudaStreamEndCapture``)."""
+
+    start_us: float | None = None
+    end_us: float | None = None
+    span_us: float = 0.0
+    left_out: list[LeftOut] = Field(default_factory=list)
+
+
 class DeviceStat(BaseModel):
     """One GPU of one process: stage, replica and rank tell apart the processes that all call
     their GPU ``cuda:0``."""
@@ -52,6 +139,15 @@ class DeviceStat(BaseModel):
     span_us: float = 0.0  # the window of the trace this device was recorded in
     busy_share: float = 0.0  # busy / span
     idle_share: float  # 1 - busy / span
+    # why (docs/summaries.md, "Why a stage is slow"); None in summaries written before them
+    temporal: Temporal | None = None
+    idle_breakdown: IdleBreakdown | None = None
+    kernel_categories: list[KernelCategory] = Field(default_factory=list)
+    overlap: Overlap | None = None
+    launch: LaunchStats | None = None
+    steady: SteadyWindow | None = None
+    first_event_epoch_us: float | None = None  # baseTimeNanoseconds / 1000 + the first event's ts
+    start_skew_us: float | None = None  # first event against the capture's start (or the earliest rank)
 
 
 class StepKindStat(BaseModel):
@@ -174,8 +270,36 @@ class StageSummary(SummaryBody):
     files: list[str] = Field(default_factory=list)
 
 
+class Finding(BaseModel):
+    """One ranked observation about a capture (sidecar/analysis/findings.py holds the rules)."""
+
+    rule: str  # host_bound | launch_bound | communication_exposed | memory_bound | straggler | start_skew | idle_other
+    severity: str  # high | medium | low
+    score: float  # ranking key: the share of the window the finding explains
+    message: str
+    figures: dict[str, float] = Field(default_factory=dict)
+    stage_id: int | None = None
+    replica: int | None = None
+    rank: int | None = None
+    device: int | None = None
+
+
+class CommonWindow(BaseModel):
+    """The span every rank (device) of the capture was recording, on the hosts' clock (epoch µs)."""
+
+    start_epoch_us: float | None = None
+    end_epoch_us: float | None = None
+    span_us: float = 0.0
+    reference: str = "earliest_rank"  # what start_skew_us is measured from: requested_start | earliest_rank
+    requested_start_epoch_us: float | None = None
+    devices: int = 0
+
+
 class CaptureSummary(SummaryBody):
     """Every file merged, plus each stage and each file on its own."""
+
+    findings: list[Finding] = Field(default_factory=list)
+    common_window: CommonWindow | None = None
 
     stages: list[StageSummary] = Field(default_factory=list)
     files: list[TraceSummary] = Field(default_factory=list)

@@ -20,6 +20,7 @@ from bisect import bisect_left
 from pathlib import Path
 from typing import Any
 
+from sidecar.analysis.attribution import CAPTURE_CALLS, DeviceAttribution, TraceAttribution, Union
 from sidecar.analysis.models import (
     DeviceStat,
     GpuSplit,
@@ -85,43 +86,13 @@ def engine_step_kind(name: str) -> str | None:
 _CTX_GEN = re.compile(r"^execute_(?:\d+_)?context_(\d+)(?:\([^)]*\))?_generation_(\d+)")
 
 
-class _DeviceBusy:
-    """Union of intervals on one device, merged in sorted blocks (bounded memory)."""
-
-    __slots__ = ("pending", "cur_s", "cur_e", "busy")
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[float, float]] = []
-        self.cur_s = self.cur_e = None
-        self.busy = 0.0
-
-    def flush(self) -> None:
-        self.pending.sort()
-        cs, ce, busy = self.cur_s, self.cur_e, self.busy
-        for s, e in self.pending:
-            if cs is None:
-                cs, ce = s, e
-            elif s <= ce:
-                if e > ce:
-                    ce = e
-            else:
-                busy += ce - cs
-                cs, ce = s, e
-        self.pending = []
-        self.cur_s, self.cur_e, self.busy = cs, ce, busy
-
-    def total(self) -> float:
-        self.flush()
-        return self.busy + ((self.cur_e - self.cur_s) if self.cur_s is not None else 0.0)
-
-
 DeviceKey = tuple[int | None, int | None, int | None, int]  # (stage, replica, rank, device)
 
 
 class Aggregate:
     """Summable state of one or more traces. ``add_batch`` for events, ``merge`` for others."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, steady: bool = True) -> None:
         self.tables: dict[str, dict[str, list[Any]]] = {c: {} for c in (OP, ANNOTATION, RUNTIME, KERNEL, MEMCPY, MEMSET)}
         self.streams: dict[tuple[Any, ...], list[float]] = {}  # (stage, replica, rank, dev, stream) -> [count, busy]
         self.devices: dict[DeviceKey, list[float]] = {}  # -> [busy, span of its trace], after finish()
@@ -143,7 +114,11 @@ class Aggregate:
         self.stage_id: int | None = None
         self.replica: int | None = None
         self.overhead_us = 0.0
+        self.attribution: dict[DeviceKey, DeviceAttribution] = {}  # after finish()
+        self.epochs: dict[DeviceKey, tuple[float, float]] = {}  # first and last event, epoch µs
+        self.epoch_offset_us: float | None = None  # baseTimeNanoseconds / 1000 of this trace
         # per-trace state, dropped by finish()
+        self._att = TraceAttribution(steady=steady)
         self._stacks: dict[tuple[Any, Any], list[Any]] = {}  # (pid, tid) -> [last start, open ops]
         self._ext = array("i")
         self._ext_sparse: dict[int, int] = {}
@@ -151,7 +126,7 @@ class Aggregate:
         # CUPTI overhead, sorted by end: ends, and [start, end, dur, best gap, op row]
         self._ov_ends: list[float] = []
         self._ov: list[list[Any]] = []
-        self._busy: dict[int, _DeviceBusy] = {}
+        self._busy: dict[int, Union] = {}
         self._stream_of: dict[tuple[int, int], list[float]] = {}
         self._block = _BLOCK  # pending intervals per device before a flush: _BLOCK over all devices
         self._names = 0  # distinct names in the tables
@@ -256,9 +231,12 @@ class Aggregate:
         rows = self._rows
         busy_of, stream_of = self._busy, self._stream_of
         new_row = self._new_row
+        att_gpu, att_runtime, att_pending = self._att.gpu, self._att.runtime, self._att.pending
         start, end = self.start, self.end
         if start is None:
             start, end = float("inf"), float("-inf")
+        ext_n = len(ext_arr)
+        last_pid = last_tid = last_th = None  # Kineto writes a thread's ops in runs: skip the lookup
         for e in events:
             if e.ph != "X":
                 continue
@@ -276,16 +254,23 @@ class Aggregate:
                     row = t_ann.get(name)
                     if row is None:
                         row = new_row(t_ann, name)
-                    self._annotation(name, dur)
+                    self._annotation(name, ts, dur)
                 row[1] += 1
                 row[2] += dur
                 row[3] += dur
-                key = (e.pid, e.tid)
-                th = stacks.get(key)  # [start of the last op seen, open ops as (end, row)]
-                if th is None:
-                    th = self._new_thread(key, ts)
-                elif ts < th[0] - _EPS:
-                    self.out_of_order += 1
+                pid, tid = e.pid, e.tid
+                if tid == last_tid and pid == last_pid and last_th is not None:
+                    th = last_th
+                    if ts < th[0] - _EPS:
+                        self.out_of_order += 1
+                else:
+                    key = (pid, tid)
+                    th = stacks.get(key)  # [start of the last op seen, open ops as (end, row)]
+                    if th is None:
+                        th = self._new_thread(key, ts)
+                    elif ts < th[0] - _EPS:
+                        self.out_of_order += 1
+                    last_pid, last_tid, last_th = pid, tid, th
                 th[0] = ts
                 st = th[1]
                 while st and st[-1][0] <= ts + _EPS:
@@ -300,10 +285,11 @@ class Aggregate:
                 if a is not None:
                     x = a.external_id
                     if x:
-                        if 0 < x < len(ext_arr):
+                        if 0 < x < ext_n:
                             ext_arr[x] = row[5]
                         else:
                             self._remember_slow(x, row[5])
+                            ext_n = len(ext_arr)
             elif cat == "python_function" or cat is None:
                 continue
             elif cat == KERNEL or cat == MEMCPY or cat == MEMSET:
@@ -318,10 +304,12 @@ class Aggregate:
                 row[1] += 1
                 row[2] += dur
                 a = e.args
+                corr = None
                 if a is not None:
+                    corr = a.correlation
                     x = a.external_id
                     if x is not None and x > 0:
-                        pos = ext_arr[x] if x < len(ext_arr) else self._ext_sparse.get(x, -1)
+                        pos = ext_arr[x] if x < ext_n else self._ext_sparse.get(x, -1)
                         if pos >= 0:
                             rows[pos][4] += dur
                     dev = a.device
@@ -345,12 +333,13 @@ class Aggregate:
                 s[1] += dur
                 busy = busy_of.get(dev)
                 if busy is None:
-                    busy = busy_of[dev] = _DeviceBusy()
+                    busy = busy_of[dev] = Union()
                     self._block = max(1024, _BLOCK // len(busy_of))
                 pend = busy.pending
                 pend.append((ts, te))
                 if len(pend) >= self._block:
                     busy.flush()
+                att_gpu(sk, ts, te, dur, name, cat, corr)
             elif cat in _RUNTIME_CATS:
                 ts = e.ts
                 dur = e.dur
@@ -364,6 +353,9 @@ class Aggregate:
                 row[3] += dur
                 a = e.args
                 if a is not None:
+                    corr = a.correlation
+                    if corr in att_pending or name in CAPTURE_CALLS:
+                        att_runtime(name, ts, dur, corr)
                     parent = self._launcher(a.external_id)
                     if parent is not None:
                         parent[3] -= dur  # the API call ran inside that op on its thread
@@ -391,8 +383,9 @@ class Aggregate:
             self.start, self.end = start, end
         self.events += len(events)
 
-    def _annotation(self, name: str, dur: float) -> None:
+    def _annotation(self, name: str, ts: float, dur: float) -> None:
         if _STEP.match(name):
+            self._att.step(ts)
             self.steps += 1
             self.step_total += dur
             if len(self.step_names) < 8:
@@ -400,6 +393,7 @@ class Aggregate:
             return
         kind = engine_step_kind(name) if name.startswith(("execute_", "diffusion_forward")) else None
         if kind is not None:
+            self._att.step(ts)
             self.engine_steps += 1
             self.engine_step_total += dur
             k = self.step_kinds.setdefault(kind, [0, 0.0])
@@ -415,7 +409,12 @@ class Aggregate:
                 ov[4][3] -= ov[2]
         span = (self.end - self.start) if self.start is not None and self.end is not None else 0.0
         for dev, b in self._busy.items():
-            self.devices[(stage_id, replica, rank, dev)] = [b.total(), span]
+            self.devices[(stage_id, replica, rank, dev)] = [b.length(), span]
+        for dev, a in self._att.finish(self.tables).items():
+            self.attribution[(stage_id, replica, rank, dev)] = a
+            if self.epoch_offset_us is not None and self.start is not None and self.end is not None:
+                self.epochs[(stage_id, replica, rank, dev)] = (self.epoch_offset_us + self.start, self.epoch_offset_us + self.end)
+        self._att = TraceAttribution(steady=self._att.steady)
         for (dev, stream), v in self._stream_of.items():
             self.streams[(stage_id, replica, rank, dev, stream)] = v
         self._stacks, self._busy, self._stream_of = {}, {}, {}
@@ -446,6 +445,15 @@ class Aggregate:
             m = self.devices.setdefault(k, [0.0, 0.0])
             m[0] += v[0]
             m[1] += v[1]
+        for k, a in other.attribution.items():
+            mine_a = self.attribution.get(k)
+            if mine_a is None:
+                self.attribution[k] = a
+            else:
+                mine_a.merge(a)
+        for k, ep in other.epochs.items():
+            m_ep = self.epochs.get(k)
+            self.epochs[k] = ep if m_ep is None else (min(m_ep[0], ep[0]), max(m_ep[1], ep[1]))
         for k, v in other.step_kinds.items():
             m = self.step_kinds.setdefault(k, [0, 0.0])
             m[0] += v[0]
@@ -530,7 +538,9 @@ class Aggregate:
             memset=gpu(MEMSET),
             devices=[
                 DeviceStat(stage_id=k[0], replica=k[1], rank=k[2], device=k[3], busy_us=b, span_us=sp,
-                           busy_share=min(1.0, share(b, sp)), idle_share=idle(b, sp))
+                           busy_share=min(1.0, share(b, sp)), idle_share=idle(b, sp),
+                           first_event_epoch_us=self.epochs[k][0] if k in self.epochs else None,
+                           **(self.attribution[k].fields() if k in self.attribution else {}))
                 for k, (b, sp) in sorted(self.devices.items(), key=lambda kv: order(kv[0]))
             ],
             streams=[
@@ -582,12 +592,13 @@ def slim_command(path: str | Path) -> str:
 
 
 def aggregate_trace(
-    path: str | Path, *, stage_id: int | None = None, replica: int | None = None
+    path: str | Path, *, stage_id: int | None = None, replica: int | None = None, steady: bool = True
 ) -> tuple[Aggregate, TraceMeta, int]:
     """One pass over ``path``. Raises ``TraceError`` when nothing usable was read. ``stage_id``
-    and ``replica`` key its devices (with the rank from the trace)."""
-    reader = TraceReader(path, skip_python=True)
-    agg = Aggregate()
+    and ``replica`` key its devices (with the rank from the trace). ``steady=False`` keeps the
+    profiler-start transient and graph captures in the attribution window (as HTA does)."""
+    reader = TraceReader(path, skip_python=True, complete_only=True)
+    agg = Aggregate(steady=steady)
     # The pass allocates millions of short-lived structs and no cycles: the cyclic GC would only
     # rescan the growing tables on every generation-0 threshold.
     was_enabled = gc.isenabled()
@@ -603,6 +614,9 @@ def aggregate_trace(
         m = _RANK_IN_NAME.match(Path(path).name)
         meta.rank = int(m.group(1)) if m else None
     agg.events += reader.skipped  # Python stack events: counted, never needed
+    base = reader.meta.get("baseTimeNanoseconds")
+    if isinstance(base, int) and not isinstance(base, bool):
+        agg.epoch_offset_us = base / 1000.0
     agg.finish(meta.rank, stage_id=stage_id, replica=replica)
     agg.files = [str(path)]
     agg.bytes_raw = reader.raw_bytes
@@ -628,7 +642,7 @@ def trace_summary(path: str | Path, agg: Aggregate, meta: TraceMeta, raw: int, t
     return summary
 
 
-def summarize_trace(path: str | Path, *, top: int = 20, strict: bool = False) -> TraceSummary:
+def summarize_trace(path: str | Path, *, top: int = 20, strict: bool = False, steady: bool = True) -> TraceSummary:
     """Summary of one trace file (``.json`` or ``.json.gz``).
 
     Raises ``TraceError`` (code ``trace_invalid``, message naming the file) for unreadable input.
@@ -636,7 +650,7 @@ def summarize_trace(path: str | Path, *, top: int = 20, strict: bool = False) ->
     reason in ``errors``; with ``strict=True`` it raises instead, the partial summary in
     ``details["partial"]``.
     """
-    agg, meta, raw = aggregate_trace(path)
+    agg, meta, raw = aggregate_trace(path, steady=steady)
     summary = trace_summary(path, agg, meta, raw, top)
     if strict and summary.truncated:
         raise TraceError(summary.errors[0], details={"file": str(path), "partial": summary.model_dump(mode="json")})

@@ -66,6 +66,21 @@ def print_capture(cap: Capture, as_json: bool, wide: bool = False) -> None:
         console.print(f"[red]{escape(err.code)}[/]: {escape(err.message)}", highlight=False, soft_wrap=True)
 
 
+def print_capture_findings(client: SidecarClient, cap: Capture) -> None:
+    """After the verdicts: the findings of the capture's summary (the server computes it when the
+    capture ends). A capture without a readable trace, or a sidecar without the summarizer, has none."""
+    if not cap.terminal or not any(v.verdict is Verdict.ok for v in cap.verdicts):
+        return
+    from sidecar.cli.summarize import print_findings
+    from sidecar.errors import SidecarError
+
+    try:
+        summary = client.summary(cap.id)
+    except SidecarError:
+        return
+    print_findings(summary.findings)
+
+
 def only_expected_unverified(cap: Capture) -> bool:
     """An nsys capture whose stages are all ``unverified``: nsys writes the report itself, so that
     is the expected outcome, not a failure."""
@@ -134,6 +149,8 @@ def stop(
         if wait:
             cap = wait_with_progress(client, capture_id, timeout, quiet=as_json)
             print_capture(cap, as_json, wide)
+            if not as_json:
+                print_capture_findings(client, cap)
             raise typer.Exit(exit_code(cap))
         if as_json:
             console.print_json(cap.model_dump_json())
@@ -249,6 +266,8 @@ def capture(
         client.stop_capture(cap.id)
         cap = wait_with_progress(client, cap.id, timeout, quiet=as_json)
         print_capture(cap, as_json, wide)
+        if not as_json:
+            print_capture_findings(client, cap)
         raise typer.Exit(exit_code(cap))
 
 

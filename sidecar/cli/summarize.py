@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from sidecar.analysis import CaptureSummary, SummaryBody, summarize_paths
+from sidecar.analysis.models import DeviceStat, Finding
 from sidecar.cli._app import (
     EXIT_ERROR,
     EXIT_UNREADABLE,
@@ -86,11 +87,41 @@ def _tables(title: str, body: SummaryBody, by: By) -> None:
         g = body.gpu_split
         console.print(f"GPU time: kernels {_ms(g.kernel_us)} ms ({g.kernel_share:.1%}), memcpy {_ms(g.memcpy_us)} ms "
                       f"({g.memcpy_share:.1%}), memset {_ms(g.memset_us)} ms ({g.memset_share:.1%})", highlight=False)
+        _attribution(body.devices)
     if body.engine_step_kinds:
         tab = Table("engine step kind", "count", "total ms", "mean ms", "share", title="Engine steps by kind")
         for k in body.engine_step_kinds:
             tab.add_row(k.kind, f"{k.count:,}", _ms(k.total_us), _ms(k.mean_us), f"{k.share:.1%}")
         console.print(tab)
+
+
+_SEVERITY = {"high": "bold red", "medium": "yellow", "low": "dim"}
+
+
+def print_findings(findings: list[Finding]) -> None:
+    """The capture's findings, ranked (sidecar/analysis/findings.py words them)."""
+    if not findings:
+        return
+    console.print("[bold]Findings[/] (most of the window first)")
+    for f in findings:
+        style = _SEVERITY.get(f.severity, "")
+        console.print(f"  [{style}]{f.severity:6}[/] {escape(f.message)}", highlight=False, soft_wrap=True)
+
+
+def _attribution(devices: list[DeviceStat]) -> None:
+    rows = [d for d in devices if d.temporal is not None]
+    if not rows:
+        return
+    tab = Table("where", "window ms", "compute·comm·mem·idle %", "idle: host·kernel·other %",
+                "launch µs p50/p95", "cpu-bound", title="Why, per stage·replica·rank·GPU (steady window, HTA definitions)")
+    for d in rows:
+        t, i, lc = d.temporal, d.idle_breakdown, d.launch
+        who = "·".join(str(v) if v is not None else "-" for v in (d.stage_id, d.replica, d.rank, d.device))
+        delay = f"{lc.delay_p50_us:.1f} / {lc.delay_p95_us:.1f}" if lc and lc.delay_p50_us is not None and lc.delay_p95_us is not None else "-"
+        split = " · ".join(f"{x * 100:.0f}" for x in (t.compute_share, t.communication_share, t.memory_share, t.idle_share))
+        waits = " · ".join(f"{x * 100:.0f}" for x in (i.host_wait_share, i.kernel_wait_share, i.other_share)) if i else "-"
+        tab.add_row(who, _ms(t.window_us), split, waits, delay, "yes" if lc and lc.cpu_bound else "no")
+    console.print(tab)
 
 
 def merged_notes(summary: CaptureSummary) -> list[str]:
@@ -140,6 +171,7 @@ def summarize(
                             f"{g.slowest_replica if g.slowest_replica is not None else '-'}/{g.slowest_rank if g.slowest_rank is not None else '-'}",
                             _ms(g.slowest_us), _ms(g.median_us), f"{g.ratio:.2f}x")
             console.print(tab)
+        print_findings(summary.findings)
     for note in merged_notes(summary):
         err_console.print(f"[bold]note[/]: {escape(note)}", highlight=False, soft_wrap=True)
     for msg in summary.warnings:

@@ -76,7 +76,8 @@ class SummaryCache:
                 "this sidecar has no trace summarizer installed; download the traces instead",
             ) from None
         # in a memory-capped worker: a hostile trace costs that worker, never the server
-        result = await asyncio.to_thread(run_isolated, summarize_paths, paths, top=top)
+        started = cap.started_at.timestamp() if cap.started_at else None  # start_skew_us is measured from it
+        result = await asyncio.to_thread(run_isolated, summarize_paths, paths, top=top, requested_start=started)
         data: dict[str, Any] = result.model_dump(mode="json")
         data["warnings"] = skipped + data.get("warnings", [])
         path = self._file(cap.id, top)

@@ -1,7 +1,7 @@
 // One capture: state and timings, per stage the verdict, its reason and what to do, the files
 // with download links and "Open in Perfetto", then the summary as charts once it is terminal.
 import { api } from "./api.js";
-import { barChart, busyIdleChart } from "./charts.js";
+import { barChart, busyIdleChart, stackedChart } from "./charts.js";
 import { LIVE, TERMINAL, between, bytes, clear, el, errorBox, seconds, us, when } from "./format.js";
 import { stopCapture } from "./leases.js";
 import { openInPerfetto } from "./perfetto.js";
@@ -235,6 +235,46 @@ function stepRows(s) {
   return rows;
 }
 
+const TEMPORAL = [
+  { key: "compute_share", name: "compute", cls: "seg-compute" },
+  { key: "communication_share", name: "communication", cls: "seg-comm" },
+  { key: "memory_share", name: "memory", cls: "seg-memory" },
+  { key: "other_share", name: "other", cls: "seg-other" },
+  { key: "idle_share", name: "idle", cls: "seg-idle" },
+];
+const IDLE = [
+  { key: "host_wait_share", name: "host wait", cls: "seg-host" },
+  { key: "kernel_wait_share", name: "kernel wait", cls: "seg-kernelwait" },
+  { key: "other_share", name: "other", cls: "seg-elsewhere" },
+];
+
+function whereLabel(d) {
+  const parts = [];
+  if (d.replica !== null && d.replica !== undefined) parts.push(`rep ${d.replica}`);
+  if (d.rank !== null && d.rank !== undefined) parts.push(`rank ${d.rank}`);
+  parts.push(`GPU ${d.device}`);
+  return parts.join(" · ");
+}
+
+// the summary's ranked findings (sidecar/analysis/findings.py words them), shown first
+function findingsList(findings) {
+  if (!findings || !findings.length) return null;
+  return el(
+    "ol",
+    { class: "summary-findings" },
+    findings.map((f) => el("li", { class: `sev-${f.severity}`, dataset: { rule: f.rule } }, el("span", { class: "sev", text: f.severity }), " ", f.message)),
+  );
+}
+
+function whyCharts(devices) {
+  const rows = (devices || []).filter((d) => d.temporal);
+  if (!rows.length) return [];
+  return [
+    stackedChart("Where the steady window went", rows.map((d) => ({ label: whereLabel(d), shares: d.temporal })), TEMPORAL),
+    stackedChart("Why the GPU was idle", rows.filter((d) => d.idle_breakdown).map((d) => ({ label: whereLabel(d), shares: d.idle_breakdown })), IDLE),
+  ].filter(Boolean);
+}
+
 export function renderSummary(card, s) {
   const charts = [];
   const notes = [];
@@ -247,6 +287,7 @@ export function renderSummary(card, s) {
     const name = st.stage_id === null || st.stage_id === undefined ? "Files of an unknown stage" : `Stage ${st.stage_id}`;
     const top = (rows, key) => [...rows].sort((a, b) => b[key] - a[key]).slice(0, TOP_N);
     const figs = [
+      ...whyCharts(st.devices),
       barChart("Top ops by self CPU time", top(st.cpu_ops || [], "self_us").map((o) => ({ label: o.name, value: o.self_us, note: `${o.count}×` })), { fmt: us, cls: "bar-cpu" }),
       barChart("Top ops by self device time", top(st.cpu_ops_by_device || [], "self_device_us").map((o) => ({ label: o.name, value: o.self_device_us, note: `${o.count}×` })), { fmt: us, cls: "bar-gpu" }),
       barChart("Top kernels by GPU time", top(st.kernels || [], "total_us").map((k) => ({ label: k.name, value: k.total_us, note: `${k.count}×` })), { fmt: us, cls: "bar-kernel" }),
@@ -265,6 +306,9 @@ export function renderSummary(card, s) {
   clear(
     card,
     el("h2", { text: "Summary" }),
+    findingsList(s.findings),
+    // room for the window's server metrics (s.window_metrics), shown beside the findings
+    el("div", { class: "summary-window-metrics", id: "summary-window-metrics" }),
     totalsLine(s),
     notes,
     steps || devices ? overall : null,

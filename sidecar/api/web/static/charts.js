@@ -83,3 +83,39 @@ export function busyIdleChart(title, rows, { width = 560, labelWidth = 150 } = {
   root.append(text(labelWidth + 74, ly, "idle", { class: "legend" }));
   return figure(title, root);
 }
+
+// rows: [{label, shares: {key: 0..1}}], parts: [{key, name, cls}] → one 100 % bar per row, its
+// segments in the order of parts (what the summary's `temporal` / `idle_breakdown` split)
+export function stackedChart(title, rows, parts, { width = 560, labelWidth = 150 } = {}) {
+  rows = rows.filter((r) => parts.some((p) => (r.shares[p.key] ?? 0) > 0));
+  if (!rows.length) return null;
+  const rowH = 26;
+  const barW = width - labelWidth - 12;
+  const height = 4 + rows.length * rowH + 20;
+  const root = svg("svg", { class: "chart-svg stacked", viewBox: `0 0 ${width} ${height}`, width: "100%", role: "img", "aria-label": title });
+  rows.forEach((r, i) => {
+    const y = 4 + i * rowH;
+    const g = svg("g", { class: "bar-row" });
+    g.append(text(labelWidth - 8, y + 17, r.label, { class: "bar-label", "text-anchor": "end" }));
+    g.append(svg("rect", { class: "bar-track", x: labelWidth, y: y + 4, width: barW, height: rowH - 8, rx: 3 }));
+    let x = labelWidth;
+    for (const p of parts) {
+      const share = Math.min(1, Math.max(0, r.shares[p.key] ?? 0));
+      if (share <= 0) continue;
+      const w = share * barW;
+      const seg = svg("rect", { class: `seg ${p.cls}`, x: x.toFixed(1), y: y + 4, width: Math.max(0.5, w).toFixed(1), height: rowH - 8, "data-part": p.key });
+      seg.append(svg("title", {}, document.createTextNode(`${r.label}: ${p.name} ${(share * 100).toFixed(1)} %`)));
+      g.append(seg);
+      x += w;
+    }
+    root.append(g);
+  });
+  let lx = labelWidth;
+  const ly = height - 6;
+  for (const p of parts) {
+    root.append(svg("rect", { class: `seg ${p.cls}`, x: lx, y: ly - 9, width: 10, height: 10, rx: 2 }));
+    root.append(text(lx + 14, ly, p.name, { class: "legend" }));
+    lx += 22 + p.name.length * 7;
+  }
+  return figure(title, root);
+}

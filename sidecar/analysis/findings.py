@@ -1,0 +1,145 @@
+"""A capture's findings: which stage · replica · rank is slow and why, ranked.
+
+Every rule is here, each a function of one device's attribution fields (or of the capture's
+stragglers and start skew) returning its figures when it fires; ``word`` is the one place that
+turns figures into a sentence. ``capture_findings`` ranks them by ``score`` (the share of the
+window the finding explains); severity follows the score.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from sidecar.analysis.models import CommonWindow, DeviceStat, Finding, Straggler
+
+IDLE = 0.5  # GPU idle at least half of the steady window
+HOST_WAIT = 0.5  # ... and at least half of that waiting on the host
+OTHER_WAIT = 0.5  # ... or on something else
+COMM_EXPOSED = 0.05  # communication not under compute, share of the window
+OVERLAP_LOW = 0.5
+MEMORY = 0.10  # memcpy/memset not under compute or communication, share of the window
+STRAGGLER = 1.2  # slowest member / median of its stage
+SKEW_US = 100_000.0  # first events of the ranks this far apart
+
+
+def _host_bound(d: DeviceStat) -> dict[str, float] | None:
+    t, i = d.temporal, d.idle_breakdown
+    if t is None or i is None or t.idle_share < IDLE or i.host_wait_share < HOST_WAIT:
+        return None
+    return {"idle_share": t.idle_share, "host_wait_share": i.host_wait_share, "score": t.idle_share * i.host_wait_share}
+
+
+def _launch_bound(d: DeviceStat) -> dict[str, float] | None:
+    lc, t = d.launch, d.temporal
+    if lc is None or t is None or not lc.cpu_bound:
+        return None
+    return {"short_share": lc.short_share, "gpu_shorter_than_launch_share": lc.gpu_shorter_than_launch_share,
+            "delay_p50_us": lc.delay_p50_us or 0.0, "score": t.idle_share * lc.gpu_shorter_than_launch_share}
+
+
+def _idle_other(d: DeviceStat) -> dict[str, float] | None:
+    t, i = d.temporal, d.idle_breakdown
+    if t is None or i is None or t.idle_share < IDLE or i.other_share < OTHER_WAIT:
+        return None
+    return {"idle_share": t.idle_share, "other_share": i.other_share, "score": t.idle_share * i.other_share}
+
+
+def _communication_exposed(d: DeviceStat) -> dict[str, float] | None:
+    t, o = d.temporal, d.overlap
+    if t is None or o is None or t.communication_share < COMM_EXPOSED:
+        return None
+    share = o.share or 0.0
+    if share >= OVERLAP_LOW:
+        return None
+    return {"communication_share": t.communication_share, "overlap_share": share, "score": t.communication_share}
+
+
+def _memory_bound(d: DeviceStat) -> dict[str, float] | None:
+    t = d.temporal
+    if t is None or t.memory_share < MEMORY:
+        return None
+    return {"memory_share": t.memory_share, "score": t.memory_share}
+
+
+DEVICE_RULES: dict[str, Callable[[DeviceStat], dict[str, float] | None]] = {
+    "host_bound": _host_bound,
+    "launch_bound": _launch_bound,
+    "idle_other": _idle_other,
+    "communication_exposed": _communication_exposed,
+    "memory_bound": _memory_bound,
+}
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.0f}%"
+
+
+def word(rule: str, f: dict[str, float]) -> str:
+    """The sentence for a rule's figures (without the stage · replica · rank)."""
+    if rule == "host_bound":
+        return f"GPU idle {_pct(f['idle_share'])} of the window, {_pct(f['host_wait_share'])} of it waiting on the host"
+    if rule == "launch_bound":
+        return (f"{_pct(f['short_share'])} of kernels shorter than 10 µs, {_pct(f['gpu_shorter_than_launch_share'])} "
+                f"ran shorter than their launch call (launch delay p50 {f['delay_p50_us']:.1f} µs): launch-bound; "
+                "fewer, larger kernels (fusion, a larger batch) or CUDA graphs help")
+    if rule == "idle_other":
+        return (f"GPU idle {_pct(f['idle_share'])} of the window, {_pct(f['other_share'])} of it neither on the host nor "
+                "between kernels: waiting on another stream, an event or another stage")
+    if rule == "communication_exposed":
+        return (f"communication takes {_pct(f['communication_share'])} of the window with only "
+                f"{_pct(f['overlap_share'])} of it overlapped by compute")
+    if rule == "memory_bound":
+        return f"memcpy/memset take {_pct(f['memory_share'])} of the window, not hidden under compute"
+    if rule == "straggler":
+        return f"{f['ratio']:.2f}× the median of its stage ({f['slowest_us'] / 1000:,.1f} vs {f['median_us'] / 1000:,.1f} ms)"
+    if rule == "start_skew":
+        return (f"ranks started profiling up to {f['spread_us'] / 1000:,.0f} ms apart; the window common to all of them "
+                f"is {f['common_us'] / 1000:,.0f} ms")
+    raise KeyError(rule)
+
+
+def _where(stage: int | None, replica: int | None, rank: int | None) -> str:
+    parts = [f"stage {stage}"] if stage is not None else []
+    if replica is not None:
+        parts.append(f"replica {replica}")
+    if rank is not None:
+        parts.append(f"rank {rank}")
+    return " · ".join(parts) or "the trace"
+
+
+def _severity(score: float) -> str:
+    return "high" if score >= 0.5 else "medium" if score >= 0.2 else "low"
+
+
+def _finding(rule: str, figures: dict[str, float], where: str, **keys: int | None) -> Finding:
+    score = min(1.0, figures.pop("score"))
+    return Finding(rule=rule, severity=_severity(score), score=score, message=f"{where}: {word(rule, figures)}",
+                   figures=figures, **keys)
+
+
+def capture_findings(devices: Sequence[DeviceStat], stragglers: Sequence[Straggler] = (),
+                     common: CommonWindow | None = None) -> list[Finding]:
+    """Every rule on every device, then the capture-wide ones, highest score first."""
+    out: list[Finding] = []
+    for d in devices:
+        where = _where(d.stage_id, d.replica, d.rank)
+        for rule, fires in DEVICE_RULES.items():
+            fig = fires(d)
+            if fig is not None:
+                out.append(_finding(rule, fig, where, stage_id=d.stage_id, replica=d.replica, rank=d.rank, device=d.device))
+    for s in stragglers:
+        if s.ratio >= STRAGGLER:
+            fig = {"ratio": s.ratio, "slowest_us": s.slowest_us, "median_us": s.median_us, "score": s.ratio - 1.0}
+            out.append(_finding("straggler", fig, _where(s.stage_id, s.slowest_replica, s.slowest_rank),
+                                stage_id=s.stage_id, replica=s.slowest_replica, rank=s.slowest_rank))
+    skews = [d.start_skew_us for d in devices if d.start_skew_us is not None]
+    if common is not None and len(skews) >= 2 and max(skews) - min(skews) >= SKEW_US:
+        spread = max(skews) - min(skews)
+        late = max(devices, key=lambda d: d.start_skew_us if d.start_skew_us is not None else float("-inf"))
+        fig = {"spread_us": spread, "common_us": common.span_us, "score": spread / (spread + common.span_us)}
+        out.append(_finding("start_skew", fig, _where(late.stage_id, late.replica, late.rank),
+                            stage_id=late.stage_id, replica=late.replica, rank=late.rank, device=late.device))
+    return sorted(out, key=lambda f: -f.score)
+
+
+__all__ = ["DEVICE_RULES", "capture_findings", "word"]
