@@ -1,0 +1,61 @@
+"""``steps`` windows on a real vLLM 0.30 CPU server started WITH its stat loggers (its /metrics
+then has ``vllm:iteration_tokens_total``, the step counter): a 20-step capture ends by itself and
+its trace holds 20 +- 2 engine steps; the window's server metrics are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sidecar.client import SidecarClient
+
+
+@pytest.fixture(scope="module")
+def counted(vllm_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    trace_dir = tmp_path_factory.mktemp("vllm-steps-traces")
+    pc = {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": False}
+    return {"server": vllm_factory(pc, log_stats=True), "profiler_config": pc}
+
+
+@pytest.fixture
+def sidecar(counted: dict[str, Any], sidecar_factory: Any, tmp_path: Path) -> Any:
+    return sidecar_factory(counted["server"].url, None, flavor="vllm", state_dir=tmp_path / "state",
+                           extra_args=["--profiler-config", json.dumps(counted["profiler_config"])])  # fmt: skip
+
+
+@pytest.fixture
+def load(counted: dict[str, Any]) -> Iterator[None]:
+    """Completions one after another for as long as the test runs: steady engine steps."""
+    stop = threading.Event()
+    url = counted["server"].url
+
+    def run() -> None:
+        with httpx.Client(base_url=url, timeout=300, trust_env=False) as http:
+            model = http.get("/v1/models").json()["data"][0]["id"]
+            while not stop.is_set():
+                http.post("/v1/completions", json={"model": model, "prompt": "hello world", "max_tokens": 16})
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    yield
+    stop.set()
+    thread.join(300)
+
+
+def test_twenty_steps_end_by_themselves_and_the_trace_holds_them(sidecar: Any, load: None) -> None:
+    with SidecarClient(sidecar.url, timeout=300) as client:
+        cap = client.start_capture(steps=20, label="steps")
+        cap = client.wait_capture(cap.id, timeout=600)
+    assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
+    (verdict,) = cap.verdicts
+    print(f"asked 20: counted {cap.steps_counted}, traced {verdict.steps_traced}")
+    assert verdict.steps_traced is not None and abs(verdict.steps_traced - 20) <= 2, (verdict, cap.notes)
+    (engine,) = cap.window_metrics.engines  # type: ignore[union-attr]
+    assert engine.engine == "0" and engine.engine_steps >= 20 and engine.generation_tokens >= 20, engine
