@@ -522,10 +522,10 @@ class LeaseInvalid(WindowInvalid):
     code = "lease_invalid"
 
 
-class StepsInvalid(WindowInvalid):
-    """``steps`` / ``delay_steps`` not a whole number in range."""
+class EngineStepsInvalid(WindowInvalid):
+    """A capture's ``steps`` / ``delay_steps`` (engine steps) not a whole number in range."""
 
-    code = "steps_invalid"
+    code = "engine_steps_invalid"
 
 
 class StepsUnavailable(CaptureError):

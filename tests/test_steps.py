@@ -19,6 +19,7 @@ from sidecar.errors import BudgetExceeded
 from sidecar.upstream.metrics import engine_steps, parse_metrics, quantile, steps_of, window_metrics
 from tests.fixtures.emulator import EmulatorPool, make_deploy
 from tests.fixtures.sidecar import AppClient, ModuleSidecar, error_of
+from tests.fixtures.waits import poll
 
 DATA = Path(__file__).parent / "data" / "metrics"
 # vllm serve (CPU, vLLM 0.30) idle (0), after 3 completions of 8 tokens (1), after 2 more inside a
@@ -183,3 +184,35 @@ def test_plan_probes_the_server_and_predicts_a_window(shared: ModuleSidecar) -> 
                                                                     for p in plan.per_stage), plan
     assert plan.steps is not None and plan.predicted_mb is not None and plan.predicted_mb <= 5
     assert last["prediction"]["steps"] == 20 and last["plan"]["stages"] == [0, 2], last
+
+
+def test_rollout_profiler_windows_end_after_the_engine_steps(shared: ModuleSidecar) -> None:
+    from sidecar.rollout import RolloutProfiler
+
+    done = threading.Event()
+    load = _load(shared.emulator.url, done)
+    try:
+        with RolloutProfiler([f"sidecar={shared.url}"], steps=[1], stages=[0, 2], engine_steps=10) as prof:
+            with prof.step(1):
+                with shared.client() as client:  # the block runs on; the server's steps end the window
+                    assert poll(lambda: client.list_captures()[0].stop_reason is not None, timeout=120)
+            results = prof.wait(timeout=120)
+    finally:
+        done.set()
+        load.join(60)
+    (target,) = results[1].targets.values()
+    with shared.client() as client:
+        cap = client.get_capture(target.capture_id)
+    assert (cap.steps, cap.stop_reason.value, cap.state.value) == (10, "steps", "completed"), cap
+
+
+def test_render_bounds_the_rendered_stages_in_engine_steps(tmp_path: Path) -> None:
+    from sidecar.config import load_deploy_config, render_overlay
+
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: None})
+    out = tmp_path / "overlay.yaml"
+    out.write_text(render_overlay(deploy, "light", [0, 1], out_path=out, out_dir=tmp_path / "perf",
+                                  iterations={"max_iterations": 20, "delay_iterations": 5}))  # fmt: skip
+    got = {s.stage_id: (s.profiler_config.max_iterations, s.profiler_config.delay_iterations)
+           for s in load_deploy_config(out).stages if s.profiler_config}  # fmt: skip
+    assert got == {0: (20, 5), 1: (20, 5)}

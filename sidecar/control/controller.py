@@ -57,7 +57,7 @@ from sidecar.errors import (
     DurationInvalid,
     LeaseInvalid,
     MetricsUnavailable,
-    StepsInvalid,
+    EngineStepsInvalid,
     StepsUnavailable,
     SidecarClosing,
     SidecarError,
@@ -220,7 +220,7 @@ def _check_steps(steps: int | None, delay_steps: int | None) -> None:
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1_000_000:
-            raise StepsInvalid(f"{key} must be a whole number of engine steps from {low} to 1000000, got {value!r}",
+            raise EngineStepsInvalid(f"{key} must be a whole number of engine steps from {low} to 1000000, got {value!r}",
                                key=key)
 
 
@@ -233,7 +233,8 @@ class _Runtime:
     """What the controller keeps per live capture beside the record itself."""
 
     __slots__ = ("watches", "done", "started_mono", "heartbeat_mono", "watchdog", "stopper", "pending_stop",
-                 "stop_timed_out", "metrics_before", "metrics_after", "steps_counter", "steps_base")
+                 "stop_timed_out", "metrics_before", "metrics_after", "steps_counter", "steps_base", "steps_pre",
+                 "steps_at_stop")
 
     def __init__(self) -> None:
         self.watches: list[StageWatch] = []
@@ -248,7 +249,9 @@ class _Runtime:
         self.metrics_before: asyncio.Task[MetricsSnapshot | str] | None = None
         self.metrics_after: asyncio.Task[MetricsSnapshot | str] | None = None
         self.steps_counter: asyncio.Task[None] | None = None  # a ``steps`` window's counter
-        self.steps_base: int | None = None  # the server's step count at the start's reply
+        self.steps_base: float | None = None  # the server's step count at the start's reply (estimated)
+        self.steps_pre: tuple[float, int] | None = None  # (monotonic mid-read, count) before the start
+        self.steps_at_stop: int | None = None  # steps counted past the base when the stop was sent
 
 
 class CaptureController:
@@ -463,7 +466,9 @@ class CaptureController:
                                    self.settings.budget_action)
         self._refuse_overlap()  # fast path: don't queue behind a start that may take minutes
         counted = steps is not None or delay_steps is not None
+        t0 = time.monotonic()
         first = await self._step_counter(selected) if counted else None
+        pre = (t0 + time.monotonic()) / 2
         async with self._start_lock:
             self._refuse_overlap()
             now = _now()
@@ -485,6 +490,7 @@ class CaptureController:
             rt = self._rt[cap.id] = _Runtime()
             if first is not None:
                 rt.metrics_before = _done(first)
+                rt.steps_pre = (pre, steps_of(engine_steps(first), cap.stages))
             elif self.settings.window_metrics:  # concurrent with the start: not on its path
                 rt.metrics_before = asyncio.create_task(self._scrape(), name=f"metrics-before-{cap.id}")
             rt.watches = self._watches(cap.stages, shared_stages)
@@ -747,19 +753,20 @@ class CaptureController:
                 details={"stages": stages})
         return snap
 
-    async def _count(self, stages: list[int]) -> tuple[int | None, float]:
-        """The step count of ``stages`` now (None: the read failed) and how long the read took."""
+    async def _count(self, stages: list[int]) -> tuple[int | None, float, float]:
+        """The step count of ``stages`` now (None: the read failed), the middle of the read (when
+        the server counted, as near as the sidecar can tell) and how long the read took."""
         t0 = time.monotonic()
         snap = await self._scrape()
-        took = time.monotonic() - t0
-        return (None if isinstance(snap, str) else steps_of(engine_steps(snap), stages)), took
+        t1 = time.monotonic()
+        return (None if isinstance(snap, str) else steps_of(engine_steps(snap), stages)), (t0 + t1) / 2, t1 - t0
 
     async def _wait_steps(self, cap: Capture, first: MetricsSnapshot, n: int) -> None:
         """Until the server has run ``n`` steps since ``first`` (a ``delay_steps`` start)."""
         base = steps_of(engine_steps(first), cap.stages)
         deadline = time.monotonic() + self.settings.steps_wait_s
         while True:
-            now, _ = await self._count(cap.stages)
+            now, _, _ = await self._count(cap.stages)
             if now is not None and now - base >= n:
                 return
             if time.monotonic() >= deadline:
@@ -770,29 +777,46 @@ class CaptureController:
             await asyncio.sleep(self.settings.steps_poll_s)
 
     async def _count_steps(self, capture_id: str) -> None:
-        """A ``steps`` window: read the counter every ``steps_poll_s`` and stop once the steps,
-        with those the server will run while the stop travels (rate x read time), reach ``steps``."""
+        """A ``steps`` window: read the server's counter every ``steps_poll_s``; from the reads, the
+        step rate, and from the reads' round trip, the time a request takes to land. The base is the
+        count at the start's reply (between the reads before and after it); the stop is sent so that
+        it lands when the count reaches ``steps`` past it: at once when due, else after the wait the
+        rate predicts, when that is shorter than the next read."""
         cap, rt = self._captures[capture_id], self._rt[capture_id]
         assert cap.steps is not None
-        last: tuple[float, int] | None = None
+        poll = self.settings.steps_poll_s
+        last: tuple[float, int] | None = rt.steps_pre
         rate = 0.0  # steps per second, smoothed
         while cap.state is CaptureState.active:
-            now, took = await self._count(cap.stages)
-            if now is not None:
-                t = time.monotonic()
-                if rt.steps_base is None:
+            now, at, took = await self._count(cap.stages)
+            if now is None:
+                await asyncio.sleep(poll)
+                continue
+            if last is not None and at > last[0]:
+                step_rate = max(now - last[1], 0) / (at - last[0])
+                rate = step_rate if rt.steps_base is None else 0.5 * rate + 0.5 * step_rate
+            if rt.steps_base is None:
+                started = rt.started_mono if rt.started_mono is not None else at
+                if last is not None:  # the count at the start's reply, between the two reads
+                    rt.steps_base = min(max(last[1] + rate * (started - last[0]), last[1]), now)
+                else:
                     rt.steps_base = now
-                if last is not None and t > last[0]:
-                    rate = 0.5 * rate + 0.5 * (now - last[1]) / (t - last[0])
-                last = (t, now)
-                if now - rt.steps_base + rate * took >= cap.steps - 0.5:
-                    rt.steps_counter = None  # stop() cancels the counter; this one must not cancel itself
-                    await self.stop(capture_id, reason=StopReason.steps)
-                    return
-            await asyncio.sleep(self.settings.steps_poll_s)
+            last = (at, now)
+            remaining = cap.steps - (now - rt.steps_base)
+            # the stop lands about half a round trip after it is sent (as a read's answer comes back)
+            wait = remaining / rate - took / 2 - (time.monotonic() - at) if rate > 0 else math.inf
+            if remaining <= 0.5 or wait <= poll:
+                if wait > 0 and math.isfinite(wait):
+                    await asyncio.sleep(wait)
+                rt.steps_at_stop = int(round(now - rt.steps_base + (rate * max(wait, 0.0) if math.isfinite(wait) else 0)))
+                rt.steps_counter = None  # stop() cancels the counter; this one must not cancel itself
+                await self.stop(capture_id, reason=StopReason.steps)
+                return
+            await asyncio.sleep(poll)
 
     async def _settle_metrics(self, cap: Capture, rt: _Runtime) -> None:
-        """The window's metrics (and a ``steps`` window's count) from the scrapes at its edges."""
+        """The window's metrics from the scrapes at its edges (and a ``steps`` window's count)."""
+        cap.steps_counted = rt.steps_at_stop
         if rt.metrics_before is None:
             return
         try:
@@ -807,8 +831,6 @@ class CaptureController:
             cap.window_metrics = WindowMetrics(unavailable=before if isinstance(before, str) else str(after))
             return
         cap.window_metrics = window_metrics(before, after)
-        if cap.steps is not None and rt.steps_base is not None:
-            cap.steps_counted = steps_of(engine_steps(after), cap.stages) - rt.steps_base
 
     async def _steps_traced(self, cap: Capture, verdicts: list[StageVerdict]) -> list[StageVerdict]:
         """Each stage's engine steps as its trace holds them (the trace summary), with a note
@@ -821,6 +843,8 @@ class CaptureController:
         per_stage: dict[int, int] = {}
         for f in data.get("files", []):
             sid = f.get("stage_id")
+            if sid is None and len(cap.stages) == 1:
+                sid = cap.stages[0]  # plain vLLM's traces carry no stage in their names: its one engine
             if sid is None:
                 continue
             kinds = {k["kind"]: k["count"] for k in f.get("engine_step_kinds", [])}

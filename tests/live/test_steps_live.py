@@ -59,3 +59,15 @@ def test_twenty_steps_end_by_themselves_and_the_trace_holds_them(sidecar: Any, l
     assert verdict.steps_traced is not None and abs(verdict.steps_traced - 20) <= 2, (verdict, cap.notes)
     (engine,) = cap.window_metrics.engines  # type: ignore[union-attr]
     assert engine.engine == "0" and engine.engine_steps >= 20 and engine.generation_tokens >= 20, engine
+
+
+def test_the_plan_predicts_a_twenty_step_window_within_a_quarter(sidecar: Any, load: None) -> None:
+    with SidecarClient(sidecar.url, timeout=1800) as client:
+        plan = client.plan(budget_mb=150, max_stop_s=60)
+        cap = client.start_capture(steps=20, label="planned")
+        cap = client.wait_capture(cap.id, timeout=600)
+    predicted_mb, predicted_stop_s = plan.predict(20)
+    actual_mb = sum(f.size for v in cap.verdicts for s in v.sessions for f in s.files) / 1e6
+    print(f"20 steps: predicted {predicted_mb:.2f} MB, actual {actual_mb:.2f} MB; "
+          f"stop predicted {predicted_stop_s:.2f}s; plan fits {plan.steps} steps ({plan.limited_by})")
+    assert 0.75 <= predicted_mb / actual_mb <= 1.25, (plan, cap.verdicts)
