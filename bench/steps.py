@@ -11,6 +11,10 @@ A load thread sends completions one after another for the whole run. Servers and
 127.0.0.1 on free ports and are always shut down. Nothing is asserted; it prints.
 
     python bench/steps.py [--flags light,ops,stacks] [--asked 5,20,50] [--budget-mb 150] [--max-stop-s 60]
+    python bench/steps.py --upstream http://127.0.0.1:8000 --profiler-config '{"profiler": "torch", ...}'
+
+``--upstream`` measures a vLLM server you started (with its stat loggers on, and the profiler
+config given as ``--profiler-config``): one flag set, the one it runs with.
 """
 
 from __future__ import annotations
@@ -22,12 +26,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -35,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from sidecar.api.launcher import SidecarProcess  # noqa: E402
 from sidecar.client import SidecarClient  # noqa: E402
 from sidecar.control.models import Capture  # noqa: E402
+from tests.fixtures.load import steady_load  # noqa: E402
 from tests.live.conftest import VllmServer  # noqa: E402
 
 FLAG_SETS: dict[str, dict[str, Any]] = {
@@ -59,38 +61,24 @@ def tiny_model(python: str, root: Path) -> Path:
 
 
 @contextlib.contextmanager
-def load(url: str) -> Iterator[None]:
-    stop = threading.Event()
-
-    def run() -> None:
-        with httpx.Client(base_url=url, timeout=300, trust_env=False) as http:
-            model = http.get("/v1/models").json()["data"][0]["id"]
-            while not stop.is_set():
-                http.post("/v1/completions", json={"model": model, "prompt": "hello world", "max_tokens": 16})
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join(300)
-
-
-@contextlib.contextmanager
-def served(python: str, model: Path, root: Path, name: str) -> Iterator[tuple[VllmServer, SidecarProcess]]:
-    pc = {"profiler": "torch", "torch_profiler_dir": str(root / f"traces-{name}"), **FLAG_SETS[name]}
-    server = VllmServer(python, model, pc, cwd=root, log_path=root / f"vllm-{name}.log", log_stats=True)
-    server.start()
+def served(python: str, model: Path, root: Path, name: str, upstream: str | None = None,
+           profiler_config: dict[str, Any] | None = None) -> Iterator[tuple[str, SidecarProcess]]:
+    """A server (started here, or ``upstream``) and a sidecar in front of it."""
+    pc = profiler_config or {"profiler": "torch", "torch_profiler_dir": str(root / f"traces-{name}"), **FLAG_SETS[name]}
+    server = None
+    if upstream is None:
+        server = VllmServer(python, model, pc, cwd=root, log_path=root / f"vllm-{name}.log", log_stats=True)
+        upstream = server.start().url
     sidecar = None
     try:
-        sidecar = SidecarProcess(server.url, None, flavor="vllm", state_dir=root / f"state-{name}",
+        sidecar = SidecarProcess(upstream, None, flavor="vllm", state_dir=root / f"state-{name}",
                                  extra_args=["--profiler-config", json.dumps(pc)]).start()  # fmt: skip
-        yield server, sidecar
+        yield upstream, sidecar
     finally:
         if sidecar is not None:
             sidecar.stop(grace=30)
-        server.stop(grace=30)
+        if server is not None:
+            server.stop(grace=30)
 
 
 def size_mb(cap: Capture) -> float:
@@ -101,6 +89,10 @@ def stop_s(cap: Capture) -> float:
     if cap.stop_requested_at is None or cap.stopped_at is None:
         return float("nan")
     return (cap.stopped_at - cap.stop_requested_at).total_seconds()
+
+
+def between(a: Any, b: Any) -> str:
+    return "?" if a is None or b is None else f"{(b - a).total_seconds():.2f}s"
 
 
 def window(client: SidecarClient, steps: int) -> Capture:
@@ -114,15 +106,21 @@ def main() -> None:
     ap.add_argument("--asked", default="5,20,50")
     ap.add_argument("--budget-mb", type=float, default=150.0)
     ap.add_argument("--max-stop-s", type=float, default=60.0)
+    ap.add_argument("--upstream", help="a running vLLM server (stat loggers on) instead of starting one per flag set")
+    ap.add_argument("--profiler-config", help="with --upstream: the JSON its --profiler-config got")
     args = ap.parse_args()
+    if args.upstream and not args.profiler_config:
+        ap.error("--upstream needs --profiler-config (the sidecar must know where the server writes)")
     python = live_python()
     asked = [int(n) for n in args.asked.split(",") if n]
     with tempfile.TemporaryDirectory(prefix="bench-steps-") as tmp:
         root = Path(tmp)
-        model = tiny_model(python, root)
+        model = root / "model" if args.upstream else tiny_model(python, root)
         rows: list[str] = []
-        for i, name in enumerate(n for n in args.flags.split(",") if n):
-            with served(python, model, root, name) as (server, sidecar), load(server.url), \
+        names = ["as-run"] if args.upstream else [n for n in args.flags.split(",") if n]
+        pc = json.loads(args.profiler_config) if args.profiler_config else None
+        for i, name in enumerate(names):
+            with served(python, model, root, name, args.upstream, pc) as (url, sidecar), steady_load(url), \
                     SidecarClient(sidecar.url, timeout=1800) as client:
                 if i == 0:
                     print(f"steps asked vs held ({name} flags; goal: N +- 2 at 20)")
@@ -130,7 +128,9 @@ def main() -> None:
                         cap = window(client, n)
                         traced = [v.steps_traced for v in cap.verdicts]
                         print(f"  asked {n:3d}: server counted {cap.steps_counted}, trace holds {traced}, "
-                              f"stop reason {cap.stop_reason}", flush=True)
+                              f"stop reason {cap.stop_reason}, start {between(cap.created_at, cap.started_at)}, "
+                              f"window {between(cap.started_at, cap.stop_requested_at)}, stop {stop_s(cap):.2f}s",
+                              flush=True)
                 plan = client.plan(budget_mb=args.budget_mb, max_stop_s=args.max_stop_s)
                 steps = plan.steps or 1
                 cap = window(client, steps)

@@ -5,12 +5,10 @@ the reader on the real servers' saved ``/metrics`` (tests/data/metrics/), the em
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,11 +17,12 @@ from sidecar.errors import BudgetExceeded
 from sidecar.upstream.metrics import engine_steps, parse_metrics, quantile, steps_of, window_metrics
 from tests.fixtures.emulator import EmulatorPool, make_deploy
 from tests.fixtures.sidecar import AppClient, ModuleSidecar, error_of
+from tests.fixtures.load import steady_load
 from tests.fixtures.waits import poll
 
 DATA = Path(__file__).parent / "data" / "metrics"
-# vllm serve (CPU, vLLM 0.30) idle (0), after 3 completions of 8 tokens (1), after 2 more inside a
-# profiled window (2): tools in docs/captures.md "Window metrics"
+# the real vllm serve (CPU, vLLM 0.30, stat loggers on) idle (0), after 3 completions of 8 tokens
+# one after another (1), after 2 more inside a profiled window (2); model_name scrubbed
 VLLM = [(DATA / f"vllm-0.30-cpu-{i}.prom").read_text() for i in range(3)]
 STAGES = {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}}
 THREAD = ["--workers", "thread"]
@@ -71,20 +70,6 @@ def shared(_shared: ModuleSidecar) -> Iterator[ModuleSidecar]:
     yield from _shared.each_test()
 
 
-def _load(url: str, until: threading.Event) -> threading.Thread:
-    """Requests of one token each until ``until``: steady engine steps on every stage."""
-
-    def run() -> None:
-        with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
-            while not until.is_set():
-                http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                        "max_tokens": 1, "num_inference_steps": 1})
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
-
-
 def test_emulator_metrics_are_the_real_servers_families(shared: ModuleSidecar) -> None:
     emu = shared.emulator
     emu.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
@@ -98,15 +83,10 @@ def test_emulator_metrics_are_the_real_servers_families(shared: ModuleSidecar) -
 
 
 def test_steps_capture_ends_by_itself_near_the_steps_asked(shared: ModuleSidecar) -> None:
-    done = threading.Event()
-    load = _load(shared.emulator.url, done)
-    try:
+    with steady_load(shared.emulator.url, max_tokens=1, chat=True):
         with shared.client() as client:
             cap = client.start_capture(stages=[0, 2], steps=20)
             final = client.wait_capture(cap.id, timeout=120)
-    finally:
-        done.set()
-        load.join(60)
     assert (final.state.value, final.stop_reason.value, final.steps) == ("completed", "steps", 20), final
     assert final.steps_counted is not None and abs(final.steps_counted - 20) <= 3, final.steps_counted
     traced = {v.stage_id: v.steps_traced for v in final.verdicts}
@@ -170,15 +150,10 @@ def test_a_steps_capture_above_the_planned_budget_is_refused_or_warned() -> None
 
 
 def test_plan_probes_the_server_and_predicts_a_window(shared: ModuleSidecar) -> None:
-    done = threading.Event()
-    load = _load(shared.emulator.url, done)
-    try:
+    with steady_load(shared.emulator.url, max_tokens=1, chat=True):
         with shared.client() as client:
             plan = client.plan(stages=[0, 2], budget_mb=5, max_stop_s=60)
             last = client._http.get("/v1/plan", params={"steps": 20}).json()  # the web page's prediction
-    finally:
-        done.set()
-        load.join(60)
     assert [p.steps_asked for p in plan.probes] == [1, 2]
     assert {p.stage_id for p in plan.per_stage} == {0, 2} and all(p.bytes_fixed + p.bytes_per_step > 0
                                                                     for p in plan.per_stage), plan
@@ -189,17 +164,12 @@ def test_plan_probes_the_server_and_predicts_a_window(shared: ModuleSidecar) -> 
 def test_rollout_profiler_windows_end_after_the_engine_steps(shared: ModuleSidecar) -> None:
     from sidecar.rollout import RolloutProfiler
 
-    done = threading.Event()
-    load = _load(shared.emulator.url, done)
-    try:
+    with steady_load(shared.emulator.url, max_tokens=1, chat=True):
         with RolloutProfiler([f"sidecar={shared.url}"], steps=[1], stages=[0, 2], engine_steps=10) as prof:
             with prof.step(1):
                 with shared.client() as client:  # the block runs on; the server's steps end the window
                     assert poll(lambda: client.list_captures()[0].stop_reason is not None, timeout=120)
             results = prof.wait(timeout=120)
-    finally:
-        done.set()
-        load.join(60)
     (target,) = results[1].targets.values()
     with shared.client() as client:
         cap = client.get_capture(target.capture_id)
@@ -216,3 +186,17 @@ def test_render_bounds_the_rendered_stages_in_engine_steps(tmp_path: Path) -> No
     got = {s.stage_id: (s.profiler_config.max_iterations, s.profiler_config.delay_iterations)
            for s in load_deploy_config(out).stages if s.profiler_config}  # fmt: skip
     assert got == {0: (20, 5), 1: (20, 5)}
+
+
+def test_delay_steps_holds_the_start_until_the_server_ran_them(shared: ModuleSidecar) -> None:
+    def stage0_steps() -> int:
+        return engine_steps(parse_metrics(shared.emulator.http.get("/metrics").text)).get((("stage", "0"), ("replica", "0")), 0)
+
+    with steady_load(shared.emulator.url, max_tokens=1, chat=True):
+        with shared.client() as client:
+            before = stage0_steps()
+            cap = client.start_capture(stages=[0], steps=3, delay_steps=30)  # answers once started
+            after = stage0_steps()
+            cap = client.wait_capture(cap.id, timeout=120)
+    assert after - before >= 30, (before, after)
+    assert (cap.delay_steps, cap.stop_reason.value, cap.state.value) == (30, "steps", "completed"), cap

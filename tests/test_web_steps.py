@@ -5,12 +5,11 @@ the page ends by itself, and its page shows the steps and the server metrics tab
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any
 
-import httpx
 import pytest
 
+from tests.fixtures.load import steady_load
 from tests.fixtures.web import WebStack
 
 pytestmark = pytest.mark.slow
@@ -18,30 +17,17 @@ pytestmark = pytest.mark.slow
 
 def test_a_steps_window_from_the_page_shows_its_steps_and_server_metrics(web_stack: WebStack, open_page: Any,
                                                                          screenshot: Any) -> None:  # fmt: skip
-    done = threading.Event()
-
-    def load() -> None:  # one-token requests: steady engine steps on every stage
-        with httpx.Client(base_url=web_stack.emulator.url, timeout=60, trust_env=False) as http:
-            while not done.is_set():
-                http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
-                                                        "num_inference_steps": 1})
-
-    thread = threading.Thread(target=load, daemon=True)
     page = open_page(web_stack.url)
     page.goto("/")
     page.locator("#steps-input").wait_for()
     page.check("#start-form input[name=mode][value=steps]")
     page.fill("#steps-input", "12")
-    thread.start()
-    try:
+    with steady_load(web_stack.emulator.url, max_tokens=1, chat=True):  # steady engine steps on every stage
         page.click("#start-button")
         link = page.locator("#start-result a")
         link.wait_for(timeout=300_000)
         page.goto(f"/captures/{link.inner_text()}")
         page.locator("#window-metrics tbody tr").first.wait_for(timeout=300_000)
-    finally:
-        done.set()
-        thread.join(60)
     start = next(r for r in page.requests if r.method == "POST")
     rows = [r.inner_text().split("\t")[0] for r in page.locator("#window-metrics tbody tr").all()]
     assert json.loads(start.post_data) == {"stages": [0, 2], "steps": 12}

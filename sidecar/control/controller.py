@@ -58,6 +58,7 @@ from sidecar.errors import (
     LeaseInvalid,
     MetricsUnavailable,
     EngineStepsInvalid,
+    StepsNotReached,
     StepsUnavailable,
     SidecarClosing,
     SidecarError,
@@ -249,7 +250,7 @@ class _Runtime:
         self.metrics_before: asyncio.Task[MetricsSnapshot | str] | None = None
         self.metrics_after: asyncio.Task[MetricsSnapshot | str] | None = None
         self.steps_counter: asyncio.Task[None] | None = None  # a ``steps`` window's counter
-        self.steps_base: float | None = None  # the server's step count at the start's reply (estimated)
+        self.steps_base: float | None = None  # the server's step count as the start was sent
         self.steps_pre: tuple[float, int] | None = None  # (monotonic mid-read, count) before the start
         self.steps_at_stop: int | None = None  # steps counted past the base when the stop was sent
 
@@ -778,37 +779,38 @@ class CaptureController:
 
     async def _count_steps(self, capture_id: str) -> None:
         """A ``steps`` window: read the server's counter every ``steps_poll_s``; from the reads, the
-        step rate, and from the reads' round trip, the time a request takes to land. The base is the
-        count at the start's reply (between the reads before and after it); the stop is sent so that
-        it lands when the count reaches ``steps`` past it: at once when due, else after the wait the
-        rate predicts, when that is shorter than the next read."""
+        step rate, and from their round trip, the time a request takes to land. The base is the
+        read just before the start was sent: both servers start the engines' profilers as the start
+        arrives (vLLM 0.30 answers only once its front-end profiler has started too, which takes
+        seconds on CPU while the engine steps and records). The stop is sent so that it lands when
+        the count reaches ``steps`` past the base: at once when due, else after the wait the rate
+        predicts, when that is shorter than the next read."""
         cap, rt = self._captures[capture_id], self._rt[capture_id]
         assert cap.steps is not None
         poll = self.settings.steps_poll_s
         last: tuple[float, int] | None = rt.steps_pre
+        if rt.steps_pre is not None:
+            rt.steps_base = rt.steps_pre[1]
         rate = 0.0  # steps per second, smoothed
         while cap.state is CaptureState.active:
             now, at, took = await self._count(cap.stages)
             if now is None:
                 await asyncio.sleep(poll)
                 continue
+            if rt.steps_base is None:
+                rt.steps_base = now
             if last is not None and at > last[0]:
                 step_rate = max(now - last[1], 0) / (at - last[0])
-                rate = step_rate if rt.steps_base is None else 0.5 * rate + 0.5 * step_rate
-            if rt.steps_base is None:
-                started = rt.started_mono if rt.started_mono is not None else at
-                if last is not None:  # the count at the start's reply, between the two reads
-                    rt.steps_base = min(max(last[1] + rate * (started - last[0]), last[1]), now)
-                else:
-                    rt.steps_base = now
+                rate = step_rate if rate == 0 else 0.5 * rate + 0.5 * step_rate
             last = (at, now)
             remaining = cap.steps - (now - rt.steps_base)
             # the stop lands about half a round trip after it is sent (as a read's answer comes back)
             wait = remaining / rate - took / 2 - (time.monotonic() - at) if rate > 0 else math.inf
             if remaining <= 0.5 or wait <= poll:
-                if wait > 0 and math.isfinite(wait):
+                wait = min(max(wait, 0.0), poll)
+                if wait > 0:
                     await asyncio.sleep(wait)
-                rt.steps_at_stop = int(round(now - rt.steps_base + (rate * max(wait, 0.0) if math.isfinite(wait) else 0)))
+                rt.steps_at_stop = int(round(now - rt.steps_base + rate * wait))
                 rt.steps_counter = None  # stop() cancels the counter; this one must not cancel itself
                 await self.stop(capture_id, reason=StopReason.steps)
                 return

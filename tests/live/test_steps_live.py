@@ -6,15 +6,14 @@ its trace holds 20 +- 2 engine steps; the window's server metrics are the real o
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from sidecar.client import SidecarClient
+from tests.fixtures.load import steady_load
 
 
 @pytest.fixture(scope="module")
@@ -32,21 +31,8 @@ def sidecar(counted: dict[str, Any], sidecar_factory: Any, tmp_path: Path) -> An
 
 @pytest.fixture
 def load(counted: dict[str, Any]) -> Iterator[None]:
-    """Completions one after another for as long as the test runs: steady engine steps."""
-    stop = threading.Event()
-    url = counted["server"].url
-
-    def run() -> None:
-        with httpx.Client(base_url=url, timeout=300, trust_env=False) as http:
-            model = http.get("/v1/models").json()["data"][0]["id"]
-            while not stop.is_set():
-                http.post("/v1/completions", json={"model": model, "prompt": "hello world", "max_tokens": 16})
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    yield
-    stop.set()
-    thread.join(300)
+    with steady_load(counted["server"].url, max_tokens=16):
+        yield
 
 
 def test_twenty_steps_end_by_themselves_and_the_trace_holds_them(sidecar: Any, load: None) -> None:

@@ -6,14 +6,13 @@ prediction holds within a quarter.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
 from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
+from tests.fixtures.load import steady_load
 from tests.omni.conftest import Setup, end_open_captures, module_sidecar
 
 
@@ -32,20 +31,8 @@ def client(sidecar: SidecarProcess) -> Iterator[SidecarClient]:
 
 @pytest.fixture
 def load(two_stage: Setup) -> Iterator[None]:
-    """Completions through both stages one after another while the test runs."""
-    stop = threading.Event()
-
-    def run() -> None:
-        with httpx.Client(base_url=two_stage.url, timeout=300, trust_env=False) as http:
-            model = http.get("/v1/models").json()["data"][0]["id"]
-            while not stop.is_set():
-                http.post("/v1/completions", json={"model": model, "prompt": "hello world", "max_tokens": 4})
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    yield
-    stop.set()
-    thread.join(300)
+    with steady_load(two_stage.url, max_tokens=4):  # through both stages
+        yield
 
 
 def test_twenty_steps_on_both_stages_end_by_themselves(client: SidecarClient, load: None) -> None:
