@@ -82,11 +82,18 @@ def test_emulator_metrics_are_the_real_servers_families(shared: ModuleSidecar) -
     assert {dict(k)["stage"] for k, n in steps.items() if n >= 3} == {"0", "1", "2"}
 
 
-def test_steps_capture_ends_by_itself_near_the_steps_asked(shared: ModuleSidecar) -> None:
+def _stage0_steps(shared: ModuleSidecar) -> int:
+    return engine_steps(parse_metrics(shared.emulator.http.get("/metrics").text)).get((("stage", "0"), ("replica", "0")), 0)
+
+
+def test_steps_capture_starts_after_its_delay_and_ends_by_itself_near_the_steps_asked(shared: ModuleSidecar) -> None:
     with steady_load(shared.emulator.url, max_tokens=1, chat=True):
         with shared.client() as client:
-            cap = client.start_capture(stages=[0, 2], steps=20)
+            before = _stage0_steps(shared)
+            cap = client.start_capture(stages=[0, 2], steps=20, delay_steps=10)  # answers once started
+            after = _stage0_steps(shared)
             final = client.wait_capture(cap.id, timeout=120)
+    assert after - before >= 10, (before, after)
     assert (final.state.value, final.stop_reason.value, final.steps) == ("completed", "steps", 20), final
     assert final.steps_counted is not None and abs(final.steps_counted - 20) <= 3, final.steps_counted
     traced = {v.stage_id: v.steps_traced for v in final.verdicts}
@@ -186,17 +193,3 @@ def test_render_bounds_the_rendered_stages_in_engine_steps(tmp_path: Path) -> No
     got = {s.stage_id: (s.profiler_config.max_iterations, s.profiler_config.delay_iterations)
            for s in load_deploy_config(out).stages if s.profiler_config}  # fmt: skip
     assert got == {0: (20, 5), 1: (20, 5)}
-
-
-def test_delay_steps_holds_the_start_until_the_server_ran_them(shared: ModuleSidecar) -> None:
-    def stage0_steps() -> int:
-        return engine_steps(parse_metrics(shared.emulator.http.get("/metrics").text)).get((("stage", "0"), ("replica", "0")), 0)
-
-    with steady_load(shared.emulator.url, max_tokens=1, chat=True):
-        with shared.client() as client:
-            before = stage0_steps()
-            cap = client.start_capture(stages=[0], steps=3, delay_steps=30)  # answers once started
-            after = stage0_steps()
-            cap = client.wait_capture(cap.id, timeout=120)
-    assert after - before >= 30, (before, after)
-    assert (cap.delay_steps, cap.stop_reason.value, cap.state.value) == (30, "steps", "completed"), cap
