@@ -106,6 +106,9 @@ def main() -> None:
     ap.add_argument("--asked", default="5,20,50")
     ap.add_argument("--budget-mb", type=float, default=150.0)
     ap.add_argument("--max-stop-s", type=float, default=60.0)
+    ap.add_argument("--max-tokens", default="1,16",
+                    help="the load's tokens per request, one run of --asked each (1: one step per request, paced "
+                         "by the request round trip; 16: back-to-back decode steps)")
     ap.add_argument("--upstream", help="a running vLLM server (stat loggers on) instead of starting one per flag set")
     ap.add_argument("--profiler-config", help="with --upstream: the JSON its --profiler-config got")
     args = ap.parse_args()
@@ -120,20 +123,22 @@ def main() -> None:
         names = ["as-run"] if args.upstream else [n for n in args.flags.split(",") if n]
         pc = json.loads(args.profiler_config) if args.profiler_config else None
         for i, name in enumerate(names):
-            with served(python, model, root, name, args.upstream, pc) as (url, sidecar), steady_load(url), \
+            with served(python, model, root, name, args.upstream, pc) as (url, sidecar), \
                     SidecarClient(sidecar.url, timeout=1800) as client:
-                if i == 0:
-                    print(f"steps asked vs held ({name} flags; goal: N +- 2 at 20)")
-                    for n in asked:
-                        cap = window(client, n)
+                for tokens in [int(t) for t in args.max_tokens.split(",") if t] if i == 0 else []:
+                    print(f"steps asked vs held ({name} flags, load of {tokens}-token requests; goal: N +- 2 at 20)")
+                    with steady_load(url, max_tokens=tokens):
+                        caps = [window(client, n) for n in asked]
+                    for n, cap in zip(asked, caps):
                         traced = [v.steps_traced for v in cap.verdicts]
                         print(f"  asked {n:3d}: server counted {cap.steps_counted}, trace holds {traced}, "
                               f"stop reason {cap.stop_reason}, start {between(cap.created_at, cap.started_at)}, "
                               f"window {between(cap.started_at, cap.stop_requested_at)}, stop {stop_s(cap):.2f}s",
                               flush=True)
-                plan = client.plan(budget_mb=args.budget_mb, max_stop_s=args.max_stop_s)
-                steps = plan.steps or 1
-                cap = window(client, steps)
+                with steady_load(url, max_tokens=16):
+                    plan = client.plan(budget_mb=args.budget_mb, max_stop_s=args.max_stop_s)
+                    steps = plan.steps or 1
+                    cap = window(client, steps)
                 pred_mb, pred_stop = plan.predict(steps)
                 mb, st = size_mb(cap), stop_s(cap)
                 rows.append(f"  {name:6s} plan {steps:4d} steps (by {plan.limited_by}): size {pred_mb:7.2f} MB "

@@ -31,7 +31,10 @@ def sidecar(counted: dict[str, Any], sidecar_factory: Any, tmp_path: Path) -> An
 
 @pytest.fixture
 def load(counted: dict[str, Any]) -> Iterator[None]:
-    with steady_load(counted["server"].url, max_tokens=16):
+    # one-token requests one after another: a step per request, paced by its round trip (~ a GPU
+    # server's step time); the tiny CPU model's back-to-back decode steps take ~5 ms, below the
+    # read's own round trip here (docs/captures.md: precision)
+    with steady_load(counted["server"].url, max_tokens=1):
         yield
 
 
