@@ -744,14 +744,15 @@ class CaptureController:
     async def _step_counter(self, stages: list[int]) -> MetricsSnapshot:
         """The first read of a ``steps`` window's counter; refused when the server has none."""
         snap = await self._scrape()
-        if isinstance(snap, str) or not engine_steps(snap):
-            why = snap if isinstance(snap, str) else (
-                f"{self.upstream.base_url}/metrics has no vllm:iteration_tokens_total (the server runs with "
-                "--disable-log-stats?)")
+        if isinstance(snap, str):
             raise StepsUnavailable(
-                f"a steps window counts the server's engine steps from its /metrics, and {why}; restart the "
-                "server without --disable-log-stats, or ask for duration_s instead of steps",
-                details={"stages": stages})
+                f"a steps window counts the server's engine steps from its /metrics, and {snap}; check that the "
+                "server is up, or ask for duration_s instead of steps", details={"stages": stages})
+        if not engine_steps(snap):
+            raise StepsUnavailable(
+                f"a steps window counts the server's engine steps from its /metrics, and {self.upstream.base_url}"
+                "/metrics has no vllm:iteration_tokens_total (the server runs with --disable-log-stats?); restart "
+                "it without --disable-log-stats, or ask for duration_s instead of steps", details={"stages": stages})
         return snap
 
     async def _count(self, stages: list[int]) -> tuple[int | None, float, float]:
