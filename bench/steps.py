@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from sidecar.api.launcher import SidecarProcess  # noqa: E402
 from sidecar.client import SidecarClient  # noqa: E402
+from sidecar.control.budget import trace_bytes  # noqa: E402
 from sidecar.control.models import Capture  # noqa: E402
 from tests.fixtures.load import steady_load  # noqa: E402
 from tests.live.conftest import VllmServer  # noqa: E402
@@ -82,7 +83,7 @@ def served(python: str, model: Path, root: Path, name: str, upstream: str | None
 
 
 def size_mb(cap: Capture) -> float:
-    return sum(f.size for v in cap.verdicts for s in v.sessions for f in s.files) / 1e6
+    return trace_bytes(cap.verdicts) / 1e6
 
 
 def stop_s(cap: Capture) -> float:

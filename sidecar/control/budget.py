@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
+from sidecar.control.artifacts import is_trace
 from sidecar.errors import BudgetExceeded, PlanInvalid
 
 if TYPE_CHECKING:
     from sidecar.control.controller import CaptureController
-    from sidecar.control.models import Capture
+    from sidecar.control.models import Capture, StageVerdict
 
 MB = 1_000_000
 FLAGS = ("torch_profiler_with_stack", "torch_profiler_record_shapes", "torch_profiler_with_memory",
@@ -73,12 +74,18 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return max(my - slope * mx, 0.0), slope
 
 
+def trace_bytes(verdicts: list[StageVerdict]) -> int:
+    """Bytes of the trace files on disk (tables such as plain vLLM's profiler_out_<r>.txt, rewritten
+    at every stop whatever the window, are not what grows with the steps)."""
+    return sum(f.size for v in verdicts for s in v.sessions for f in s.files if is_trace(f.name))
+
+
 def probe_of(cap: Capture) -> Probe:
     traced: dict[int, int] = {}
     sizes: dict[int, int] = {}
     for v in cap.verdicts:
         traced[v.stage_id] = v.steps_traced if v.steps_traced is not None else (cap.steps_counted or cap.steps or 0)
-        sizes[v.stage_id] = sum(f.size for s in v.sessions for f in s.files)
+        sizes[v.stage_id] = trace_bytes([v])
     stop_s = 0.0
     if cap.stop_requested_at is not None and cap.stopped_at is not None:
         stop_s = max((cap.stopped_at - cap.stop_requested_at).total_seconds(), 0.0)
@@ -157,4 +164,4 @@ def check_budget(plan: Plan | None, stages: list[int], steps: int, budget_mb: fl
     return message
 
 
-__all__ = ["Plan", "Probe", "StagePlan", "check_budget", "fit", "make_plan", "probe_of", "run_plan"]
+__all__ = ["Plan", "Probe", "StagePlan", "check_budget", "fit", "make_plan", "probe_of", "run_plan", "trace_bytes"]

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from sidecar.client import SidecarClient
+from sidecar.control.budget import trace_bytes
 from tests.fixtures.load import steady_load
 
 
@@ -56,7 +57,7 @@ def test_the_plan_predicts_a_twenty_step_window_within_a_quarter(sidecar: Any, l
         cap = client.start_capture(steps=20, label="planned")
         cap = client.wait_capture(cap.id, timeout=600)
     predicted_mb, predicted_stop_s = plan.predict(20)
-    actual_mb = sum(f.size for v in cap.verdicts for s in v.sessions for f in s.files) / 1e6
+    actual_mb = trace_bytes(cap.verdicts) / 1e6
     print(f"20 steps: predicted {predicted_mb:.2f} MB, actual {actual_mb:.2f} MB; "
           f"stop predicted {predicted_stop_s:.2f}s; plan fits {plan.steps} steps ({plan.limited_by})")
     assert 0.75 <= predicted_mb / actual_mb <= 1.25, (plan, cap.verdicts)

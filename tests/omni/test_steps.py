@@ -12,6 +12,7 @@ import pytest
 
 from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
+from sidecar.control.budget import trace_bytes
 from tests.fixtures.load import steady_load
 from tests.omni.conftest import Setup, end_open_captures, module_sidecar
 
@@ -50,6 +51,6 @@ def test_the_plan_predicts_a_twenty_step_window_within_a_quarter(client: Sidecar
     plan = client.plan(stages=[0, 1], budget_mb=150, max_stop_s=60)
     cap = client.wait_capture(client.start_capture(stages=[0, 1], steps=20).id, timeout=900)
     predicted_mb, predicted_stop_s = plan.predict(20)
-    actual_mb = sum(f.size for v in cap.verdicts for s in v.sessions for f in s.files) / 1e6
+    actual_mb = trace_bytes(cap.verdicts) / 1e6
     print(f"20 steps: predicted {predicted_mb:.3f} MB, actual {actual_mb:.3f} MB; stop predicted {predicted_stop_s:.2f}s")
     assert 0.75 <= predicted_mb / actual_mb <= 1.25, (plan, cap.verdicts)
