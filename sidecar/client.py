@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import httpx
 
 from sidecar.control import filenames
+from sidecar.control.budget import Plan
 from sidecar.control.models import Capture
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ DEFAULT_TIMEOUT = 30.0
 # POST /v1/captures returns when the upstream accepted the start, which blocks server-side (the
 # sidecar's own start timeout is 300 s by default); a short client timeout would abandon it
 START_TIMEOUT = 360.0
+PLAN_TIMEOUT = 3600.0  # a plan is probe captures, each a start, some steps and a verified stop
 
 
 class SidecarUnreachable(SidecarError):
@@ -75,6 +77,10 @@ def _json(response: httpx.Response) -> Any:
 
 def _capture(response: httpx.Response) -> Capture:
     return Capture.model_validate(response.json())
+
+
+def _plan(response: httpx.Response) -> Plan:
+    return Plan.model_validate(response.json())
 
 
 def _captures(response: httpx.Response) -> list[Capture]:
@@ -144,11 +150,21 @@ class _Calls:
 
     @staticmethod
     def start_capture(
-        stages: list[int] | None, label: str | None, duration_s: float | None, lease_s: float | None
+        stages: list[int] | None, label: str | None, duration_s: float | None, lease_s: float | None,
+        steps: int | None = None, delay_steps: int | None = None,
     ) -> _Call:
-        body: dict[str, Any] = {"stages": stages, "label": label, "duration_s": duration_s, "lease_s": lease_s}
+        body: dict[str, Any] = {"stages": stages, "label": label, "duration_s": duration_s, "lease_s": lease_s,
+                                "steps": steps, "delay_steps": delay_steps}
         body = {k: v for k, v in body.items() if v is not None}
         return _Call("POST", "/v1/captures", _capture, json=body, min_timeout=START_TIMEOUT)
+
+    @staticmethod
+    def plan(stages: list[int] | None, budget_mb: float | None, max_stop_s: float | None,
+             probe_steps: list[int] | None) -> _Call:
+        body: dict[str, Any] = {"stages": stages, "budget_mb": budget_mb, "max_stop_s": max_stop_s,
+                                "probe_steps": probe_steps}
+        body = {k: v for k, v in body.items() if v is not None}
+        return _Call("POST", "/v1/plan", _plan, json=body, min_timeout=PLAN_TIMEOUT)
 
     @staticmethod
     def stop_capture(capture_id: str) -> _Call:
@@ -246,8 +262,17 @@ class AsyncSidecarClient:
         label: str | None = None,
         duration_s: float | None = None,
         lease_s: float | None = None,
+        steps: int | None = None,
+        delay_steps: int | None = None,
     ) -> Capture:
-        return await self._send(_Calls.start_capture(stages, label, duration_s, lease_s))
+        """Start a capture; ``steps``: it stops itself after that many engine steps of the server
+        (``delay_steps``: the start waits for that many first)."""
+        return await self._send(_Calls.start_capture(stages, label, duration_s, lease_s, steps, delay_steps))
+
+    async def plan(self, stages: list[int] | None = None, budget_mb: float | None = None,
+                   max_stop_s: float | None = None, probe_steps: list[int] | None = None) -> Plan:
+        """Probe captures, then the steps that fit ``budget_mb`` and ``max_stop_s`` (docs/captures.md)."""
+        return await self._send(_Calls.plan(stages, budget_mb, max_stop_s, probe_steps))
 
     async def stop_capture(self, capture_id: str, wait: bool = False, timeout: float | None = None) -> Capture:
         """Ask for a stop (returns at once); with ``wait`` poll until the capture is terminal."""
@@ -337,8 +362,17 @@ class SidecarClient:
         label: str | None = None,
         duration_s: float | None = None,
         lease_s: float | None = None,
+        steps: int | None = None,
+        delay_steps: int | None = None,
     ) -> Capture:
-        return self._send(_Calls.start_capture(stages, label, duration_s, lease_s))
+        """Start a capture; ``steps``: it stops itself after that many engine steps of the server
+        (``delay_steps``: the start waits for that many first)."""
+        return self._send(_Calls.start_capture(stages, label, duration_s, lease_s, steps, delay_steps))
+
+    def plan(self, stages: list[int] | None = None, budget_mb: float | None = None,
+             max_stop_s: float | None = None, probe_steps: list[int] | None = None) -> Plan:
+        """Probe captures, then the steps that fit ``budget_mb`` and ``max_stop_s`` (docs/captures.md)."""
+        return self._send(_Calls.plan(stages, budget_mb, max_stop_s, probe_steps))
 
     def stop_capture(self, capture_id: str, wait: bool = False, timeout: float | None = None) -> Capture:
         """Ask for a stop (returns at once); with ``wait`` poll until the capture is terminal."""

@@ -429,6 +429,12 @@ class UpstreamTimeout(UpstreamError):
     code = "upstream_timeout"
 
 
+class MetricsUnavailable(UpstreamError):
+    """The server's ``/metrics`` could not be read (not served, failed, not Prometheus text)."""
+
+    code = "metrics_unavailable"
+
+
 class UpstreamNotReady(UpstreamError):
     """The server is not healthy, or its profiler endpoints are not mounted."""
 
@@ -514,6 +520,40 @@ class DurationInvalid(WindowInvalid):
 
 class LeaseInvalid(WindowInvalid):
     code = "lease_invalid"
+
+
+class EngineStepsInvalid(WindowInvalid):
+    """A capture's ``steps`` / ``delay_steps`` (engine steps) not a whole number in range."""
+
+    code = "engine_steps_invalid"
+
+
+class StepsUnavailable(CaptureError):
+    """A ``steps`` window needs the server's engine-step counter, and its ``/metrics`` has none."""
+
+    code = "steps_unavailable"
+    http_status = 422
+
+
+class StepsNotReached(CaptureError):
+    """A ``delay_steps`` start waited its bound and the server did not run that many steps."""
+
+    code = "steps_not_reached"
+    http_status = 504
+
+
+class BudgetExceeded(CaptureError):
+    """A ``steps`` capture whose planned size is above the sidecar's budget (``budget_action: refuse``)."""
+
+    code = "budget_exceeded"
+    http_status = 422
+
+
+class PlanInvalid(CaptureError):
+    """A plan's bounds out of range."""
+
+    code = "plan_invalid"
+    http_status = 422
 
 
 class CaptureStopPending(CaptureActive):

@@ -22,7 +22,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, Field
 
 from sidecar.errors import FleetError, SidecarError, ValidationFailed
-from sidecar.errors import FleetClosed, RanksInvalid, StepsEmpty, StepsInvalid
+from sidecar.errors import EngineStepsInvalid, FleetClosed, RanksInvalid, StepsEmpty, StepsInvalid
 from sidecar.fleet import FanOutResult, Fleet, FleetCapture, Target, TargetError, TargetResult, parse_targets
 
 __all__ = ["DEFAULT_LEASE_S", "RolloutProfiler", "StepResult"]
@@ -131,6 +131,8 @@ class RolloutProfiler:
     ``lease_s`` (default :data:`DEFAULT_LEASE_S`; ``None`` for none) makes each target's controller
     stop the capture itself when heartbeats stop (a dead or hung trainer): they are sent every
     ``lease_s / 3`` while the window is open.
+    ``engine_steps``: each target's capture also stops itself once its server has run that many
+    engine steps (a ``steps`` window, docs/captures.md), even if the block is still running.
     Other keyword arguments (``deploy_config``, ``flavor``, ``token``, ``stop_budget_s``,
     ``client_timeout_s``, ``start_timeout_s``, ``control_settings``, ``state_dir``, ``drivers``) go
     to :class:`Fleet`. ``on_result(step_result)`` is called once per step, when its result is final
@@ -152,6 +154,7 @@ class RolloutProfiler:
         lease_s: float | None = DEFAULT_LEASE_S,
         label_prefix: str = "step",
         on_result: Callable[[StepResult], None] | None = None,
+        engine_steps: int | None = None,
         **fleet_options: Any,
     ) -> None:
         parse_opts = {k: fleet_options[k] for k in ("deploy_config", "flavor", "token") if k in fleet_options}
@@ -172,6 +175,11 @@ class RolloutProfiler:
         self.lease_s = lease_s
         self.label_prefix = label_prefix
         self.on_result = on_result
+        if engine_steps is not None and (isinstance(engine_steps, bool) or not isinstance(engine_steps, int)
+                                         or engine_steps < 1):
+            raise EngineStepsInvalid(f"engine_steps must be a whole number >= 1, got {engine_steps!r}",
+                                     key="engine_steps")
+        self.engine_steps = engine_steps
         # Built now so every input error surfaces here; nothing is contacted until a profiled step.
         self._fleet = Fleet(self.targets, stages=stages, **fleet_options)
         self._results: dict[int, StepResult] = {}
@@ -318,7 +326,7 @@ class RolloutProfiler:
             if not self._opened:
                 await self._fleet.open()
                 self._opened = True
-            fc = await self._fleet.start(label=label, lease_s=self.lease_s)
+            fc = await self._fleet.start(label=label, lease_s=self.lease_s, steps=self.engine_steps)
         except SidecarError as exc:
             details = exc.details.get("targets")
             targets = {}

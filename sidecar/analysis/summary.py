@@ -70,7 +70,7 @@ _NAME, _COUNT, _TOTAL, _SELF, _SELF_DEV, _POS = range(6)
 
 
 def engine_step_kind(name: str) -> str | None:
-    """``prefill`` / ``decode`` / ``mixed`` for vLLM's execute_* markers, ``diffusion`` for
+    """``prefill`` / ``decode`` / ``mixed`` (``idle``: no token) for vLLM's execute_* markers, ``diffusion`` for
     vLLM-Omni's diffusion_forward*, None for anything else."""
     if name.startswith("diffusion_forward"):
         return "diffusion" if name in ("diffusion_forward", "diffusion_forward_batch") else None
@@ -78,6 +78,8 @@ def engine_step_kind(name: str) -> str | None:
     if m is None:
         return "step" if _ENGINE_STEP.match(name) else None
     ctx, gen = int(m.group(1)), int(m.group(2))
+    if not ctx and not gen:
+        return "idle"  # scheduled nothing (vLLM 0.30 runs one at a profiler start and stop)
     if ctx and gen:
         return "mixed"
     return "prefill" if ctx else "decode"

@@ -47,6 +47,8 @@ from sidecar.errors import (
     TraceTooLarge,
     UpstreamNotReady,
     UpstreamUnreachable,
+    StepsNotReached,
+    StepsUnavailable,
     WindowInvalid,
 )
 from sidecar.scrub import Scrubber, register_secret
@@ -72,6 +74,22 @@ class CaptureRequest(BaseModel):
     kind: Literal["torch", "nsys"] = Field(
         default="torch", description="torch: trace files the sidecar checks; nsys: `profiler: cuda` stages"
     )
+    steps: StrictInt | None = Field(default=None, ge=1, le=1_000_000,
+                                    description="stop after the server has run this many engine steps")
+    delay_steps: StrictInt | None = Field(default=None, ge=0, le=1_000_000,
+                                          description="start once the server has run this many engine steps")
+
+
+class PlanRequest(BaseModel):
+    """Body of ``POST /v1/plan``: probe captures, then the steps that fit the bounds."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    stages: list[StrictInt] | None = Field(default=None, description="stage ids; omit for every profiled stage")
+    budget_mb: float | None = Field(default=None, gt=0, description="trace size on disk the window must fit")
+    max_stop_s: float | None = Field(default=None, gt=0, description="how long the server's stop may take")
+    probe_steps: list[StrictInt] = Field(default=[1, 2], min_length=1, max_length=4,
+                                         description="engine steps of each probe capture")
 
 
 def _describe_kinds(app: FastAPI, deploy: Any) -> None:
@@ -276,14 +294,36 @@ def create_app(
         tags=["captures"],
         dependencies=mutating,
         summary="Start a capture (409 if one is active; 422 for a bad stage set, before any upstream call)",
-        responses={**responses("mutating", "start"), 422: openapi_error(RequestInvalid, StageSelectionError, WindowInvalid),
-                   503: openapi_error(UpstreamUnreachable, SidecarClosing)},
+        responses={**responses("mutating", "start"),
+                   422: openapi_error(RequestInvalid, StageSelectionError, WindowInvalid, StepsUnavailable),
+                   503: openapi_error(UpstreamUnreachable, SidecarClosing), 504: openapi_error(StepsNotReached)},
     )
     async def start_capture(req: CaptureRequest = Body(default_factory=CaptureRequest)) -> SafeJSONResponse:
         cap = await controller.start(
-            req.stages, label=req.label, duration_s=req.duration_s, lease_s=req.lease_s, kind=req.kind
+            req.stages, label=req.label, duration_s=req.duration_s, lease_s=req.lease_s, kind=req.kind,
+            steps=req.steps, delay_steps=req.delay_steps,
         )
         return capture_response(cap, 201)
+
+    @app.post("/v1/plan", tags=["captures"], dependencies=mutating,
+              summary="Probe captures of a few engine steps, then the steps and stop that fit a budget",
+              responses={**responses("mutating", "start"),
+                         422: openapi_error(RequestInvalid, StageSelectionError, StepsUnavailable)})
+    async def plan(req: PlanRequest = Body(default_factory=PlanRequest)) -> SafeJSONResponse:
+        result = await controller.plan(req.stages, budget_mb=req.budget_mb, max_stop_s=req.max_stop_s,
+                                       probe_steps=tuple(req.probe_steps))
+        return SafeJSONResponse(scrubber.data(result.model_dump(mode="json")))
+
+    @app.get("/v1/plan", tags=["captures"], summary="The latest plan, and its prediction for `steps`")
+    async def last_plan(steps: Optional[int] = Query(None, ge=1, le=1_000_000)) -> SafeJSONResponse:
+        result = controller.last_plan
+        if result is None:
+            return SafeJSONResponse({"plan": None, "prediction": None})
+        prediction = None
+        if steps is not None:
+            size_mb, stop_s = result.predict(steps)
+            prediction = {"steps": steps, "mb": round(size_mb, 3), "stop_s": round(stop_s, 3)}
+        return SafeJSONResponse({"plan": scrubber.data(result.model_dump(mode="json")), "prediction": prediction})
 
     @app.get("/v1/captures", tags=["captures"], summary="Captures, newest first (survives restarts), a page at a time",
              response_model=dict[str, Any])
@@ -441,4 +481,4 @@ def build_app(settings: SidecarSettings, deploy: DeployConfig) -> FastAPI:
     return create_app(controller, deploy, settings, upstream=upstream)
 
 
-__all__ = ["CaptureRequest", "CompatProfileRequest", "build_app", "create_app"]
+__all__ = ["CaptureRequest", "CompatProfileRequest", "PlanRequest", "build_app", "create_app"]

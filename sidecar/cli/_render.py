@@ -9,12 +9,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from sidecar.control.artifacts import is_trace
-from sidecar.control.models import SessionFolder, StageVerdict, Verdict
+from sidecar.control.budget import Plan
+from sidecar.control.models import Capture, SessionFolder, StageVerdict, Verdict
+from sidecar.upstream.metrics import WindowMetrics
 
 # every Verdict has a colour: red where traces are lost, yellow where they exist but prove less
 VERDICT_STYLES: dict[str, str] = {
@@ -86,3 +89,57 @@ def verdict_table(verdicts: Sequence[StageVerdict], empty: str = "no verdicts ye
     if not verdicts:
         table.add_row("-", "-", "-", "-", escape(empty))
     return table
+
+
+def print_steps(console: Console, cap: Capture) -> None:
+    """A ``steps`` window: the steps asked, those the server counted, those each trace holds."""
+    if cap.steps is None:
+        return
+    traced = ", ".join(f"stage {v.stage_id}: {v.steps_traced}" for v in cap.verdicts if v.steps_traced is not None)
+    counted = "?" if cap.steps_counted is None else str(cap.steps_counted)
+    console.print(f"steps: {cap.steps} asked, {counted} counted by the server"
+                  + (f"; in the traces: {traced}" if traced else ""), highlight=False, soft_wrap=True)
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value * 1000:.1f}"
+
+
+def print_window_metrics(console: Console, wm: WindowMetrics | None) -> None:
+    """The server's /metrics over the window: one row per engine, latencies as p50/p95 ms."""
+    if wm is None:
+        return
+    if wm.unavailable:
+        console.print(f"server metrics: none ({escape(wm.unavailable)})", highlight=False, soft_wrap=True)
+        return
+    table = Table(title=f"server metrics over the window ({wm.seconds or 0:.1f}s)", title_justify="left",
+                  box=box.SIMPLE)
+    for col in ("engine", "steps", "requests", "prompt tok", "gen tok", "ttft p50/p95 ms", "itl p50/p95 ms",
+                "e2e p50/p95 ms", "queue p50/p95 ms"):
+        table.add_column(col, justify="left" if col == "engine" else "right")
+    for e in wm.engines:
+        name = f"stage {e.stage}" + (f" rep {e.replica}" if e.replica not in (None, "0") else "") \
+            if e.stage is not None else f"engine {e.engine}"
+        lat = [f"{_ms(h.p50_s)}/{_ms(h.p95_s)}" if (h := e.latency.get(k)) and h.count else ""
+               for k in ("ttft", "itl", "e2e", "queue")]
+        table.add_row(name, *["" if v is None else str(v) for v in (e.engine_steps, e.requests_finished,
+                                                                     e.prompt_tokens, e.generation_tokens)], *lat)
+    console.print(table)
+
+
+def print_plan(console: Console, plan: Plan) -> None:
+    """A plan: per stage its size line and flags, the stop line, the steps that fit."""
+    table = Table(title=f"plan for stages {plan.stages} ({len(plan.probes)} probes)", title_justify="left",
+                  box=box.SIMPLE)
+    for col in ("stage", "fixed MB", "MB per step", "flags on"):
+        table.add_column(col, justify="left" if col in ("stage", "flags on") else "right")
+    for p in plan.per_stage:
+        on = ", ".join(k for k, v in p.flags.items() if v) or "none"
+        table.add_row(str(p.stage_id), f"{p.bytes_fixed / 1e6:.3f}", f"{p.bytes_per_step / 1e6:.3f}", on)
+    console.print(table)
+    console.print(f"stop: {plan.stop_fixed_s:.2f}s + {plan.stop_per_step_s:.3f}s per step", highlight=False)
+    if plan.steps is None:
+        console.print("no --budget-mb or --max-stop-s: nothing to fit", highlight=False)
+        return
+    console.print(f"fits: --steps {plan.steps} (limited by {plan.limited_by or 'nothing'}): predicted "
+                  f"{plan.predicted_mb:.1f} MB, stop {plan.predicted_stop_s:.1f}s", highlight=False, soft_wrap=True)

@@ -18,7 +18,8 @@ from rich.table import Table
 
 from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, parse_stage_list
 from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
-from sidecar.cli._render import STATE_STYLES, print_verdicts, print_wide, styled, verdict_table
+from sidecar.cli._render import STATE_STYLES, print_plan, print_steps, print_verdicts, print_wide, print_window_metrics, styled
+from sidecar.cli._render import verdict_table
 from sidecar.client import DEFAULT_URL, SidecarClient
 from sidecar.control.models import Capture, CaptureKind, CaptureState, Verdict
 
@@ -37,6 +38,13 @@ IdArg = Annotated[
 # the lease `capture` asks for and heartbeats: a killed CLI leaves a capture recording at most this long
 MAX_CLI_LEASE_S = 60.0
 LabelOpt = Annotated[Optional[str], typer.Option("--label", help="a name for the capture, shown in lists")]
+StepsOpt = Annotated[
+    Optional[int],
+    typer.Option("--steps", min=1, help="stop after the server has run N engine steps (its /metrics counter)"),
+]
+DelayStepsOpt = Annotated[
+    Optional[int], typer.Option("--delay-steps", min=0, help="start once the server has run N engine steps")
+]
 
 
 def _client(sidecar: str, token_file: Path | None) -> SidecarClient:
@@ -58,6 +66,8 @@ def print_capture(cap: Capture, as_json: bool, wide: bool = False) -> None:
         print_verdicts(console, cap.verdicts, indent="  ")
     if cap.stop_reason:
         console.print(f"stop reason: {cap.stop_reason.value}")
+    print_steps(console, cap)
+    print_window_metrics(console, cap.window_metrics)
     if only_expected_unverified(cap):
         console.print("note: nsys writes its report itself, so the sidecar cannot check it (unverified, as "
                       "expected); exit 0. Look for the .nsys-rep where `nsys profile -o` points.",
@@ -120,12 +130,15 @@ def start(
         typer.Option("--lease", min=1, help="the server stops it after N s without a heartbeat (default: no lease)"),
     ] = None,
     label: LabelOpt = None,
+    steps: StepsOpt = None,
+    delay_steps: DelayStepsOpt = None,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Start a capture on the sidecar (one at a time; the stage set is fixed now)."""
     with cli_errors(), _client(sidecar, token_file) as client:
-        cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease)
+        cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease,
+                                   steps=steps, delay_steps=delay_steps)
         if as_json:
             console.print_json(cap.model_dump_json())
         else:
@@ -243,20 +256,25 @@ def capture(
         typer.Option("--lease", min=1, max=MAX_CLI_LEASE_S,
                      help="the server stops it after N s without a heartbeat (this command sends them)"),
     ] = MAX_CLI_LEASE_S,
+    steps: StepsOpt = None,
+    delay_steps: DelayStepsOpt = None,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
     wide: WideOpt = False,
 ) -> None:
-    """Start, wait DURATION (or until Ctrl-C), stop, wait for the traces, print the verdicts.
+    """Start, wait DURATION or STEPS (or until Ctrl-C), stop, wait for the traces, print the verdicts.
 
     The window is the server's: it gets the duration and a lease this command heartbeats, so a
     killed CLI leaves nothing recording (the lease runs out within --lease seconds)."""
     with cli_errors(), _client(sidecar, token_file) as client:
-        cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease)
+        cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease,
+                                   steps=steps, delay_steps=delay_steps)
         if not as_json:
-            console.print(f"capture [bold]{cap.id}[/] active: stages {cap.stages}")
+            console.print(f"capture [bold]{cap.id}[/] {cap.state.value}: stages {cap.stages}")
         try:
-            if duration is None and not as_json:
+            if steps is not None and not as_json:
+                console.print(f"profiling until the server has run {steps} engine steps; press Ctrl-C to stop")
+            elif duration is None and not as_json:
                 console.print("profiling; press Ctrl-C to stop")
             _hold(client, cap.id, duration, lease, quiet=as_json)
         except KeyboardInterrupt:
@@ -292,3 +310,26 @@ def _hold(client: SidecarClient, capture_id: str, seconds: float | None, lease: 
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as p:
         p.add_task(f"profiling for {seconds:g}s", total=None)
         _heartbeat_until(client, capture_id, seconds, lease)
+
+
+@app.command()
+def plan(
+    sidecar: SidecarOpt = DEFAULT_URL,
+    stages: StagesOpt = None,
+    budget_mb: Annotated[Optional[float], typer.Option("--budget-mb", min=0.001, help="trace size on disk to fit")] = None,
+    max_stop_s: Annotated[
+        Optional[float], typer.Option("--max-stop-s", min=0.001, help="how long the server's stop may take")
+    ] = None,
+    token_file: TokenFileOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Probe captures of 1 and 2 engine steps, then the steps that fit the budget and stop bound.
+
+    The server must be serving (a probe waits for its steps). The profiler flags are the
+    server's, fixed at its start: the plan measures those it runs with."""
+    with cli_errors(), _client(sidecar, token_file) as client:
+        result = client.plan(parse_stage_list(stages), budget_mb=budget_mb, max_stop_s=max_stop_s)
+    if as_json:
+        console.print_json(result.model_dump_json())
+        return
+    print_plan(console, result)

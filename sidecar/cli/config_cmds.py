@@ -191,6 +191,12 @@ def render(
     host: Annotated[
         Optional[str], typer.Option("--host", help="fills {host} in --dir (default: this machine's hostname)")
     ] = None,
+    steps: Annotated[
+        Optional[int], typer.Option("--steps", min=1, help="max_iterations: every window of these stages ends itself after N engine steps")
+    ] = None,
+    delay_steps: Annotated[
+        Optional[int], typer.Option("--delay-steps", min=0, help="delay_iterations: a window starts recording N engine steps after its start")
+    ] = None,
 ) -> None:
     """Render a stage profile for chosen stages as a deploy overlay (base_config) or --stage-overrides JSON.
 
@@ -203,7 +209,9 @@ def render(
         try:
             if stage_list is None:
                 stage_list = load_deploy_config(deploy_file, platform=platform).stage_ids
-            where = {"out_dir": out_dir, "platform": platform, "replica": replica, "host": host}
+            iterations = {k: v for k, v in (("max_iterations", steps), ("delay_iterations", delay_steps)) if v is not None}
+            where = {"out_dir": out_dir, "platform": platform, "replica": replica, "host": host,
+                     "iterations": iterations or None}
             if stage_overrides:
                 text = render_stage_overrides(deploy_file, profile, stage_list, **where)  # type: ignore[arg-type]
                 console.print(text, highlight=False, soft_wrap=True)

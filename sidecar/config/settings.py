@@ -98,6 +98,9 @@ class SidecarSettings(BaseSettings):
     # history retention: finished captures beyond the newest `keep`, or older than `keep_days`, are dropped
     keep: int | None = Field(default=1000, ge=0)
     keep_days: float | None = Field(default=None, gt=0)
+    # a `steps` capture that the latest plan predicts above this many MB is refused (or warned about)
+    budget_mb: float | None = Field(default=None, gt=0)
+    budget_action: Literal["refuse", "warn"] = "refuse"
 
     @field_validator("upstream_url")
     @classmethod

@@ -20,7 +20,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +29,7 @@ from sidecar.config.rules import select_stages
 from sidecar.control import artifacts
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
+from sidecar.control.budget import Plan, check_budget, run_plan
 from sidecar.control.collect import after_stop_error, collect, found_so_far
 from sidecar.control.journal import CaptureJournal
 from sidecar.control.models import (
@@ -57,11 +58,16 @@ from sidecar.errors import (
 from sidecar.errors import (
     DurationInvalid,
     LeaseInvalid,
+    MetricsUnavailable,
+    EngineStepsInvalid,
+    StepsNotReached,
+    StepsUnavailable,
     SidecarClosing,
     SidecarError,
     StageSetMismatch,
 )
 from sidecar.scrub import env_secret_values, scrub_secrets
+from sidecar.upstream.metrics import MetricsSnapshot, WindowMetrics, engine_steps, steps_of, window_metrics
 from sidecar.upstream.server import Flavor, UpstreamServer
 
 if TYPE_CHECKING:
@@ -99,6 +105,14 @@ class ControlSettings(BaseModel):
     # fleet when the user overrides the ``profiler_dir_shared`` refusal: those stages are
     # ``ambiguous``, never ``ok``.
     shared_profiler_dirs: dict[str, str] = Field(default_factory=dict)
+    # ``steps`` windows: how often the server's /metrics step counter is read while one runs, and
+    # how long a ``delay_steps`` start waits for the server to run them.
+    steps_poll_s: float = Field(default=0.02, gt=0)
+    steps_wait_s: float = Field(default=600, gt=0)
+    window_metrics: bool = True  # scrape /metrics at start and stop and keep the difference
+    # A ``steps`` capture planned (``plan``) above this many MB is refused (or only noted: warn).
+    budget_mb: float | None = Field(default=None, gt=0)
+    budget_action: Literal["refuse", "warn"] = "refuse"
 
     @classmethod
     def from_settings(cls, settings: SidecarSettings) -> ControlSettings:
@@ -111,6 +125,8 @@ class ControlSettings(BaseModel):
             close_timeout_s=settings.close_timeout_s,
             keep=settings.keep,
             keep_days=settings.keep_days,
+            budget_mb=settings.budget_mb,
+            budget_action=settings.budget_action,
         )
 
 
@@ -193,6 +209,24 @@ async def _snapshot(watches: list[StageWatch]) -> None:
     await batch.run(lambda: [artifacts.snapshot(w) for w in watches])
 
 
+def _done(value: Any) -> asyncio.Task[Any]:
+    """A finished task holding ``value`` (a scrape already taken, where a task is expected)."""
+
+    async def have() -> Any:
+        return value
+
+    return asyncio.ensure_future(have())
+
+
+def _check_steps(steps: int | None, delay_steps: int | None) -> None:
+    for key, value, low in (("steps", steps, 1), ("delay_steps", delay_steps, 0)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1_000_000:
+            raise EngineStepsInvalid(f"{key} must be a whole number of engine steps from {low} to 1000000, got {value!r}",
+                               key=key)
+
+
 def _new_id() -> str:
     # Sortable by time, unique across restarts, safe as a file name and URL segment.
     return f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
@@ -202,7 +236,8 @@ class _Runtime:
     """What the controller keeps per live capture beside the record itself."""
 
     __slots__ = ("watches", "done", "started_mono", "heartbeat_mono", "watchdog", "stopper", "pending_stop",
-                 "stop_timed_out")
+                 "stop_timed_out", "metrics_before", "metrics_after", "steps_counter", "steps_base", "steps_pre",
+                 "steps_at_stop")
 
     def __init__(self) -> None:
         self.watches: list[StageWatch] = []
@@ -213,6 +248,13 @@ class _Runtime:
         self.stopper: asyncio.Task[None] | None = None
         self.pending_stop: StopReason | None = None  # stop asked for while still starting
         self.stop_timed_out = False  # the stop outlived its budget; waiting for the server
+        # /metrics scrapes at the window's edges (tasks: never on the start's or stop's path)
+        self.metrics_before: asyncio.Task[MetricsSnapshot | str] | None = None
+        self.metrics_after: asyncio.Task[MetricsSnapshot | str] | None = None
+        self.steps_counter: asyncio.Task[None] | None = None  # a ``steps`` window's counter
+        self.steps_base: float | None = None  # the server's step count as the start was sent
+        self.steps_pre: tuple[float, int] | None = None  # (monotonic mid-read, count) before the start
+        self.steps_at_stop: int | None = None  # steps counted past the base when the stop was sent
 
 
 class CaptureController:
@@ -250,6 +292,7 @@ class CaptureController:
         # event loop and off the caller's path; only the baseline before a start is awaited.
         self._opened = False
         self._closed = False
+        self.last_plan: Plan | None = None  # the latest ``plan``: what a ``steps`` start is predicted by
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -324,7 +367,7 @@ class CaptureController:
                 log.warning("shutdown: stop still running after %.0fs; it will be recovered at next start",
                             self.settings.close_timeout_s)
         for rt in self._rt.values():
-            for task in (rt.watchdog, rt.stopper):
+            for task in (rt.watchdog, rt.stopper, rt.steps_counter, rt.metrics_before, rt.metrics_after):
                 if task is not None and not task.done():
                     task.cancel()
         for task in list(self._background):
@@ -393,6 +436,9 @@ class CaptureController:
         kind: str | CaptureKind = CaptureKind.torch,
         shared_stages: Mapping[int, str] | None = None,
         release: Callable[[], Awaitable[None]] | None = None,
+        steps: int | None = None,
+        delay_steps: int | None = None,
+        budget_check: bool = True,
     ) -> Capture:
         """Start a capture of ``stages`` (default: every stage of that ``kind``, sent explicitly).
         ``kind="nsys"`` targets ``profiler: cuda`` stages (verdict ``unverified`` with the nsys
@@ -405,15 +451,27 @@ class CaptureController:
         Returns once the upstream accepted (state ``active``, or ``stopping`` when a stop was asked
         for while it was starting). On an upstream failure or an
         ambiguous start the same set is stopped (rollback), the capture ends ``failed`` and the
-        upstream error is raised with ``details['capture_id']``."""
+        upstream error is raised with ``details['capture_id']``.
+        ``steps``: the capture stops itself once the server's engine-step counter (its /metrics)
+        has advanced that much since the start's reply; ``delay_steps``: the start is sent once it
+        has advanced that much (the capture is ``starting`` meanwhile, bounded by ``steps_wait_s``)."""
         if self._closed:
             raise SidecarClosing("the sidecar is shutting down; start the capture after restart")
         kind = CaptureKind(kind)
         duration_s, lease_s = self._check_window(duration_s, lease_s)
+        _check_steps(steps, delay_steps)
         # Validation comes before anything reaches the server (docs/design.md §4), and before the
         # overlap check: a bad stage list is wrong whatever else is running.
         selected = select_stages(self.deploy, stages, kind=kind.value)
+        warning = None
+        if steps is not None and budget_check and self.settings.budget_mb is not None:
+            warning = check_budget(self.last_plan, list(selected), steps, self.settings.budget_mb,
+                                   self.settings.budget_action)
         self._refuse_overlap()  # fast path: don't queue behind a start that may take minutes
+        counted = steps is not None or delay_steps is not None
+        t0 = time.monotonic()
+        first = await self._step_counter(selected) if counted else None
+        pre = (t0 + time.monotonic()) / 2
         async with self._start_lock:
             self._refuse_overlap()
             now = _now()
@@ -426,9 +484,18 @@ class CaptureController:
                 kind=kind,
                 duration_s=duration_s,
                 lease_s=lease_s,
+                steps=steps,
+                delay_steps=delay_steps,
                 created_at=now,
             )
+            if warning is not None:
+                cap.notes.append(warning)
             rt = self._rt[cap.id] = _Runtime()
+            if first is not None:
+                rt.metrics_before = _done(first)
+                rt.steps_pre = (pre, steps_of(engine_steps(first), cap.stages))
+            elif self.settings.window_metrics:  # concurrent with the start: not on its path
+                rt.metrics_before = asyncio.create_task(self._scrape(), name=f"metrics-before-{cap.id}")
             rt.watches = self._watches(cap.stages, shared_stages)
             self._captures[cap.id] = cap
             self._busy.append(cap.id)
@@ -445,6 +512,8 @@ class CaptureController:
                 self._open_window(cap, rt)
                 self._changed(cap)
                 await self.flush()  # journaled with the baselines before anything can start upstream
+                if delay_steps and first is not None:
+                    await self._wait_steps(cap, first, delay_steps)
                 if release is None:
                     sent = True
                     await self.upstream.start_profile(cap.stages)
@@ -473,8 +542,11 @@ class CaptureController:
             self._changed(cap)
             if rt.pending_stop is not None:
                 await self.stop(cap.id, reason=rt.pending_stop)
-            elif cap.duration_s is not None or cap.lease_s is not None:
+                return _copy(cap)
+            if cap.duration_s is not None or cap.lease_s is not None:
                 rt.watchdog = asyncio.create_task(self._watchdog(cap.id), name=f"watchdog-{cap.id}")
+            if cap.steps is not None:
+                rt.steps_counter = asyncio.create_task(self._count_steps(cap.id), name=f"steps-{cap.id}")
             return _copy(cap)
 
     async def _next_folder_second(self, cap: Capture, rt: _Runtime) -> None:
@@ -653,6 +725,146 @@ class CaptureController:
         self.claims.close_window(cap.id, time.time())
         self._finish(cap, CaptureState.failed)
 
+    # --- steps and window metrics ---------------------------------------------------------
+
+    async def plan(self, stages: list[int] | None = None, *, budget_mb: float | None = None,
+                   max_stop_s: float | None = None, probe_steps: tuple[int, ...] = (1, 2)) -> Plan:
+        """Probe captures of ``probe_steps`` engine steps, then the steps that fit ``budget_mb``
+        and ``max_stop_s`` (sidecar/control/budget.py). Kept as ``last_plan``: later ``steps``
+        starts on the same stages are checked against the sidecar's ``budget_mb`` with it."""
+        plan = await run_plan(self, stages, budget_mb=budget_mb, max_stop_s=max_stop_s, probe_steps=probe_steps)
+        self.last_plan = plan
+        return plan
+
+    async def _scrape(self) -> MetricsSnapshot | str:
+        """The server's /metrics now, or why not (a window never fails for its metrics)."""
+        try:
+            return await self.upstream.metrics()
+        except MetricsUnavailable as exc:
+            return exc.message
+
+    async def _step_counter(self, stages: list[int]) -> MetricsSnapshot:
+        """The first read of a ``steps`` window's counter; refused when the server has none."""
+        snap = await self._scrape()
+        if isinstance(snap, str):
+            raise StepsUnavailable(
+                f"a steps window counts the server's engine steps from its /metrics, and {snap}; check that the "
+                "server is up, or ask for duration_s instead of steps", details={"stages": stages})
+        if not engine_steps(snap):
+            raise StepsUnavailable(
+                f"a steps window counts the server's engine steps from its /metrics, and {self.upstream.base_url}"
+                "/metrics has no vllm:iteration_tokens_total (the server runs with --disable-log-stats?); restart "
+                "it without --disable-log-stats, or ask for duration_s instead of steps", details={"stages": stages})
+        return snap
+
+    async def _count(self, stages: list[int]) -> tuple[int | None, float, float]:
+        """The step count of ``stages`` now (None: the read failed), the middle of the read (when
+        the server counted, as near as the sidecar can tell) and how long the read took."""
+        t0 = time.monotonic()
+        snap = await self._scrape()
+        t1 = time.monotonic()
+        return (None if isinstance(snap, str) else steps_of(engine_steps(snap), stages)), (t0 + t1) / 2, t1 - t0
+
+    async def _wait_steps(self, cap: Capture, first: MetricsSnapshot, n: int) -> None:
+        """Until the server has run ``n`` steps since ``first`` (a ``delay_steps`` start)."""
+        base = steps_of(engine_steps(first), cap.stages)
+        deadline = time.monotonic() + self.settings.steps_wait_s
+        while True:
+            now, _, _ = await self._count(cap.stages)
+            if now is not None and now - base >= n:
+                return
+            if time.monotonic() >= deadline:
+                raise StepsNotReached(
+                    f"the server ran {0 if now is None else now - base} of the {n} delay_steps within "
+                    f"{self.settings.steps_wait_s:g}s; send load to it, or ask for fewer delay_steps",
+                    details={"delay_steps": n, "counted": None if now is None else now - base})
+            await asyncio.sleep(self.settings.steps_poll_s)
+
+    async def _count_steps(self, capture_id: str) -> None:
+        """A ``steps`` window: read the server's counter every ``steps_poll_s``; from the reads, the
+        step rate, and from their round trip, the time a request takes to land. The base is the
+        read just before the start was sent: both servers start the engines' profilers as the start
+        arrives (vLLM 0.30 answers only once its front-end profiler has started too, which takes
+        seconds on CPU while the engine steps and records). The stop is sent so that it lands when
+        the count reaches ``steps`` past the base: at once when due, else after the wait the rate
+        predicts, when that is shorter than the next read."""
+        cap, rt = self._captures[capture_id], self._rt[capture_id]
+        assert cap.steps is not None
+        poll = self.settings.steps_poll_s
+        last: tuple[float, int] | None = rt.steps_pre
+        if rt.steps_pre is not None:
+            rt.steps_base = rt.steps_pre[1]
+        rate = 0.0  # steps per second, smoothed
+        while cap.state is CaptureState.active:
+            now, at, took = await self._count(cap.stages)
+            if now is None:
+                await asyncio.sleep(poll)
+                continue
+            if rt.steps_base is None:
+                rt.steps_base = now
+            if last is not None and at > last[0]:
+                step_rate = max(now - last[1], 0) / (at - last[0])
+                rate = step_rate if rate == 0 else 0.5 * rate + 0.5 * step_rate
+            last = (at, now)
+            remaining = cap.steps - (now - rt.steps_base)
+            # the stop lands about half a round trip after it is sent (as a read's answer comes back)
+            wait = remaining / rate - took / 2 - (time.monotonic() - at) if rate > 0 else math.inf
+            if remaining <= 0.5 or wait <= poll:
+                wait = min(max(wait, 0.0), poll)
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                rt.steps_at_stop = int(round(now - rt.steps_base + rate * wait))
+                rt.steps_counter = None  # stop() cancels the counter; this one must not cancel itself
+                await self.stop(capture_id, reason=StopReason.steps)
+                return
+            await asyncio.sleep(poll)
+
+    async def _settle_metrics(self, cap: Capture, rt: _Runtime) -> None:
+        """The window's metrics from the scrapes at its edges (and a ``steps`` window's count)."""
+        cap.steps_counted = rt.steps_at_stop
+        if rt.metrics_before is None:
+            return
+        try:
+            before = await asyncio.wait_for(asyncio.shield(rt.metrics_before), self.upstream.timeouts.probe)
+            after = await asyncio.wait_for(asyncio.shield(rt.metrics_after), self.upstream.timeouts.probe) \
+                if rt.metrics_after is not None else "no scrape after the stop"
+        except asyncio.TimeoutError:
+            cap.window_metrics = WindowMetrics(unavailable="a /metrics scrape did not answer within "
+                                               f"{self.upstream.timeouts.probe:g}s")
+            return
+        if isinstance(before, str) or isinstance(after, str):
+            cap.window_metrics = WindowMetrics(unavailable=before if isinstance(before, str) else str(after))
+            return
+        cap.window_metrics = window_metrics(before, after)
+
+    async def _steps_traced(self, cap: Capture, verdicts: list[StageVerdict]) -> list[StageVerdict]:
+        """Each stage's engine steps as its trace holds them (the trace summary), with a note
+        when a stage holds more or fewer than asked."""
+        try:
+            data = await self._summaries.get(cap, live=True)
+        except SidecarError as exc:
+            cap.notes.append(f"the steps the traces hold are not counted: {exc.message}")
+            return verdicts
+        per_stage: dict[int, int] = {}
+        for f in data.get("files", []):
+            sid = f.get("stage_id")
+            if sid is None and len(cap.stages) == 1:
+                sid = cap.stages[0]  # plain vLLM's traces carry no stage in their names: its one engine
+            if sid is None:
+                continue
+            kinds = {k["kind"]: k["count"] for k in f.get("engine_step_kinds", [])}
+            worked = f.get("window", {}).get("engine_steps", 0) - kinds.get("idle", 0)
+            per_stage[sid] = max(per_stage.get(sid, 0), worked)
+        out = []
+        for v in verdicts:
+            if v.stage_id in per_stage:
+                v = v.model_copy(update={"steps_traced": per_stage[v.stage_id]})
+                if v.steps_traced != cap.steps:
+                    cap.notes.append(f"stage {v.stage_id}: the trace holds {v.steps_traced} engine steps, "
+                                     f"{cap.steps} were asked ({v.steps_traced - (cap.steps or 0):+d})")
+            out.append(v)
+        return out
+
     # --- heartbeat / watchdog -------------------------------------------------------------
 
     async def heartbeat(self, capture_id: str) -> Capture:
@@ -714,9 +926,10 @@ class CaptureController:
         cap.state = CaptureState.stopping
         cap.stop_reason = StopReason(reason)
         cap.stop_requested_at = _now()
-        if rt.watchdog is not None and rt.watchdog is not asyncio.current_task():
-            rt.watchdog.cancel()
-        rt.watchdog = None
+        for task in (rt.watchdog, rt.steps_counter):
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        rt.watchdog = rt.steps_counter = None
         self._changed(cap)
         rt.stopper = asyncio.create_task(self._run_stop(capture_id), name=f"stop-{capture_id}")
         return _copy(cap)
@@ -861,12 +1074,17 @@ class CaptureController:
             if not collect:
                 self._finish(cap, CaptureState.failed)
                 return
+            if rt.metrics_before is not None:  # beside the collect, not before it
+                rt.metrics_after = asyncio.create_task(self._scrape(), name=f"metrics-after-{cap.id}")
             cap.state = CaptureState.collecting
             self._changed(cap)
             verdicts = await self._collect(cap, rt)
             if stop_error is not None:
                 verdicts = [after_stop_error(v, stop_error) for v in verdicts]
+            await self._settle_metrics(cap, rt)
             cap.verdicts = verdicts
+            if cap.steps is not None:
+                verdicts = cap.verdicts = await self._steps_traced(cap, verdicts)
             ok = stop_error is None and all(v.verdict is Verdict.ok for v in verdicts)
             self._finish(cap, CaptureState.completed if ok else CaptureState.degraded)
             if self.settings.summarize and any(v.verdict in (Verdict.ok, Verdict.partial) for v in verdicts):

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_serializer, model_validator
 
 from sidecar.control import filenames
+from sidecar.upstream.metrics import WindowMetrics
 
 
 class _Word(str, Enum):
@@ -44,6 +45,7 @@ class StopReason(_Word):
     shutdown = "shutdown"  # the sidecar is exiting
     stopped_on_recovery = "stopped_on_recovery"  # journal showed it active at start-up
     rollback = "rollback"  # start failed or was ambiguous; the same set was stopped
+    steps = "steps"  # the server's step counter advanced by the capture's ``steps``
 
 
 class Verdict(_Word):
@@ -110,6 +112,9 @@ class StageVerdict(BaseModel):
     reason: str | None = None  # for a non-ok verdict: what happened and what to do
     expected_traces: int | None = None  # replicas x ranks of the stage (None: not counted)
     found_traces: int | None = None  # complete traces of this capture that arrived
+    # Engine steps that scheduled work in this stage's trace (its execute_* annotations, the most
+    # of any of its files); set for ``steps`` captures, to compare with the steps asked.
+    steps_traced: int | None = None
 
 
 class ErrorRecord(BaseModel):
@@ -144,6 +149,11 @@ class Capture(BaseModel):
     state: CaptureState = CaptureState.starting
     duration_s: float | None = None
     lease_s: float | None = None
+    steps: int | None = None  # stop once the server has run this many engine steps
+    delay_steps: int | None = None  # start once the server has run this many engine steps
+    # Engine steps the server's /metrics had counted since the start was sent, when the stop was
+    # sent (the last read, and the steps its rate predicts until the stop lands).
+    steps_counted: int | None = None
     stop_reason: StopReason | None = None
     created_at: datetime
     started_at: datetime | None = None  # upstream accepted start
@@ -157,6 +167,8 @@ class Capture(BaseModel):
     # files replaced since the verdict (added when the capture is read, not journaled).
     notes: list[str] = Field(default_factory=list)
     clocks: list[ClockRecord] = Field(default_factory=list)  # a fleet's offsets of this host's clock
+    # The server's /metrics differenced over the window (None: a record from before they were kept).
+    window_metrics: WindowMetrics | None = None
 
     @property
     def terminal(self) -> bool:

@@ -46,9 +46,10 @@ class SummaryCache:
                 return None
         return data
 
-    async def get(self, cap: Capture, top: int = SUMMARY_TOP) -> dict[str, Any]:
-        """The cached summary of a terminal capture, else one computed now and cached."""
-        if not cap.terminal:
+    async def get(self, cap: Capture, top: int = SUMMARY_TOP, *, live: bool = False) -> dict[str, Any]:
+        """The cached summary of a terminal capture, else one computed now and cached. ``live``:
+        the controller's own call while collecting (its verdicts are final, the state not yet)."""
+        if not cap.terminal and not live:
             raise CaptureNotTerminal(
                 f"capture {cap.id} is {cap.state.value}; the summary exists once it is terminal "
                 f"(wait with POST /v1/captures/{cap.id}/stop?wait=true)",

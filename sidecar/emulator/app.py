@@ -49,6 +49,54 @@ class ResetRequest(BaseModel):
     profiler_dirs: dict[int, str] | None = None
 
 
+class ServerMetrics:
+    """The ``vllm:`` families of the real server's ``/metrics`` that the sidecar reads (tests/data/
+    metrics/ holds the real ones): one ``vllm:iteration_tokens_total`` observation per engine step,
+    requests, tokens and the request latency. vLLM labels an engine ``engine``, vLLM-Omni ``stage``
+    and ``replica``."""
+
+    def __init__(self, flavor: str, model: str) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        self.model = model
+        self.omni = flavor == "omni"
+        labels = ["model_name", "stage", "replica"] if self.omni else ["model_name", "engine"]
+        self.steps = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                               labels, buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
+                               registry=self.registry)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               [*labels, "finished_reason"], registry=self.registry)
+        self.prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels,
+                              registry=self.registry)
+        self.generation = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
+                                  registry=self.registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             labels, buckets=(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                                              50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
+                             registry=self.registry)
+
+    def _labels(self, stage: StageRuntime, replica: int) -> dict[str, str]:
+        if self.omni:
+            return {"model_name": self.model, "stage": str(stage.stage_id), "replica": str(replica)}
+        return {"model_name": self.model, "engine": str(replica)}
+
+    def request_done(self, stage: StageRuntime, replica: int, steps: int, seconds: float) -> None:
+        labels = self._labels(stage, replica)
+        hist = self.steps.labels(**labels)
+        for _ in range(steps):
+            hist.observe(1)
+        self.prompt.labels(**labels).inc(1)
+        self.generation.labels(**labels).inc(steps)
+        self.success.labels(**labels, finished_reason="length").inc()
+        self.e2e.labels(**labels).observe(seconds)
+
+    def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
 class Emulator:
     """Everything the routes need: the stages in deploy order, the options, faults, the call log."""
 
@@ -63,6 +111,7 @@ class Emulator:
         self.control = asyncio.Lock()
         self.release_hung = asyncio.Event()  # a reset lets hung stops go
         self.frontend = self._make_frontend()
+        self.metrics = ServerMetrics(options.flavor, options.model)
 
     def _make_frontend(self) -> Any:
         """Plain vLLM's ``AsyncLLM`` front-end profiler (API process, CPU), unless
@@ -125,7 +174,11 @@ class Emulator:
         """Hand one request's steps to a stage, once no control call is in progress."""
         async with self.control:
             worker = stage.next_worker()
-        return await worker.call("steps", n=n)
+        t0 = time.monotonic()
+        reply = await worker.call("steps", n=n)
+        if reply.get("ok"):
+            self.metrics.request_done(stage, worker.spec.replica, n, time.monotonic() - t0)
+        return reply
 
     async def apply_faults(self, update: dict[str, Any]) -> Faults:
         was_hanging = self.faults.hang_stop
@@ -361,6 +414,10 @@ def build_app(emu: Emulator) -> FastAPI:
         if dead:
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         return JSONResponse({"status": "healthy"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(emu.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

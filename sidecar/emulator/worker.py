@@ -121,7 +121,7 @@ class _Stage:
 
     def run_steps(self, n: int) -> list[int]:
         out = []
-        for _ in range(n):
+        for i in range(n):
             t0 = time.perf_counter()
             self.iterations += 1
             prof = self.profiler
@@ -136,7 +136,9 @@ class _Stage:
                 if prof:
                     prof.step()
                 with prof.annotate("execute_model") if prof and prof.is_running else _null():
-                    out.append(self.model.step())
+                    # vLLM's own step marker inside it: a request's first step prefills, the rest decode
+                    with prof.annotate(_STEP_NAMES[i > 0]) if prof and prof.is_running else _null():
+                        out.append(self.model.step())
             spare = self.spec.step_ms / 1000 - (time.perf_counter() - t0)
             if spare > 0:
                 time.sleep(spare)
@@ -163,6 +165,9 @@ class _Stage:
             "iterations": self.iterations,
             "sessions": list(getattr(p, "sessions", []) or []),
         }
+
+
+_STEP_NAMES = ("execute_context_1(1)_generation_0(0)", "execute_context_0(0)_generation_1(1)")
 
 
 class _null:

@@ -45,7 +45,8 @@ class Driver(Protocol):
 
     async def open(self) -> DeployConfig | None: ...
     async def start(self, stages: list[int] | None, label: str | None, duration_s: float | None,
-                    lease_s: float | None, kind: Kind = "torch", release: ReleaseHook | None = None) -> Capture: ...
+                    lease_s: float | None, kind: Kind = "torch", release: ReleaseHook | None = None,
+                    steps: int | None = None) -> Capture: ...
     async def stop(self, capture_id: str, reason: StopReason) -> Capture: ...
     async def get(self, capture_id: str) -> Capture: ...
     async def wait(self, capture_id: str, timeout: float | None) -> Capture: ...
@@ -111,11 +112,14 @@ class SidecarDriver:
         return deploy_from_stages_reply(await self.client.stages())
 
     async def start(self, stages, label, duration_s, lease_s, kind: Kind = "torch",  # type: ignore[no-untyped-def]
-                    release: ReleaseHook | None = None) -> Capture:
+                    release: ReleaseHook | None = None, steps: int | None = None) -> Capture:
         # The sidecar prepares its capture itself once asked, so the fleet's release (and its
         # start_at) gates the request: the skew adds the sidecar's own preparation (~ms).
         if release is not None:
             await release()
+        if steps is not None:  # sent only when asked: an older sidecar refuses the field
+            return await self.client.start_capture(stages=stages, label=label, duration_s=duration_s,
+                                                   lease_s=lease_s, steps=steps)
         if kind == "torch":  # sent only when asked: a sidecar without nsys captures refuses the field
             return await self.client.start_capture(stages=stages, label=label, duration_s=duration_s, lease_s=lease_s)
         if "kind" in inspect.signature(self.client.start_capture).parameters:
@@ -196,8 +200,10 @@ class UpstreamDriver:
         return self.deploy
 
     async def start(self, stages, label, duration_s, lease_s, kind: Kind = "torch",  # type: ignore[no-untyped-def]
-                    release: ReleaseHook | None = None) -> Capture:
+                    release: ReleaseHook | None = None, steps: int | None = None) -> Capture:
         extra: dict[str, Any] = {} if release is None else {"release": release}
+        if steps is not None:
+            extra["steps"] = steps
         if kind == "torch":
             return await self.controller.start(stages, label=label, duration_s=duration_s, lease_s=lease_s, **extra)
         if "kind" not in inspect.signature(self.controller.start).parameters:

@@ -297,7 +297,7 @@ class Fleet:
 
     async def start(
         self, *, label: str | None = None, duration_s: float | None = None, lease_s: float | None = None,
-        kind: Kind = "torch", start_at: float | datetime | None = None,
+        kind: Kind = "torch", start_at: float | datetime | None = None, steps: int | None = None,
     ) -> FleetCapture:
         """Start on every target at once. Returns when every upstream accepted. If any target
         fails, the started ones are stopped (concurrently) and ``FleetError`` lists every outcome.
@@ -309,7 +309,8 @@ class Fleet:
         (outcome ``not_started``, nothing sent). ``start_at`` (epoch seconds or an aware datetime,
         like dynolog's ``--profile-start-time``) releases the sends at that wall-clock time;
         refused with ``StartAtInvalid`` when in the past or more than ``start_at_max_s`` ahead.
-        Sidecar targets are released by the fleet at ``start_at`` (the request is sent then)."""
+        Sidecar targets are released by the fleet at ``start_at`` (the request is sent then).
+        ``steps``: each target's capture stops itself after that many engine steps of its server."""
         if kind not in ("torch", "nsys"):
             raise KindInvalid(f"kind must be 'torch' or 'nsys', got {kind!r}")
         at = check_start_at(start_at, max_ahead_s=self.start_at_max_s)
@@ -339,7 +340,9 @@ class Fleet:
 
             try:
                 by = start_by(loop.time()) if waves else deadline
-                cap = await _by(by, d.start(self.stages, label, duration_s, lease_s, kind, gate), "start", self.start_timeout_s)
+                opts = {} if steps is None else {"steps": steps}  # a driver of an older build takes none
+                cap = await _by(by, d.start(self.stages, label, duration_s, lease_s, kind, gate, **opts), "start",
+                                self.start_timeout_s)
             except BaseException as exc:
                 if not arrived:  # failed in its preparation: nobody sends (all or nothing)
                     release.arrive()

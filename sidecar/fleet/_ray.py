@@ -112,8 +112,8 @@ class NodeProfiler:
         return await self._call(work)
 
     async def start(self, stages: list[int] | None, label: str | None, duration_s: float | None,
-                    lease_s: float | None, kind: str) -> tuple[str, Any]:
-        return await self._call(lambda: self._driver.start(stages, label, duration_s, lease_s, kind))
+                    lease_s: float | None, kind: str, steps: int | None = None) -> tuple[str, Any]:
+        return await self._call(lambda: self._driver.start(stages, label, duration_s, lease_s, kind, steps=steps))
 
     async def stop(self, capture_id: str, reason: str) -> tuple[str, Any]:
         """Returns once the server answered stop (the artifact check goes on: :meth:`wait`)."""
@@ -198,11 +198,12 @@ class RayNodeDriver:
     async def open(self) -> DeployConfig | None:
         return _raise(await self.actor.open.remote())  # type: ignore[no-any-return]
 
-    async def start(self, stages, label, duration_s, lease_s, kind="torch", release=None) -> Capture:  # type: ignore[no-untyped-def]
+    async def start(self, stages, label, duration_s, lease_s, kind="torch", release=None,  # type: ignore[no-untyped-def]
+                    steps=None) -> Capture:
         # The node prepares its capture once asked: the release gates the call, like a sidecar's.
         if release is not None:
             await release()
-        return _raise(await self.actor.start.remote(stages, label, duration_s, lease_s, kind))  # type: ignore[no-any-return]
+        return _raise(await self.actor.start.remote(stages, label, duration_s, lease_s, kind, steps))  # type: ignore[no-any-return]
 
     async def stop(self, capture_id: str, reason: StopReason) -> Capture:
         return _raise(await self.actor.stop.remote(capture_id, reason.value))  # type: ignore[no-any-return]

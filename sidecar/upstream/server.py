@@ -25,8 +25,9 @@ from tenacity import (
     wait_exponential,
 )
 
-from sidecar.errors import UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from sidecar.errors import MetricsUnavailable, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from sidecar.errors import StagesEmpty, StagesInvalid
+from sidecar.upstream.metrics import MAX_METRICS_BYTES, MetricsSnapshot, MetricsUnreadable, parse_metrics
 
 if TYPE_CHECKING:
     from sidecar.config.settings import SidecarSettings
@@ -190,6 +191,31 @@ class UpstreamServer:
         except httpx.HTTPError:
             return False
         return True
+
+    async def metrics(self, *, timeout_s: float | None = None) -> MetricsSnapshot:
+        """``GET /metrics``, parsed (sidecar/upstream/metrics.py). ``MetricsUnavailable`` when it
+        cannot be read: not served (404), failed, too slow, too big or not Prometheus text."""
+        url = f"{self.base_url}/metrics"
+        read = self.timeouts.probe if timeout_s is None else timeout_s
+        timeout = httpx.Timeout(read, connect=min(self.timeouts.connect, read))
+        try:
+            async with self._client.stream("GET", "/metrics", timeout=timeout) as resp:
+                if resp.status_code != 200:
+                    raise MetricsUnavailable(
+                        f"GET {url} answered {resp.status_code}; the server exposes no Prometheus metrics here",
+                        details={"url": url, "status": resp.status_code})
+                body = bytearray()
+                async for chunk in resp.aiter_bytes():
+                    body += chunk
+                    if len(body) > MAX_METRICS_BYTES:
+                        raise MetricsUnavailable(f"GET {url} is above {MAX_METRICS_BYTES} bytes; not a vLLM server's",
+                                                 details={"url": url})
+        except httpx.HTTPError as exc:
+            raise MetricsUnavailable(f"GET {url} failed ({type(exc).__name__})", details={"url": url}) from None
+        try:
+            return parse_metrics(body.decode("utf-8", "replace"))
+        except MetricsUnreadable as exc:
+            raise MetricsUnavailable(f"GET {url}: {exc}", details={"url": url}) from None
 
     # --- profiling ------------------------------------------------------------------------
 

@@ -47,7 +47,8 @@ class VllmServer(ManagedProcess):
     start_error = VllmStartError
     log_noise = ("WARNING", "INFO")
 
-    def __init__(self, python: str, model: Path, profiler_config: dict[str, Any], *, cwd: Path, log_path: Path) -> None:
+    def __init__(self, python: str, model: Path, profiler_config: dict[str, Any], *, cwd: Path, log_path: Path,
+                 log_stats: bool = False) -> None:  # fmt: skip
         env = dict(os.environ)
         env.pop("PYTHONPATH", None)  # the venv's own packages, not the sidecar's tree
         env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
@@ -57,6 +58,7 @@ class VllmServer(ManagedProcess):
         self.model = model
         self.profiler_config = profiler_config
         self.cwd = cwd
+        self.log_stats = log_stats  # True: the vllm: families in /metrics (a steps window counts them)
 
     def argv(self) -> list[str]:
         return [
@@ -64,7 +66,7 @@ class VllmServer(ManagedProcess):
             "--model", str(self.model), "--dtype", "float32", "--max-model-len", "128",
             "--host", self.host, "--port", str(self.port),
             "--profiler-config", json.dumps(self.profiler_config),
-            "--max-num-seqs", "4", "--disable-log-stats",
+            "--max-num-seqs", "4", *([] if self.log_stats else ["--disable-log-stats"]),
         ]  # fmt: skip
 
 
@@ -85,12 +87,13 @@ def tiny_model(live_python: str, tmp_path_factory: pytest.TempPathFactory) -> Pa
 @pytest.fixture(scope="module")
 def vllm_factory(live_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[Callable[..., VllmServer]]:
-    """``factory(profiler_config) -> VllmServer`` started healthy; all stopped at module end."""
+    """``factory(profiler_config, log_stats=False) -> VllmServer`` started healthy; all stopped at module end."""
     started: list[VllmServer] = []
 
-    def factory(profiler_config: dict[str, Any]) -> VllmServer:
+    def factory(profiler_config: dict[str, Any], log_stats: bool = False) -> VllmServer:
         cwd = tmp_path_factory.mktemp("vllm-cwd")
-        server = VllmServer(live_python, tiny_model, profiler_config, cwd=cwd, log_path=cwd / "vllm.log")
+        server = VllmServer(live_python, tiny_model, profiler_config, cwd=cwd, log_path=cwd / "vllm.log",
+                            log_stats=log_stats)  # fmt: skip
         started.append(server)
         return server.start()
 

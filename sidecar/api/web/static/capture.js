@@ -5,6 +5,7 @@ import { barChart, busyIdleChart, stackedChart } from "./charts.js";
 import { LIVE, TERMINAL, between, bytes, clear, el, errorBox, seconds, us, when } from "./format.js";
 import { stopCapture } from "./leases.js";
 import { openInPerfetto } from "./perfetto.js";
+import { windowCard } from "./steps.js";
 import { VERDICT_HELP, stateBadge, verdictBadge } from "./verdicts.js";
 
 const POLL_MS = 1500;
@@ -15,7 +16,8 @@ export async function captureView(main, id) {
   const head = el("section", { class: "card", id: "capture-head" });
   const stages = el("section", { class: "card", id: "capture-stages" });
   const summary = el("section", { class: "card", id: "capture-summary" });
-  clear(main, el("p", { class: "crumbs" }, el("a", { href: "./", text: "Captures" }), " / ", el("span", { class: "mono", text: id })), head, stages, summary);
+  const windowMetrics = el("section", { class: "card", id: "capture-window" });
+  clear(main, el("p", { class: "crumbs" }, el("a", { href: "./", text: "Captures" }), " / ", el("span", { class: "mono", text: id })), head, stages, windowMetrics, summary);
   let shownState = null;
   let summaryLoaded = false;
   const load = async () => {
@@ -29,7 +31,10 @@ export async function captureView(main, id) {
     document.title = `omni-sidecar · ${cap.label || cap.id}`;
     renderHead(head, cap, load);
     // files and buttons only change with the state; re-rendering them would reset Perfetto's status line
-    if (cap.state !== shownState || LIVE.has(cap.state)) renderStages(stages, cap);
+    if (cap.state !== shownState || LIVE.has(cap.state)) {
+      renderStages(stages, cap);
+      windowCard(windowMetrics, cap);
+    }
     shownState = cap.state;
     if (TERMINAL.has(cap.state) && !summaryLoaded) {
       summaryLoaded = true;
@@ -89,7 +94,7 @@ function renderHead(card, cap, reload) {
       fact("Created", when(cap.created_at)),
       fact("Started", when(cap.started_at)),
       fact("Window", windowLen === null ? "–" : seconds(windowLen) + (cap.stopped_at ? "" : " so far")),
-      fact("Bound", cap.duration_s ? `auto-stop after ${seconds(cap.duration_s)}` : cap.lease_s ? `lease ${seconds(cap.lease_s)}` : "until stopped"),
+      fact("Bound", cap.steps ? `after ${cap.steps} engine steps` : cap.duration_s ? `auto-stop after ${seconds(cap.duration_s)}` : cap.lease_s ? `lease ${seconds(cap.lease_s)}` : "until stopped"),
       fact("Stop", cap.stop_reason ? cap.stop_reason.replaceAll("_", " ") : "–"),
       fact("Flush", flush === null ? "–" : seconds(flush)),
       fact("Checked", check === null ? "–" : seconds(check)),

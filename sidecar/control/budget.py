@@ -1,0 +1,167 @@
+"""A ``steps`` window planned to a budget: short probe captures (1 and 2 engine steps by default)
+measure, per stage, the bytes its files take and the server's stop time; a straight line through
+the probes (``fixed + per_step x steps``) predicts any window, and the plan is the most steps that
+fit both the size budget and the stop bound. The profiler flags are the server's, fixed at its
+start: the plan measures those it runs with and names them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, Field
+
+from sidecar.control.artifacts import is_trace
+from sidecar.errors import BudgetExceeded, PlanInvalid
+
+if TYPE_CHECKING:
+    from sidecar.control.controller import CaptureController
+    from sidecar.control.models import Capture, StageVerdict
+
+MB = 1_000_000
+FLAGS = ("torch_profiler_with_stack", "torch_profiler_record_shapes", "torch_profiler_with_memory",
+         "torch_profiler_with_flops", "torch_profiler_use_gzip")  # fmt: skip
+
+
+class Probe(BaseModel):
+    capture_id: str
+    steps_asked: int
+    steps_traced: dict[int, int]  # stage -> engine steps its trace holds
+    bytes: dict[int, int]  # stage -> bytes of its files
+    stop_s: float  # stop asked -> the server answered
+
+
+class StagePlan(BaseModel):
+    stage_id: int
+    flags: dict[str, bool]  # the stage's profiler flags (the server's, fixed at its start)
+    bytes_fixed: float
+    bytes_per_step: float
+
+
+class Plan(BaseModel):
+    stages: list[int]
+    budget_mb: float | None = None
+    max_stop_s: float | None = None
+    probes: list[Probe] = Field(default_factory=list)
+    per_stage: list[StagePlan] = Field(default_factory=list)
+    stop_fixed_s: float = 0.0
+    stop_per_step_s: float = 0.0
+    steps: int | None = None  # the most steps that fit both bounds (None: no bound given)
+    limited_by: Literal["budget_mb", "max_stop_s"] | None = None
+    predicted_mb: float | None = None  # at ``steps``
+    predicted_stop_s: float | None = None
+
+    def predict(self, steps: int) -> tuple[float, float]:
+        """(MB on disk, stop seconds) of a ``steps`` window on these stages."""
+        size = sum(p.bytes_fixed + p.bytes_per_step * steps for p in self.per_stage) / MB
+        return size, self.stop_fixed_s + self.stop_per_step_s * steps
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares ``(intercept, slope)`` through ``(steps, value)``, both kept >= 0; a single
+    step count gives a line through the origin (all of it per step: the safe side)."""
+    xs = {x for x, _ in points}
+    if len(xs) < 2:
+        x = sum(x for x, _ in points) / len(points)
+        y = sum(y for _, y in points) / len(points)
+        return 0.0, (y / x if x > 0 else 0.0)
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    slope = sum((x - mx) * (y - my) for x, y in points) / sum((x - mx) ** 2 for x, _ in points)
+    slope = max(slope, 0.0)
+    return max(my - slope * mx, 0.0), slope
+
+
+def trace_bytes(verdicts: list[StageVerdict]) -> int:
+    """Bytes of the trace files on disk (tables such as plain vLLM's profiler_out_<r>.txt, rewritten
+    at every stop whatever the window, are not what grows with the steps)."""
+    return sum(f.size for v in verdicts for s in v.sessions for f in s.files if is_trace(f.name))
+
+
+def probe_of(cap: Capture) -> Probe:
+    traced: dict[int, int] = {}
+    sizes: dict[int, int] = {}
+    for v in cap.verdicts:
+        traced[v.stage_id] = v.steps_traced if v.steps_traced is not None else (cap.steps_counted or cap.steps or 0)
+        sizes[v.stage_id] = trace_bytes([v])
+    stop_s = 0.0
+    if cap.stop_requested_at is not None and cap.stopped_at is not None:
+        stop_s = max((cap.stopped_at - cap.stop_requested_at).total_seconds(), 0.0)
+    return Probe(capture_id=cap.id, steps_asked=cap.steps or 0, steps_traced=traced, bytes=sizes, stop_s=stop_s)
+
+
+def make_plan(stages: list[int], probes: list[Probe], flags: dict[int, dict[str, bool]], *,
+              budget_mb: float | None, max_stop_s: float | None) -> Plan:
+    """The plan from the probes: per stage a size line, one stop line, and the steps that fit."""
+    per_stage = []
+    for sid in stages:
+        points = [(float(p.steps_traced.get(sid, 0)), float(p.bytes.get(sid, 0))) for p in probes]
+        fixed, per_step = fit(points)
+        per_stage.append(StagePlan(stage_id=sid, flags=flags.get(sid, {}), bytes_fixed=fixed, bytes_per_step=per_step))
+    stop_fixed, stop_per_step = fit([(float(max(p.steps_traced.values(), default=0)), p.stop_s) for p in probes])
+    plan = Plan(stages=stages, budget_mb=budget_mb, max_stop_s=max_stop_s, probes=probes, per_stage=per_stage,
+                stop_fixed_s=stop_fixed, stop_per_step_s=stop_per_step)
+    bounds: list[tuple[float, Literal["budget_mb", "max_stop_s"]]] = []
+    if budget_mb is not None:
+        per_step = sum(p.bytes_per_step for p in per_stage) / MB
+        fixed_mb = sum(p.bytes_fixed for p in per_stage) / MB
+        bounds.append(((budget_mb - fixed_mb) / per_step if per_step > 0 else math.inf, "budget_mb"))
+    if max_stop_s is not None:
+        bounds.append(((max_stop_s - stop_fixed) / stop_per_step if stop_per_step > 0 else math.inf, "max_stop_s"))
+    if bounds:
+        most, why = min(bounds)
+        plan.limited_by = why if math.isfinite(most) else None
+        plan.steps = max(int(min(most, 1_000_000)), 0)
+        plan.predicted_mb, plan.predicted_stop_s = plan.predict(plan.steps)
+    return plan
+
+
+async def run_plan(controller: CaptureController, stages: list[int] | None, *, budget_mb: float | None,
+                   max_stop_s: float | None, probe_steps: tuple[int, ...] = (1, 2)) -> Plan:
+    """Probe captures of ``probe_steps`` engine steps each on ``stages`` (the server must be
+    stepping: each waits like any ``steps`` window), then the plan."""
+    for name, bound in (("budget_mb", budget_mb), ("max_stop_s", max_stop_s)):
+        if bound is not None and not (bound > 0 and math.isfinite(bound)):
+            raise PlanInvalid(f"{name} must be > 0, got {bound}", key=name)
+    if not probe_steps or any(n < 1 for n in probe_steps):
+        raise PlanInvalid(f"probe steps must be >= 1, got {list(probe_steps)}", key="probe_steps")
+    probes = []
+    chosen: list[int] | None = stages
+    for n in probe_steps:
+        cap = await controller.start(chosen, steps=n, label=f"plan-probe-{n}", budget_check=False)
+        chosen = cap.stages
+        cap = await controller.wait(cap.id)
+        probes.append(probe_of(cap))
+    assert chosen is not None
+    flags = {}
+    for sid in chosen:
+        stage = controller.deploy.stage(sid)
+        cfg = stage.profiler_config if stage is not None else None
+        flags[sid] = {f.removeprefix("torch_profiler_"): bool(getattr(cfg, f, False)) for f in FLAGS} if cfg else {}
+    return make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s)
+
+
+def check_budget(plan: Plan | None, stages: list[int], steps: int, budget_mb: float,
+                 action: Literal["refuse", "warn"]) -> str | None:
+    """A ``steps`` capture against the budget: raises ``BudgetExceeded`` (``refuse``) or returns
+    the warning (``warn``) when the plan predicts more; None when it fits or nothing predicts it."""
+    if plan is None or sorted(plan.stages) != sorted(stages):
+        return None
+    size_mb, stop_s = plan.predict(steps)
+    if size_mb <= budget_mb:
+        return None
+    fits = plan.per_stage and sum(p.bytes_per_step for p in plan.per_stage) > 0
+    most = int((budget_mb * MB - sum(p.bytes_fixed for p in plan.per_stage))
+               / sum(p.bytes_per_step for p in plan.per_stage)) if fits else 0
+    message = (f"{steps} steps on stages {stages} are predicted at {size_mb:.1f} MB (stop {stop_s:.1f}s), above "
+               f"the budget of {budget_mb:g} MB; ask for at most {max(most, 0)} steps, or lighter profiler flags "
+               "on the server (torch_profiler_with_stack / record_shapes off), or raise OMNI_SIDECAR_BUDGET_MB")
+    if action == "refuse":
+        raise BudgetExceeded(message, key="steps", details={"predicted_mb": round(size_mb, 3), "budget_mb": budget_mb,
+                                                             "max_steps": max(most, 0)})
+    return message
+
+
+__all__ = ["Plan", "Probe", "StagePlan", "check_budget", "fit", "make_plan", "probe_of", "run_plan", "trace_bytes"]

@@ -1,0 +1,228 @@
+"""The server's Prometheus ``/metrics``, read: one scrape is a :class:`MetricsSnapshot` (parsed by
+``prometheus_client``), two make a :class:`WindowMetrics` (what the server did between them, per
+engine), and :func:`engine_steps` is the step count a ``steps`` window is measured in.
+
+Names and labels are those of the real servers (fixtures in tests/data/metrics/, docs/captures.md):
+plain vLLM labels each engine ``engine="<n>"``; vLLM-Omni relabels the same ``vllm:`` families
+``stage="<id>", replica="<r>"``. ``vllm:iteration_tokens_total`` observes once per engine step that
+scheduled tokens, so its ``_count`` is the step counter.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+from pydantic import BaseModel, Field
+
+# A /metrics reply bigger than this is not a vLLM server's (a few hundred kB with every family).
+MAX_METRICS_BYTES = 8_000_000
+
+STEP_FAMILY = "vllm:iteration_tokens_total"  # a histogram; one observation per engine step
+REQUESTS_FAMILY = "vllm:request_success"  # counter, labelled by finished_reason
+PROMPT_FAMILY = "vllm:prompt_tokens"
+GENERATION_FAMILY = "vllm:generation_tokens"
+# The latency histograms a window keeps: short name -> family.
+LATENCY_FAMILIES: dict[str, str] = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "itl": "vllm:inter_token_latency_seconds",
+    "e2e": "vllm:e2e_request_latency_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+}
+# The labels that name one engine: vLLM-Omni's stage and replica, plain vLLM's engine index.
+ENGINE_LABELS = ("stage", "replica", "engine")
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def _engine_key(labels: Mapping[str, str]) -> Labels:
+    return tuple((k, labels[k]) for k in ENGINE_LABELS if k in labels)
+
+
+@dataclass
+class _Histogram:
+    count: float = 0.0
+    sum: float = 0.0
+    buckets: dict[float, float] = field(default_factory=dict)  # upper bound -> cumulative count
+
+
+@dataclass
+class MetricsSnapshot:
+    """The ``vllm:`` counters and histograms of one scrape, summed per engine (other labels, such
+    as ``finished_reason`` or ``model_name``, are added up)."""
+
+    taken_at: float  # time.time() of the reply
+    counters: dict[tuple[str, Labels], float] = field(default_factory=dict)  # family -> value
+    histograms: dict[tuple[str, Labels], _Histogram] = field(default_factory=dict)
+
+    def engines(self) -> list[Labels]:
+        keys = {k for _, k in self.counters} | {k for _, k in self.histograms}
+        return sorted(keys)
+
+
+class MetricsUnreadable(ValueError):
+    """The reply is not Prometheus text the parser accepts (or is too big to be a server's)."""
+
+
+def parse_metrics(text: str, *, taken_at: float | None = None) -> MetricsSnapshot:
+    """A ``/metrics`` body → snapshot. ``MetricsUnreadable`` for text the parser refuses."""
+    if len(text) > MAX_METRICS_BYTES:
+        raise MetricsUnreadable(f"the /metrics reply is {len(text)} bytes, above {MAX_METRICS_BYTES}")
+    snap = MetricsSnapshot(taken_at=time.time() if taken_at is None else taken_at)
+    try:
+        for family in text_string_to_metric_families(text):
+            if not family.name.startswith("vllm:"):
+                continue  # vLLM-Omni's own vllm_omni: families are per pipeline, not per engine
+            if family.type == "counter":
+                for s in family.samples:
+                    if s.name.endswith("_total"):
+                        key = (family.name, _engine_key(s.labels))
+                        snap.counters[key] = snap.counters.get(key, 0.0) + s.value
+            elif family.type == "histogram":
+                for s in family.samples:
+                    key = (family.name, _engine_key(s.labels))
+                    hist = snap.histograms.setdefault(key, _Histogram())
+                    if s.name.endswith("_bucket"):
+                        bound = float(s.labels.get("le", "inf"))
+                        hist.buckets[bound] = hist.buckets.get(bound, 0.0) + s.value
+                    elif s.name.endswith("_count"):
+                        hist.count += s.value
+                    elif s.name.endswith("_sum"):
+                        hist.sum += s.value
+    except ValueError as exc:  # the parser's own error for a line it cannot read
+        raise MetricsUnreadable(f"the /metrics reply is not Prometheus text: {exc}") from None
+    return snap
+
+
+def engine_steps(snap: MetricsSnapshot) -> dict[Labels, int]:
+    """Engine steps counted so far, per engine (``vllm:iteration_tokens_total``'s count)."""
+    return {k: int(h.count) for (name, k), h in snap.histograms.items() if name == STEP_FAMILY}
+
+
+# --- a window: the difference of two snapshots -----------------------------------------------
+
+
+class Latency(BaseModel):
+    """One latency histogram over the window; p50/p95 interpolated within the buckets' deltas."""
+
+    count: int
+    sum_s: float
+    mean_s: float | None = None
+    p50_s: float | None = None
+    p95_s: float | None = None
+
+
+class EngineMetrics(BaseModel):
+    """What one engine (a vLLM-Omni stage replica, or a vLLM engine) did during the window."""
+
+    stage: str | None = None  # vLLM-Omni's stage label
+    replica: str | None = None
+    engine: str | None = None  # plain vLLM's engine index
+    engine_steps: int | None = None
+    requests_finished: int | None = None
+    prompt_tokens: int | None = None
+    generation_tokens: int | None = None
+    latency: dict[str, Latency] = Field(default_factory=dict)  # ttft | itl | e2e | queue
+
+
+class WindowMetrics(BaseModel):
+    """The server's ``/metrics`` at the window's start and stop, differenced. ``unavailable`` says
+    why there is nothing (no /metrics, a failed scrape): a capture never fails for it."""
+
+    seconds: float | None = None  # between the two scrapes
+    engines: list[EngineMetrics] = Field(default_factory=list)
+    unavailable: str | None = None
+
+
+def quantile(buckets: Mapping[float, float], q: float) -> float | None:
+    """``q`` of a cumulative-bucket histogram, linear within the bucket, as Prometheus'
+    ``histogram_quantile`` does (the +Inf bucket answers its lower bound)."""
+    bounds = sorted(buckets)
+    if not bounds:
+        return None
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return None
+    rank = q * total
+    prev_bound, prev_count = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if math.isinf(bound):
+                return prev_bound
+            if count == prev_count:
+                return bound
+            return prev_bound + (bound - prev_bound) * (rank - prev_count) / (count - prev_count)
+        prev_bound, prev_count = bound, count
+    return prev_bound
+
+
+def _delta_hist(before: _Histogram | None, after: _Histogram) -> Latency:
+    b = before or _Histogram()
+    buckets = {le: after.buckets[le] - b.buckets.get(le, 0.0) for le in after.buckets}
+    count = int(round(after.count - b.count))
+    total = after.sum - b.sum
+    return Latency(count=count, sum_s=total, mean_s=total / count if count > 0 else None,
+                   p50_s=quantile(buckets, 0.5) if count > 0 else None,
+                   p95_s=quantile(buckets, 0.95) if count > 0 else None)
+
+
+def window_metrics(before: MetricsSnapshot, after: MetricsSnapshot) -> WindowMetrics:
+    """What each engine did between ``before`` and ``after`` (a counter that went back, a server
+    restarted in between, counts from zero)."""
+    out: list[EngineMetrics] = []
+    for key in after.engines():
+        if not key:
+            continue  # families without an engine label (the API server's own) are not an engine's
+
+        def delta(family: str) -> int | None:
+            now = after.counters.get((family, key))
+            if now is None:
+                return None
+            was = before.counters.get((family, key), 0.0)
+            return int(round(now - was if now >= was else now))
+
+        labels = dict(key)
+        steps_now = after.histograms.get((STEP_FAMILY, key))
+        steps_was = before.histograms.get((STEP_FAMILY, key))
+        steps = None
+        if steps_now is not None:
+            was = steps_was.count if steps_was is not None else 0.0
+            steps = int(steps_now.count - was if steps_now.count >= was else steps_now.count)
+        latency = {short: _delta_hist(before.histograms.get((fam, key)), after.histograms[(fam, key)])
+                   for short, fam in LATENCY_FAMILIES.items() if (fam, key) in after.histograms}
+        out.append(EngineMetrics(stage=labels.get("stage"), replica=labels.get("replica"), engine=labels.get("engine"),
+                                 engine_steps=steps, requests_finished=delta(REQUESTS_FAMILY),
+                                 prompt_tokens=delta(PROMPT_FAMILY), generation_tokens=delta(GENERATION_FAMILY),
+                                 latency=latency))
+    seconds = max(after.taken_at - before.taken_at, 0.0)
+    if not out:
+        return WindowMetrics(seconds=seconds, unavailable="the server's /metrics has no per-engine vllm: families "
+                             "(started with --disable-log-stats?)")
+    return WindowMetrics(seconds=seconds, engines=out)
+
+
+def steps_of(steps: Mapping[Labels, int], stages: Iterable[int] | None) -> int:
+    """The step count a window follows: the most-advanced engine among ``stages`` (vLLM-Omni's
+    stage label) or, where engines carry no stage label (plain vLLM), among all engines."""
+    wanted = {str(s) for s in stages} if stages is not None else None
+    counts = [n for key, n in steps.items()
+              if wanted is None or dict(key).get("stage") is None or dict(key)["stage"] in wanted]
+    return max(counts, default=0)
+
+
+__all__ = [
+    "EngineMetrics",
+    "Latency",
+    "MetricsSnapshot",
+    "MetricsUnreadable",
+    "WindowMetrics",
+    "engine_steps",
+    "parse_metrics",
+    "quantile",
+    "steps_of",
+    "window_metrics",
+]

@@ -1,0 +1,63 @@
+"""``steps`` windows on a real vLLM 0.30 CPU server started WITH its stat loggers (its /metrics
+then has ``vllm:iteration_tokens_total``, the step counter): a 20-step capture ends by itself and
+its trace holds 20 +- 2 engine steps; the window's server metrics are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sidecar.client import SidecarClient
+from sidecar.control.budget import trace_bytes
+from tests.fixtures.load import steady_load
+
+
+@pytest.fixture(scope="module")
+def counted(vllm_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    trace_dir = tmp_path_factory.mktemp("vllm-steps-traces")
+    pc = {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": False}
+    return {"server": vllm_factory(pc, log_stats=True), "profiler_config": pc}
+
+
+@pytest.fixture
+def sidecar(counted: dict[str, Any], sidecar_factory: Any, tmp_path: Path) -> Any:
+    return sidecar_factory(counted["server"].url, None, flavor="vllm", state_dir=tmp_path / "state",
+                           extra_args=["--profiler-config", json.dumps(counted["profiler_config"])])  # fmt: skip
+
+
+@pytest.fixture
+def load(counted: dict[str, Any]) -> Iterator[None]:
+    # one-token requests one after another: a step per request, paced by its round trip (~ a GPU
+    # server's step time); the tiny CPU model's back-to-back decode steps take ~5 ms, below the
+    # read's own round trip here (docs/captures.md: precision)
+    with steady_load(counted["server"].url, max_tokens=1):
+        yield
+
+
+def test_twenty_steps_end_by_themselves_and_the_trace_holds_them(sidecar: Any, load: None) -> None:
+    with SidecarClient(sidecar.url, timeout=300) as client:
+        cap = client.start_capture(steps=20, label="steps")
+        cap = client.wait_capture(cap.id, timeout=600)
+    assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
+    (verdict,) = cap.verdicts
+    print(f"asked 20: counted {cap.steps_counted}, traced {verdict.steps_traced}")
+    assert verdict.steps_traced is not None and abs(verdict.steps_traced - 20) <= 2, (verdict, cap.notes)
+    (engine,) = cap.window_metrics.engines  # type: ignore[union-attr]
+    assert engine.engine == "0" and engine.engine_steps >= 20 and engine.generation_tokens >= 20, engine
+
+
+def test_the_plan_predicts_a_twenty_step_window_within_a_quarter(sidecar: Any, load: None) -> None:
+    with SidecarClient(sidecar.url, timeout=1800) as client:
+        plan = client.plan(budget_mb=150, max_stop_s=60)
+        cap = client.start_capture(steps=20, label="planned")
+        cap = client.wait_capture(cap.id, timeout=600)
+    predicted_mb, predicted_stop_s = plan.predict(20)
+    actual_mb = trace_bytes(cap.verdicts) / 1e6
+    print(f"20 steps: predicted {predicted_mb:.2f} MB, actual {actual_mb:.2f} MB; "
+          f"stop predicted {predicted_stop_s:.2f}s; plan fits {plan.steps} steps ({plan.limited_by})")
+    assert 0.75 <= predicted_mb / actual_mb <= 1.25, (plan, cap.verdicts)

@@ -1,0 +1,195 @@
+"""Windows counted in engine steps and the window's server metrics (sidecar/upstream/metrics.py):
+the reader on the real servers' saved ``/metrics`` (tests/data/metrics/), the emulator's
+``/metrics`` against them, a ``steps`` capture that ends by itself, and the refusals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sidecar.control.budget import Probe, check_budget, make_plan
+from sidecar.errors import BudgetExceeded
+from sidecar.upstream.metrics import engine_steps, parse_metrics, quantile, steps_of, window_metrics
+from tests.fixtures.emulator import EmulatorPool, make_deploy
+from tests.fixtures.sidecar import AppClient, ModuleSidecar, error_of
+from tests.fixtures.load import steady_load
+from tests.fixtures.waits import poll
+
+DATA = Path(__file__).parent / "data" / "metrics"
+# the real vllm serve (CPU, vLLM 0.30, stat loggers on) idle (0), after 3 completions of 8 tokens
+# one after another (1), after 2 more inside a profiled window (2); model_name scrubbed
+VLLM = [(DATA / f"vllm-0.30-cpu-{i}.prom").read_text() for i in range(3)]
+STAGES = {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}}
+THREAD = ["--workers", "thread"]
+
+
+def test_real_vllm_counts_one_step_per_generated_token() -> None:
+    idle, after = parse_metrics(VLLM[0]), parse_metrics(VLLM[1])
+    # 3 requests x 8 tokens, one after another: 1 prefill + 7 decode steps each
+    assert (engine_steps(idle), engine_steps(after)) == ({(("engine", "0"),): 0}, {(("engine", "0"),): 24})
+
+
+def test_real_vllm_window_keeps_requests_tokens_and_latency() -> None:
+    (engine,) = window_metrics(parse_metrics(VLLM[0]), parse_metrics(VLLM[1])).engines
+    got = (engine.engine, engine.engine_steps, engine.requests_finished, engine.prompt_tokens,
+           engine.generation_tokens, sorted(engine.latency), engine.latency["itl"].count,
+           engine.latency["e2e"].count)  # fmt: skip
+    assert got == ("0", 24, 3, 9, 24, ["e2e", "itl", "queue", "ttft"], 21, 3)
+
+
+def test_window_is_the_difference_of_its_edges() -> None:
+    (engine,) = window_metrics(parse_metrics(VLLM[1]), parse_metrics(VLLM[2])).engines
+    assert (engine.engine_steps, engine.requests_finished, engine.generation_tokens) == (16, 2, 16)
+
+
+def test_quantile_interpolates_within_the_bucket() -> None:
+    buckets = {0.1: 10.0, 0.2: 30.0, float("inf"): 40.0}
+    got = [round(quantile(buckets, q) or -1, 6) for q in (0.5, 0.125, 0.99)]
+    assert got == [0.15, 0.05, 0.2]  # the +Inf bucket answers its lower bound
+
+
+def _label_names(text: str) -> dict[str, set[str]]:
+    return {f.name: {k for s in f.samples for k in s.labels if k != "le"}
+            for f in text_string_to_metric_families(text) if f.name.startswith("vllm:")}
+
+
+@pytest.fixture(scope="module")
+def _shared(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool) -> Iterator[ModuleSidecar]:
+    root = tmp_path_factory.mktemp("steps")
+    yield from ModuleSidecar.for_module(emulator_pool, make_deploy(root, STAGES), emulator_args=THREAD,
+                                        state_dir=root / "state", log_path=root / "sidecar.log")  # fmt: skip
+
+
+@pytest.fixture
+def shared(_shared: ModuleSidecar) -> Iterator[ModuleSidecar]:
+    yield from _shared.each_test()
+
+
+def test_emulator_metrics_are_the_real_servers_families(shared: ModuleSidecar) -> None:
+    emu = shared.emulator
+    emu.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    text = emu.http.get("/metrics").text
+    ours, real = _label_names(text), _label_names(VLLM[1])
+    # the same names, the real labels with vLLM-Omni's engine label (stage, replica) for vLLM's
+    assert {name: labels - {"stage", "replica"} | ({"engine"} if "stage" in labels else set())
+            for name, labels in ours.items()} == {name: real[name] for name in ours}
+    steps = engine_steps(parse_metrics(text))
+    assert {dict(k)["stage"] for k, n in steps.items() if n >= 3} == {"0", "1", "2"}
+
+
+def _stage0_steps(shared: ModuleSidecar) -> int:
+    return engine_steps(parse_metrics(shared.emulator.http.get("/metrics").text)).get((("stage", "0"), ("replica", "0")), 0)
+
+
+def test_steps_capture_starts_after_its_delay_and_ends_by_itself_near_the_steps_asked(shared: ModuleSidecar) -> None:
+    with steady_load(shared.emulator.url, max_tokens=1, chat=True):
+        with shared.client() as client:
+            before = _stage0_steps(shared)
+            cap = client.start_capture(stages=[0, 2], steps=20, delay_steps=10)  # answers once started
+            after = _stage0_steps(shared)
+            final = client.wait_capture(cap.id, timeout=120)
+    assert after - before >= 10, (before, after)
+    assert (final.state.value, final.stop_reason.value, final.steps) == ("completed", "steps", 20), final
+    assert final.steps_counted is not None and abs(final.steps_counted - 20) <= 3, final.steps_counted
+    traced = {v.stage_id: v.steps_traced for v in final.verdicts}
+    assert set(traced) == {0, 2} and all(n is not None and n > 0 for n in traced.values()), traced
+    wm = final.window_metrics
+    assert wm is not None and wm.unavailable is None and {e.stage for e in wm.engines} >= {"0", "2"}, wm
+
+
+async def test_steps_on_a_server_without_metrics_is_refused_before_any_start(api: AppClient, fake_omni: Any) -> None:
+    client = await api()
+    reply = await client.post("/v1/captures", json={"stages": [0], "steps": 5})
+    assert (reply.status_code, error_of(reply)["code"], fake_omni.starts()) == (422, "steps_unavailable", [])
+
+
+@pytest.mark.parametrize("body", [{"steps": 0}, {"steps": 2.5}, {"delay_steps": -1}, {"steps": True}])
+async def test_bad_steps_are_422(api: AppClient, body: dict[str, Any]) -> None:
+    client = await api()
+    reply = await client.post("/v1/captures", json={"stages": [0], **body})
+    assert reply.status_code == 422, reply.text
+
+
+async def test_window_metrics_say_why_when_the_server_has_none(api: AppClient) -> None:
+    client = await api()
+    cap = (await client.post("/v1/captures", json={"stages": [0, 2]})).json()
+    done = (await client.post(f"/v1/captures/{cap['id']}/stop", params={"wait": "true"})).json()
+    wm = done["window_metrics"]
+    assert (done["state"], wm["engines"], "404" in wm["unavailable"]) == ("completed", [], True), wm
+
+
+OMNI = [(DATA / f"omni-0.30-cpu-{i}.prom").read_text() for i in range(3)]
+
+
+def test_real_omni_labels_each_stage_and_counts_its_steps() -> None:
+    # vllm serve --omni, two AR stages: 3 completions of 4 tokens (1), 2 more in a profiled window (2)
+    w = window_metrics(parse_metrics(OMNI[1]), parse_metrics(OMNI[2]))
+    got = [(e.stage, e.replica, e.engine_steps, e.requests_finished, e.generation_tokens) for e in w.engines]
+    assert got == [("0", "0", 8, 2, 8), ("1", "0", 8, 2, 8)]
+    assert steps_of(engine_steps(parse_metrics(OMNI[2])), [1]) == 20
+
+
+def _probe(steps: int, mb: float, stop_s: float) -> Probe:
+    return Probe(capture_id=f"p{steps}", steps_asked=steps, steps_traced={0: steps}, bytes={0: int(mb * 1e6)},
+                 stop_s=stop_s)
+
+
+def test_plan_is_a_line_through_the_probes_cut_by_the_tighter_bound() -> None:
+    probes = [_probe(1, 1.1, 1.5), _probe(2, 2.1, 2.0)]  # 0.1 MB + 1 MB per step; 1 s + 0.5 s per step
+    by_size = make_plan([0], probes, {}, budget_mb=10.1, max_stop_s=None)
+    by_stop = make_plan([0], probes, {}, budget_mb=10.1, max_stop_s=3.0)
+    assert (by_size.steps, by_size.limited_by, round(by_size.predicted_mb or 0, 3)) == (10, "budget_mb", 10.1)
+    assert (by_stop.steps, by_stop.limited_by, round(by_stop.predicted_stop_s or 0, 3)) == (4, "max_stop_s", 3.0)
+
+
+def test_a_steps_capture_above_the_planned_budget_is_refused_or_warned() -> None:
+    plan = make_plan([0], [_probe(1, 1.1, 1.0), _probe(2, 2.1, 1.0)], {}, budget_mb=None, max_stop_s=None)
+    with pytest.raises(BudgetExceeded) as refused:
+        check_budget(plan, [0], 50, 20.0, "refuse")
+    warned = check_budget(plan, [0], 50, 20.0, "warn")
+    assert (refused.value.details["max_steps"], refused.value.http_status) == (19, 422)
+    assert warned is not None and "50.1 MB" in warned and check_budget(plan, [0], 10, 20.0, "refuse") is None
+
+
+def test_plan_probes_the_server_and_predicts_a_window(shared: ModuleSidecar) -> None:
+    with steady_load(shared.emulator.url, max_tokens=1, chat=True):
+        with shared.client() as client:
+            plan = client.plan(stages=[0, 2], budget_mb=5, max_stop_s=60)
+            last = client._http.get("/v1/plan", params={"steps": 20}).json()  # the web page's prediction
+    assert [p.steps_asked for p in plan.probes] == [1, 2]
+    assert {p.stage_id for p in plan.per_stage} == {0, 2} and all(p.bytes_fixed + p.bytes_per_step > 0
+                                                                    for p in plan.per_stage), plan
+    assert plan.steps is not None and plan.predicted_mb is not None and plan.predicted_mb <= 5
+    assert last["prediction"]["steps"] == 20 and last["plan"]["stages"] == [0, 2], last
+
+
+def test_rollout_profiler_windows_end_after_the_engine_steps(shared: ModuleSidecar) -> None:
+    from sidecar.rollout import RolloutProfiler
+
+    with steady_load(shared.emulator.url, max_tokens=1, chat=True):
+        with RolloutProfiler([f"sidecar={shared.url}"], steps=[1], stages=[0, 2], engine_steps=10) as prof:
+            with prof.step(1):
+                with shared.client() as client:  # the block runs on; the server's steps end the window
+                    assert poll(lambda: client.list_captures()[0].stop_reason is not None, timeout=120)
+            results = prof.wait(timeout=120)
+    (target,) = results[1].targets.values()
+    with shared.client() as client:
+        cap = client.get_capture(target.capture_id)
+    assert (cap.steps, cap.stop_reason.value, cap.state.value) == (10, "steps", "completed"), cap
+
+
+def test_render_bounds_the_rendered_stages_in_engine_steps(tmp_path: Path) -> None:
+    from sidecar.config import load_deploy_config, render_overlay
+
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: None})
+    out = tmp_path / "overlay.yaml"
+    out.write_text(render_overlay(deploy, "light", [0, 1], out_path=out, out_dir=tmp_path / "perf",
+                                  iterations={"max_iterations": 20, "delay_iterations": 5}))  # fmt: skip
+    got = {s.stage_id: (s.profiler_config.max_iterations, s.profiler_config.delay_iterations)
+           for s in load_deploy_config(out).stages if s.profiler_config}  # fmt: skip
+    assert got == {0: (20, 5), 1: (20, 5)}

@@ -1,0 +1,36 @@
+"""The web page's steps windows and window metrics (sidecar/api/web/static/steps.js) in a real
+Chromium, against a real sidecar over the emulator: a capture started "for N engine steps" from
+the page ends by itself, and its page shows the steps and the server metrics table."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.fixtures.load import steady_load
+from tests.fixtures.web import WebStack
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_steps_window_from_the_page_shows_its_steps_and_server_metrics(web_stack: WebStack, open_page: Any,
+                                                                         screenshot: Any) -> None:  # fmt: skip
+    page = open_page(web_stack.url)
+    page.goto("/")
+    page.locator("#steps-input").wait_for()
+    page.check("#start-form input[name=mode][value=steps]")
+    page.fill("#steps-input", "12")
+    with steady_load(web_stack.emulator.url, max_tokens=1, chat=True):  # steady engine steps on every stage
+        page.click("#start-button")
+        link = page.locator("#start-result a")
+        link.wait_for(timeout=300_000)
+        page.goto(f"/captures/{link.inner_text()}")
+        page.locator("#window-metrics tbody tr").first.wait_for(timeout=300_000)
+    start = next(r for r in page.requests if r.method == "POST")
+    rows = [r.inner_text().split("\t")[0] for r in page.locator("#window-metrics tbody tr").all()]
+    assert json.loads(start.post_data) == {"stages": [0, 2], "steps": 12}
+    assert page.locator("#steps-line").inner_text().startswith("Steps: 12 asked, ")
+    assert {"stage 0", "stage 2"} <= set(rows), rows
+    screenshot(page, "web-steps-window")
