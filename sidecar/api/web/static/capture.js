@@ -311,9 +311,7 @@ export function renderSummary(card, s) {
   clear(
     card,
     el("h2", { text: "Summary" }),
-    findingsList(s.findings),
-    // room for the window's server metrics (s.window_metrics), shown beside the findings
-    el("div", { class: "summary-window-metrics", id: "summary-window-metrics" }),
+    findingsList(s.findings),  // right under the window's server metrics card (steps.js windowCard)
     totalsLine(s),
     notes,
     steps || devices ? overall : null,
