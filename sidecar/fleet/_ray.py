@@ -217,6 +217,8 @@ class RayNodeDriver:
     async def close(self, keep_live: bool = False) -> None:
         import ray
 
+        if not ray.is_initialized():
+            return  # the cluster is gone and its actors with it; a call would start a new local one
         try:
             _raise(await self.actor.close.remote(keep_live))
         finally:
