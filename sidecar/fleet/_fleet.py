@@ -321,6 +321,7 @@ class Fleet:
                 release.arrive()
                 await release.wait()
 
+            gate.start_at = at  # type: ignore[attr-defined]  # a Ray node waits for it where the server is
             try:
                 by = start_by(loop.time()) if waves else deadline
                 cap = await _by(by, d.start(self.stages, label, duration_s, lease_s, kind, gate), "start", self.start_timeout_s)

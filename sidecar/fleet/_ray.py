@@ -12,7 +12,10 @@ the actor is the in-process :class:`~sidecar.fleet._drivers.UpstreamDriver` on t
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +26,7 @@ import yaml
 from sidecar import errors as _errors
 from sidecar.config.models import DeployConfig
 from sidecar.control.models import Capture, StopReason
-from sidecar.errors import FleetError, SidecarError
+from sidecar.errors import FleetError, SidecarError, StartWithheld
 from sidecar.fleet._targets import Target
 
 __all__ = ["NodeProfiler", "Placement", "RayNodeDriver", "RayNodes", "TOP_OPS", "deploy_for_server"]
@@ -65,6 +68,49 @@ def _failure(exc: BaseException) -> tuple[str, Any]:
     return ("error", ("FleetError", "internal_error", f"{type(exc).__name__}: {exc}", {}))
 
 
+class _NodeGate:
+    """One gated start on a node: prepared → wait for the trainer's go (or abort), and for
+    ``start_at`` when given; with ``start_at`` the send does not wait for a go that arrives late.
+    Keyed by a token the trainer makes, so the start and the calls about it may arrive in any
+    order (an async actor does not keep the order of calls)."""
+
+    def __init__(self) -> None:
+        self.start_at: float | None = None
+        self._prepared = asyncio.Event()
+        self._go = asyncio.Event()
+        self._abort: str | None = None
+        self.reached = self.sent = False
+        self.parts_done = 0  # the start ended, and prepared() answered: then the gate is dropped
+
+    async def release(self) -> None:
+        self.reached = True
+        self._prepared.set()
+        if self.start_at is None:
+            await self._go.wait()
+        else:
+            try:
+                await asyncio.wait_for(self._go.wait(), max(self.start_at - time.time(), 0.0))
+            except asyncio.TimeoutError:
+                pass
+        if self._abort is not None:
+            raise StartWithheld(f"start prepared but not sent: {self._abort}")
+        self.sent = True
+
+    def end(self) -> None:
+        self._prepared.set()
+
+    async def prepared(self) -> bool:
+        await self._prepared.wait()
+        return self.reached
+
+    def go(self, abort: str | None) -> bool:
+        if self.sent:
+            return abort is None
+        self._abort = abort
+        self._go.set()
+        return True
+
+
 class NodeProfiler:
     """The servers of one node, each driven by the fleet's
     :class:`~sidecar.fleet._drivers.UpstreamDriver` on that node: one Ray async actor (one
@@ -78,6 +124,7 @@ class NodeProfiler:
         self._servers: dict[str, tuple[str, dict[str, Any] | str, str]] = {}  # name -> (url, deploy, flavor)
         self._drivers: dict[str, Any] = {}
         self._dirs: dict[str, tempfile.TemporaryDirectory[str]] = {}
+        self._gates: dict[str, _NodeGate] = {}
 
     def ready(self) -> bool:
         return True
@@ -116,8 +163,45 @@ class NodeProfiler:
         return await self._call(work)
 
     async def start(self, name: str, stages: list[int] | None, label: str | None, duration_s: float | None,
-                    lease_s: float | None, kind: str) -> tuple[str, Any]:
-        return await self._call(lambda: self._drivers[name].start(stages, label, duration_s, lease_s, kind))
+                    lease_s: float | None, kind: str, gate: str | None = None,
+                    start_at: float | None = None) -> tuple[str, Any]:
+        """``gate`` (a token): prepare, then wait at this node for :meth:`go` (the fleet's release)
+        and send then, or at ``start_at`` (a wall-clock time) when given: the send is timed here,
+        where the server is, not by a trainer-side call that reaches each node at its own moment."""
+        release = None
+        if gate is not None:
+            held = self._gate(gate)
+            held.start_at = start_at
+            release = held.release
+        try:
+            return await self._call(lambda: self._drivers[name].start(stages, label, duration_s, lease_s, kind,
+                                                                      release))
+        finally:
+            if gate is not None:
+                held.end()
+                self._part_done(gate)
+
+    def _gate(self, token: str) -> _NodeGate:
+        return self._gates.setdefault(token, _NodeGate())
+
+    def _part_done(self, token: str) -> None:
+        held = self._gates.get(token)
+        if held is not None:
+            held.parts_done += 1
+            if held.parts_done >= 2:
+                del self._gates[token]
+
+    async def prepared(self, gate: str) -> bool:
+        """Once the gated start is prepared and waiting (False: it ended before that)."""
+        reached = await self._gate(gate).prepared()
+        self._part_done(gate)
+        return reached
+
+    def go(self, gate: str, abort: str | None = None) -> bool:
+        """Let the prepared start send, or withhold it (``abort``). False when it had already sent
+        at its ``start_at`` (the caller then stops that capture)."""
+        held = self._gates.get(gate)
+        return True if held is None else held.go(abort)
 
     async def stop(self, name: str, capture_id: str, reason: str) -> tuple[str, Any]:
         """Returns once the server answered stop (the artifact check goes on: :meth:`wait`)."""
@@ -132,7 +216,7 @@ class NodeProfiler:
             driver = self._drivers[name]
             cap = await driver.wait(capture_id, timeout)
             ops: dict[str, Any] = {}
-            if cap.terminal and any(v.verdict is not None and v.verdict.value == "ok" for v in cap.verdicts):
+            if top and cap.terminal and any(v.verdict is not None and v.verdict.value == "ok" for v in cap.verdicts):
                 try:
                     ops = _top_ops(await driver.controller.summarize(capture_id, top=top), top)
                 except Exception as exc:  # a summary never changes the verdict
@@ -194,19 +278,41 @@ class RayNodeDriver:
     """The fleet's driver for one ``ray`` target: each call goes to its node's :class:`NodeProfiler`,
     naming the target. Closing the last target an actor holds ends the actor."""
 
-    def __init__(self, target: Target, actor: Any) -> None:
+    def __init__(self, target: Target, actor: Any, top: int = TOP_OPS) -> None:
         self.target = target
         self.actor = actor
+        self.top = top
         self.top_ops: dict[str, dict[str, Any]] = {}  # capture id -> top ops per stage
 
     async def open(self) -> DeployConfig | None:
         return _raise(await self.actor.open.remote(self.target.name))  # type: ignore[no-any-return]
 
     async def start(self, stages, label, duration_s, lease_s, kind="torch", release=None) -> Capture:  # type: ignore[no-untyped-def]
-        # The node prepares its capture once asked: the release gates the call, like a sidecar's.
-        if release is not None:
+        """Two phases across Ray: the node prepares and waits at its gate; once it is prepared the
+        fleet's release is awaited here (every target prepared, all or nothing) and the node told
+        to send. With the fleet's ``start_at`` the node sends at that time itself."""
+        name = self.target.name
+        if release is None:
+            return _raise(await self.actor.start.remote(name, stages, label, duration_s, lease_s, kind))  # type: ignore[no-any-return]
+        token = uuid.uuid4().hex
+        started = asyncio.ensure_future(self._ref(self.actor.start.remote(
+            name, stages, label, duration_s, lease_s, kind, token, getattr(release, "start_at", None))))
+        if not await self._ref(self.actor.prepared.remote(token)):
+            return _raise(await started)  # type: ignore[no-any-return]  # it failed while preparing
+        try:
             await release()
-        return _raise(await self.actor.start.remote(self.target.name, stages, label, duration_s, lease_s, kind))  # type: ignore[no-any-return]
+        except BaseException as exc:
+            sent_already = not await self._ref(self.actor.go.remote(token, str(exc) or type(exc).__name__))
+            reply = await started
+            if sent_already and reply[0] == "ok":  # it had sent at start_at: stop what it started
+                await self._ref(self.actor.stop.remote(name, reply[1].id, StopReason.rollback.value))
+            raise
+        await self._ref(self.actor.go.remote(token))
+        return _raise(await started)  # type: ignore[no-any-return]
+
+    @staticmethod
+    async def _ref(ref: Any) -> Any:
+        return await ref
 
     async def stop(self, capture_id: str, reason: StopReason) -> Capture:
         return _raise(await self.actor.stop.remote(self.target.name, capture_id, reason.value))  # type: ignore[no-any-return]
@@ -215,7 +321,7 @@ class RayNodeDriver:
         return _raise(await self.actor.get.remote(self.target.name, capture_id))  # type: ignore[no-any-return]
 
     async def wait(self, capture_id: str, timeout: float | None) -> Capture:
-        cap, ops = _raise(await self.actor.wait.remote(self.target.name, capture_id, timeout))
+        cap, ops = _raise(await self.actor.wait.remote(self.target.name, capture_id, timeout, self.top))
         self.top_ops[capture_id] = ops
         return cap  # type: ignore[no-any-return]
 
@@ -243,11 +349,13 @@ class RayNodes:
     :class:`NodeProfiler` actor per node holding that node's targets, pinned to it (hard
     affinity, no CPU reserved). ``per_actor``: at most that many targets per actor (several
     actors on a node; default: one actor per node). ``control``: the node controllers'
-    ``ControlSettings`` fields."""
+    ``ControlSettings`` fields. ``top``: ops per stage summarised on the node with each finished
+    check (0: none; a summary reads the whole trace)."""
 
     def __init__(self, placements: dict[str, Placement], *, control: dict[str, Any] | None = None,
-                 per_actor: int | None = None) -> None:
+                 per_actor: int | None = None, top: int = TOP_OPS) -> None:
         self.placements = dict(placements)
+        self.top = top
         self.control = dict(control or {})
         self.per_actor = per_actor
         self.drivers: dict[str, RayNodeDriver] = {}
@@ -296,7 +404,7 @@ class RayNodes:
 
     def __call__(self, target: Target, *, stop_budget_s: float) -> RayNodeDriver:
         actor = self._launched.pop(target.name, None) or self._actors([target], stop_budget_s)[target.name]
-        driver = self.drivers[target.name] = RayNodeDriver(target, actor)
+        driver = self.drivers[target.name] = RayNodeDriver(target, actor, self.top)
         return driver
 
     def top_ops(self, target: str, capture_id: str | None) -> dict[str, Any]:
