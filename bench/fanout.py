@@ -239,7 +239,7 @@ def _ray_bench(nodes_wanted: int, per_node: int, latency: float, mem_gib: float)
                 stub_uss, stub_pss = _pss([p.pid for p in probe.children])
             avail = psutil.virtual_memory().available / 2**30
             budget = min(mem_gib, avail - 4)  # leave 4 GiB to the machine's other users
-            fixed = 1.0  # Ray's own processes, the trainer, the stub processes (measured below)
+            fixed = 1.0  # assumed for Ray's own processes, the trainer and the stub processes
             fit = int(max(0.0, budget - fixed) * 1024 // pss)
             n_nodes = min(nodes_wanted, fit)
             print(f"\none node actor holding {per_node} replicas: USS {uss:.0f} MiB, PSS {pss:.0f} MiB "
