@@ -20,6 +20,14 @@ earliest receive relative to start_at (never below 0 by construction). The machi
 load average is printed with each table.
 
     python bench/fanout.py --replicas 128 [--kind upstream|sidecar|both] [--latency 0.1,0.5] [--repeat 3]
+
+``--driver ray`` (the verl venv: ``PYTHONPATH=$PWD $(tools/verl-env.sh) bench/fanout.py --driver ray``)
+runs the same fan-out through the Ray driver on a local Ray cluster, ``--per-node`` replicas per
+node actor (one process each, as one actor serves a node's replicas), beside the in-process HTTP
+driver at the same scale: start skew, the finish (every node's artifact check) against one
+deadline, and trainer-side RSS / CPU per step. Each actor is a process: one actor's memory is
+measured first (USS/PSS, psutil) and the run is sized to ``--mem-gib``, printed with the projection
+for the ``--nodes`` asked for.
 """
 
 from __future__ import annotations
@@ -202,6 +210,147 @@ def _clock_goals(n: int, latency: float, repeat: int) -> None:
     goal("start with start_at vs one replica", rows[(n, True, True)]["start"] / rows[(1, True, True)]["start"], 3, "x")
     goal("skew p50 with start_at", rows[(n, True, True)]["skew_p50"], 20, " ms")
     goal("stop vs one replica", on["stop"] / rows[(1, False, True)]["stop"], 3, "x")
+FINISH_DEADLINE_S = 120.0  # one deadline for every node's artifact check after the stop
+
+
+def _pss(pids: list[int]) -> tuple[float, float]:
+    """(USS, PSS) MiB summed over ``pids``."""
+    import psutil
+
+    uss = pss = 0.0
+    for pid in pids:
+        m = psutil.Process(pid).memory_full_info()
+        uss, pss = uss + m.uss / 2**20, pss + m.pss / 2**20
+    return uss, pss
+
+
+def _cpu_of(pids: list[int]) -> float:
+    import psutil
+
+    return sum(sum(psutil.Process(p).cpu_times()[:2]) for p in pids)
+
+
+async def _steps(fleet_args: dict, stubs: StubFleet, size: int, node_pids: list[int],
+                 lead_s: float | None = None) -> dict[str, dict[str, float]]:
+    """Two fan-outs (two profiled steps) over one open fleet: plain, then with ``start_at``
+    (``lead_s`` ahead; default :func:`_lead`)."""
+    import psutil
+
+    me = psutil.Process()
+    out: dict[str, dict[str, float]] = {}
+    async with Fleet(**fleet_args) as fleet:
+        for synced in (False, True):
+            stubs.reset()
+            cpu0, node0 = sum(os.times()[:2]), _cpu_of(node_pids)
+            called = time.time()
+            start_at = called + (lead_s or _lead(size)) if synced else None
+            t0 = time.perf_counter()
+            fc = await fleet.start(label="bench", start_at=start_at)
+            t_start = time.perf_counter() - t0 - (start_at - called if start_at else 0.0)
+            rss_live = me.memory_info().rss / 2**20
+            t0 = time.perf_counter()
+            fc = await fleet.stop(fc, wait_artifacts=False)
+            t_stop = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            fc = await fleet.refresh(fc, wait=True, timeout=FINISH_DEADLINE_S)
+            t_finish = time.perf_counter() - t0
+            if not fc.ok:
+                raise SystemExit(f"fan-out failed: {fc.rollup()}")
+            got = sorted(ts[0] for i, ts in stubs.received("/start_profile").items() if i < size and ts)
+            skews = [(t - got[0]) / 1e6 for t in got]
+            out["+at" if synced else ""] = {
+                "start": t_start, "stop": t_stop, "finish": t_finish, "done": float(fc.done),
+                "skew_p50": statistics.median(skews), "skew_max": skews[-1], "rss": rss_live,
+                "cpu": sum(os.times()[:2]) - cpu0, "node_cpu": _cpu_of(node_pids) - node0}
+    return out
+
+
+def _ray_bench(nodes_wanted: int, per_node: int, latency: float, mem_gib: float) -> None:
+    import psutil
+    import ray
+
+    from sidecar.fleet import Placement, RayNodes
+
+    os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")  # 2 cores starting many processes
+    root = Path(__file__).resolve().parents[1]
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(root)}})
+    control = SETTINGS.model_dump(mode="json")
+    node = ray.get_runtime_context().get_node_id()
+    try:
+        with tempfile.TemporaryDirectory(prefix="omni-fanout-ray-") as tmp:
+            # 1. one node actor with its replicas: what one actor costs
+            with StubFleet(per_node, mode="upstream", root=Path(tmp) / "probe", latency=latency) as probe:
+                deploys = write_deploys(Path(tmp) / "probe", per_node)
+                targets = [Target.ray(u, flavor="omni") for u in probe.urls]
+                one = RayNodes({t.name: Placement(node, str(d)) for t, d in zip(targets, deploys)}, control=control)
+                one.launch(targets, stop_budget_s=120)
+                actor = next(iter(one._launched.values()))
+                pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+
+                async def measured() -> tuple[float, float]:  # the actor's memory with its captures done
+                    async with Fleet(targets, stages=[0], drivers=one) as fleet:
+                        fc = await fleet.start(label="probe")
+                        await fleet.refresh(await fleet.stop(fc, wait_artifacts=False), wait=True, timeout=60)
+                        return _pss([pid])
+
+                uss, pss = asyncio.run(measured())
+                stub_uss, stub_pss = _pss([p.pid for p in probe.children])
+            avail = psutil.virtual_memory().available / 2**30
+            budget = min(mem_gib, avail - 4)  # leave 4 GiB to the machine's other users
+            fixed = 1.0  # assumed for Ray's own processes, the trainer and the stub processes
+            fit = int(max(0.0, budget - fixed) * 1024 // pss)
+            n_nodes = min(nodes_wanted, fit)
+            print(f"\none node actor holding {per_node} replicas: USS {uss:.0f} MiB, PSS {pss:.0f} MiB "
+                  f"(a stub process: PSS {stub_pss:.0f} MiB); {nodes_wanted} node actors would need "
+                  f"{nodes_wanted * pss / 1024:.1f} GiB of actors; budget {budget:.1f} GiB "
+                  f"(--mem-gib {mem_gib:g}, {avail:.1f} GiB available) -> {n_nodes} node actors"
+                  + ("" if n_nodes == nodes_wanted else f"  ** {nodes_wanted} do NOT fit: ran {n_nodes} **"))
+            if n_nodes < 1:
+                raise SystemExit("no room for a node actor")
+            n = n_nodes * per_node
+            # 2. the fleet at scale: n stub replicas, n_nodes node actors (each its per_node replicas)
+            with StubFleet(n, mode="upstream", root=Path(tmp) / "fleet", latency=latency,
+                           processes=-(-n // 64)) as stubs:
+                deploys = write_deploys(Path(tmp) / "fleet", n)
+                http = [Target.upstream(u, d) for u, d in zip(stubs.urls, deploys)]
+                rtargets = [Target.ray(u, flavor="omni") for u in stubs.urls]
+                nodes = RayNodes({t.name: Placement(node, str(d)) for t, d in zip(rtargets, deploys)},
+                                 control=control, per_actor=per_node, top=0)  # no summaries, as the HTTP rows
+                t0 = time.perf_counter()
+                nodes.launch(rtargets, stop_budget_s=120, timeout_s=1800)
+                launch_s = time.perf_counter() - t0
+                actors = {id(a): a for a in nodes._launched.values()}
+                pids = ray.get([a.__ray_call__.remote(lambda self: os.getpid()) for a in actors.values()])
+                a_uss, a_pss = _pss(pids)
+                rows: dict[str, dict[str, float]] = {}
+                http_args = dict(targets=http, control_settings=SETTINGS, stop_budget_s=120, client_timeout_s=120)
+                for kind, r in asyncio.run(_steps(http_args, stubs, n, [])).items():
+                    rows[f"http{kind}"] = r
+                # the nodes prepare in their own processes: give start_at the lead their start took
+                lead = 2.0 + 0.05 * n
+                for kind, r in asyncio.run(_steps(dict(targets=rtargets, stages=[0], drivers=nodes), stubs, n,
+                                                  pids, lead)).items():
+                    rows[f"ray{kind}"] = r
+            used = psutil.virtual_memory().total / 2**30 - psutil.virtual_memory().available / 2**30
+            print(f"{n_nodes} node actors x {per_node} = {n} stub replicas, start/stop hold {latency:g}s; actors "
+                  f"up in {launch_s:.0f}s (at trainer start); actors' PSS {a_pss / 1024:.2f} GiB "
+                  f"(USS {a_uss / 1024:.2f}); machine in use {used:.1f} GiB; load {os.getloadavg()[0]:.1f}")
+            print(f"{'driver':>8} {'start s':>8} {'stop s':>7} {'finish s':>8} {'deadline':>8} {'skew p50 ms':>11} "
+                  f"{'skew max ms':>11} {'trainer RSS MiB':>15} {'trainer CPU s':>13} {'node CPU s':>10}")
+            for name, r in rows.items():
+                print(f"{name:>8} {r['start']:>8.3f} {r['stop']:>7.3f} {r['finish']:>8.3f} "
+                      f"{('met' if r['done'] and r['finish'] <= FINISH_DEADLINE_S else 'MISSED'):>8} "
+                      f"{r['skew_p50']:>11.1f} {r['skew_max']:>11.1f} {r['rss']:>15.0f} {r['cpu']:>13.2f} "
+                      f"{r['node_cpu']:>10.2f}")
+            best = min(rows["ray"]["skew_p50"], rows["ray+at"]["skew_p50"])
+            print(f"goal: skew p50 <= 20 ms -> ray {rows['ray']['skew_p50']:.1f} ms, ray+start_at "
+                  f"{rows['ray+at']['skew_p50']:.1f} ms ({'met' if best <= 20 else 'NOT met'}); finish within one "
+                  f"{FINISH_DEADLINE_S:g}s deadline -> {'met' if all(r['done'] for r in rows.values()) else 'NOT met'}; "
+                  f"trainer CPU per step ray/http {rows['ray']['cpu'] / max(rows['http']['cpu'], 1e-9):.2f}x, "
+                  f"RSS ray/http {rows['ray']['rss'] / rows['http']['rss']:.2f}x")
+    finally:
+        ray.shutdown()
 
 
 def main() -> None:
@@ -213,11 +362,22 @@ def main() -> None:
     ap.add_argument("--serial", type=int, default=64, help="replicas in the serial reference loop")
     ap.add_argument("--clocks", action="store_true",
                     help="issue 23's figures instead (sidecar stubs, the clock exchange on and off, each beside its goal)")
+    ap.add_argument("--driver", choices=("http", "ray"), default="http",
+                    help="ray: the Ray driver beside the HTTP one (needs Ray: the verl venv)")
+    ap.add_argument("--nodes", type=int, default=256, help="--driver ray: node actors wanted")
+    ap.add_argument("--per-node", type=int, default=4, help="--driver ray: replicas per node actor")
+    ap.add_argument("--mem-gib", type=float, default=10.0, help="--driver ray: memory the run may take")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = 2 * args.replicas + 256
     if soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+    if args.driver == "ray":
+        want = 4 * args.nodes * args.per_node + 256
+        if soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+        _ray_bench(args.nodes, args.per_node, float(args.latency.split(",")[0]), args.mem_gib)
+        return
     repeat = args.repeat or (3 if args.replicas <= 256 else 1)
     latencies = [float(x) for x in args.latency.split(",") if x.strip()]
     if args.clocks:

@@ -338,6 +338,7 @@ class Fleet:
                 release.arrive()
                 await release.wait()
 
+            gate.start_at = at  # type: ignore[attr-defined]  # a Ray node waits for it where the server is
             try:
                 by = start_by(loop.time()) if waves else deadline
                 opts = {} if steps is None else {"steps": steps}  # a driver of an older build takes none

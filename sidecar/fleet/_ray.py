@@ -1,6 +1,7 @@
 """The Ray driver of the fan-out: each ``ray`` target's capture controller runs in a Ray actor
-(:class:`NodeProfiler`) placed on the server's node, so the trace folder is checked where it is
-written and only captures (verdicts, folders) and a short summary travel back. The protocol
+(:class:`NodeProfiler`, one process per node for all its servers) placed on the server's node,
+so the trace folder is checked where it is written and only captures (verdicts, folders) and a
+short summary travel back. The protocol
 (all-or-nothing start, rollback, heartbeats, stop, finish, ``start_at``) stays the ``Fleet``'s:
 the actor is the in-process :class:`~sidecar.fleet._drivers.UpstreamDriver` on the node, and
 :class:`RayNodeDriver` is its trainer-side proxy. Ray is imported only when a driver is made.
@@ -11,7 +12,10 @@ the actor is the in-process :class:`~sidecar.fleet._drivers.UpstreamDriver` on t
 
 from __future__ import annotations
 
+import asyncio
 import tempfile
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +26,7 @@ import yaml
 from sidecar import errors as _errors
 from sidecar.config.models import DeployConfig
 from sidecar.control.models import Capture, StopReason
-from sidecar.errors import FleetError, SidecarError
+from sidecar.errors import FleetError, SidecarError, StartWithheld
 from sidecar.fleet._clocks import MORE, ClockOffset, exchange
 from sidecar.fleet._targets import Target
 
@@ -65,24 +69,70 @@ def _failure(exc: BaseException) -> tuple[str, Any]:
     return ("error", ("FleetError", "internal_error", f"{type(exc).__name__}: {exc}", {}))
 
 
-class NodeProfiler:
-    """One server, driven by the fleet's :class:`~sidecar.fleet._drivers.UpstreamDriver` on the
-    server's node. Used as a Ray async actor; every method answers ``("ok", value)`` or
-    ``("error", (class, code, message, details))``: a failure is data, never an exception
-    crossing Ray."""
+class _NodeGate:
+    """One gated start on a node: prepared → wait for the trainer's go (or abort), and for
+    ``start_at`` when given; with ``start_at`` the send does not wait for a go that arrives late.
+    Keyed by a token the trainer makes, so the start and the calls about it may arrive in any
+    order (an async actor does not keep the order of calls)."""
 
-    def __init__(self, url: str, deploy: dict[str, Any] | str, *, flavor: str = "vllm",
-                 stop_budget_s: float = 1800.0, control: dict[str, Any] | None = None) -> None:
-        self.url = url
-        self.deploy = deploy  # a mapping (written here), or the path of a deploy YAML on this node
-        self.flavor = flavor
+    def __init__(self) -> None:
+        self.start_at: float | None = None
+        self._prepared = asyncio.Event()
+        self._go = asyncio.Event()
+        self._abort: str | None = None
+        self.reached = self.sent = False
+        self.parts_done = 0  # the start ended, and prepared() answered: then the gate is dropped
+
+    async def release(self) -> None:
+        self.reached = True
+        self._prepared.set()
+        if self.start_at is None:
+            await self._go.wait()
+        else:
+            try:
+                await asyncio.wait_for(self._go.wait(), max(self.start_at - time.time(), 0.0))
+            except asyncio.TimeoutError:
+                pass
+        if self._abort is not None:
+            raise StartWithheld(f"start prepared but not sent: {self._abort}")
+        self.sent = True
+
+    def end(self) -> None:
+        self._prepared.set()
+
+    async def prepared(self) -> bool:
+        await self._prepared.wait()
+        return self.reached
+
+    def go(self, abort: str | None) -> bool:
+        if self.sent:
+            return abort is None
+        self._abort = abort
+        self._go.set()
+        return True
+
+
+class NodeProfiler:
+    """The servers of one node, each driven by the fleet's
+    :class:`~sidecar.fleet._drivers.UpstreamDriver` on that node: one Ray async actor (one
+    process) per node, however many replicas it holds. Every method names its server (the
+    target's name) and answers ``("ok", value)`` or ``("error", (class, code, message, details))``:
+    a failure is data, never an exception crossing Ray."""
+
+    def __init__(self, *, stop_budget_s: float = 1800.0, control: dict[str, Any] | None = None) -> None:
         self.stop_budget_s = stop_budget_s
         self.control = control or {}
-        self._driver: Any = None
-        self._dir: tempfile.TemporaryDirectory[str] | None = None
+        self._servers: dict[str, tuple[str, dict[str, Any] | str, str]] = {}  # name -> (url, deploy, flavor)
+        self._drivers: dict[str, Any] = {}
+        self._dirs: dict[str, tempfile.TemporaryDirectory[str]] = {}
+        self._gates: dict[str, _NodeGate] = {}
 
     def ready(self) -> bool:
         return True
+
+    def add(self, name: str, url: str, deploy: dict[str, Any] | str, flavor: str = "vllm") -> None:
+        """Hold one more server: ``deploy`` is a mapping (written here) or a deploy YAML's path on this node."""
+        self._servers[name] = (url, deploy, flavor)
 
     async def _call(self, work: Callable[[], Awaitable[Any]]) -> tuple[str, Any]:
         try:
@@ -90,57 +140,97 @@ class NodeProfiler:
         except Exception as exc:
             return _failure(exc)
 
-    async def open(self) -> tuple[str, Any]:
+    async def open(self, name: str) -> tuple[str, Any]:
         async def work() -> DeployConfig:
             from sidecar.config.deploy import load_deploy_config
             from sidecar.control.controller import ControlSettings
             from sidecar.fleet._drivers import UpstreamDriver
 
-            if isinstance(self.deploy, str):
-                path = Path(self.deploy)
+            url, deploy, flavor = self._servers[name]
+            if isinstance(deploy, str):
+                path = Path(deploy)
             else:
-                self._dir = tempfile.TemporaryDirectory(prefix="omni-sidecar-node-")
-                path = Path(self._dir.name) / "deploy.yaml"
-                path.write_text(yaml.safe_dump(self.deploy, sort_keys=False))
-            deploy = load_deploy_config(path)
-            target = Target.upstream(self.url, path, flavor=self.flavor)  # type: ignore[arg-type]
-            self._driver = UpstreamDriver(target, deploy, stop_budget_s=self.stop_budget_s,
-                                          settings=ControlSettings(**self.control), state_dir=None)
-            await self._driver.open()
-            return deploy
+                self._dirs[name] = tempfile.TemporaryDirectory(prefix="omni-sidecar-node-")
+                path = Path(self._dirs[name].name) / "deploy.yaml"
+                path.write_text(yaml.safe_dump(deploy, sort_keys=False))
+            config = load_deploy_config(path)
+            target = Target.upstream(url, path, flavor=flavor)  # type: ignore[arg-type]
+            driver = UpstreamDriver(target, config, stop_budget_s=self.stop_budget_s,
+                                    settings=ControlSettings(**self.control), state_dir=None)
+            await driver.open()
+            self._drivers[name] = driver
+            return config
 
         return await self._call(work)
 
-    async def start(self, stages: list[int] | None, label: str | None, duration_s: float | None,
-                    lease_s: float | None, kind: str, steps: int | None = None) -> tuple[str, Any]:
-        return await self._call(lambda: self._driver.start(stages, label, duration_s, lease_s, kind, steps=steps))
+    async def start(self, name: str, stages: list[int] | None, label: str | None, duration_s: float | None,
+                    lease_s: float | None, kind: str, gate: str | None = None,
+                    start_at: float | None = None, steps: int | None = None) -> tuple[str, Any]:
+        """``gate`` (a token): prepare, then wait at this node for :meth:`go` (the fleet's release)
+        and send then, or at ``start_at`` (a wall-clock time) when given: the send is timed here,
+        where the server is, not by a trainer-side call that reaches each node at its own moment."""
+        release = None
+        if gate is not None:
+            held = self._gate(gate)
+            held.start_at = start_at
+            release = held.release
+        try:
+            return await self._call(lambda: self._drivers[name].start(stages, label, duration_s, lease_s, kind,
+                                                                      release, steps=steps))
+        finally:
+            if gate is not None:
+                held.end()
+                self._part_done(gate)
 
-    async def stop(self, capture_id: str, reason: str) -> tuple[str, Any]:
+    def _gate(self, token: str) -> _NodeGate:
+        return self._gates.setdefault(token, _NodeGate())
+
+    def _part_done(self, token: str) -> None:
+        held = self._gates.get(token)
+        if held is not None:
+            held.parts_done += 1
+            if held.parts_done >= 2:
+                del self._gates[token]
+
+    async def prepared(self, gate: str) -> bool:
+        """Once the gated start is prepared and waiting (False: it ended before that)."""
+        reached = await self._gate(gate).prepared()
+        self._part_done(gate)
+        return reached
+
+    def go(self, gate: str, abort: str | None = None) -> bool:
+        """Let the prepared start send, or withhold it (``abort``). False when it had already sent
+        at its ``start_at`` (the caller then stops that capture)."""
+        held = self._gates.get(gate)
+        return True if held is None else held.go(abort)
+
+    async def stop(self, name: str, capture_id: str, reason: str) -> tuple[str, Any]:
         """Returns once the server answered stop (the artifact check goes on: :meth:`wait`)."""
-        return await self._call(lambda: self._driver.stop(capture_id, StopReason(reason)))
+        return await self._call(lambda: self._drivers[name].stop(capture_id, StopReason(reason)))
 
-    async def get(self, capture_id: str) -> tuple[str, Any]:
-        return await self._call(lambda: self._driver.get(capture_id))
+    async def get(self, name: str, capture_id: str) -> tuple[str, Any]:
+        return await self._call(lambda: self._drivers[name].get(capture_id))
 
-    async def wait(self, capture_id: str, timeout: float | None, top: int = TOP_OPS) -> tuple[str, Any]:
+    async def wait(self, name: str, capture_id: str, timeout: float | None, top: int = TOP_OPS) -> tuple[str, Any]:
         """The capture once terminal (or at ``timeout``) and, when a stage is ok, its top ops."""
         async def work() -> tuple[Capture, dict[str, Any]]:
-            cap = await self._driver.wait(capture_id, timeout)
+            driver = self._drivers[name]
+            cap = await driver.wait(capture_id, timeout)
             ops: dict[str, Any] = {}
-            if cap.terminal and any(v.verdict is not None and v.verdict.value == "ok" for v in cap.verdicts):
+            if top and cap.terminal and any(v.verdict is not None and v.verdict.value == "ok" for v in cap.verdicts):
                 try:
-                    ops = _top_ops(await self._driver.controller.summarize(capture_id, top=top), top)
+                    ops = _top_ops(await driver.controller.summarize(capture_id, top=top), top)
                 except Exception as exc:  # a summary never changes the verdict
                     ops = {"error": f"{type(exc).__name__}: {exc}"}
             return cap, ops
 
         return await self._call(work)
 
-    async def heartbeat(self, capture_id: str) -> tuple[str, Any]:
-        return await self._call(lambda: self._driver.heartbeat(capture_id))
+    async def heartbeat(self, name: str, capture_id: str) -> tuple[str, Any]:
+        return await self._call(lambda: self._drivers[name].heartbeat(capture_id))
 
-    async def live(self) -> tuple[str, Any]:
-        return await self._call(lambda: self._driver.live())
+    async def live(self, name: str) -> tuple[str, Any]:
+        return await self._call(lambda: self._drivers[name].live())
 
     def clock(self) -> tuple[str, Any]:
         """This node's realtime and monotonic clocks (ns): one sample of the fleet's exchange."""
@@ -148,14 +238,18 @@ class NodeProfiler:
 
         return _answer(read_clocks())
 
-    async def close(self, keep_live: bool = False) -> tuple[str, Any]:
-        async def work() -> None:
+    async def close(self, name: str, keep_live: bool = False) -> tuple[str, Any]:
+        async def work() -> int:
             try:
-                if self._driver is not None:
-                    await self._driver.close(keep_live)
+                driver = self._drivers.pop(name, None)
+                if driver is not None:
+                    await driver.close(keep_live)
             finally:
-                if self._dir is not None:
-                    self._dir.cleanup()
+                self._servers.pop(name, None)
+                folder = self._dirs.pop(name, None)
+                if folder is not None:
+                    folder.cleanup()
+            return len(self._servers)  # servers this actor still holds
 
         return await self._call(work)
 
@@ -188,39 +282,62 @@ class Placement:
 
 
 class RayNodeDriver:
-    """The fleet's driver for one ``ray`` target: each call goes to its :class:`NodeProfiler`."""
+    """The fleet's driver for one ``ray`` target: each call goes to its node's :class:`NodeProfiler`,
+    naming the target. Closing the last target an actor holds ends the actor."""
 
-    def __init__(self, target: Target, actor: Any) -> None:
+    def __init__(self, target: Target, actor: Any, top: int = TOP_OPS) -> None:
         self.target = target
         self.actor = actor
+        self.top = top
         self.top_ops: dict[str, dict[str, Any]] = {}  # capture id -> top ops per stage
 
     async def open(self) -> DeployConfig | None:
-        return _raise(await self.actor.open.remote())  # type: ignore[no-any-return]
+        return _raise(await self.actor.open.remote(self.target.name))  # type: ignore[no-any-return]
 
     async def start(self, stages, label, duration_s, lease_s, kind="torch", release=None,  # type: ignore[no-untyped-def]
                     steps=None) -> Capture:
-        # The node prepares its capture once asked: the release gates the call, like a sidecar's.
-        if release is not None:
+        """Two phases across Ray: the node prepares and waits at its gate; once it is prepared the
+        fleet's release is awaited here (every target prepared, all or nothing) and the node told
+        to send. With the fleet's ``start_at`` the node sends at that time itself."""
+        name = self.target.name
+        if release is None:
+            return _raise(await self.actor.start.remote(name, stages, label, duration_s, lease_s, kind, steps=steps))  # type: ignore[no-any-return]
+        token = uuid.uuid4().hex
+        started = asyncio.ensure_future(self._ref(self.actor.start.remote(
+            name, stages, label, duration_s, lease_s, kind, token, getattr(release, "start_at", None), steps)))
+        if not await self._ref(self.actor.prepared.remote(token)):
+            return _raise(await started)  # type: ignore[no-any-return]  # it failed while preparing
+        try:
             await release()
-        return _raise(await self.actor.start.remote(stages, label, duration_s, lease_s, kind, steps))  # type: ignore[no-any-return]
+        except BaseException as exc:
+            sent_already = not await self._ref(self.actor.go.remote(token, str(exc) or type(exc).__name__))
+            reply = await started
+            if sent_already and reply[0] == "ok":  # it had sent at start_at: stop what it started
+                await self._ref(self.actor.stop.remote(name, reply[1].id, StopReason.rollback.value))
+            raise
+        await self._ref(self.actor.go.remote(token))
+        return _raise(await started)  # type: ignore[no-any-return]
+
+    @staticmethod
+    async def _ref(ref: Any) -> Any:
+        return await ref
 
     async def stop(self, capture_id: str, reason: StopReason) -> Capture:
-        return _raise(await self.actor.stop.remote(capture_id, reason.value))  # type: ignore[no-any-return]
+        return _raise(await self.actor.stop.remote(self.target.name, capture_id, reason.value))  # type: ignore[no-any-return]
 
     async def get(self, capture_id: str) -> Capture:
-        return _raise(await self.actor.get.remote(capture_id))  # type: ignore[no-any-return]
+        return _raise(await self.actor.get.remote(self.target.name, capture_id))  # type: ignore[no-any-return]
 
     async def wait(self, capture_id: str, timeout: float | None) -> Capture:
-        cap, ops = _raise(await self.actor.wait.remote(capture_id, timeout))
+        cap, ops = _raise(await self.actor.wait.remote(self.target.name, capture_id, timeout, self.top))
         self.top_ops[capture_id] = ops
         return cap  # type: ignore[no-any-return]
 
     async def heartbeat(self, capture_id: str) -> None:
-        _raise(await self.actor.heartbeat.remote(capture_id))
+        _raise(await self.actor.heartbeat.remote(self.target.name, capture_id))
 
     async def live(self) -> Capture | None:
-        return _raise(await self.actor.live.remote())  # type: ignore[no-any-return]
+        return _raise(await self.actor.live.remote(self.target.name))  # type: ignore[no-any-return]
 
     async def clock(self, more: int = MORE) -> ClockOffset:
         # The node's controller reads the node's clock, not the trainer's: exchanged like a sidecar's.
@@ -233,45 +350,68 @@ class RayNodeDriver:
     async def close(self, keep_live: bool = False) -> None:
         import ray
 
+        if not ray.is_initialized():
+            return  # the cluster is gone and its actors with it; a call would start a new local one
+        left = 0
         try:
-            _raise(await self.actor.close.remote(keep_live))
+            left = _raise(await self.actor.close.remote(self.target.name, keep_live))
         finally:
-            ray.kill(self.actor)
+            if not left:
+                ray.kill(self.actor)
 
 
 class RayNodes:
     """The driver factory a ``Fleet`` takes (``drivers=``) for ``ray`` targets: one
-    :class:`NodeProfiler` actor per target, pinned to its :class:`Placement`'s node (hard
-    affinity, no CPU reserved). ``control``: the node controllers' ``ControlSettings`` fields."""
+    :class:`NodeProfiler` actor per node holding that node's targets, pinned to it (hard
+    affinity, no CPU reserved). ``per_actor``: at most that many targets per actor (several
+    actors on a node; default: one actor per node). ``control``: the node controllers'
+    ``ControlSettings`` fields. ``top``: ops per stage summarised on the node with each finished
+    check (0: none; a summary reads the whole trace)."""
 
-    def __init__(self, placements: dict[str, Placement], *, control: dict[str, Any] | None = None) -> None:
+    def __init__(self, placements: dict[str, Placement], *, control: dict[str, Any] | None = None,
+                 per_actor: int | None = None, top: int = TOP_OPS) -> None:
         self.placements = dict(placements)
+        self.top = top
         self.control = dict(control or {})
+        self.per_actor = per_actor
         self.drivers: dict[str, RayNodeDriver] = {}
         self._launched: dict[str, Any] = {}
 
-    def _actor(self, target: Target, stop_budget_s: float) -> Any:
+    def _actors(self, targets: list[Target], stop_budget_s: float) -> dict[str, Any]:
+        """One actor per node (or per ``per_actor`` targets of a node), each told its targets."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        where = self.placements[target.name]
-        return ray.remote(num_cpus=0)(NodeProfiler).options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=where.node_id, soft=False),
-        ).remote(target.url, where.deploy, flavor=target.flavor, stop_budget_s=stop_budget_s, control=self.control)
+        by_node: dict[str, list[Target]] = {}
+        for t in targets:
+            by_node.setdefault(self.placements[t.name].node_id, []).append(t)
+        out: dict[str, Any] = {}
+        for node_id, held in by_node.items():
+            size = self.per_actor or len(held)
+            for i in range(0, len(held), size):
+                actor = ray.remote(num_cpus=0)(NodeProfiler).options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+                ).remote(stop_budget_s=stop_budget_s, control=self.control)
+                for t in held[i:i + size]:
+                    actor.add.remote(t.name, t.url, self.placements[t.name].deploy, t.flavor)
+                    out[t.name] = actor
+        return out
 
     def launch(self, targets: list[Target], *, stop_budget_s: float, timeout_s: float = 300.0) -> None:
-        """Start every target's actor now and wait (at most ``timeout_s``) until each is up: an
-        actor is a new process on its node (seconds each on a busy node), paid here, at trainer
+        """Start the actors of every target now and wait (at most ``timeout_s``) until each is up:
+        an actor is a new process on its node (seconds each on a busy node), paid here, at trainer
         start, not inside a step's start budget. Raises ``TargetNoAnswer`` naming those not up."""
         import ray
 
-        actors = {t.name: self._actor(t, stop_budget_s) for t in targets if t.name not in self._launched}
-        refs = {name: a.ready.remote() for name, a in actors.items()}
+        actors = self._actors([t for t in targets if t.name not in self._launched], stop_budget_s)
+        distinct = {id(a): a for a in actors.values()}
+        refs = {key: a.ready.remote() for key, a in distinct.items()}
         done, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-        late = [name for name, ref in refs.items() if ref not in done]
-        self._launched.update({n: a for n, a in actors.items() if n not in late})
-        for name in late:
-            ray.kill(actors[name])
+        late_actors = {key for key, ref in refs.items() if ref not in done}
+        late = [name for name, a in actors.items() if id(a) in late_actors]
+        self._launched.update({n: a for n, a in actors.items() if id(a) not in late_actors})
+        for key in late_actors:
+            ray.kill(distinct[key])
         if late:
             raise _errors.TargetNoAnswer(
                 f"the node profiler actors of {', '.join(late[:3])}{' and more' if len(late) > 3 else ''} did not "
@@ -279,8 +419,8 @@ class RayNodes:
                 details={"targets": late})
 
     def __call__(self, target: Target, *, stop_budget_s: float) -> RayNodeDriver:
-        actor = self._launched.pop(target.name, None) or self._actor(target, stop_budget_s)
-        driver = self.drivers[target.name] = RayNodeDriver(target, actor)
+        actor = self._launched.pop(target.name, None) or self._actors([target], stop_budget_s)[target.name]
+        driver = self.drivers[target.name] = RayNodeDriver(target, actor, self.top)
         return driver
 
     def top_ops(self, target: str, capture_id: str | None) -> dict[str, Any]:

@@ -5,6 +5,7 @@ rollout servers; their faults make a start refused and a stop that never answers
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,25 @@ async def test_a_hung_stop_ends_at_the_fan_outs_deadline_and_the_others_are_chec
         r = fc.targets[t.name]
         assert r.ok and [v.verdict.value for v in r.verdicts] == ["ok"] and r.folders
         assert all(Path(f).is_relative_to(Path(stubs.deploys[0]).parents[1]) for f in r.folders)
+
+
+@pytest.mark.parametrize(("per_actor", "processes"), [(None, 1), (2, 2)])  # one node: all in one actor, or 2 + 1
+async def test_the_servers_of_a_node_share_one_actor_process(ray_cluster, stubs: StubFleet, per_actor, processes):
+    import os
+
+    stubs.reset(faults={})
+    node = ray_cluster.get_runtime_context().get_node_id()
+    targets = [Target.ray(u, flavor="omni") for u in stubs.urls]
+    nodes = RayNodes({t.name: Placement(node, str(d)) for t, d in zip(targets, stubs.deploys)}, control=CONTROL,
+                     per_actor=per_actor)
+    nodes.launch(targets, stop_budget_s=30)
+    async with Fleet(targets, stages=[0], drivers=nodes) as fleet:
+        at = time.time() + 5  # the nodes send at start_at themselves, once every one is prepared
+        fc = await fleet.stop(await fleet.start(label="step1", start_at=at), wait_artifacts=True,
+                              artifact_timeout_s=60)
+        pids = {await d.actor.__ray_call__.remote(lambda self: os.getpid()) for d in nodes.drivers.values()}
+    assert fc.ok, fc.rollup()
+    assert all(ts and ts[0] / 1e9 >= at for ts in stubs.received("/start_profile").values())
+    assert len(pids) == processes  # 3 servers on one node: one process (or ceil(3 / per_actor))
+    assert [[c[1] for c in r["calls"] if c[1] in ("/start_profile", "/stop_profile")] for r in stubs.log().values()] == [
+        ["/start_profile", "/stop_profile"]] * 3

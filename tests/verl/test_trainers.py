@@ -1,9 +1,10 @@
-"""Both verl trainers, with their real profiling methods, the real ``LLMServerManager`` and the
+"""The v1 trainer (the default), with its real profiling methods, the real ``LLMServerManager`` and the
 real agent-loop manager loaded by name, on a local Ray cluster. Stand-ins only for what needs a
 GPU (tests/verl/_standin.py): the rollout servers are emulators launched by a real
 ``RolloutReplica``; the training workers and weight sync are recorders. Steps [1, 3] of 1..4,
 validation after every step: captures at steps 1 and 3 only, on every profiled replica, checked on
 the replica's node; validation never inside a window; verl's own engine start/stop never sent.
+The v0 trainer runs whole, through verl's own TaskRunner: tests/verl/test_v0_fit.py.
 """
 
 from __future__ import annotations
@@ -50,13 +51,6 @@ def servers(ray_cluster):
                 ray.get(s.shutdown.remote(), timeout=120)
                 ray.kill(s)
 
-
-def _posts(server: Any) -> list[str]:
-    import ray
-
-    calls = ray.get(server.calls.remote(), timeout=60)
-    short = {"/start_profile": "start", "/stop_profile": "stop", "/v1/chat/completions": "gen"}
-    return [short[c["path"]] for c in calls if c["method"] == "POST" and c["path"] in short]
 
 
 def _engine_calls(manager: Any) -> list[list[str]]:
@@ -162,61 +156,7 @@ def test_v1_default_trainer_through_its_own_fit_loop(servers, tmp_path):
     assert _engine_calls(manager) == [[], []]  # verl's own engine-level start/stop never ran
     for r in replicas:
         # profiled: start, the step's rollout, stop, then validation; unprofiled: rollout, validation
-        assert _posts(r.servers[0]) == ["start", "gen", "stop", "gen", "gen", "gen"] * 2
+        assert standin.posts(r.servers[0]) == ["start", "gen", "stop", "gen", "gen", "gen"] * 2
         assert list((save / f"agent_loop_rollout_replica_{r.replica_rank}").glob("*.pt.trace.json*"))
     assert wg.profile_calls == [("start", 1), ("stop", None), ("start", 3), ("stop", None)]  # verl's own, kept
     assert ray.is_initialized()
-
-
-def test_v0_trainer_with_global_ranks(servers, tmp_path):
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
-    from verl.utils.import_utils import load_class_from_fqn
-
-    import tests.verl._standin as standin
-
-    save = tmp_path / "profile"
-    # tp=2 on 4 GPUs: 2 replicas; global GPU rank 2 is replica 1's first GPU (verl 0.9.1's rule).
-    cfg = compose(*recipe(save), *STANDIN, *FAST, "trainer.use_v1=False",
-                  "actor_rollout_ref.rollout.profiler.all_ranks=False", "actor_rollout_ref.rollout.profiler.ranks=[2]",
-                  "actor_rollout_ref.rollout.tensor_model_parallel_size=2")
-    manager, wg = servers(cfg, world_size=4)
-    replicas = manager.get_replicas()
-    trainer = object.__new__(RayPPOTrainer)
-    trainer.config = cfg
-    trainer.actor_rollout_wg, trainer.use_reference_policy, trainer.use_critic = wg, False, False
-    trainer.llm_server_manager = manager
-    trainer.checkpoint_manager = standin.CheckpointManager(replicas)
-
-    def init_workers_tail(self: Any) -> None:
-        # RayPPOTrainer.init_workers (ray_trainer.py), the lines that build the agent-loop manager
-        manager_class_fqn = self.config.actor_rollout_ref.rollout.get("agent", {}).get("agent_loop_manager_class")
-        AgentLoopManager = load_class_from_fqn(manager_class_fqn, "AgentLoopManager")
-        self.async_rollout_manager = AgentLoopManager.create(
-            config=self.config, llm_client=self.llm_server_manager.get_client(), teacher_client=None,
-            reward_loop_worker_handles=None,
-        )
-
-    init_workers_tail(trainer)
-    assert type(trainer.async_rollout_manager).__name__ == "AgentLoopManager"
-    hook = manager._omni_sidecar
-
-    # RayPPOTrainer.fit's order around generation (ray_trainer.py), validation after each step.
-    for step in range(1, 5):
-        trainer.global_steps = step
-        curr_step_profile = step in cfg.global_profiler.steps
-        trainer._start_profiling(curr_step_profile)
-        if curr_step_profile:
-            trainer.llm_server_manager.start_profile()
-        for r in replicas:
-            standin.generate(r.server_address)
-        trainer.checkpoint_manager.sleep_replicas()
-        if curr_step_profile:
-            trainer.llm_server_manager.stop_profile()
-        trainer._stop_profiling(curr_step_profile)
-        for r in replicas:
-            standin.generate(r.server_address, max_tokens=2)
-
-    _check_steps(hook, save, n_replicas=1)
-    assert _engine_calls(manager) == [[], []]
-    assert _posts(replicas[0].servers[0]) == ["gen", "gen"] * 4  # replica 0 is not profiled
-    assert _posts(replicas[1].servers[0]) == ["start", "gen", "stop", "gen", "gen", "gen"] * 2
