@@ -106,6 +106,19 @@ class Bench:
             "d_start", "d_stop", "d_pair", "d_files", "s_start", "s_stop", "s_pair", "s_ack")}
         self.last_id = ""
         self.verdicts: dict[str, int] = {}
+        self.last_start_s = 0  # the second of the last start (a session folder is named with it)
+        self.fresh_waits = 0  # starts that first waited, untimed, for the next second
+        self.waited_notes = 0  # sidecar starts that said they waited for the next second anyway
+
+    def _fresh_second(self) -> None:
+        """Every start, on either path, begins in a second no session folder is named with yet:
+        a direct start in that second would reuse (and overwrite) the last window's folder, and
+        the sidecar waits for the next second instead (docs/design.md §4). Untimed on both paths,
+        so the rounds compare the calls, not that rule."""
+        now = time.time()
+        if int(now) <= self.last_start_s:
+            self.fresh_waits += 1
+            time.sleep(self.last_start_s + 1 - now + 0.002)
 
     def _work(self) -> None:
         # One request in the window, so a verdict is `ok` (an idle window is `empty` by design).
@@ -115,7 +128,9 @@ class Bench:
 
     def direct(self) -> None:
         before = _gz_traces(self.trace_dirs)
+        self._fresh_second()
         a, _ = _timed(lambda: self.client.post(f"{self.upstream}/start_profile", json=self.body))
+        self.last_start_s = int(time.time())
         self._work()
         time.sleep(self.window)
         t0 = time.perf_counter()
@@ -130,8 +145,11 @@ class Bench:
         self.out["d_files"].append(a + files)
 
     def via(self, ack_only: bool = False) -> None:
+        self._fresh_second()
         a, resp = _timed(lambda: self.client.post(f"{self.sidecar}/v1/captures", json={"stages": self.stages}))
+        self.last_start_s = int(time.time())
         cid = self.last_id = resp.json()["id"]
+        self.waited_notes += any("for the next second" in n for n in resp.json().get("notes") or [])
         self._work()
         time.sleep(self.window)
         if ack_only:
@@ -215,6 +233,8 @@ def main() -> None:
             bench.via()
             bench.out = {k: [] for k in bench.out}
             bench.verdicts = {}
+            bench.fresh_waits = bench.waited_notes = 0
+            load_before = os.getloadavg()  # the machine's load as the timed rounds begin (printed)
             for i in range(args.rounds):  # interleaved: both paths see the same machine
                 bench.direct()
                 bench.via()
@@ -244,6 +264,9 @@ def main() -> None:
     print(f"sidecar overhead against {target} (flavor {args.flavor}): {args.rounds} interleaved rounds on stages "
           f"{args.stages}, window {args.window:g}s, {'idle' if args.idle_window else 'one request per'} window, "
           f"{args.gets} GETs, {os.cpu_count()} CPUs; final states {bench.verdicts}")
+    print(f"each start in a fresh second: {bench.fresh_waits} starts first waited (untimed) for the next second; "
+          f"sidecar starts that still waited for it: {bench.waited_notes}; load average before/after "
+          f"{load_before[0]:.1f} / {os.getloadavg()[0]:.1f}")
     print(f"{'through the sidecar':<30} {'p50 ms':>8} {'p95 ms':>8}   {'direct to the server':<24} {'p50 ms':>8} "
           f"{'p95 ms':>8}   {'p50':>7} {'p95':>7}  {'+ms p50':>8}")
     row("POST /v1/captures", o["s_start"], o["d_start"], "POST /start_profile")

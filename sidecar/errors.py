@@ -215,6 +215,13 @@ class DeployConfigMissing(ConfigError):
     http_status = 422
 
 
+class StagesFlagMisplaced(ConfigError):
+    """``--stages`` given where the stages are already known (a deploy YAML; plain vLLM's one engine)."""
+
+    code = "stages_flag_misplaced"
+    http_status = 422
+
+
 class DirPlaceholderUnknown(ConfigError):
     """``render --dir`` names a placeholder other than ``{host}`` / ``{replica}``."""
 

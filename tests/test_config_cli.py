@@ -224,6 +224,26 @@ def test_serve_without_config_says_how_to_describe_the_server() -> None:
     assert proc.returncode == 1 and "--profiler-config" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/p"}'], "name the server's stages with --stages"),
+        (["--stages", "0", "--deploy-config", "QWEN"], "error[stages_flag_misplaced]"),
+        (["--stages", "0,x", "--profiler-config", '{"profiler": "torch", "torch_profiler_dir": "/p"}'],
+         "not a comma-separated list of stage ids"),
+    ],
+)  # fmt: skip
+def test_serve_without_a_deploy_file_needs_the_omni_stages(args: list[str], words: str, qwen25_deploy: Path,
+                                                            tmp_path: Path) -> None:  # fmt: skip
+    from typer.testing import CliRunner
+
+    from sidecar.cli import app
+
+    args = [str(qwen25_deploy) if a == "QWEN" else a for a in args]
+    result = CliRunner().invoke(app, ["serve", "--upstream", "http://127.0.0.1:9", "--state-dir", str(tmp_path), *args])
+    assert result.exit_code == 1 and words in " ".join(result.stderr.split()), result.output
+
+
 @pytest.fixture
 def serve_process(tmp_path: Path):
     procs: list[subprocess.Popen[str]] = []

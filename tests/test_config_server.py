@@ -17,10 +17,12 @@ from sidecar.config.profiles import nsys_command, nsys_report_pattern, render_st
 from sidecar.config.rules import validate_deploy
 from sidecar.errors import (
     ConfigError,
+    DeployConfigMissing,
     LegacySchemaRefused,
     PlatformUnknown,
     ProfilerConfigArgInvalid,
     StageOverridesInvalid,
+    StagesFlagMisplaced,
 )
 
 THREE = """
@@ -148,11 +150,38 @@ def test_plain_vllm_refuses_stage_overrides() -> None:
         deploy_from_profiler_config('{"profiler": "cuda"}', stage_overrides="{}")
 
 
-def test_no_yaml_needs_flavor_vllm() -> None:
-    with pytest.raises(ConfigError, match="--flavor vllm"):
+def test_no_yaml_needs_the_stages_or_flavor_vllm() -> None:
+    with pytest.raises(DeployConfigMissing, match="--stages 0,1.*--flavor vllm") as info:
         load_server_config(None, flavor="omni", profiler_config='{"profiler": "cuda"}')
+    assert info.value.key == "stages"
     with pytest.raises(ConfigError, match="--deploy-config"):
         load_server_config(None, flavor="vllm")
+
+
+def test_omni_without_a_yaml_gives_every_listed_stage_the_global_config() -> None:
+    deploy = load_server_config(
+        None, flavor="omni", stages=[0, 1], profiler_config={"profiler": "torch", "torch_profiler_dir": "/g"},
+        stage_overrides={"1": {"profiler_config": {"profiler": None}}},
+    )  # fmt: skip
+    assert (deploy.path, deploy.stage_ids, [s.stage_id for s in deploy.torch_stages]) == (None, [0, 1], [0])
+    assert (deploy.stage(0).profiler_dir, deploy.stage(0).profiler_source) == ("/g", "--profiler-config")
+    assert deploy.stage_overrides == {"1": {"profiler_config": {"profiler": None}}}
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "words"),
+    [
+        ({"stage_overrides": '{"2": {"profiler_config": {"max_iterations": 1}}}'}, StageOverridesInvalid,
+         r"stages \[2\] that --stages does not list \(\[0, 1\]\)"),
+        ({"deploy_config": "x.yaml"}, StagesFlagMisplaced, "the deploy file defines its stages"),
+        ({"flavor": "vllm"}, StagesFlagMisplaced, "plain `vllm serve` has one engine"),
+    ],
+)  # fmt: skip
+def test_stages_flag_is_refused_where_the_stages_are_known(call: dict, error: type, words: str) -> None:
+    args = {"deploy_config": None, "flavor": "omni", "profiler_config": '{"profiler": "torch", "torch_profiler_dir": "/g"}',
+            **call}  # fmt: skip
+    with pytest.raises(error, match=words):
+        load_server_config(args.pop("deploy_config"), stages=[0, 1], **args)
 
 
 def test_server_config_refuses_legacy_unless_allowed(deploy_data: Path) -> None:

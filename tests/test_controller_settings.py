@@ -42,6 +42,13 @@ def test_bad_artifact_root_names_the_form(bad):
     assert (err.value.code, "SERVER_PATH=LOCAL_PATH" in err.value.message) == ("artifact_root_invalid", True)
 
 
+def test_stages_from_the_flag_or_environment(monkeypatch):
+    monkeypatch.setenv("OMNI_SIDECAR_STAGES", "0, 1")
+    assert (SidecarSettings().stages, SidecarSettings(stages="2").stages) == ([0, 1], [2])
+    with pytest.raises(ValueError, match="--stages 'a,1' is not a comma-separated list of stage ids"):
+        SidecarSettings(stages="a,1")
+
+
 def test_token_file_is_read_and_stripped(tmp_path):
     (tmp_path / "t").write_text("s3cret-token\n")
     assert SidecarSettings(token_file=tmp_path / "t").read_token() == "s3cret-token"

@@ -54,8 +54,13 @@ def serve(
         Optional[str],
         typer.Option(
             "--profiler-config",
-            help="the --profiler-config JSON the server was started with (with --flavor vllm: no --deploy-config needed)",
+            help="the --profiler-config JSON the server was started with (no --deploy-config needed with --flavor vllm, or with --stages for `vllm serve --omni`)",
         ),
+    ] = None,
+    stages: Annotated[
+        Optional[str],
+        typer.Option("--stages", help="with --profiler-config and no --deploy-config: the `vllm serve --omni` "
+                     "pipeline's stage ids, e.g. 0,1"),
     ] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level: debug, info, warning, error")] = "info",
     keep: Annotated[Optional[int], typer.Option("--keep", help="finished captures kept in history (default 1000)")] = None,
@@ -97,6 +102,7 @@ def serve(
             "artifact_roots": artifact_root or None,
             "stage_overrides": stage_overrides,
             "profiler_config": profiler_config,
+            "stages": stages,
             "keep": keep,
             "keep_days": keep_days,
             "allowed_hosts": allowed_host or None,
@@ -120,6 +126,7 @@ def serve(
             platform=settings.platform,
             stage_overrides=settings.stage_overrides,
             profiler_config=settings.profiler_config,
+            stages=settings.stages,
         )
         findings = validate_deploy(deploy)  # includes the loader's own findings
         errors = [f for f in findings if f.is_error]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from sidecar.errors import (
     ConfigNotMapping,
     ConfigUnreadable,
     DeployConfigMissing,
+    StagesFlagMisplaced,
     DeployStagesInvalid,
     Finding,
     LegacySchemaRefused,
@@ -678,11 +679,16 @@ def load_deploy_config(
 
 
 def deploy_from_profiler_config(
-    profiler_config: str | Mapping[str, Any], *, stage_overrides: str | Mapping[str, Any] | None = None
+    profiler_config: str | Mapping[str, Any],
+    *,
+    stage_overrides: str | Mapping[str, Any] | None = None,
+    stage_ids: Sequence[int] | None = None,
 ) -> DeployConfig:
-    """Plain ``vllm serve`` (no ``--omni``, no deploy YAML): one engine, modelled as stage 0, whose
-    profiler_config is the ``--profiler-config`` JSON given to the server."""
-    if stage_overrides is not None:
+    """A server described by its command line alone (no deploy YAML): plain ``vllm serve`` (one
+    engine, modelled as stage 0; ``stage_ids`` None), or ``vllm serve --omni`` without
+    ``--deploy-config`` (``stage_ids``: the stages its pipeline defines), each stage with the
+    ``--profiler-config`` JSON given to the server and its own ``--stage-overrides``."""
+    if stage_overrides is not None and stage_ids is None:
         raise StageOverridesInvalid(
             f"{STAGE_OVERRIDES_FLAG} is a `vllm serve --omni` flag; plain vLLM has one engine and takes only "
             f"{PROFILER_CONFIG_FLAG}. Drop {STAGE_OVERRIDES_FLAG}, or pass --deploy-config for an Omni server",
@@ -691,19 +697,28 @@ def deploy_from_profiler_config(
         )
     pc = parse_profiler_config_arg(profiler_config)
     assert pc is not None
-    stage = {
-        "stage_id": 0,
-        "flat": _marked(),
-        "extras_pc": None,
-        "where": None,
-        "marks": {},
-        "devices": None,
-        "num_replicas": 1,
-        "env": None,
-    }
-    _apply_cli(stage, None, pc)
-    built, findings = _build_stage(stage, PROFILER_CONFIG_FLAG)
-    return DeployConfig(path=None, platform="", stages=[built], findings=findings, profiler_config_arg=pc)
+    overrides = parse_stage_overrides(stage_overrides)
+    ids = [0] if stage_ids is None else list(stage_ids)
+    unknown = sorted(int(k) for k in (overrides or {}) if int(k) not in ids)
+    if unknown:
+        raise StageOverridesInvalid(
+            f"{STAGE_OVERRIDES_FLAG} names stages {unknown} that --stages does not list ({ids}); vLLM-Omni would "
+            "ignore them silently. List every stage of the server's pipeline in --stages",
+            key=f"stage_overrides[\"{unknown[0]}\"]",
+            where=Where(file=STAGE_OVERRIDES_FLAG),
+            details={"stages": unknown, "known": ids},
+        )
+    built: list[Stage] = []
+    findings: list[Finding] = []
+    for sid in ids:
+        stage = {"stage_id": sid, "flat": _marked(), "extras_pc": None, "where": None, "marks": {},
+                 "devices": None, "num_replicas": 1, "env": None}  # fmt: skip
+        _apply_cli(stage, overrides, pc)
+        s, f = _build_stage(stage, PROFILER_CONFIG_FLAG)
+        built.append(s)
+        findings.extend(f)
+    return DeployConfig(path=None, platform="", stages=built, findings=findings, stage_overrides=overrides,
+                        profiler_config_arg=pc)  # fmt: skip
 
 
 def load_server_config(
@@ -714,26 +729,38 @@ def load_server_config(
     stage_overrides: str | Mapping[str, Any] | None = None,
     profiler_config: str | Mapping[str, Any] | None = None,
     allow_legacy: bool = False,
+    stages: Sequence[int] | None = None,
 ) -> DeployConfig:
     """What the surfaces (serve, validate, fleet) call: the server's config from its deploy YAML and
-    command line, or, for plain vLLM (``flavor="vllm"``), from ``--profiler-config`` alone.
+    command line, or from its command line alone: plain vLLM (``flavor="vllm"``) from
+    ``--profiler-config``, ``vllm serve --omni`` without a deploy YAML from ``--profiler-config``
+    and the pipeline's ``stages`` (the server lists them nowhere: vLLM-Omni 0.30 has no route for it).
     A legacy ``stage_args:`` file is refused like 0.30 refuses it, unless ``allow_legacy``."""
+    if stages is not None and (deploy_config is not None or flavor == "vllm"):
+        raise StagesFlagMisplaced(
+            "--stages lists the stages of a `vllm serve --omni` started without --deploy-config; "
+            + ("the deploy file defines its stages: drop --stages" if deploy_config is not None
+               else "plain `vllm serve` has one engine: drop --stages"),
+            key="stages",
+        )
     if deploy_config is None:
         if profiler_config is None:
             raise DeployConfigMissing(
                 "no server config: pass --deploy-config FILE (the YAML `vllm serve --omni` was started with), "
-                "or for plain `vllm serve` --flavor vllm --profiler-config '<the JSON given to vllm serve>'",
+                "or the server's --profiler-config JSON with --stages (the pipeline's stage ids, e.g. 0,1) for "
+                "`vllm serve --omni` without one, or with --flavor vllm for plain `vllm serve`",
                 key="deploy_config",
             )
-        if flavor != "vllm":
+        if flavor != "vllm" and stages is None:
             raise DeployConfigMissing(
-                "--profiler-config without --deploy-config describes a plain `vllm serve` (one engine); pass "
-                "--flavor vllm, or for `vllm serve --omni` also pass its --deploy-config (without one it uses "
-                "the model's bundled file, vllm_omni/deploy/<model>.yaml)",
-                key="deploy_config",
+                "--profiler-config without --deploy-config: name the server's stages with --stages (e.g. "
+                "--stages 0,1; `vllm serve --omni` without a deploy file runs the model's bundled pipeline, "
+                "vllm_omni/deploy/<model>.yaml, or one diffusion stage 0, and no route of the server lists "
+                "them), pass the --deploy-config it was started with, or --flavor vllm for plain `vllm serve`",
+                key="stages",
             )
         check_platform(platform)
-        return deploy_from_profiler_config(profiler_config, stage_overrides=stage_overrides)
+        return deploy_from_profiler_config(profiler_config, stage_overrides=stage_overrides, stage_ids=stages)
     deploy = load_deploy_config(
         deploy_config, platform=platform, stage_overrides=stage_overrides, profiler_config=profiler_config
     )

@@ -71,6 +71,8 @@ class SidecarSettings(BaseSettings):
     # flavor vllm, profiler_config alone describes the server (no deploy_config needed).
     stage_overrides: Annotated[str | dict[str, Any] | None, NoDecode] = None
     profiler_config: Annotated[str | dict[str, Any] | None, NoDecode] = None
+    # `vllm serve --omni` without a deploy YAML: the pipeline's stage ids ("0,1"), each given profiler_config
+    stages: Annotated[list[int] | None, NoDecode] = None
     # HTTP surface
     host: str = "127.0.0.1"
     port: int = Field(default=8092, ge=0, le=65535)
@@ -144,6 +146,16 @@ class SidecarSettings(BaseSettings):
         if isinstance(value, (list, tuple)):
             return dict(parse_artifact_root(str(p)) for p in value)
         return value
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _stages_from_csv(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        try:
+            return [int(x) for x in value.split(",") if x.strip()]
+        except ValueError:
+            raise ValueError(f"--stages {value!r} is not a comma-separated list of stage ids, e.g. --stages 0,1") from None
 
     @field_validator("allowed_hosts", mode="before")
     @classmethod

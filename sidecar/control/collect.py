@@ -484,24 +484,8 @@ async def collect(
     list. ``wait=False`` looks once (a stop that timed out: "found so far"); ``note`` prefixes reasons."""
     deadline = time.monotonic() + collect_timeout_s
     quiets = [_Quiet() for _ in watches]
-    # Looks start 10 ms apart and double up to poll_s: a small trace's gzip ends within a few
-    # milliseconds of the reply, a big one's takes seconds and is not looked at 100 times a second.
-    interval = min(FIRST_POLL_S, poll_s)
-    while True:
-        def look() -> tuple[list[Scan], list[tuple[list[str], set[str]]]]:
-            scans = [scan(w, window, claims, capture_id) for w in watches]
-            now = time.monotonic()
-            return scans, [_pending(w, s, q, now, trace_quiet_s) for w, s, q in zip(watches, scans, quiets)]
 
-        scans, pending = await asyncio.to_thread(look)
-        now = time.monotonic()
-        timed_out = now >= deadline
-        if not wait or timed_out or not any(p for p, _ in pending):
-            break
-        await asyncio.sleep(min(interval, max(deadline - now, 0.0)) or interval)
-        interval = min(interval * 2, poll_s)
-
-    def judge() -> list[StageVerdict]:
+    def judge(scans: list[Scan], pending: list[tuple[list[str], set[str]]], timed_out: bool) -> list[StageVerdict]:
         out = []
         for w, s, (p, writing) in zip(watches, scans, pending):
             s = _relisted(w, s)
@@ -514,7 +498,24 @@ async def collect(
                 claims.claim(capture_id, _claimable(w, s))
         return out
 
-    return await asyncio.to_thread(judge)
+    def look() -> list[StageVerdict] | None:
+        """One look at every stage; the verdicts once nothing is pending (or the bound ran out),
+        decided in the same thread hop: a small trace is complete at the first look."""
+        scans = [scan(w, window, claims, capture_id) for w in watches]
+        now = time.monotonic()
+        pending = [_pending(w, s, q, now, trace_quiet_s) for w, s, q in zip(watches, scans, quiets)]
+        timed_out = now >= deadline
+        if not wait or timed_out or not any(p for p, _ in pending):
+            return judge(scans, pending, timed_out)
+        return None
+
+    # Looks start 10 ms apart and double up to poll_s: a small trace's gzip ends within a few
+    # milliseconds of the reply, a big one's takes seconds and is not looked at 100 times a second.
+    interval = min(FIRST_POLL_S, poll_s)
+    while (verdicts := await asyncio.to_thread(look)) is None:
+        await asyncio.sleep(min(interval, max(deadline - time.monotonic(), 0.0)) or interval)
+        interval = min(interval * 2, poll_s)
+    return verdicts
 
 
 __all__ = ["WORK_CATEGORIES", "Decision", "Rule", "TraceLook", "TraceState", "after_stop_error", "collect", "decide",

@@ -6,7 +6,9 @@ project's CPU platform package ``tools/omni_cpu``) and reuses it; the random tin
 the session with that venv's transformers (tests/live/make_tiny_model.py), so nothing is
 downloaded. Servers listen on 127.0.0.1 free ports; a session pool shares each setup between
 modules (at most two run at once, ~5 GiB each) and stops them by PID (their process group) when it
-needs room and at session end, also when a test fails. Every test here is marked ``omni``; the
+needs room and at session end, also when a test fails. The pool knows, from the collected tests,
+which setups each test uses: the tests run grouped by setup (``SETUP_ORDER``), so each server
+starts once, and the one stopped for room is the one needed again last (or never). Every test here is marked ``omni``; the
 group skips, with the reason, only where the venv cannot be built.
 
 The setups (each a real server, each named for what it exercises):
@@ -14,6 +16,7 @@ The setups (each a real server, each named for what it exercises):
 - ``global_profiler``: no profiler in the YAML; ``--profiler-config`` for every stage (into the
   pool's shared dir) and ``--stage-overrides`` taking the profiler off stage 1.
 - ``bounded``: stage 0 with ``max_iterations: 3`` (into the shared dir too), stage 1 with stacks.
+- ``diffusion``: a tiny random DDPM, one diffusion stage, no deploy YAML: ``--profiler-config`` only.
 """
 
 from __future__ import annotations
@@ -44,11 +47,45 @@ KV_CACHE_BYTES = 64 * 1024 * 1024  # per stage; VLLM_CPU_KVCACHE_SPACE would ove
 AR_PIPELINE = "omni_cpu_tiny_ar"  # tools/omni_cpu/omni_cpu_platform/pipeline.py
 
 
+# The order the tests run in, by the setups they use: a test needing two setups comes where the
+# second one starts. With two servers at a time, every setup then starts exactly once: two_stage,
+# global_profiler beside it, bounded in place of two_stage, then diffusion (before: five starts).
+SETUP_ORDER = ("two_stage", "global_profiler", "bounded", "diffusion")
+PLAN: list[frozenset[str]] = []  # the setups each collected omni test uses, in run order
+POSITION = [0]  # index in PLAN of the test being set up
+
+
+def _uses(item: pytest.Item) -> frozenset[str]:
+    names = set(getattr(item, "fixturenames", ()))
+    callspec = getattr(item, "callspec", None)
+    names.update(callspec.params.get("sidecars", ()) if callspec is not None else ())
+    return frozenset(n for n in SETUP_ORDER if n in names)
+
+
+def _run_key(uses: frozenset[str]) -> tuple[int, int]:
+    idx = [SETUP_ORDER.index(n) for n in uses] or [0]
+    return max(idx), min(idx)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
-    for item in items:
-        if Path(str(item.fspath)).is_relative_to(here):
-            item.add_marker(pytest.mark.omni)
+    slots = [i for i, item in enumerate(items) if Path(str(item.fspath)).is_relative_to(here)]
+    ours = sorted((items[i] for i in slots), key=lambda it: _run_key(_uses(it)))  # stable: file order within
+    for i, item in zip(slots, ours):
+        item.add_marker(pytest.mark.omni)
+        items[i] = item
+    PLAN[:] = [_uses(it) for it in ours]
+    for n, item in enumerate(ours):
+        item.stash[_PLAN_INDEX] = n
+
+
+_PLAN_INDEX = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if _PLAN_INDEX in item.stash:
+        POSITION[0] = item.stash[_PLAN_INDEX]
 
 
 class OmniStartError(SidecarError):
@@ -125,40 +162,69 @@ def tiny_model(omni_python: str, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return out
 
 
+@dataclass
+class Setup:
+    """A server of the pool with what a sidecar in front of it must be told."""
+
+    server: OmniServer
+    deploy: Path | None  # None: the server got no --deploy-config
+    server_args: list[str]  # the flags the server got besides --deploy-config (a sidecar gets them too)
+    dirs: dict[int, Path]  # profiled stage -> torch_profiler_dir
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
+@dataclass
+class Spec:
+    """What ``SETUPS[name](pool, root)`` returns: how to start that setup's server."""
+
+    deploy: Path | None
+    server_args: list[str]
+    dirs: dict[int, Path]
+    model: Path | None = None  # None: the session's tiny Llama
+    server_only_args: Sequence[str] = ()  # flags for the server that a sidecar does not take
+
+
 class OmniPool:
-    """Real servers shared by the group's modules, one per named setup: ``get(name, setup)``
-    starts ``setup(root) -> (deploy, extra_args)`` under ``root`` once and returns the running
-    server (with ``.root``). At most ``keep`` run at once (each is ~5 GiB): the least recently
-    used is stopped first. ``close()`` stops all (SIGTERM, then SIGKILL of the process group)."""
+    """Real servers shared by the group's modules, one per named setup (``SETUPS``): ``get(name)``
+    returns the running server's ``Setup``, starting it under a fresh root if needed. At most
+    ``keep`` run at once (each is ~5 GiB); the one stopped for room is, from ``PLAN`` (the setups
+    each test uses, in run order), the one needed again last or never. Starts are one at a time:
+    vLLM-Omni serializes every server's stage start-up on a machine-wide lock per device
+    (``/tmp/vllm_omni_device_<id>_init.lock``), so two starts side by side only wait on each other.
+    ``close()`` stops all (SIGTERM, then SIGKILL of the process group)."""
 
     def __init__(self, python: str, model: Path, tmp: pytest.TempPathFactory, keep: int = 2) -> None:
         self.python, self.model, self.tmp, self.keep = python, model, tmp, keep
-        self.running: dict[str, OmniServer] = {}
+        self.running: dict[str, Setup] = {}
         self.shared_dir = tmp.mktemp("omni-shared-perf")  # one dir two setups write into
 
-    def get(self, name: str, setup: Callable[[Path], tuple[Path | None, Sequence[str]]],
-            model: Path | None = None) -> OmniServer:  # fmt: skip
-        server = self.running.pop(name, None)
-        if server is not None and server.returncode is None:
-            self.running[name] = server  # most recently used last
-            return server
+    def _next_use(self, name: str) -> float:
+        return next((i for i in range(POSITION[0], len(PLAN)) if name in PLAN[i]), float("inf"))
+
+    def get(self, name: str) -> Setup:
+        setup = self.running.get(name)
+        if setup is not None and setup.server.returncode is None:
+            return setup
+        if setup is not None:
+            self.running.pop(name).server.stop(grace=5)  # it died: start it again
+        now = PLAN[POSITION[0]] if POSITION[0] < len(PLAN) else frozenset()
         while len(self.running) >= self.keep:
-            self.running.pop(next(iter(self.running))).stop(grace=30)
+            others = [n for n in self.running if n not in now] or list(self.running)
+            self.running.pop(max(others, key=self._next_use)).server.stop(grace=30)
         root = self.tmp.mktemp(f"omni-{name}")
-        deploy, extra_args = setup(root)
-        server = OmniServer(self.python, model or self.model, deploy, cwd=root, log_path=root / "vllm-omni.log",
-                            extra_args=extra_args)  # fmt: skip
-        server.root = root  # type: ignore[attr-defined]
-        self.running[name] = server
-        try:
-            return server.start()
-        except BaseException:
-            self.running.pop(name, None)
-            raise
+        spec = SETUPS[name](self, root)
+        server = OmniServer(self.python, spec.model or self.model, spec.deploy, cwd=root, log_path=root / "vllm-omni.log",
+                            extra_args=[*spec.server_only_args, *spec.server_args])  # fmt: skip
+        server.start()  # a failed start kills what it started
+        self.running[name] = Setup(server, spec.deploy, list(spec.server_args), spec.dirs)
+        return self.running[name]
 
     def close(self) -> None:
-        for server in reversed(list(self.running.values())):
-            server.stop(grace=30)
+        for setup in reversed(list(self.running.values())):
+            setup.server.stop(grace=30)
         self.running.clear()
 
 
@@ -171,27 +237,9 @@ def omni_pool(omni_python: str, tiny_model: Path, tmp_path_factory: pytest.TempP
         pool.close()
 
 
-@dataclass
-class Setup:
-    """A server of the pool with what a sidecar in front of it must be told."""
-
-    server: OmniServer
-    deploy: Path | None  # None: the server got no --deploy-config
-    server_args: list[str]  # the flags the server got besides --deploy-config
-    dirs: dict[int, Path]  # profiled stage -> torch_profiler_dir
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-
-def _two_stage(pool: OmniPool) -> Setup:
-    def setup(root: Path) -> tuple[Path, list[str]]:
-        return write_ar_deploy(root / "deploy.yaml", [torch_profiler(root / f"stage{i}") for i in (0, 1)]), []
-
-    server = pool.get("two_stage", setup)
-    root = server.root  # type: ignore[attr-defined]
-    return Setup(server, root / "deploy.yaml", [], {0: root / "stage0", 1: root / "stage1"})
+def _two_stage(pool: OmniPool, root: Path) -> Spec:
+    deploy = write_ar_deploy(root / "deploy.yaml", [torch_profiler(root / f"stage{i}") for i in (0, 1)])
+    return Spec(deploy, [], {0: root / "stage0", 1: root / "stage1"})
 
 
 def _global_args(pool: OmniPool) -> list[str]:
@@ -199,36 +247,50 @@ def _global_args(pool: OmniPool) -> list[str]:
             "--stage-overrides", json.dumps({"1": {"profiler_config": {"profiler": None}}})]  # fmt: skip
 
 
-def _global_profiler(pool: OmniPool) -> Setup:
-    args = _global_args(pool)
-    server = pool.get("global_profiler", lambda root: (write_ar_deploy(root / "deploy.yaml", [None, None]), args))
-    return Setup(server, server.root / "deploy.yaml", args, {0: pool.shared_dir})  # type: ignore[attr-defined]
+def _global_profiler(pool: OmniPool, root: Path) -> Spec:
+    return Spec(write_ar_deploy(root / "deploy.yaml", [None, None]), _global_args(pool), {0: pool.shared_dir})
 
 
-def _bounded(pool: OmniPool) -> Setup:
-    def setup(root: Path) -> tuple[Path, list[str]]:
-        profilers = [torch_profiler(pool.shared_dir, max_iterations=3),
-                     torch_profiler(root / "stage1", torch_profiler_with_stack=True)]  # fmt: skip
-        return write_ar_deploy(root / "deploy.yaml", profilers), []
+def _bounded(pool: OmniPool, root: Path) -> Spec:
+    profilers = [torch_profiler(pool.shared_dir, max_iterations=3),
+                 torch_profiler(root / "stage1", torch_profiler_with_stack=True)]  # fmt: skip
+    return Spec(write_ar_deploy(root / "deploy.yaml", profilers), [], {0: pool.shared_dir, 1: root / "stage1"})
 
-    server = pool.get("bounded", setup)
-    root = server.root  # type: ignore[attr-defined]
-    return Setup(server, root / "deploy.yaml", [], {0: pool.shared_dir, 1: root / "stage1"})
+
+def _diffusion(pool: OmniPool, root: Path) -> Spec:
+    """No deploy YAML (vLLM-Omni's generic single-stage diffusion); a sidecar is told the server's
+    --profiler-config (and, in its test, --stages 0)."""
+    model = root / "tiny-ddpm"
+    subprocess.run([pool.python, str(Path(__file__).with_name("make_tiny_ddpm.py")), str(model)], check=True,
+                   timeout=300, env=server_env(), capture_output=True)  # fmt: skip
+    return Spec(None, ["--profiler-config", json.dumps(torch_profiler(root / "perf"))], {0: root / "perf"}, model=model,
+                server_only_args=["--diffusion-load-format", "diffusers", "--dtype", "float32"])
+
+
+SETUPS: dict[str, Callable[[OmniPool, Path], Spec]] = {
+    "two_stage": _two_stage, "global_profiler": _global_profiler, "bounded": _bounded, "diffusion": _diffusion,
+}  # fmt: skip
+assert set(SETUPS) == set(SETUP_ORDER)
 
 
 @pytest.fixture(scope="module")
 def two_stage(omni_pool: OmniPool) -> Setup:
-    return _two_stage(omni_pool)
+    return omni_pool.get("two_stage")
 
 
 @pytest.fixture(scope="module")
 def global_profiler(omni_pool: OmniPool) -> Setup:
-    return _global_profiler(omni_pool)
+    return omni_pool.get("global_profiler")
 
 
 @pytest.fixture(scope="module")
 def bounded(omni_pool: OmniPool) -> Setup:
-    return _bounded(omni_pool)
+    return omni_pool.get("bounded")
+
+
+@pytest.fixture(scope="module")
+def diffusion(omni_pool: OmniPool) -> Setup:
+    return omni_pool.get("diffusion")
 
 
 def start_sidecar(setup: Setup, state_dir: Path, **opts: Any) -> SidecarProcess:

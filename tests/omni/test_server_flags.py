@@ -97,8 +97,10 @@ def test_stacks_on_the_stop_answers_at_once_and_the_verdict_waits_for_the_files(
     (verdict,) = cap.verdicts
     assert verdict.verdict.value == "ok" and not verdict.reason, verdict
     (session,) = verdict.sessions
-    # The verdict waited for the server's files: it lists every file the stop left, trace gzipped.
-    # (vLLM-Omni's stacks table sometimes fails to decode here, "Failed to stop profiler: 'utf-8'
-    # codec ...": then the stop writes no ops_rank0.xlsx / stacks_cpu_rank0.txt. docs/omni-cpu.md)
+    # The verdict waited for the server's files: it lists every file the stop left, trace gzipped,
+    # vLLM-Omni's op tables and stacks included (the CPU profiler reads torch's non-UTF-8 event
+    # names, which used to fail the tables 2 runs in 3: tools/omni_cpu/omni_cpu_platform/profiler.py).
     on_disk = {p.name for p in Path(session.path).iterdir()}
-    assert {f.name for f in session.files} == on_disk and "trace_rank0.json.gz" in on_disk, on_disk
+    assert {f.name for f in session.files} == on_disk, on_disk
+    # (stacks_cpu_rank0.txt is written empty here: torch's export_stacks on this CPU profile)
+    assert {"trace_rank0.json.gz", "ops_rank0.xlsx", "stacks_cpu_rank0.txt"} <= on_disk, on_disk

@@ -1,13 +1,11 @@
 """The one-stage diffusion server (a tiny random diffusers DDPM through vLLM-Omni's diffusers
-adapter, ``--dtype float32``, inline in the API server) behind a real sidecar: the server's
-``--profiler-config``, its ``<ts>_stage_0_rep_0_diffusion_<epoch>`` folder, verdict ``ok``.
+adapter, ``--dtype float32``, inline in the API server, no deploy YAML) behind a real sidecar
+told only the server's ``--profiler-config`` and ``--stages 0``: its ``<ts>_stage_0_rep_0_diffusion_<epoch>`` folder, verdict ``ok``.
 """
 
 from __future__ import annotations
 
-import json
 import re
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,36 +14,15 @@ import pytest
 
 from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
-from tests.omni.conftest import OmniPool, Setup, end_open_captures, module_sidecar, server_env, torch_profiler
+from tests.omni.conftest import Setup, end_open_captures, module_sidecar
 
 DIFFUSION_SESSION = re.compile(r"^\d{8}-\d{6}_stage_0_rep_0_diffusion_\d+$")
 
 
 @pytest.fixture(scope="module")
-def diffusion(omni_pool: OmniPool, omni_python: str, tmp_path_factory: pytest.TempPathFactory) -> Setup:
-    model = tmp_path_factory.mktemp("tiny-ddpm")
-    subprocess.run([omni_python, str(Path(__file__).with_name("make_tiny_ddpm.py")), str(model)], check=True,
-                   timeout=300, env=server_env(), capture_output=True)  # fmt: skip
-
-    def profiler_args(root: Path) -> list[str]:
-        return ["--profiler-config", json.dumps(torch_profiler(root / "perf"))]
-
-    def setup(root: Path) -> tuple[None, list[str]]:
-        return None, ["--diffusion-load-format", "diffusers", "--dtype", "float32", *profiler_args(root)]
-
-    server = omni_pool.get("diffusion", setup, model=model)
-    root = server.root  # type: ignore[attr-defined]
-    # The server has no deploy YAML (vLLM-Omni's generic single-stage diffusion), but the sidecar's
-    # omni flavour refuses --profiler-config without one (deploy_config_missing): it is given a
-    # one-stage file standing for what the server resolved, and the server's profiler flag.
-    deploy = root / "sidecar-deploy.yaml"
-    deploy.write_text("stages:\n  - stage_id: 0\n")
-    return Setup(server, deploy, profiler_args(root), {0: root / "perf"})
-
-
-@pytest.fixture(scope="module")
 def sidecar(diffusion: Setup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
-    with module_sidecar(diffusion, tmp_path_factory) as proc:
+    # No deploy YAML: the sidecar is told the server's --profiler-config and its pipeline's one stage.
+    with module_sidecar(diffusion, tmp_path_factory, extra_args=["--stages", "0"]) as proc:
         yield proc
         end_open_captures(proc.url)
 
@@ -66,4 +43,7 @@ def test_a_busy_diffusion_window_is_ok_in_its_diffusion_folder(diffusion: Setup,
     assert verdict.verdict.value == "ok", verdict
     (session,) = verdict.sessions
     assert Path(session.path).parent == diffusion.dirs[0] and DIFFUSION_SESSION.match(Path(session.path).name)
-    assert "trace_rank0.json.gz" in {f.name for f in session.files}
+    # vLLM-Omni's own op tables, written by its diffusion worker inside the stop
+    assert {"trace_rank0.json.gz", "ops_rank0.xlsx", "profiler_out_0.txt"} <= {f.name for f in session.files}, session
+    table = (Path(session.path) / "profiler_out_0.txt").read_text()
+    assert "Self CPU time total" in table, table[:2000]
