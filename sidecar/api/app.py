@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional
 from urllib.parse import unquote_to_bytes
 
 from fastapi import Body, Depends, FastAPI, Query, Request, Response
@@ -85,10 +85,10 @@ class PlanRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    stages: list[StrictInt] | None = Field(default=None, description="stage ids; omit for every profiled stage")
+    stages: list[StrictInt] | None = Field(default=None, min_length=1, description="stage ids; omit for every profiled stage")
     budget_mb: float | None = Field(default=None, gt=0, description="trace size on disk the window must fit")
     max_stop_s: float | None = Field(default=None, gt=0, description="how long the server's stop may take")
-    probe_steps: list[StrictInt] = Field(default=[1, 2], min_length=1, max_length=4,
+    probe_steps: list[Annotated[StrictInt, Field(ge=1)]] = Field(default=[1, 2], min_length=1, max_length=4,
                                          description="engine steps of each probe capture")
 
 
@@ -124,6 +124,11 @@ def _describe_kinds(app: FastAPI, deploy: Any) -> None:
             variants.append(variant)
         comps["CaptureRequest"] = {"title": model.get("title", "CaptureRequest"),
                                    "description": model.get("description", ""), "anyOf": variants}
+        plan = comps.get("PlanRequest", {}).get("properties", {}).get("stages", {})
+        for option in plan.get("anyOf", [plan]):  # a plan probes torch stages, each once
+            if option.get("type") == "array" and ids["torch"]:
+                option.update(minItems=1, uniqueItems=True, maxItems=len(ids["torch"]),
+                              items={"type": "integer", "enum": ids["torch"]})
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
