@@ -24,8 +24,10 @@ def test_a_steps_window_from_the_page_shows_its_steps_and_server_metrics(web_sta
     page.fill("#steps-input", "12")
     with steady_load(web_stack.emulator.url, max_tokens=1, chat=True):  # steady engine steps on every stage
         page.click("#start-button")
+        # the link, or the page's error box: a refused start fails here with its reason, not at the bound
+        page.locator("#start-result a, #start-result .error-box").first.wait_for(timeout=300_000)
+        assert not page.locator("#start-result .error-box").count(), page.locator("#start-result").inner_text()
         link = page.locator("#start-result a")
-        link.wait_for(timeout=300_000)
         page.goto(f"/captures/{link.inner_text()}")
         page.locator("#window-metrics tbody tr").first.wait_for(timeout=300_000)
     start = next(r for r in page.requests if r.method == "POST")

@@ -81,6 +81,16 @@ class ServerMetrics:
             return {"model_name": self.model, "stage": str(stage.stage_id), "replica": str(replica)}
         return {"model_name": self.model, "engine": str(replica)}
 
+    def declare(self, stages: list[StageRuntime]) -> None:
+        """Every engine's samples from start-up, at 0, as the real server shows them when idle
+        (tests/data/metrics/*-0.prom): a steps window started before the first request finds its
+        counter."""
+        for stage in stages:
+            for worker in stage.workers:
+                labels = self._labels(stage, worker.spec.replica)
+                for family in (self.steps, self.prompt, self.generation, self.e2e):
+                    family.labels(**labels)
+
     def request_done(self, stage: StageRuntime, replica: int, steps: int, seconds: float) -> None:
         labels = self._labels(stage, replica)
         hist = self.steps.labels(**labels)
@@ -112,6 +122,7 @@ class Emulator:
         self.release_hung = asyncio.Event()  # a reset lets hung stops go
         self.frontend = self._make_frontend()
         self.metrics = ServerMetrics(options.flavor, options.model)
+        self.metrics.declare(stages)
 
     def _make_frontend(self) -> Any:
         """Plain vLLM's ``AsyncLLM`` front-end profiler (API process, CPU), unless
