@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.control.budget import Probe, check_budget, make_plan
 from sidecar.errors import BudgetExceeded
-from sidecar.upstream.metrics import engine_steps, parse_metrics, quantile, steps_of, window_metrics
+from sidecar.upstream.metrics import MetricsUnreadable, engine_steps, parse_metrics, quantile, step_counts, steps_since, window_metrics
 from tests.fixtures.emulator import EmulatorPool, make_deploy
 from tests.fixtures.sidecar import AppClient, ModuleSidecar, error_of
 from tests.fixtures.load import steady_load
@@ -102,6 +102,17 @@ def test_steps_capture_starts_after_its_delay_and_ends_by_itself_near_the_steps_
     assert wm is not None and wm.unavailable is None and {e.stage for e in wm.engines} >= {"0", "2"}, wm
 
 
+def test_a_start_answered_after_the_steps_asked_says_the_window_could_not_be_shorter(shared: ModuleSidecar) -> None:
+    shared.emulator.set_faults(start_delay_s=1.0)  # the workers record while the reply waits
+    with steady_load(shared.emulator.url, max_tokens=1, chat=True), shared.client() as client:
+        cap = client.start_capture(stages=[0, 2], steps=3)
+        final = client.wait_capture(cap.id, timeout=120)
+    assert (final.state.value, final.stop_reason.value) == ("completed", "steps"), final
+    assert final.steps_counted is not None and final.steps_counted > 3, final
+    assert any("by the first count after the start was answered" in n and "ask for more steps" in n
+               for n in final.notes), final.notes
+
+
 async def test_steps_on_a_server_without_metrics_is_refused_before_any_start(api: AppClient, fake_omni: Any) -> None:
     client = await api()
     reply = await client.post("/v1/captures", json={"stages": [0], "steps": 5})
@@ -131,7 +142,26 @@ def test_real_omni_labels_each_stage_and_counts_its_steps() -> None:
     w = window_metrics(parse_metrics(OMNI[1]), parse_metrics(OMNI[2]))
     got = [(e.stage, e.replica, e.engine_steps, e.requests_finished, e.generation_tokens) for e in w.engines]
     assert got == [("0", "0", 8, 2, 8), ("1", "0", 8, 2, 8)]
-    assert steps_of(engine_steps(parse_metrics(OMNI[2])), [1]) == 20
+    assert steps_since({}, engine_steps(parse_metrics(OMNI[2])), [1]) == 20
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DATA.glob("*.prom")))
+def test_the_fast_step_read_equals_the_full_parse_on_each_real_reply(name: str) -> None:
+    text = (DATA / name).read_text()
+    assert step_counts(text) == engine_steps(parse_metrics(text))
+
+
+def test_the_fast_step_read_refuses_what_is_not_a_counter() -> None:
+    with pytest.raises(MetricsUnreadable, match="not Prometheus text"):
+        step_counts('vllm:iteration_tokens_total_count{engine="0"} twelve\n')
+
+
+def test_each_engine_is_measured_from_its_own_base() -> None:
+    # stage 0 far ahead in total, stage 1 ahead in this window: the window ran stage 1's 9, not 0's 2
+    base = {(("stage", "0"),): 1000, (("stage", "1"),): 500}
+    now = {(("stage", "0"),): 1002, (("stage", "1"),): 509, (("stage", "2"),): 7}
+    assert (steps_since(base, now, [0, 1]), steps_since(base, now, [0]), steps_since(base, now, [2])) == (9, 2, 7)
+    assert steps_since(base, {(("stage", "0"),): 3}, [0]) == 0  # a restarted engine has run none
 
 
 def _probe(steps: int, mb: float, stop_s: float) -> Probe:

@@ -31,6 +31,9 @@ def emulate(
     fault_stop_delay: float = typer.Option(
         0.0, "--fault-stop-delay", help="Test aid: extra seconds inside stop before replying."
     ),
+    fault_start_delay: float = typer.Option(
+        0.0, "--fault-start-delay", help="Test aid: extra seconds inside start before replying (the workers record)."
+    ),
     fault_dead_stage: Optional[int] = typer.Option(
         None,
         "--fault-dead-stage",
@@ -91,6 +94,7 @@ def emulate(
                 step_ms=step_ms,
                 gzip_delay_s=gzip_delay,
                 fault_stop_delay_s=fault_stop_delay,
+                fault_start_delay_s=fault_start_delay,
                 fault_dead_stage=fault_dead_stage,
                 fault_die_after_start=fault_die_after_start,
                 fault_hang_stop=fault_hang_stop,

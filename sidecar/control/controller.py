@@ -11,6 +11,7 @@ The slot stays taken while a stop is unanswered: a stop that outlives its budget
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import math
@@ -67,7 +68,7 @@ from sidecar.errors import (
     StageSetMismatch,
 )
 from sidecar.scrub import env_secret_values, scrub_secrets
-from sidecar.upstream.metrics import MetricsSnapshot, WindowMetrics, engine_steps, steps_of, window_metrics
+from sidecar.upstream.metrics import Labels, MetricsSnapshot, WindowMetrics, engine_steps, steps_since, window_metrics
 from sidecar.upstream.server import Flavor, UpstreamServer
 
 if TYPE_CHECKING:
@@ -218,6 +219,9 @@ def _done(value: Any) -> asyncio.Task[Any]:
     return asyncio.ensure_future(have())
 
 
+RATE_WINDOW_S = 1.0  # a ``steps`` window's step rate is taken over this much of its latest reads
+
+
 def _check_steps(steps: int | None, delay_steps: int | None) -> None:
     for key, value, low in (("steps", steps, 1), ("delay_steps", delay_steps, 0)):
         if value is None:
@@ -236,7 +240,7 @@ class _Runtime:
     """What the controller keeps per live capture beside the record itself."""
 
     __slots__ = ("watches", "done", "started_mono", "heartbeat_mono", "watchdog", "stopper", "pending_stop",
-                 "stop_timed_out", "metrics_before", "metrics_after", "steps_counter", "steps_base", "steps_pre",
+                 "stop_timed_out", "metrics_before", "metrics_after", "steps_counter", "steps_base",
                  "steps_at_stop")
 
     def __init__(self) -> None:
@@ -252,8 +256,8 @@ class _Runtime:
         self.metrics_before: asyncio.Task[MetricsSnapshot | str] | None = None
         self.metrics_after: asyncio.Task[MetricsSnapshot | str] | None = None
         self.steps_counter: asyncio.Task[None] | None = None  # a ``steps`` window's counter
-        self.steps_base: float | None = None  # the server's step count as the start was sent
-        self.steps_pre: tuple[float, int] | None = None  # (monotonic mid-read, count) before the start
+        # the counters read just before the start is sent (``_count``'s answer)
+        self.steps_base: tuple[dict[Labels, int] | None, float, float] | None = None
         self.steps_at_stop: int | None = None  # steps counted past the base when the stop was sent
 
 
@@ -469,9 +473,7 @@ class CaptureController:
                                    self.settings.budget_action)
         self._refuse_overlap()  # fast path: don't queue behind a start that may take minutes
         counted = steps is not None or delay_steps is not None
-        t0 = time.monotonic()
         first = await self._step_counter(selected) if counted else None
-        pre = (t0 + time.monotonic()) / 2
         async with self._start_lock:
             self._refuse_overlap()
             now = _now()
@@ -493,7 +495,6 @@ class CaptureController:
             rt = self._rt[cap.id] = _Runtime()
             if first is not None:
                 rt.metrics_before = _done(first)
-                rt.steps_pre = (pre, steps_of(engine_steps(first), cap.stages))
             elif self.settings.window_metrics:  # concurrent with the start: not on its path
                 rt.metrics_before = asyncio.create_task(self._scrape(), name=f"metrics-before-{cap.id}")
             rt.watches = self._watches(cap.stages, shared_stages)
@@ -501,9 +502,17 @@ class CaptureController:
             self._busy.append(cap.id)
             sent = False
 
+            async def count_from_here() -> None:
+                """A ``steps`` window's base: the counters read just before the start is sent. Not
+                beside it: vLLM 0.30's API server answers nothing while its front-end profiler
+                starts (seconds on CPU), while the engines already step and record."""
+                if cap.steps is not None:
+                    rt.steps_base = await self._count(cap.stages)
+
             async def send_now() -> None:  # from here on the start may be delivered
                 nonlocal sent
                 await release()  # type: ignore[misc]
+                await count_from_here()
                 sent = True
 
             try:
@@ -515,6 +524,7 @@ class CaptureController:
                 if delay_steps and first is not None:
                     await self._wait_steps(cap, first, delay_steps)
                 if release is None:
+                    await count_from_here()
                     sent = True
                     await self.upstream.start_profile(cap.stages)
                 else:  # the request waits, all but sent, for the fan-out's release
@@ -757,27 +767,32 @@ class CaptureController:
                 "it without --disable-log-stats, or ask for duration_s instead of steps", details={"stages": stages})
         return snap
 
-    async def _count(self, stages: list[int]) -> tuple[int | None, float, float]:
-        """The step count of ``stages`` now (None: the read failed), the middle of the read (when
+    async def _count(self, stages: list[int]) -> tuple[dict[Labels, int] | None, float, float]:
+        """The engines' step counters now (None: the read failed), the middle of the read (when
         the server counted, as near as the sidecar can tell) and how long the read took."""
         t0 = time.monotonic()
-        snap = await self._scrape()
+        try:
+            counts: dict[Labels, int] | None = await self.upstream.step_counts()
+        except MetricsUnavailable:
+            counts = None
         t1 = time.monotonic()
-        return (None if isinstance(snap, str) else steps_of(engine_steps(snap), stages)), (t0 + t1) / 2, t1 - t0
+        return counts, (t0 + t1) / 2, t1 - t0
 
     async def _wait_steps(self, cap: Capture, first: MetricsSnapshot, n: int) -> None:
         """Until the server has run ``n`` steps since ``first`` (a ``delay_steps`` start)."""
-        base = steps_of(engine_steps(first), cap.stages)
+        base = engine_steps(first)
         deadline = time.monotonic() + self.settings.steps_wait_s
+        ran = 0
         while True:
-            now, _, _ = await self._count(cap.stages)
-            if now is not None and now - base >= n:
-                return
+            counts, _, _ = await self._count(cap.stages)
+            if counts is not None:
+                ran = steps_since(base, counts, cap.stages)
+                if ran >= n:
+                    return
             if time.monotonic() >= deadline:
                 raise StepsNotReached(
-                    f"the server ran {0 if now is None else now - base} of the {n} delay_steps within "
-                    f"{self.settings.steps_wait_s:g}s; send load to it, or ask for fewer delay_steps",
-                    details={"delay_steps": n, "counted": None if now is None else now - base})
+                    f"the server ran {ran} of the {n} delay_steps within {self.settings.steps_wait_s:g}s; "
+                    "send load to it, or ask for fewer delay_steps", details={"delay_steps": n, "counted": ran})
             await asyncio.sleep(self.settings.steps_poll_s)
 
     async def _count_steps(self, capture_id: str) -> None:
@@ -791,29 +806,46 @@ class CaptureController:
         cap, rt = self._captures[capture_id], self._rt[capture_id]
         assert cap.steps is not None
         poll = self.settings.steps_poll_s
-        last: tuple[float, int] | None = rt.steps_pre
-        if rt.steps_pre is not None:
-            rt.steps_base = rt.steps_pre[1]
-        rate = 0.0  # steps per second, smoothed
+        base: dict[Labels, int] | None = None
+        reads: collections.deque[tuple[float, int]] = collections.deque()  # (when the server counted, steps run)
+        if rt.steps_base is not None:
+            counts, at, _ = rt.steps_base
+            if counts is not None:
+                base = counts
+                reads.append((at, 0))
+        first = True
         while cap.state is CaptureState.active:
-            now, at, took = await self._count(cap.stages)
-            if now is None:
+            counts, at, took = await self._count(cap.stages)
+            if counts is None:
                 await asyncio.sleep(poll)
                 continue
-            if rt.steps_base is None:
-                rt.steps_base = now
-            if last is not None and at > last[0]:
-                step_rate = max(now - last[1], 0) / (at - last[0])
-                rate = step_rate if rate == 0 else 0.5 * rate + 0.5 * step_rate
-            last = (at, now)
-            remaining = cap.steps - (now - rt.steps_base)
+            if base is None:
+                base = counts
+            now = steps_since(base, counts, cap.stages)
+            reads.append((at, now))
+            # The rate over the last second of reads: the servers' counters move in bursts (vLLM-Omni's
+            # by a request's steps at once), so read-to-read rates swing between 0 and several times it.
+            while len(reads) > 2 and at - reads[1][0] >= RATE_WINDOW_S:
+                reads.popleft()
+            rate = (now - reads[0][1]) / (at - reads[0][0]) if at > reads[0][0] else 0.0
+            remaining = cap.steps - now
+            if first and remaining < 0 and rt.started_mono is not None:
+                cap.notes.append(
+                    f"the server had run {now} engine steps by the first count after the start was answered "
+                    f"({rt.started_mono - reads[0][0]:.2f}s after it was sent), more than the {cap.steps} asked: a "
+                    "window on this server is at least that long (a server's first profiler start initialises "
+                    "the profiler, seconds on CPU); ask for more steps")
+            first = False
             # the stop lands about half a round trip after it is sent (as a read's answer comes back)
             wait = remaining / rate - took / 2 - (time.monotonic() - at) if rate > 0 else math.inf
-            if remaining <= 0.5 or wait <= poll:
-                wait = min(max(wait, 0.0), poll)
+            log.debug("capture %s: %d of %d steps (read %.0f ms, %.1f steps/s)", cap.id, now, cap.steps,
+                      took * 1000, rate)
+            # stop now, or after the predicted wait when the next read would come back later
+            if remaining <= 0.5 or wait <= poll + took:
+                wait = min(max(wait, 0.0), poll + took)
                 if wait > 0:
                     await asyncio.sleep(wait)
-                rt.steps_at_stop = int(round(now - rt.steps_base + rate * wait))
+                rt.steps_at_stop = int(round(now + rate * wait))
                 rt.steps_counter = None  # stop() cancels the counter; this one must not cancel itself
                 await self.stop(capture_id, reason=StopReason.steps)
                 return
@@ -861,7 +893,7 @@ class CaptureController:
                 v = v.model_copy(update={"steps_traced": per_stage[v.stage_id]})
                 if v.steps_traced != cap.steps:
                     cap.notes.append(f"stage {v.stage_id}: the trace holds {v.steps_traced} engine steps, "
-                                     f"{cap.steps} were asked ({v.steps_traced - (cap.steps or 0):+d})")
+                                     f"{cap.steps} {'was' if cap.steps == 1 else 'were'} asked ({v.steps_traced - (cap.steps or 0):+d})")
             out.append(v)
         return out
 

@@ -273,6 +273,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
 
 
+async def _hold_start_reply(emu: Emulator) -> None:
+    if emu.faults.start_delay_s:
+        await asyncio.sleep(emu.faults.start_delay_s)
+
+
 async def _hold_stop_reply(emu: Emulator) -> None:
     faults = emu.faults
     if faults.stop_delay_s:
@@ -298,6 +303,7 @@ def _omni_profiler_router(emu: Emulator) -> APIRouter:
         except Exception as e:
             logger.error("Failed to start profiler: %s", e)
             raise HTTPException(status_code=500, detail=f"Failed to start profiler: {e}") from None
+        await _hold_start_reply(emu)
         logger.info("Profiler started.")
         return JSONResponse(content={"status": "SUCCESS"})
 
@@ -329,6 +335,7 @@ def _vllm_profiler_router(emu: Emulator) -> APIRouter:
         if emu.faults.start_500:
             raise HTTPException(status_code=500, detail="Failed to start profiler: injected fault (--fault-start-500)")
         await _vllm_profile(emu, True)
+        await _hold_start_reply(emu)
         return Response(status_code=200)
 
     @router.post("/stop_profile")

@@ -19,6 +19,9 @@ class Faults(BaseModel):
 
     # stop holds its reply this long after the workers are done
     stop_delay_s: float = Field(default=0.0, ge=0)
+    # start holds its reply this long after the workers started (and record): a server's first
+    # profiler start on CPU, or vLLM 0.30 waiting for its front-end profiler
+    start_delay_s: float = Field(default=0.0, ge=0)
     # this stage's workers die (at start-up, or at once when set at run time); 0.30 then answers
     # SUCCESS to start/stop and the stage writes no trace, /health is 503
     dead_stage: int | None = None
@@ -57,6 +60,7 @@ class EmulatorOptions(BaseModel):
     worker_start: Literal["forkserver", "spawn"] = "forkserver"
     # --- fault knobs at start-up (test aids; a real server has none of these) ---
     fault_stop_delay_s: float = Field(default=0.0, ge=0)
+    fault_start_delay_s: float = Field(default=0.0, ge=0)
     fault_dead_stage: int | None = None
     fault_die_after_start: int | None = None
     fault_hang_stop: bool = False
@@ -67,6 +71,7 @@ class EmulatorOptions(BaseModel):
     def faults(self) -> Faults:
         return Faults(
             stop_delay_s=self.fault_stop_delay_s,
+            start_delay_s=self.fault_start_delay_s,
             dead_stage=self.fault_dead_stage,
             die_after_start=self.fault_die_after_start,
             hang_stop=self.fault_hang_stop,

@@ -12,7 +12,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 from pydantic import BaseModel, Field
@@ -27,7 +27,9 @@ from tenacity import (
 
 from sidecar.errors import MetricsUnavailable, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from sidecar.errors import StagesEmpty, StagesInvalid
-from sidecar.upstream.metrics import MAX_METRICS_BYTES, MetricsSnapshot, MetricsUnreadable, parse_metrics
+from sidecar.upstream.metrics import MAX_METRICS_BYTES, Labels, MetricsSnapshot, MetricsUnreadable, parse_metrics, step_counts
+
+_T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from sidecar.config.settings import SidecarSettings
@@ -195,6 +197,21 @@ class UpstreamServer:
     async def metrics(self, *, timeout_s: float | None = None) -> MetricsSnapshot:
         """``GET /metrics``, parsed (sidecar/upstream/metrics.py). ``MetricsUnavailable`` when it
         cannot be read: not served (404), failed, too slow, too big or not Prometheus text."""
+        return self._read_metrics(await self._metrics_text(timeout_s), parse_metrics)
+
+    async def step_counts(self, *, timeout_s: float | None = None) -> dict[Labels, int]:
+        """``GET /metrics``'s engine-step counters only (``metrics.step_counts``: a ``steps``
+        window's fast read); ``MetricsUnavailable`` as :meth:`metrics`."""
+        return self._read_metrics(await self._metrics_text(timeout_s), step_counts)
+
+    def _read_metrics(self, text: str, parse: Callable[[str], _T]) -> _T:
+        try:
+            return parse(text)
+        except MetricsUnreadable as exc:
+            raise MetricsUnavailable(f"GET {self.base_url}/metrics: {exc}",
+                                     details={"url": f"{self.base_url}/metrics"}) from None
+
+    async def _metrics_text(self, timeout_s: float | None) -> str:
         url = f"{self.base_url}/metrics"
         read = self.timeouts.probe if timeout_s is None else timeout_s
         timeout = httpx.Timeout(read, connect=min(self.timeouts.connect, read))
@@ -212,10 +229,7 @@ class UpstreamServer:
                                                  details={"url": url})
         except httpx.HTTPError as exc:
             raise MetricsUnavailable(f"GET {url} failed ({type(exc).__name__})", details={"url": url}) from None
-        try:
-            return parse_metrics(body.decode("utf-8", "replace"))
-        except MetricsUnreadable as exc:
-            raise MetricsUnavailable(f"GET {url}: {exc}", details={"url": url}) from None
+        return body.decode("utf-8", "replace")
 
     # --- profiling ------------------------------------------------------------------------
 
