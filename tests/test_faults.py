@@ -155,7 +155,9 @@ def stopped(client: SidecarClient, cid: str) -> Any:
 
 def test_upstream_killed_mid_capture_then_a_start(stack: Any) -> None:
     # the default stop budget (30 min): the capture must not wait it out once the server is gone
-    emu, sc, _ = stack(fresh=True, env={"OMNI_SIDECAR_STOP_BUDGET_S": "1800", "OMNI_SIDECAR_STOP_TIMEOUT_S": "1800"})
+    # (gone after 2 s of the server unreachable, not the default 10: what is checked is that it is not 1800)
+    emu, sc, _ = stack(fresh=True, env={"OMNI_SIDECAR_STOP_BUDGET_S": "1800", "OMNI_SIDECAR_STOP_TIMEOUT_S": "1800",
+                                        "OMNI_SIDECAR_GONE_AFTER_S": "2"})
     with client_of(sc) as client:
         cap = client.start_capture([0, 2])
         emu.kill()

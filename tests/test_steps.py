@@ -177,6 +177,16 @@ def test_plan_is_a_line_through_the_probes_cut_by_the_tighter_bound() -> None:
     assert (by_stop.steps, by_stop.limited_by, round(by_stop.predicted_stop_s or 0, 3)) == (4, "max_stop_s", 3.0)
 
 
+def test_a_stage_whose_probes_traced_no_step_keeps_its_bytes_as_fixed() -> None:
+    # the less-advanced engine of a window can trace no step in 1- and 2-step probes: its files
+    # still count (a line through the origin at x = 0 would predict it at 0 bytes)
+    probes = [Probe(capture_id=f"p{n}", steps_asked=n, steps_traced={0: n, 2: 0}, bytes={0: n * 1_000_000, 2: 300_000},
+                    stop_s=1.0) for n in (1, 2)]  # fmt: skip
+    plan = make_plan([0, 2], probes, {}, budget_mb=10.3, max_stop_s=None)
+    assert [(p.stage_id, p.bytes_fixed, p.bytes_per_step) for p in plan.per_stage] == [(0, 0.0, 1e6), (2, 3e5, 0.0)]
+    assert plan.steps == 10
+
+
 def test_a_steps_capture_above_the_planned_budget_is_refused_or_warned() -> None:
     plan = make_plan([0], [_probe(1, 1.1, 1.0), _probe(2, 2.1, 1.0)], {}, budget_mb=None, max_stop_s=None)
     with pytest.raises(BudgetExceeded) as refused:

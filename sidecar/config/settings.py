@@ -87,6 +87,8 @@ class SidecarSettings(BaseSettings):
     stop_timeout_s: float = Field(default=1800, gt=0)
     probe_timeout_s: float = Field(default=5, gt=0)
     stop_budget_s: float = Field(default=1800, gt=0)  # total time stop is retried for
+    # a stop ends `failed` (upstream_gone) once the server has been unreachable this long
+    gone_after_s: float = Field(default=10.0, gt=0)
     # captures
     collect_timeout_s: float = Field(default=120, ge=0)
     # An unclosed uncompressed trace is still being written until it has not changed for this

@@ -60,12 +60,13 @@ class Plan(BaseModel):
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Least squares ``(intercept, slope)`` through ``(steps, value)``, both kept >= 0; a single
-    step count gives a line through the origin (all of it per step: the safe side)."""
+    step count gives a line through the origin (all of it per step: the safe side), and probes
+    that all traced no step give what they measured as fixed (the per-step part is unknown)."""
     xs = {x for x, _ in points}
     if len(xs) < 2:
         x = sum(x for x, _ in points) / len(points)
         y = sum(y for _, y in points) / len(points)
-        return 0.0, (y / x if x > 0 else 0.0)
+        return (0.0, y / x) if x > 0 else (y, 0.0)
     n = len(points)
     mx = sum(x for x, _ in points) / n
     my = sum(y for _, y in points) / n

@@ -128,6 +128,7 @@ class ControlSettings(BaseModel):
             keep_days=settings.keep_days,
             budget_mb=settings.budget_mb,
             budget_action=settings.budget_action,
+            gone_after_s=settings.gone_after_s,
         )
 
 
