@@ -13,9 +13,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.control.budget import Probe, check_budget, make_plan
-from sidecar.errors import BudgetExceeded
+from sidecar.client import SidecarClient
+from sidecar.errors import BudgetExceeded, SidecarError
 from sidecar.upstream.metrics import MetricsUnreadable, engine_steps, parse_metrics, quantile, step_counts, steps_since, window_metrics
-from tests.fixtures.emulator import EmulatorPool, make_deploy
+from tests.fixtures.emulator import EmulatorPool, emulator_state, make_deploy
 from tests.fixtures.sidecar import AppClient, ModuleSidecar, error_of
 from tests.fixtures.load import steady_load
 from tests.fixtures.waits import poll
@@ -111,6 +112,23 @@ def test_a_start_answered_after_the_steps_asked_says_the_window_could_not_be_sho
     assert final.steps_counted is not None and final.steps_counted > 3, final
     assert any("by the first count after the start was answered" in n and "ask for more steps" in n
                for n in final.notes), final.notes
+
+
+def test_delay_steps_a_server_never_runs_end_in_steps_not_reached_and_nothing_started(
+    shared: ModuleSidecar, sidecar_factory: Any
+) -> None:
+    # no load: the server's counter stands still; the sidecar's bound is its steps_wait_s setting
+    sc = sidecar_factory(shared.emulator.url, shared.deploy, env={"OMNI_SIDECAR_STEPS_WAIT_S": "1"})
+    with SidecarClient(sc.url, timeout=60) as client, pytest.raises(SidecarError) as err:
+        client.start_capture(stages=[0, 2], steps=5, delay_steps=5)
+    assert (err.value.code, err.value.details["delay_steps"], err.value.details["counted"]) == (
+        "steps_not_reached", 5, 0), err.value
+    assert "send load to it" in err.value.message and "within 1s" in err.value.message, err.value.message
+    with SidecarClient(sc.url, timeout=60) as client:
+        (cap,) = client.list_captures()
+    assert (cap.state.value, cap.errors[0].code) == ("failed", "steps_not_reached"), cap
+    starts = [c for c in emulator_state(shared.emulator)["calls"] if c["path"] == "/start_profile"]
+    assert starts == [], starts
 
 
 async def test_steps_on_a_server_without_metrics_is_refused_before_any_start(api: AppClient, fake_omni: Any) -> None:

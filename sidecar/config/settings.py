@@ -89,6 +89,8 @@ class SidecarSettings(BaseSettings):
     stop_budget_s: float = Field(default=1800, gt=0)  # total time stop is retried for
     # a stop ends `failed` (upstream_gone) once the server has been unreachable this long
     gone_after_s: float = Field(default=10.0, gt=0)
+    # a `delay_steps` start waits this long for the server to run them (then steps_not_reached, 504)
+    steps_wait_s: float = Field(default=600, gt=0)
     # captures
     collect_timeout_s: float = Field(default=120, ge=0)
     # An unclosed uncompressed trace is still being written until it has not changed for this

@@ -129,6 +129,7 @@ class ControlSettings(BaseModel):
             budget_mb=settings.budget_mb,
             budget_action=settings.budget_action,
             gone_after_s=settings.gone_after_s,
+            steps_wait_s=settings.steps_wait_s,
         )
 
 
