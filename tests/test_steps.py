@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sidecar.control.budget import Probe, check_budget, make_plan
 from sidecar.client import SidecarClient
 from sidecar.errors import BudgetExceeded, SidecarError
-from sidecar.upstream.metrics import MetricsUnreadable, engine_steps, parse_metrics, quantile, step_counts, steps_since, window_metrics
+from sidecar.upstream.metrics import KEPT_FAMILIES, MetricsUnreadable, engine_steps, parse_metrics, quantile, step_counts, steps_since, window_metrics
 from tests.fixtures.emulator import EmulatorPool, emulator_state, make_deploy
 from tests.fixtures.sidecar import AppClient, ModuleSidecar, error_of
 from tests.fixtures.load import steady_load
@@ -163,15 +163,43 @@ def test_real_omni_labels_each_stage_and_counts_its_steps() -> None:
     assert steps_since({}, engine_steps(parse_metrics(OMNI[2])), [1]) == 20
 
 
+def _reference(text: str) -> tuple[dict[Any, float], dict[Any, tuple[float, float, dict[float, float]]]]:
+    """The kept families as prometheus_client's own parser reads them, summed per engine."""
+    counters: dict[Any, float] = {}
+    hists: dict[Any, list[Any]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in KEPT_FAMILIES:
+            continue
+        for s in family.samples:
+            key = (family.name, tuple((k, s.labels[k]) for k in ("stage", "replica", "engine") if k in s.labels))
+            if family.type == "counter" and s.name.endswith("_total"):
+                counters[key] = counters.get(key, 0.0) + s.value
+            elif family.type == "histogram":
+                h = hists.setdefault(key, [0.0, 0.0, {}])
+                if s.name.endswith("_bucket"):
+                    bound = float(s.labels["le"])
+                    h[2][bound] = h[2].get(bound, 0.0) + s.value
+                elif s.name.endswith("_count"):
+                    h[0] += s.value
+                elif s.name.endswith("_sum"):
+                    h[1] += s.value
+    return counters, {k: (c, t, b) for k, (c, t, b) in hists.items()}
+
+
 @pytest.mark.parametrize("name", sorted(p.name for p in DATA.glob("*.prom")))
-def test_the_fast_step_read_equals_the_full_parse_on_each_real_reply(name: str) -> None:
+def test_the_fast_reads_equal_prometheus_clients_parse_on_each_real_reply(name: str) -> None:
     text = (DATA / name).read_text()
-    assert step_counts(text) == engine_steps(parse_metrics(text))
+    snap = parse_metrics(text)
+    counters, hists = _reference(text)
+    assert snap.counters == counters and counters, name
+    assert {k: (h.count, h.sum, h.buckets) for k, h in snap.histograms.items()} == hists and hists, name
+    assert step_counts(text) == engine_steps(snap)
 
 
-def test_the_fast_step_read_refuses_what_is_not_a_counter() -> None:
-    with pytest.raises(MetricsUnreadable, match="not Prometheus text"):
-        step_counts('vllm:iteration_tokens_total_count{engine="0"} twelve\n')
+def test_the_fast_reads_refuse_what_is_not_a_number() -> None:
+    for read in (step_counts, parse_metrics):
+        with pytest.raises(MetricsUnreadable, match="not Prometheus text"):
+            read('vllm:iteration_tokens_total_count{engine="0"} twelve\n')
 
 
 def test_each_engine_is_measured_from_its_own_base() -> None:

@@ -27,7 +27,8 @@ from tenacity import (
 
 from sidecar.errors import MetricsUnavailable, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from sidecar.errors import StagesEmpty, StagesInvalid
-from sidecar.upstream.metrics import MAX_METRICS_BYTES, Labels, MetricsSnapshot, MetricsUnreadable, parse_metrics, step_counts
+from sidecar.upstream.metrics import KEPT_SAMPLES, MAX_METRICS_BYTES, STEP_SAMPLES, Labels, MetricsSnapshot
+from sidecar.upstream.metrics import MetricsUnreadable, parse_metrics, step_counts
 
 _T = TypeVar("_T")
 
@@ -197,12 +198,12 @@ class UpstreamServer:
     async def metrics(self, *, timeout_s: float | None = None) -> MetricsSnapshot:
         """``GET /metrics``, parsed (sidecar/upstream/metrics.py). ``MetricsUnavailable`` when it
         cannot be read: not served (404), failed, too slow, too big or not Prometheus text."""
-        return self._read_metrics(await self._metrics_text(timeout_s), parse_metrics)
+        return self._read_metrics(await self._metrics_text(timeout_s, KEPT_SAMPLES), parse_metrics)
 
     async def step_counts(self, *, timeout_s: float | None = None) -> dict[Labels, int]:
         """``GET /metrics``'s engine-step counters only (``metrics.step_counts``: a ``steps``
         window's fast read); ``MetricsUnavailable`` as :meth:`metrics`."""
-        return self._read_metrics(await self._metrics_text(timeout_s), step_counts)
+        return self._read_metrics(await self._metrics_text(timeout_s, STEP_SAMPLES), step_counts)
 
     def _read_metrics(self, text: str, parse: Callable[[str], _T]) -> _T:
         try:
@@ -211,12 +212,13 @@ class UpstreamServer:
             raise MetricsUnavailable(f"GET {self.base_url}/metrics: {exc}",
                                      details={"url": f"{self.base_url}/metrics"}) from None
 
-    async def _metrics_text(self, timeout_s: float | None) -> str:
+    async def _metrics_text(self, timeout_s: float | None, samples: tuple[str, ...]) -> str:
         url = f"{self.base_url}/metrics"
         read = self.timeouts.probe if timeout_s is None else timeout_s
         timeout = httpx.Timeout(read, connect=min(self.timeouts.connect, read))
         try:
-            async with self._client.stream("GET", "/metrics", timeout=timeout) as resp:
+            async with self._client.stream("GET", "/metrics", timeout=timeout,
+                                           params=[("name[]", name) for name in samples]) as resp:
                 if resp.status_code != 200:
                     raise MetricsUnavailable(
                         f"GET {url} answered {resp.status_code}; the server exposes no Prometheus metrics here",
