@@ -80,10 +80,14 @@ def test_stacks_on_the_stop_answers_at_once_and_the_verdict_waits_for_the_files(
     with SidecarClient(bounded_sidecar.url, timeout=120) as client:
         cap = client.start_capture(stages=[1], label="stacks")
         complete(bounded.url, n=1)
+        # The stop at once (with stacks on, every Python call the engine makes while the window is
+        # open is recorded, and the stop's tables take minutes over them: no CLI start-up in it)
+        assert client.stop_capture(cap.id).state.value == "stopping"
+        # The API and the CLI answer while the server is still building the xlsx inside its stop;
+        # a second stop of a stopping capture changes nothing.
         r = subprocess.run([sys.executable, "-m", "sidecar", "stop", cap.id, "--no-wait", "--sidecar", bounded_sidecar.url],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
         assert r.returncode == 0, r.stderr
-        # The API answered while the server was still building the xlsx inside its stop.
         assert client.get_capture(cap.id).state.value in ("stopping", "collecting")
         # The CLI waits with a progress line on a terminal (rich treats the pipe as one here), then
         # prints the verdicts; a second stop of a stopping capture only waits.
