@@ -46,7 +46,13 @@ def test_twenty_steps_end_by_themselves_and_the_trace_holds_them(sidecar: Any, l
     assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
     (verdict,) = cap.verdicts
     print(f"asked 20: counted {cap.steps_counted}, traced {verdict.steps_traced}")
-    assert verdict.steps_traced is not None and abs(verdict.steps_traced - 20) <= 2, (verdict, cap.notes)
+    # The sidecar's own precision: the count it stopped at, from the server's counter.
+    assert cap.steps_counted is not None and abs(cap.steps_counted - 20) <= 2, (cap.steps_counted, cap.notes)
+    # The trace: never short by more than the count's error; long by the steps the engine ran while
+    # the stop travelled (API server, engine core, worker): measured here 0 to 4 at this load
+    # (docs/captures.md, precision).
+    assert verdict.steps_traced is not None and 18 <= verdict.steps_traced <= cap.steps_counted + 10, (
+        verdict, cap.notes)
     (engine,) = cap.window_metrics.engines  # type: ignore[union-attr]
     assert engine.engine == "0" and engine.engine_steps >= 20 and engine.generation_tokens >= 20, engine
 
