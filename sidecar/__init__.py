@@ -6,43 +6,23 @@ pulls FastAPI, torch or vllm.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from sidecar._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-_EXPORTS: dict[str, str] = {
-    # config
-    "ProfilerConfig": "sidecar.config.profiler",
-    "DeployConfig": "sidecar.config.models",
-    "Stage": "sidecar.config.models",
-    "StageKind": "sidecar.config.models",
-    "load_deploy_config": "sidecar.config.deploy",
-    # errors
-    "SidecarError": "sidecar.errors",
-    "Finding": "sidecar.errors",
-    # upstream / control
-    "UpstreamServer": "sidecar.upstream.server",
-    "CaptureController": "sidecar.control.controller",
-    "Capture": "sidecar.control.models",
-    "StageVerdict": "sidecar.control.models",
-    # surfaces
-    "SidecarClient": "sidecar.client",
-    "AsyncSidecarClient": "sidecar.client",
-    "Fleet": "sidecar.fleet",
-    "RolloutProfiler": "sidecar.rollout",
-    # analysis
-    "summarize_trace": "sidecar.analysis",
-    "summarize_paths": "sidecar.analysis",
+_EXPORTS = {
+    "sidecar.config.profiler": ("ProfilerConfig",),
+    "sidecar.config.models": ("DeployConfig", "Stage", "StageKind"),
+    "sidecar.config.deploy": ("load_deploy_config",),
+    "sidecar.errors": ("SidecarError", "Finding"),
+    "sidecar.upstream.server": ("UpstreamServer",),
+    "sidecar.control.controller": ("CaptureController",),
+    "sidecar.control.models": ("Capture", "StageVerdict"),
+    "sidecar.client": ("SidecarClient", "AsyncSidecarClient"),
+    "sidecar.fleet": ("Fleet",),
+    "sidecar.rollout": ("RolloutProfiler",),
+    "sidecar.analysis": ("summarize_trace", "summarize_paths"),
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'sidecar' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__all__, __getattr__ = lazy_exports(__name__, globals(), _EXPORTS)
+__all__ += ["__version__"]

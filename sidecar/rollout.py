@@ -103,7 +103,15 @@ class _LoopThread:
 def _at_exit(fn: Callable[..., None], *args: Any) -> None:
     """Run ``fn`` when the main thread ends, before the interpreter shuts down its thread pools
     (``threading._register_atexit``: a check still running then needs ``asyncio.to_thread``,
-    which an ``atexit`` handler is too late for). Falls back to ``atexit``."""
+    which an ``atexit`` handler is too late for). Falls back to ``atexit``.
+
+    Those hooks run newest first, and each thread / process pool module registers its own
+    shutdown hook when it is first imported. Both are imported here, before ``fn`` is registered,
+    so ``fn`` runs while the pools still take work, whatever the import order elsewhere (the
+    packages' exports are lazy: the pools may otherwise be imported after this call)."""
+    import concurrent.futures.process  # noqa: F401
+    import concurrent.futures.thread  # noqa: F401
+
     register = getattr(threading, "_register_atexit", None)
     if register is None:
         atexit.register(fn, *args)

@@ -97,3 +97,24 @@ def test_the_blocker_refuses_what_it_blocks() -> None:
 
 def test_the_cli_answers_help_without_torch(without_torch: dict[str, Any]) -> None:
     assert without_torch["rc"] == 0 and "validate" in without_torch["after"], without_torch["stderr"]
+
+
+# what `omni-sidecar status` (or any client command) never needs, and so never pays for at start-up
+NOT_AT_CLI_START = ["sidecar.control.controller", "sidecar.api.app", "sidecar.fleet._fleet", "fastapi", "ray", "torch"]
+
+
+def test_the_cli_starts_without_the_controller_the_app_or_the_fleet() -> None:
+    # the packages' exports are lazy (sidecar/_lazy.py): a light submodule does not pull its package's rest
+    code = (f"import json, sys, sidecar.cli, sidecar.control.models\n"
+            f"print(json.dumps([m for m in {NOT_AT_CLI_START!r} if m in sys.modules]))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, json.loads(done.stdout or "null")) == (0, []), done.stderr[-2000:]
+
+
+def test_lazy_exports_resolve_and_unknown_names_raise_attribute_error() -> None:
+    import sidecar.control as control
+
+    assert control.CaptureController.__module__ == "sidecar.control.controller"
+    assert set(control.__all__) >= {"Capture", "CaptureController", "Verdict"}
+    with pytest.raises(AttributeError, match="module 'sidecar.control' has no attribute 'nope'"):
+        control.nope  # noqa: B018

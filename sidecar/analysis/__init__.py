@@ -6,58 +6,24 @@ stage, replica and capture. ``timeline``, ``slim`` and ``diff`` (submodules) rew
 traces. Loading (``reader``, ``writer``) is apart from analysing. Depends on nothing above it.
 """
 
-from sidecar.analysis.capture import (
-    TraceSource,
-    find_sources,
-    find_traces,
-    source_of,
-    stage_of,
-    stragglers,
-    summarize_paths,
-)
-from sidecar.analysis.models import (
-    CaptureSummary,
-    DeviceStat,
-    GpuSplit,
-    GpuStat,
-    OpStat,
-    ReplicaStat,
-    StageSummary,
-    StepKindStat,
-    Straggler,
-    StreamStat,
-    SummaryBody,
-    Totals,
-    TraceMeta,
-    TraceSummary,
-    Window,
-)
-from sidecar.analysis.reader import TraceReader
-from sidecar.analysis.summary import summarize_trace
+from __future__ import annotations
 
-__all__ = [
-    "CaptureSummary",
-    "DeviceStat",
-    "GpuSplit",
-    "GpuStat",
-    "OpStat",
-    "ReplicaStat",
-    "StepKindStat",
-    "Straggler",
-    "TraceSource",
-    "StageSummary",
-    "StreamStat",
-    "SummaryBody",
-    "TraceMeta",
-    "TraceReader",
-    "TraceSummary",
-    "Totals",
-    "Window",
-    "find_sources",
-    "find_traces",
-    "source_of",
-    "stragglers",
-    "stage_of",
-    "summarize_paths",
-    "summarize_trace",
-]
+from sidecar._lazy import lazy_exports
+
+# each module -> the public names it defines, imported on first use (sidecar/_lazy.py): importing
+# one submodule of sidecar.analysis does not import the others
+_EXPORTS = {
+    "sidecar.analysis.capture": (
+        "TraceSource", "find_sources", "find_traces", "source_of", "stage_of", "stragglers",
+        "summarize_paths",
+    ),
+    "sidecar.analysis.models": (
+        "CaptureSummary", "DeviceStat", "GpuSplit", "GpuStat", "OpStat", "ReplicaStat", "StageSummary",
+        "StepKindStat", "Straggler", "StreamStat", "SummaryBody", "Totals", "TraceMeta", "TraceSummary",
+        "Window",
+    ),
+    "sidecar.analysis.reader": ("TraceReader",),
+    "sidecar.analysis.summary": ("summarize_trace",),
+}
+
+__all__, __getattr__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -7,13 +7,8 @@ Exports are lazy so worker processes do not pay for the launcher's imports.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from sidecar._lazy import lazy_exports
 
-__all__ = ["EmulatorProcess", "EmulatorStartError", "free_port"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        return getattr(importlib.import_module("sidecar.emulator.launcher"), name)
-    raise AttributeError(f"module 'sidecar.emulator' has no attribute {name!r}")
+__all__, __getattr__ = lazy_exports(
+    __name__, globals(), {"sidecar.emulator.launcher": ("EmulatorProcess", "EmulatorStartError", "free_port")}
+)

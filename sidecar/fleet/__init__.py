@@ -7,42 +7,25 @@ imported only when one is made), ``_clocks`` (each target's clock offset), ``_vi
 capture as one run: aligned traces, start skew, common window, timeline, Perfetto archive).
 """
 
-from sidecar.fleet._clocks import ClockOffset
-from sidecar.fleet._fleet import START_TIMEOUT_S, Fleet
-from sidecar.fleet._ray import Placement, RayNodes
-from sidecar.fleet._release import START_AT_MAX_S, check_start_at, parse_start_at
-from sidecar.fleet._results import FanOutResult, FleetCapture, TargetError, TargetOutcome, TargetResult
-from sidecar.fleet._targets import Target, TargetKind, parse_targets
-from sidecar.fleet._view import (
-    align_fleet,
-    fleet_archive,
-    fleet_sources,
-    fleet_stragglers,
-    fleet_timeline,
-    load_fleet_result,
-)
+from __future__ import annotations
 
-__all__ = [
-    "START_AT_MAX_S",
-    "START_TIMEOUT_S",
-    "ClockOffset",
-    "FanOutResult",
-    "Fleet",
-    "Placement",
-    "RayNodes",
-    "FleetCapture",
-    "Target",
-    "TargetError",
-    "TargetKind",
-    "TargetOutcome",
-    "TargetResult",
-    "align_fleet",
-    "fleet_archive",
-    "fleet_sources",
-    "fleet_stragglers",
-    "fleet_timeline",
-    "load_fleet_result",
-    "check_start_at",
-    "parse_start_at",
-    "parse_targets",
-]
+from sidecar._lazy import lazy_exports
+
+# each module -> the public names it defines, imported on first use (sidecar/_lazy.py): importing
+# one submodule of sidecar.fleet does not import the others
+_EXPORTS = {
+    "sidecar.fleet._clocks": ("ClockOffset",),
+    "sidecar.fleet._fleet": ("Fleet", "START_TIMEOUT_S"),
+    "sidecar.fleet._ray": ("Placement", "RayNodes"),
+    "sidecar.fleet._release": ("START_AT_MAX_S", "check_start_at", "parse_start_at"),
+    "sidecar.fleet._results": (
+        "FanOutResult", "FleetCapture", "TargetError", "TargetOutcome", "TargetResult",
+    ),
+    "sidecar.fleet._targets": ("Target", "TargetKind", "parse_targets"),
+    "sidecar.fleet._view": (
+        "align_fleet", "fleet_archive", "fleet_sources", "fleet_stragglers", "fleet_timeline",
+        "load_fleet_result",
+    ),
+}
+
+__all__, __getattr__ = lazy_exports(__name__, globals(), _EXPORTS)
