@@ -2,6 +2,11 @@
 PY ?= python3
 # torch is pinned: 2.13.0 is a CPU build here; a plain `torch` pulls a multi-GB CUDA build.
 TORCH = torch==2.13.0
+# This machine (and CI) exports PYTHONDONTWRITEBYTECODE=1: every Python process would then compile
+# the package's sources again (0.67 s of CPU for `import sidecar.cli`), and the suites start
+# hundreds of them (CLI calls, sidecars, emulator workers, xdist workers). Bytecode is cached as
+# Python does by default (__pycache__/ is ignored by git).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test install-demo install-test test-default test-contract test-live test-verl test-omni test-schema-fuzz
 
