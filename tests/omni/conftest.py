@@ -308,6 +308,21 @@ def module_sidecar(setup: Setup, tmp: pytest.TempPathFactory, **opts: Any) -> It
         proc.stop(grace=30)
 
 
+@pytest.fixture(scope="module")
+def sidecar(two_stage: Setup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
+    """A module's sidecar in front of the two-stage server (a module on another server defines its own)."""
+    with module_sidecar(two_stage, tmp_path_factory) as proc:
+        yield proc
+
+
+@pytest.fixture
+def client(sidecar: SidecarProcess) -> Iterator[SidecarClient]:
+    """A client of the module's sidecar; what the test left open is stopped and checked after it."""
+    with SidecarClient(sidecar.url, timeout=600) as c:
+        yield c
+    end_open_captures(sidecar.url)
+
+
 def end_open_captures(url: str, timeout: float = 600) -> None:
     """After a test: every capture it left open is stopped and checked, so the next can start."""
     with SidecarClient(url, timeout=60) as client:

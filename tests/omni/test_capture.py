@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,24 +18,12 @@ from sidecar.client import SidecarClient
 from sidecar.control.models import Capture
 from sidecar.errors import SidecarError
 from tests.fixtures.waits import poll
-from tests.omni.conftest import Setup, complete, end_open_captures, module_sidecar, start_sidecar
+from tests.omni.conftest import Setup, complete, end_open_captures, start_sidecar
 
 # <dir>/<YYYYmmdd-HHMMSS>_stage<sid>_rank0_<epoch>/ (vLLM-Omni's OmniTorchProfilerWrapper)
 SESSION = re.compile(r"^\d{8}-\d{6}_stage(?P<sid>\d+)_rank0_\d+$")
 AR_FILES = {"trace_rank0.json.gz", "ops_rank0.xlsx"}
 
-
-@pytest.fixture(scope="module")
-def sidecar(two_stage: Setup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
-    with module_sidecar(two_stage, tmp_path_factory) as proc:
-        yield proc
-
-
-@pytest.fixture
-def client(sidecar: SidecarProcess) -> Iterator[SidecarClient]:
-    with SidecarClient(sidecar.url, timeout=120) as c:
-        yield c
-    end_open_captures(sidecar.url)
 
 
 def tree(dirs: dict[int, Path]) -> set[str]:

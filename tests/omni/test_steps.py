@@ -10,24 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
 from sidecar.control.budget import trace_bytes
 from tests.fixtures.load import steady_load
-from tests.omni.conftest import Setup, end_open_captures, module_sidecar
+from tests.omni.conftest import Setup
 
-
-@pytest.fixture(scope="module")
-def sidecar(two_stage: Setup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
-    with module_sidecar(two_stage, tmp_path_factory) as proc:
-        yield proc
-
-
-@pytest.fixture
-def client(sidecar: SidecarProcess) -> Iterator[SidecarClient]:
-    with SidecarClient(sidecar.url, timeout=1800) as c:
-        yield c
-    end_open_captures(sidecar.url)
 
 
 @pytest.fixture
