@@ -80,7 +80,7 @@ def serve(
         from pydantic import ValidationError
 
         from sidecar.control.journal import CaptureJournal, StateDirLock
-        from sidecar.errors import ConfigError, SettingInvalid, ValidationFailed
+        from sidecar.errors import SettingInvalid, ValidationFailed
         from sidecar.scrub import scrub_secrets
 
         if upstream is None and not os.environ.get("OMNI_SIDECAR_UPSTREAM_URL"):

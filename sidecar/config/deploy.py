@@ -36,7 +36,6 @@ from sidecar.errors import (
     ConfigEmpty,
     ConfigError,
     ConfigNotMapping,
-    ConfigUnreadable,
     DeployConfigMissing,
     StagesFlagMisplaced,
     DeployStagesInvalid,

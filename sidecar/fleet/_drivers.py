@@ -17,7 +17,7 @@ import httpx
 from sidecar.config.models import DeployConfig, Stage, StageKind
 from sidecar.config.profiler import ProfilerConfig
 from sidecar.control.models import Capture, CaptureState, StopReason
-from sidecar.errors import KindUnsupported, FleetInvalid
+from sidecar.errors import KindUnsupported
 from sidecar.fleet._clocks import MORE, ClockOffset, clock_record, exchange
 from sidecar.fleet._targets import Target
 

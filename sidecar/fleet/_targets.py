@@ -11,7 +11,7 @@ from typing import Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from sidecar.errors import TargetDuplicate, TargetInvalid, TargetsEmpty, FleetInvalid
+from sidecar.errors import TargetDuplicate, TargetInvalid, TargetsEmpty
 
 Flavor = Literal["omni", "vllm"]
 
