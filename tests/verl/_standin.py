@@ -8,9 +8,8 @@
   its ``start_profile``/``stop_profile`` (verl's engine-level calls) are recorded and forwarded.
 - ``EmulatedReplica`` is a real ``verl.workers.rollout.replica.RolloutReplica`` whose
   ``launch_servers`` starts that server on this node (registered as rollout name ``emulator``).
-- ``WorkerGroup`` stands in for the FSDP training workers (start/stop_profile calls recorded).
-- ``CheckpointManager`` stands in for weight sync: ``sleep_replicas`` puts every replica to sleep,
-  ``update_weights`` (the GPU-to-GPU weight sync) is recorded.
+- ``ActorRolloutRefWorker`` stands in for verl's FSDP training worker (an FSDP model and a vLLM
+  engine on a GPU per rank): the same registered methods and dispatch; nothing is trained.
 """
 
 from __future__ import annotations
@@ -131,32 +130,6 @@ class EmulatedReplica(RolloutReplica):
 RolloutReplicaRegistry.register("emulator", lambda: EmulatedReplica)
 
 
-class WorkerGroup:
-    def __init__(self, world_size: int) -> None:
-        self.world_size = world_size
-        self.workers = [f"worker{i}" for i in range(world_size)]
-        self.profile_calls: list[tuple[str, Any]] = []
-
-    def start_profile(self, **kwargs: Any) -> None:
-        self.profile_calls.append(("start", kwargs.get("profile_step")))
-
-    def stop_profile(self, **kwargs: Any) -> None:
-        self.profile_calls.append(("stop", None))
-
-
-class CheckpointManager:
-    def __init__(self, replicas: list[Any]) -> None:
-        self.replicas = replicas
-        self.updates: list[Any] = []
-
-    def update_weights(self, global_steps: Any = None) -> None:  # weight sync from the GPU workers
-        self.updates.append(global_steps)
-
-    def sleep_replicas(self) -> None:
-        async def all_sleep() -> None:
-            await asyncio.gather(*[r.sleep() for r in self.replicas])
-
-        asyncio.run(all_sleep())
 
 
 def posts(server: Any) -> list[str]:
