@@ -37,7 +37,10 @@ def cli_capture(sidecar: SidecarProcess, busy_url: str) -> dict[str, Any]:
     with SidecarClient(sidecar.url) as client:
         known = {c.id for c in client.list_captures()}
         proc = subprocess.Popen([sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar.url, "--json"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)  # fmt: skip
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                # as in a terminal: a suite started by a shell's `&` inherits SIGINT
+                                # ignored, and Python then never raises KeyboardInterrupt
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
         try:
             assert poll(lambda: any(c.id not in known and c.state.value == "active" for c in client.list_captures()),
                         timeout=120)  # fmt: skip
