@@ -21,9 +21,11 @@ The setups (each a real server, each named for what it exercises):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Sequence
@@ -86,6 +88,16 @@ _PLAN_INDEX = pytest.StashKey[int]()
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if _PLAN_INDEX in item.stash:
         POSITION[0] = item.stash[_PLAN_INDEX]
+
+
+POOL: list[OmniPool] = []  # the session's pool, once made
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item) -> None:
+    # after the test's own teardown (its module's fixtures too, when it was the module's last)
+    if POOL and _PLAN_INDEX in item.stash:
+        POOL[0].advance()
 
 
 class OmniStartError(SidecarError):
@@ -190,39 +202,85 @@ class Spec:
 class OmniPool:
     """Real servers shared by the group's modules, one per named setup (``SETUPS``): ``get(name)``
     returns the running server's ``Setup``, starting it under a fresh root if needed. At most
-    ``keep`` run at once (each is ~5 GiB); the one stopped for room is, from ``PLAN`` (the setups
-    each test uses, in run order), the one needed again last or never. Starts are one at a time:
-    vLLM-Omni serializes every server's stage start-up on a machine-wide lock per device
+    ``keep`` run or start at once (each is ~5 GiB); the one stopped for room is, from ``PLAN`` (the
+    setups each test uses, in run order), the one needed again last or never. Starts are one at a
+    time: vLLM-Omni serializes every server's stage start-up on a machine-wide lock per device
     (``/tmp/vllm_omni_device_<id>_init.lock``), so two starts side by side only wait on each other.
+
+    ``advance()`` (after each test) stops the servers no later test uses and starts, in a thread,
+    the next setup ``PLAN`` needs while a slot is free: its ~70 s start runs beside the tests of
+    the servers before it, and ``get`` waits for it (or raises what its start raised).
     ``close()`` stops all (SIGTERM, then SIGKILL of the process group)."""
 
     def __init__(self, python: str, model: Path, tmp: pytest.TempPathFactory, keep: int = 2) -> None:
         self.python, self.model, self.tmp, self.keep = python, model, tmp, keep
         self.running: dict[str, Setup] = {}
+        self.starting: dict[str, tuple[Setup, threading.Thread, list[BaseException]]] = {}
         self.shared_dir = tmp.mktemp("omni-shared-perf")  # one dir two setups write into
 
     def _next_use(self, name: str) -> float:
         return next((i for i in range(POSITION[0], len(PLAN)) if name in PLAN[i]), float("inf"))
 
     def get(self, name: str) -> Setup:
+        if name in self.starting:
+            self._join(name)
         setup = self.running.get(name)
         if setup is not None and setup.server.returncode is None:
             return setup
         if setup is not None:
             self.running.pop(name).server.stop(grace=5)  # it died: start it again
         now = PLAN[POSITION[0]] if POSITION[0] < len(PLAN) else frozenset()
-        while len(self.running) >= self.keep:
+        while len(self.running) + len(self.starting) >= self.keep:
+            if self.starting:  # a prefetch holds the slot: let it finish, then choose
+                self._join(next(iter(self.starting)))
+                continue
             others = [n for n in self.running if n not in now] or list(self.running)
             self.running.pop(max(others, key=self._next_use)).server.stop(grace=30)
+        setup = self._setup(name)
+        setup.server.start()  # a failed start kills what it started
+        self.running[name] = setup
+        return setup
+
+    def advance(self) -> None:
+        """After test ``POSITION``: stop what no later test uses, and start the next setup needed."""
+        later = PLAN[POSITION[0] + 1:]
+        for n in [n for n in self.running if not any(n in uses for uses in later)]:
+            self.running.pop(n).server.stop(grace=30)
+        upcoming = [n for uses in later for n in SETUP_ORDER if n in uses]
+        for n in dict.fromkeys(upcoming):
+            if len(self.running) + len(self.starting) >= self.keep:
+                break
+            if n not in self.running and n not in self.starting:
+                setup, errors = self._setup(n), []
+
+                def start(setup: Setup = setup, errors: list[BaseException] = errors) -> None:
+                    try:
+                        setup.server.start()
+                    except BaseException as exc:  # handed to get()
+                        errors.append(exc)
+
+                thread = threading.Thread(target=start, name=f"omni-start-{n}", daemon=True)
+                self.starting[n] = (setup, thread, errors)
+                thread.start()
+
+    def _setup(self, name: str) -> Setup:
         root = self.tmp.mktemp(f"omni-{name}")
         spec = SETUPS[name](self, root)
         server = OmniServer(self.python, spec.model or self.model, spec.deploy, cwd=root, log_path=root / "vllm-omni.log",
                             extra_args=[*spec.server_only_args, *spec.server_args])  # fmt: skip
-        server.start()  # a failed start kills what it started
-        self.running[name] = Setup(server, spec.deploy, list(spec.server_args), spec.dirs)
-        return self.running[name]
+        return Setup(server, spec.deploy, list(spec.server_args), spec.dirs)
+
+    def _join(self, name: str) -> None:
+        setup, thread, errors = self.starting.pop(name)
+        thread.join()
+        if errors:
+            raise errors[0]
+        self.running[name] = setup
 
     def close(self) -> None:
+        for name in list(self.starting):
+            with contextlib.suppress(BaseException):
+                self._join(name)
         for setup in reversed(list(self.running.values())):
             setup.server.stop(grace=30)
         self.running.clear()
@@ -231,9 +289,11 @@ class OmniPool:
 @pytest.fixture(scope="session")
 def omni_pool(omni_python: str, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[OmniPool]:
     pool = OmniPool(omni_python, tiny_model, tmp_path_factory)
+    POOL[:] = [pool]
     try:
         yield pool
     finally:
+        POOL.clear()
         pool.close()
 
 
