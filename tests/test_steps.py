@@ -114,6 +114,35 @@ def test_a_start_answered_after_the_steps_asked_says_the_window_could_not_be_sho
                for n in final.notes), final.notes
 
 
+def _late_reads_window(shared: ModuleSidecar, **faults: Any) -> Any:
+    shared.emulator.set_faults(**faults)
+    with steady_load(shared.emulator.url, max_tokens=1, chat=True), shared.client() as client:
+        ramped = _stage0_steps(shared) + 20  # the load running before the window: its rate is known
+        assert poll(lambda: _stage0_steps(shared) >= ramped), "the emulator ran no steps under load"
+        cap = client.start_capture(stages=[0, 2], steps=20)
+        final = client.wait_capture(cap.id, timeout=120)
+    assert (final.state.value, final.stop_reason.value) == ("completed", "steps"), final
+    return final
+
+
+def test_one_late_counter_read_is_hedged_and_the_window_stops_near_its_steps(shared: ModuleSidecar) -> None:
+    # The fifth /metrics read after the start is held 3 s (in CI one read on the real vLLM took over
+    # a second while the engine stepped on: that window ran to 75 steps of 20 asked). A fresh read
+    # beside it keeps the count going.
+    final = _late_reads_window(shared, metrics_delay_s=3.0, metrics_delay_after=4, metrics_delay_count=1)
+    assert final.steps_counted is not None and abs(final.steps_counted - 20) <= 3, (final.steps_counted, final.notes)
+    traced = {v.stage_id: v.steps_traced for v in final.verdicts}
+    assert all(n is not None and n <= 30 for n in traced.values()), (traced, final.notes)
+
+
+def test_a_window_whose_counter_stops_answering_ends_by_its_rate(shared: ModuleSidecar) -> None:
+    # Every read from the fifth on is held 3 s: no count comes back, the rate (of the reads before) decides
+    final = _late_reads_window(shared, metrics_delay_s=3.0, metrics_delay_after=4, metrics_delay_count=0)
+    assert final.steps_counted is not None and abs(final.steps_counted - 20) <= 3, (final.steps_counted, final.notes)
+    traced = {v.stage_id: v.steps_traced for v in final.verdicts}
+    assert all(n is not None and n <= 30 for n in traced.values()), (traced, final.notes)
+
+
 def test_delay_steps_a_server_never_runs_end_in_steps_not_reached_and_nothing_started(
     shared: ModuleSidecar, sidecar_factory: Any
 ) -> None:

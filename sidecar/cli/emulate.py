@@ -34,6 +34,15 @@ def emulate(
     fault_start_delay: float = typer.Option(
         0.0, "--fault-start-delay", help="Test aid: extra seconds inside start before replying (the workers record)."
     ),
+    fault_metrics_delay: float = typer.Option(
+        0.0, "--fault-metrics-delay", help="Test aid: seconds each /metrics read is held (see --fault-metrics-delay-after)."
+    ),
+    fault_metrics_delay_after: int = typer.Option(
+        0, "--fault-metrics-delay-after", help="Test aid: /metrics reads since the last start answered at once before the delay."
+    ),
+    fault_metrics_delay_count: int = typer.Option(
+        0, "--fault-metrics-delay-count", help="Test aid: how many /metrics reads are held (0: every one after those answered)."
+    ),
     fault_dead_stage: Optional[int] = typer.Option(
         None,
         "--fault-dead-stage",
@@ -95,6 +104,9 @@ def emulate(
                 gzip_delay_s=gzip_delay,
                 fault_stop_delay_s=fault_stop_delay,
                 fault_start_delay_s=fault_start_delay,
+                fault_metrics_delay_s=fault_metrics_delay,
+                fault_metrics_delay_after=fault_metrics_delay_after,
+                fault_metrics_delay_count=fault_metrics_delay_count,
                 fault_dead_stage=fault_dead_stage,
                 fault_die_after_start=fault_die_after_start,
                 fault_hang_stop=fault_hang_stop,

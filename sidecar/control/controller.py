@@ -222,6 +222,7 @@ def _done(value: Any) -> asyncio.Task[Any]:
 
 
 RATE_WINDOW_S = 1.0  # a ``steps`` window's step rate is taken over this much of its latest reads
+STEP_READS_OUT = 4  # a ``steps`` window's counter reads out at once (a late one is hedged by fresh ones)
 
 
 def _check_steps(steps: int | None, delay_steps: int | None) -> None:
@@ -799,19 +800,69 @@ class CaptureController:
                     "send load to it, or ask for fewer delay_steps", details={"delay_steps": n, "counted": ran})
             await asyncio.sleep(self.settings.steps_poll_s)
 
+    async def _read_steps(self, stages: list[int], *, due: float, hedge_s: float
+                          ) -> tuple[dict[Labels, int] | None, float, float] | None:
+        """One count (as :meth:`_count`), hedged: a read not back within ``hedge_s`` gets a fresh
+        one beside it (at most ``STEP_READS_OUT`` out at once) and the freshest that comes back with
+        counts wins, so one slow reply does not blind a window. None when ``due`` (monotonic) comes
+        first; a failed read when every read out failed."""
+        out: set[asyncio.Future[tuple[dict[Labels, int] | None, float, float]]] = set()
+        failed: tuple[dict[Labels, int] | None, float, float] | None = None
+        try:
+            while True:
+                if len(out) < STEP_READS_OUT:
+                    out.add(asyncio.ensure_future(self._count(stages)))
+                left = due - time.monotonic()
+                if left <= 0:
+                    return None
+                done, out = await asyncio.wait(out, timeout=min(left, hedge_s), return_when=asyncio.FIRST_COMPLETED)
+                results = [t.result() for t in done if t.exception() is None]
+                counted = [r for r in results if r[0] is not None]
+                if counted:
+                    return max(counted, key=lambda r: r[1])
+                if done:
+                    failed = results[0] if results else (None, time.monotonic(), 0.0)
+                    if not out:
+                        return failed
+        finally:
+            for t in out:
+                t.cancel()
+
     async def _count_steps(self, capture_id: str) -> None:
         """A ``steps`` window: read the server's counter every ``steps_poll_s``; from the reads, the
         step rate, and from their round trip, the time a request takes to land. The base is the
         read just before the start was sent: both servers start the engines' profilers as the start
         arrives (vLLM 0.30 answers only once its front-end profiler has started too, which takes
-        seconds on CPU while the engine steps and records). The stop is sent so that it lands when
+        seconds on CPU while the engines step and record). The stop is sent so that it lands when
         the count reaches ``steps`` past the base: at once when due, else after the wait the rate
-        predicts, when that is shorter than the next read."""
+        predicts, when that is shorter than the next read. No read is waited for past that moment:
+        a read that comes back late (a busy server or host: one took over a second in CI) or fails
+        would otherwise let the window run on uncounted, so the rate decides then, and says so."""
         cap, rt = self._captures[capture_id], self._rt[capture_id]
         assert cap.steps is not None
-        poll = self.settings.steps_poll_s
+        steps, poll = cap.steps, self.settings.steps_poll_s
         base: dict[Labels, int] | None = None
         reads: collections.deque[tuple[float, int]] = collections.deque()  # (when the server counted, steps run)
+        rate = took = 0.0
+
+        def due() -> float:
+            """When the stop is to be sent, by the rate, to land (half a round trip later) at ``steps``."""
+            if not reads or rate <= 0:
+                return math.inf
+            at, now = reads[-1]
+            return at + (steps - now) / rate - took / 2
+
+        def predicted(sent: float) -> int:
+            at, now = reads[-1]
+            return int(round(now + rate * max(sent + took / 2 - at, 0.0)))
+
+        async def stop(count: int, why: str | None = None) -> None:
+            rt.steps_at_stop = count
+            if why is not None:
+                cap.notes.append(why)
+            rt.steps_counter = None  # stop() cancels the counter; this one must not cancel itself
+            await self.stop(capture_id, reason=StopReason.steps)
+
         if rt.steps_base is not None:
             counts, at, _ = rt.steps_base
             if counts is not None:
@@ -819,39 +870,57 @@ class CaptureController:
                 reads.append((at, 0))
         first = True
         while cap.state is CaptureState.active:
-            counts, at, took = await self._count(cap.stages)
-            if counts is None:
-                await asyncio.sleep(poll)
+            sent = time.monotonic()
+            got = await self._read_steps(cap.stages, due=due(), hedge_s=max(3 * took, 4 * poll))
+            if got is None:  # the rate says the window is full while no read has come back
+                now = time.monotonic()
+                await stop(predicted(now), None if now - sent < max(3 * took, 4 * poll) else (
+                    f"the step counter's reads had not come back after {(now - sent) * 1000:.0f} ms (the one "
+                    f"before took {took * 1000:.0f} ms): the stop was sent when the rate ({rate:.1f} steps/s from "
+                    f"{reads[-1][1]} counted) put the window at {steps} steps"))
+                return
+            counts, at, took_now = got
+            if counts is None:  # a failed read: the next one, unless the rate says the window is full
+                await asyncio.sleep(min(poll, max(due() - time.monotonic(), 0.0)))
                 continue
+            took = took_now
             if base is None:
                 base = counts
+            prev = reads[-1] if reads else None
             now = steps_since(base, counts, cap.stages)
             reads.append((at, now))
             # The rate over the last second of reads: the servers' counters move in bursts (vLLM-Omni's
             # by a request's steps at once), so read-to-read rates swing between 0 and several times it.
-            while len(reads) > 2 and at - reads[1][0] >= RATE_WINDOW_S:
+            # The base goes once two reads follow the start's answer: a start can pause the engines
+            # (vLLM's first one on CPU held the engine 2.6 s), and a rate across it is too low.
+            answered = rt.started_mono if rt.started_mono is not None else -math.inf
+            while len(reads) > 2 and (at - reads[1][0] >= RATE_WINDOW_S or reads[0][0] < answered):
                 reads.popleft()
             rate = (now - reads[0][1]) / (at - reads[0][0]) if at > reads[0][0] else 0.0
-            remaining = cap.steps - now
-            if first and remaining < 0 and rt.started_mono is not None:
-                cap.notes.append(
-                    f"the server had run {now} engine steps by the first count after the start was answered "
-                    f"({rt.started_mono - reads[0][0]:.2f}s after it was sent), more than the {cap.steps} asked: a "
-                    "window on this server is at least that long (a server's first profiler start initialises "
-                    "the profiler, seconds on CPU); ask for more steps")
-            first = False
-            # the stop lands about half a round trip after it is sent (as a read's answer comes back)
-            wait = remaining / rate - took / 2 - (time.monotonic() - at) if rate > 0 else math.inf
-            log.debug("capture %s: %d of %d steps (read %.0f ms, %.1f steps/s)", cap.id, now, cap.steps,
+            log.debug("capture %s: %d of %d steps (read %.0f ms, %.1f steps/s)", cap.id, now, steps,
                       took * 1000, rate)
-            # stop now, or after the predicted wait when the next read would come back later
-            if remaining <= 0.5 or wait <= poll + took:
-                wait = min(max(wait, 0.0), poll + took)
+            if now - steps > 2:
+                if first and rt.started_mono is not None:
+                    why = (f"the server had run {now} engine steps by the first count after the start was answered "
+                           f"({rt.started_mono - reads[0][0]:.2f}s after it was sent), more than the {steps} asked: a "
+                           "window on this server is at least that long (a server's first profiler start initialises "
+                           "the profiler, seconds on CPU); ask for more steps")
+                else:
+                    why = (f"the count went from {prev[1] if prev else 0} to {now} between two reads "
+                           f"{(at - prev[0]) * 1000 if prev else 0:.0f} ms apart (this read took {took * 1000:.0f} ms): "
+                           f"the server ran past the {steps} steps asked before the sidecar could see it")
+                await stop(now, why)
+                return
+            first = False
+            if steps - now <= 0.5:
+                await stop(now)
+                return
+            # stop after the predicted wait when the next read would come back later than it
+            wait = due() - time.monotonic()
+            if wait <= poll + took:
                 if wait > 0:
                     await asyncio.sleep(wait)
-                rt.steps_at_stop = int(round(now + rate * wait))
-                rt.steps_counter = None  # stop() cancels the counter; this one must not cancel itself
-                await self.stop(capture_id, reason=StopReason.steps)
+                await stop(predicted(time.monotonic()))
                 return
             await asyncio.sleep(poll)
 

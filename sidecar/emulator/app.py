@@ -116,6 +116,7 @@ class Emulator:
         self.stages = stages
         self.calls: list[dict[str, Any]] = []
         self.faults: Faults = options.faults
+        self.metrics_reads = 0  # /metrics reads since the last profiler start (the metrics_delay fault)
         # Held for a whole control call: the real orchestrator dispatches no new request while
         # it is busy with one (docs/design.md §3 "new requests are not dispatched meanwhile").
         self.control = asyncio.Lock()
@@ -163,6 +164,8 @@ class Emulator:
                     logger.warning("[Orchestrator] collective_rpc: ignoring invalid stage_id %s", lid)
                     continue
                 targets.append(self.stages[lid])
+        if is_start:
+            self.metrics_reads = 0
         async with self.control:
             for stage in targets:
                 at = time.time()  # one name for every replica of this stage (they are called within ms)
@@ -353,6 +356,8 @@ async def _vllm_profile(emu: Emulator, is_start: bool) -> None:
     """``AsyncLLM.start_profile`` / ``stop_profile``: the engine core's workers and the front-end
     profiler. A dead engine core raises (no stage pool to swallow it): 500."""
     action = "start" if is_start else "stop"
+    if is_start:
+        emu.metrics_reads = 0
     try:
         async with emu.control:
             if emu.frontend is not None:
@@ -435,6 +440,11 @@ def build_app(emu: Emulator) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        emu.metrics_reads += 1
+        f = emu.faults
+        past = emu.metrics_reads - f.metrics_delay_after
+        if f.metrics_delay_s and past > 0 and (not f.metrics_delay_count or past <= f.metrics_delay_count):
+            await asyncio.sleep(f.metrics_delay_s)
         return Response(emu.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")

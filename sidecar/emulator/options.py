@@ -22,6 +22,12 @@ class Faults(BaseModel):
     # start holds its reply this long after the workers started (and record): a server's first
     # profiler start on CPU, or vLLM 0.30 waiting for its front-end profiler
     start_delay_s: float = Field(default=0.0, ge=0)
+    # ``metrics_delay_count`` /metrics reads (0: every one) past the first ``metrics_delay_after``
+    # since the last start are held this long: a server (or host) too busy to answer the step
+    # counter in time (one read on the real vLLM took over a second in CI while the engine stepped on)
+    metrics_delay_s: float = Field(default=0.0, ge=0)
+    metrics_delay_after: int = Field(default=0, ge=0)
+    metrics_delay_count: int = Field(default=0, ge=0)
     # this stage's workers die (at start-up, or at once when set at run time); 0.30 then answers
     # SUCCESS to start/stop and the stage writes no trace, /health is 503
     dead_stage: int | None = None
@@ -61,6 +67,9 @@ class EmulatorOptions(BaseModel):
     # --- fault knobs at start-up (test aids; a real server has none of these) ---
     fault_stop_delay_s: float = Field(default=0.0, ge=0)
     fault_start_delay_s: float = Field(default=0.0, ge=0)
+    fault_metrics_delay_s: float = Field(default=0.0, ge=0)
+    fault_metrics_delay_after: int = Field(default=0, ge=0)
+    fault_metrics_delay_count: int = Field(default=0, ge=0)
     fault_dead_stage: int | None = None
     fault_die_after_start: int | None = None
     fault_hang_stop: bool = False
@@ -72,6 +81,9 @@ class EmulatorOptions(BaseModel):
         return Faults(
             stop_delay_s=self.fault_stop_delay_s,
             start_delay_s=self.fault_start_delay_s,
+            metrics_delay_s=self.fault_metrics_delay_s,
+            metrics_delay_after=self.fault_metrics_delay_after,
+            metrics_delay_count=self.fault_metrics_delay_count,
             dead_stage=self.fault_dead_stage,
             die_after_start=self.fault_die_after_start,
             hang_stop=self.fault_hang_stop,
