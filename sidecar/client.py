@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import httpx
+import tenacity
 
 from sidecar.control import filenames
 from sidecar.control.budget import Plan
@@ -66,6 +67,22 @@ def _unreachable(base_url: str, err: httpx.TransportError) -> SidecarUnreachable
         f"sidecar at {base_url} {kind} ({type(err).__name__}); is `omni-sidecar serve` running there?",
         details={"url": base_url},
     )
+
+
+def _dropped_read(err: BaseException) -> bool:
+    """A kept-alive connection the server closed as the request went out (the keep-alive race:
+    `Server disconnected without sending a response`): nothing was processed, so a read may go again."""
+    return isinstance(err, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError))
+
+
+_R = TypeVar("_R", tenacity.Retrying, tenacity.AsyncRetrying)
+
+
+def _read_retries(call: _Call, kind: type[_R]) -> _R:
+    """A read (GET) is sent once more on a fresh connection when its connection was dropped
+    unanswered; a write is never resent (the first may have been processed)."""
+    return kind(stop=tenacity.stop_after_attempt(2 if call.method == "GET" else 1),
+                retry=tenacity.retry_if_exception(_dropped_read), reraise=True)
 
 
 # --- the API as data: both clients send these and parse the replies the same way ---------------
@@ -238,7 +255,9 @@ class AsyncSidecarClient:
 
     async def _send(self, call: _Call) -> Any:
         try:
-            response = await self._http.request(call.method, call.path, **call.send_kwargs(self.timeout))
+            async for attempt in _read_retries(call, tenacity.AsyncRetrying):
+                with attempt:
+                    response = await self._http.request(call.method, call.path, **call.send_kwargs(self.timeout))
         except httpx.TransportError as err:
             raise _unreachable(self.base_url, err) from None
         return call.reply(response)
@@ -338,7 +357,9 @@ class SidecarClient:
 
     def _send(self, call: _Call) -> Any:
         try:
-            response = self._http.request(call.method, call.path, **call.send_kwargs(self.timeout))
+            for attempt in _read_retries(call, tenacity.Retrying):
+                with attempt:
+                    response = self._http.request(call.method, call.path, **call.send_kwargs(self.timeout))
         except httpx.TransportError as err:
             raise _unreachable(self.base_url, err) from None
         return call.reply(response)

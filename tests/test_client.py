@@ -137,3 +137,71 @@ def test_values_print_as_words(client: SidecarClient, urls: tuple[str, str]) -> 
     final = client.stop_capture(cap.id, wait=True, timeout=60)
     printed = " ".join(map(str, (final.state, final.stop_reason, final.verdicts[0].verdict, final.kind)))  # as print() does
     assert printed == f"{final.state.value} explicit {final.verdicts[0].verdict.value} torch"
+
+
+class _DropsFirstConnection:
+    """A socket server on 127.0.0.1 that reads the first connection's request and closes it
+    unanswered (a kept-alive connection closed by the server as the request went out), then
+    answers every later one with ``{"status": "ok"}``; it records each request line."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.lines: list[str] = []
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen()
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        body = b'{"status": "ok"}'
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with conn:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                self.lines.append(data.split(b"\r\n", 1)[0].decode())
+                if len(self.lines) > 1:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+    def close(self) -> None:
+        self._sock.close()
+        self._thread.join(5)
+
+
+@pytest.fixture
+def drops_first() -> Iterator[_DropsFirstConnection]:
+    server = _DropsFirstConnection()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+def test_a_read_whose_connection_was_dropped_unanswered_goes_once_more(drops_first: _DropsFirstConnection) -> None:
+    with SidecarClient(drops_first.url, timeout=10) as client:
+        assert client.healthz() == {"status": "ok"}
+    assert [line.split()[0:2] for line in drops_first.lines] == [["GET", "/healthz"]] * 2
+
+
+async def test_the_async_client_resends_a_dropped_read_too(drops_first: _DropsFirstConnection) -> None:
+    async with AsyncSidecarClient(drops_first.url, timeout=10) as client:
+        assert await client.healthz() == {"status": "ok"}
+    assert len(drops_first.lines) == 2, drops_first.lines
+
+
+def test_a_write_whose_connection_was_dropped_is_not_resent(drops_first: _DropsFirstConnection) -> None:
+    with SidecarClient(drops_first.url, timeout=10) as client, pytest.raises(SidecarUnreachable):
+        client.start_capture([0])
+    assert [line.split()[0] for line in drops_first.lines] == ["POST"], drops_first.lines
