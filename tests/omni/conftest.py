@@ -207,7 +207,7 @@ class OmniPool:
     time: vLLM-Omni serializes every server's stage start-up on a machine-wide lock per device
     (``/tmp/vllm_omni_device_<id>_init.lock``), so two starts side by side only wait on each other.
 
-    ``advance()`` (after each test) stops the servers no later test uses and starts, in a thread,
+    ``advance()`` (after each test) stops, in a thread, the servers no later test uses and starts, in a thread,
     the next setup ``PLAN`` needs while a slot is free: its ~70 s start runs beside the tests of
     the servers before it, and ``get`` waits for it (or raises what its start raised).
     ``close()`` stops all (SIGTERM, then SIGKILL of the process group)."""
@@ -216,6 +216,7 @@ class OmniPool:
         self.python, self.model, self.tmp, self.keep = python, model, tmp, keep
         self.running: dict[str, Setup] = {}
         self.starting: dict[str, tuple[Setup, threading.Thread, list[BaseException]]] = {}
+        self.stopping: list[threading.Thread] = []
         self.shared_dir = tmp.mktemp("omni-shared-perf")  # one dir two setups write into
 
     def _next_use(self, name: str) -> float:
@@ -236,6 +237,7 @@ class OmniPool:
                 continue
             others = [n for n in self.running if n not in now] or list(self.running)
             self.running.pop(max(others, key=self._next_use)).server.stop(grace=30)
+        self._room_beside_stops()
         setup = self._setup(name)
         setup.server.start()  # a failed start kills what it started
         self.running[name] = setup
@@ -245,11 +247,17 @@ class OmniPool:
         """After test ``POSITION``: stop what no later test uses, and start the next setup needed."""
         later = PLAN[POSITION[0] + 1:]
         for n in [n for n in self.running if not any(n in uses for uses in later)]:
-            self.running.pop(n).server.stop(grace=30)
+            # in a thread: a server's graceful stop takes 10-20 s of waiting (its stages shut down one
+            # by one), which the next test need not wait for; close() joins it
+            thread = threading.Thread(target=self.running.pop(n).server.stop, kwargs={"grace": 30},
+                                      name=f"omni-stop-{n}", daemon=True)
+            self.stopping.append(thread)
+            thread.start()
         upcoming = [n for uses in later for n in SETUP_ORDER if n in uses]
         for n in dict.fromkeys(upcoming):
             if len(self.running) + len(self.starting) >= self.keep:
                 break
+            self._room_beside_stops()
             if n not in self.running and n not in self.starting:
                 setup, errors = self._setup(n), []
 
@@ -262,6 +270,12 @@ class OmniPool:
                 thread = threading.Thread(target=start, name=f"omni-start-{n}", daemon=True)
                 self.starting[n] = (setup, thread, errors)
                 thread.start()
+
+    def _room_beside_stops(self) -> None:
+        """Before a start: at most one server still stopping beside the ``keep`` (memory: ~5 GiB each)."""
+        self.stopping = [t for t in self.stopping if t.is_alive()]
+        while len(self.running) + len(self.starting) + len(self.stopping) > self.keep:
+            self.stopping.pop(0).join()
 
     def _setup(self, name: str) -> Setup:
         root = self.tmp.mktemp(f"omni-{name}")
@@ -284,6 +298,8 @@ class OmniPool:
         for setup in reversed(list(self.running.values())):
             setup.server.stop(grace=30)
         self.running.clear()
+        for thread in self.stopping:
+            thread.join()
 
 
 @pytest.fixture(scope="session")
