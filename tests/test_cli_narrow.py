@@ -118,13 +118,13 @@ def test_fleet_capture_shows_progress_on_a_terminal(setup):
 
 def test_stop_wait_timeout_reports_the_time_it_waited(setup):
     sc, emu = setup
-    emu.set_faults(stop_delay_s=5)
+    emu.set_faults(hang_stop=True)  # the stop is held until the CLI has given up waiting
     try:
         with SidecarClient(sc.url) as client:
             cid = client.start_capture([0]).id
         done = cli("stop", cid, "--sidecar", sc.url, "--wait", "--timeout", "1")
     finally:
-        emu.set_faults(stop_delay_s=0)
+        emu.set_faults(hang_stop=False)
         with SidecarClient(sc.url, timeout=120) as client:
             client.wait_capture(cid, timeout=120)
     err = " ".join(done.stderr.split())

@@ -176,6 +176,9 @@ class _DropsFirstConnection:
                                  b"content-length: %d\r\n\r\n%s" % (len(body), body))
 
     def close(self) -> None:
+        import socket
+
+        self._sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() (a close alone does not)
         self._sock.close()
         self._thread.join(5)
 

@@ -126,18 +126,19 @@ def _late_reads_window(shared: ModuleSidecar, **faults: Any) -> Any:
 
 
 def test_one_late_counter_read_is_hedged_and_the_window_stops_near_its_steps(shared: ModuleSidecar) -> None:
-    # The fifth /metrics read after the start is held 3 s (in CI one read on the real vLLM took over
+    # The fifth /metrics read after the start is held 1.5 s (in CI one read on the real vLLM took over
     # a second while the engine stepped on: that window ran to 75 steps of 20 asked). A fresh read
     # beside it keeps the count going.
-    final = _late_reads_window(shared, metrics_delay_s=3.0, metrics_delay_after=4, metrics_delay_count=1)
+    final = _late_reads_window(shared, metrics_delay_s=1.5, metrics_delay_after=4, metrics_delay_count=1)
     assert final.steps_counted is not None and abs(final.steps_counted - 20) <= 3, (final.steps_counted, final.notes)
     traced = {v.stage_id: v.steps_traced for v in final.verdicts}
     assert all(n is not None and n <= 30 for n in traced.values()), (traced, final.notes)
 
 
 def test_a_window_whose_counter_stops_answering_ends_by_its_rate(shared: ModuleSidecar) -> None:
-    # Every read from the fifth on is held 3 s: no count comes back, the rate (of the reads before) decides
-    final = _late_reads_window(shared, metrics_delay_s=3.0, metrics_delay_after=4, metrics_delay_count=0)
+    # The reads from the fifth on are held 1.5 s (the four a window has out at once): no count comes
+    # back, the rate (of the reads before) decides
+    final = _late_reads_window(shared, metrics_delay_s=1.5, metrics_delay_after=4, metrics_delay_count=4)
     assert final.steps_counted is not None and abs(final.steps_counted - 20) <= 3, (final.steps_counted, final.notes)
     traced = {v.stage_id: v.steps_traced for v in final.verdicts}
     assert all(n is not None and n <= 30 for n in traced.values()), (traced, final.notes)

@@ -1,4 +1,4 @@
-// Verdict and state badges, and what a user can do about each verdict (DESIGN.md §5).
+// Verdict and state badges, and what a user can do about each verdict (docs/design.md §5).
 import { el } from "./format.js";
 
 export const VERDICT_HELP = {
