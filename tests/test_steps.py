@@ -140,8 +140,10 @@ def test_a_window_whose_counter_stops_answering_ends_by_its_rate(shared: ModuleS
     # back, the rate (of the reads before) decides
     final = _late_reads_window(shared, metrics_delay_s=1.5, metrics_delay_after=4, metrics_delay_count=4)
     assert final.steps_counted is not None and abs(final.steps_counted - 20) <= 3, (final.steps_counted, final.notes)
+    # A prediction from a few reads, not a count: on a loaded machine one such window traced 34
+    # (the rate of 2-3 reads is coarse). Waiting for the held reads instead traced 82 and 84.
     traced = {v.stage_id: v.steps_traced for v in final.verdicts}
-    assert all(n is not None and n <= 30 for n in traced.values()), (traced, final.notes)
+    assert all(n is not None and n <= 50 for n in traced.values()), (traced, final.notes)
 
 
 def test_delay_steps_a_server_never_runs_end_in_steps_not_reached_and_nothing_started(
