@@ -807,7 +807,6 @@ class CaptureController:
         counts wins, so one slow reply does not blind a window. None when ``due`` (monotonic) comes
         first; a failed read when every read out failed."""
         out: set[asyncio.Future[tuple[dict[Labels, int] | None, float, float]]] = set()
-        failed: tuple[dict[Labels, int] | None, float, float] | None = None
         try:
             while True:
                 if len(out) < STEP_READS_OUT:
@@ -820,10 +819,8 @@ class CaptureController:
                 counted = [r for r in results if r[0] is not None]
                 if counted:
                     return max(counted, key=lambda r: r[1])
-                if done:
-                    failed = results[0] if results else (None, time.monotonic(), 0.0)
-                    if not out:
-                        return failed
+                if done and not out:  # every read out failed
+                    return results[0] if results else (None, time.monotonic(), 0.0)
         finally:
             for t in out:
                 t.cancel()
@@ -870,11 +867,11 @@ class CaptureController:
                 reads.append((at, 0))
         first = True
         while cap.state is CaptureState.active:
-            sent = time.monotonic()
-            got = await self._read_steps(cap.stages, due=due(), hedge_s=max(3 * took, 4 * poll))
+            sent, hedge_s = time.monotonic(), max(3 * took, 4 * poll)
+            got = await self._read_steps(cap.stages, due=due(), hedge_s=hedge_s)
             if got is None:  # the rate says the window is full while no read has come back
                 now = time.monotonic()
-                await stop(predicted(now), None if now - sent < max(3 * took, 4 * poll) else (
+                await stop(predicted(now), None if now - sent < hedge_s else (
                     f"the step counter's reads had not come back after {(now - sent) * 1000:.0f} ms (the one "
                     f"before took {took * 1000:.0f} ms): the stop was sent when the rate ({rate:.1f} steps/s from "
                     f"{reads[-1][1]} counted) put the window at {steps} steps"))

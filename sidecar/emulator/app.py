@@ -281,6 +281,14 @@ async def _hold_start_reply(emu: Emulator) -> None:
         await asyncio.sleep(emu.faults.start_delay_s)
 
 
+async def _hold_metrics_reply(emu: Emulator) -> None:
+    emu.metrics_reads += 1
+    f = emu.faults
+    past = emu.metrics_reads - f.metrics_delay_after
+    if f.metrics_delay_s and past > 0 and (not f.metrics_delay_count or past <= f.metrics_delay_count):
+        await asyncio.sleep(f.metrics_delay_s)
+
+
 async def _hold_stop_reply(emu: Emulator) -> None:
     faults = emu.faults
     if faults.stop_delay_s:
@@ -440,11 +448,7 @@ def build_app(emu: Emulator) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        emu.metrics_reads += 1
-        f = emu.faults
-        past = emu.metrics_reads - f.metrics_delay_after
-        if f.metrics_delay_s and past > 0 and (not f.metrics_delay_count or past <= f.metrics_delay_count):
-            await asyncio.sleep(f.metrics_delay_s)
+        await _hold_metrics_reply(emu)
         return Response(emu.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")

@@ -207,9 +207,10 @@ class OmniPool:
     time: vLLM-Omni serializes every server's stage start-up on a machine-wide lock per device
     (``/tmp/vllm_omni_device_<id>_init.lock``), so two starts side by side only wait on each other.
 
-    ``advance()`` (after each test) stops, in a thread, the servers no later test uses and starts, in a thread,
-    the next setup ``PLAN`` needs while a slot is free: its ~70 s start runs beside the tests of
-    the servers before it, and ``get`` waits for it (or raises what its start raised).
+    ``advance()`` (after each test) stops the servers no later test uses and starts the next setup
+    ``PLAN`` needs while a slot is free, each in a thread: a stop's 10-20 s and a start's ~70 s run
+    beside the tests, ``get`` waits for a start (or raises what it raised), and at most one server
+    still stopping stands beside the ``keep``.
     ``close()`` stops all (SIGTERM, then SIGKILL of the process group)."""
 
     def __init__(self, python: str, model: Path, tmp: pytest.TempPathFactory, keep: int = 2) -> None:
