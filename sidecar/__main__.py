@@ -1,3 +1,3 @@
-from sidecar.cli._app import main
+from sidecar.cli import main
 
 main()

@@ -73,3 +73,47 @@ def test_help_paragraphs_reflow_to_the_terminal():
     # capture's docstring breaks "... so a" / "killed CLI ..." across source lines; help joins them
     result = CliRunner().invoke(app, ["capture", "--help"], env={"COLUMNS": "200"})
     assert "so a killed CLI leaves nothing recording" in result.stdout, result.stdout
+
+
+_REGISTERS = """
+import json, sys, typer.main
+from sidecar.cli import COMMANDS
+from sidecar.cli._app import app
+seen, order = {}, []
+for module in COMMANDS:
+    before = set(typer.main.get_command(app).commands)
+    __import__(f"sidecar.cli.{module}")
+    seen[module] = sorted(set(typer.main.get_command(app).commands) - before)
+order = list(typer.main.get_command(app).commands)
+print(json.dumps({"seen": seen, "order": order}))
+"""
+
+
+def test_the_lazy_map_names_what_each_module_registers():
+    # a command missing from COMMANDS would run only after a full load; one in the wrong module
+    # would answer "No such command" when run alone
+    import json
+    import subprocess
+    import sys
+
+    from sidecar.cli import COMMANDS as MAP
+
+    out = subprocess.run([sys.executable, "-c", _REGISTERS], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout)
+    assert got["seen"] == {m: sorted(c) for m, c in MAP.items()}
+    assert got["order"] == [c for cs in MAP.values() for c in cs]
+
+
+def test_one_command_imports_only_its_module():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nsys.argv = ['omni-sidecar', 'stop', '--help']\nfrom sidecar.cli import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith('sidecar.cli.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = out.stdout.strip().splitlines()[-1]
+    assert "'sidecar.cli.capture'" in loaded and "'sidecar.cli.fleet'" not in loaded, loaded
+    assert "'sidecar.cli.serve'" not in loaded, loaded

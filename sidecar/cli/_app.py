@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import sys
 from collections.abc import Iterator
 from typing import Annotated, Optional
 
@@ -120,7 +119,3 @@ def parse_stage_list(value: str | None) -> list[int] | None:
         raise typer.BadParameter(f"stages must be comma-separated integers, e.g. 0,2 (got {value!r})") from None
 
 
-def main() -> None:  # console script entry point
-    from sidecar import cli as _cli  # noqa: F401  (registers every command module)
-
-    sys.exit(app())
