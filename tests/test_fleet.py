@@ -87,6 +87,26 @@ def test_cli_split_start_stop_across_invocations(fake_replica_factory, tmp_path)
     assert target["state"] == "completed" and target["folders"] == [str(p) for p in r.sessions(0)] != []
 
 
+
+async def test_a_split_stop_finds_the_capture_its_recovery_already_stopped(fake_replica_factory, tmp_path):
+    # `fleet stop` opens the journal `fleet start` left; opening it stops the live capture (recovery)
+    # in the background. When that stop is over before the fleet reads the live capture (a loaded
+    # run did this: "no live capture on this target"), it is still the capture the user stops.
+    (r,) = fake_replica_factory(1, stages=(0,))
+    targets = [Target.upstream(r.url, r.deploy)]
+    fleet = Fleet(targets, control_settings=FAST, state_dir=tmp_path / "st")
+    await fleet.open()
+    started = await fleet.start()
+    await fleet.close(keep_live=True)
+    (cid,) = [t.capture_id for t in started.targets.values()]
+    async with Fleet(targets, control_settings=FAST, state_dir=tmp_path / "st") as again:
+        (driver,) = again._drivers.values()
+        await driver.controller.wait(cid, timeout=30)  # the recovery's stop is over
+        fc = await again.stop(await again.live())
+    (res,) = fc.targets.values()
+    assert (res.outcome, res.capture_id, res.state) == (TargetOutcome.stopped, cid, CaptureState.completed)
+    assert len(r.calls("/stop_profile")) == 1 and res.folders == [str(p) for p in r.sessions(0)] != []
+
 # --- input refused before anything is sent -----------------------------------------------
 
 

@@ -191,9 +191,10 @@ class UpstreamDriver:
                                        transport=transport)
         self.controller = CaptureController(self.upstream, deploy, state_dir=state_dir, settings=settings)
         self.deploy = deploy
+        self._recovered: list[str] = []  # captures journaled live by an earlier process, stopped at open
 
     async def open(self) -> DeployConfig | None:
-        await self.controller.open()
+        self._recovered = [c.id for c in await self.controller.open()]
         # A connection made now is one the start does not pay for (TCP connect, pool setup):
         # best effort, an unreachable server is reported by the start itself.
         await self.upstream.warm()
@@ -241,8 +242,12 @@ class UpstreamDriver:
         await self.controller.heartbeat(capture_id)
 
     async def live(self) -> Capture | None:
-        # After open(), a capture journaled live by an earlier process is here, already stopping.
-        return self.controller.active
+        # After open(), a capture journaled live by an earlier process (``fleet start``) is being
+        # stopped by recovery; that stop can finish before this read: it is still the one asked for.
+        active = self.controller.active
+        if active is None and self._recovered:
+            return self.controller.get(self._recovered[-1])
+        return active
 
     async def record_clock(self, capture_id: str, phase: str, clock: ClockOffset) -> None:
         from sidecar.control.models import ClockRecord
