@@ -94,6 +94,23 @@ async def test_capture_completes_with_ok_verdicts_and_worker_file_names(ctl):
     )
 
 
+
+async def test_a_steps_window_whose_summary_fails_still_completes_and_says_why(ctl, monkeypatch):
+    # The steps a trace holds come from its summary; a summary that raised anything but a
+    # SidecarError (a real one: a process pool in the daemonic analysis worker) failed the stop
+    # itself ("internal_error"). A summary never changes the capture's outcome.
+    import sidecar.analysis
+    from tests.fixtures.analysis import summarizer_bug
+    from tests.fixtures.load import steady_load
+
+    monkeypatch.setattr(sidecar.analysis, "summarize_paths", summarizer_bug)
+    with steady_load(ctl.upstream.base_url, max_tokens=1, chat=True):
+        cap = await ctl.start([0], steps=5)
+        done = await ctl.wait(cap.id, timeout=WAIT)
+    assert (done.state, done.stop_reason, done.verdict(0).verdict, done.verdict(0).steps_traced) == (
+        CaptureState.completed, StopReason.steps, Verdict.ok, None), done
+    assert any("not counted: the summary failed (RuntimeError: summarizer bug" in n for n in done.notes), done.notes
+
 async def test_idle_window_is_empty_no_request_ran(ctl):
     done = await _capture(ctl, [0], busy=False)
     assert (done.state, done.verdict(0).verdict, done.verdict(0).reason.startswith("no request ran")) == (

@@ -132,6 +132,32 @@ def test_an_error_in_the_worker_keeps_its_class(hostile_dir: Path) -> None:
     assert type(err.value) is TraceError
 
 
+
+def test_the_servers_summary_of_several_large_files_runs_in_its_worker(tmp_path: Path) -> None:
+    # The server summarises a capture in a daemonic, memory-capped worker; files above the
+    # parallel threshold made summarize_paths open a process pool there ("daemonic processes are
+    # not allowed to have children"): the summary, and a steps window's trace count, failed on a
+    # real vLLM capture of 37 MB (bench/steps.py, stacks flags).
+    import gzip
+    import json
+
+    from sidecar.analysis import summarize_paths
+    from sidecar.analysis.capture import PARALLEL_MIN_BYTES
+    from sidecar.analysis.isolated import run_isolated
+
+    doc = json.load(gzip.open(Path(__file__).parent / "data" / "traces" / "cuda_small_stack.json.gz"))
+    text = json.dumps(doc)
+    copies = PARALLEL_MIN_BYTES // 2 // len(text) + 1
+    doc["traceEvents"] = doc["traceEvents"] * copies
+    paths = []
+    for rank in (0, 1):
+        path = tmp_path / f"trace_rank{rank}.json"
+        path.write_text(json.dumps(doc))
+        paths.append(path)
+    assert sum(p.stat().st_size for p in paths) >= PARALLEL_MIN_BYTES
+    summary = run_isolated(summarize_paths, paths)
+    assert [f.totals.events for f in summary.files] == [len(doc["traceEvents"])] * 2
+
 _OWNER = """
 import os, sys, threading, time
 import psutil

@@ -11,6 +11,7 @@ file becomes an entry in ``errors``; it never hides the others.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
 import statistics
@@ -140,8 +141,10 @@ def _aggregate(src: TraceSource) -> Result:
 
 
 def default_workers(sources: Sequence[TraceSource]) -> int:
-    """One process per file up to the cores this process may use; 1 when the files are small."""
-    if len(sources) < 2:
+    """One process per file up to the cores this process may use; 1 when the files are small,
+    and 1 in a daemonic process (the server's memory-capped analysis worker,
+    ``sidecar.analysis.isolated``), which multiprocessing does not let have children."""
+    if len(sources) < 2 or multiprocessing.current_process().daemon:
         return 1
     try:
         size = sum(s.path.stat().st_size for s in sources)
@@ -157,7 +160,7 @@ def aggregate_sources(sources: Sequence[TraceSource], *, workers: int | None = N
     """Aggregate every source, in order; ``workers`` processes (default: ``default_workers``).
     The pool uses ``forkserver`` (never ``fork``: callers run event loops and threads)."""
     n = default_workers(sources) if workers is None else max(1, min(workers, len(sources)))
-    if n <= 1:
+    if n <= 1 or multiprocessing.current_process().daemon:
         return [_aggregate(s) for s in sources]
     with ProcessPoolExecutor(max_workers=n, mp_context=_pool_context()) as pool:
         # biggest first: the last file to start should be a short one
@@ -178,7 +181,6 @@ def _pool_context() -> Any:
     milliseconds with everything imported. Otherwise (the sidecar server) ``forkserver`` with the
     summarizer preloaded in the server, never a fork of a threaded process; spawn where neither
     exists."""
-    import multiprocessing
     import threading
 
     methods = multiprocessing.get_all_start_methods()

@@ -947,6 +947,10 @@ class CaptureController:
         except SidecarError as exc:
             cap.notes.append(f"the steps the traces hold are not counted: {exc.message}")
             return verdicts
+        except Exception as exc:  # a summary never changes the capture's outcome (a bug included)
+            log.warning("capture %s: the steps the traces hold are not counted: %s", cap.id, exc, exc_info=True)
+            cap.notes.append(f"the steps the traces hold are not counted: the summary failed ({type(exc).__name__}: {exc})")
+            return verdicts
         per_stage: dict[int, int] = {}
         for f in data.get("files", []):
             sid = f.get("stage_id")
