@@ -147,7 +147,18 @@ def main() -> None:
                             f"(goal 0.75-1.25); stop {pred_stop:6.2f}s predicted, {st:6.2f}s actual, ratio "
                             f"{pred_stop / st if st else float('nan'):.2f} (goal 0.5-1.5); traced "
                             f"{[v.steps_traced for v in cap.verdicts]}")
-                print(rows[-1], flush=True)
+                # the same line at the steps the window really held (a window that ran past its
+                # steps is the counter's imprecision, not the size line's)
+                held = max((v.steps_traced or 0 for v in cap.verdicts), default=0)
+                if held:
+                    h_mb, h_stop = plan.predict(held)
+                    rows.append(f"  {'':6s} at the {held} steps held: size ratio {h_mb / mb if mb else float('nan'):.2f}, "
+                                f"stop ratio {h_stop / st if st else float('nan'):.2f}")
+                for pr in plan.probes:
+                    rows.append(f"  {'':6s} probe {pr.steps_asked} asked: traced {pr.steps_traced}, "
+                                f"{sum(pr.bytes.values()) / 1e6:.2f} MB, stop {pr.stop_s:.2f}s")
+                rows.append(f"  {'':6s} window: counted {cap.steps_counted}, notes {cap.notes}")
+                print("\n".join(rows[-(len(plan.probes) + 2 + bool(held)):]), flush=True)
         print(f"plan vs actual (--budget-mb {args.budget_mb:g} --max-stop-s {args.max_stop_s:g})")
         print("\n".join(rows))
 
