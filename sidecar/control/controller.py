@@ -778,8 +778,9 @@ class CaptureController:
         t0 = time.monotonic()
         try:
             counts: dict[Labels, int] | None = await self.upstream.step_counts()
-        except MetricsUnavailable:
+        except MetricsUnavailable as exc:
             counts = None
+            log.debug("a step counter read failed after %.0f ms: %s", (time.monotonic() - t0) * 1000, exc.message)
         t1 = time.monotonic()
         return counts, (t0 + t1) / 2, t1 - t0
 
