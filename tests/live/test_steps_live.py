@@ -48,11 +48,14 @@ def test_twenty_steps_end_by_themselves_and_the_trace_holds_them(sidecar: Any, l
     print(f"asked 20: counted {cap.steps_counted}, traced {verdict.steps_traced}")
     # The sidecar's own precision: the count it stopped at, from the server's counter.
     assert cap.steps_counted is not None and abs(cap.steps_counted - 20) <= 2, (cap.steps_counted, cap.notes)
-    # The trace: never short by more than the count's error; long by the steps the engine ran while
-    # the stop travelled (API server, engine core, worker): measured here 0 to 4 at this load
-    # (docs/captures.md, precision).
-    assert verdict.steps_traced is not None and 18 <= verdict.steps_traced <= cap.steps_counted + 10, (
+    # The trace: short by the steps the engine ran between the base read and its profiler's start
+    # (the start travels too: a CI run at f8f679b counted 20 and traced 16), long by the steps it ran
+    # while the stop travelled (API server, engine core, worker): 0 to 4 at this load
+    # (docs/captures.md, precision). Either way the verdict says what the trace holds.
+    assert verdict.steps_traced is not None and 14 <= verdict.steps_traced <= cap.steps_counted + 10, (
         verdict, cap.notes)
+    if verdict.steps_traced != 20:
+        assert f"the trace holds {verdict.steps_traced} engine steps, 20 were asked" in " ".join(cap.notes), cap.notes
     (engine,) = cap.window_metrics.engines  # type: ignore[union-attr]
     assert engine.engine == "0" and engine.engine_steps >= 20 and engine.generation_tokens >= 20, engine
 
