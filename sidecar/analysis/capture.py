@@ -141,10 +141,8 @@ def _aggregate(src: TraceSource) -> Result:
 
 
 def default_workers(sources: Sequence[TraceSource]) -> int:
-    """One process per file up to the cores this process may use; 1 when the files are small,
-    and 1 in a daemonic process (the server's memory-capped analysis worker,
-    ``sidecar.analysis.isolated``), which multiprocessing does not let have children."""
-    if len(sources) < 2 or multiprocessing.current_process().daemon:
+    """One process per file up to the cores this process may use; 1 when the files are small."""
+    if len(sources) < 2:
         return 1
     try:
         size = sum(s.path.stat().st_size for s in sources)
@@ -158,7 +156,9 @@ def default_workers(sources: Sequence[TraceSource]) -> int:
 
 def aggregate_sources(sources: Sequence[TraceSource], *, workers: int | None = None) -> list[Result]:
     """Aggregate every source, in order; ``workers`` processes (default: ``default_workers``).
-    The pool uses ``forkserver`` (never ``fork``: callers run event loops and threads)."""
+    The pool uses ``forkserver`` (never ``fork``: callers run event loops and threads). A daemonic
+    process (the server's memory-capped analysis worker, ``sidecar.analysis.isolated``) may not
+    have children: it aggregates the files one after another."""
     n = default_workers(sources) if workers is None else max(1, min(workers, len(sources)))
     if n <= 1 or multiprocessing.current_process().daemon:
         return [_aggregate(s) for s in sources]
