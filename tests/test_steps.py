@@ -146,6 +146,37 @@ def test_a_window_whose_counter_stops_answering_ends_by_its_rate(shared: ModuleS
     assert all(n is not None and n <= 50 for n in traced.values()), (traced, final.notes)
 
 
+
+def test_a_window_the_sidecar_was_not_running_through_says_why_it_ran_past(shared: ModuleSidecar) -> None:
+    # On the 2-core machine the real vLLM server left the sidecar's process unscheduled for up to 7 s
+    # (a watcher thread in it got no time slice while the engine stepped on); a stop then sent by the
+    # rate went out hundreds of steps late with no word of it. Here the sidecar is stopped (SIGSTOP)
+    # near the end of its window, while the server runs 40 steps more.
+    import os
+    import signal
+
+    pid = shared.sidecar.pid
+    assert pid is not None
+    with steady_load(shared.emulator.url, max_tokens=1, chat=True), shared.client() as client:
+        ramped = _stage0_steps(shared) + 20
+        assert poll(lambda: _stage0_steps(shared) >= ramped), "the emulator ran no steps under load"
+        base = _stage0_steps(shared)
+        cap = client.start_capture(stages=[0], steps=20)
+        assert poll(lambda: _stage0_steps(shared) >= base + 17), "the window's steps did not run"
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            assert poll(lambda: _stage0_steps(shared) >= base + 60), "the server stopped stepping"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        final = client.wait_capture(cap.id, timeout=120)
+    assert (final.state.value, final.stop_reason.value) == ("completed", "steps"), final
+    assert final.steps_counted is not None and final.steps_counted > 22, (final.steps_counted, final.notes)
+    # whichever way the window ended (a read after the pause, or the rate's stop sent late), it says
+    # why, and does not blame the server's reads (they were answered; the sidecar was not running)
+    assert any("the sidecar was not running meanwhile" in n or "between two reads" in n
+               for n in final.notes), final.notes
+    assert not any("reads had not come back" in n for n in final.notes), final.notes
+
 def test_delay_steps_a_server_never_runs_end_in_steps_not_reached_and_nothing_started(
     shared: ModuleSidecar, sidecar_factory: Any
 ) -> None:

@@ -854,6 +854,15 @@ class CaptureController:
             at, now = reads[-1]
             return int(round(now + rate * max(sent + took / 2 - at, 0.0)))
 
+        def late(sent: float, count: int) -> str | None:
+            """Why a stop sent by the rate is past ``steps``: it was sent late (the sidecar's process
+            did not run: a host whose CPUs the server keeps busy left it unscheduled for seconds)."""
+            if count - steps <= 2:
+                return None
+            return (f"the stop was sent {(sent - due()) * 1000:.0f} ms after the rate ({rate:.1f} steps/s) put the "
+                    f"window at {steps} steps, at about {count}: the sidecar was not running meanwhile (a host "
+                    "whose CPUs are all busy, e.g. with the server itself, can leave it unscheduled for seconds)")
+
         async def stop(count: int, why: str | None = None) -> None:
             rt.steps_at_stop = count
             if why is not None:
@@ -868,14 +877,17 @@ class CaptureController:
                 reads.append((at, 0))
         first = True
         while cap.state is CaptureState.active:
-            sent, hedge_s = time.monotonic(), max(3 * took, 4 * poll)
-            got = await self._read_steps(cap.stages, due=due(), hedge_s=hedge_s)
+            sent, hedge_s, by = time.monotonic(), max(3 * took, 4 * poll), due()
+            got = await self._read_steps(cap.stages, due=by, hedge_s=hedge_s)
             if got is None:  # the rate says the window is full while no read has come back
                 now = time.monotonic()
-                await stop(predicted(now), None if now - sent < hedge_s else (
-                    f"the step counter's reads had not come back after {(now - sent) * 1000:.0f} ms (the one "
-                    f"before took {took * 1000:.0f} ms): the stop was sent when the rate ({rate:.1f} steps/s from "
-                    f"{reads[-1][1]} counted) put the window at {steps} steps"))
+                if now - by > max(5 * poll, 0.1) or now - sent < hedge_s:  # woken late: the sidecar did not run
+                    why = late(now, predicted(now))
+                else:
+                    why = (f"the step counter's reads had not come back after {(now - sent) * 1000:.0f} ms (the one "
+                           f"before took {took * 1000:.0f} ms): the stop was sent when the rate ({rate:.1f} steps/s "
+                           f"from {reads[-1][1]} counted) put the window at {steps} steps")
+                await stop(predicted(now), why)
                 return
             counts, at, took_now = got
             if counts is None:  # a failed read: the next one, unless the rate says the window is full
@@ -918,7 +930,8 @@ class CaptureController:
             if wait <= poll + took:
                 if wait > 0:
                     await asyncio.sleep(wait)
-                await stop(predicted(time.monotonic()))
+                t = time.monotonic()
+                await stop(predicted(t), late(t, predicted(t)))
                 return
             await asyncio.sleep(poll)
 
