@@ -147,11 +147,16 @@ def test_a_window_whose_counter_stops_answering_ends_by_its_rate(shared: ModuleS
 
 
 
+def _stops(shared: ModuleSidecar) -> int:
+    return sum(1 for c in emulator_state(shared.emulator)["calls"] if c["method"] == "POST" and c["path"] == "/stop_profile")
+
+
 def test_a_window_the_sidecar_was_not_running_through_says_why_it_ran_past(shared: ModuleSidecar) -> None:
     # On the 2-core machine the real vLLM server left the sidecar's process unscheduled for up to 7 s
     # (a watcher thread in it got no time slice while the engine stepped on); a stop then sent by the
     # rate went out hundreds of steps late with no word of it. Here the sidecar is stopped (SIGSTOP)
-    # near the end of its window, while the server runs 40 steps more.
+    # near the end of its window, while the server runs 40 steps more. A try whose stop reached the
+    # server before the SIGSTOP (a loaded machine) is done again.
     import os
     import signal
 
@@ -160,17 +165,24 @@ def test_a_window_the_sidecar_was_not_running_through_says_why_it_ran_past(share
     with steady_load(shared.emulator.url, max_tokens=1, chat=True), shared.client() as client:
         ramped = _stage0_steps(shared) + 20
         assert poll(lambda: _stage0_steps(shared) >= ramped), "the emulator ran no steps under load"
-        base = _stage0_steps(shared)
-        cap = client.start_capture(stages=[0], steps=20)
-        assert poll(lambda: _stage0_steps(shared) >= base + 17), "the window's steps did not run"
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            assert poll(lambda: _stage0_steps(shared) >= base + 60), "the server stopped stepping"
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        final = client.wait_capture(cap.id, timeout=120)
+        for _ in range(5):
+            base, stops = _stage0_steps(shared), _stops(shared)
+            cap = client.start_capture(stages=[0], steps=20)
+            assert poll(lambda: _stage0_steps(shared) >= base + 17), "the window's steps did not run"
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                paused = _stops(shared) == stops  # the window was still open when the sidecar stopped
+                if paused:
+                    assert poll(lambda: _stage0_steps(shared) >= base + 60), "the server stopped stepping"
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            final = client.wait_capture(cap.id, timeout=120)
+            # counted at 20 or 21: the stop was decided (and on its way) before the pause
+            if paused and final.steps_counted is not None and final.steps_counted > 22:
+                break
+        else:
+            pytest.fail("in 5 tries the window's stop was decided before the sidecar could be stopped inside it")
     assert (final.state.value, final.stop_reason.value) == ("completed", "steps"), final
-    assert final.steps_counted is not None and final.steps_counted > 22, (final.steps_counted, final.notes)
     # whichever way the window ended (a read after the pause, or the rate's stop sent late), it says
     # why, and does not blame the server's reads (they were answered; the sidecar was not running)
     assert any("the sidecar was not running meanwhile" in n or "between two reads" in n
