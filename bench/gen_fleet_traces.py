@@ -3,12 +3,20 @@
 and H2D/D2H copies, recorded by torch.profiler with CPU+CUDA activities.
 
   python3 bench/gen_fleet_traces.py --out $OUT            # on the GPU machine
+  python3 bench/gen_fleet_traces.py --out $OUT --comm     # the communication fixture
 
 Writes ``fleet_rank<R>.json.gz`` and ``fleet_rank<R>.key_averages.json`` per rank: torch's own
 ``key_averages()`` of the very same run (a list of rows keyed by name *and* device type, because
 key_averages keeps a CPU row and a CUDA row for a user annotation). NCCL when the machine has a GPU
 per rank; gloo (CUDA tensors, staged through the host) when both ranks share one GPU, as two vLLM
-stage processes on one card do. Not part of the package.
+stage processes on one card do.
+
+``--comm`` writes ``comm_rank<R>.*`` instead: always NCCL, so the traces hold real NCCL kernels.
+Each step launches an all-reduce of a 16 MB gradient bucket on NCCL's stream while matmuls run on
+the compute stream (overlapped), then all-reduces a small tensor that nothing overlaps. When both
+ranks share one GPU, each rank gets its own ``NCCL_HOSTID``: NCCL refuses two ranks on one GPU of
+one host ("Duplicate GPU detected"), and as two "hosts" the ranks talk through NCCL's socket
+transport on the loopback, with the same ring kernels a two-host job runs. Not part of the package.
 """
 
 from __future__ import annotations
@@ -46,16 +54,22 @@ def key_averages_rows(prof) -> list[dict]:
     return rows
 
 
-def worker(rank: int, out: str, port: int, steps: int) -> None:
+def worker(rank: int, out: str, port: int, steps: int, comm: bool = False) -> None:
     import torch
+
+    n = torch.cuda.device_count()
+    if comm and n < WORLD:  # two ranks on one GPU: two NCCL "hosts" over the loopback (see the docstring)
+        os.environ.update(NCCL_HOSTID=f"omni-sidecar-rank{rank}", NCCL_SOCKET_IFNAME="lo", NCCL_IB_DISABLE="1")
     import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    n = torch.cuda.device_count()
-    backend = "nccl" if n >= WORLD else "gloo"
+    backend = "nccl" if comm or n >= WORLD else "gloo"
     dev = torch.device("cuda", rank % n)
     torch.cuda.set_device(dev)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    if comm:
+        _comm_job(rank, out, steps, n, torch, dist, dev, profile, ProfilerActivity, record_function)
+        return
     torch.manual_seed(rank)
     d = 256
     model = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d)).to(dev)
@@ -89,22 +103,58 @@ def worker(rank: int, out: str, port: int, steps: int) -> None:
             with record_function(f"ProfilerStep#{i + 1}"):
                 step()
         torch.cuda.synchronize()
-    outp = Path(out)
-    path = outp / f"fleet_rank{rank}.json"
+    _write(prof, Path(out), f"fleet_rank{rank}", {"backend": backend, "devices": n, "torch": torch.__version__})
+    dist.destroy_process_group()
+
+
+def _comm_job(rank, out, steps, n, torch, dist, dev, profile, ProfilerActivity, record_function) -> None:
+    """Communication beside computation: the bucket's all-reduce overlaps matmuls, a small one does not."""
+    bucket = torch.randn(4 << 20, device=dev)  # 16 MB of fp32 gradients
+    small = torch.randn(1 << 10, device=dev)
+    a = torch.randn(2048, 2048, device=dev)
+
+    def step() -> None:
+        with record_function("bucket_allreduce"):
+            work = dist.all_reduce(bucket, async_op=True)
+        with record_function("overlapped_matmuls"):
+            for _ in range(8):
+                a.copy_(a @ a * 1e-3)
+        work.wait()
+        with record_function("small_allreduce"):
+            dist.all_reduce(small)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    host = dist.new_group(backend="gloo")  # a barrier that launches no kernel
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        # the ranks' profilers start apart; without this, rank 0's first all-reduce waits that out
+        dist.barrier(group=host)
+        for i in range(steps):
+            with record_function(f"ProfilerStep#{i + 1}"):
+                step()
+        torch.cuda.synchronize()
+    _write(prof, Path(out), f"comm_rank{rank}", {"backend": "nccl", "devices": n, "torch": torch.__version__,
+                                                 "nccl_hostid": os.environ.get("NCCL_HOSTID")})
+    dist.destroy_process_group()
+
+
+def _write(prof, outp: Path, name: str, meta: dict) -> None:
+    path = outp / f"{name}.json"
     prof.export_chrome_trace(str(path))
-    (outp / f"fleet_rank{rank}.key_averages.json").write_text(json.dumps(
-        {"backend": backend, "devices": n, "torch": torch.__version__, "rows": key_averages_rows(prof)}, indent=1))
+    (outp / f"{name}.key_averages.json").write_text(json.dumps({**meta, "rows": key_averages_rows(prof)}, indent=1))
     with open(path, "rb") as src, gzip.open(str(path) + ".gz", "wb", compresslevel=9) as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
     path.unlink()
-    print(f"rank {rank} ({backend}, {n} GPU(s)): {path}.gz {Path(str(path) + '.gz').stat().st_size / 1e6:.2f} MB", flush=True)
-    dist.destroy_process_group()
+    print(f"{name} ({meta['backend']}, {meta['devices']} GPU(s)): {path}.gz "
+          f"{Path(str(path) + '.gz').stat().st_size / 1e6:.2f} MB", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--comm", action="store_true", help="the NCCL communication fixture (comm_rank<R>)")
     a = ap.parse_args()
     import torch.multiprocessing as mp
 
@@ -113,7 +163,7 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    mp.spawn(worker, args=(str(a.out), port, a.steps), nprocs=WORLD, join=True)
+    mp.spawn(worker, args=(str(a.out), port, a.steps, a.comm), nprocs=WORLD, join=True)
 
 
 if __name__ == "__main__":

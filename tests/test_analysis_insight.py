@@ -19,7 +19,7 @@ from sidecar.analysis.timeline import write_timeline
 from sidecar.errors import SlimWindowInvalid
 from tests.fixtures.analysis import load_trace, rebased_copy
 
-COMMITTED = ["cuda_small", "cuda_small_stack", "fleet_rank0", "fleet_rank1"]
+COMMITTED = ["cuda_small", "cuda_small_stack", "fleet_rank0", "fleet_rank1", "comm_rank0", "comm_rank1"]
 _STEP = re.compile(r"^ProfilerStep#\d+$")
 
 
@@ -44,12 +44,14 @@ def test_top10_self_device_time_equals_key_averages(trace_data, name):
     s = summarize_trace(trace_data / f"{name}.json.gz", top=100_000)
     ours = _device_rows(s)
     annotations = {"ProfilerStep*" if _STEP.match(o.name) else o.name for o in s.annotations}
-    ref = [r for r in _ref_rows(trace_data, name) if r["self_device_us"] > 0
+    # CUPTI's own "Activity Buffer Request" is profiler overhead, reported in totals, not an op
+    ref = [r for r in _ref_rows(trace_data, name) if r["self_device_us"] > 0 and r["key"] != "Activity Buffer Request"
            and (r["device_type"] == "DeviceType.CPU" or r["key"] in annotations)]
     top10 = sorted(ref, key=lambda r: -r["self_device_us"])[:10]
     off = {r["key"][:60]: (ours.get(r["key"]), r["self_device_us"]) for r in top10
            if ours.get(r["key"]) is None or abs(ours[r["key"]] - r["self_device_us"]) > 0.02 * r["self_device_us"]}
-    assert (len(top10), off) == (10, {})
+    # the communication job launches few kinds of work: every row of it is compared
+    assert (len(top10), off) == (6 if name.startswith("comm_") else 10, {})
 
 
 def test_user_annotations_get_their_gpu_span_as_self_device_time(trace_data):

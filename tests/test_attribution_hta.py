@@ -34,7 +34,8 @@ def as_hta() -> dict:
 
 
 def test_every_fixture_has_a_reference() -> None:
-    assert {"cuda_small", "cuda_small_stack", "fleet_rank0", "fleet_rank1", "host_bound", "cuda_graph", "busy_gemm"} <= set(FIXTURES)
+    assert {"cuda_small", "cuda_small_stack", "fleet_rank0", "fleet_rank1", "host_bound", "cuda_graph", "busy_gemm",
+            "comm_rank0", "comm_rank1"} <= set(FIXTURES)
 
 
 @pytest.mark.parametrize("name", FIXTURES)
@@ -71,14 +72,26 @@ def test_kernel_launch_statistics_match_hta(as_hta: dict, name: str) -> None:
 
 @pytest.mark.parametrize("name", FIXTURES)
 def test_comm_comp_overlap_matches_hta(as_hta: dict, name: str) -> None:
-    """No committed real trace has an NCCL kernel (one GPU: gloo goes through the host, one-rank
-    NCCL launches none): HTA divides by zero there, and the sidecar says None, not 0 %."""
+    """Where a trace has no NCCL kernel (gloo goes through the host, one-rank NCCL launches none)
+    HTA divides by zero, and the sidecar says None, not 0 %; the comm_rank job has real ones."""
     o, h = as_hta[name].overlap, _hta(name).get("overlap") or {}
     ref = h.get("comp_comm_overlap_share")
     if ref is None or ref != ref:  # NaN
         assert o.share is None and o.communication_us == 0
     else:
         assert o.share == pytest.approx(ref, abs=PP)
+
+
+@pytest.mark.parametrize("name", ["comm_rank0", "comm_rank1"])
+def test_the_communication_job_gives_every_field_a_value(as_hta: dict, name: str) -> None:
+    """The 2-rank NCCL job: its all-reduces are real ring kernels, partly under the matmuls, so
+    communication, overlap and the gemm category are all non-trivial (and match HTA, above)."""
+    d = as_hta[name]
+    assert 0.3 < d.temporal.communication_share < 0.9 and d.temporal.compute_share > 0.2
+    assert 0.1 < d.overlap.share < 0.9 and d.overlap.communication_us > d.overlap.overlapped_us > 0
+    cats = {c.category: c for c in d.kernel_categories}
+    assert cats["communication"].share > 0.3 and cats["gemm"].share > 0.1
+    assert any(k.name.startswith("ncclDevKernel_AllReduce") for k in cats["communication"].top)
 
 
 def test_steady_window_leaves_out_the_transient_hta_keeps() -> None:

@@ -1,8 +1,8 @@
 """Findings: each rule fires where the trace shows it and stays quiet where it does not.
 
 Real H200 fixtures where they exist (host_bound: tiny kernels at batch 1; busy_gemm: 2048²
-matmuls, a busy GPU; the 2-rank fleet job), devices built from the fixtures' own figures where no
-real trace on one GPU can show it (NCCL communication, memcpy-bound, idle on another stream).
+matmuls, a busy GPU; the 2-rank fleet job; the 2-rank NCCL job, comm_rank), devices built from the
+fixtures' own figures where no real trace on one GPU shows it (memcpy-bound, idle on another stream).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ TRACES = Path(__file__).parent / "data" / "traces"
 def caps() -> dict:
     out = {n: summarize_paths([TRACES / f"{n}.json.gz"]) for n in ("host_bound", "busy_gemm")}
     out["fleet"] = summarize_paths([TRACES / "fleet_rank0.json.gz", TRACES / "fleet_rank1.json.gz"])
+    out["comm"] = summarize_paths([TRACES / "comm_rank0.json.gz", TRACES / "comm_rank1.json.gz"])
     return out
 
 
@@ -50,6 +51,15 @@ def test_findings_are_ranked_and_name_where(caps: dict) -> None:
     assert {f.rank for f in fs} == {0, 1} and all(f.message.startswith(f"rank {f.rank}: ") for f in fs)
 
 
+def test_exposed_communication_of_the_nccl_job(caps: dict) -> None:
+    fs = [f for f in caps["comm"].findings if f.rule == "communication_exposed"]
+    assert sorted(f.rank for f in fs) == [0, 1]
+    for f in fs:
+        assert f.severity == "high" and f.figures["communication_share"] > 0.5 and f.figures["overlap_share"] < 0.5
+        assert f.message.startswith(f"rank {f.rank}: communication takes 6") and "overlapped by compute" in f.message
+    assert "communication_exposed" not in _rules(caps["fleet"]) | _rules(caps["busy_gemm"])
+
+
 def _device(cap, **temporal):
     d = cap.devices[0].model_copy(deep=True)
     for k, v in temporal.items():
@@ -63,7 +73,7 @@ def _device(cap, **temporal):
     ("memory_bound", dict(temporal__memory_share=0.25), dict(temporal__memory_share=0.02)),
     ("idle_other", dict(temporal__idle_share=0.7, idle_breakdown__other_share=0.8), dict(temporal__idle_share=0.7, idle_breakdown__other_share=0.1)),
 ])
-def test_rules_without_a_real_trace(caps: dict, rule: str, fire: dict, quiet: dict) -> None:
+def test_rules_on_a_device_with_one_figure_changed(caps: dict, rule: str, fire: dict, quiet: dict) -> None:
     busy = caps["busy_gemm"]
     assert DEVICE_RULES[rule](_device(busy, **fire)) is not None
     assert DEVICE_RULES[rule](_device(busy, **quiet)) is None
