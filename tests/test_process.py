@@ -12,6 +12,7 @@ import pytest
 
 from sidecar import _process
 from sidecar.api.launcher import SidecarProcess, SidecarStartError
+from sidecar.emulator.launcher import EmulatorProcess
 from tests.fixtures.emulator import make_deploy
 
 
@@ -24,13 +25,19 @@ def taken_port() -> Iterator[int]:
         yield sock.getsockname()[1]
 
 
+@pytest.mark.parametrize("kind", ["sidecar", "emulator"])
 def test_a_picked_port_taken_before_the_child_binds_it_is_picked_again(
-    taken_port: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_omni
+    kind: str, taken_port: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
+    """The emulator case: a default-group run lost 17 web tests at once when the emulator picked
+    its own port, outside this retry, and another process took it first."""
     picks = [taken_port]
     real = _process.free_port
     monkeypatch.setattr(_process, "free_port", lambda host="127.0.0.1": picks.pop() if picks else real(host))
-    proc = SidecarProcess(fake_omni.url, make_deploy(tmp_path, {0: {"profiler": "torch"}}), state_dir=tmp_path / "st")
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}})
+    proc: _process.ManagedProcess = (
+        SidecarProcess(request.getfixturevalue("fake_omni").url, deploy, state_dir=tmp_path / "st")
+        if kind == "sidecar" else EmulatorProcess(deploy))
     assert proc.port == taken_port
     try:
         proc.start()
@@ -49,3 +56,4 @@ def test_a_chosen_port_that_is_taken_fails_the_start_naming_it(taken_port: int, 
     finally:
         proc.stop(grace=10)
     assert proc.port == taken_port and "address already in use" in err.value.message.lower()
+

@@ -51,10 +51,11 @@ class EmulatorProcess(ManagedProcess):
         stop_grace: float = 5.0,
         log_path: Path | str | None = None,
     ) -> None:
-        port = port if port is not None else free_port(host)
         self._own_log = log_path is None  # a temporary log: ours to delete after a clean stop
         if log_path is None:
-            fd, made = tempfile.mkstemp(prefix=f"omni-emulator-{port}-", suffix=".log")
+            # not named by its port: a port left to pick is picked by ManagedProcess, and picked
+            # again if another process takes it before the child binds it
+            fd, made = tempfile.mkstemp(prefix="omni-emulator-", suffix=".log")
             os.close(fd)
             log_path = made
         super().__init__(
