@@ -355,3 +355,34 @@ def test_render_bounds_the_rendered_stages_in_engine_steps(tmp_path: Path) -> No
     got = {s.stage_id: (s.profiler_config.max_iterations, s.profiler_config.delay_iterations)
            for s in load_deploy_config(out).stages if s.profiler_config}  # fmt: skip
     assert got == {0: (20, 5), 1: (20, 5)}
+
+
+@pytest.fixture(scope="module")
+def bounded(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool) -> Iterator[ModuleSidecar]:
+    """Stage 0's server profiler ends each window itself after 10 engine steps (max_iterations)."""
+    root = tmp_path_factory.mktemp("bounded-steps")
+    stages = {0: {"profiler": "torch", "max_iterations": 10}, 1: None, 2: {"profiler": "torch"}}
+    yield from ModuleSidecar.for_module(emulator_pool, make_deploy(root, stages), emulator_args=THREAD,
+                                        state_dir=root / "state", log_path=root / "sidecar.log")  # fmt: skip
+
+
+@pytest.mark.parametrize(("asked", "note"), [
+    (20, "stage 0: the server stops its own profiler after 10 engine iterations (max_iterations: 10, fixed at its "
+         "start; idle iterations count): the trace holds at most 10 of the 20 steps asked; for more, restart the "
+         "server with a larger max_iterations (omni-sidecar render --steps 20)"),
+    (8, "stage 0: the server records up to 10 engine iterations per window (max_iterations: 10); this window's 8 "
+        "steps end it first"),
+])
+def test_a_steps_window_on_a_stage_the_server_bounds_says_what_its_trace_holds(
+    bounded: ModuleSidecar, asked: int, note: str
+) -> None:
+    with steady_load(bounded.emulator.url, max_tokens=1, chat=True), bounded.client() as client:
+        cap = client.start_capture(stages=[0, 2], steps=asked)
+        assert note in cap.notes, cap.notes  # said at the start, before the window runs
+        final = client.wait_capture(cap.id, timeout=120)
+    why = [(v.stage_id, v.verdict.value, v.reason) for v in final.verdicts], final.notes
+    assert (final.state.value, final.stop_reason.value) == ("completed", "steps"), why
+    traced = {v.stage_id: v.steps_traced for v in final.verdicts}
+    if asked > 10:  # the server's bound, whatever the stop's travel (the emulator runs no idle iteration;
+        assert traced[0] == 10, (traced, final.notes)  # the real server's count: tests/omni/test_server_flags.py)
+    assert not any(n.startswith("stage 2: the server") for n in final.notes), final.notes  # stage 2 is unbounded

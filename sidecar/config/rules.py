@@ -12,7 +12,7 @@ from sidecar.config.placeholders import dir_placeholders
 from sidecar.errors import Finding, Severity, StageNotCuda, StageSelectionError, Where
 from sidecar.errors import StageDuplicate, StageNotProfiled, StageNotTorch, StageUnknown, StagesEmpty
 
-__all__ = ["select_stages", "validate_deploy", "selection_finding"]
+__all__ = ["select_stages", "validate_deploy", "selection_finding", "steps_bounded_by_server"]
 
 
 def check_stage_ids(deploy: DeployConfig, stages: list[int], *, valid: list[int]) -> None:
@@ -123,6 +123,38 @@ def _select_nsys(deploy: DeployConfig, stages: list[int] | None) -> list[int]:
             details={"stages": wrong, "valid": valid, "profilers": {str(k): v for k, v in kinds.items()}},
         )
     return list(stages)
+
+
+def steps_bounded_by_server(deploy: DeployConfig, stages: list[int], steps: int) -> list[str]:
+    """What the server's own iteration bounds do to a ``steps`` window of ``stages``, one note per
+    stage that has them. vLLM's profiler skips ``delay_iterations`` engine iterations from its start
+    and stops itself after ``max_iterations`` more (vllm/profiler/wrapper.py ``step()``; both fixed
+    at the server's start). Its iterations include idle ones (no token scheduled), so the trace
+    holds at most ``max_iterations`` steps, never more however late the sidecar's stop lands: on
+    the real vLLM-Omni server, 3 iterations held 2 steps and 1 idle iteration."""
+    notes = []
+    for sid in stages:
+        stage = deploy.stage(sid)
+        pc = stage.profiler_config if stage is not None else None
+        if pc is None or (pc.max_iterations <= 0 and pc.delay_iterations <= 0):
+            continue
+        skip = (f", after skipping the first {pc.delay_iterations} (delay_iterations: {pc.delay_iterations})"
+                if pc.delay_iterations > 0 else "")
+        if pc.max_iterations <= 0:
+            notes.append(f"stage {sid}: the server starts recording {pc.delay_iterations} engine iterations into each "
+                         f"window (delay_iterations: {pc.delay_iterations}, fixed at its start): the trace holds about "
+                         f"{max(steps - pc.delay_iterations, 0)} of the {steps} steps asked")
+        elif pc.max_iterations + max(pc.delay_iterations, 0) <= steps:
+            more = pc.max_iterations + max(pc.delay_iterations, 0) < steps
+            notes.append(f"stage {sid}: the server stops its own profiler after {pc.max_iterations} engine iterations "
+                         f"(max_iterations: {pc.max_iterations}, fixed at its start{skip}; idle iterations count): the "
+                         f"trace holds at most {pc.max_iterations}" + (
+                             f" of the {steps} steps asked; for more, restart the server with a larger max_iterations "
+                             f"(omni-sidecar render --steps {steps})" if more else " steps, however late the stop lands"))
+        else:
+            notes.append(f"stage {sid}: the server records up to {pc.max_iterations} engine iterations per window "
+                         f"(max_iterations: {pc.max_iterations}{skip}); this window's {steps} steps end it first")
+    return notes
 
 
 def selection_finding(err: StageSelectionError, where: Where | None = None) -> Finding:

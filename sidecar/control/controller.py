@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sidecar.config.models import DeployConfig, StageKind
-from sidecar.config.rules import select_stages
+from sidecar.config.rules import select_stages, steps_bounded_by_server
 from sidecar.control import artifacts
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
@@ -495,6 +495,8 @@ class CaptureController:
             )
             if warning is not None:
                 cap.notes.append(warning)
+            if steps is not None:
+                cap.notes.extend(steps_bounded_by_server(self.deploy, cap.stages, steps))
             rt = self._rt[cap.id] = _Runtime()
             if first is not None:
                 rt.metrics_before = _done(first)

@@ -1,7 +1,8 @@
 """Server flags the sidecar must read like the server does: a global ``--profiler-config`` with
 no profiler in the deploy YAML, ``--stage-overrides`` taking the profiler off a stage (then asking
 for that stage is refused before the server is called), ``max_iterations`` ending a stage's window
-before the stop, and stacks on (a stop that takes long while the xlsx is built).
+before the stop (and bounding a ``steps`` window exactly), and stacks on (a stop that takes long
+while the xlsx is built).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
 from sidecar.errors import SidecarError
+from tests.fixtures.load import steady_load
 from tests.fixtures.waits import poll
 from tests.omni.conftest import ROOT, Setup, complete, end_open_captures, module_sidecar
 from tests.omni.test_capture import AR_FILES, SESSION, by_stage, tree
@@ -72,6 +74,24 @@ def test_max_iterations_ends_the_window_before_the_stop_and_is_ok(bounded: Setup
         assert client.get_capture(cap.id).state.value == "active"
         cap = client.stop_capture(cap.id, wait=True, timeout=600)
     assert {sid: v.verdict.value for sid, v in by_stage(cap).items()} == {0: "ok"}, cap
+
+
+def test_a_steps_window_on_the_stage_the_server_bounds_never_holds_more_than_its_max_iterations(
+    bounded: Setup, bounded_sidecar: SidecarProcess
+) -> None:
+    # The server's own bound caps a window on vLLM-Omni: the sidecar's count still ends the capture,
+    # and the stop's travel (0-220 ms here) adds nothing to the trace. vLLM's iterations include
+    # idle ones: the first run here held 2 steps and 1 idle iteration.
+    with steady_load(bounded.url, max_tokens=4), SidecarClient(bounded_sidecar.url, timeout=600) as client:
+        cap = client.start_capture(stages=[0], steps=10, label="bounded-steps")
+        assert any(n.startswith("stage 0: the server stops its own profiler after 3 engine iterations")
+                   for n in cap.notes), cap.notes
+        cap = client.wait_capture(cap.id, timeout=900)
+    traced = {v.stage_id: v.steps_traced for v in cap.verdicts}
+    print(f"asked 10 on max_iterations 3: counted {cap.steps_counted}, traced {traced}")
+    assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
+    assert cap.steps_counted is not None and cap.steps_counted >= 10, cap.steps_counted
+    assert set(traced) == {0} and traced[0] is not None and 1 <= traced[0] <= 3, (traced, cap.notes)
 
 
 def test_stacks_on_the_stop_answers_at_once_and_the_verdict_waits_for_the_files(
