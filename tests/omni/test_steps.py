@@ -33,7 +33,13 @@ def test_twenty_steps_on_both_stages_end_by_themselves(client: SidecarClient, lo
     # the API server, the orchestrator and each stage's queue: on this loaded 2-core machine the
     # count the sidecar stopped at was 13-22 and the traces held 19-44 steps of 20 asked
     # (docs/captures.md, precision). What holds every run: it ended by itself, near the count.
-    assert cap.steps_counted is not None and 10 <= cap.steps_counted <= 30, (cap.steps_counted, cap.notes)
+    # When the engines step faster than the start's round trip (a CI run: 48 steps by the first
+    # count, 0.14 s after the start was sent; the traces held 44 and 47), the window cannot be
+    # shorter: the capture stops at once and says so.
+    assert cap.steps_counted is not None, cap.notes
+    if not any(n.startswith(f"the server had run {cap.steps_counted} engine steps by the first count after the start "
+                            "was answered") for n in cap.notes):
+        assert 10 <= cap.steps_counted <= 30, (cap.steps_counted, cap.notes)
     assert set(traced) == {0, 1} and all(n is not None and 10 <= n <= cap.steps_counted + 40 for n in traced.values()), (
         traced, cap.notes)
     stages = {e.stage for e in cap.window_metrics.engines}  # type: ignore[union-attr]
