@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import httpx
 import tenacity
@@ -75,14 +75,15 @@ def _dropped_read(err: BaseException) -> bool:
     return isinstance(err, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError))
 
 
-_R = TypeVar("_R", tenacity.Retrying, tenacity.AsyncRetrying)
-
-
-def _read_retries(call: _Call, kind: type[_R]) -> _R:
+def _may_resend(call: _Call, err: BaseException) -> bool:
     """A read (GET) is sent once more on a fresh connection when its connection was dropped
     unanswered; a write is never resent (the first may have been processed)."""
-    return kind(stop=tenacity.stop_after_attempt(2 if call.method == "GET" else 1),
-                retry=tenacity.retry_if_exception(_dropped_read), reraise=True)
+    return call.method == "GET" and _dropped_read(err)
+
+
+def _read_retries(call: _Call) -> tenacity.Retrying:
+    return tenacity.Retrying(stop=tenacity.stop_after_attempt(2), retry=tenacity.retry_if_exception(
+        lambda err: _may_resend(call, err)), reraise=True)
 
 
 # --- the API as data: both clients send these and parse the replies the same way ---------------
@@ -254,10 +255,17 @@ class AsyncSidecarClient:
         await self._http.aclose()
 
     async def _send(self, call: _Call) -> Any:
+        # The fleet's client: a thousand targets send a thousand of these at once, so no retry
+        # object per request (the one resend _may_resend allows is done inline) and an absolute
+        # URL (httpx parses a relative one twice, against its base).
+        url, kwargs = self.base_url + call.path, call.send_kwargs(self.timeout)
         try:
-            async for attempt in _read_retries(call, tenacity.AsyncRetrying):
-                with attempt:
-                    response = await self._http.request(call.method, call.path, **call.send_kwargs(self.timeout))
+            try:
+                response = await self._http.request(call.method, url, **kwargs)
+            except httpx.TransportError as err:
+                if not _may_resend(call, err):
+                    raise
+                response = await self._http.request(call.method, url, **kwargs)
         except httpx.TransportError as err:
             raise _unreachable(self.base_url, err) from None
         return call.reply(response)
@@ -357,7 +365,7 @@ class SidecarClient:
 
     def _send(self, call: _Call) -> Any:
         try:
-            for attempt in _read_retries(call, tenacity.Retrying):
+            for attempt in _read_retries(call):
                 with attempt:
                     response = self._http.request(call.method, call.path, **call.send_kwargs(self.timeout))
         except httpx.TransportError as err:

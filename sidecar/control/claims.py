@@ -40,15 +40,32 @@ class ClaimRegistry:
         self._owner: dict[str, str] = {}  # real path -> capture id
         self._claimed: OrderedDict[str, list[str]] = OrderedDict()  # capture id -> its paths
         self._watches: OrderedDict[str, _Watch] = OrderedDict()
+        # real dir -> the captures that watched it: sharers() looks at those only, not at every
+        # capture of the process (a fleet of a thousand in-process targets stopped together)
+        self._watchers: dict[str, dict[str, None]] = {}  # (a dict: in the order they opened)
 
     @staticmethod
     def _key(path: str | os.PathLike[str]) -> str:
         return os.path.realpath(path)
 
     def open_window(self, capture_id: str, upstream: str, dirs: list[str], opened: float) -> None:
+        keys = frozenset(self._key(d) for d in dirs)  # file system calls: outside the lock
         with self._lock:
-            self._watches[capture_id] = _Watch(upstream, frozenset(self._key(d) for d in dirs), opened)
+            old = self._watches.get(capture_id)
+            if old is not None:
+                self._unwatch(capture_id, old)
+            self._watches[capture_id] = _Watch(upstream, keys, opened)
+            for key in keys:
+                self._watchers.setdefault(key, {})[capture_id] = None
             self._trim()
+
+    def _unwatch(self, capture_id: str, w: _Watch) -> None:
+        for key in w.dirs:
+            ids = self._watchers.get(key)
+            if ids is not None:
+                ids.pop(capture_id, None)
+                if not ids:
+                    del self._watchers[key]
 
     def mark_started(self, capture_id: str, started: float) -> None:
         with self._lock:
@@ -70,8 +87,9 @@ class ClaimRegistry:
             if me is None:
                 return []
             out = []
-            for cid, w in self._watches.items():
-                if cid == capture_id or w.upstream == me.upstream or key not in w.dirs:
+            for cid in self._watchers.get(key, ()):
+                w = self._watches[cid]
+                if cid == capture_id or w.upstream == me.upstream:
                     continue
                 me_end = me.closed if me.closed is not None else float("inf")
                 w_end = w.closed if w.closed is not None else float("inf")
@@ -80,15 +98,17 @@ class ClaimRegistry:
             return out
 
     def owner(self, path: str | os.PathLike[str]) -> str | None:
+        key = self._key(path)
         with self._lock:
-            return self._owner.get(self._key(path))
+            return self._owner.get(key)
 
     def held_by_other(self, path: str | os.PathLike[str], capture_id: str | None) -> str | None:
         """The capture that holds ``path`` against ``capture_id``, or None. A finished capture of the
         same server does not hold a folder that server reused for a start in the same second (the
         names have second resolution, and the new start rewrote it): that one passes on."""
+        key = self._key(path)
         with self._lock:
-            owner = self._owner.get(self._key(path))
+            owner = self._owner.get(key)
             if owner is None or owner == capture_id:
                 return None
             theirs, mine = self._watches.get(owner), self._watches.get(capture_id or "")
@@ -99,10 +119,10 @@ class ClaimRegistry:
     def claim(self, capture_id: str, paths: list[str]) -> list[str]:
         """Claim ``paths`` for ``capture_id``; returns those another capture already holds (not taken)."""
         taken: list[str] = []
+        keys = [self._key(p) for p in paths]  # file system calls: outside the lock
         with self._lock:
             mine = self._claimed.setdefault(capture_id, [])
-            for p in paths:
-                key = self._key(p)
+            for p, key in zip(paths, keys):
                 owner = self._owner.get(key)
                 if owner is not None and owner != capture_id:
                     theirs, me = self._watches.get(owner), self._watches.get(capture_id)
@@ -121,7 +141,7 @@ class ClaimRegistry:
             for key in paths:
                 self._owner.pop(key, None)
         while len(self._watches) > _MAX_CAPTURES:
-            self._watches.popitem(last=False)
+            self._unwatch(*self._watches.popitem(last=False))
 
 
 # The one registry of this process (controllers take another for isolation in tests).

@@ -108,6 +108,16 @@ class UpstreamServer:
             # The upstream is a local server; a proxy from the environment would only get in the way.
             trust_env=False,
         )
+        self._urls: dict[tuple[str, tuple[str, ...]], httpx.URL] = {}
+
+    def _url(self, path: str, names: tuple[str, ...] = ()) -> httpx.URL:
+        """``path`` (with ``name[]`` params) as an absolute URL, parsed once per server: httpx
+        parses a relative path against the base URL on every request (a /metrics read's query of
+        sample names: ~0.1 ms), which a fleet of a thousand in-process targets pays a thousand times."""
+        url = self._urls.get((path, names))
+        if url is None:
+            url = self._urls[(path, names)] = httpx.URL(self.base_url + path, params=[("name[]", n) for n in names])
+        return url
 
     @classmethod
     def from_settings(cls, settings: SidecarSettings, **kwargs: Any) -> UpstreamServer:
@@ -217,8 +227,7 @@ class UpstreamServer:
         read = self.timeouts.probe if timeout_s is None else timeout_s
         timeout = httpx.Timeout(read, connect=min(self.timeouts.connect, read))
         try:
-            async with self._client.stream("GET", "/metrics", timeout=timeout,
-                                           params=[("name[]", name) for name in samples]) as resp:
+            async with self._client.stream("GET", self._url("/metrics", samples), timeout=timeout) as resp:
                 if resp.status_code != 200:
                     raise MetricsUnavailable(
                         f"GET {url} answered {resp.status_code}; the server exposes no Prometheus metrics here",
@@ -263,7 +272,7 @@ class UpstreamServer:
                 yield payload[-1:]
 
             request = self._client.build_request(
-                "POST", "/start_profile", content=held(), timeout=timeout,
+                "POST", self._url("/start_profile"), content=held(), timeout=timeout,
                 headers={"content-type": "application/json", "content-length": str(len(payload))})
         else:
             request = self._request("/start_profile", body, timeout)
@@ -347,8 +356,8 @@ class UpstreamServer:
 
     def _request(self, path: str, body: dict[str, Any] | None, timeout: httpx.Timeout) -> httpx.Request:
         if body is None:
-            return self._client.build_request("POST", path, timeout=timeout)
-        return self._client.build_request("POST", path, json=body, timeout=timeout)
+            return self._client.build_request("POST", self._url(path), timeout=timeout)
+        return self._client.build_request("POST", self._url(path), json=body, timeout=timeout)
 
     async def _post(self, path: str, body: dict[str, Any] | None, timeout: httpx.Timeout) -> None:
         await self._send(self._request(path, body, timeout))
