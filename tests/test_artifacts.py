@@ -235,6 +235,22 @@ def test_overlapping_windows_of_two_servers_on_one_dir_are_sharers(tmp_path):
     assert (claims.sharers("a", str(tmp_path)), claims.sharers("c", str(tmp_path))) == (["http://b"], ["http://b"])
 
 
+def test_sharers_come_from_the_folders_watchers_and_leave_with_the_trimmed_captures(tmp_path, monkeypatch):
+    from sidecar.control import claims as claims_mod
+
+    monkeypatch.setattr(claims_mod, "_MAX_CAPTURES", 3)
+    claims = ClaimRegistry()
+    shared, own = tmp_path / "shared", tmp_path / "own"
+    claims.open_window("a", "http://a", [str(shared)], 100.0)
+    claims.open_window("b", "http://b", [str(own)], 100.0)  # another folder: never a sharer of a's
+    claims.open_window("c", "http://c", [str(shared), str(own)], 100.0)
+    assert claims.sharers("a", str(shared)) == ["http://c"] and claims.sharers("b", str(own)) == ["http://c"]
+    claims.open_window("d", "http://d", [str(shared)], 100.0)  # the 4th: "a", the oldest, is let go
+    assert claims.sharers("d", str(shared)) == ["http://c"] and claims.sharers("a", str(shared)) == []
+    assert {k: list(v) for k, v in claims._watchers.items()} == {
+        os.path.realpath(shared): ["c", "d"], os.path.realpath(own): ["b", "c"]}
+
+
 async def test_a_rewritten_table_is_copied_at_collect_time(tmp_path):
     d, copies = tmp_path / "d", tmp_path / "copies"
     d.mkdir()

@@ -144,8 +144,8 @@ def steps_bounded_by_server(deploy: DeployConfig, stages: list[int], steps: int)
             notes.append(f"stage {sid}: the server starts recording {pc.delay_iterations} engine iterations into each "
                          f"window (delay_iterations: {pc.delay_iterations}, fixed at its start): the trace holds about "
                          f"{max(steps - pc.delay_iterations, 0)} of the {steps} steps asked")
-        elif pc.max_iterations + max(pc.delay_iterations, 0) <= steps:
-            more = pc.max_iterations + max(pc.delay_iterations, 0) < steps
+        elif pc.max_iterations + pc.delay_iterations <= steps:
+            more = pc.max_iterations + pc.delay_iterations < steps
             notes.append(f"stage {sid}: the server stops its own profiler after {pc.max_iterations} engine iterations "
                          f"(max_iterations: {pc.max_iterations}, fixed at its start{skip}; idle iterations count): the "
                          f"trace holds at most {pc.max_iterations}" + (
