@@ -68,7 +68,7 @@ def worker(rank: int, out: str, port: int, steps: int, comm: bool = False) -> No
     torch.cuda.set_device(dev)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     if comm:
-        _comm_job(rank, out, steps, n, torch, dist, dev, profile, ProfilerActivity, record_function)
+        _comm_job(rank, out, steps, dev)
         return
     torch.manual_seed(rank)
     d = 256
@@ -107,8 +107,13 @@ def worker(rank: int, out: str, port: int, steps: int, comm: bool = False) -> No
     dist.destroy_process_group()
 
 
-def _comm_job(rank, out, steps, n, torch, dist, dev, profile, ProfilerActivity, record_function) -> None:
+def _comm_job(rank: int, out: str, steps: int, dev) -> None:
     """Communication beside computation: the bucket's all-reduce overlaps matmuls, a small one does not."""
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    n = torch.cuda.device_count()
     bucket = torch.randn(4 << 20, device=dev)  # 16 MB of fp32 gradients
     small = torch.randn(1 << 10, device=dev)
     a = torch.randn(2048, 2048, device=dev)

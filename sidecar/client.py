@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import httpx
-import tenacity
 
 from sidecar.control import filenames
 from sidecar.control.budget import Plan
@@ -81,9 +80,6 @@ def _may_resend(call: _Call, err: BaseException) -> bool:
     return call.method == "GET" and _dropped_read(err)
 
 
-def _read_retries(call: _Call) -> tenacity.Retrying:
-    return tenacity.Retrying(stop=tenacity.stop_after_attempt(2), retry=tenacity.retry_if_exception(
-        lambda err: _may_resend(call, err)), reraise=True)
 
 
 # --- the API as data: both clients send these and parse the replies the same way ---------------
@@ -255,9 +251,9 @@ class AsyncSidecarClient:
         await self._http.aclose()
 
     async def _send(self, call: _Call) -> Any:
-        # The fleet's client: a thousand targets send a thousand of these at once, so no retry
-        # object per request (the one resend _may_resend allows is done inline) and an absolute
-        # URL (httpx parses a relative one twice, against its base).
+        # The fleet's client: a thousand targets send a thousand of these at once, so an absolute
+        # URL (httpx parses a relative one twice, against its base). Both clients resend inline:
+        # one resend, no retry policy to build per request.
         url, kwargs = self.base_url + call.path, call.send_kwargs(self.timeout)
         try:
             try:
@@ -364,10 +360,14 @@ class SidecarClient:
         self._http.close()
 
     def _send(self, call: _Call) -> Any:
+        kwargs = call.send_kwargs(self.timeout)
         try:
-            for attempt in _read_retries(call):
-                with attempt:
-                    response = self._http.request(call.method, call.path, **call.send_kwargs(self.timeout))
+            try:
+                response = self._http.request(call.method, call.path, **kwargs)
+            except httpx.TransportError as err:
+                if not _may_resend(call, err):
+                    raise
+                response = self._http.request(call.method, call.path, **kwargs)
         except httpx.TransportError as err:
             raise _unreachable(self.base_url, err) from None
         return call.reply(response)

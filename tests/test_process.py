@@ -56,4 +56,3 @@ def test_a_chosen_port_that_is_taken_fails_the_start_naming_it(taken_port: int, 
     finally:
         proc.stop(grace=10)
     assert proc.port == taken_port and "address already in use" in err.value.message.lower()
-

@@ -147,7 +147,6 @@ def test_a_window_whose_counter_stops_answering_ends_by_its_rate(shared: ModuleS
     assert all(n is not None and n <= 50 for n in traced.values()), (traced, final.notes)
 
 
-
 def _stops(shared: ModuleSidecar) -> int:
     return sum(1 for c in emulator_state(shared.emulator)["calls"] if c["method"] == "POST" and c["path"] == "/stop_profile")
 
@@ -189,6 +188,7 @@ def test_a_window_the_sidecar_was_not_running_through_says_why_it_ran_past(share
     assert any("the sidecar was not running meanwhile" in n or "between two reads" in n
                for n in final.notes), final.notes
     assert not any("reads had not come back" in n for n in final.notes), final.notes
+
 
 def test_delay_steps_a_server_never_runs_end_in_steps_not_reached_and_nothing_started(
     shared: ModuleSidecar, sidecar_factory: Any

@@ -145,12 +145,12 @@ def steps_bounded_by_server(deploy: DeployConfig, stages: list[int], steps: int)
                          f"window (delay_iterations: {pc.delay_iterations}, fixed at its start): the trace holds about "
                          f"{max(steps - pc.delay_iterations, 0)} of the {steps} steps asked")
         elif pc.max_iterations + pc.delay_iterations <= steps:
-            more = pc.max_iterations + pc.delay_iterations < steps
+            tail = (f" of the {steps} steps asked; for more, restart the server with a larger max_iterations "
+                    f"(omni-sidecar render --steps {steps})" if pc.max_iterations + pc.delay_iterations < steps
+                    else " steps, however late the stop lands")
             notes.append(f"stage {sid}: the server stops its own profiler after {pc.max_iterations} engine iterations "
                          f"(max_iterations: {pc.max_iterations}, fixed at its start{skip}; idle iterations count): the "
-                         f"trace holds at most {pc.max_iterations}" + (
-                             f" of the {steps} steps asked; for more, restart the server with a larger max_iterations "
-                             f"(omni-sidecar render --steps {steps})" if more else " steps, however late the stop lands"))
+                         f"trace holds at most {pc.max_iterations}{tail}")
         else:
             notes.append(f"stage {sid}: the server records up to {pc.max_iterations} engine iterations per window "
                          f"(max_iterations: {pc.max_iterations}{skip}); this window's {steps} steps end it first")
