@@ -46,17 +46,22 @@ def test_twenty_steps_end_by_themselves_and_the_trace_holds_them(sidecar: Any, l
     assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
     (verdict,) = cap.verdicts
     print(f"asked 20: counted {cap.steps_counted}, traced {verdict.steps_traced}")
-    # The sidecar's own precision: the count it stopped at, from the server's counter.
-    assert cap.steps_counted is not None and abs(cap.steps_counted - 20) <= 2, (cap.steps_counted, cap.notes)
+    # The sidecar's own precision: the count it stopped at, from the server's counter; unless the
+    # host did not run the sidecar when its stop was due (the server keeps both cores busy: a run
+    # here paced 351 steps/s and woke the sidecar 40 ms late, counted 34), which the capture says.
+    late = any("the sidecar was not running meanwhile" in n for n in cap.notes)
+    assert cap.steps_counted is not None and (late or abs(cap.steps_counted - 20) <= 2), (cap.steps_counted, cap.notes)
     # The trace: short by the steps the engine ran between the base read and its profiler's start
     # (the start travels too: a CI run at f8f679b counted 20 and traced 16), long by the steps it ran
-    # while the stop travelled (API server, engine core, worker): 0 to 4 at this load
-    # (docs/captures.md, precision). Either way the verdict says what the trace holds.
-    assert verdict.steps_traced is not None and 14 <= verdict.steps_traced <= cap.steps_counted + 10, (
-        verdict, cap.notes)
+    # while the stop travelled (API server, engine core, worker): the server's, not the sidecar's.
+    # Mostly 0 to 4 here; a CI run at e5e1370 ran 22 steps in the 0.18 s window and the stop took
+    # 0.64 s to be answered: traced 48 (docs/captures.md, precision). Never more than the server's
+    # own counter ran over the window, and the verdict says what the trace holds.
+    (engine,) = cap.window_metrics.engines  # type: ignore[union-attr]
+    assert verdict.steps_traced is not None and 14 <= verdict.steps_traced <= engine.engine_steps, (
+        verdict, engine, cap.notes)
     if verdict.steps_traced != 20:
         assert f"the trace holds {verdict.steps_traced} engine steps, 20 were asked" in " ".join(cap.notes), cap.notes
-    (engine,) = cap.window_metrics.engines  # type: ignore[union-attr]
     assert engine.engine == "0" and engine.engine_steps >= 20 and engine.generation_tokens >= 20, engine
 
 
