@@ -29,21 +29,28 @@ def test_twenty_steps_on_both_stages_end_by_themselves(client: SidecarClient, lo
     traced = {v.stage_id: v.steps_traced for v in cap.verdicts}
     print(f"asked 20: counted {cap.steps_counted}, traced {traced}")
     assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
-    # vLLM-Omni's counter moves by a request's steps at once and its stop travels 0-220 ms through
-    # the API server, the orchestrator and each stage's queue: on this loaded 2-core machine the
-    # count the sidecar stopped at was 13-22 and the traces held 19-44 steps of 20 asked
-    # (docs/captures.md, precision). What holds every run: it ended by itself, near the count.
-    # When the engines step faster than the start's round trip (a CI run: 48 steps by the first
-    # count, 0.14 s after the start was sent; the traces held 44 and 47), the window cannot be
-    # shorter: the capture stops at once and says so.
+    # The count the sidecar stopped at: vLLM-Omni's counter moves by a request's steps at once and
+    # its stop travels 0-220 ms through the API server, the orchestrator and each stage's queue: on
+    # this loaded 2-core machine it was 13-22 (docs/captures.md, precision), unless the capture says
+    # why it could not be (the engines ran past 20 before the sidecar could see it: a server's first
+    # profiler start on CPU holds its engines for seconds, then they run the queue in a burst; a run
+    # here counted 8, then 48 one read later).
     assert cap.steps_counted is not None, cap.notes
-    if not any(n.startswith(f"the server had run {cap.steps_counted} engine steps by the first count after the start "
-                            "was answered") for n in cap.notes):
+    past = ("by the first count after the start was answered", "the server ran past the 20 steps asked",
+            "the sidecar was not running meanwhile")
+    if not any(p in n for n in cap.notes for p in past):
         assert 10 <= cap.steps_counted <= 30, (cap.steps_counted, cap.notes)
-    assert set(traced) == {0, 1} and all(n is not None and 10 <= n <= cap.steps_counted + 40 for n in traced.values()), (
-        traced, cap.notes)
-    stages = {e.stage for e in cap.window_metrics.engines}  # type: ignore[union-attr]
-    assert stages == {"0", "1"}, cap.window_metrics
+    # What each trace holds: what the engines ran until the stop landed, never more than the
+    # server's own counter ran over the window, give or take the one request in flight, whose steps
+    # the counter books when it ends (the load sends one 4-token request at a time). A CI run at
+    # fd57d51 counted 20 and traced 66 and 64; a run here counted 48 and traced 51 and 52 of 52 run.
+    ran = {int(e.stage): e.engine_steps for e in cap.window_metrics.engines}  # type: ignore[union-attr]
+    print(f"the server ran {ran} over the window")
+    assert set(traced) == {0, 1} == set(ran), (traced, cap.window_metrics)
+    assert all(n is not None and 10 <= n <= ran[s] + 4 for s, n in traced.items()), (traced, ran, cap.notes)
+    for s, n in traced.items():
+        if n != 20:
+            assert f"stage {s}: the trace holds {n} engine steps, 20 were asked" in " ".join(cap.notes), cap.notes
 
 
 def test_the_plan_predicts_a_twenty_step_window_within_a_quarter(client: SidecarClient, load: None) -> None:
