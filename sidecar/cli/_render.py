@@ -138,6 +138,8 @@ def print_plan(console: Console, plan: Plan) -> None:
         table.add_row(str(p.stage_id), f"{p.bytes_fixed / 1e6:.3f}", f"{p.bytes_per_step / 1e6:.3f}", on)
     console.print(table)
     console.print(f"stop: {plan.stop_fixed_s:.2f}s + {plan.stop_per_step_s:.3f}s per step", highlight=False)
+    for note in plan.notes:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
     if plan.steps is None:
         console.print("no --budget-mb or --max-stop-s: nothing to fit", highlight=False)
         return

@@ -323,7 +323,7 @@ def plan(
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
-    """Probe captures of 1 and 2 engine steps, then the steps that fit the budget and stop bound.
+    """Probe captures of 1 and 2 engine steps (longer ones when those give no line), then the steps that fit.
 
     The server must be serving (a probe waits for its steps). The profiler flags are the
     server's, fixed at its start: the plan measures those it runs with."""

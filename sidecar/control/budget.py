@@ -51,6 +51,7 @@ class Plan(BaseModel):
     limited_by: Literal["budget_mb", "max_stop_s"] | None = None
     predicted_mb: float | None = None  # at ``steps``
     predicted_stop_s: float | None = None
+    notes: list[str] = Field(default_factory=list)  # probes taken again, stages whose size is taken as fixed
 
     def predict(self, steps: int) -> tuple[float, float]:
         """(MB on disk, stop seconds) of a ``steps`` window on these stages."""
@@ -128,20 +129,58 @@ async def run_plan(controller: CaptureController, stages: list[int] | None, *, b
             raise PlanInvalid(f"{name} must be > 0, got {bound}", key=name)
     if not probe_steps or any(n < 1 for n in probe_steps):
         raise PlanInvalid(f"probe steps must be >= 1, got {list(probe_steps)}", key="probe_steps")
-    probes = []
+    probes: list[Probe] = []
     chosen: list[int] | None = stages
-    for n in probe_steps:
+    notes: list[str] = []
+
+    async def probe(n: int) -> None:
+        nonlocal chosen
         cap = await controller.start(chosen, steps=n, label=f"plan-probe-{n}", budget_check=False)
         chosen = cap.stages
-        cap = await controller.wait(cap.id)
-        probes.append(probe_of(cap))
+        probes.append(probe_of(await controller.wait(cap.id)))
+
+    for n in probe_steps:
+        await probe(n)
+    # A line needs two step counts per stage. An engine faster than the start's round trip can trace
+    # 0 steps in a 1-step probe, or the same count in both: probe again, longer, up to twice.
+    n = max(probe_steps)
+    for _ in range(REPROBES):
+        flat = _flat(probes)
+        if not flat:
+            break
+        n = min(n * 4, MAX_PROBE_STEPS)
+        notes.append(f"{_describe(flat, probes)}: probed again with {n} steps")
+        await probe(n)
+    notes += [f"stage {sid} traced no engine step in {len(probes)} probes: its files' size is taken as fixed, not "
+              "per step" for sid in _flat(probes) if not any(p.steps_traced.get(sid, 0) for p in probes)]
     assert chosen is not None
     flags = {}
     for sid in chosen:
         stage = controller.deploy.stage(sid)
         cfg = stage.profiler_config if stage is not None else None
         flags[sid] = {f.removeprefix("torch_profiler_"): bool(getattr(cfg, f, False)) for f in FLAGS} if cfg else {}
-    return make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s)
+    plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s)
+    plan.notes = notes
+    return plan
+
+
+REPROBES = 2  # longer probes after the asked ones, when a stage's probes give no line
+MAX_PROBE_STEPS = 64
+
+
+def _counts(probes: list[Probe], sid: int) -> str:
+    return ", ".join(str(p.steps_traced.get(sid, 0)) for p in probes)
+
+
+def _flat(probes: list[Probe]) -> list[int]:
+    """The stages whose probes traced fewer than two distinct step counts (no size line per step)."""
+    stages = sorted({sid for p in probes for sid in p.steps_traced})
+    return [sid for sid in stages if len({p.steps_traced.get(sid, 0) for p in probes}) < 2]
+
+
+def _describe(flat: list[int], probes: list[Probe]) -> str:
+    asked = ", ".join(str(p.steps_asked) for p in probes)
+    return "; ".join(f"stage {sid}'s probes of {asked} steps traced {_counts(probes, sid)}" for sid in flat)
 
 
 def check_budget(plan: Plan | None, stages: list[int], steps: int, budget_mb: float,
