@@ -165,10 +165,10 @@ class _Calls:
     @staticmethod
     def start_capture(
         stages: list[int] | None, label: str | None, duration_s: float | None, lease_s: float | None,
-        steps: int | None = None, delay_steps: int | None = None,
+        steps: int | None = None, delay_steps: int | None = None, start_at: float | None = None,
     ) -> _Call:
         body: dict[str, Any] = {"stages": stages, "label": label, "duration_s": duration_s, "lease_s": lease_s,
-                                "steps": steps, "delay_steps": delay_steps}
+                                "steps": steps, "delay_steps": delay_steps, "start_at": start_at}
         body = {k: v for k, v in body.items() if v is not None}
         return _Call("POST", "/v1/captures", _capture, json=body, min_timeout=START_TIMEOUT)
 
@@ -210,9 +210,10 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
 
 
-def _wait_over(cap: Capture, timeout: float | None, deadline: float | None) -> bool:
-    """True once ``cap`` is terminal; ``WaitTimeout`` past the deadline; False: poll again."""
-    if cap.terminal:
+def _wait_over(cap: Capture, timeout: float | None, deadline: float | None, *, started: bool = False) -> bool:
+    """True once ``cap`` is terminal (``started``: once it left ``starting``); ``WaitTimeout`` past
+    the deadline; False: poll again."""
+    if cap.terminal or (started and cap.state.value != "starting"):
         return True
     now = time.monotonic()
     if deadline is not None and timeout is not None and now >= deadline:
@@ -287,10 +288,14 @@ class AsyncSidecarClient:
         lease_s: float | None = None,
         steps: int | None = None,
         delay_steps: int | None = None,
+        start_at: float | None = None,
     ) -> Capture:
         """Start a capture; ``steps``: it stops itself after that many engine steps of the server
-        (``delay_steps``: the start waits for that many first)."""
-        return await self._send(_Calls.start_capture(stages, label, duration_s, lease_s, steps, delay_steps))
+        (``delay_steps``: the start waits for that many first). ``start_at`` (epoch seconds on the
+        sidecar's clock): the start is sent then, and this returns once it is prepared (state
+        ``starting``); ``wait_started`` waits for the server's answer."""
+        return await self._send(_Calls.start_capture(stages, label, duration_s, lease_s, steps, delay_steps,
+                                                    start_at))
 
     async def plan(self, stages: list[int] | None = None, budget_mb: float | None = None,
                    max_stop_s: float | None = None, probe_steps: list[int] | None = None) -> Plan:
@@ -312,6 +317,14 @@ class AsyncSidecarClient:
         deadline = _deadline(timeout)
         while not _wait_over(cap := await self.get_capture(capture_id), timeout, deadline):
             await asyncio.sleep(poll_s)
+        return cap
+
+    async def wait_started(self, capture_id: str, timeout: float | None = None, poll_s: float = 0.05) -> Capture:
+        """Poll until a scheduled start was answered (or failed): the capture left ``starting``."""
+        deadline, delay = _deadline(timeout), poll_s
+        while not _wait_over(cap := await self.get_capture(capture_id), timeout, deadline, started=True):
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
         return cap
 
     async def list_captures(self) -> list[Capture]:
@@ -393,10 +406,14 @@ class SidecarClient:
         lease_s: float | None = None,
         steps: int | None = None,
         delay_steps: int | None = None,
+        start_at: float | None = None,
     ) -> Capture:
         """Start a capture; ``steps``: it stops itself after that many engine steps of the server
-        (``delay_steps``: the start waits for that many first)."""
-        return self._send(_Calls.start_capture(stages, label, duration_s, lease_s, steps, delay_steps))
+        (``delay_steps``: the start waits for that many first). ``start_at`` (epoch seconds on the
+        sidecar's clock): the start is sent then, and this returns once it is prepared (state
+        ``starting``); ``wait_started`` waits for the server's answer."""
+        return self._send(_Calls.start_capture(stages, label, duration_s, lease_s, steps, delay_steps,
+                                                    start_at))
 
     def plan(self, stages: list[int] | None = None, budget_mb: float | None = None,
              max_stop_s: float | None = None, probe_steps: list[int] | None = None) -> Plan:
@@ -425,6 +442,14 @@ class SidecarClient:
             if _wait_over(cap, timeout, deadline):
                 return cap
             time.sleep(poll_s)
+
+    def wait_started(self, capture_id: str, timeout: float | None = None, poll_s: float = 0.05) -> Capture:
+        """Poll until a scheduled start was answered (or failed): the capture left ``starting``."""
+        deadline, delay = _deadline(timeout), poll_s
+        while not _wait_over(cap := self.get_capture(capture_id), timeout, deadline, started=True):
+            time.sleep(delay)
+            delay = min(delay * 1.5, 1.0)
+        return cap
 
     def list_captures(self) -> list[Capture]:
         return self._send(_Calls.list_captures)

@@ -542,6 +542,13 @@ class StepsUnavailable(CaptureError):
     http_status = 422
 
 
+class StartCancelled(CaptureError):
+    """A scheduled start (``start_at``) was stopped before its time: nothing reached the server."""
+
+    code = "start_cancelled"
+    http_status = 409
+
+
 class StepsNotReached(CaptureError):
     """A ``delay_steps`` start waited its bound and the server did not run that many steps."""
 

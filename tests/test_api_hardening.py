@@ -150,12 +150,21 @@ async def test_retention_keeps_the_newest(api: AppClient, tmp_path: Path) -> Non
 # --- input -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("stages", [[True], [0, False], ["0"], [0.0]])
+@pytest.mark.parametrize("stages", [[True], [0, False], ["0"], [0.5]])
 async def test_stage_ids_are_strict_integers(api: AppClient, fake_omni: Any, stages: list[Any]) -> None:
     client = await api()
     reply = await client.post("/v1/captures", json={"stages": stages})
     compat = await client.post("/start_profile", json={"stages": stages})
     assert (reply.status_code, compat.status_code, fake_omni.starts()) == (422, 422, [])
+
+
+async def test_a_whole_float_is_the_integer_the_schema_says_it_is(api: AppClient, fake_omni: Any) -> None:
+    # JSON Schema's (OpenAPI 3.1's) integer includes 0.0: a client that sends it means stage 0 (a
+    # schemathesis run sent steps 37036.0 and flagged the refusal)
+    client = await api()
+    reply = await client.post("/v1/captures", json={"stages": [0.0]})
+    assert reply.status_code == 201 and reply.json()["stages"] == [0], reply.text
+    assert [s["stages"] for s in fake_omni.starts()] == [[0]]
 
 
 async def test_the_bearer_token_in_a_label_is_not_journaled(api: AppClient, tmp_path: Path) -> None:

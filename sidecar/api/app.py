@@ -18,7 +18,7 @@ from urllib.parse import unquote_to_bytes
 
 from fastapi import Body, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictInt, field_validator
 
 import sidecar
 from sidecar.api import web
@@ -47,6 +47,7 @@ from sidecar.errors import (
     TraceTooLarge,
     UpstreamNotReady,
     UpstreamUnreachable,
+    StartAtInvalid,
     StepsNotReached,
     StepsUnavailable,
     WindowInvalid,
@@ -59,6 +60,23 @@ if TYPE_CHECKING:
     from sidecar.upstream.server import UpstreamServer
 
 log = logging.getLogger("sidecar.api")
+LATEST_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, the last second a date can show
+
+
+def _a_number(value: Any) -> Any:
+    """JSON numbers only: `true` is not stage 1 nor "0" stage 0 (JSON Schema's integer includes 3.0,
+    so a whole float is a whole number; 3.5 is still refused by the type itself)."""
+    if isinstance(value, (bool, str, bytes)):
+        raise ValueError("must be a JSON number")
+    return value
+
+
+def _whole(*bounds: Any) -> Any:
+    """An integer (3.0 included; never a bool or a string) within ``bounds`` (``Field(ge=...)``)."""
+    return Annotated[(int, *bounds, BeforeValidator(_a_number))]
+
+
+Whole = _whole()
 
 
 class CaptureRequest(BaseModel):
@@ -67,17 +85,22 @@ class CaptureRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     # strict: `true` is not stage 1, "0" is not stage 0
-    stages: list[StrictInt] | None = Field(default=None, description="stage ids; omit for every profiled stage")
+    stages: list[Whole] | None = Field(default=None, description="stage ids; omit for every profiled stage")
     label: str | None = Field(default=None, max_length=200)
     duration_s: float | None = Field(default=None, gt=0, description="stop automatically after this many seconds")
     lease_s: float | None = Field(default=None, gt=0, description="stop unless a heartbeat arrives within this")
     kind: Literal["torch", "nsys"] = Field(
         default="torch", description="torch: trace files the sidecar checks; nsys: `profiler: cuda` stages"
     )
-    steps: StrictInt | None = Field(default=None, ge=1, le=1_000_000,
+    steps: _whole(Field(ge=1, le=1_000_000)) | None = Field(default=None,
                                     description="stop after the server has run this many engine steps")
-    delay_steps: StrictInt | None = Field(default=None, ge=0, le=1_000_000,
+    delay_steps: _whole(Field(ge=0, le=1_000_000)) | None = Field(default=None,
                                           description="start once the server has run this many engine steps")
+    start_at: Annotated[float, Field(ge=0, le=LATEST_TIME), BeforeValidator(_a_number)] | None = Field(
+        default=None,
+        description="epoch seconds on this sidecar's clock (GET /v1/clock): the start is sent then, and the "
+                    "answer (202, state `starting`) comes once the capture is prepared; at once when past. A stop "
+                    "before then cancels it, nothing sent")
 
 
 class PlanRequest(BaseModel):
@@ -85,10 +108,10 @@ class PlanRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    stages: list[StrictInt] | None = Field(default=None, min_length=1, description="stage ids; omit for every profiled stage")
+    stages: list[Whole] | None = Field(default=None, min_length=1, description="stage ids; omit for every profiled stage")
     budget_mb: float | None = Field(default=None, gt=0, description="trace size on disk the window must fit")
     max_stop_s: float | None = Field(default=None, gt=0, description="how long the server's stop may take")
-    probe_steps: list[Annotated[StrictInt, Field(ge=1)]] = Field(default=[1, 2], min_length=1, max_length=4,
+    probe_steps: list[_whole(Field(ge=1))] = Field(default=[1, 2], min_length=1, max_length=4,
                                          description="engine steps of each probe capture")
 
 
@@ -300,15 +323,16 @@ def create_app(
         dependencies=mutating,
         summary="Start a capture (409 if one is active; 422 for a bad stage set, before any upstream call)",
         responses={**responses("mutating", "start"),
-                   422: openapi_error(RequestInvalid, StageSelectionError, WindowInvalid, StepsUnavailable),
+                   202: {"description": "a scheduled start (`start_at`): the capture, prepared and `starting`"},
+                   422: openapi_error(RequestInvalid, StageSelectionError, WindowInvalid, StepsUnavailable, StartAtInvalid),
                    503: openapi_error(UpstreamUnreachable, SidecarClosing), 504: openapi_error(StepsNotReached)},
     )
     async def start_capture(req: CaptureRequest = Body(default_factory=CaptureRequest)) -> SafeJSONResponse:
-        cap = await controller.start(
-            req.stages, label=req.label, duration_s=req.duration_s, lease_s=req.lease_s, kind=req.kind,
-            steps=req.steps, delay_steps=req.delay_steps,
-        )
-        return capture_response(cap, 201)
+        opts = dict(label=req.label, duration_s=req.duration_s, lease_s=req.lease_s, kind=req.kind, steps=req.steps,
+                    delay_steps=req.delay_steps)
+        if req.start_at is not None:
+            return capture_response(await controller.schedule(req.stages, start_at=req.start_at, **opts), 202)
+        return capture_response(await controller.start(req.stages, **opts), 201)
 
     @app.post("/v1/plan", tags=["captures"], dependencies=mutating,
               summary="Probe captures of a few engine steps, then the steps and stop that fit a budget",

@@ -45,6 +45,9 @@ StepsOpt = Annotated[
 DelayStepsOpt = Annotated[
     Optional[int], typer.Option("--delay-steps", min=0, help="start once the server has run N engine steps")
 ]
+StartAtOpt = Annotated[Optional[str], typer.Option(
+    "--start-at", help="send the start at this time: +S (seconds from now on the sidecar's clock), epoch seconds "
+    "or ISO with zone (2026-12-01T14:05:00Z); answered at once, state starting")]
 
 
 def _client(sidecar: str, token_file: Path | None) -> SidecarClient:
@@ -132,17 +135,31 @@ def start(
     label: LabelOpt = None,
     steps: StepsOpt = None,
     delay_steps: DelayStepsOpt = None,
+    start_at: StartAtOpt = None,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Start a capture on the sidecar (one at a time; the stage set is fixed now)."""
     with cli_errors(), _client(sidecar, token_file) as client:
+        at = None if start_at is None else _on_sidecar_clock(client, start_at)
         cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease,
-                                   steps=steps, delay_steps=delay_steps)
+                                   steps=steps, delay_steps=delay_steps, start_at=at)
         if as_json:
             console.print_json(cap.model_dump_json())
+        elif cap.start_at is not None and cap.state.value == "starting":
+            when = cap.start_at.astimezone().strftime("%H:%M:%S.%f")[:-3]
+            console.print(f"capture [bold]{cap.id}[/] starting: stages {cap.stages}, sent at {when} (the sidecar's "
+                          "clock); `omni-sidecar stop` before then cancels it", highlight=False)
         else:
             console.print(f"capture [bold]{cap.id}[/] {cap.state.value}: stages {cap.stages}")
+
+
+def _on_sidecar_clock(client: SidecarClient, text: str) -> float:
+    """``--start-at`` as epoch seconds on the sidecar's clock: ``+S`` from its now, else as written."""
+    from sidecar.control.schedule import parse_start_at
+
+    now = int(client.clock()["realtime_ns"]) / 1e9 if text.strip().startswith("+") else None
+    return parse_start_at(text, now=now)
 
 
 @app.command()

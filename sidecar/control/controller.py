@@ -33,6 +33,7 @@ from sidecar.control.claims import CLAIMS, ClaimRegistry
 from sidecar.control.budget import Plan, check_budget, run_plan
 from sidecar.control.collect import after_stop_error, collect, found_so_far
 from sidecar.control.journal import CaptureJournal
+from sidecar.control.schedule import check_start_at
 from sidecar.control.models import (
     CLOCKS_MAX,
     Capture,
@@ -61,6 +62,7 @@ from sidecar.errors import (
     LeaseInvalid,
     MetricsUnavailable,
     EngineStepsInvalid,
+    StartCancelled,
     StepsNotReached,
     StepsUnavailable,
     SidecarClosing,
@@ -110,6 +112,9 @@ class ControlSettings(BaseModel):
     # how long a ``delay_steps`` start waits for the server to run them.
     steps_poll_s: float = Field(default=0.02, gt=0)
     steps_wait_s: float = Field(default=600, gt=0)
+    # A start scheduled (``start_at``) further ahead than this is refused (None: any time ahead;
+    # the capture holds the slot until then, and a stop cancels it).
+    start_at_max_s: float | None = Field(default=None, gt=0)
     window_metrics: bool = True  # scrape /metrics at start and stop and keep the difference
     # A ``steps`` capture planned (``plan``) above this many MB is refused (or only noted: warn).
     budget_mb: float | None = Field(default=None, gt=0)
@@ -130,6 +135,7 @@ class ControlSettings(BaseModel):
             budget_action=settings.budget_action,
             gone_after_s=settings.gone_after_s,
             steps_wait_s=settings.steps_wait_s,
+            start_at_max_s=settings.start_at_max_s,
         )
 
 
@@ -212,6 +218,20 @@ async def _snapshot(watches: list[StageWatch]) -> None:
     await batch.run(lambda: [artifacts.snapshot(w) for w in watches])
 
 
+# A scheduled start this late when ready is noted (the fan-out of a fleet lands within ms of it).
+START_AT_LATE_S = 0.002
+
+
+def _ago(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if abs(seconds) < 10 else f"{seconds:.1f} s"
+
+
+def _quiet(task: asyncio.Task[Any]) -> None:
+    """A background start's exception is in its capture's record: retrieve it, log it at debug."""
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("scheduled start ended: %s", task.exception())
+
+
 def _done(value: Any) -> asyncio.Task[Any]:
     """A finished task holding ``value`` (a scrape already taken, where a task is expected)."""
 
@@ -244,7 +264,7 @@ class _Runtime:
 
     __slots__ = ("watches", "done", "started_mono", "heartbeat_mono", "watchdog", "stopper", "pending_stop",
                  "stop_timed_out", "metrics_before", "metrics_after", "steps_counter", "steps_base",
-                 "steps_at_stop")
+                 "steps_at_stop", "wake")
 
     def __init__(self) -> None:
         self.watches: list[StageWatch] = []
@@ -262,6 +282,7 @@ class _Runtime:
         # the counters read just before the start is sent (``_count``'s answer)
         self.steps_base: tuple[dict[Labels, int] | None, float, float] | None = None
         self.steps_at_stop: int | None = None  # steps counted past the base when the stop was sent
+        self.wake: asyncio.Event | None = None  # set by a stop while a scheduled start waits for its time
 
 
 class CaptureController:
@@ -365,7 +386,7 @@ class CaptureController:
             if cap.state is CaptureState.active:
                 await self.stop(cid, reason=StopReason.shutdown)
             elif cap.state is CaptureState.starting:
-                self._rt[cid].pending_stop = StopReason.shutdown
+                self._stop_while_starting(cid, StopReason.shutdown)
         waits = [self._rt[cid].done.wait() for cid in list(self._busy)]
         if waits:
             try:
@@ -446,6 +467,8 @@ class CaptureController:
         steps: int | None = None,
         delay_steps: int | None = None,
         budget_check: bool = True,
+        start_at: float | None = None,
+        prepared: asyncio.Future[Capture] | None = None,
     ) -> Capture:
         """Start a capture of ``stages`` (default: every stage of that ``kind``, sent explicitly).
         ``kind="nsys"`` targets ``profiler: cuda`` stages (verdict ``unverified`` with the nsys
@@ -461,12 +484,16 @@ class CaptureController:
         upstream error is raised with ``details['capture_id']``.
         ``steps``: the capture stops itself once the server's engine-step counter (its /metrics)
         has advanced that much since the start's reply; ``delay_steps``: the start is sent once it
-        has advanced that much (the capture is ``starting`` meanwhile, bounded by ``steps_wait_s``)."""
+        has advanced that much (the capture is ``starting`` meanwhile, bounded by ``steps_wait_s``).
+        ``start_at`` (epoch seconds, this host's clock): the start is sent then (at once if past,
+        with a note saying how late); ``prepared``, when given, gets the capture once it is
+        prepared and waiting (see :meth:`schedule`). A stop meanwhile cancels it: nothing is sent."""
         if self._closed:
             raise SidecarClosing("the sidecar is shutting down; start the capture after restart")
         kind = CaptureKind(kind)
         duration_s, lease_s = self._check_window(duration_s, lease_s)
         _check_steps(steps, delay_steps)
+        start_at = check_start_at(start_at, max_ahead_s=self.settings.start_at_max_s or math.inf, past_ok=True)
         # Validation comes before anything reaches the server (docs/design.md §4), and before the
         # overlap check: a bad stage list is wrong whatever else is running.
         selected = select_stages(self.deploy, stages, kind=kind.value)
@@ -491,6 +518,7 @@ class CaptureController:
                 lease_s=lease_s,
                 steps=steps,
                 delay_steps=delay_steps,
+                start_at=None if start_at is None else datetime.fromtimestamp(start_at, timezone.utc),
                 created_at=now,
             )
             if warning is not None:
@@ -526,6 +554,10 @@ class CaptureController:
                 await self.flush()  # journaled with the baselines before anything can start upstream
                 if delay_steps and first is not None:
                     await self._wait_steps(cap, first, delay_steps)
+                if prepared is not None and not prepared.done():
+                    prepared.set_result(_copy(cap))
+                if start_at is not None:
+                    await self._until(cap, rt, start_at)
                 if release is None:
                     await count_from_here()
                     sent = True
@@ -803,6 +835,49 @@ class CaptureController:
                     "send load to it, or ask for fewer delay_steps", details={"delay_steps": n, "counted": ran})
             await asyncio.sleep(self.settings.steps_poll_s)
 
+    def _stop_while_starting(self, capture_id: str, reason: StopReason) -> None:
+        """A stop asked for before the start was answered: sent once it is; a scheduled start
+        still waiting for its time is cancelled instead (nothing reaches the server)."""
+        rt = self._rt[capture_id]
+        rt.pending_stop = reason
+        if rt.wake is not None:
+            rt.wake.set()
+
+    async def _until(self, cap: Capture, rt: _Runtime, start_at: float) -> None:
+        """Until ``start_at`` (this host's wall clock) for a scheduled start; at once, with a note,
+        when it is already past. A stop meanwhile raises ``StartCancelled``."""
+        late = time.time() - start_at
+        if late > START_AT_LATE_S:
+            cap.notes.append(f"start_at was {_ago(late)} past when the capture was ready: its start was sent at once")
+            return
+        rt.wake = asyncio.Event()
+        try:
+            while (ahead := start_at - time.time()) > 0 and rt.pending_stop is None:
+                with contextlib.suppress(asyncio.TimeoutError):  # the loop's clock is monotonic: read the wall one again
+                    await asyncio.wait_for(rt.wake.wait(), ahead)
+        finally:
+            rt.wake = None
+        if rt.pending_stop is not None:
+            raise StartCancelled(f"stopped ({rt.pending_stop.value}) {_ago(start_at - time.time())} before its start_at: nothing was "
+                                 "sent to the server", details={"capture_id": cap.id})
+
+    async def schedule(self, stages: list[int] | None = None, *, start_at: float, **opts: Any) -> Capture:
+        """:meth:`start` at ``start_at``, answered as soon as the capture is prepared (state
+        ``starting``, its slot held) instead of once the server accepted: the start itself runs in
+        the background, and the capture says how it went (``active``, or ``failed`` with why). A
+        refusal (a bad stage set, the slot taken, ...) is raised here, as by :meth:`start`."""
+        prepared: asyncio.Future[Capture] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self.start(stages, start_at=start_at, prepared=prepared, **opts),
+                                   name="scheduled-start")
+        await asyncio.wait({prepared, task}, return_when=asyncio.FIRST_COMPLETED)
+        if not prepared.done():
+            prepared.cancel()
+            return task.result()  # refused before it was prepared: raises
+        self._background.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._background.discard)  # type: ignore[arg-type]
+        task.add_done_callback(_quiet)  # its outcome is the capture's record
+        return prepared.result()
+
     async def _read_steps(self, stages: list[int], *, due: float, hedge_s: float
                           ) -> tuple[dict[Labels, int] | None, float, float] | None:
         """One count (as :meth:`_count`), hedged: a read not back within ``hedge_s`` gets a fresh
@@ -1040,7 +1115,7 @@ class CaptureController:
             self.get(capture_id)  # raises CaptureNotFound
         assert cap is not None
         if cap.state is CaptureState.starting:
-            self._rt[capture_id].pending_stop = reason
+            self._stop_while_starting(capture_id, reason)
             return _copy(cap)
         if cap.state is not CaptureState.active:
             return _copy(cap)

@@ -151,6 +151,7 @@ class Capture(BaseModel):
     lease_s: float | None = None
     steps: int | None = None  # stop once the server has run this many engine steps
     delay_steps: int | None = None  # start once the server has run this many engine steps
+    start_at: datetime | None = None  # a scheduled start: sent at this time (this host's clock)
     # Engine steps the server's /metrics had counted since the start was sent, when the stop was
     # sent (the last read, and the steps its rate predicts until the stop lands).
     steps_counted: int | None = None
