@@ -15,8 +15,9 @@ stub writes its traces on the event loop; more per process and the stubs are wha
 
 Columns. ``start``: the call until every upstream accepted (plain: prepare + send + hold; with
 start_at: from start_at). ``prep``: the call until the starts were released (the preparation
-phase). ``skew``: first to p50 / last replica receiving its start; with start_at also the
-earliest receive relative to start_at (never below 0 by construction). The machine is shared: the
+phase). ``skew``: first to p50 / last replica receiving its start (with start_at, a sidecar stub's
+start is the one it sends at that time, as the sidecar does: the request came ahead); with start_at
+also the earliest start relative to start_at (never below 0 by construction). The machine is shared: the
 load average is printed with each table.
 
     python bench/fanout.py --replicas 128 [--kind upstream|sidecar|both] [--latency 0.1,0.5] [--repeat 3]
@@ -85,7 +86,8 @@ async def _round(targets: list[Target], stubs: StubFleet, size: int, synced: boo
         if not fc.ok:
             raise SystemExit(f"fan-out failed: {fc.rollup()}")
     cpu = sum(os.times()[:2]) - cpu0
-    path = "/start_profile" if targets[0].kind.value == "upstream" else "/v1/captures"
+    # when each server's start left: a scheduled sidecar (start_at) logs the start it sends then
+    path = "/start_profile" if targets[0].kind.value == "upstream" or start_at else "/v1/captures"
     got = sorted(ts[0] for i, ts in stubs.received(path).items() if i < size and ts)
     skews = [(t - got[0]) / 1e6 for t in got]
     return {"start": t_start, "prep": (fc.released_at or called) - called, "stop": t_stop,
@@ -173,7 +175,8 @@ async def _clock_round(targets: list[Target], stubs: StubFleet, size: int, synce
         t_known = time.perf_counter() - t0
         if not fc.ok:
             raise SystemExit(f"fan-out failed: {fc.rollup()}")
-    path = "/start_profile" if targets[0].kind.value == "upstream" else "/v1/captures"
+    # when each server's start left: a scheduled sidecar (start_at) logs the start it sends then
+    path = "/start_profile" if targets[0].kind.value == "upstream" or start_at else "/v1/captures"
     got = sorted(ts[0] for i, ts in stubs.received(path).items() if i < size and ts)
     errors = sorted(r.clock.error_ns / 1e6 for r in fc.targets.values() if r.clock is not None)
     return {"start": t_start, "stop": t_stop, "known": t_known,

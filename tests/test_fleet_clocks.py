@@ -167,6 +167,23 @@ def test_each_sidecars_capture_keeps_the_fleets_offsets_of_its_clock(skewed_run:
             assert (kept[phase].offset_ns, kept[phase].error_ns, kept[phase].at_ns) == (clock.offset_ns, clock.error_ns, clock.at_ns)
 
 
+def test_each_skewed_sidecar_sends_its_start_at_the_fleets_start_at_on_its_own_clock(skewed_run: Run) -> None:
+    from sidecar.client import SidecarClient
+
+    for r in skewed_run.replicas:
+        res = skewed_run.fc.targets[Target.sidecar(r.sidecar.url).name]
+        with SidecarClient(r.sidecar.url) as client:
+            cap = client.get_capture(res.capture_id)
+        # told the fleet's start_at plus its offset (as the fleet measured it just before)...
+        assert cap.start_at is not None
+        told_ns = round(cap.start_at.timestamp() * 1e9) - r.offset_ns
+        assert abs(told_ns - round(skewed_run.fc.start_at * 1e9)) <= TOLERANCE_NS, (told_ns, skewed_run.fc.start_at)
+        # ...and its server received the start then, not before (its log is on the skewed clock)
+        (sent,) = [c["t"] for c in r.emulator.state()["calls"] if c["path"] == "/start_profile"]
+        assert round(sent * 1e9) - r.offset_ns >= round(skewed_run.fc.start_at * 1e9) - TOLERANCE_NS, (
+            sent, r.offset_ns, skewed_run.fc.start_at)
+
+
 def test_the_merged_timeline_puts_each_request_where_it_happened_and_trims_to_the_common_window(skewed_run: Run) -> None:
     out = skewed_run.tmp / "timeline.json"
     report, _ = fleet_timeline(skewed_run.fc, out)

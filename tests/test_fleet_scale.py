@@ -132,14 +132,28 @@ def _starts(stubs: StubFleet, path: str, n: int) -> list[int]:
     return [ts[0] for i, ts in stubs.received(path).items() if i < n and ts]
 
 
-async def test_no_sidecar_target_receives_its_start_before_start_at(stubs: StubFleet):
+async def test_each_sidecar_is_told_start_at_ahead_and_none_sends_its_start_before(stubs: StubFleet):
     async with _fleet(stubs, SMALL) as fleet:
         start_at = time.time() + 2
         fc = await fleet.start(start_at=start_at)
         await fleet.stop(fc, wait_artifacts=False)
-    got = _starts(stubs, "/v1/captures", SMALL)
-    assert len(got) == SMALL and min(got) >= start_at * 1e9 - CLOCK_SLACK_NS
+    asked, sent = _starts(stubs, "/v1/captures", SMALL), _starts(stubs, "/start_profile", SMALL)
+    assert len(asked) == SMALL and max(asked) < start_at * 1e9  # scheduled ahead, on one host: offset ~0
+    assert len(sent) == SMALL and min(sent) >= start_at * 1e9 - CLOCK_SLACK_NS
     assert fc.start_at == start_at and fc.released_at >= start_at
+    assert all(r.outcome is TargetOutcome.started for r in fc.targets.values())
+
+
+async def test_a_target_refusing_before_start_at_cancels_the_others_scheduled_starts(stubs: StubFleet):
+    stubs.reset(faults={SMALL - 1: "busy"})  # refused at once (409): the others are already scheduled
+    async with _fleet(stubs, SMALL) as fleet:
+        with pytest.raises(FleetError) as info:
+            await fleet.start(start_at=time.time() + 3)
+    outcomes = [t["outcome"] for t in info.value.details["targets"]]
+    assert outcomes.count("start_failed") == 1 and outcomes.count("not_started") == SMALL - 1, outcomes
+    assert _starts(stubs, "/start_profile", SMALL) == []  # no scheduled start reached its time
+    stops = [i for i, r in stubs.log().items() if any(p.endswith("/stop") for _, p, _ in r["calls"])]
+    assert sorted(stops) == list(range(SMALL - 1)), stops  # each cancelled on its sidecar
 
 
 async def test_no_upstream_target_receives_its_start_before_start_at(upstreams: StubFleet):

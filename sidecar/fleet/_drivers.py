@@ -6,6 +6,7 @@ Ray actor on the server's node (``_ray.py``, made by a ``DriverFactory``)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import ssl
 from pathlib import Path
@@ -17,7 +18,7 @@ import httpx
 from sidecar.config.models import DeployConfig, Stage, StageKind
 from sidecar.config.profiler import ProfilerConfig
 from sidecar.control.models import Capture, CaptureState, StopReason
-from sidecar.errors import KindUnsupported
+from sidecar.errors import KindUnsupported, RequestInvalid, SidecarError
 from sidecar.fleet._clocks import MORE, ClockOffset, clock_record, exchange
 from sidecar.fleet._targets import Target
 
@@ -113,8 +114,13 @@ class SidecarDriver:
 
     async def start(self, stages, label, duration_s, lease_s, kind: Kind = "torch",  # type: ignore[no-untyped-def]
                     release: ReleaseHook | None = None, steps: int | None = None) -> Capture:
-        # The sidecar prepares its capture itself once asked, so the fleet's release (and its
-        # start_at) gates the request: the skew adds the sidecar's own preparation (~ms).
+        at = getattr(release, "start_at", None)
+        if at is not None and kind == "torch":
+            cap = await self._scheduled(release, at, stages, label, duration_s, lease_s, steps)
+            if cap is not None:
+                return cap
+        # The sidecar prepares its capture itself once asked, so the fleet's release gates the
+        # request: the skew adds the fan-out's spread and the sidecar's own preparation (~ms).
         if release is not None:
             await release()
         if steps is not None:  # sent only when asked: an older sidecar refuses the field
@@ -129,6 +135,40 @@ class SidecarDriver:
 
         call = _Calls.start_capture(stages, label, duration_s, lease_s)
         return await self.client._send(call._replace(json={**(call.json or {}), "kind": kind}))
+
+    async def _scheduled(self, release: ReleaseHook, at: float, stages: list[int] | None, label: str | None,
+                         duration_s: float | None, lease_s: float | None, steps: int | None) -> Capture | None:
+        """The start scheduled on the sidecar at ``at`` (the fleet's clock) mapped to its own clock
+        by an exchange taken now, in the lead before ``at`` (unless the fleet's exchange is off);
+        the capture once its server answered.
+        None when the sidecar does not know ``start_at`` (an older build): the fleet releases it."""
+        clocks = getattr(release, "clocks", None)  # None: the fleet's exchange is off; the clocks are taken as one
+        offset = 0.0
+        if clocks is not None:
+            async with clocks:
+                offset = (await self.clock()).offset_s
+        try:
+            cap = await self.client.start_capture(stages=stages, label=label, duration_s=duration_s, lease_s=lease_s,
+                                                  steps=steps, start_at=at + offset)
+        except RequestInvalid as err:
+            if "start_at" not in err.message:
+                raise
+            return None
+        try:  # at start_at, or StartWithheld when another target failed first: then cancel it here
+            await release()
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.client.stop_capture(cap.id))
+            raise
+        cap = await self.client.wait_started(cap.id, poll_s=self.poll_s / 4)
+        if cap.state is CaptureState.active or (cap.state is CaptureState.stopping
+                                                and cap.stop_reason is not StopReason.rollback):
+            return cap
+        # its start failed (rolled back) or was cancelled: the sidecar's record says why
+        err = cap.errors[-1] if cap.errors else None
+        raise SidecarError.relay(err.code if err else "start_failed",
+                                 err.message if err else f"capture {cap.id} ended {cap.state.value} before it started",
+                                 details={"capture_id": cap.id})
 
     async def _poll(self, capture_id: str, until: tuple[CaptureState, ...], deadline: float | None) -> Capture:
         # Backs off from poll_s to 2 s: a thousand targets polling every 0.2 s would be the load.

@@ -309,7 +309,9 @@ class Fleet:
         (outcome ``not_started``, nothing sent). ``start_at`` (epoch seconds or an aware datetime,
         like dynolog's ``--profile-start-time``) releases the sends at that wall-clock time;
         refused with ``StartAtInvalid`` when in the past or more than ``start_at_max_s`` ahead.
-        Sidecar targets are released by the fleet at ``start_at`` (the request is sent then).
+        Sidecar targets are told ``start_at`` on their own clock (the fleet's plus the offset a
+        clock exchange measures first) and each sends its start then: the skew is theirs, not
+        the fan-out's (a sidecar that does not know ``start_at`` is released by the fleet then).
         ``steps``: each target's capture stops itself after that many engine steps of its server."""
         if kind not in ("torch", "nsys"):
             raise KindInvalid(f"kind must be 'torch' or 'nsys', got {kind!r}")
@@ -328,6 +330,7 @@ class Fleet:
 
         deadline = start_by(t0)
         waves = self.max_concurrency < len(drivers)  # started in waves: each target's own budget from its turn
+        clocks = asyncio.Semaphore(CLOCK_CONCURRENCY) if at is not None and self.exchange_clocks else None
 
         async def one(d: Driver) -> tuple[Capture, float]:
             arrived = False
@@ -338,7 +341,10 @@ class Fleet:
                 release.arrive()
                 await release.wait()
 
-            gate.start_at = at  # type: ignore[attr-defined]  # a Ray node waits for it where the server is
+            # a Ray node waits for start_at where the server is; a sidecar is told it (its clock,
+            # measured first: at most CLOCK_CONCURRENCY exchanges at once keep each round trip short)
+            gate.start_at = at  # type: ignore[attr-defined]
+            gate.clocks = clocks  # type: ignore[attr-defined]
             try:
                 by = start_by(loop.time()) if waves else deadline
                 opts = {} if steps is None else {"steps": steps}  # a driver of an older build takes none
