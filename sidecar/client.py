@@ -189,6 +189,13 @@ class _Calls:
         return _Call("GET", f"/v1/captures/{capture_id}", _capture)
 
     @staticmethod
+    def until_started(capture_id: str, timeout: float) -> _Call:
+        """The capture once it left ``starting``, held open server-side up to ``timeout`` s (a
+        sidecar without ``until`` answers at once: the caller polls then)."""
+        return _Call("GET", f"/v1/captures/{capture_id}", _capture, params={"until": "started", "timeout": timeout},
+                     min_timeout=timeout + 10)
+
+    @staticmethod
     def record_clock(capture_id: str, record: dict[str, Any]) -> _Call:
         return _Call("POST", f"/v1/captures/{capture_id}/clock", _capture, json=record)
 
@@ -208,6 +215,11 @@ class _Calls:
 
 def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else time.monotonic() + timeout
+
+
+def _held_for(deadline: float | None) -> float:
+    """How long to ask the sidecar to hold a request open: to the deadline, at most its 30 s."""
+    return 30.0 if deadline is None else min(max(deadline - time.monotonic(), 0.01), 30.0)
 
 
 def _wait_over(cap: Capture, timeout: float | None, deadline: float | None, *, started: bool = False) -> bool:
@@ -320,12 +332,17 @@ class AsyncSidecarClient:
         return cap
 
     async def wait_started(self, capture_id: str, timeout: float | None = None, poll_s: float = 0.05) -> Capture:
-        """Poll until a scheduled start was answered (or failed): the capture left ``starting``."""
+        """Until a scheduled start was answered (or failed): the capture left ``starting``. One
+        request held open by the sidecar at a time; polls every ``poll_s`` (growing) where it is not."""
         deadline, delay = _deadline(timeout), poll_s
-        while not _wait_over(cap := await self.get_capture(capture_id), timeout, deadline, started=True):
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 1.0)
-        return cap
+        while True:
+            held, t0 = _held_for(deadline), time.monotonic()
+            if _wait_over(cap := await self._send(_Calls.until_started(capture_id, held)), timeout, deadline,
+                          started=True):
+                return cap
+            if time.monotonic() - t0 < held / 2:  # answered at once: an older sidecar
+                await asyncio.sleep(delay)
+                delay = min(delay * 1.5, 1.0)
 
     async def list_captures(self) -> list[Capture]:
         return await self._send(_Calls.list_captures)
@@ -444,12 +461,15 @@ class SidecarClient:
             time.sleep(poll_s)
 
     def wait_started(self, capture_id: str, timeout: float | None = None, poll_s: float = 0.05) -> Capture:
-        """Poll until a scheduled start was answered (or failed): the capture left ``starting``."""
+        """As :meth:`AsyncSidecarClient.wait_started`."""
         deadline, delay = _deadline(timeout), poll_s
-        while not _wait_over(cap := self.get_capture(capture_id), timeout, deadline, started=True):
-            time.sleep(delay)
-            delay = min(delay * 1.5, 1.0)
-        return cap
+        while True:
+            held, t0 = _held_for(deadline), time.monotonic()
+            if _wait_over(cap := self._send(_Calls.until_started(capture_id, held)), timeout, deadline, started=True):
+                return cap
+            if time.monotonic() - t0 < held / 2:  # answered at once: an older sidecar
+                time.sleep(delay)
+                delay = min(delay * 1.5, 1.0)
 
     def list_captures(self) -> list[Capture]:
         return self._send(_Calls.list_captures)

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -129,3 +130,19 @@ def test_the_cli_schedules_a_start_on_the_sidecars_clock_and_a_stop_cancels_it(s
         assert gone.returncode == 1 and "start_cancelled: stopped (explicit)" in gone.stdout, gone
         assert "before its start_at: nothing was sent to the server" in gone.stdout, gone
         assert client.get_capture(cap.id).state.value == "failed" and _starts(shared) == []
+
+
+def test_a_request_held_until_started_answers_with_the_start_or_at_its_timeout(shared: ModuleSidecar) -> None:
+    with shared.client() as client:
+        soon = client.start_capture([0, 2], start_at=_sidecar_now(client) + 2)
+        held = client._http.get(f"/v1/captures/{soon.id}", params={"until": "started", "timeout": 30})
+        (sent,) = _starts(shared)  # answered once the start was, not before
+        client.stop_capture(soon.id, wait=True, timeout=60)
+        late = client.start_capture([0], start_at=_sidecar_now(client) + 60)
+        waited = client._http.get(f"/v1/captures/{late.id}", params={"until": "started", "timeout": 0.2})
+        too_long = client._http.get(f"/v1/captures/{late.id}", params={"until": "started", "timeout": 31})
+        client.stop_capture(late.id, wait=True, timeout=60)
+    assert held.status_code == 200 and held.json()["state"] == "active", held.text
+    assert sent <= datetime.fromisoformat(held.json()["started_at"]).timestamp()
+    assert waited.status_code == 200 and waited.json()["state"] == "starting", waited.text
+    assert (too_long.status_code, error_of(too_long)["code"]) == (422, "request_invalid"), too_long.text

@@ -61,6 +61,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sidecar.api")
 LATEST_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, the last second a date can show
+WAIT_MAX_S = 30.0  # a request held open (until=started) answers within this: proxies and clients time out
 
 
 def _a_number(value: Any) -> Any:
@@ -382,7 +383,15 @@ def create_app(
         summary="One capture: state, verdicts, files",
         responses=responses("capture"),
     )
-    async def get_capture(capture_id: str) -> SafeJSONResponse:
+    async def get_capture(
+        capture_id: str,
+        until: Optional[Literal["started"]] = Query(
+            None, description="started: answer once the capture has left `starting` (a scheduled start sent and "
+                              "answered, or failed), or after `timeout`"),
+        timeout: float = Query(WAIT_MAX_S, gt=0, le=WAIT_MAX_S, description="with until: seconds to wait at most"),
+    ) -> SafeJSONResponse:
+        if until == "started":
+            return capture_response(await controller.wait_started(capture_id, timeout=timeout))
         return capture_response(controller.get(capture_id))
 
     @app.post(

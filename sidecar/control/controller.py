@@ -1307,6 +1307,27 @@ class CaptureController:
             await self.journal.flush()  # a terminal capture is on disk when wait returns
         return self.get(capture_id)
 
+    async def wait_started(self, capture_id: str, timeout: float | None = None) -> Capture:
+        """Until the capture has left ``starting`` (a scheduled start answered, or failed), or
+        ``timeout`` seconds (then its current snapshot)."""
+        cap = self.get(capture_id)
+        if cap.state is not CaptureState.starting:
+            return cap
+        left: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def on_change(snap: Capture) -> None:
+            if snap.id == capture_id and snap.state is not CaptureState.starting and not left.done():
+                left.set_result(None)
+
+        unsubscribe = self.subscribe(on_change)
+        try:
+            await asyncio.wait_for(left, timeout)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            unsubscribe()
+        return self.get(capture_id)
+
     async def stop_active(self, stages: list[int] | None = None) -> Capture | None:
         """The upstream's own stop semantics: stop the live capture and return once it is terminal
         (the upstream's stop blocks too). ``stages``, when given, must be the capture's own set: a

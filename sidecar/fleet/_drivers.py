@@ -154,13 +154,16 @@ class SidecarDriver:
             if "start_at" not in err.message:
                 raise
             return None
+        # held open by the sidecar from now: its answer is the start's, with no poll after start_at
+        started = asyncio.ensure_future(self.client.wait_started(cap.id, poll_s=self.poll_s / 4))
         try:  # at start_at, or StartWithheld when another target failed first: then cancel it here
             await release()
         except BaseException:
+            started.cancel()
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.client.stop_capture(cap.id))
             raise
-        cap = await self.client.wait_started(cap.id, poll_s=self.poll_s / 4)
+        cap = await started
         if cap.state is CaptureState.active or (cap.state is CaptureState.stopping
                                                 and cap.stop_reason is not StopReason.rollback):
             return cap
