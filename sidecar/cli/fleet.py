@@ -66,8 +66,8 @@ StartTimeoutOpt = Annotated[Optional[float], typer.Option(
     "(default: the fleet's, 30 s)")]
 KindOpt = Annotated[str, typer.Option("--kind", help="torch (trace files) or nsys (profiler: cuda stages)")]
 StartAtOpt = Annotated[Optional[str], typer.Option(
-    "--start-at", help="send every start at this wall-clock time: +S (seconds from now), epoch seconds, "
-    "or ISO with zone (2026-12-01T14:05:00Z); every target is prepared first")]
+    "--start-at", help="start every target at this wall-clock time: +S (seconds from now), epoch seconds, "
+    "or ISO with zone (2026-12-01T14:05:00Z); each sidecar is told it ahead, on its own clock")]
 # Up to this many targets the table has a row per target; beyond it, one roll-up table.
 ROWS_MAX = 16
 
