@@ -109,7 +109,8 @@ class PlanRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    stages: list[Whole] | None = Field(default=None, min_length=1, description="stage ids; omit for every profiled stage")
+    stages: list[Whole] | None = Field(default=None, min_length=1,
+                                       description="stage ids; omit for every profiled stage")
     budget_mb: float | None = Field(default=None, gt=0, description="trace size on disk the window must fit")
     max_stop_s: float | None = Field(default=None, gt=0, description="how long the server's stop may take")
     probe_steps: list[_whole(Field(ge=1))] = Field(default=[1, 2], min_length=1, max_length=4,
@@ -325,7 +326,8 @@ def create_app(
         summary="Start a capture (409 if one is active; 422 for a bad stage set, before any upstream call)",
         responses={**responses("mutating", "start"),
                    202: {"description": "a scheduled start (`start_at`): the capture, prepared and `starting`"},
-                   422: openapi_error(RequestInvalid, StageSelectionError, WindowInvalid, StepsUnavailable, StartAtInvalid),
+                   422: openapi_error(RequestInvalid, StageSelectionError, WindowInvalid, StepsUnavailable,
+                                      StartAtInvalid),
                    503: openapi_error(UpstreamUnreachable, SidecarClosing), 504: openapi_error(StepsNotReached)},
     )
     async def start_capture(req: CaptureRequest = Body(default_factory=CaptureRequest)) -> SafeJSONResponse:

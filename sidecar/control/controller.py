@@ -852,14 +852,16 @@ class CaptureController:
             return
         rt.wake = asyncio.Event()
         try:
+            # the loop's timers run on the monotonic clock: the wall clock is read again after each
             while (ahead := start_at - time.time()) > 0 and rt.pending_stop is None:
-                with contextlib.suppress(asyncio.TimeoutError):  # the loop's clock is monotonic: read the wall one again
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(rt.wake.wait(), ahead)
         finally:
             rt.wake = None
         if rt.pending_stop is not None:
-            raise StartCancelled(f"stopped ({rt.pending_stop.value}) {_ago(start_at - time.time())} before its start_at: nothing was "
-                                 "sent to the server", details={"capture_id": cap.id})
+            early = _ago(start_at - time.time())
+            raise StartCancelled(f"stopped ({rt.pending_stop.value}) {early} before its start_at: nothing was sent to "
+                                 "the server", details={"capture_id": cap.id})
 
     async def schedule(self, stages: list[int] | None = None, *, start_at: float, **opts: Any) -> Capture:
         """:meth:`start` at ``start_at``, answered as soon as the capture is prepared (state
