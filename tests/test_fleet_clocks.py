@@ -70,6 +70,7 @@ FAKETIME = next((p for p in (Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketim
                 Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"))
 OFFSETS_NS = (250_000_000, -1_200_000_000)  # +250 ms and -1.2 s, as the issue asks
 TOLERANCE_NS = 2_000_000
+MAPPED_NS = 50_000_000  # a schedule mapped through one exchange: its error, far below either offset
 
 
 @dataclass
@@ -174,13 +175,15 @@ def test_each_skewed_sidecar_sends_its_start_at_the_fleets_start_at_on_its_own_c
         res = skewed_run.fc.targets[Target.sidecar(r.sidecar.url).name]
         with SidecarClient(r.sidecar.url) as client:
             cap = client.get_capture(res.capture_id)
-        # told the fleet's start_at plus its offset (as the fleet measured it just before)...
+        # told the fleet's start_at plus its offset as the fleet measured it just before (within
+        # that exchange's error: 2 ms or less idle, more on a loaded host; unmapped, it would be off
+        # by the whole +250 ms or -1.2 s)...
         assert cap.start_at is not None
         told_ns = round(cap.start_at.timestamp() * 1e9) - r.offset_ns
-        assert abs(told_ns - round(skewed_run.fc.start_at * 1e9)) <= TOLERANCE_NS, (told_ns, skewed_run.fc.start_at)
+        assert abs(told_ns - round(skewed_run.fc.start_at * 1e9)) <= MAPPED_NS, (told_ns, skewed_run.fc.start_at)
         # ...and its server received the start then, not before (its log is on the skewed clock)
         (sent,) = [c["t"] for c in r.emulator.state()["calls"] if c["path"] == "/start_profile"]
-        assert round(sent * 1e9) - r.offset_ns >= round(skewed_run.fc.start_at * 1e9) - TOLERANCE_NS, (
+        assert round(sent * 1e9) - r.offset_ns >= round(skewed_run.fc.start_at * 1e9) - MAPPED_NS, (
             sent, r.offset_ns, skewed_run.fc.start_at)
 
 
