@@ -60,6 +60,7 @@ class ServerMetrics:
 
         self.registry = CollectorRegistry()
         self.model = model
+        self.steps_run: dict[int, int] = {}  # engine steps per stage so far (the call log's ``steps``)
         self.omni = flavor == "omni"
         labels = ["model_name", "stage", "replica"] if self.omni else ["model_name", "engine"]
         self.steps = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
@@ -92,6 +93,7 @@ class ServerMetrics:
                     family.labels(**labels)
 
     def request_done(self, stage: StageRuntime, replica: int, steps: int, seconds: float) -> None:
+        self.steps_run[stage.stage_id] = self.steps_run.get(stage.stage_id, 0) + steps
         labels = self._labels(stage, replica)
         hist = self.steps.labels(**labels)
         for _ in range(steps):
@@ -428,6 +430,9 @@ def build_app(emu: Emulator) -> FastAPI:
             "stages": None,
             "status": None,
             "t": time.time(),
+            # each stage's engine steps when the call arrived: where in a window a stop landed,
+            # apart from how long the server then took with it
+            "steps": {str(k): v for k, v in emu.metrics.steps_run.items()},
         }
         emu.calls.append(entry)
         response = await call_next(request)
