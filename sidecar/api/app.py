@@ -201,6 +201,7 @@ def create_app(
     scrubber = Scrubber([token] if token else [])
     auth = BearerAuth(token)
     metrics = Metrics(controller.state_counts)
+    hold_max_s = settings.hold_max_s if settings is not None else WAIT_MAX_S
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -390,10 +391,12 @@ def create_app(
         until: Optional[Literal["started"]] = Query(
             None, description="started: answer once the capture has left `starting` (a scheduled start sent and "
                               "answered, or failed), or after `timeout`"),
-        timeout: float = Query(WAIT_MAX_S, gt=0, le=WAIT_MAX_S, description="with until: seconds to wait at most"),
+        timeout: float = Query(WAIT_MAX_S, gt=0, le=WAIT_MAX_S,
+                               description="with until: seconds to wait at most (and the sidecar's hold_max_s)"),
     ) -> SafeJSONResponse:
         if until == "started":
-            return capture_response(await controller.wait_started(capture_id, timeout=timeout))
+            held = min(timeout, hold_max_s)
+            return capture_response(await controller.wait_started(capture_id, timeout=held))
         return capture_response(controller.get(capture_id))
 
     @app.post(

@@ -93,6 +93,8 @@ class SidecarSettings(BaseSettings):
     steps_wait_s: float = Field(default=600, gt=0)
     # a start scheduled (`start_at`) further ahead than this is refused (unset: any time ahead)
     start_at_max_s: float | None = Field(default=None, gt=0)
+    # a request held open (`GET /v1/captures/{id}?until=started`) answers within this at most
+    hold_max_s: float = Field(default=30.0, gt=0, le=30.0)
     # captures
     collect_timeout_s: float = Field(default=120, ge=0)
     # An unclosed uncompressed trace is still being written until it has not changed for this
