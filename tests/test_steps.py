@@ -156,7 +156,11 @@ def test_a_window_whose_counter_stops_answering_ends_by_its_rate(shared: ModuleS
     # A prediction from a few reads, not a count: on a loaded machine one such window counted 25
     # (the rate of 2-3 reads is coarse, and the emulator's pace moves with the load). Waiting for the
     # held reads instead counted and traced 82 and 84.
-    assert final.steps_counted is not None and 17 <= final.steps_counted <= 30, (final.steps_counted, final.notes)
+    # Unless the rate had nothing to go on: a loaded run (dd6d12b) read 1 step before the reads were
+    # held, the next came back 1.5 s later at 38, and the capture said so ("ran past").
+    ran_past = any("the server ran past the 20 steps asked" in n for n in final.notes)
+    assert final.steps_counted is not None and (ran_past or 17 <= final.steps_counted <= 30), (
+        final.steps_counted, final.notes)
     assert _ran_until_the_stop(shared) <= 50, final.notes
 
 
