@@ -14,7 +14,8 @@ import httpx
 
 from sidecar.control import filenames
 from sidecar.control.budget import Plan
-from sidecar.control.models import Capture
+from sidecar.control.models import Capture, CaptureState
+from sidecar.control.schedule import HOLD_MAX_S
 
 if TYPE_CHECKING:
     from sidecar.analysis.models import CaptureSummary
@@ -218,14 +219,14 @@ def _deadline(timeout: float | None) -> float | None:
 
 
 def _held_for(deadline: float | None) -> float:
-    """How long to ask the sidecar to hold a request open: to the deadline, at most its 30 s."""
-    return 30.0 if deadline is None else min(max(deadline - time.monotonic(), 0.01), 30.0)
+    """How long to ask the sidecar to hold a request open: to the deadline, at most ``HOLD_MAX_S``."""
+    return HOLD_MAX_S if deadline is None else min(max(deadline - time.monotonic(), 0.01), HOLD_MAX_S)
 
 
 def _wait_over(cap: Capture, timeout: float | None, deadline: float | None, *, started: bool = False) -> bool:
     """True once ``cap`` is terminal (``started``: once it left ``starting``); ``WaitTimeout`` past
     the deadline; False: poll again."""
-    if cap.terminal or (started and cap.state.value != "starting"):
+    if cap.terminal or (started and cap.state is not CaptureState.starting):
         return True
     now = time.monotonic()
     if deadline is not None and timeout is not None and now >= deadline:

@@ -33,6 +33,7 @@ from sidecar.api.responses import SafeJSONResponse
 from sidecar.config.models import DeployConfig
 from sidecar.control import filenames
 from sidecar.control.models import Capture, CaptureState, ClockRecord
+from sidecar.control.schedule import HOLD_MAX_S
 from sidecar.api.openapi import error as openapi_error
 from sidecar.errors import (
     CaptureNotFound,
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sidecar.api")
 LATEST_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, the last second a date can show
-WAIT_MAX_S = 30.0  # a request held open (until=started) answers within this: proxies and clients time out
 
 
 def _a_number(value: Any) -> Any:
@@ -201,7 +201,7 @@ def create_app(
     scrubber = Scrubber([token] if token else [])
     auth = BearerAuth(token)
     metrics = Metrics(controller.state_counts)
-    hold_max_s = settings.hold_max_s if settings is not None else WAIT_MAX_S
+    hold_max_s = settings.hold_max_s if settings is not None else HOLD_MAX_S
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -391,7 +391,7 @@ def create_app(
         until: Optional[Literal["started"]] = Query(
             None, description="started: answer once the capture has left `starting` (a scheduled start sent and "
                               "answered, or failed), or after `timeout`"),
-        timeout: float = Query(WAIT_MAX_S, gt=0, le=WAIT_MAX_S,
+        timeout: float = Query(HOLD_MAX_S, gt=0, le=HOLD_MAX_S,
                                description="with until: seconds to wait at most (and the sidecar's hold_max_s)"),
     ) -> SafeJSONResponse:
         if until == "started":

@@ -94,7 +94,7 @@ class SidecarSettings(BaseSettings):
     # a start scheduled (`start_at`) further ahead than this is refused (unset: any time ahead)
     start_at_max_s: float | None = Field(default=None, gt=0)
     # a request held open (`GET /v1/captures/{id}?until=started`) answers within this at most
-    hold_max_s: float = Field(default=30.0, gt=0, le=30.0)
+    hold_max_s: float = Field(default=30.0, gt=0, le=30.0)  # at most HOLD_MAX_S (control/schedule.py)
     # captures
     collect_timeout_s: float = Field(default=120, ge=0)
     # An unclosed uncompressed trace is still being written until it has not changed for this

@@ -14,6 +14,9 @@ from sidecar.errors import StartAtInvalid
 # How far ahead a start may be scheduled: every target's slot is held (prepared, not started)
 # until then, so a typo of an hour must not block a fleet for an hour.
 START_AT_MAX_S = 600.0
+# The most a request waiting for a scheduled start (``?until=started``) is held open before it is
+# answered as it stands: proxies and clients time out. The API's bound, its setting's, the clients'.
+HOLD_MAX_S = 30.0
 
 
 def check_start_at(start_at: float | datetime | None, *, max_ahead_s: float = START_AT_MAX_S,
@@ -72,4 +75,4 @@ def parse_start_at(text: str, *, now: float | None = None) -> float:
     return when.timestamp()
 
 
-__all__ = ["START_AT_MAX_S", "check_start_at", "parse_start_at"]
+__all__ = ["HOLD_MAX_S", "START_AT_MAX_S", "check_start_at", "parse_start_at"]
