@@ -166,6 +166,42 @@ def test_capture_until_ctrl_c_still_stops_and_reports(sidecar: str, emu_url: str
     assert "completed" in seen and "trace_rank0.json.gz" in seen
 
 
+
+def _faults(emu_url: str, **knobs: Any) -> None:
+    httpx.post(f"{emu_url}/emulator/faults", json=knobs, timeout=30, trust_env=False).raise_for_status()
+
+
+def test_ctrl_c_while_the_start_is_in_flight_stops_the_capture_it_started(sidecar: str, emu_url: str) -> None:
+    # Ctrl-C is held while the start request is out: raised inside it, the CLI would never learn the
+    # id of the capture the sidecar started, and that capture would record until its lease ran out
+    _faults(emu_url, start_delay_s=4.0)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+    )  # fmt: skip
+    try:
+        with SidecarClient(sidecar, timeout=30) as client:
+            known = {c.id for c in client.list_captures()}
+
+            def starting() -> list[Any]:
+                return [c for c in client.list_captures() if c.id not in known and c.state.value == "starting"]
+
+            deadline = time.monotonic() + 60
+            while not starting() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (cap,) = starting()
+            proc.send_signal(signal.SIGINT)
+            assert client.get_capture(cap.id).state.value == "starting"  # the signal came inside the start
+            seen = proc.communicate(timeout=120)[0]
+            final = client.get_capture(cap.id)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _faults(emu_url, start_delay_s=0.0)
+    assert ("stopping" in seen, "interrupted" in seen, final.terminal) == (True, False, True), seen
+    assert final.stop_reason is not None and final.stop_reason.value != "lease_expired", final
+
 def _past_the_lease(cap: Any) -> bool:
     """Still active, with a heartbeat more than one lease after the start."""
     beat, started = cap.last_heartbeat_at, cap.started_at

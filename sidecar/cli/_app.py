@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from typing import Annotated, Optional
 
 import typer
@@ -88,6 +90,23 @@ def cli_errors() -> Iterator[None]:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         raise typer.Exit(130) from None
+
+
+@contextlib.contextmanager
+def ctrl_c_held() -> Iterator[Callable[[], bool]]:
+    """Hold Ctrl-C while a request that starts something is in flight, and say afterwards whether it
+    came. Raised in the middle of the request, it would leave a capture the sidecar started and this
+    command never learnt the id of, recording until its lease ran out. Where Ctrl-C is ignored (a
+    shell's ``&``) or this is not the main thread, nothing changes."""
+    came = threading.Event()
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield came.is_set
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: came.set())
+    try:
+        yield came.is_set
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # One vocabulary: the options several commands take mean the same and default the same everywhere

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, parse_stage_list
+from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, ctrl_c_held, parse_stage_list
 from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
 from sidecar.cli._render import STATE_STYLES, print_plan, print_steps, print_verdicts, print_wide, print_window_metrics, styled
 from sidecar.cli._render import verdict_table
@@ -284,17 +284,23 @@ def capture(
     The window is the server's: it gets the duration and a lease this command heartbeats, so a
     killed CLI leaves nothing recording (the lease runs out within --lease seconds)."""
     with cli_errors(), _client(sidecar, token_file) as client:
-        cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease,
-                                   steps=steps, delay_steps=delay_steps)
-        if not as_json:
-            console.print(f"capture [bold]{cap.id}[/] {cap.state.value}: stages {cap.stages}")
+        cap = None
         try:
+            with ctrl_c_held() as interrupted:  # Ctrl-C during the start stops the capture once it has one
+                cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease,
+                                           steps=steps, delay_steps=delay_steps)
+            if not as_json:
+                console.print(f"capture [bold]{cap.id}[/] {cap.state.value}: stages {cap.stages}")
+            if interrupted():
+                raise KeyboardInterrupt
             if steps is not None and not as_json:
                 console.print(f"profiling until the server has run {steps} engine steps; press Ctrl-C to stop")
             elif duration is None and not as_json:
                 console.print("profiling; press Ctrl-C to stop")
             _hold(client, cap.id, duration, lease, quiet=as_json)
         except KeyboardInterrupt:
+            if cap is None:  # before the start was sent: nothing to stop
+                raise
             if not as_json:
                 console.print("stopping")
         # stop even when interrupted: never leave a profiler running upstream
