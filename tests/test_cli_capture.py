@@ -144,12 +144,17 @@ def test_unreachable_sidecar_exits_1() -> None:
     assert (result.exit_code, "sidecar_unreachable" in result.stderr) == (1, True)
 
 
-def test_capture_until_ctrl_c_still_stops_and_reports(sidecar: str, emu_url: str) -> None:
-    proc = subprocess.Popen(
+def _capture_until_ctrl_c(sidecar: str) -> subprocess.Popen[str]:
+    """``omni-sidecar capture`` on stage 0 with no window: it runs until SIGINT, as from a terminal."""
+    return subprocess.Popen(
         [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a shell's & would ignore it
     )  # fmt: skip
+
+
+def test_capture_until_ctrl_c_still_stops_and_reports(sidecar: str, emu_url: str) -> None:
+    proc = _capture_until_ctrl_c(sidecar)
     try:
         seen = ""
         while "Ctrl-C" not in seen:
@@ -175,11 +180,7 @@ def test_ctrl_c_while_the_start_is_in_flight_stops_the_capture_it_started(sideca
     # Ctrl-C is held while the start request is out: raised inside it, the CLI would never learn the
     # id of the capture the sidecar started, and that capture would record until its lease ran out
     _faults(emu_url, start_delay_s=4.0)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
-    )  # fmt: skip
+    proc = _capture_until_ctrl_c(sidecar)
     try:
         with SidecarClient(sidecar, timeout=30) as client:
             known = {c.id for c in client.list_captures()}
