@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:  # typing.Self is 3.11+; the package supports 3.10
     from typing_extensions import Self
@@ -25,6 +25,35 @@ from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wa
 from sidecar.errors import SidecarError
 
 _ROOT = str(Path(__file__).resolve().parents[1])  # the folder that holds the `sidecar` package
+
+
+def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (0: the OS picks) and listening, to hand to a child."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve_uvicorn(app: Any, *, host: str, port: int, fd: int | None, **config: Any) -> Any:
+    """Run ``app`` under uvicorn until SIGINT/SIGTERM, on ``fd`` (a listening socket a launcher
+    handed over, see ``ManagedProcess``) or else bound to ``host:port``. Returns the server (its
+    ``started`` says whether it ever served)."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **config))
+    if fd is None:
+        server.run()
+    else:
+        sock = socket.socket(fileno=fd)  # family and type read from the descriptor
+        sock.set_inheritable(False)  # the server's own children do not keep the port
+        server.run(sockets=[sock])
+    return server
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -54,8 +83,13 @@ class ManagedProcess:
         stop_grace: float,
     ) -> None:
         self.host = host
-        self._port_picked = not port  # picked here: another may take it before the child binds it
-        self.port = port if port else free_port(host)
+        # A port left to pick is bound here, listening, and handed to the child as an open socket
+        # (``--fd``): from the pick to the child's exit no other process can take it. Picked and
+        # released, it was taken meanwhile, by a server that answered the health check too: a
+        # default-group run had one test's emulator served by another test's.
+        self._picked = not port
+        self._listener: socket.socket | None = None if port else listening_socket(host)
+        self.port = port if port else int(self._listener.getsockname()[1])  # type: ignore[union-attr]
         self.log_path = log_path
         self.env = dict(env) if env is not None else None
         self.startup_timeout = startup_timeout
@@ -85,51 +119,45 @@ class ManagedProcess:
         kept = [ln for ln in text.splitlines() if not ln.startswith(self.log_noise)] if self.log_noise else text.splitlines()
         return "\n".join(kept[-lines:])
 
-    # A port picked with free_port() is released before the child binds it; another process may
-    # take it meanwhile. Then the child exits with EADDRINUSE and a fresh port is tried.
-    PORT_ATTEMPTS: ClassVar[int] = 3
-
     def start(self) -> Self:
-        for attempt in range(1, self.PORT_ATTEMPTS + 1):
-            offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-            try:
-                return self._start_once()
-            except SidecarError:
-                if not (self._port_picked and attempt < self.PORT_ATTEMPTS and self._lost_port(offset)):
-                    raise
-                self._proc = None
-                self.port = free_port(self.host)
-        raise AssertionError("unreachable")
-
-    def _lost_port(self, offset: int) -> bool:
-        try:
-            with open(self.log_path, "rb") as fh:
-                fh.seek(offset)
-                text = fh.read().decode(errors="replace")
-        except OSError:
-            return False
-        return "address already in use" in text.lower()
-
-    def _start_once(self) -> Self:
         if self._proc is not None:
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
         # The child must import the same `sidecar` as this process, installed or not.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
-        with open(self.log_path, "ab") as log:
-            # Own process group: a terminal Ctrl-C reaches only the parent, which then stops us in
-            # order, and stop() can kill the server's own children with it in one call.
-            self._proc = subprocess.Popen(
-                self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                start_new_session=True,
-            )  # fmt: skip
+        argv, fds = self.argv(), ()
+        if self._listener is not None or self._picked:
+            # started again after a stop: the port is bound again (refused if another took it)
+            try:
+                self._listener = self._listener or listening_socket(self.host, self.port)
+            except OSError as e:
+                raise self.start_error(f"{self.name} cannot listen on {self.host}:{self.port} again: {e}",
+                                       details={"port": self.port}) from None
+            fds = (self._listener.fileno(),)
+            argv += ["--fd", str(fds[0])]
+        try:
+            with open(self.log_path, "ab") as log:
+                # Own process group: a terminal Ctrl-C reaches only the parent, which then stops us in
+                # order, and stop() can kill the server's own children with it in one call.
+                self._proc = subprocess.Popen(
+                    argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                    start_new_session=True, pass_fds=fds,
+                )  # fmt: skip
+        finally:
+            self._close_listener()  # the child holds it now; ours would keep the port listening
+            # (connections hanging) after the child exits
         try:
             self._wait_healthy()
         except BaseException:
             self.kill()
             raise
         return self
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def _healthy_or_exited(self, http: httpx.Client) -> bool:
         if self.returncode is not None:
@@ -175,6 +203,7 @@ class ManagedProcess:
     def stop(self, grace: float | None = None) -> int | None:
         """SIGTERM, wait up to ``grace`` seconds (default ``stop_grace``) for a clean exit, then
         SIGKILL whatever is left of the process group. Returns the exit code."""
+        self._close_listener()  # never started: the port it held is free again
         if self._proc is None:
             return None
         self.terminate()

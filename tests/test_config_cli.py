@@ -249,15 +249,18 @@ def serve_process(tmp_path: Path):
     procs: list[subprocess.Popen[str]] = []
 
     def start(*args: str) -> tuple[subprocess.Popen[str], int]:
-        from sidecar._process import free_port
+        from sidecar._process import listening_socket
 
-        port = free_port()
-        log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", "serve", "--port", str(port), "--state-dir", str(tmp_path / f"state-{port}"), *args],
-            stdout=log, stderr=subprocess.STDOUT, text=True,
-            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-        )  # fmt: skip
+        # held from the pick (the child gets the socket): no other test's server can answer on it
+        with listening_socket() as sock:
+            port, fd = sock.getsockname()[1], sock.fileno()
+            log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "sidecar", "serve", "--port", str(port), "--fd", str(fd),
+                 "--state-dir", str(tmp_path / f"state-{port}"), *args],
+                stdout=log, stderr=subprocess.STDOUT, text=True, pass_fds=(fd,),
+                env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+            )  # fmt: skip
         procs.append(proc)
         return proc, port
 

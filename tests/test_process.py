@@ -1,13 +1,15 @@
 """``ManagedProcess`` (the launcher under ``omni-sidecar serve`` / ``emulate`` children): a port it
-picked and that another process took before the child bound it is picked again, not a failed
-start; a port the caller chose is never swapped."""
+picks is held, listening, from the pick to the child's exit (the child gets the socket), so no
+other process can take it; a port the caller chose is never swapped, and taken it fails the start."""
 
 from __future__ import annotations
 
+import errno
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from sidecar import _process
@@ -26,25 +28,46 @@ def taken_port() -> Iterator[int]:
 
 
 @pytest.mark.parametrize("kind", ["sidecar", "emulator"])
-def test_a_picked_port_taken_before_the_child_binds_it_is_picked_again(
-    kind: str, taken_port: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+def test_a_picked_port_is_held_from_the_pick_and_the_child_serves_on_it(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    """The emulator case: a default-group run lost 17 web tests at once when the emulator picked
-    its own port, outside this retry, and another process took it first."""
-    picks = [taken_port]
-    real = _process.free_port
-    monkeypatch.setattr(_process, "free_port", lambda host="127.0.0.1": picks.pop() if picks else real(host))
+    """A default-group run had one test's emulator answered by another test's: the port was picked,
+    released, and taken by the other emulator before this one's child bound it, and the other one
+    answered the health check. Now the launcher holds the port, listening, from the pick, and hands
+    the socket to the child: another process cannot bind it at any moment."""
     deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}})
     proc: _process.ManagedProcess = (
         SidecarProcess(request.getfixturevalue("fake_omni").url, deploy, state_dir=tmp_path / "st")
-        if kind == "sidecar" else EmulatorProcess(deploy))
-    assert proc.port == taken_port
+        if kind == "sidecar" else EmulatorProcess(deploy, extra_args=["--workers", "thread"]))
     try:
+        _refused(proc.port)  # picked, not started
         proc.start()
-        assert proc.port != taken_port and proc.returncode is None
-        assert "address already in use" in proc.log_path.read_text().lower()  # the first child lost it
+        _refused(proc.port)  # the child holds it; the launcher's copy is closed
+        assert "--fd" in _cmdline(proc.pid) and proc.returncode is None
+        assert httpx.get(f"{proc.url}{proc.health_path}", timeout=30, trust_env=False).status_code == 200
     finally:
         proc.stop(grace=10)
+    with socket.socket() as sock:  # the child gone, the port is free again
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", proc.port))
+
+
+def test_a_process_never_started_frees_its_picked_port_on_stop(tmp_path: Path) -> None:
+    proc = EmulatorProcess(make_deploy(tmp_path, {0: {"profiler": "torch"}}))
+    _refused(proc.port)
+    proc.stop()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", proc.port))
+
+
+def _refused(port: int) -> None:
+    with socket.socket() as sock, pytest.raises(OSError) as err:
+        sock.bind(("127.0.0.1", port))
+    assert err.value.errno == errno.EADDRINUSE, err.value
+
+
+def _cmdline(pid: int | None) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
 
 
 def test_a_chosen_port_that_is_taken_fails_the_start_naming_it(taken_port: int, tmp_path: Path, fake_omni) -> None:

@@ -161,7 +161,9 @@ def test_a_window_whose_counter_stops_answering_ends_by_its_rate(shared: ModuleS
     ran_past = any("the server ran past the 20 steps asked" in n for n in final.notes)
     assert final.steps_counted is not None and (ran_past or 17 <= final.steps_counted <= 30), (
         final.steps_counted, final.notes)
-    assert _ran_until_the_stop(shared) <= 50, final.notes
+    # Where its stop landed: near the rate's 20, or (ran past) near the late count that sent it (a
+    # loaded run at a8caf8d: the count went from 2 to 67, the stop landed at 68)
+    assert _ran_until_the_stop(shared) <= (final.steps_counted + 20 if ran_past else 50), final.notes
 
 
 def _stops(shared: ModuleSidecar) -> int:

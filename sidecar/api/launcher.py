@@ -45,7 +45,7 @@ class SidecarProcess(ManagedProcess):
         state = Path(state_dir) if state_dir else Path(tempfile.mkdtemp(prefix="omni-sidecar-state-"))
         log = Path(log_path) if log_path else state / "sidecar.log"
         # A long grace: on SIGTERM the sidecar first stops its active capture upstream. A port left
-        # to pick is picked by ManagedProcess (and picked again if another process takes it first).
+        # to pick is picked and held by ManagedProcess (the child gets the listening socket).
         super().__init__(host=host, port=port, log_path=log, env=env, startup_timeout=startup_timeout, stop_grace=30.0)
         self.upstream_url = upstream_url
         self.deploy_config = Path(deploy_config) if deploy_config is not None else None

@@ -19,6 +19,7 @@ def emulate(
     deploy_config: Path = typer.Option(..., "--deploy-config", help="vLLM-Omni deploy YAML (stages, profiler_config)."),
     host: str = typer.Option("127.0.0.1", "--host", help="bind address"),
     port: int = typer.Option(8091, "--port", help="port (the sidecar's --upstream is then http://127.0.0.1:8091)"),
+    fd: Optional[int] = typer.Option(None, "--fd", hidden=True, help="serve on this listening socket (a launcher's)"),
     flavor: str = typer.Option("omni", "--flavor", help="omni: vLLM-Omni 0.30 semantics; vllm: plain vLLM 0.30."),
     diffusion_stages: Optional[str] = typer.Option(
         None, "--diffusion-stages", help="Stage ids to run as diffusion stages, e.g. 1,2."
@@ -97,6 +98,7 @@ def emulate(
                 deploy_config=deploy_config,
                 host=host,
                 port=port,
+                fd=fd,
                 flavor=flavor,  # type: ignore[arg-type]
                 diffusion_stages=parse_stage_list(diffusion_stages) or [],
                 model=model,

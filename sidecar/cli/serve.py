@@ -30,6 +30,8 @@ def serve(
     ] = None,
     host: Annotated[Optional[str], typer.Option("--host", help="bind address (default 127.0.0.1)")] = None,
     port: Annotated[Optional[int], typer.Option("--port", help="port (default 8092)")] = None,
+    fd: Annotated[Optional[int], typer.Option("--fd", hidden=True, min=0,
+                                              help="serve on this listening socket (a launcher's, or systemd's)")] = None,
     state_dir: Annotated[
         Optional[Path],
         typer.Option(
@@ -145,8 +147,7 @@ def serve(
         lock = StateDirLock(state)
         lock.acquire(upstream=scrub_secrets(settings.upstream_url), port=settings.port)
         try:
-            import uvicorn
-
+            from sidecar._process import serve_uvicorn
             from sidecar.api.app import build_app
 
             fastapi_app = build_app(settings, deploy)
@@ -157,12 +158,7 @@ def serve(
             )
             # a short graceful window: a client blocked on ?wait=true must not delay the shutdown
             # stop of the active capture (lifespan shutdown runs after connections close)
-            uvicorn.run(
-                fastapi_app,
-                host=settings.host,
-                port=settings.port,
-                log_level=log_level,
-                timeout_graceful_shutdown=5,
-            )
+            serve_uvicorn(fastapi_app, host=settings.host, port=settings.port, fd=fd, log_level=log_level,
+                          timeout_graceful_shutdown=5)
         finally:
             lock.release()

@@ -53,8 +53,7 @@ class EmulatorProcess(ManagedProcess):
     ) -> None:
         self._own_log = log_path is None  # a temporary log: ours to delete after a clean stop
         if log_path is None:
-            # not named by its port: a port left to pick is picked by ManagedProcess, and picked
-            # again if another process takes it before the child binds it
+            # not named by its port: a port left to pick is picked by ManagedProcess
             fd, made = tempfile.mkstemp(prefix="omni-emulator-", suffix=".log")
             os.close(fd)
             log_path = made

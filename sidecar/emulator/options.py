@@ -49,6 +49,7 @@ class EmulatorOptions(BaseModel):
     profiler_config: str | None = None
     host: str = "127.0.0.1"
     port: int = Field(default=8091, ge=0, le=65535)
+    fd: int | None = Field(default=None, ge=0, description="a listening socket handed over by a launcher")
     flavor: Literal["omni", "vllm"] = "omni"
     # Stage ids treated as diffusion stages (besides `emulator_stage_kind: diffusion` in the YAML).
     diffusion_stages: list[int] = Field(default_factory=list)

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+from sidecar._process import serve_uvicorn
 from sidecar.config.models import DeployConfig, StageKind
 from sidecar.emulator.launcher import EmulatorStartError
 from sidecar.emulator.options import EmulatorOptions
@@ -113,7 +114,7 @@ def serve(options: EmulatorOptions) -> None:
         errors: list[BaseException] = []
         starting = threading.Thread(target=_start_all, args=(stages, errors), name="start-workers")
         starting.start()
-        import uvicorn
+        import uvicorn  # noqa: F401  (loaded here, beside the workers' start)
 
         from sidecar.emulator.app import Emulator, build_app
 
@@ -144,17 +145,9 @@ def serve(options: EmulatorOptions) -> None:
                 logger.warning("fault injected (--fault-dead-stage %s): %s worker killed", stage.stage_id, worker.label)
                 worker.kill()
     app = build_app(emu)
-    config = uvicorn.Config(
-        app,
-        host=options.host,
-        port=options.port,
-        log_level="warning",
-        timeout_graceful_shutdown=2,
-        access_log=False,
-    )
-    server = uvicorn.Server(config)
     try:
-        server.run()
+        server = serve_uvicorn(app, host=options.host, port=options.port, fd=options.fd, log_level="warning",
+                               timeout_graceful_shutdown=2, access_log=False)
     finally:
         _shutdown(stages)
     if not server.started:
