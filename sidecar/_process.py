@@ -71,6 +71,9 @@ class ManagedProcess:
     health_path: ClassVar[str] = "/health"
     start_error: ClassVar[type[SidecarError]] = SidecarError
     log_noise: ClassVar[tuple[str, ...]] = ()  # log line prefixes that never explain a failed start
+    # The child serves on a listening socket it is handed (``--fd N``): ours do. A server that cannot
+    # (vLLM) gets the picked port released just before it is spawned, and must bind it itself.
+    takes_fd: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -84,7 +87,7 @@ class ManagedProcess:
     ) -> None:
         self.host = host
         # A port left to pick is bound here, listening, and handed to the child as an open socket
-        # (``--fd``): from the pick to the child's exit no other process can take it. Picked and
+        # (``--fd``, where ``takes_fd``): from the pick to the child's exit no other process can take it. Picked and
         # released, it was taken meanwhile, by a server that answered the health check too: a
         # default-group run had one test's emulator served by another test's.
         self._picked = not port
@@ -119,7 +122,33 @@ class ManagedProcess:
         kept = [ln for ln in text.splitlines() if not ln.startswith(self.log_noise)] if self.log_noise else text.splitlines()
         return "\n".join(kept[-lines:])
 
+    # A server that binds a picked port itself (not ``takes_fd``) may find it taken: the child exits
+    # with EADDRINUSE and a fresh port is tried.
+    PORT_ATTEMPTS: ClassVar[int] = 3
+
     def start(self) -> Self:
+        for attempt in range(1, self.PORT_ATTEMPTS + 1):
+            offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+            try:
+                return self._start_once()
+            except SidecarError:
+                lost = self._picked and not self.takes_fd and attempt < self.PORT_ATTEMPTS and self._lost_port(offset)
+                if not lost:
+                    raise
+                self._proc = None
+                self.port = free_port(self.host)
+        raise AssertionError("unreachable")
+
+    def _lost_port(self, offset: int) -> bool:
+        try:
+            with open(self.log_path, "rb") as fh:
+                fh.seek(offset)
+                text = fh.read().decode(errors="replace")
+        except OSError:
+            return False
+        return "address already in use" in text.lower()
+
+    def _start_once(self) -> Self:
         if self._proc is not None:
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,7 +156,9 @@ class ManagedProcess:
         # The child must import the same `sidecar` as this process, installed or not.
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
         argv, fds = self.argv(), ()
-        if self._listener is not None or self._picked:
+        if not self.takes_fd:
+            self._close_listener()
+        elif self._listener is not None or self._picked:
             # started again after a stop: the port is bound again (refused if another took it)
             try:
                 self._listener = self._listener or listening_socket(self.host, self.port)

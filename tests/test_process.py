@@ -5,6 +5,7 @@ other process can take it; a port the caller chose is never swapped, and taken i
 from __future__ import annotations
 
 import errno
+import sys
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,3 +80,29 @@ def test_a_chosen_port_that_is_taken_fails_the_start_naming_it(taken_port: int, 
     finally:
         proc.stop(grace=10)
     assert proc.port == taken_port and "address already in use" in err.value.message.lower()
+
+
+class _HttpServer(_process.ManagedProcess):
+    """A child that binds its port itself (as vLLM does): Python's http.server."""
+
+    name = "http.server"
+    health_path = "/"
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "http.server", str(self.port), "--bind", self.host]
+
+
+def test_a_server_that_binds_itself_gets_a_fresh_port_when_its_pick_was_taken(tmp_path: Path) -> None:
+    proc = _HttpServer(host="127.0.0.1", port=None, log_path=tmp_path / "http.log", env=None, startup_timeout=60,
+                       stop_grace=5)
+    picked = proc.port
+    proc._close_listener()  # released as it is just before such a child is spawned, and taken meanwhile
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", picked))
+        thief.listen()
+        try:
+            proc.start()
+            assert proc.port != picked and proc.returncode is None and "--fd" not in _cmdline(proc.pid)
+            assert "address already in use" in proc.log_path.read_text().lower()  # the first child lost it
+        finally:
+            proc.stop(grace=10)

@@ -24,6 +24,7 @@ class SidecarStartError(SidecarError):
 class SidecarProcess(ManagedProcess):
     name = "omni-sidecar serve"
     health_path = "/healthz"
+    takes_fd = True  # serves on the port the launcher holds from the pick
     start_error = SidecarStartError
 
     def __init__(

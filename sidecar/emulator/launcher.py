@@ -35,6 +35,7 @@ class EmulatorProcess(ManagedProcess):
     name = "emulator"
     # Ready = serving (every worker was ready). Not /health: with a dead stage it is 503, as in 0.30.
     health_path = "/emulator/ready"
+    takes_fd = True  # serves on the port the launcher holds from the pick
     start_error = EmulatorStartError
     log_noise = ("USDT:",)  # kineto's chatter says nothing about why a start failed
 
