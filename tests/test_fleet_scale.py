@@ -146,6 +146,23 @@ async def test_each_sidecar_is_told_start_at_ahead_and_none_sends_its_start_befo
     assert all(r.outcome is TargetOutcome.started for r in fc.targets.values())
 
 
+@pytest.mark.parametrize("fault", ["no_start_at", "old_sidecar"])
+async def test_a_sidecar_older_than_start_at_is_released_by_the_fleet_at_start_at(stubs: StubFleet, fault: str):
+    # a build that refuses start_at (422 naming it), or has no clock route either: the fleet itself
+    # sends its start when start_at comes, and the target is started like the others
+    stubs.reset(faults={0: fault})
+    async with _fleet(stubs, SMALL) as fleet:
+        start_at = time.time() + 2
+        fc = await fleet.start(start_at=start_at)
+        await fleet.stop(fc, wait_artifacts=False)
+    assert all(r.outcome is TargetOutcome.started for r in fc.targets.values()), fc.targets
+    posts = stubs.received("/v1/captures")[0]
+    # refused, then released; with no clock route, not asked (a build before the clock had no start_at)
+    assert len(posts) == (2 if fault == "no_start_at" else 1) and posts[-1] >= start_at * 1e9 - CLOCK_SLACK_NS, posts
+    sent = _starts(stubs, "/start_profile", SMALL)  # the others, scheduled on their sidecars
+    assert len(sent) == SMALL - 1 and min(sent) >= start_at * 1e9 - CLOCK_SLACK_NS
+
+
 async def test_a_target_refusing_before_start_at_cancels_the_others_scheduled_starts(stubs: StubFleet):
     stubs.reset(faults={SMALL - 1: "busy"})  # refused at once (409): the others are already scheduled
     async with _fleet(stubs, SMALL) as fleet:

@@ -141,12 +141,18 @@ class SidecarDriver:
         """The start scheduled on the sidecar at ``at`` (the fleet's clock) mapped to its own clock
         by an exchange taken now, in the lead before ``at`` (unless the fleet's exchange is off);
         the capture once its server answered.
-        None when the sidecar does not know ``start_at`` (an older build): the fleet releases it."""
+        None when the sidecar does not know ``start_at`` (an older build: it refuses the field, or has
+        no clock route either): the fleet releases it."""
         clocks = getattr(release, "clocks", None)  # None: the fleet's exchange is off; the clocks are taken as one
         offset = 0.0
         if clocks is not None:
-            async with clocks:
-                clock = await self.clock()
+            try:
+                async with clocks:
+                    clock = await self.clock()
+            except SidecarError as err:
+                if err.code != "not_found":
+                    raise
+                return None  # a build before GET /v1/clock, so before start_at too
             # within its own error bound the offset is not measured, only noise: the clocks agree as
             # far as the exchange can tell (same host, NTP), and a start never leaves early for it
             offset = clock.offset_s if abs(clock.offset_ns) > clock.error_ns else 0.0
