@@ -41,30 +41,34 @@ def test_a_picked_port_is_held_from_the_pick_and_the_child_serves_on_it(
         SidecarProcess(request.getfixturevalue("fake_omni").url, deploy, state_dir=tmp_path / "st")
         if kind == "sidecar" else EmulatorProcess(deploy, extra_args=["--workers", "thread"]))
     try:
-        _refused(proc.port)  # picked, not started
+        picked = _bindable(proc.port)  # picked, not started
         proc.start()
-        _refused(proc.port)  # the child holds it; the launcher's copy is closed
+        serving = _bindable(proc.port)  # the child holds it; the launcher's copy is closed
         assert "--fd" in _cmdline(proc.pid) and proc.returncode is None
         assert httpx.get(f"{proc.url}{proc.health_path}", timeout=30, trust_env=False).status_code == 200
     finally:
         proc.stop(grace=10)
-    with socket.socket() as sock:  # the child gone, the port is free again
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", proc.port))
+    assert (picked, serving, _bindable(proc.port)) == (False, False, True)  # the child gone, free again
 
 
 def test_a_process_never_started_frees_its_picked_port_on_stop(tmp_path: Path) -> None:
     proc = EmulatorProcess(make_deploy(tmp_path, {0: {"profiler": "torch"}}))
-    _refused(proc.port)
-    proc.stop()
+    held = _bindable(proc.port)
+    assert proc.stop() is None  # nothing was started: no exit code
+    assert (held, _bindable(proc.port)) == (False, True)
+
+
+def _bindable(port: int) -> bool:
+    """Whether another socket can bind ``port`` now (False: in use; any other error fails the test)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", proc.port))
-
-
-def _refused(port: int) -> None:
-    with socket.socket() as sock, pytest.raises(OSError) as err:
-        sock.bind(("127.0.0.1", port))
-    assert err.value.errno == errno.EADDRINUSE, err.value
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            return False
+        return True
 
 
 def _cmdline(pid: int | None) -> list[str]:
