@@ -87,9 +87,9 @@ class ManagedProcess:
     ) -> None:
         self.host = host
         # A port left to pick is bound here, listening, and handed to the child as an open socket
-        # (``--fd``, where ``takes_fd``): from the pick to the child's exit no other process can take it. Picked and
-        # released, it was taken meanwhile, by a server that answered the health check too: a
-        # default-group run had one test's emulator served by another test's.
+        # (``--fd``, where ``takes_fd``): from the pick to the child's exit no other process can take
+        # it. Picked and released, it was taken meanwhile by a server that answered the health check
+        # too: a default-group run had one test's emulator served by another test's.
         self._picked = not port
         self._listener: socket.socket | None = None if port else listening_socket(host)
         self.port = port if port else int(self._listener.getsockname()[1])  # type: ignore[union-attr]
@@ -157,9 +157,9 @@ class ManagedProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
         argv, fds = self.argv(), ()
         if not self.takes_fd:
-            self._close_listener()
-        elif self._listener is not None or self._picked:
-            # started again after a stop: the port is bound again (refused if another took it)
+            self._close_listener()  # the child binds the port itself
+        elif self._picked:
+            # held since the pick; started again after a stop, bound again (refused if another took it)
             try:
                 self._listener = self._listener or listening_socket(self.host, self.port)
             except OSError as e:
