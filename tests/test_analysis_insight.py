@@ -255,3 +255,32 @@ def test_python_stack_events_are_counted_without_decoding_and_nothing_else_is_lo
     others = [e for e in every if e.cat != "python_function"]
     assert (len(kept) + fast.skipped, [(e.name, e.ts) for e in kept if e.cat != "python_function"],
             fast.skipped > 0) == (len(every), [(e.name, e.ts) for e in others], True)
+
+
+def test_python_runs_are_skipped_from_where_they_start_and_short_ones_are_decoded(tmp_path, monkeypatch):
+    """A long run of Python events is found from the tail of the slice it starts in and skipped
+    to its end; a short run in the middle of a slice (not in its tail) is decoded like any other
+    event. Either way every other event is kept, in order, and every event is counted once."""
+    import sidecar.analysis.reader as reader_mod
+    from sidecar.analysis.reader import TraceReader
+
+    monkeypatch.setattr(reader_mod, "_PY_TAIL", 8 << 10)
+
+    def op(i: int) -> dict:
+        return {"ph": "X", "cat": "cpu_op", "name": f"aten::op{i % 7}", "pid": 1, "tid": 1, "ts": float(i), "dur": 0.5,
+                "args": {"External id": i + 1}}
+
+    def py(i: int) -> dict:
+        return {"ph": "X", "cat": "python_function", "name": f"f.py({i}): g", "pid": 1, "tid": 1, "ts": float(i), "dur": 0.1,
+                "args": {"Python id": i}}
+
+    events = [op(i) for i in range(3000)] + [py(i) for i in range(3)] + [op(i) for i in range(3000, 6000)]
+    events += [py(i) for i in range(20000)] + [op(i) for i in range(6000, 6100)]
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"traceEvents": events}, indent=1))
+    fast = TraceReader(path, chunk_size=256 << 10, skip_python=True, read_ahead=False)
+    kept = [e for b in fast.batches() for e in b]
+    ops = [(e.name, e.ts) for e in kept if e.cat == "cpu_op"]
+    decoded_python = sum(e.cat == "python_function" for e in kept)
+    assert (ops, len(kept) + fast.skipped, decoded_python <= 3 + (256 << 10) // 100, fast.skipped > 15000) == (
+        [(f"aten::op{i % 7}", float(i)) for i in range(6100)], len(events), True, True)

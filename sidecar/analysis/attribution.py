@@ -76,38 +76,6 @@ def kernel_kind(name: str, cat: str) -> int:
     return OTHER if _NOT_COMPUTE.match(name) else COMPUTE
 
 
-class Union:
-    """Length of a union of intervals, merged in sorted blocks (bounded memory; an interval more
-    than a block out of order can be under-counted)."""
-
-    __slots__ = ("pending", "cs", "ce", "total")
-
-    def __init__(self) -> None:
-        self.pending: list[tuple[float, float]] = []
-        self.cs: float | None = None
-        self.ce = 0.0
-        self.total = 0.0
-
-    def flush(self) -> None:
-        self.pending.sort()
-        cs, ce, total = self.cs, self.ce, self.total
-        for s, e in self.pending:
-            if cs is None:
-                cs, ce = s, e
-            elif s <= ce:
-                if e > ce:
-                    ce = e
-            else:
-                total += ce - cs
-                cs, ce = s, e
-        self.pending = []
-        self.cs, self.ce, self.total = cs, ce, total
-
-    def length(self) -> float:
-        self.flush()
-        return self.total + (self.ce - self.cs if self.cs is not None else 0.0)
-
-
 class Sketch:
     """Quantiles of non-negative values in log buckets of 1 % relative width (DDSketch's idea):
     memory grows with the range of values, not their count; merges by adding counts."""
@@ -235,14 +203,17 @@ class DeviceAttribution:
         return dict(temporal=temporal, idle_breakdown=idle, kernel_categories=cats, overlap=overlap, launch=launch, steady=steady)
 
 
-# which unions an event of each kind joins: compute, comm, compute∪comm, ∪memory, all
-_JOINS = {COMPUTE: (0, 2, 3, 4), COMMUNICATION: (1, 2, 3, 4), MEMORY: (3, 4), OTHER: (4,)}
+# A GPU event before the first step (the profiler-start transient): only the device's busy time
+TRANSIENT = 4
+# which unions an event of each kind joins: compute, comm, compute∪comm, ∪memory, all, and the
+# device's busy time (all, the transient too)
+_JOINS = {COMPUTE: (0, 2, 3, 4, 5), COMMUNICATION: (1, 2, 3, 4, 5), MEMORY: (3, 4, 5), OTHER: (4, 5), TRANSIENT: (5,)}
 
 
 class _Dev:
     """Pass state of one device: its streams' GPU events (``[ts, te, API call start, dur, device,
-    kind]``), swept in sorted blocks into the five unions (compute, comm, compute∪comm, ∪memory,
-    all) in one go."""
+    kind]``), swept in sorted blocks into the six unions (compute, comm, compute∪comm, ∪memory,
+    all, busy) in one go. ``first``/``last`` bound the steady events (the transient is only busy)."""
 
     __slots__ = ("first", "last", "streams", "count", "cs", "ce", "tot", "idle", "sketch", "launches", "shorter", "kernels", "short")
 
@@ -251,9 +222,9 @@ class _Dev:
         self.last = -math.inf
         self.streams: list[list[Any]] = []  # [device, the stream's last end, its events]
         self.count = 0  # events waiting in the streams
-        self.cs: list[float | None] = [None] * 5
-        self.ce = [0.0] * 5
-        self.tot = [0.0] * 5
+        self.cs: list[float | None] = [None] * 6
+        self.ce = [0.0] * 6
+        self.tot = [0.0] * 6
         self.idle = [0.0, 0.0, 0.0]
         self.sketch = Sketch()
         self.launches = self.shorter = self.kernels = self.short = 0
@@ -263,12 +234,13 @@ class _Dev:
         if not ivs:
             return
         cs, ce, tot = self.cs, self.ce, self.tot
-        if ivs[0][0] < self.first:
-            self.first = ivs[0][0]
-        last = self.last
+        first, last = self.first, self.last
         for s, e, _, _, _, k in ivs:
-            if e > last:
-                last = e
+            if k != TRANSIENT:
+                if s < first:
+                    first = s
+                if e > last:
+                    last = e
             for i in _JOINS[k]:
                 c = cs[i]
                 if c is None:
@@ -279,7 +251,7 @@ class _Dev:
                 else:
                     tot[i] += ce[i] - c
                     cs[i], ce[i] = s, e
-        self.last = last
+        self.first, self.last = first, last
 
     def unions(self) -> list[float]:
         return [t + (self.ce[i] - c if c is not None else 0.0) for i, (t, c) in enumerate(zip(self.tot, self.cs))]
@@ -303,6 +275,7 @@ class TraceAttribution:
         self.pending: dict[int, list[list[Any]]] = {}  # correlation -> GPU events awaiting their API call
         self._kinds: dict[str, int] = {}
         self.transient = [math.inf, -math.inf, 0]  # GPU events before the first step: first, last, count
+        self.busy: dict[int, float] = {}  # per device, after finish(): the union of all its GPU events
 
     def step(self, ts: float) -> None:
         if ts < self.step_start:
@@ -312,10 +285,6 @@ class TraceAttribution:
 
     def gpu(self, sk: tuple[int, int], ts: float, te: float, dur: float, name: str, cat: str, corr: int | None) -> None:
         """One kernel / memcpy / memset on stream ``sk`` = (device, stream)."""
-        if ts < self._cut:
-            t = self.transient
-            t[0], t[1], t[2] = min(t[0], ts), max(t[1], te), t[2] + 1
-            return
         st = self.streams.get(sk)
         if st is None:
             d = self.devs.get(sk[0])
@@ -324,6 +293,14 @@ class TraceAttribution:
             st = self.streams[sk] = [d, None, []]
             d.streams.append(st)
         d = st[0]
+        if ts < self._cut:  # the profiler-start transient: the device's busy time only
+            t = self.transient
+            t[0], t[1], t[2] = min(t[0], ts), max(t[1], te), t[2] + 1
+            st[2].append([ts, te, None, dur, d, TRANSIENT])
+            d.count += 1
+            if d.count >= _BLOCK:
+                self._flush(d)
+            return
         k = self._kinds.get(name)
         if k is None:
             k = self._kinds[name] = kernel_kind(name, cat)
@@ -364,14 +341,17 @@ class TraceAttribution:
         recs.sort(key=_first)
         idle = d.idle
         caps = self.captures
-        for ts, te, rt, _, _, _ in recs:
+        for ts, te, rt, _, _, k in recs:
+            if k == TRANSIENT:
+                continue
             if prev is not None:
                 gap = ts - prev
                 if gap > 0:
                     i = 0 if rt is not None and rt > prev else 1 if gap < KERNEL_WAIT_US else 2
-                    for b, e in caps:
-                        if b < ts and e > prev:
-                            gap -= min(e, ts) - max(b, prev)
+                    if caps:
+                        for b, e in caps:
+                            if b < ts and e > prev:
+                                gap -= min(e, ts) - max(b, prev)
                     if gap > 0:
                         idle[i] += gap
             prev = te
@@ -407,8 +387,8 @@ class TraceAttribution:
                     d.shorter += 1
 
     def finish(self, tables: dict[str, dict[str, list[Any]]]) -> dict[int, DeviceAttribution]:
-        """Settle every device; ``tables`` (the trace's kernel/memcpy/memset rows) give each
-        category's top kernels."""
+        """Settle every device (its busy time into ``busy``); ``tables`` (the trace's
+        kernel/memcpy/memset rows) give each category's top kernels."""
         for d in self.devs.values():
             self._flush(d)
         self.pending = {}
@@ -427,11 +407,11 @@ class TraceAttribution:
             c[2] = sorted(c[2], key=lambda r: -r[2])[:_TOP]
         out: dict[int, DeviceAttribution] = {}
         for dev, d in self.devs.items():
-            a = DeviceAttribution()
-            a.busy = d.unions()
-            if d.first == math.inf:
-                out[dev] = a
+            *busy, self.busy[dev] = d.unions()
+            if d.first == math.inf:  # only transient events: busy, nothing to attribute
                 continue
+            a = DeviceAttribution()
+            a.busy = busy
             a.start_us, a.end_us = d.first, d.last
             captured = 0.0
             for b, e in self.captures:
@@ -453,4 +433,4 @@ class TraceAttribution:
         return out
 
 
-__all__ = ["CATEGORY_NAMES", "DeviceAttribution", "Sketch", "TraceAttribution", "Union", "kernel_category", "kernel_kind"]
+__all__ = ["CATEGORY_NAMES", "DeviceAttribution", "Sketch", "TraceAttribution", "kernel_category", "kernel_kind"]

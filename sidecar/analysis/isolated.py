@@ -38,6 +38,8 @@ _slots = threading.BoundedSemaphore(MAX_WORKERS)
 _running: dict[Any, bool] = {}  # child process -> stopped by stop_all()
 _running_lock = threading.Lock()
 _OWNER_POLL_S = 0.5  # where there is no pidfd
+# imported by the forkserver once, so that each analysis child starts with them loaded
+PRELOAD = ("sidecar.analysis.summary", "sidecar.analysis.timeline", "sidecar.analysis.diff")
 
 
 def _limit_memory(limit: int) -> None:
@@ -99,7 +101,7 @@ def _context() -> Any:
     if "forkserver" not in methods:
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["sidecar.analysis.summary", "sidecar.analysis.timeline", "sidecar.analysis.diff"])
+    ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 

@@ -51,6 +51,7 @@ _GAP = 4096
 _TAIL = 64 << 10  # bytes before the end searched first for the last boundary
 _WS = b" \t\r\n"
 _PYFN = b'"cat": "python_function"'
+_PY_TAIL = 256 << 10  # bytes at a slice's end searched for the start of a run of Python events
 
 
 class EventArgs(msgspec.Struct, gc=False):
@@ -86,8 +87,9 @@ class CompleteEvent(_EventFields, tag_field="ph", tag="X", gc=False):
 
 
 def _placeholder(ph: str) -> type:
-    """An event of phase ``ph`` decoded to nothing but its phase (no strings, no numbers)."""
-    ns = {"__annotations__": {"ph": ClassVar[str]}, "ph": ph}
+    """An event of phase ``ph`` decoded to nothing (no strings, no numbers): its phase and a
+    ``cat`` of None, so that a loop over complete events passes it by its category alone."""
+    ns = {"__annotations__": {"ph": ClassVar[str], "cat": ClassVar[None]}, "ph": ph, "cat": None}
     return type(f"Phase_{ord(ph)}", (msgspec.Struct,), ns, tag_field="ph", tag=ph, gc=False)
 
 
@@ -264,7 +266,8 @@ class TraceReader:
         # Python stack events (with_stack) are often most of a trace and no summary needs them:
         # runs of them are counted at the byte level and never decoded.
         self.skip_python = skip_python
-        # events other than "X" become placeholders that hold only ``ph`` (the summary's reader)
+        # events other than "X" become placeholders with ``cat`` None (the summary's reader)
+        self.complete_only = complete_only
         self._decode_typed = _DECODE_COMPLETE if complete_only else _DECODE
         self.skipped = 0  # events counted but not decoded
         self.chunk_size = chunk_size
@@ -455,7 +458,8 @@ class TraceReader:
             return self._decode_typed(doc)
         except msgspec.ValidationError:  # valid JSON, odd field types: take the slow path
             raw = _DECODE_ANY(doc)
-            return [e for e in map(_coerce, raw) if e is not None]
+            events = [e for e in map(_coerce, raw) if e is not None]
+            return [e for e in events if e.ph == "X"] if self.complete_only else events
 
     def _parse(self, body: bytes) -> list[Any]:
         body = body.lstrip(_WS)
@@ -535,16 +539,21 @@ class TraceReader:
 
     def _python_run(self, buf: bytearray, c: int, b: int) -> int:
         """Where ``buf[c:b]`` (whole events) meets Python events: ``-e`` when it starts with a run
-        of them ending at ``e`` (counted into ``skipped``), else the index where the first one
-        starts (decode up to there), else ``b``. Verified by counting: every ``"ph"`` in a
-        skipped run belongs to a python_function event, or nothing is skipped."""
-        p = buf.find(_PYFN, c, b)
-        if p < 0:
-            return b
+        of them ending at ``e`` (counted into ``skipped``), else the index where a run that reaches
+        the slice's end starts (decode up to there), else ``b``. Verified by counting: every
+        ``"ph"`` in a skipped run belongs to a python_function event, or nothing is skipped.
+
+        Kineto writes a thread's Python events together, in runs of many MB, so only the first
+        event and the last ``_PY_TAIL`` bytes are searched: a run starting inside the slice runs
+        to its end. Python events elsewhere are decoded like any other (correct, only slower)."""
         first = buf.find(b'"ph"', c, b)
-        second = buf.find(b'"ph"', first + 4, b) if first >= 0 else -1
-        if second >= 0 and second < p:  # Python events start later: stop the slice before them
-            cut = self._last_boundary(buf, p)
+        if first < 0:
+            return b
+        second = buf.find(b'"ph"', first + 4, b)
+        if buf.find(_PYFN, c, b if second < 0 else second) < 0:  # the first event is not Python
+            if buf.find(_PYFN, max(c, b - _PY_TAIL), b) < 0:
+                return b
+            cut = self._last_boundary(buf, buf.find(_PYFN, c, b))
             return cut if cut > c else b
         last = buf.rfind(_PYFN, c, b)
         e = self._next_boundary(buf, last, b)

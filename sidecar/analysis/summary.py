@@ -2,7 +2,8 @@
 
 State kept per trace: one row per distinct name, one open-op stack per thread, one 4-byte slot per
 CPU op ``External id`` (so GPU time and CUDA API calls can be charged to the op that launched
-them, as torch's key_averages does), and per device a sorted block of at most 64k intervals.
+them, as torch's key_averages does), and per device a sorted block of at most 16k GPU events
+(``attribution``, which also gives each device its busy time).
 A trace's devices are keyed by (stage, replica, rank, device): every stage process calls its own
 GPU ``cuda:0``, so the device number alone would add different GPUs together.
 
@@ -20,7 +21,7 @@ from bisect import bisect_left
 from pathlib import Path
 from typing import Any
 
-from sidecar.analysis.attribution import CAPTURE_CALLS, DeviceAttribution, TraceAttribution, Union
+from sidecar.analysis.attribution import CAPTURE_CALLS, DeviceAttribution, TraceAttribution
 from sidecar.analysis.models import (
     DeviceStat,
     GpuSplit,
@@ -48,7 +49,6 @@ _STEP = re.compile(r"^ProfilerStep#\d+$")
 _ENGINE_STEP = re.compile(r"^execute_(\d+_)?context_\d+|^diffusion_forward(_batch)?$")
 _RANK_IN_NAME = re.compile(r"^trace_rank(\d+)\.json")
 _EPS = 5e-4  # µs: timestamps carry ns precision; float sums must not un-nest siblings
-_BLOCK = 65536  # device intervals merged per sorted block
 _OVERHEAD_GAP = 200.0  # µs between a CUPTI buffer request and the API call that caused it
 _OVERHEAD_LIMIT = 1 << 16  # overhead events kept for placement (a few per trace in practice)
 # Caps that only a hostile or broken trace reaches (a real one has thousands of names, tens of
@@ -128,9 +128,7 @@ class Aggregate:
         # CUPTI overhead, sorted by end: ends, and [start, end, dur, best gap, op row]
         self._ov_ends: list[float] = []
         self._ov: list[list[Any]] = []
-        self._busy: dict[int, Union] = {}
         self._stream_of: dict[tuple[int, int], list[float]] = {}
-        self._block = _BLOCK  # pending intervals per device before a flush: _BLOCK over all devices
         self._names = 0  # distinct names in the tables
         self._name_bytes = 0
         self.limits: list[str] = []  # caps this trace hit (see the module docstring)
@@ -231,18 +229,22 @@ class Aggregate:
         t_op, t_ann, t_rt = tables[OP], tables[ANNOTATION], tables[RUNTIME]
         ext_arr = self._ext
         rows = self._rows
-        busy_of, stream_of = self._busy, self._stream_of
+        stream_of = self._stream_of
         new_row = self._new_row
         att_gpu, att_runtime, att_pending = self._att.gpu, self._att.runtime, self._att.pending
         start, end = self.start, self.end
         if start is None:
             start, end = float("inf"), float("-inf")
         ext_n = len(ext_arr)
-        last_pid = last_tid = last_th = None  # Kineto writes a thread's ops in runs: skip the lookup
-        for e in events:
-            if e.ph != "X":
-                continue
+        eps, max_open = _EPS, _MAX_OPEN
+        # Kineto writes a thread's ops in runs: its stack and last start are kept in locals
+        last_pid = last_tid = last_th = st = None
+        last_ts = 0.0
+        # Rows' self times are kept as minus their children's time until finish() adds the totals.
+        for e in events:  # "X" events only, and placeholders (cat None) for the other phases
             cat = e.cat
+            if cat is None:
+                continue
             if cat == OP or cat == ANNOTATION:
                 ts = e.ts
                 dur = e.dur
@@ -259,27 +261,29 @@ class Aggregate:
                     self._annotation(name, ts, dur)
                 row[1] += 1
                 row[2] += dur
-                row[3] += dur
                 pid, tid = e.pid, e.tid
-                if tid == last_tid and pid == last_pid and last_th is not None:
-                    th = last_th
-                    if ts < th[0] - _EPS:
+                tse = ts + eps
+                if tid == last_tid and pid == last_pid and st is not None:
+                    if tse < last_ts:
                         self.out_of_order += 1
                 else:
+                    if st is not None:
+                        last_th[0] = last_ts
                     key = (pid, tid)
                     th = stacks.get(key)  # [start of the last op seen, open ops as (end, row)]
                     if th is None:
                         th = self._new_thread(key, ts)
-                    elif ts < th[0] - _EPS:
+                    elif tse < th[0]:
                         self.out_of_order += 1
-                    last_pid, last_tid, last_th = pid, tid, th
-                th[0] = ts
-                st = th[1]
-                while st and st[-1][0] <= ts + _EPS:
+                    last_pid, last_tid, last_th, st = pid, tid, th, th[1]
+                last_ts = ts
+                while st:
+                    top = st[-1]
+                    if top[0] > tse:
+                        top[1][3] -= dur  # a child's time is not its parent's self time
+                        break
                     st.pop()
-                if st:
-                    st[-1][1][3] -= dur  # a child's time is not its parent's self time
-                if len(st) < _MAX_OPEN:
+                if len(st) < max_open:
                     st.append((te, row))
                 else:  # deeper than any real call stack: not a parent
                     self._limit(f"more than {_MAX_OPEN} open ops on one thread: deeper ones are nobody's parent")
@@ -292,7 +296,7 @@ class Aggregate:
                         else:
                             self._remember_slow(x, row[5])
                             ext_n = len(ext_arr)
-            elif cat == "python_function" or cat is None:
+            elif cat == "python_function":
                 continue
             elif cat == KERNEL or cat == MEMCPY or cat == MEMSET:
                 ts = e.ts
@@ -333,14 +337,6 @@ class Aggregate:
                         s = stream_of[sk] = [0, 0.0]
                 s[0] += 1
                 s[1] += dur
-                busy = busy_of.get(dev)
-                if busy is None:
-                    busy = busy_of[dev] = Union()
-                    self._block = max(1024, _BLOCK // len(busy_of))
-                pend = busy.pending
-                pend.append((ts, te))
-                if len(pend) >= self._block:
-                    busy.flush()
                 att_gpu(sk, ts, te, dur, name, cat, corr)
             elif cat in _RUNTIME_CATS:
                 ts = e.ts
@@ -352,7 +348,6 @@ class Aggregate:
                     row = new_row(t_rt, name)
                 row[1] += 1
                 row[2] += dur
-                row[3] += dur
                 a = e.args
                 if a is not None:
                     corr = a.correlation
@@ -381,6 +376,8 @@ class Aggregate:
                 start = ts
             if te > end:
                 end = te
+        if st is not None:
+            last_th[0] = last_ts
         if start != float("inf"):
             self.start, self.end = start, end
         self.events += len(events)
@@ -406,20 +403,24 @@ class Aggregate:
         """End of one trace: settle device unions, key devices by (stage, replica, rank), drop
         pass state."""
         self.rank, self.stage_id, self.replica = rank, stage_id, replica
+        for table in (self.tables[OP], self.tables[ANNOTATION], self.tables[RUNTIME]):
+            for row in table.values():  # self time: the total less the children's (kept negative)
+                row[_SELF] += row[_TOTAL]
         for ov in self._ov:
             if ov[4] is not None:
                 ov[4][3] -= ov[2]
         span = (self.end - self.start) if self.start is not None and self.end is not None else 0.0
-        for dev, b in self._busy.items():
-            self.devices[(stage_id, replica, rank, dev)] = [b.length(), span]
-        for dev, a in self._att.finish(self.tables).items():
+        attributed = self._att.finish(self.tables)
+        for dev, busy in self._att.busy.items():
+            self.devices[(stage_id, replica, rank, dev)] = [busy, span]
+        for dev, a in attributed.items():
             self.attribution[(stage_id, replica, rank, dev)] = a
             if self.epoch_offset_us is not None and self.start is not None and self.end is not None:
                 self.epochs[(stage_id, replica, rank, dev)] = (self.epoch_offset_us + self.start, self.epoch_offset_us + self.end)
         self._att = TraceAttribution(steady=self._att.steady)
         for (dev, stream), v in self._stream_of.items():
             self.streams[(stage_id, replica, rank, dev, stream)] = v
-        self._stacks, self._busy, self._stream_of = {}, {}, {}
+        self._stacks, self._stream_of = {}, {}
         self._ext, self._ext_sparse, self._rows = array("i"), {}, []
         self._ov, self._ov_ends = [], []
 
