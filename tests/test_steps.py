@@ -9,7 +9,7 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -332,8 +332,8 @@ class _ScriptedProbes:
     """The controller surface ``run_plan`` drives (start, wait, deploy), with each probe's traced
     steps and bytes scripted: the engines' pace, which decides them, is the input under test."""
 
-    def __init__(self, traced: list[dict[int, int]]) -> None:
-        self.traced, self.asked = traced, []
+    def __init__(self, traced: list[dict[int, int]], size: Callable[[int], int] = lambda n: 1000 + 5000 * n) -> None:
+        self.traced, self.asked, self.size = traced, [], size
         self.deploy = SimpleNamespace(stage=lambda sid: None)
 
     async def start(self, stages: list[int] | None, *, steps: int, label: str, budget_check: bool) -> Any:
@@ -343,7 +343,7 @@ class _ScriptedProbes:
     async def wait(self, capture_id: str) -> Any:
         traced = self.traced[len(self.asked) - 1]
         verdicts = [SimpleNamespace(stage_id=sid, steps_traced=n, sessions=[SimpleNamespace(
-            files=[SimpleNamespace(name="trace_rank0.json.gz", size=1000 + 5000 * n)])]) for sid, n in traced.items()]
+            files=[SimpleNamespace(name="trace_rank0.json.gz", size=self.size(n))])]) for sid, n in traced.items()]
         return SimpleNamespace(id=capture_id, verdicts=verdicts, steps=self.asked[-1], steps_counted=None,
                                stop_requested_at=None, stopped_at=None)
 
@@ -360,11 +360,35 @@ class _ScriptedProbes:
 def test_probes_that_give_no_line_are_taken_again_longer(traced: list[dict[int, int]], asked: list[int],
                                                          noted: list[str]) -> None:
     controller = _ScriptedProbes(traced)
-    plan = asyncio.run(run_plan(controller, sorted(traced[0]), budget_mb=1, max_stop_s=None))  # type: ignore[arg-type]
+    plan = asyncio.run(run_plan(controller, sorted(traced[0]), budget_mb=1, max_stop_s=None,  # type: ignore[arg-type]
+                                refine=False))
     assert controller.asked == asked and all(any(n in note for note in plan.notes) for n in noted), plan.notes
     assert len(plan.notes) == len(noted), plan.notes
     line = plan.per_stage[0]
     assert (line.bytes_fixed, line.bytes_per_step) == pytest.approx((1000, 5000)), plan.per_stage
+
+
+def test_a_plan_far_beyond_its_probes_is_probed_at_half_and_planned_from_the_longest_probes() -> None:
+    # bytes per step grow with the window (stacks on): 1 kB + 5 kB x n + 100 B x n^2
+    def size(n: int) -> int:
+        return 1000 + 5000 * n + 100 * n * n
+
+    controller = _ScriptedProbes([{0: 1}, {0: 2}, {0: 77}], size)
+    plan = asyncio.run(run_plan(controller, [0], budget_mb=2, max_stop_s=None))  # type: ignore[arg-type]
+    # the tiny probes' line (5.3 kB/step) plans 377 steps; probed at 188, the engine traced 77
+    line = plan.per_stage[0]
+    assert (controller.asked, line.bytes_per_step) == ([1, 2, 188], pytest.approx((size(77) - size(2)) / 75))
+    assert plan.notes == ["planned 377 steps, 188x the longest probe (2): probed again with 188 steps; the lines go "
+                          "through the two longest probes"]
+    # nearer the truth at the window it plans than the tiny probes' line is at its own
+    tiny = asyncio.run(run_plan(_ScriptedProbes([{0: 1}, {0: 2}], size), [0], budget_mb=2,  # type: ignore[arg-type]
+                                max_stop_s=None, refine=False))
+    assert plan.steps is not None and tiny.steps is not None
+    refined, unrefined = plan.predict(plan.steps)[0] * 1e6 / size(plan.steps), tiny.predict(tiny.steps)[0] * 1e6 / size(tiny.steps)
+    assert (round(unrefined, 2), round(refined, 2)) == (0.12, 0.63), (tiny, plan)
+    near = asyncio.run(run_plan(_ScriptedProbes([{0: 1}, {0: 2}], size), [0], budget_mb=0.05,  # type: ignore[arg-type]
+                                max_stop_s=None))
+    assert near.notes == [] and len(near.probes) == 2  # 8 steps planned: within reach of the probes
 
 
 def test_a_steps_capture_above_the_planned_budget_is_refused_or_warned() -> None:
