@@ -155,12 +155,13 @@ def _bench(kind: str, n: int, latencies: list[float], repeat: int, serial_n: int
                 _table(kind, n, latency, repeat, rows, serial, serial_n)
 
 
-async def _clock_round(targets: list[Target], stubs: StubFleet, size: int, synced: bool, clocks: bool) -> dict[str, float]:
+async def _clock_round(targets: list[Target], stubs: StubFleet, size: int, synced: bool, clocks: bool,
+                       processes: int | None = None) -> dict[str, float]:
     """One start/stop of ``size`` targets, with or without the clock exchange (issue 23): the start,
     the stop, the skew, and how long after the stop every offset is known, with its error bound."""
     stubs.reset()
     async with Fleet(targets[:size], control_settings=SETTINGS, stop_budget_s=120, client_timeout_s=120,
-                     exchange_clocks=clocks) as fleet:
+                     exchange_clocks=clocks, processes=processes) as fleet:
         called = time.time()
         start_at = called + _lead(size) if synced else None
         t0 = time.perf_counter()
@@ -185,8 +186,9 @@ async def _clock_round(targets: list[Target], stubs: StubFleet, size: int, synce
             "err_max": errors[-1] if errors else float("nan")}
 
 
-def _clock_goals(n: int, latency: float, repeat: int) -> None:
-    """Issue 23's figures at ``n`` sidecar stub replicas, each printed beside its goal."""
+def _clock_goals(n: int, latency: float, repeat: int, processes: int | None = None) -> None:
+    """Issue 23's figures at ``n`` sidecar stub replicas, each printed beside its goal. ``processes``:
+    the fleet's worker processes for sidecar targets (None: its default, ``processes_for``)."""
     with tempfile.TemporaryDirectory(prefix="omni-fanout-") as tmp, \
             StubFleet(n, mode="sidecar", root=Path(tmp), latency=latency, processes=-(-n // 64)) as stubs:
         targets = [Target.sidecar(u) for u in stubs.urls]
@@ -194,10 +196,14 @@ def _clock_goals(n: int, latency: float, repeat: int) -> None:
         for size in (1, n):
             for synced in (False, True):
                 for clocks in (False, True):
-                    runs = [asyncio.run(_clock_round(targets, stubs, size, synced, clocks)) for _ in range(repeat)]
+                    runs = [asyncio.run(_clock_round(targets, stubs, size, synced, clocks, processes))
+                            for _ in range(repeat)]
                     rows[(size, synced, clocks)] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    from sidecar.fleet._shards import processes_for
+
     print(f"\nissue 23 at {n} sidecar stub replicas, hold {latency:g}s (median of {repeat}; {os.cpu_count()} CPUs; "
-          f"load {os.getloadavg()[0]:.1f})")
+          f"load {os.getloadavg()[0]:.1f}); the fleet's worker processes: {processes_for(n, processes)} at {n}, "
+          f"{processes_for(1, processes)} at 1")
     print(f"{'replicas':>8} {'start_at':>8} {'clocks':>6} {'start s':>8} {'stop s':>7} {'skew p50 ms':>11} "
           f"{'known s':>8} {'measured':>8} {'err p50 ms':>10} {'err max ms':>10}")
     for (size, synced, clocks), r in rows.items():
@@ -370,6 +376,8 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=256, help="--driver ray: node actors wanted")
     ap.add_argument("--per-node", type=int, default=4, help="--driver ray: replicas per node actor")
     ap.add_argument("--mem-gib", type=float, default=10.0, help="--driver ray: memory the run may take")
+    ap.add_argument("--processes", type=int, default=None,
+                    help="--clocks: the fleet's worker processes for sidecar targets (default: the fleet's own choice)")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = 2 * args.replicas + 256
@@ -384,7 +392,7 @@ def main() -> None:
     repeat = args.repeat or (3 if args.replicas <= 256 else 1)
     latencies = [float(x) for x in args.latency.split(",") if x.strip()]
     if args.clocks:
-        _clock_goals(args.replicas, latencies[0], repeat)
+        _clock_goals(args.replicas, latencies[0], repeat, args.processes)
         return
     for kind in (("upstream", "sidecar") if args.kind == "both" else (args.kind,)):
         _bench(kind, args.replicas, latencies, repeat, min(args.serial, args.replicas))

@@ -46,6 +46,13 @@ def upstreams(tmp_path_factory: pytest.TempPathFactory):
         yield stubs
 
 
+@pytest.fixture(params=[None, 3], ids=["in-process", "3-worker-processes"])
+def workers(request: pytest.FixtureRequest) -> int | None:
+    """Sidecar targets driven by the fleet's own process, or from 3 worker processes
+    (sidecar/fleet/_shards.py): the same protocol, the same outcomes."""
+    return request.param
+
+
 def _fleet(stubs: StubFleet, n: int = N, **kw) -> Fleet:
     kw.setdefault("stop_budget_s", 3)  # short, so that hung stops end the test soon
     return Fleet([Target.sidecar(u) for u in stubs.urls[:n]], client_timeout_s=60, poll_s=0.05, **kw)
@@ -55,10 +62,10 @@ def _started_never_stopped(stubs: StubFleet) -> list[int]:
     return [i for i, r in stubs.log().items() if r["recording"] and not r["dead"]]
 
 
-async def test_five_percent_refusing_start_rolls_back_every_started_target(stubs: StubFleet):
+async def test_five_percent_refusing_start_rolls_back_every_started_target(stubs: StubFleet, workers: int | None):
     stubs.reset(faults=_faults("refuse_start"))
     # nothing hangs here: a budget that 285 rollback stops meet on a loaded machine too (3 s did not)
-    async with _fleet(stubs, stop_budget_s=60) as fleet:
+    async with _fleet(stubs, stop_budget_s=60, processes=workers) as fleet:
         with pytest.raises(FleetError) as info:
             await fleet.start()
     outcomes = [t["outcome"] for t in info.value.details["targets"]]
@@ -66,10 +73,10 @@ async def test_five_percent_refusing_start_rolls_back_every_started_target(stubs
     assert _started_never_stopped(stubs) == []
 
 
-async def test_hung_and_dead_targets_do_not_hold_the_others_stop_and_roll_up_as_counts(stubs: StubFleet):
+async def test_hung_and_dead_targets_do_not_hold_the_others_stop_and_roll_up_as_counts(stubs: StubFleet, workers: int | None):
     faults = {**_faults("hang_stop"), **{i + 1: "die_after_start" for i in _faults("hang_stop")}}
     stubs.reset(faults=faults)
-    async with _fleet(stubs) as fleet:
+    async with _fleet(stubs, processes=workers) as fleet:
         fc = await fleet.start()
         fc = await fleet.stop(fc)
     by_outcome: dict[str, set[int]] = {}
@@ -91,9 +98,9 @@ async def test_hung_and_dead_targets_do_not_hold_the_others_stop_and_roll_up_as_
 
 
 @pytest.mark.parametrize("when", ["mid_start", "mid_window"])
-async def test_a_cancelled_capture_stops_every_started_target(stubs: StubFleet, when: str):
+async def test_a_cancelled_capture_stops_every_started_target(stubs: StubFleet, workers: int | None, when: str):
     stubs.reset(latency=1.5 if when == "mid_start" else 0.0)
-    async with _fleet(stubs, SMALL) as fleet:
+    async with _fleet(stubs, SMALL, processes=workers) as fleet:
         task = asyncio.ensure_future(fleet.capture(3600))
         for _ in range(600):  # until every stub received its start (and, mid-window, answered it)
             await asyncio.sleep(0.05)
@@ -106,6 +113,22 @@ async def test_a_cancelled_capture_stops_every_started_target(stubs: StubFleet, 
     log = {i: r for i, r in stubs.log().items() if i < SMALL}
     assert all(r["calls"] for r in log.values())
     assert [i for i, r in log.items() if r["recording"]] == []
+
+
+async def test_a_worker_process_that_dies_fails_its_targets_stop_and_names_itself(stubs: StubFleet):
+    async with _fleet(stubs, SMALL, processes=3) as fleet:
+        fc = await fleet.start()
+        pool = fleet._pool
+        assert pool is not None
+        dead = pool._shards[1].process
+        dead.kill()
+        await dead.wait()
+        fc = await fleet.stop(fc, wait_artifacts=False)
+    on_dead = {name for i, name in enumerate(fc.targets) if i % 3 == 1}
+    failed = {n for n, r in fc.targets.items() if r.outcome is TargetOutcome.stop_failed}
+    assert failed == on_dead and all(r.outcome is TargetOutcome.stopped for n, r in fc.targets.items() if n not in on_dead)
+    assert all(f"fleet worker process 1 (pid {dead.pid}) exited with code -9" in fc.targets[n].error.message
+               for n in on_dead), [fc.targets[n].error for n in on_dead]
 
 
 def test_the_cli_prints_one_rollup_table_for_a_large_fleet(stubs: StubFleet, tmp_path: Path):
@@ -132,8 +155,8 @@ def _starts(stubs: StubFleet, path: str, n: int) -> list[int]:
     return [ts[0] for i, ts in stubs.received(path).items() if i < n and ts]
 
 
-async def test_each_sidecar_is_told_start_at_ahead_and_none_sends_its_start_before(stubs: StubFleet):
-    async with _fleet(stubs, SMALL) as fleet:
+async def test_each_sidecar_is_told_start_at_ahead_and_none_sends_its_start_before(stubs: StubFleet, workers: int | None):
+    async with _fleet(stubs, SMALL, processes=workers) as fleet:
         start_at = time.time() + 2
         fc = await fleet.start(start_at=start_at)
         await fleet.stop(fc, wait_artifacts=False)
@@ -147,11 +170,11 @@ async def test_each_sidecar_is_told_start_at_ahead_and_none_sends_its_start_befo
 
 
 @pytest.mark.parametrize("fault", ["no_start_at", "old_sidecar"])
-async def test_a_sidecar_older_than_start_at_is_released_by_the_fleet_at_start_at(stubs: StubFleet, fault: str):
+async def test_a_sidecar_older_than_start_at_is_released_by_the_fleet_at_start_at(stubs: StubFleet, workers: int | None, fault: str):
     # a build that refuses start_at (422 naming it), or has no clock route either: the fleet itself
     # sends its start when start_at comes, and the target is started like the others
     stubs.reset(faults={0: fault})
-    async with _fleet(stubs, SMALL) as fleet:
+    async with _fleet(stubs, SMALL, processes=workers) as fleet:
         start_at = time.time() + 2
         fc = await fleet.start(start_at=start_at)
         await fleet.stop(fc, wait_artifacts=False)
@@ -163,9 +186,9 @@ async def test_a_sidecar_older_than_start_at_is_released_by_the_fleet_at_start_a
     assert len(sent) == SMALL - 1 and min(sent) >= start_at * 1e9 - CLOCK_SLACK_NS
 
 
-async def test_a_target_refusing_before_start_at_cancels_the_others_scheduled_starts(stubs: StubFleet):
+async def test_a_target_refusing_before_start_at_cancels_the_others_scheduled_starts(stubs: StubFleet, workers: int | None):
     stubs.reset(faults={SMALL - 1: "busy"})  # refused at once (409): the others are already scheduled
-    async with _fleet(stubs, SMALL) as fleet:
+    async with _fleet(stubs, SMALL, processes=workers) as fleet:
         with pytest.raises(FleetError) as info:  # far ahead: the refusal is in long before (a loaded
             await fleet.start(start_at=time.time() + 60)  # run took over 3 s); the cancel ends it at once
     outcomes = [t["outcome"] for t in info.value.details["targets"]]

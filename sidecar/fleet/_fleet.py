@@ -22,6 +22,7 @@ from sidecar.errors import BudgetInvalid, TargetInvalid, TargetNoAnswer, StagesN
 from sidecar.fleet._clocks import FLEET_MORE, MORE, ClockOffset
 from sidecar.fleet._drivers import Driver, DriverFactory, Kind, FleetTransports, SidecarDriver, UpstreamDriver
 from sidecar.fleet._release import START_AT_MAX_S, Release, check_start_at
+from sidecar.fleet._shards import ShardPool, processes_for
 from sidecar.fleet._results import FleetCapture, TargetError, TargetOutcome, TargetResult, error_of, mark_ambiguous
 from sidecar.fleet._targets import Flavor, Target, TargetKind, parse_targets, server_key
 
@@ -61,7 +62,10 @@ class Fleet:
     says so. ``client_timeout_s`` is the HTTP timeout towards sidecars (default: the start timeout).
 
     Scale: one TLS context for all targets and a small connection pool per target (see
-    ``FleetTransports``), warmed by ``open()``; no thread or process per target; at most
+    ``FleetTransports``), warmed by ``open()``; no thread or process per target. Sidecar targets
+    are driven from ``processes`` worker processes (``sidecar/fleet/_shards.py``; default: one per
+    128 from 512 sidecar targets on, leaving this process a core), each a share of the HTTP
+    requests, which at a thousand targets are most of a fan-out's CPU; at most
     ``max_concurrency`` targets are started at once (default: all). A start is two-phase: every
     target prepares (baselines, journal), then all starts are sent together, at ``start_at``
     when given (``sidecar/fleet/_release.py``), so the skew is the send alone. Stops are bounded
@@ -103,6 +107,7 @@ class Fleet:
         start_at_max_s: float = START_AT_MAX_S,
         drivers: DriverFactory | None = None,
         exchange_clocks: bool = True,
+        processes: int | None = None,
     ) -> None:
         self.targets = parse_targets(targets, deploy_config=deploy_config, flavor=flavor, token=token)
         if stages is not None and (
@@ -128,6 +133,10 @@ class Fleet:
         self.start_at_max_s = start_at_max_s
         self._make_driver = drivers
         self.exchange_clocks = exchange_clocks
+        if processes is not None and (isinstance(processes, bool) or not isinstance(processes, int) or processes < 1):
+            raise ConcurrencyInvalid(f"processes must be a positive integer, got {processes!r}")
+        self.processes = processes
+        self._pool: ShardPool | None = None
         placed = [t.name for t in self.targets if t.kind is TargetKind.ray]
         if placed and drivers is None:
             raise TargetInvalid(
@@ -173,9 +182,15 @@ class Fleet:
             raise
 
     async def _open(self) -> None:
+        workers = processes_for(sum(t.kind is TargetKind.sidecar for t in self.targets), self.processes)
+        if workers > 1:
+            self._pool = ShardPool(workers, timeout_s=self.client_timeout_s, poll_s=self.poll_s)
+            await self._pool.open()
         for t in self.targets:
             if t.kind is TargetKind.ray:
                 self._drivers[t.name] = self._make_driver(t, stop_budget_s=self.stop_budget_s)  # type: ignore[misc]
+            elif t.kind is TargetKind.sidecar and self._pool is not None:
+                self._drivers[t.name] = self._pool.driver(t)
             elif t.kind is TargetKind.sidecar:
                 self._drivers[t.name] = SidecarDriver(t, timeout_s=self.client_timeout_s, poll_s=self.poll_s,
                                                       transport=self._transports.for_target())
@@ -216,6 +231,9 @@ class Fleet:
         self._clock_tasks = []
         drivers, self._drivers = list(self._drivers.values()), {}
         await asyncio.gather(*(d.close(keep_live) for d in drivers), return_exceptions=True)
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
         self._opened = False
 
     async def __aenter__(self) -> Fleet:

@@ -26,9 +26,10 @@ import yaml
 from sidecar import errors as _errors
 from sidecar.config.models import DeployConfig
 from sidecar.control.models import Capture, StopReason
-from sidecar.errors import FleetError, SidecarError, StartWithheld
+from sidecar.errors import StartWithheld
 from sidecar.fleet._clocks import MORE, ClockOffset, exchange
 from sidecar.fleet._targets import Target
+from sidecar.fleet._wire import answer, failure, raise_reply
 
 __all__ = ["NodeProfiler", "Placement", "RayNodeDriver", "RayNodes", "TOP_OPS", "deploy_for_server"]
 
@@ -56,17 +57,6 @@ def _top_ops(summary: dict[str, Any], top: int) -> dict[str, list[dict[str, Any]
 
 
 # --- node side ----------------------------------------------------------------------------------
-
-
-def _answer(value: Any) -> tuple[str, Any]:
-    return ("ok", value)
-
-
-def _failure(exc: BaseException) -> tuple[str, Any]:
-    """A failure as data: the error's class name, code, message and details cross Ray intact."""
-    if isinstance(exc, SidecarError):
-        return ("error", (type(exc).__name__, exc.code, exc.message, exc.details))
-    return ("error", ("FleetError", "internal_error", f"{type(exc).__name__}: {exc}", {}))
 
 
 class _NodeGate:
@@ -136,9 +126,9 @@ class NodeProfiler:
 
     async def _call(self, work: Callable[[], Awaitable[Any]]) -> tuple[str, Any]:
         try:
-            return _answer(await work())
+            return answer(await work())
         except Exception as exc:
-            return _failure(exc)
+            return failure(exc)
 
     async def open(self, name: str) -> tuple[str, Any]:
         async def work() -> DeployConfig:
@@ -236,7 +226,7 @@ class NodeProfiler:
         """This node's realtime and monotonic clocks (ns): one sample of the fleet's exchange."""
         from sidecar.fleet._clocks import read_clocks
 
-        return _answer(read_clocks())
+        return answer(read_clocks())
 
     async def close(self, name: str, keep_live: bool = False) -> tuple[str, Any]:
         async def work() -> int:
@@ -255,21 +245,6 @@ class NodeProfiler:
 
 
 # --- trainer side -------------------------------------------------------------------------------
-
-
-def _raise(reply: tuple[str, Any]) -> Any:
-    status, value = reply
-    if status == "ok":
-        return value
-    name, code, message, details = value
-    cls = getattr(_errors, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, SidecarError)):
-        cls = FleetError
-    try:
-        err = cls.relay(code, message, details=details)
-    except TypeError:  # a class built with other arguments: the code and message still cross
-        err = FleetError.relay(code, message, details=details)
-    raise err
 
 
 @dataclass(frozen=True)
@@ -292,7 +267,7 @@ class RayNodeDriver:
         self.top_ops: dict[str, dict[str, Any]] = {}  # capture id -> top ops per stage
 
     async def open(self) -> DeployConfig | None:
-        return _raise(await self.actor.open.remote(self.target.name))  # type: ignore[no-any-return]
+        return raise_reply(await self.actor.open.remote(self.target.name))  # type: ignore[no-any-return]
 
     async def start(self, stages, label, duration_s, lease_s, kind="torch", release=None,  # type: ignore[no-untyped-def]
                     steps=None) -> Capture:
@@ -301,12 +276,12 @@ class RayNodeDriver:
         to send. With the fleet's ``start_at`` the node sends at that time itself."""
         name = self.target.name
         if release is None:
-            return _raise(await self.actor.start.remote(name, stages, label, duration_s, lease_s, kind, steps=steps))  # type: ignore[no-any-return]
+            return raise_reply(await self.actor.start.remote(name, stages, label, duration_s, lease_s, kind, steps=steps))  # type: ignore[no-any-return]
         token = uuid.uuid4().hex
         started = asyncio.ensure_future(self._ref(self.actor.start.remote(
             name, stages, label, duration_s, lease_s, kind, token, getattr(release, "start_at", None), steps)))
         if not await self._ref(self.actor.prepared.remote(token)):
-            return _raise(await started)  # type: ignore[no-any-return]  # it failed while preparing
+            return raise_reply(await started)  # type: ignore[no-any-return]  # it failed while preparing
         try:
             await release()
         except BaseException as exc:
@@ -316,33 +291,33 @@ class RayNodeDriver:
                 await self._ref(self.actor.stop.remote(name, reply[1].id, StopReason.rollback.value))
             raise
         await self._ref(self.actor.go.remote(token))
-        return _raise(await started)  # type: ignore[no-any-return]
+        return raise_reply(await started)  # type: ignore[no-any-return]
 
     @staticmethod
     async def _ref(ref: Any) -> Any:
         return await ref
 
     async def stop(self, capture_id: str, reason: StopReason) -> Capture:
-        return _raise(await self.actor.stop.remote(self.target.name, capture_id, reason.value))  # type: ignore[no-any-return]
+        return raise_reply(await self.actor.stop.remote(self.target.name, capture_id, reason.value))  # type: ignore[no-any-return]
 
     async def get(self, capture_id: str) -> Capture:
-        return _raise(await self.actor.get.remote(self.target.name, capture_id))  # type: ignore[no-any-return]
+        return raise_reply(await self.actor.get.remote(self.target.name, capture_id))  # type: ignore[no-any-return]
 
     async def wait(self, capture_id: str, timeout: float | None) -> Capture:
-        cap, ops = _raise(await self.actor.wait.remote(self.target.name, capture_id, timeout, self.top))
+        cap, ops = raise_reply(await self.actor.wait.remote(self.target.name, capture_id, timeout, self.top))
         self.top_ops[capture_id] = ops
         return cap  # type: ignore[no-any-return]
 
     async def heartbeat(self, capture_id: str) -> None:
-        _raise(await self.actor.heartbeat.remote(self.target.name, capture_id))
+        raise_reply(await self.actor.heartbeat.remote(self.target.name, capture_id))
 
     async def live(self) -> Capture | None:
-        return _raise(await self.actor.live.remote(self.target.name))  # type: ignore[no-any-return]
+        return raise_reply(await self.actor.live.remote(self.target.name))  # type: ignore[no-any-return]
 
     async def clock(self, more: int = MORE) -> ClockOffset:
         # The node's controller reads the node's clock, not the trainer's: exchanged like a sidecar's.
         async def read() -> tuple[int, int]:
-            real, mono = _raise(await self.actor.clock.remote())
+            real, mono = raise_reply(await self.actor.clock.remote())
             return int(real), int(mono)
 
         return await exchange(read, more=more)
@@ -354,7 +329,7 @@ class RayNodeDriver:
             return  # the cluster is gone and its actors with it; a call would start a new local one
         left = 0
         try:
-            left = _raise(await self.actor.close.remote(self.target.name, keep_live))
+            left = raise_reply(await self.actor.close.remote(self.target.name, keep_live))
         finally:
             if not left:
                 ray.kill(self.actor)

@@ -1,0 +1,39 @@
+"""A call's answer as data, for drivers whose work runs in another process (a Ray actor, a fleet
+worker process): ``("ok", value)`` or ``("error", (class name, code, message, details))``, raised
+again on the fleet's side as the same ``SidecarError`` class. A failure never crosses as an
+exception object: a class built with other arguments, or one the other side lacks, still arrives
+with its code and message (as ``FleetError``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sidecar import errors as _errors
+from sidecar.errors import FleetError, SidecarError
+
+
+def answer(value: Any) -> tuple[str, Any]:
+    return ("ok", value)
+
+
+def failure(exc: BaseException) -> tuple[str, Any]:
+    """A failure as data: the error's class name, code, message and details cross intact."""
+    if isinstance(exc, SidecarError):
+        return ("error", (type(exc).__name__, exc.code, exc.message, exc.details))
+    return ("error", ("FleetError", "internal_error", f"{type(exc).__name__}: {exc}", {}))
+
+
+def raise_reply(reply: tuple[str, Any]) -> Any:
+    """The value of an ``("ok", value)`` reply; raises the error of an ``("error", ...)`` one."""
+    status, value = reply
+    if status == "ok":
+        return value
+    name, code, message, details = value
+    cls = getattr(_errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, SidecarError)):
+        cls = FleetError
+    try:
+        err = cls.relay(code, message, details=details)
+    except TypeError:  # a class built with other arguments: the code and message still cross
+        err = FleetError.relay(code, message, details=details)
+    raise err
