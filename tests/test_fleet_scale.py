@@ -6,6 +6,7 @@ before start_at" is a correctness property on one host clock."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 
@@ -245,3 +246,19 @@ def test_start_at_text_is_seconds_from_now_epoch_or_iso_with_a_zone(text: str, o
     else:
         with pytest.raises(StartAtInvalid):
             parse_start_at(text)
+
+
+@pytest.mark.parametrize("processes", [0, -1, 1.5, True, "2"])
+def test_a_bad_worker_count_is_refused_before_anything_starts(processes) -> None:
+    from sidecar.errors import ConcurrencyInvalid
+
+    with pytest.raises(ConcurrencyInvalid, match="processes must be a positive integer"):
+        Fleet([Target.sidecar("http://127.0.0.1:9")], processes=processes)
+
+
+def test_worker_processes_by_default_from_512_sidecar_targets_leaving_a_core() -> None:
+    from sidecar.fleet._shards import processes_for
+
+    cores = len(os.sched_getaffinity(0))
+    assert (processes_for(511, None), processes_for(300, 3), processes_for(2, 8)) == (1, 3, 2)
+    assert processes_for(1024, None) == max(1, min(cores - 1, 8)) and processes_for(4096, None) == max(1, cores - 1)
