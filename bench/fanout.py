@@ -69,10 +69,12 @@ def _lead(n: int) -> float:
     return 1.0 + 0.01 * n
 
 
-async def _round(targets: list[Target], stubs: StubFleet, size: int, synced: bool) -> dict[str, float]:
+async def _round(targets: list[Target], stubs: StubFleet, size: int, synced: bool,
+                 processes: int | None = None) -> dict[str, float]:
     stubs.reset()
     cpu0 = sum(os.times()[:2])
-    async with Fleet(targets[:size], control_settings=SETTINGS, stop_budget_s=120, client_timeout_s=120) as fleet:
+    async with Fleet(targets[:size], control_settings=SETTINGS, stop_budget_s=120, client_timeout_s=120,
+                     processes=processes) as fleet:
         called = time.time()
         start_at = called + _lead(size) if synced else None
         t0 = time.perf_counter()
@@ -135,7 +137,7 @@ def _table(kind: str, n: int, latency: float, repeat: int, rows: dict[tuple[int,
           f"skew p50 <= 20 ms -> plain {plain['skew_p50']:.1f} ms, start_at {rows[(n, True)]['skew_p50']:.1f} ms")
 
 
-def _bench(kind: str, n: int, latencies: list[float], repeat: int, serial_n: int) -> None:
+def _bench(kind: str, n: int, latencies: list[float], repeat: int, serial_n: int, processes: int | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="omni-fanout-") as tmp:
         root = Path(tmp)
         with StubFleet(n, mode=kind, root=root, latency=latencies[0], processes=-(-n // 64)) as stubs:
@@ -148,7 +150,7 @@ def _bench(kind: str, n: int, latencies: list[float], repeat: int, serial_n: int
                 rows: dict[tuple[int, bool], dict[str, float]] = {}
                 for size in (1, n):
                     for synced in (False, True):
-                        runs = [asyncio.run(_round(targets, stubs, size, synced)) for _ in range(repeat)]
+                        runs = [asyncio.run(_round(targets, stubs, size, synced, processes)) for _ in range(repeat)]
                         rows[(size, synced)] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                         rows[(size, synced)]["rss"] = max(r["rss"] for r in runs)
                 serial = asyncio.run(_serial(stubs.urls[:serial_n])) if kind == "upstream" else None
@@ -377,7 +379,7 @@ def main() -> None:
     ap.add_argument("--per-node", type=int, default=4, help="--driver ray: replicas per node actor")
     ap.add_argument("--mem-gib", type=float, default=10.0, help="--driver ray: memory the run may take")
     ap.add_argument("--processes", type=int, default=None,
-                    help="--clocks: the fleet's worker processes for sidecar targets (default: the fleet's own choice)")
+                    help="the fleet's worker processes (default: the fleet's own choice, sidecar/fleet/_shards.py)")
     args = ap.parse_args()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = 2 * args.replicas + 256
@@ -395,7 +397,7 @@ def main() -> None:
         _clock_goals(args.replicas, latencies[0], repeat, args.processes)
         return
     for kind in (("upstream", "sidecar") if args.kind == "both" else (args.kind,)):
-        _bench(kind, args.replicas, latencies, repeat, min(args.serial, args.replicas))
+        _bench(kind, args.replicas, latencies, repeat, min(args.serial, args.replicas), args.processes)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def upstreams(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(params=[None, 3], ids=["in-process", "3-worker-processes"])
 def workers(request: pytest.FixtureRequest) -> int | None:
-    """Sidecar targets driven by the fleet's own process, or from 3 worker processes
+    """Targets driven by the fleet's own process, or from 3 worker processes
     (sidecar/fleet/_shards.py): the same protocol, the same outcomes."""
     return request.param
 
@@ -199,9 +199,9 @@ async def test_a_target_refusing_before_start_at_cancels_the_others_scheduled_st
     assert sorted(stops) == list(range(SMALL - 1)), stops  # each cancelled on its sidecar
 
 
-async def test_no_upstream_target_receives_its_start_before_start_at(upstreams: StubFleet):
+async def test_no_upstream_target_receives_its_start_before_start_at(upstreams: StubFleet, workers: int | None):
     upstreams.reset()
-    async with Fleet(upstreams.targets, stop_budget_s=30) as fleet:
+    async with Fleet(upstreams.targets, stop_budget_s=30, processes=workers) as fleet:
         start_at = time.time() + 3  # upstream targets are prepared in this process first
         fc = await fleet.start(start_at=start_at)
         fc = await fleet.stop(fc, wait_artifacts=False)
@@ -210,9 +210,9 @@ async def test_no_upstream_target_receives_its_start_before_start_at(upstreams: 
     assert all(r.outcome is TargetOutcome.stopped for r in fc.targets.values())
 
 
-async def test_a_start_cancelled_before_start_at_sends_nothing_and_frees_every_target(upstreams: StubFleet):
+async def test_a_start_cancelled_before_start_at_sends_nothing_and_frees_every_target(upstreams: StubFleet, workers: int | None):
     upstreams.reset()
-    async with Fleet(upstreams.targets, stop_budget_s=30) as fleet:
+    async with Fleet(upstreams.targets, stop_budget_s=30, processes=workers) as fleet:
         task = asyncio.ensure_future(fleet.start(start_at=time.time() + 60))
         await asyncio.sleep(0.5)  # wherever the cancellation lands before start_at, nothing is sent
         task.cancel()

@@ -62,10 +62,10 @@ class Fleet:
     says so. ``client_timeout_s`` is the HTTP timeout towards sidecars (default: the start timeout).
 
     Scale: one TLS context for all targets and a small connection pool per target (see
-    ``FleetTransports``), warmed by ``open()``; no thread or process per target. Sidecar targets
-    are driven from ``processes`` worker processes (``sidecar/fleet/_shards.py``; default: one per
-    128 from 512 sidecar targets on, leaving this process a core), each a share of the HTTP
-    requests, which at a thousand targets are most of a fan-out's CPU; at most
+    ``FleetTransports``), warmed by ``open()``; no thread or process per target. Sidecar and
+    upstream targets are driven from ``processes`` worker processes (``sidecar/fleet/_shards.py``;
+    default: one per 128 from 512 such targets on, leaving this process a core), each a share of
+    the HTTP requests and controllers, which at a thousand targets are most of a fan-out's CPU; at most
     ``max_concurrency`` targets are started at once (default: all). A start is two-phase: every
     target prepares (baselines, journal), then all starts are sent together, at ``start_at``
     when given (``sidecar/fleet/_release.py``), so the skew is the send alone. Stops are bounded
@@ -182,7 +182,7 @@ class Fleet:
             raise
 
     async def _open(self) -> None:
-        workers = processes_for(sum(t.kind is TargetKind.sidecar for t in self.targets), self.processes)
+        workers = processes_for(sum(t.kind is not TargetKind.ray for t in self.targets), self.processes)
         if workers > 1:
             self._pool = ShardPool(workers, timeout_s=self.client_timeout_s, poll_s=self.poll_s)
             await self._pool.open()
@@ -198,10 +198,12 @@ class Fleet:
                 state_dir = None
                 if self.state_dir is not None:
                     state_dir = self.state_dir / server_key(t.url).replace(":", "_").replace("/", "_")
-                self._drivers[t.name] = UpstreamDriver(
-                    t, self._deploys[t.name], stop_budget_s=self.stop_budget_s,
-                    settings=self.control_settings, state_dir=state_dir, transport=self._transports.for_target(),
-                )
+                upstream = {"deploy": self._deploys[t.name], "stop_budget_s": self.stop_budget_s,
+                            "settings": self.control_settings, "state_dir": state_dir}
+                if self._pool is not None:
+                    self._drivers[t.name] = self._pool.driver(t, upstream)
+                else:
+                    self._drivers[t.name] = UpstreamDriver(t, transport=self._transports.for_target(), **upstream)
         deadline = asyncio.get_running_loop().time() + self.start_timeout_s
         opened = await self._each(list(self._drivers.values()), lambda d: _by(deadline, d.open(), "open", self.start_timeout_s))
         problems: dict[str, TargetError] = {}

@@ -1,11 +1,13 @@
-"""Sidecar targets driven from worker processes (``Fleet(processes=P)``).
+"""Targets driven from worker processes (``Fleet(processes=P)``).
 
 One Python process spends about half a millisecond of CPU per HTTP request it sends and reads
-(httpx on an event loop): at a thousand sidecars a fan-out's start and stop take that a thousand
-times, one after another. ``ShardPool`` spreads the sidecar targets over ``P`` worker processes,
-each an event loop running the targets' own :class:`~sidecar.fleet._drivers.SidecarDriver`; the
-fleet keeps one :class:`ShardDriver` per target, a proxy with the same interface, so the
-protocol (all-or-nothing start, ``start_at``, rollback, stop, clocks) stays the ``Fleet``'s.
+(httpx on an event loop), and more per in-process controller (journal, artifact checks): at a
+thousand targets a fan-out's start and stop take that a thousand times, one after another.
+``ShardPool`` spreads the sidecar and upstream targets over ``P`` worker processes, each an event
+loop running the targets' own :class:`~sidecar.fleet._drivers.SidecarDriver` or
+:class:`~sidecar.fleet._drivers.UpstreamDriver`; the fleet keeps one :class:`ShardDriver` per
+target, a proxy with the same interface, so the protocol (all-or-nothing start, ``start_at``,
+rollback, stop, clocks) stays the ``Fleet``'s.
 
 The wire: a socket pair per worker, frames of pickled message lists, one frame per loop turn
 each way (a thousand calls made in one turn travel as P frames). A call's failure crosses as data
@@ -38,22 +40,23 @@ from sidecar.fleet._wire import failure, raise_reply
 
 __all__ = ["ShardDriver", "ShardPool", "processes_for"]
 
-SHARD_FROM = 512  # sidecar targets from which a fleet drives them from worker processes by default
-PER_PROCESS = 128  # sidecar targets per worker process, by default
+SHARD_FROM = 512  # targets from which a fleet drives them from worker processes by default
+PER_PROCESS = 128  # targets per worker process, by default
 _HEADER = struct.Struct("!I")
 _MAX_FRAME = 1 << 30
 _WORKER = "import sys; from sidecar.fleet._shards import worker_main; worker_main(sys.argv[1:])"
 
 
-def processes_for(sidecar_targets: int, requested: int | None) -> int:
-    """Worker processes for ``sidecar_targets`` (1: in the fleet's own process). ``requested``
-    None: one per ``PER_PROCESS`` targets from ``SHARD_FROM`` on, leaving the fleet a core."""
+def processes_for(targets: int, requested: int | None) -> int:
+    """Worker processes for ``targets`` sidecar and upstream targets (1: in the fleet's own
+    process). ``requested`` None: one per ``PER_PROCESS`` targets from ``SHARD_FROM`` on, leaving
+    the fleet a core."""
     if requested is not None:
-        return max(1, min(requested, sidecar_targets))
-    if sidecar_targets < SHARD_FROM:
+        return max(1, min(requested, targets))
+    if targets < SHARD_FROM:
         return 1
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores - 1, -(-sidecar_targets // PER_PROCESS)))
+    return max(1, min(cores - 1, -(-targets // PER_PROCESS)))
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> list[Any] | None:
@@ -106,23 +109,31 @@ class _WorkerGate:
 
 
 async def _serve(sock: socket.socket, timeout_s: float, poll_s: float) -> None:
-    from sidecar.fleet._drivers import FleetTransports, SidecarDriver
+    from sidecar.fleet._drivers import FleetTransports, SidecarDriver, UpstreamDriver
 
     reader, writer = await asyncio.open_connection(sock=sock)
     out = _Outbox(writer)
     transports = FleetTransports()
-    drivers: dict[str, SidecarDriver] = {}
+    specs: dict[str, tuple[Target, dict[str, Any] | None]] = {}
+    drivers: dict[str, Any] = {}
     tasks: dict[int, asyncio.Task[None]] = {}
     gates: dict[int, asyncio.Future[Any]] = {}
     clocks: asyncio.Semaphore | None = None
 
+    def driver(name: str) -> Any:
+        d = drivers.get(name)
+        if d is None:
+            target, upstream = specs[name]
+            if upstream is None:
+                d = SidecarDriver(target, timeout_s=timeout_s, poll_s=poll_s, transport=transports.for_target())
+            else:
+                d = UpstreamDriver(target, transport=transports.for_target(), **upstream)
+            drivers[name] = d
+        return d
+
     async def run(cid: int, target: Target, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
-            d = drivers.get(target.name)
-            if d is None:
-                d = drivers[target.name] = SidecarDriver(target, timeout_s=timeout_s, poll_s=poll_s,
-                                                         transport=transports.for_target())
-            reply: tuple[str, Any] = ("ok", await getattr(d, method)(*args, **kwargs))
+            reply: tuple[str, Any] = ("ok", await getattr(driver(target.name), method)(*args, **kwargs))
         except asyncio.CancelledError:
             reply = ("cancelled", None)
         except Exception as exc:
@@ -135,7 +146,9 @@ async def _serve(sock: socket.socket, timeout_s: float, poll_s: float) -> None:
     while not closing and (frame := await _read_frame(reader)) is not None:
         for msg in frame:
             op = msg[0]
-            if op == "call":
+            if op == "add":
+                specs[msg[1].name] = (msg[1], msg[2])
+            elif op == "call":
                 _, cid, target, method, args, kwargs, gate = msg
                 if gate is not None:
                     start_at, with_clocks = gate
@@ -280,9 +293,13 @@ class ShardPool:
             reader, writer = await asyncio.open_connection(sock=mine)
             self._shards.append(_Shard(i, proc, reader, writer))
 
-    def driver(self, target: Target) -> ShardDriver:
+    def driver(self, target: Target, upstream: dict[str, Any] | None = None) -> ShardDriver:
+        """``target``'s proxy: a sidecar target's ``SidecarDriver`` in a worker, or with ``upstream``
+        (``UpstreamDriver``'s arguments: deploy, stop_budget_s, settings, state_dir) an upstream
+        target's controller there."""
         shard = self._shards[self._next % len(self._shards)]
         self._next += 1
+        shard.out.put(("add", target, upstream))
         return ShardDriver(target, shard)
 
     async def close(self) -> None:
@@ -291,7 +308,7 @@ class ShardPool:
 
 
 class ShardDriver:
-    """A sidecar target's driver in a worker process (the Driver interface, by proxy)."""
+    """A target's driver in a worker process (the Driver interface, by proxy)."""
 
     def __init__(self, target: Target, shard: _Shard) -> None:
         self.target = target
