@@ -175,9 +175,9 @@ class _Calls:
 
     @staticmethod
     def plan(stages: list[int] | None, budget_mb: float | None, max_stop_s: float | None,
-             probe_steps: list[int] | None) -> _Call:
+             probe_steps: list[int] | None, refine: bool | None = None) -> _Call:
         body: dict[str, Any] = {"stages": stages, "budget_mb": budget_mb, "max_stop_s": max_stop_s,
-                                "probe_steps": probe_steps}
+                                "probe_steps": probe_steps, "refine": refine}
         body = {k: v for k, v in body.items() if v is not None}
         return _Call("POST", "/v1/plan", _plan, json=body, min_timeout=PLAN_TIMEOUT)
 
@@ -311,9 +311,10 @@ class AsyncSidecarClient:
                                                     start_at))
 
     async def plan(self, stages: list[int] | None = None, budget_mb: float | None = None,
-                   max_stop_s: float | None = None, probe_steps: list[int] | None = None) -> Plan:
+                   max_stop_s: float | None = None, probe_steps: list[int] | None = None,
+                   refine: bool | None = None) -> Plan:
         """Probe captures, then the steps that fit ``budget_mb`` and ``max_stop_s`` (docs/captures.md)."""
-        return await self._send(_Calls.plan(stages, budget_mb, max_stop_s, probe_steps))
+        return await self._send(_Calls.plan(stages, budget_mb, max_stop_s, probe_steps, refine))
 
     async def stop_capture(self, capture_id: str, wait: bool = False, timeout: float | None = None) -> Capture:
         """Ask for a stop (returns at once); with ``wait`` poll until the capture is terminal."""
@@ -434,9 +435,10 @@ class SidecarClient:
                                                     start_at))
 
     def plan(self, stages: list[int] | None = None, budget_mb: float | None = None,
-             max_stop_s: float | None = None, probe_steps: list[int] | None = None) -> Plan:
+             max_stop_s: float | None = None, probe_steps: list[int] | None = None,
+             refine: bool | None = None) -> Plan:
         """Probe captures, then the steps that fit ``budget_mb`` and ``max_stop_s`` (docs/captures.md)."""
-        return self._send(_Calls.plan(stages, budget_mb, max_stop_s, probe_steps))
+        return self._send(_Calls.plan(stages, budget_mb, max_stop_s, probe_steps, refine))
 
     def stop_capture(self, capture_id: str, wait: bool = False, timeout: float | None = None) -> Capture:
         """Ask for a stop (returns at once); with ``wait`` poll until the capture is terminal."""

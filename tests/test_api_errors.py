@@ -67,6 +67,18 @@ async def test_window_errors_are_422_not_500(
     assert (reply.status_code, error_of(reply)["code"], fake_omni.starts()) == (status, code, [])
 
 
+async def test_a_plan_probe_above_the_steps_limit_is_refused_by_the_request_before_any_probe(
+    api: AppClient, fake_omni: Any
+) -> None:
+    # the schema says so too: each probe is a steps window (found by schemathesis: 2**65 passed the
+    # request model, and the first probe's start refused it)
+    client = await api()
+    reply = await client.post("/v1/plan", json={"probe_steps": [1, 2**65]})
+    err = error_of(reply)
+    assert (reply.status_code, err["code"], "1000000" in err["message"], fake_omni.starts()) == (
+        422, "request_invalid", True, [])
+
+
 async def test_duration_above_the_limit_names_a_real_setting(api: AppClient) -> None:
     client = await api(control={"max_duration_s": 60})
     reply = await client.post("/v1/captures", json={"stages": [0], "duration_s": 600})

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -332,8 +333,9 @@ class _ScriptedProbes:
     """The controller surface ``run_plan`` drives (start, wait, deploy), with each probe's traced
     steps and bytes scripted: the engines' pace, which decides them, is the input under test."""
 
-    def __init__(self, traced: list[dict[int, int]], size: Callable[[int], int] = lambda n: 1000 + 5000 * n) -> None:
-        self.traced, self.asked, self.size = traced, [], size
+    def __init__(self, traced: list[dict[int, int]], size: Callable[[int], int] = lambda n: 1000 + 5000 * n,
+                 window_s: float | None = None) -> None:
+        self.traced, self.asked, self.size, self.window_s = traced, [], size, window_s
         self.deploy = SimpleNamespace(stage=lambda sid: None)
 
     async def start(self, stages: list[int] | None, *, steps: int, label: str, budget_check: bool) -> Any:
@@ -344,8 +346,10 @@ class _ScriptedProbes:
         traced = self.traced[len(self.asked) - 1]
         verdicts = [SimpleNamespace(stage_id=sid, steps_traced=n, sessions=[SimpleNamespace(
             files=[SimpleNamespace(name="trace_rank0.json.gz", size=self.size(n))])]) for sid, n in traced.items()]
+        started = datetime(2026, 12, 3, tzinfo=timezone.utc) if self.window_s is not None else None
+        asked = started + timedelta(seconds=self.window_s) if started is not None else None  # type: ignore[arg-type]
         return SimpleNamespace(id=capture_id, verdicts=verdicts, steps=self.asked[-1], steps_counted=None,
-                               stop_requested_at=None, stopped_at=None)
+                               started_at=started, stop_requested_at=asked, stopped_at=None)
 
 
 @pytest.mark.parametrize(("traced", "asked", "noted"), [
@@ -391,6 +395,17 @@ def test_a_plan_far_beyond_its_probes_is_probed_at_half_and_planned_from_the_lon
     assert near.notes == [] and len(near.probes) == 2  # 8 steps planned: within reach of the probes
 
 
+def test_the_refining_probe_lasts_at_most_five_seconds_of_the_servers_steps() -> None:
+    # probes of 1 and 2 steps, each a 1 s window: 2 steps/s at most, so 10 steps, not half of 377
+    slow = _ScriptedProbes([{0: 1}, {0: 2}, {0: 10}], window_s=1.0)
+    plan = asyncio.run(run_plan(slow, [0], budget_mb=2, max_stop_s=None))  # type: ignore[arg-type]
+    assert slow.asked == [1, 2, 10] and [p.window_s for p in plan.probes] == [1.0, 1.0, 1.0], plan.probes
+    # two thirds of a step per second: a 3-step probe would not reach twice the longest one; none is taken
+    slower = _ScriptedProbes([{0: 1}, {0: 2}], window_s=3.0)
+    plan = asyncio.run(run_plan(slower, [0], budget_mb=2, max_stop_s=None))  # type: ignore[arg-type]
+    assert (slower.asked, plan.notes) == ([1, 2], [])
+
+
 def test_a_steps_capture_above_the_planned_budget_is_refused_or_warned() -> None:
     plan = make_plan([0], [_probe(1, 1.1, 1.0), _probe(2, 2.1, 1.0)], {}, budget_mb=None, max_stop_s=None)
     with pytest.raises(BudgetExceeded) as refused:
@@ -406,7 +421,7 @@ def test_plan_probes_the_server_and_predicts_a_window(shared: ModuleSidecar) -> 
             plan = client.plan(stages=[0, 2], budget_mb=5, max_stop_s=60)
             last = client._http.get("/v1/plan", params={"steps": 20}).json()  # the web page's prediction
         printed = subprocess.run([sys.executable, "-m", "sidecar", "plan", "--sidecar", shared.url, "--stages", "0,2",
-                                  "--budget-mb", "5"], capture_output=True, text=True, timeout=300,
+                                  "--budget-mb", "5", "--no-refine"], capture_output=True, text=True, timeout=300,
                                  env={**os.environ, "COLUMNS": "200"}, cwd=Path(__file__).resolve().parents[1])
     assert printed.returncode == 0 and "fits: --steps" in printed.stdout, printed.stdout + printed.stderr
     with shared.client() as client:
@@ -417,6 +432,7 @@ def test_plan_probes_the_server_and_predicts_a_window(shared: ModuleSidecar) -> 
     # before the start lands), and then the plan probes again, longer, and says why
     asked = [p.steps_asked for p in plan.probes]
     assert asked[:2] == [1, 2] and len(plan.notes) == len(asked) - 2, (plan.notes, plan.probes)
+    assert not any("the lines go through" in n for n in latest["notes"]), latest["notes"]  # --no-refine
     assert all(len({p.steps_traced[s] for p in plan.probes}) >= 2 for s in (0, 2)), plan.probes
     assert {p.stage_id for p in plan.per_stage} == {0, 2} and all(p.bytes_fixed + p.bytes_per_step > 0
                                                                     for p in plan.per_stage), plan

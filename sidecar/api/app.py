@@ -32,7 +32,7 @@ from sidecar.api.openapi import ERROR_RESPONSES, install_docs, responses
 from sidecar.api.responses import SafeJSONResponse
 from sidecar.config.models import DeployConfig
 from sidecar.control import filenames
-from sidecar.control.models import Capture, CaptureState, ClockRecord
+from sidecar.control.models import MAX_ENGINE_STEPS, Capture, CaptureState, ClockRecord
 from sidecar.control.schedule import HOLD_MAX_S
 from sidecar.api.openapi import error as openapi_error
 from sidecar.errors import (
@@ -93,9 +93,9 @@ class CaptureRequest(BaseModel):
     kind: Literal["torch", "nsys"] = Field(
         default="torch", description="torch: trace files the sidecar checks; nsys: `profiler: cuda` stages"
     )
-    steps: _whole(Field(ge=1, le=1_000_000)) | None = Field(default=None,
+    steps: _whole(Field(ge=1, le=MAX_ENGINE_STEPS)) | None = Field(default=None,
                                     description="stop after the server has run this many engine steps")
-    delay_steps: _whole(Field(ge=0, le=1_000_000)) | None = Field(default=None,
+    delay_steps: _whole(Field(ge=0, le=MAX_ENGINE_STEPS)) | None = Field(default=None,
                                           description="start once the server has run this many engine steps")
     start_at: Annotated[float, Field(ge=0, le=LATEST_TIME), BeforeValidator(_a_number)] | None = Field(
         default=None,
@@ -113,8 +113,10 @@ class PlanRequest(BaseModel):
                                        description="stage ids; omit for every profiled stage")
     budget_mb: float | None = Field(default=None, gt=0, description="trace size on disk the window must fit")
     max_stop_s: float | None = Field(default=None, gt=0, description="how long the server's stop may take")
-    probe_steps: list[_whole(Field(ge=1))] = Field(default=[1, 2], min_length=1, max_length=4,
+    probe_steps: list[_whole(Field(ge=1, le=MAX_ENGINE_STEPS))] = Field(default=[1, 2], min_length=1, max_length=4,
                                          description="engine steps of each probe capture")
+    refine: bool = Field(default=True, description="a plan 8x or more beyond its longest probe probes once more, "
+                                                   "at half its steps (at most 5 s of them)")
 
 
 def _describe_kinds(app: FastAPI, deploy: Any) -> None:
@@ -344,11 +346,11 @@ def create_app(
                          422: openapi_error(RequestInvalid, StageSelectionError, StepsUnavailable)})
     async def plan(req: PlanRequest = Body(default_factory=PlanRequest)) -> SafeJSONResponse:
         result = await controller.plan(req.stages, budget_mb=req.budget_mb, max_stop_s=req.max_stop_s,
-                                       probe_steps=tuple(req.probe_steps))
+                                       probe_steps=tuple(req.probe_steps), refine=req.refine)
         return SafeJSONResponse(scrubber.data(result.model_dump(mode="json")))
 
     @app.get("/v1/plan", tags=["captures"], summary="The latest plan, and its prediction for `steps`")
-    async def last_plan(steps: Optional[int] = Query(None, ge=1, le=1_000_000)) -> SafeJSONResponse:
+    async def last_plan(steps: Optional[int] = Query(None, ge=1, le=MAX_ENGINE_STEPS)) -> SafeJSONResponse:
         result = controller.last_plan
         if result is None:
             return SafeJSONResponse({"plan": None, "prediction": None})

@@ -343,6 +343,10 @@ def plan(
     max_stop_s: Annotated[
         Optional[float], typer.Option("--max-stop-s", min=0.001, help="how long the server's stop may take")
     ] = None,
+    refine: Annotated[bool, typer.Option(
+        "--refine/--no-refine",
+        help="a plan 8x or more beyond its longest probe probes once more at half its steps (at most 5 s of them)",
+    )] = True,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
 ) -> None:
@@ -351,7 +355,7 @@ def plan(
     The server must be serving (a probe waits for its steps). The profiler flags are the
     server's, fixed at its start: the plan measures those it runs with."""
     with cli_errors(), _client(sidecar, token_file) as client:
-        result = client.plan(parse_stage_list(stages), budget_mb=budget_mb, max_stop_s=max_stop_s)
+        result = client.plan(parse_stage_list(stages), budget_mb=budget_mb, max_stop_s=max_stop_s, refine=refine)
     if as_json:
         console.print_json(result.model_dump_json())
         return

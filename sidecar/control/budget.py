@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, Field
 
 from sidecar.control.artifacts import is_trace
+from sidecar.control.models import MAX_ENGINE_STEPS
 from sidecar.errors import BudgetExceeded, PlanInvalid
 
 if TYPE_CHECKING:
@@ -30,6 +31,7 @@ class Probe(BaseModel):
     steps_traced: dict[int, int]  # stage -> engine steps its trace holds
     bytes: dict[int, int]  # stage -> bytes of its files
     stop_s: float  # stop asked -> the server answered
+    window_s: float = 0.0  # the server accepted the start -> the stop was asked
 
 
 class StagePlan(BaseModel):
@@ -88,10 +90,13 @@ def probe_of(cap: Capture) -> Probe:
     for v in cap.verdicts:
         traced[v.stage_id] = v.steps_traced if v.steps_traced is not None else (cap.steps_counted or cap.steps or 0)
         sizes[v.stage_id] = trace_bytes([v])
-    stop_s = 0.0
+    stop_s = window_s = 0.0
     if cap.stop_requested_at is not None and cap.stopped_at is not None:
         stop_s = max((cap.stopped_at - cap.stop_requested_at).total_seconds(), 0.0)
-    return Probe(capture_id=cap.id, steps_asked=cap.steps or 0, steps_traced=traced, bytes=sizes, stop_s=stop_s)
+    if cap.started_at is not None and cap.stop_requested_at is not None:
+        window_s = max((cap.stop_requested_at - cap.started_at).total_seconds(), 0.0)
+    return Probe(capture_id=cap.id, steps_asked=cap.steps or 0, steps_traced=traced, bytes=sizes, stop_s=stop_s,
+                 window_s=window_s)
 
 
 def _local(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -126,7 +131,7 @@ def make_plan(stages: list[int], probes: list[Probe], flags: dict[int, dict[str,
     if bounds:
         most, why = min(bounds)
         plan.limited_by = why if math.isfinite(most) else None
-        plan.steps = max(int(min(most, 1_000_000)), 0)
+        plan.steps = max(int(min(most, MAX_ENGINE_STEPS)), 0)
         plan.predicted_mb, plan.predicted_stop_s = plan.predict(plan.steps)
     return plan
 
@@ -174,11 +179,13 @@ async def run_plan(controller: CaptureController, stages: list[int] | None, *, b
     plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s)
     # A window many times longer than the probes is an extrapolation: with stacks on, a step's
     # bytes and stop time grow with the window (measured: 0.055 MB/step between probes of 2 and 31
-    # steps, 0.10 between 31 and 98). Probe once more at half the planned window and plan from the
-    # line through the two longest probes.
+    # steps, 0.10 between 31 and 98). Probe once more at half the planned window (at most
+    # REFINE_S of steps) and plan from the line through the two longest probes.
     longest = max((max(p.steps_traced.values(), default=0) for p in probes), default=0)
-    if refine and plan.steps is not None and plan.steps >= REFINE_BEYOND * max(longest, 1):
-        n = min(plan.steps // 2, MAX_REFINE_STEPS)
+    # at most REFINE_S of the server's steps, at the fastest rate a probe saw (a plan is a short wait)
+    rates = [max(p.steps_traced.values(), default=0) / p.window_s for p in probes if p.window_s > 0]
+    n = min((plan.steps or 0) // 2, MAX_REFINE_STEPS, int(max(rates) * REFINE_S) if rates else MAX_REFINE_STEPS)
+    if refine and plan.steps is not None and plan.steps >= REFINE_BEYOND * max(longest, 1) and n >= 2 * max(longest, 1):
         notes.append(f"planned {plan.steps} steps, {plan.steps // max(longest, 1)}x the longest probe ({longest}): "
                      f"probed again with {n} steps; the lines go through the two longest probes")
         await probe(n)
@@ -191,6 +198,7 @@ REPROBES = 2  # longer probes after the asked ones, when a stage's probes give n
 MAX_PROBE_STEPS = 64
 REFINE_BEYOND = 8  # a plan this many times the longest probe gets a refining probe
 MAX_REFINE_STEPS = 4096
+REFINE_S = 5.0  # the refining probe's length at most, in seconds of the server's steps
 
 
 def _counts(probes: list[Probe], sid: int) -> str:

@@ -36,6 +36,7 @@ from sidecar.control.journal import CaptureJournal
 from sidecar.control.schedule import check_start_at
 from sidecar.control.models import (
     CLOCKS_MAX,
+    MAX_ENGINE_STEPS,
     Capture,
     CaptureKind,
     CaptureState,
@@ -249,8 +250,9 @@ def _check_steps(steps: int | None, delay_steps: int | None) -> None:
     for key, value, low in (("steps", steps, 1), ("delay_steps", delay_steps, 0)):
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1_000_000:
-            raise EngineStepsInvalid(f"{key} must be a whole number of engine steps from {low} to 1000000, got {value!r}",
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_ENGINE_STEPS:
+            raise EngineStepsInvalid(f"{key} must be a whole number of engine steps from {low} to {MAX_ENGINE_STEPS}, "
+                                     f"got {value!r}",
                                key=key)
 
 
@@ -777,11 +779,13 @@ class CaptureController:
     # --- steps and window metrics ---------------------------------------------------------
 
     async def plan(self, stages: list[int] | None = None, *, budget_mb: float | None = None,
-                   max_stop_s: float | None = None, probe_steps: tuple[int, ...] = (1, 2)) -> Plan:
+                   max_stop_s: float | None = None, probe_steps: tuple[int, ...] = (1, 2),
+                   refine: bool = True) -> Plan:
         """Probe captures of ``probe_steps`` engine steps, then the steps that fit ``budget_mb``
         and ``max_stop_s`` (sidecar/control/budget.py). Kept as ``last_plan``: later ``steps``
         starts on the same stages are checked against the sidecar's ``budget_mb`` with it."""
-        plan = await run_plan(self, stages, budget_mb=budget_mb, max_stop_s=max_stop_s, probe_steps=probe_steps)
+        plan = await run_plan(self, stages, budget_mb=budget_mb, max_stop_s=max_stop_s, probe_steps=probe_steps,
+                              refine=refine)
         self.last_plan = plan
         return plan
 

@@ -138,6 +138,8 @@ class ClockRecord(BaseModel):
 
 # A capture keeps at most this many clock records (a start and a stop per fleet, a few fleets).
 CLOCKS_MAX = 8
+# A steps window (and each plan probe) asks for at most this many engine steps.
+MAX_ENGINE_STEPS = 1_000_000
 
 
 class Capture(BaseModel):
