@@ -49,6 +49,7 @@ from sidecar.control.controller import ControlSettings  # noqa: E402
 from sidecar.fleet import Fleet, Target  # noqa: E402
 from tests.fixtures.stubs import StubFleet, write_deploys  # noqa: E402
 
+STUBS_PER_PROCESS = 64  # stub replicas per stub process (--stubs-per-process)
 SETTINGS = ControlSettings(collect_timeout_s=60, close_timeout_s=10, summarize=False)
 
 
@@ -140,7 +141,7 @@ def _table(kind: str, n: int, latency: float, repeat: int, rows: dict[tuple[int,
 def _bench(kind: str, n: int, latencies: list[float], repeat: int, serial_n: int, processes: int | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="omni-fanout-") as tmp:
         root = Path(tmp)
-        with StubFleet(n, mode=kind, root=root, latency=latencies[0], processes=-(-n // 64)) as stubs:
+        with StubFleet(n, mode=kind, root=root, latency=latencies[0], processes=-(-n // STUBS_PER_PROCESS)) as stubs:
             if kind == "upstream":
                 targets = [Target.upstream(u, d) for u, d in zip(stubs.urls, write_deploys(root, n))]
             else:
@@ -192,7 +193,7 @@ def _clock_goals(n: int, latency: float, repeat: int, processes: int | None = No
     """Issue 23's figures at ``n`` sidecar stub replicas, each printed beside its goal. ``processes``:
     the fleet's worker processes for sidecar targets (None: its default, ``processes_for``)."""
     with tempfile.TemporaryDirectory(prefix="omni-fanout-") as tmp, \
-            StubFleet(n, mode="sidecar", root=Path(tmp), latency=latency, processes=-(-n // 64)) as stubs:
+            StubFleet(n, mode="sidecar", root=Path(tmp), latency=latency, processes=-(-n // STUBS_PER_PROCESS)) as stubs:
         targets = [Target.sidecar(u) for u in stubs.urls]
         rows: dict[tuple[int, bool, bool], dict[str, float]] = {}
         for size in (1, n):
@@ -378,9 +379,14 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=256, help="--driver ray: node actors wanted")
     ap.add_argument("--per-node", type=int, default=4, help="--driver ray: replicas per node actor")
     ap.add_argument("--mem-gib", type=float, default=10.0, help="--driver ray: memory the run may take")
+    ap.add_argument("--stubs-per-process", type=int, default=64,
+                    help="stub replicas per stub process: an upstream stub writes each stop's trace on its loop, "
+                         "so many per process make the stubs, not the fleet, what a stop waits for")
     ap.add_argument("--processes", type=int, default=None,
                     help="the fleet's worker processes (default: the fleet's own choice, sidecar/fleet/_shards.py)")
     args = ap.parse_args()
+    global STUBS_PER_PROCESS
+    STUBS_PER_PROCESS = args.stubs_per_process
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = 2 * args.replicas + 256
     if soft < want:
