@@ -133,7 +133,10 @@ async def _serve(sock: socket.socket, timeout_s: float, poll_s: float) -> None:
 
     async def run(cid: int, target: Target, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
-            reply: tuple[str, Any] = ("ok", await getattr(driver(target.name), method)(*args, **kwargs))
+            d = driver(target.name)
+            if method == "close":  # closed as the fleet asked (keep_live): not again at the exit
+                drivers.pop(target.name, None)
+            reply: tuple[str, Any] = ("ok", await getattr(d, method)(*args, **kwargs))
         except asyncio.CancelledError:
             reply = ("cancelled", None)
         except Exception as exc:
@@ -171,6 +174,7 @@ async def _serve(sock: socket.socket, timeout_s: float, poll_s: float) -> None:
     for task in list(tasks.values()):
         task.cancel()
     await asyncio.gather(*tasks.values(), return_exceptions=True)
+    # drivers the fleet never closed (its process gone): their live captures are stopped
     await asyncio.gather(*(d.close() for d in drivers.values()), return_exceptions=True)
     writer.close()
 
