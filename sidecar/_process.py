@@ -27,6 +27,14 @@ from sidecar.errors import SidecarError
 _ROOT = str(Path(__file__).resolve().parents[1])  # the folder that holds the `sidecar` package
 
 
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a Python child that must import the same `sidecar` as
+    this process, installed or not (a checkout run from its folder, a script's ``sys.path``)."""
+    env = {**os.environ, **(extra or {})}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+    return env
+
+
 def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     """A TCP socket bound to ``host:port`` (0: the OS picks) and listening, to hand to a child."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -152,9 +160,7 @@ class ManagedProcess:
         if self._proc is not None:
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **(self.env or {}), "PYTHONUNBUFFERED": "1"}
-        # The child must import the same `sidecar` as this process, installed or not.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+        env = child_env({**(self.env or {}), "PYTHONUNBUFFERED": "1"})
         argv, fds = self.argv(), ()
         if not self.takes_fd:
             self._close_listener()  # the child binds the port itself

@@ -296,24 +296,21 @@ class TraceAttribution:
         if ts < self._cut:  # the profiler-start transient: the device's busy time only
             t = self.transient
             t[0], t[1], t[2] = min(t[0], ts), max(t[1], te), t[2] + 1
-            st[2].append([ts, te, None, dur, d, TRANSIENT])
-            d.count += 1
-            if d.count >= _BLOCK:
-                self._flush(d)
-            return
-        k = self._kinds.get(name)
-        if k is None:
-            k = self._kinds[name] = kernel_kind(name, cat)
-        if cat == "kernel":
-            d.kernels += 1
-            if dur < SHORT_KERNEL_US:
-                d.short += 1
+            k = TRANSIENT
+        else:
+            k = self._kinds.get(name)
+            if k is None:
+                k = self._kinds[name] = kernel_kind(name, cat)
+            if cat == "kernel":
+                d.kernels += 1
+                if dur < SHORT_KERNEL_US:
+                    d.short += 1
         rec = [ts, te, None, dur, d, k]
         st[2].append(rec)
         d.count += 1
         if d.count >= _BLOCK:
             self._flush(d)
-        if corr:
+        if corr and k != TRANSIENT:
             pending = self.pending
             w = pending.get(corr)
             if w is None:

@@ -177,21 +177,35 @@ async def run_plan(controller: CaptureController, stages: list[int] | None, *, b
         cfg = stage.profiler_config if stage is not None else None
         flags[sid] = {f.removeprefix("torch_profiler_"): bool(getattr(cfg, f, False)) for f in FLAGS} if cfg else {}
     plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s)
-    # A window many times longer than the probes is an extrapolation: with stacks on, a step's
-    # bytes and stop time grow with the window (measured: 0.055 MB/step between probes of 2 and 31
-    # steps, 0.10 between 31 and 98). Probe once more at half the planned window (at most
-    # REFINE_S of steps) and plan from the line through the two longest probes.
-    longest = max((max(p.steps_traced.values(), default=0) for p in probes), default=0)
-    # at most REFINE_S of the server's steps, at the fastest rate a probe saw (a plan is a short wait)
-    rates = [max(p.steps_traced.values(), default=0) / p.window_s for p in probes if p.window_s > 0]
-    n = min((plan.steps or 0) // 2, MAX_REFINE_STEPS, int(max(rates) * REFINE_S) if rates else MAX_REFINE_STEPS)
-    if refine and plan.steps is not None and plan.steps >= REFINE_BEYOND * max(longest, 1) and n >= 2 * max(longest, 1):
+    n = _refining_steps(plan.steps, probes) if refine and plan.steps is not None else None
+    if n is not None and plan.steps is not None:
+        longest = _longest(probes)
         notes.append(f"planned {plan.steps} steps, {plan.steps // max(longest, 1)}x the longest probe ({longest}): "
                      f"probed again with {n} steps; the lines go through the two longest probes")
         await probe(n)
         plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s, local=True)
     plan.notes = notes
     return plan
+
+
+def _longest(probes: list[Probe]) -> int:
+    return max((max(p.steps_traced.values(), default=0) for p in probes), default=0)
+
+
+def _refining_steps(planned: int, probes: list[Probe]) -> int | None:
+    """The steps of a refining probe, or None when the plan is within reach of its probes.
+
+    A window many times longer than the probes is an extrapolation: with stacks on, a step's bytes
+    and stop time grow with the window (measured: 0.055 MB/step between probes of 2 and 31 steps,
+    0.10 between 31 and 98). So half the planned window is probed, at most REFINE_S of the
+    server's steps at the fastest rate a probe saw (a plan is a short wait), and worth it only at
+    twice the longest probe."""
+    longest = max(_longest(probes), 1)
+    if planned < REFINE_BEYOND * longest:
+        return None
+    rates = [max(p.steps_traced.values(), default=0) / p.window_s for p in probes if p.window_s > 0]
+    n = min(planned // 2, MAX_REFINE_STEPS, int(max(rates) * REFINE_S) if rates else MAX_REFINE_STEPS)
+    return n if n >= 2 * longest else None
 
 
 REPROBES = 2  # longer probes after the asked ones, when a stage's probes give no line

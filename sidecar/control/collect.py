@@ -16,7 +16,6 @@ import asyncio
 import logging
 import os
 import shutil
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -469,25 +468,7 @@ FIRST_POLL_S = 0.01  # the first look after the reply comes this soon; later one
 # 128 upstream targets) ran 20 of them beside its event loop, which then got the GIL one turn in
 # 21 and answered the other targets' stops late (measured: a 1,024-target stop 6x one target's).
 LOOK_THREADS = 4
-_looks: ThreadPoolExecutor | None = None
-_looks_lock = threading.Lock()
-
-
-def _look_pool() -> ThreadPoolExecutor:
-    global _looks
-    with _looks_lock:
-        if _looks is None:
-            _looks = ThreadPoolExecutor(max_workers=LOOK_THREADS, thread_name_prefix="artifact-look")
-        return _looks
-
-
-def _forget_pool_in_child() -> None:  # a forked child has none of the parent's threads
-    global _looks, _looks_lock
-    _looks, _looks_lock = None, threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_pool_in_child)
+_LOOKS = ThreadPoolExecutor(max_workers=LOOK_THREADS, thread_name_prefix="artifact-look")  # as journal._WRITERS
 
 
 async def collect(
@@ -539,7 +520,7 @@ async def collect(
     # milliseconds of the reply, a big one's takes seconds and is not looked at 100 times a second.
     interval = min(FIRST_POLL_S, poll_s)
     loop = asyncio.get_running_loop()
-    while (verdicts := await loop.run_in_executor(_look_pool(), look)) is None:
+    while (verdicts := await loop.run_in_executor(_LOOKS, look)) is None:
         await asyncio.sleep(min(interval, max(deadline - time.monotonic(), 0.0)) or interval)
         interval = min(interval * 2, poll_s)
     return verdicts

@@ -114,9 +114,9 @@ class Fleet:
             isinstance(stages, (str, bytes)) or not isinstance(stages, (list, tuple))
         ):
             raise FleetStagesInvalid(f"stages must be a list of stage ids, got {stages!r}")
-        if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
-                                            or max_concurrency < 1):
-            raise ConcurrencyInvalid(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
+        for name, count in (("max_concurrency", max_concurrency), ("processes", processes)):
+            if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+                raise ConcurrencyInvalid(f"{name} must be a positive integer, got {count!r}")
         self.stages = None if stages is None else list(stages)
         for name, value in (("start_timeout_s", start_timeout_s), ("stop_budget_s", stop_budget_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -133,8 +133,6 @@ class Fleet:
         self.start_at_max_s = start_at_max_s
         self._make_driver = drivers
         self.exchange_clocks = exchange_clocks
-        if processes is not None and (isinstance(processes, bool) or not isinstance(processes, int) or processes < 1):
-            raise ConcurrencyInvalid(f"processes must be a positive integer, got {processes!r}")
         self.processes = processes
         self._pool: ShardPool | None = None
         placed = [t.name for t in self.targets if t.kind is TargetKind.ray]

@@ -29,10 +29,9 @@ import pickle
 import socket
 import struct
 import sys
-from pathlib import Path
 from typing import Any
 
-import sidecar
+from sidecar._process import child_env
 from sidecar.errors import FleetError
 from sidecar.fleet._clocks import MORE, ClockOffset
 from sidecar.fleet._targets import Target
@@ -268,8 +267,8 @@ class _Shard:
 
 
 class ShardPool:
-    """``processes`` worker processes for a fleet's sidecar targets (target ``i`` on worker
-    ``i % processes``). ``open`` spawns them; ``driver`` gives a target's proxy; ``close`` stops them."""
+    """``processes`` worker processes for a fleet's sidecar and upstream targets (target ``i`` on
+    worker ``i % processes``). ``open`` spawns them; ``driver`` gives a target's proxy; ``close`` stops them."""
 
     def __init__(self, processes: int, *, timeout_s: float, poll_s: float) -> None:
         self.processes = processes
@@ -280,9 +279,7 @@ class ShardPool:
     async def open(self) -> None:
         # A fresh interpreter per worker, not multiprocessing: spawn would run the caller's main
         # module again (a trainer script without a __main__ guard), fork would copy its threads.
-        env = dict(os.environ)
-        root = str(Path(sidecar.__file__).resolve().parents[1])  # a checkout run without installing
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env = child_env()
         for i in range(self.processes):
             mine, theirs = socket.socketpair()
             try:
