@@ -23,7 +23,7 @@ from sidecar.errors import (
     UpstreamTimeout,
 )
 from sidecar.upstream.server import UpstreamServer
-from tests.fixtures.control import FakeOmni
+from tests.fixtures.control import FakeOmni, make_deploy
 from tests.fixtures.waits import apoll
 
 FAST = ControlSettings(collect_timeout_s=10, poll_s=0.02, gone_poll_s=0.05, gone_after_s=0.5, close_timeout_s=5)
@@ -939,3 +939,40 @@ async def test_capture_kind_is_journaled(ctl, tmp_path):
     await ctl.flush()
     data = json.loads((tmp_path / "state" / "captures" / f"{done.id}.json").read_text())
     assert data["kind"] == "torch"
+
+
+# --- many controllers in one process (a fleet's worker) -------------------------------------------
+
+
+@pytest.mark.parametrize("other_stop_s, waits", [(0.5, True), (5.0, False)])
+async def test_a_stops_follow_up_waits_a_bounded_while_for_the_other_stops_in_flight(
+        fake_omni, control_deploy, tmp_path, other_stop_s, waits):
+    # Two controllers on one event loop, as a fleet's worker drives 128: A's stop is answered at
+    # once, B's after `other_stop_s`. A's follow-up (its artifact check, its /metrics scrape) waits
+    # for B's answer, so it does not run between the other stops' answers and delay them; a while
+    # only (FOLLOW_UP_WAIT_S, 1 s): B holding its stop for 5 s does not hold A's verdicts.
+    other_deploy = make_deploy(tmp_path / "other-traces")
+    with FakeOmni(other_deploy) as other:
+        other.stop_delay = other_stop_s
+        ctls = []
+        for i, (fake, deploy) in enumerate(((fake_omni, control_deploy), (other, other_deploy))):
+            up = UpstreamServer(fake.url, stop_budget_s=10, retry_wait_max_s=0.05)
+            ctls.append(CaptureController(up, deploy, state_dir=tmp_path / f"state{i}", settings=FAST))
+        try:
+            for c in ctls:
+                await c.open()
+            caps = [await c.start() for c in ctls]
+            for c, cap in zip(ctls, caps):
+                await c.stop(cap.id)
+            a = await ctls[0].wait(caps[0].id, timeout=20)
+            assert a.state is CaptureState.completed, a
+            b = await ctls[1].wait(caps[1].id, timeout=20)
+            assert b.state is CaptureState.completed, b
+        finally:
+            for c in ctls:
+                await c.close()
+                await c.upstream.aclose()
+    assert a.stopped_at is not None and b.stopped_at is not None and a.finished_at is not None
+    assert a.stopped_at < b.stopped_at, (a.stopped_at, b.stopped_at)  # A's stop was answered first
+    # A finished after B's stop was answered (it waited), or, B held past the bound, before it
+    assert (a.finished_at >= b.stopped_at) is waits, (a.finished_at, b.stopped_at)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import respx
 
-from sidecar.errors import StageSelectionError, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from sidecar.errors import MetricsUnavailable, StageSelectionError, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from sidecar.upstream.server import Flavor, UpstreamServer, UpstreamTimeouts
 
 BASE = "http://upstream.test"
@@ -178,3 +178,14 @@ async def test_stop_retries_after_a_read_timeout_within_budget(fake_omni):
     async with UpstreamServer(fake_omni.url, timeouts=timeouts, stop_budget_s=30, retry_wait_max_s=0.01) as up:
         await up.stop_profile([0])
     assert len(fake_omni.stops()) == 2
+
+
+async def test_a_server_without_metrics_keeps_its_connection_for_the_next_call(fake_omni):
+    # A 404 on /metrics read to its end: its keep-alive connection serves the stop after it (one
+    # left unread is closed, and a fleet of servers without /metrics opened a connection per stop)
+    async with UpstreamServer(fake_omni.url) as server:
+        with pytest.raises(MetricsUnavailable, match="answered 404"):
+            await server.metrics()
+        await server.stop_profile([0])
+        await server.start_profile([0])
+    assert fake_omni.connections == 1, fake_omni.connections

@@ -18,10 +18,10 @@ import math
 import secrets
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -205,18 +205,60 @@ class _ThreadBatch:
         loop.run_in_executor(None, work).add_done_callback(done)
 
 
+# A stop's follow-up work waits at most this long for the other stops sent on its event loop.
+FOLLOW_UP_WAIT_S = 1.0
+
+
+class _StopsInFlight:
+    """The upstream stops sent and not yet answered by the controllers of one event loop. A
+    stop's follow-up work (the after-window scrape, the artifact looks) waits, at most
+    ``FOLLOW_UP_WAIT_S``, until none is: in a process that drives many controllers (a fleet's
+    worker, 128 upstream targets stopped in one turn) each answered stop's scrape and looks ran
+    between the other stops' answers and delayed them (measured: 128 targets in one process
+    stopped in 3.7x one target's time with them beside, 2.4x without). A lone controller's own
+    stop is answered when its follow-up starts, so it never waits."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.quiet = asyncio.Event()
+        self.quiet.set()
+
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        self.count += 1
+        self.quiet.clear()
+        try:
+            yield
+        finally:
+            self.count -= 1
+            if not self.count:
+                self.quiet.set()
+
+    async def answered(self) -> None:
+        if not self.quiet.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.quiet.wait(), FOLLOW_UP_WAIT_S)
+
+
+_T = TypeVar("_T")
 _SNAPSHOTS: dict[asyncio.AbstractEventLoop, _ThreadBatch] = {}
+_STOPS: dict[asyncio.AbstractEventLoop, _StopsInFlight] = {}
+
+
+def _of_loop(table: dict[asyncio.AbstractEventLoop, _T], make: Callable[[], _T]) -> _T:
+    """This event loop's entry of ``table`` (made on first use; closed loops' entries dropped)."""
+    loop = asyncio.get_running_loop()
+    entry = table.get(loop)
+    if entry is None:
+        for old in [lp for lp in table if lp.is_closed()]:
+            del table[old]
+        entry = table[loop] = make()
+    return entry
 
 
 async def _snapshot(watches: list[StageWatch]) -> None:
     """The baselines before a start, in a thread shared by every controller starting this tick."""
-    loop = asyncio.get_running_loop()
-    batch = _SNAPSHOTS.get(loop)
-    if batch is None:
-        for old in [lp for lp in _SNAPSHOTS if lp.is_closed()]:
-            del _SNAPSHOTS[old]
-        batch = _SNAPSHOTS[loop] = _ThreadBatch()
-    await batch.run(lambda: [artifacts.snapshot(w) for w in watches])
+    await _of_loop(_SNAPSHOTS, _ThreadBatch).run(lambda: [artifacts.snapshot(w) for w in watches])
 
 
 # A scheduled start this late when ready is noted (the fan-out of a fleet lands within ms of it).
@@ -789,8 +831,11 @@ class CaptureController:
         self.last_plan = plan
         return plan
 
-    async def _scrape(self) -> MetricsSnapshot | str:
-        """The server's /metrics now, or why not (a window never fails for its metrics)."""
+    async def _scrape(self, after: _StopsInFlight | None = None) -> MetricsSnapshot | str:
+        """The server's /metrics now (once ``after`` has no stop in flight), or why not (a window
+        never fails for its metrics)."""
+        if after is not None:
+            await after.answered()
         try:
             return await self.upstream.metrics()
         except MetricsUnavailable as exc:
@@ -1234,7 +1279,9 @@ class CaptureController:
         rt = self._rt[capture_id]
         stop_error: UpstreamError | None = None
         try:
-            outcome, detail = await self._stop_upstream(cap, rt, hold=collect)
+            stops = _of_loop(_STOPS, _StopsInFlight)
+            with stops.sending():
+                outcome, detail = await self._stop_upstream(cap, rt, hold=collect)
             self.claims.close_window(cap.id, time.time())
             if outcome == "gone":
                 self._error(
@@ -1278,9 +1325,10 @@ class CaptureController:
                 self._finish(cap, CaptureState.failed)
                 return
             if rt.metrics_before is not None:  # beside the collect, not before it
-                rt.metrics_after = asyncio.create_task(self._scrape(), name=f"metrics-after-{cap.id}")
+                rt.metrics_after = asyncio.create_task(self._scrape(after=stops), name=f"metrics-after-{cap.id}")
             cap.state = CaptureState.collecting
             self._changed(cap)
+            await stops.answered()
             verdicts = await self._collect(cap, rt)
             if stop_error is not None:
                 verdicts = [after_stop_error(v, stop_error) for v in verdicts]
