@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.control.budget import Probe, check_budget, make_plan, run_plan
 from sidecar.client import SidecarClient
+from sidecar.control.lead import StopLead
 from sidecar.errors import BudgetExceeded, SidecarError
 from sidecar.upstream.metrics import KEPT_FAMILIES, MetricsUnreadable, engine_steps, parse_metrics, quantile, step_counts, steps_since, window_metrics
 from tests.fixtures.emulator import EmulatorPool, emulator_state, make_deploy
@@ -210,6 +212,37 @@ def test_a_window_the_sidecar_was_not_running_through_says_why_it_ran_past(share
     assert not any("reads had not come back" in n for n in final.notes), final.notes
 
 
+def test_a_stop_that_travels_is_sent_ahead_by_what_the_last_windows_traced_past_their_count(
+    shared: ModuleSidecar, sidecar_factory: Any
+) -> None:
+    # The stop reaches the emulator's workers 0.25 s after it arrives, while they step on and record
+    # (--fault-stop-travel: on the real two-stage vLLM-Omni server under load a 20-step window
+    # counted 20 and traced 31 and 32). The first window traces past its count; the next ones send
+    # their stop ahead by what the windows before traced past theirs (from the third: two windows
+    # are needed), and trace near the 20 asked. A sidecar of its own: the lead stays with it.
+    shared.emulator.set_faults(stop_travel_s=0.25)
+    sc = sidecar_factory(shared.emulator.url, shared.deploy)
+    windows = []
+    with steady_load(shared.emulator.url, max_tokens=1, chat=True), SidecarClient(sc.url, timeout=60) as client:
+        ramped = _stage0_steps(shared) + 20
+        assert poll(lambda: _stage0_steps(shared) >= ramped), "the emulator ran no steps under load"
+        for _ in range(3):
+            cap = client.wait_capture(client.start_capture(stages=[0, 2], steps=20).id, timeout=120)
+            assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
+            windows.append(cap)
+    traced = [{v.stage_id: v.steps_traced or 0 for v in c.verdicts} for c in windows]
+    counted = [c.steps_counted for c in windows]
+    print(f"asked 20 with a 0.25 s stop travel: counted {counted}, traced {traced}")
+    first_past = traced[0][0] - 20
+    assert first_past >= 8, (traced, counted, windows[0].notes)  # the travel shows: else nothing to learn
+    assert not any("was sent at" in n for c in windows[:2] for n in c.notes), [c.notes for c in windows[:2]]
+    # the third: ahead of the count, saying by how much and why, and far nearer 20 than the first
+    last = windows[2]
+    assert any(re.search(r"the stop was sent at \d+ of the 20 steps counted, \d+ ahead", n) for n in last.notes), last.notes
+    assert last.steps_counted is not None and last.steps_counted < 20, (last.steps_counted, last.notes)
+    assert abs(traced[2][0] - 20) <= max(3, first_past // 3), (traced, counted, last.notes)
+
+
 def test_delay_steps_a_server_never_runs_end_in_steps_not_reached_and_nothing_started(
     shared: ModuleSidecar, sidecar_factory: Any
 ) -> None:
@@ -309,6 +342,21 @@ def test_each_engine_is_measured_from_its_own_base() -> None:
 def _probe(steps: int, mb: float, stop_s: float) -> Probe:
     return Probe(capture_id=f"p{steps}", steps_asked=steps, steps_traced={0: steps}, bytes={0: int(mb * 1e6)},
                  stop_s=stop_s)
+
+
+def test_the_stop_lead_is_the_median_steps_traced_past_the_count_never_negative_nor_noise() -> None:
+    lead = StopLead()
+    assert lead.lead([0, 2]) == (0.0, 0)
+    assert lead.learn([0, 2], {0: 33, 2: 31, 1: 99}, 20) == 12.0  # the stages' median; stage 1 not in the window
+    assert lead.lead([0, 2]) == (0.0, 1)  # one window is not enough to go by
+    assert lead.learn([2, 0], {0: 27, 2: 27}, 12) == 15.0
+    assert lead.lead([0, 2]) == (13.5, 2) and lead.lead([0]) == (0.0, 0)  # per stage set, in any order
+    for late in (0, -5, 1):  # windows that held the steps asked: the median falls to noise
+        lead.learn([0], {0: 20 + late}, 20)
+    assert lead.lead([0]) == (0.0, 3)
+    lead.learn([0], {0: 15}, 20)  # short of the count (the start's travel): never a stop sent later
+    assert lead.lead([0])[0] == 0.0
+    assert lead.learn([0], {}, 20) is None  # no stage's steps traced: nothing learned
 
 
 def test_plan_is_a_line_through_the_probes_cut_by_the_tighter_bound() -> None:

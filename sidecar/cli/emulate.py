@@ -32,6 +32,9 @@ def emulate(
     fault_stop_delay: float = typer.Option(
         0.0, "--fault-stop-delay", help="Test aid: extra seconds inside stop before replying."
     ),
+    fault_stop_travel: float = typer.Option(
+        0.0, "--fault-stop-travel", help="Test aid: seconds a stop takes to reach the workers, which record meanwhile."
+    ),
     fault_start_delay: float = typer.Option(
         0.0, "--fault-start-delay", help="Test aid: extra seconds inside start before replying (the workers record)."
     ),
@@ -105,6 +108,7 @@ def emulate(
                 step_ms=step_ms,
                 gzip_delay_s=gzip_delay,
                 fault_stop_delay_s=fault_stop_delay,
+                fault_stop_travel_s=fault_stop_travel,
                 fault_start_delay_s=fault_start_delay,
                 fault_metrics_delay_s=fault_metrics_delay,
                 fault_metrics_delay_after=fault_metrics_delay_after,

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from collections import Counter
 
-from sidecar.config.models import DeployConfig, Stage
+from sidecar.config.models import DeployConfig, ProfilerConfig, Stage
 from sidecar.config.placeholders import dir_placeholders
 from sidecar.errors import Finding, Severity, StageNotCuda, StageSelectionError, Where
 from sidecar.errors import StageDuplicate, StageNotProfiled, StageNotTorch, StageUnknown, StagesEmpty
 
-__all__ = ["select_stages", "validate_deploy", "selection_finding", "steps_bounded_by_server"]
+__all__ = ["select_stages", "validate_deploy", "selection_finding", "server_bounded_stages", "steps_bounded_by_server"]
 
 
 def check_stage_ids(deploy: DeployConfig, stages: list[int], *, valid: list[int]) -> None:
@@ -125,6 +125,18 @@ def _select_nsys(deploy: DeployConfig, stages: list[int] | None) -> list[int]:
     return list(stages)
 
 
+def server_bounded_stages(deploy: DeployConfig, stages: list[int]) -> list[tuple[int, ProfilerConfig]]:
+    """The stages of ``stages`` whose profiler bounds its own window (``delay_iterations`` or
+    ``max_iterations`` set), with their profiler config."""
+    out = []
+    for sid in stages:
+        stage = deploy.stage(sid)
+        pc = stage.profiler_config if stage is not None else None
+        if pc is not None and (pc.max_iterations > 0 or pc.delay_iterations > 0):
+            out.append((sid, pc))
+    return out
+
+
 def steps_bounded_by_server(deploy: DeployConfig, stages: list[int], steps: int) -> list[str]:
     """What the server's own iteration bounds do to a ``steps`` window of ``stages``, one note per
     stage that has them. vLLM's profiler skips ``delay_iterations`` engine iterations from its start
@@ -133,11 +145,7 @@ def steps_bounded_by_server(deploy: DeployConfig, stages: list[int], steps: int)
     holds at most ``max_iterations`` steps, never more however late the sidecar's stop lands: on
     the real vLLM-Omni server, 3 iterations held 2 steps and 1 idle iteration."""
     notes = []
-    for sid in stages:
-        stage = deploy.stage(sid)
-        pc = stage.profiler_config if stage is not None else None
-        if pc is None or (pc.max_iterations <= 0 and pc.delay_iterations <= 0):
-            continue
+    for sid, pc in server_bounded_stages(deploy, stages):
         skip = (f", after skipping the first {pc.delay_iterations} (delay_iterations: {pc.delay_iterations})"
                 if pc.delay_iterations > 0 else "")
         if pc.max_iterations <= 0:

@@ -26,13 +26,14 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from sidecar.config.models import DeployConfig, StageKind
-from sidecar.config.rules import select_stages, steps_bounded_by_server
+from sidecar.config.rules import select_stages, server_bounded_stages, steps_bounded_by_server
 from sidecar.control import artifacts
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
 from sidecar.control.budget import Plan, check_budget, run_plan
 from sidecar.control.collect import after_stop_error, collect, found_so_far
 from sidecar.control.journal import CaptureJournal
+from sidecar.control.lead import StopLead
 from sidecar.control.schedule import check_start_at
 from sidecar.control.models import (
     CLOCKS_MAX,
@@ -308,7 +309,7 @@ class _Runtime:
 
     __slots__ = ("watches", "done", "started_mono", "heartbeat_mono", "watchdog", "stopper", "pending_stop",
                  "stop_timed_out", "metrics_before", "metrics_after", "steps_counter", "steps_base",
-                 "steps_at_stop", "wake")
+                 "steps_at_stop", "steps_learn", "wake")
 
     def __init__(self) -> None:
         self.watches: list[StageWatch] = []
@@ -326,6 +327,7 @@ class _Runtime:
         # the counters read just before the start is sent (``_count``'s answer)
         self.steps_base: tuple[dict[Labels, int] | None, float, float] | None = None
         self.steps_at_stop: int | None = None  # steps counted past the base when the stop was sent
+        self.steps_learn = False  # sent on time by the count: its lateness teaches the next stop (lead.py)
         self.wake: asyncio.Event | None = None  # set by a stop while a scheduled start waits for its time
 
 
@@ -365,6 +367,7 @@ class CaptureController:
         self._opened = False
         self._closed = False
         self.last_plan: Plan | None = None  # the latest ``plan``: what a ``steps`` start is predicted by
+        self._lead = StopLead()  # how early a ``steps`` window's stop is sent (lead.py)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -967,6 +970,8 @@ class CaptureController:
         cap, rt = self._captures[capture_id], self._rt[capture_id]
         assert cap.steps is not None
         steps, poll = cap.steps, self.settings.steps_poll_s
+        lead, learned_from = self._lead.lead(cap.stages)
+        aim = steps - lead  # the count the stop is sent at
         base: dict[Labels, int] | None = None
         reads: collections.deque[tuple[float, int]] = collections.deque()  # (when the server counted, steps run)
         rate = took = 0.0
@@ -976,7 +981,7 @@ class CaptureController:
             if not reads or rate <= 0:
                 return math.inf
             at, now = reads[-1]
-            return at + (steps - now) / rate - took / 2
+            return at + (aim - now) / rate - took / 2
 
         def predicted(sent: float) -> int:
             at, now = reads[-1]
@@ -992,9 +997,15 @@ class CaptureController:
                     "whose CPUs are all busy, e.g. with the server itself, can leave it unscheduled for seconds)")
 
         async def stop(count: int, why: str | None = None) -> None:
-            rt.steps_at_stop = count
+            rt.steps_at_stop, rt.steps_learn = count, why is None
             if why is not None:
                 cap.notes.append(why)
+            elif lead:
+                cap.notes.append(
+                    f"the stop was sent at {count} of the {steps} steps counted, {lead:.0f} ahead: in this "
+                    f"server's last {learned_from} steps window{'s' if learned_from > 1 else ''} of these stages the "
+                    f"engines recorded {lead:.0f} steps past the count the stop was sent at (its travel to them; "
+                    "the median, docs/captures.md)")
             rt.steps_counter = None  # stop() cancels the counter; this one must not cancel itself
             await self.stop(capture_id, reason=StopReason.steps)
 
@@ -1050,7 +1061,7 @@ class CaptureController:
                 await stop(now, why)
                 return
             first = False
-            if steps - now <= 0.5:
+            if aim - now <= 0.5:
                 await stop(now)
                 return
             # stop after the predicted wait when the next read would come back later than it
@@ -1081,9 +1092,10 @@ class CaptureController:
             return
         cap.window_metrics = window_metrics(before, after)
 
-    async def _steps_traced(self, cap: Capture, verdicts: list[StageVerdict]) -> list[StageVerdict]:
+    async def _steps_traced(self, cap: Capture, rt: _Runtime, verdicts: list[StageVerdict]) -> list[StageVerdict]:
         """Each stage's engine steps as its trace holds them (the trace summary), with a note
-        when a stage holds more or fewer than asked."""
+        when a stage holds more or fewer than asked; a window stopped on time by the count teaches
+        the next one how early to send its stop (lead.py)."""
         try:
             data = await self._summaries.get(cap, live=True)
         except SidecarError as exc:
@@ -1103,6 +1115,8 @@ class CaptureController:
             kinds = {k["kind"]: k["count"] for k in f.get("engine_step_kinds", [])}
             worked = f.get("window", {}).get("engine_steps", 0) - kinds.get("idle", 0)
             per_stage[sid] = max(per_stage.get(sid, 0), worked)
+        if rt.steps_learn and rt.steps_at_stop is not None and not server_bounded_stages(self.deploy, cap.stages):
+            self._lead.learn(cap.stages, per_stage, rt.steps_at_stop)
         out = []
         for v in verdicts:
             if v.stage_id in per_stage:
@@ -1335,7 +1349,7 @@ class CaptureController:
             await self._settle_metrics(cap, rt)
             cap.verdicts = verdicts
             if cap.steps is not None:
-                verdicts = cap.verdicts = await self._steps_traced(cap, verdicts)
+                verdicts = cap.verdicts = await self._steps_traced(cap, rt, verdicts)
             ok = stop_error is None and all(v.verdict is Verdict.ok for v in verdicts)
             self._finish(cap, CaptureState.completed if ok else CaptureState.degraded)
             if self.settings.summarize and any(v.verdict in (Verdict.ok, Verdict.partial) for v in verdicts):

@@ -291,6 +291,11 @@ async def _hold_metrics_reply(emu: Emulator) -> None:
         await asyncio.sleep(f.metrics_delay_s)
 
 
+async def _stop_travel(emu: Emulator) -> None:
+    if emu.faults.stop_travel_s:
+        await asyncio.sleep(emu.faults.stop_travel_s)
+
+
 async def _hold_stop_reply(emu: Emulator) -> None:
     faults = emu.faults
     if faults.stop_delay_s:
@@ -328,6 +333,7 @@ def _omni_profiler_router(emu: Emulator) -> APIRouter:
         try:
             if emu.faults.stop_500:
                 raise RuntimeError("injected fault (--fault-stop-500)")
+            await _stop_travel(emu)
             await emu.collective_profile(False, stages)
         except Exception as e:
             logger.error("Failed to stop profiler: %s", e)
@@ -355,6 +361,7 @@ def _vllm_profiler_router(emu: Emulator) -> APIRouter:
     async def stop_profile(raw_request: Request) -> Response:
         if emu.faults.stop_500:
             raise HTTPException(status_code=500, detail="Failed to stop profiler: injected fault (--fault-stop-500)")
+        await _stop_travel(emu)
         await _vllm_profile(emu, False)
         await _hold_stop_reply(emu)
         return Response(status_code=200)
