@@ -48,8 +48,12 @@ def test_twenty_steps_end_by_themselves_and_the_trace_holds_them(sidecar: Any, l
     print(f"asked 20: counted {cap.steps_counted}, traced {verdict.steps_traced}")
     # The sidecar's own precision: the count it stopped at, from the server's counter; unless the
     # host did not run the sidecar when its stop was due (the server keeps both cores busy: a run
-    # here paced 351 steps/s and woke the sidecar 40 ms late, counted 34), which the capture says.
-    late = any("the sidecar was not running meanwhile" in n for n in cap.notes)
+    # here paced 351 steps/s and woke the sidecar 40 ms late, counted 34), or the server's first
+    # profiler start took longer than the window while its engine stepped on (a CI run at 7b1fc7d:
+    # the start was answered 3.98 s after it was sent, the first count after it was 1016), which
+    # the capture says.
+    late = any(n for n in cap.notes for why in ("the sidecar was not running meanwhile",
+                                                  "by the first count after the start was answered") if why in n)
     assert cap.steps_counted is not None and (late or abs(cap.steps_counted - 20) <= 2), (cap.steps_counted, cap.notes)
     # The trace: short by the steps the engine ran between the base read and its profiler's start
     # (the start travels too: a CI run at f8f679b counted 20 and traced 16), long by the steps it ran
@@ -57,12 +61,15 @@ def test_twenty_steps_end_by_themselves_and_the_trace_holds_them(sidecar: Any, l
     # Mostly 0 to 4 here; a CI run at e5e1370 ran 22 steps in the 0.18 s window and the stop took
     # 0.64 s to be answered: traced 48 (docs/captures.md, precision). Never more than the server's
     # own counter ran over the window, and the verdict says what the trace holds.
+    # A window whose start outlasted it: the window's metrics begin at the start's answer, the
+    # trace at the profiler's start, so its bound is the count the stop was sent at, plus the travel.
     (engine,) = cap.window_metrics.engines  # type: ignore[union-attr]
-    assert verdict.steps_traced is not None and 14 <= verdict.steps_traced <= engine.engine_steps, (
-        verdict, engine, cap.notes)
+    upper = max(engine.engine_steps, cap.steps_counted + 10) if late else engine.engine_steps
+    assert verdict.steps_traced is not None and 14 <= verdict.steps_traced <= upper, (verdict, engine, cap.notes)
     if verdict.steps_traced != 20:
         assert f"the trace holds {verdict.steps_traced} engine steps, 20 were asked" in " ".join(cap.notes), cap.notes
-    assert engine.engine == "0" and engine.engine_steps >= 20 and engine.generation_tokens >= 20, engine
+    ran = 0 if late else 20  # a late window's metrics hold only what ran after the start's answer
+    assert engine.engine == "0" and engine.engine_steps >= ran and engine.generation_tokens >= ran, engine
 
 
 def test_the_plan_predicts_a_twenty_step_window_within_a_quarter(sidecar: Any, load: None) -> None:
