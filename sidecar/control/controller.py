@@ -834,11 +834,8 @@ class CaptureController:
         self.last_plan = plan
         return plan
 
-    async def _scrape(self, after: _StopsInFlight | None = None) -> MetricsSnapshot | str:
-        """The server's /metrics now (once ``after`` has no stop in flight), or why not (a window
-        never fails for its metrics)."""
-        if after is not None:
-            await after.answered()
+    async def _scrape(self) -> MetricsSnapshot | str:
+        """The server's /metrics now, or why not (a window never fails for its metrics)."""
         try:
             return await self.upstream.metrics()
         except MetricsUnavailable as exc:
@@ -1338,11 +1335,11 @@ class CaptureController:
             if not collect:
                 self._finish(cap, CaptureState.failed)
                 return
-            if rt.metrics_before is not None:  # beside the collect, not before it
-                rt.metrics_after = asyncio.create_task(self._scrape(after=stops), name=f"metrics-after-{cap.id}")
             cap.state = CaptureState.collecting
             self._changed(cap)
             await stops.answered()
+            if rt.metrics_before is not None:  # beside the collect, not before it
+                rt.metrics_after = asyncio.create_task(self._scrape(), name=f"metrics-after-{cap.id}")
             verdicts = await self._collect(cap, rt)
             if stop_error is not None:
                 verdicts = [after_stop_error(v, stop_error) for v in verdicts]

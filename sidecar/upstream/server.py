@@ -79,20 +79,6 @@ def _is_5xx(exc: BaseException) -> bool:
     return type(exc) is UpstreamError and int(exc.details.get("status", 0)) >= 500
 
 
-_DRAIN_BYTES = 65536
-
-
-async def _drain(resp: httpx.Response) -> None:
-    """Read a small unwanted body to its end, so its keep-alive connection goes back to the pool
-    (one left unread is closed: a fleet scraping servers without /metrics then opened a new
-    connection for every stop that followed). A longer one is left to be closed."""
-    seen = 0
-    async for chunk in resp.aiter_raw():
-        seen += len(chunk)
-        if seen > _DRAIN_BYTES:
-            return
-
-
 class UpstreamServer:
     """One upstream server. Owns an ``httpx.AsyncClient``; close it with :meth:`aclose`."""
 
@@ -242,11 +228,8 @@ class UpstreamServer:
         timeout = httpx.Timeout(read, connect=min(self.timeouts.connect, read))
         try:
             async with self._client.stream("GET", self._url("/metrics", samples), timeout=timeout) as resp:
-                if resp.status_code != 200:
-                    await _drain(resp)
-                    raise MetricsUnavailable(
-                        f"GET {url} answered {resp.status_code}; the server exposes no Prometheus metrics here",
-                        details={"url": url, "status": resp.status_code})
+                # read to its end whatever the status: a reply left unread closes its keep-alive
+                # connection (a fleet scraping servers without /metrics opened one per stop after)
                 body = bytearray()
                 async for chunk in resp.aiter_bytes():
                     body += chunk
@@ -255,6 +238,10 @@ class UpstreamServer:
                                                  details={"url": url})
         except httpx.HTTPError as exc:
             raise MetricsUnavailable(f"GET {url} failed ({type(exc).__name__})", details={"url": url}) from None
+        if resp.status_code != 200:
+            raise MetricsUnavailable(
+                f"GET {url} answered {resp.status_code}; the server exposes no Prometheus metrics here",
+                details={"url": url, "status": resp.status_code})
         return body.decode("utf-8", "replace")
 
     # --- profiling ------------------------------------------------------------------------
