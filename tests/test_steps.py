@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.control.budget import Probe, check_budget, make_plan, run_plan
 from sidecar.client import SidecarClient
-from sidecar.control.lead import StopLead
+from sidecar.control.lead import NOISE_STEPS, StopLead
 from sidecar.errors import BudgetExceeded, SidecarError
 from sidecar.upstream.metrics import KEPT_FAMILIES, MetricsUnreadable, engine_steps, parse_metrics, quantile, step_counts, steps_since, window_metrics
 from tests.fixtures.emulator import EmulatorPool, emulator_state, make_deploy
@@ -212,6 +213,11 @@ def test_a_window_the_sidecar_was_not_running_through_says_why_it_ran_past(share
     assert not any("reads had not come back" in n for n in final.notes), final.notes
 
 
+# what a window that ran past says (it teaches no lead: sidecar/control/lead.py)
+RAN_PAST = ("the sidecar was not running meanwhile", "between two reads", "by the first count after the start",
+            "reads had not come back")
+
+
 def test_a_stop_that_travels_is_sent_ahead_by_what_the_last_windows_traced_past_their_count(
     shared: ModuleSidecar, sidecar_factory: Any
 ) -> None:
@@ -226,21 +232,33 @@ def test_a_stop_that_travels_is_sent_ahead_by_what_the_last_windows_traced_past_
     with steady_load(shared.emulator.url, max_tokens=1, chat=True), SidecarClient(sc.url, timeout=60) as client:
         ramped = _stage0_steps(shared) + 20
         assert poll(lambda: _stage0_steps(shared) >= ramped), "the emulator ran no steps under load"
-        for _ in range(3):
+        # two windows stopped on time by the count teach the third; a window that says why it ran
+        # past (a loaded host: the sidecar not scheduled) teaches nothing, so one more is run
+        learned: list[Any] = []
+        while len(learned) < 2 and len(windows) < 6:
             cap = client.wait_capture(client.start_capture(stages=[0, 2], steps=20).id, timeout=120)
             assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
             windows.append(cap)
-    traced = [{v.stage_id: v.steps_traced or 0 for v in c.verdicts} for c in windows]
-    counted = [c.steps_counted for c in windows]
-    print(f"asked 20 with a 0.25 s stop travel: counted {counted}, traced {traced}")
-    first_past = traced[0][0] - 20
-    assert first_past >= 8, (traced, counted, windows[0].notes)  # the travel shows: else nothing to learn
-    assert not any("was sent at" in n for c in windows[:2] for n in c.notes), [c.notes for c in windows[:2]]
-    # the third: ahead of the count, saying by how much and why, and far nearer 20 than the first
-    last = windows[2]
-    assert any(re.search(r"the stop was sent at \d+ of the 20 steps counted, \d+ ahead", n) for n in last.notes), last.notes
-    assert last.steps_counted is not None and last.steps_counted < 20, (last.steps_counted, last.notes)
-    assert abs(traced[2][0] - 20) <= max(3, first_past // 3), (traced, counted, last.notes)
+            if not any(why in n for n in cap.notes for why in RAN_PAST):
+                learned.append(cap)
+        assert len(learned) == 2, [c.notes for c in windows]
+        windows.append(client.wait_capture(client.start_capture(stages=[0, 2], steps=20).id, timeout=120))
+    traced = [{v.stage_id: v.steps_traced or 0 for v in c.verdicts} for c in learned]
+    counted = [c.steps_counted for c in learned]
+    print(f"asked 20 with a 0.25 s stop travel: counted {[c.steps_counted for c in windows]}, "
+          f"traced {[[v.steps_traced for v in c.verdicts] for c in windows]}")
+    # The windows it learns from: stopped at their count, traced past it by the travel (in steps: the
+    # emulator's pace under this host's load; quiet, 12-15; with a core kept busy, 4 once).
+    assert not any("was sent at" in n for c in windows[:-1] for n in c.notes), [c.notes for c in windows]
+    late = [statistics.median(t.values()) - c for t, c in zip(traced, counted) if c is not None]
+    assert len(late) == 2 and min(late) > NOISE_STEPS, (traced, counted)  # else nothing to learn
+    # The third: sent that many steps ahead of the count (the median of the two), saying so. Where
+    # it then lands depends on the pace in its own window: quiet, 19-21 here; loaded, 16 and 25 once.
+    lead = statistics.median(late)
+    last = windows[-1]
+    assert any(re.search(rf"the stop was sent at \d+ of the 20 steps counted, {lead:.0f} ahead", n)
+               for n in last.notes), (lead, last.notes)
+    assert last.steps_counted is not None and last.steps_counted <= 20 - lead + 2, (last.steps_counted, lead, last.notes)
 
 
 def test_delay_steps_a_server_never_runs_end_in_steps_not_reached_and_nothing_started(
