@@ -364,8 +364,7 @@ async def test_server_gone_during_stop_fails_with_the_reason_and_frees_the_slot(
     async with _hung(fake_omni, budget=600) as up, CaptureController(up, control_deploy, settings=FAST) as c:
         cap = await c.start([0])
         await c.stop(cap.id)
-        await asyncio.to_thread(fake_omni.server.shutdown)
-        fake_omni.server.server_close()  # the port refuses connections now, like a crashed server
+        await asyncio.to_thread(fake_omni.crash)  # the port refuses connections now, like a crashed server
         done = await c.wait(cap.id, timeout=30)
         with pytest.raises(UpstreamError) as again:
             await c.start([0])  # the slot is free: the next start reaches for the (dead) server
@@ -378,8 +377,7 @@ async def test_server_gone_during_stop_still_checks_the_traces(fake_omni, contro
     async with _hung(fake_omni, budget=600) as up, CaptureController(up, control_deploy, settings=FAST) as c:
         cap = await c.start([0])
         await c.stop(cap.id)
-        await asyncio.to_thread(fake_omni.server.shutdown)
-        fake_omni.server.server_close()
+        await asyncio.to_thread(fake_omni.crash)
         done = await c.wait(cap.id, timeout=30)
     assert (done.verdict(0).verdict, done.verdict(0).reason.startswith("the server went away during the stop")) == (
         Verdict.missing, True)
