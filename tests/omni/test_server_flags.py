@@ -89,9 +89,13 @@ def test_a_steps_window_on_the_stage_the_server_bounds_never_holds_more_than_its
         cap = client.wait_capture(cap.id, timeout=900)
     traced = {v.stage_id: v.steps_traced for v in cap.verdicts}
     print(f"asked 10 on max_iterations 3: counted {cap.steps_counted}, traced {traced}")
-    assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
+    assert set(traced) == {0} and traced[0] is not None and traced[0] <= 3, (traced, cap.notes)
+    # Its 3 iterations may all be idle (the profiler started between two requests: a CI run at
+    # 196bd78 traced 0 of a window counted to 28): the verdict then says the trace holds no work.
+    want = ("completed", "ok") if traced[0] else ("degraded", "empty")
+    assert (cap.state.value, cap.verdicts[0].verdict.value) == want, cap
+    assert cap.stop_reason is not None and cap.stop_reason.value == "steps", cap
     assert cap.steps_counted is not None and cap.steps_counted >= 10, cap.steps_counted
-    assert set(traced) == {0} and traced[0] is not None and 1 <= traced[0] <= 3, (traced, cap.notes)
 
 
 def test_stacks_on_the_stop_answers_at_once_and_the_verdict_waits_for_the_files(
