@@ -1036,7 +1036,7 @@ class CaptureController:
             now = steps_since(base, counts, cap.stages)
             reads.append((at, now))
             # The rate over the last second of reads: the servers' counters move in bursts (vLLM-Omni's
-            # by a request's steps at once), so read-to-read rates swing between 0 and several times it.
+            # is recorded behind its busy API server), so read-to-read rates swing between 0 and several times it.
             # The base goes once two reads follow the start's answer: a start can pause the engines
             # (vLLM's first one on CPU held the engine 2.6 s), and a rate across it is too low.
             answered = rt.started_mono if rt.started_mono is not None else -math.inf

@@ -18,8 +18,8 @@ be turned into steps by a rate taken from its first two or three reads (tried on
 with a 0.25 s travel: one window then stopped at its first count, 1 of 20, and traced 14). Never
 later than the count: a trace short of it is the start's travel (a server's first profiler start
 holds its engines for seconds on CPU, later ones do not), and a stop held back for it would let
-the window run past. Nor by a median of 2 steps or fewer: a server whose counter moves by a
-request's steps at once (vLLM-Omni's) stops a few steps either side of its count by chance (on
+the window run past. Nor by a median of 2 steps or fewer: a server whose counter is read late by
+a varying 1 to 10 steps (vLLM-Omni's on a busy host) stops a few steps either side of its count by chance (on
 the real two-stage server, windows stopped at counts of 20, 20, 18 and 21 traced 19, 24, 16 and
 24; a lead of 4 learned from one window made the next trace 16), and a lead learned from that
 noise moves the next window by as much. A window that says why it ran past (a first count
