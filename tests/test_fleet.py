@@ -185,3 +185,27 @@ def test_cli_nsys_capture_whose_stages_are_unverified_exits_0_and_says_why(tmp_p
     said = " ".join(nsys.output.split())
     assert (nsys.exit_code, "unverified" in said, "exit 0" in said) == (0, True, True), nsys.output
     assert [c["path"] for c in fake.calls] == ["/start_profile", "/stop_profile"]  # one window, stopped
+
+
+def test_a_capture_crosses_a_worker_process_as_its_json_unchanged() -> None:
+    """Worker processes and Ray actors answer with a capture's JSON (sidecar/fleet/_wire.py): what
+    the fleet reads back equals what the controller had, odd file names, verdicts and clocks included."""
+    from datetime import datetime, timezone
+
+    from sidecar.control.models import (ArtifactFile, Capture, CaptureState, ClockRecord, ErrorRecord,
+                                        SessionFolder, StageVerdict, Verdict)
+    from sidecar.fleet._wire import answer, raise_reply
+
+    now = datetime.now(timezone.utc)
+    cap = Capture(
+        id="20261203-1", upstream="http://127.0.0.1:1", stages=[0, 2], state=CaptureState.degraded, steps=20,
+        steps_counted=21, created_at=now, stopped_at=now, notes=["stage 0: the trace holds 21 engine steps"],
+        errors=[ErrorRecord(code="stop_server_error", message="boom", at=now)],
+        clocks=[ClockRecord(phase="stop", offset_ns=-1_200_000_000, error_ns=300_000, at_ns=1)],
+        verdicts=[StageVerdict(stage_id=0, verdict=Verdict.ok, steps_traced=21, sessions=[SessionFolder(
+            path="/t/s0", files=[ArtifactFile(name="trace_\udcff.json.gz", size=3, inode=7)])]),
+                  StageVerdict(stage_id=2, verdict=Verdict.missing, reason="no trace")])
+    status, data = answer(cap)
+    assert status == "capture" and isinstance(data, bytes)
+    assert raise_reply((status, data)) == cap
+    assert raise_reply(answer([cap.id])) == [cap.id]  # anything else crosses as it is

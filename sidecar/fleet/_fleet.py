@@ -496,16 +496,31 @@ class Fleet:
     async def _stop_all(self, fc: FleetCapture, names: Sequence[str], *, reason: StopReason) -> dict[str, TargetResult]:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        deadline = t0 + self.stop_budget_s  # one deadline for all: a hung target delays no other
+        # One deadline for all (a hung target delays no other), kept by one timer that cancels the
+        # stops still waiting when it fires: not a wait_for per target (a task and a timer each,
+        # a thousand of them in the fleet's process; asyncio.timeout_at needs Python 3.11).
+        waiting: set[asyncio.Task[Any]] = set()
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            for task in waiting:
+                task.cancel()
 
         async def one(name: str) -> TargetResult:
             r = fc.targets[name]
             assert r.capture_id is not None
+            me = asyncio.current_task()
+            assert me is not None
+            waiting.add(me)
             try:
-                # wait_for, not asyncio.timeout_at: the package supports Python 3.10
-                cap = await asyncio.wait_for(self._driver(name).stop(r.capture_id, reason),
-                                             max(deadline - loop.time(), 0.0))
-            except asyncio.TimeoutError:  # on 3.10 not the builtin TimeoutError
+                if expired:  # still queued behind max_concurrency when the budget ran out
+                    raise asyncio.CancelledError
+                cap = await self._driver(name).stop(r.capture_id, reason)
+            except asyncio.CancelledError:
+                if not expired:
+                    raise
                 return r.model_copy(update={"outcome": TargetOutcome.stop_timeout, "stop_s": loop.time() - t0,
                                             "error": TargetError(
                     code="stop_timeout",
@@ -514,13 +529,19 @@ class Fleet:
             except Exception as exc:
                 return r.model_copy(update={"outcome": TargetOutcome.stop_failed, "error": error_of(exc),
                                             "stop_s": loop.time() - t0})
+            finally:
+                waiting.discard(me)
             took = loop.time() - t0
             err = None
             if cap.state is CaptureState.failed and cap.errors:
                 err = TargetError(code=cap.errors[-1].code, message=cap.errors[-1].message)
             return self._judged(r.with_capture(cap, outcome=TargetOutcome.stopped, error=err, stop_s=took))
 
-        results = await self._each(list(names), one)
+        timer = loop.call_at(t0 + self.stop_budget_s, expire)
+        try:
+            results = await self._each(list(names), one)
+        finally:
+            timer.cancel()
         for res in results:
             if isinstance(res, BaseException):
                 raise res  # `one` catches every Exception: this is cancellation or an interrupt

@@ -10,7 +10,8 @@ target, a proxy with the same interface, so the protocol (all-or-nothing start, 
 rollback, stop, clocks) stays the ``Fleet``'s.
 
 The wire: a socket pair per worker, frames of pickled message lists, one frame per loop turn
-each way (a thousand calls made in one turn travel as P frames). A call's failure crosses as data
+each way (a thousand calls made in one turn travel as P frames). A target crosses once (``add``),
+its calls name it, and a capture answered crosses as its JSON (``_wire``). A call's failure crosses as data
 (class name, code, message, details: ``sidecar.fleet._wire``) and is raised again here as the same
 class. A start's release gate stays in the fleet: the worker says when its target arrived at the
 gate and waits for the fleet's go (or its abort). A cancelled call is cancelled in its worker too.
@@ -36,7 +37,7 @@ from sidecar._process import child_env
 from sidecar.errors import FleetError
 from sidecar.fleet._clocks import MORE, ClockOffset
 from sidecar.fleet._targets import Target
-from sidecar.fleet._wire import failure, raise_reply
+from sidecar.fleet._wire import answer, failure, raise_reply
 
 __all__ = ["ShardDriver", "ShardPool", "processes_for"]
 
@@ -131,12 +132,12 @@ async def _serve(sock: socket.socket, timeout_s: float, poll_s: float) -> None:
             drivers[name] = d
         return d
 
-    async def run(cid: int, target: Target, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    async def run(cid: int, name: str, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         try:
-            d = driver(target.name)
+            d = driver(name)
             if method == "close":  # closed as the fleet asked (keep_live): not again at the exit
-                drivers.pop(target.name, None)
-            reply: tuple[str, Any] = ("ok", await getattr(d, method)(*args, **kwargs))
+                drivers.pop(name, None)
+            reply: tuple[str, Any] = answer(await getattr(d, method)(*args, **kwargs))
         except asyncio.CancelledError:
             reply = ("cancelled", None)
         except Exception as exc:
@@ -160,7 +161,7 @@ async def _serve(sock: socket.socket, timeout_s: float, poll_s: float) -> None:
             if op == "add":
                 specs[msg[1].name] = (msg[1], msg[2])
             elif op == "call":
-                _, cid, target, method, args, kwargs, gate = msg
+                _, cid, name, method, args, kwargs, gate = msg
                 if gate is not None:
                     start_at, with_clocks = gate
                     if with_clocks and clocks is None:
@@ -168,7 +169,7 @@ async def _serve(sock: socket.socket, timeout_s: float, poll_s: float) -> None:
 
                         clocks = asyncio.Semaphore(CLOCK_CONCURRENCY)
                     kwargs = {**kwargs, "release": _WorkerGate(cid, out, gates, start_at, clocks if with_clocks else None)}
-                tasks[cid] = asyncio.ensure_future(run(cid, target, method, args, kwargs))
+                tasks[cid] = asyncio.ensure_future(run(cid, name, method, args, kwargs))
             elif op == "go":
                 fut = gates.get(msg[1])
                 if fut is not None and not fut.done():
@@ -250,12 +251,12 @@ class _Shard:
         if release is not None:
             self.gates[cid] = release
             gate = (getattr(release, "start_at", None), getattr(release, "clocks", None) is not None)
-        self.out.put(("call", cid, target, method, args, kwargs, gate))
+        self.out.put(("call", cid, target.name, method, args, kwargs, gate))  # the worker has it by name
         try:
-            status, value = await asyncio.shield(fut)
+            status, value = await fut
         except asyncio.CancelledError:
-            if not fut.done():
-                self.out.put(("cancel", cid))  # its answer, when it comes, is dropped
+            if self.pending.pop(cid, None) is not None:  # cancelled here first: its answer is dropped
+                self.out.put(("cancel", cid))
             raise
         if status == "cancelled":
             raise FleetError(f"{target.name}: the call {method} was cancelled in its worker process")
