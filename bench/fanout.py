@@ -82,9 +82,11 @@ async def _round(targets: list[Target], stubs: StubFleet, size: int, synced: boo
         fc = await fleet.start(label="bench", start_at=start_at)
         t_start = time.perf_counter() - t0 - (start_at - called if start_at else 0.0)
         fds, socks = _fds()
+        stop_called = time.time_ns()
         t0 = time.perf_counter()
         fc = await fleet.stop(fc, wait_artifacts=False)
         t_stop = time.perf_counter() - t0
+        answered = sorted(r.stop_s * 1e3 for r in fc.targets.values() if r.stop_s is not None)
         fc = await fleet.refresh(fc, wait=True, timeout=120)  # the artifact checks end before close
         if not fc.ok:
             raise SystemExit(f"fan-out failed: {fc.rollup()}")
@@ -93,7 +95,16 @@ async def _round(targets: list[Target], stubs: StubFleet, size: int, synced: boo
     path = "/start_profile" if targets[0].kind.value == "upstream" or start_at else "/v1/captures"
     got = sorted(ts[0] for i, ts in stubs.received(path).items() if i < size and ts)
     skews = [(t - got[0]) / 1e6 for t in got]
+    # where a stop's time goes: when the stubs received it, when the fleet had each answer
+    def after_call(key: str) -> list[float]:
+        return sorted((min(t for t in ts if t >= stop_called) - stop_called) / 1e6
+                      for i, ts in stubs.received("/stop_profile", key=key).items()
+                      if i < size and any(t >= stop_called for t in ts))
+
+    sent, stubs_answered = after_call("calls"), after_call("answered")
     return {"start": t_start, "prep": (fc.released_at or called) - called, "stop": t_stop,
+            "sent_first": sent[0], "sent_last": sent[-1], "stub_first": stubs_answered[0], "stub_last": stubs_answered[-1],
+            "answered_first": answered[0], "answered_p50": statistics.median(answered), "answered_last": answered[-1],
             "skew_p50": statistics.median(skews), "skew_max": skews[-1],
             "early": (got[0] / 1e9 - start_at) * 1e3 if start_at else float("nan"),
             "fds": fds, "socks": socks, "cpu": cpu, "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
@@ -128,6 +139,14 @@ def _table(kind: str, n: int, latency: float, repeat: int, rows: dict[tuple[int,
         print(f"{size:>8} {'yes' if synced else 'no':>8} {r['start']:>8.3f} {r['start'] / one['start']:>5.2f}x "
               f"{r['prep']:>7.3f} {r['stop']:>7.3f} {r['stop'] / one['stop']:>5.2f}x {r['skew_p50']:>11.1f} "
               f"{r['skew_max']:>11.1f} {early} {r['rss']:>8.0f} {r['fds']:>5.0f} {r['socks']:>5.0f} {r['cpu']:>6.2f}")
+    for (size, synced), r in rows.items():
+        if size > 1:
+            print(f"stop phases, {size} replicas, start_at {'yes' if synced else 'no'} (ms after the call): "
+                  f"the stubs received it first {r['sent_first']:.0f}, last {r['sent_last']:.0f}, answered it first "
+                  f"{r['stub_first']:.0f}, last {r['stub_last']:.0f}; the fleet had the "
+                  f"answers first {r['answered_first']:.0f}, p50 {r['answered_p50']:.0f}, last "
+                  f"{r['answered_last']:.0f}; the call returned {r['stop'] * 1e3:.0f} (one replica: "
+                  f"{one['stop'] * 1e3:.0f})")
     if serial is not None:
         print(f"serial loop (start one after another) on {serial_n} replicas: {serial:.3f}s "
               f"= {serial / rows[(n, False)]['start']:.1f}x the fleet's concurrent start on {n}"
