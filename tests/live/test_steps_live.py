@@ -51,9 +51,12 @@ def test_twenty_steps_end_by_themselves_and_the_trace_holds_them(sidecar: Any, l
     # here paced 351 steps/s and woke the sidecar 40 ms late, counted 34), or the server's first
     # profiler start took longer than the window while its engine stepped on (a CI run at 7b1fc7d:
     # the start was answered 3.98 s after it was sent, the first count after it was 1016), which
-    # the capture says.
+    # the capture says; or a read of the counter was not back when the rate said the window was full
+    # (a CI run at 95a9e36: not back after 335 ms, the one before took 13 ms; the stop went by the
+    # rate of the first 3 steps counted, at 24), which it says too.
     late = any(n for n in cap.notes for why in ("the sidecar was not running meanwhile",
-                                                  "by the first count after the start was answered") if why in n)
+                                                  "by the first count after the start was answered",
+                                                  "reads had not come back") if why in n)
     assert cap.steps_counted is not None and (late or abs(cap.steps_counted - 20) <= 2), (cap.steps_counted, cap.notes)
     # The trace: short by the steps the engine ran between the base read and its profiler's start
     # (the start travels too: a CI run at f8f679b counted 20 and traced 16), long by the steps it ran
