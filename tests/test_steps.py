@@ -218,6 +218,10 @@ RAN_PAST = ("the sidecar was not running meanwhile", "between two reads", "by th
             "reads had not come back")
 
 
+def _ran_past(cap: Any) -> bool:
+    return any(why in n for n in cap.notes for why in RAN_PAST)
+
+
 def test_a_stop_that_travels_is_sent_ahead_by_what_the_last_windows_traced_past_their_count(
     shared: ModuleSidecar, sidecar_factory: Any
 ) -> None:
@@ -239,14 +243,14 @@ def test_a_stop_that_travels_is_sent_ahead_by_what_the_last_windows_traced_past_
             cap = client.wait_capture(client.start_capture(stages=[0, 2], steps=20).id, timeout=120)
             assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
             windows.append(cap)
-            if not any(why in n for n in cap.notes for why in RAN_PAST):
+            if not _ran_past(cap):
                 learned.append(cap)
         assert len(learned) == 2, [c.notes for c in windows]
         # The window sent ahead; one stopped by the rate for a stated reason instead (a loaded host: a
         # read not back in time) says that reason, not the lead, and teaches nothing: one more is run.
         for _ in range(3):
             windows.append(client.wait_capture(client.start_capture(stages=[0, 2], steps=20).id, timeout=120))
-            if not any(why in n for n in windows[-1].notes for why in RAN_PAST):
+            if not _ran_past(windows[-1]):
                 break
     traced = [{v.stage_id: v.steps_traced or 0 for v in c.verdicts} for c in learned]
     counted = [c.steps_counted for c in learned]
