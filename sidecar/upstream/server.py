@@ -280,25 +280,15 @@ class UpstreamServer:
             request = self._request("/start_profile", body, timeout)
             await release()
         try:
-            await self._send(request)  # the first attempt without the retry machinery: less CPU per start
+            await self._send(request)  # the first attempt without the retry machinery (_again)
             return
         except UpstreamUnreachable:
             if self.start_attempts <= 1:
                 await release()
                 raise
         await release()  # never connected: the fan-out is released before the retries wait
-        await asyncio.sleep(min(0.2, self.retry_wait_max_s))  # as tenacity's first wait would
-        try:
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception(lambda e: isinstance(e, UpstreamUnreachable)),
-                stop=stop_after_attempt(self.start_attempts - 1),
-                wait=wait_exponential(multiplier=0.4, max=self.retry_wait_max_s),
-                reraise=True,
-            ):
-                with attempt:
-                    await self._post("/start_profile", body, timeout)
-        except RetryError as exc:  # pragma: no cover - reraise=True makes this unreachable
-            raise exc.last_attempt.exception() from None  # type: ignore[misc]
+        await self._again(lambda: self._post("/start_profile", body, timeout),
+                          retry=lambda e: isinstance(e, UpstreamUnreachable), attempts=self.start_attempts - 1)
 
     async def stop_profile(self, stages: list[int], *, budget_s: float | None = None) -> None:
         """Stop the profiler on exactly ``stages``; retried on connect errors and (up to
@@ -330,23 +320,33 @@ class UpstreamServer:
             read = min(self.timeouts.stop, left)
             await self._post("/stop_profile", body, httpx.Timeout(read, connect=min(self.timeouts.connect, left)))
 
-        # The first attempt without the retry machinery, as the start's: a fleet's worker sends 128
-        # stops in one turn, and tenacity's per-call state was a tenth of each stop's CPU there.
         try:
-            await once()
+            await once()  # the first attempt without the retry machinery (_again)
             return
         except UpstreamError as exc:
             if not retryable(exc) or time.monotonic() >= deadline:
                 raise
-        await asyncio.sleep(min(0.2, self.retry_wait_max_s))  # as tenacity's first wait would
-        async for attempt in AsyncRetrying(
-            retry=retry_if_exception(retryable),
-            stop=stop_after_delay(max(deadline - time.monotonic(), 0.0)),
-            wait=wait_exponential(multiplier=0.4, max=self.retry_wait_max_s),
-            reraise=True,
-        ):
-            with attempt:
-                await once()
+        await self._again(once, retry=retryable, deadline=deadline)
+
+    async def _again(self, call: Callable[[], Awaitable[None]], *, retry: Callable[[BaseException], bool],
+                     attempts: int | None = None, deadline: float | None = None) -> None:
+        """The attempts after a first one made without tenacity, whose per-call state was a tenth of
+        a start's or stop's CPU where a fleet's worker sends 128 in one turn: the waits tenacity
+        would have made from the first (0.2 s, 0.4, 0.8, ... up to ``retry_wait_max_s``), for at most
+        ``attempts`` more or until ``deadline`` (monotonic)."""
+        await asyncio.sleep(min(0.2, self.retry_wait_max_s))
+        if deadline is not None:
+            stop = stop_after_delay(max(deadline - time.monotonic(), 0.0))
+        else:
+            assert attempts is not None, "one bound: attempts or deadline"
+            stop = stop_after_attempt(attempts)
+        try:
+            async for attempt in AsyncRetrying(retry=retry_if_exception(retry), stop=stop, reraise=True,
+                                               wait=wait_exponential(multiplier=0.4, max=self.retry_wait_max_s)):
+                with attempt:
+                    await call()
+        except RetryError as exc:  # pragma: no cover - reraise=True makes this unreachable
+            raise exc.last_attempt.exception() from None  # type: ignore[misc]
 
     # --- plumbing -------------------------------------------------------------------------
 
