@@ -1,6 +1,5 @@
 """UpstreamServer: probe, explicit stage lists, flavors, error types and retries, over real sockets
-(FakeOmni: slow answers, dropped connections, 4xx/5xx). respx only for the one fault a listening
-server cannot show: a connection refused on the first attempt and accepted on the next."""
+(FakeOmni: slow answers, dropped connections, 4xx/5xx, a port that refuses and then serves again)."""
 
 from __future__ import annotations
 
@@ -9,12 +8,15 @@ import socket
 
 import httpx
 import pytest
-import respx
 
 from sidecar.errors import MetricsUnavailable, StageSelectionError, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from sidecar.upstream.server import Flavor, UpstreamServer, UpstreamTimeouts
+from sidecar.upstream.transport import AiohttpTransport
 
-BASE = "http://upstream.test"
+
+
+class _Key:  # aiohttp's ConnectionKey, as much of it as ClientConnectorError's message reads
+    host, port, ssl = "127.0.0.1", 1, False
 
 
 def _free_port() -> int:
@@ -102,14 +104,45 @@ async def test_start_to_closed_port_is_unreachable():
             await up.start_profile([0])
 
 
-@respx.mock
-async def test_start_retries_only_undelivered_requests():
-    route = respx.post(f"{BASE}/start_profile").mock(
-        side_effect=[httpx.ConnectError("refused"), httpx.Response(200, json={"status": "SUCCESS"})]
-    )
-    async with UpstreamServer(BASE, retry_wait_max_s=0.01) as up:
+async def test_start_retries_only_undelivered_requests(fake_omni):
+    # refused on the first attempt (the server is down), accepted on the next (it is back)
+    class BackAfterRefusal(AiohttpTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            try:
+                return await super().handle_async_request(request)
+            except httpx.ConnectError:
+                fake_omni.revive()
+                raise
+
+    fake_omni.crash()
+    async with UpstreamServer(fake_omni.url, retry_wait_max_s=0.01, transport=BackAfterRefusal()) as up:
         await up.start_profile([0])
-    assert route.call_count == 2
+    assert len(fake_omni.starts()) == 1
+
+
+async def test_start_dropped_after_it_was_read_is_ambiguous_and_not_sent_again(fake_omni):
+    # delivered, then the connection went: the server may be recording, a second start would be a second window
+    fake_omni.drop_starts = 1
+    async with UpstreamServer(fake_omni.url, retry_wait_max_s=0.01, start_attempts=3) as up:
+        with pytest.raises(UpstreamTimeout, match="effect is unknown"):
+            await up.start_profile([0])
+    assert len(fake_omni.starts()) == 1
+
+
+@pytest.mark.parametrize(("error", "as_httpx"), [
+    (lambda a: a.ConnectionTimeoutError("connect"), httpx.ConnectTimeout),
+    (lambda a: a.ClientConnectorError(_Key(), ConnectionRefusedError(111, "refused")), httpx.ConnectError),
+    (lambda a: a.SocketTimeoutError("read"), httpx.ReadTimeout),
+    (lambda a: a.ServerDisconnectedError(), httpx.RemoteProtocolError),
+    (lambda a: a.ClientOSError(104, "reset"), httpx.RemoteProtocolError),
+    (lambda a: a.ClientPayloadError("cut"), httpx.ReadError),
+])
+def test_aiohttp_errors_become_httpx_errors_by_what_they_say_of_delivery(error, as_httpx):
+    import aiohttp
+
+    from sidecar.upstream.transport import _httpx_error
+
+    assert type(_httpx_error(error(aiohttp))) is as_httpx
 
 
 async def test_start_read_timeout_is_ambiguous_and_not_retried(fake_omni):

@@ -29,6 +29,7 @@ from sidecar.errors import MetricsUnavailable, UpstreamError, UpstreamTimeout, U
 from sidecar.errors import StagesEmpty, StagesInvalid
 from sidecar.upstream.metrics import KEPT_SAMPLES, MAX_METRICS_BYTES, STEP_SAMPLES, Labels, MetricsSnapshot
 from sidecar.upstream.metrics import MetricsUnreadable, parse_metrics, step_counts
+from sidecar.upstream.transport import AiohttpTransport
 
 _T = TypeVar("_T")
 
@@ -80,7 +81,8 @@ def _is_5xx(exc: BaseException) -> bool:
 
 
 class UpstreamServer:
-    """One upstream server. Owns an ``httpx.AsyncClient``; close it with :meth:`aclose`."""
+    """One upstream server. Owns an ``httpx.AsyncClient`` (over aiohttp: ``transport.py``; tests
+    may pass another ``transport``); close it with :meth:`aclose`."""
 
     def __init__(
         self,
@@ -103,7 +105,7 @@ class UpstreamServer:
         self.retry_wait_max_s = retry_wait_max_s
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
-            transport=transport,
+            transport=transport or AiohttpTransport(),
             timeout=httpx.Timeout(self.timeouts.probe, connect=self.timeouts.connect),
             # The upstream is a local server; a proxy from the environment would only get in the way.
             trust_env=False,

@@ -1,0 +1,125 @@
+"""httpx's API over aiohttp's connections: the upstream client's transport.
+
+The client keeps httpx (its requests, timeouts, streams and errors are what ``server.py`` and its
+tests speak); the bytes go through aiohttp, whose C parser and loop-native connections cost half
+of httpcore's CPU per request (0.39 ms against 0.77 ms here, 128 clients posting at once: a fleet
+worker's turn of stops; bench/transport.py prints it). That CPU is what a fleet's stop at 1,024
+upstream targets is made of (docs/fleet-clocks.md).
+
+aiohttp's errors are turned into httpx's by what they say about delivery, the one thing
+``server.py`` decides on: refused or not connected in time is ``ConnectError``/``ConnectTimeout``
+(never delivered: a start may be sent again); a read that timed out is ``ReadTimeout``; a
+connection dropped after the request went out is ``RemoteProtocolError`` (delivered or not,
+nobody knows). httpx-aiohttp (PyPI) maps a dropped connection to ``ConnectTimeout``, which would
+have a start sent twice, so the mapping is this module's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+if TYPE_CHECKING:
+    import aiohttp
+
+# Below uvicorn's 5 s keep-alive (vLLM's API server), so a pooled connection is dropped here
+# before the server closes it under a request in flight.
+KEEPALIVE_S = 4.0
+MAX_CONNECTIONS = 100
+
+
+def _httpx_error(exc: BaseException) -> httpx.HTTPError | None:
+    import aiohttp
+
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout(message)
+    if isinstance(exc, aiohttp.ClientConnectorError):  # refused, unresolvable: nothing was sent
+        return httpx.ConnectError(message)
+    if isinstance(exc, (aiohttp.ServerTimeoutError, TimeoutError)):
+        return httpx.ReadTimeout(message)
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return httpx.ReadError(message)
+    if isinstance(exc, (aiohttp.ClientError, OSError)):
+        return httpx.RemoteProtocolError(message)
+    return None
+
+
+@contextlib.contextmanager
+def _as_httpx() -> Iterator[None]:
+    try:
+        yield
+    except httpx.HTTPError:
+        raise
+    except Exception as exc:
+        mapped = _httpx_error(exc)
+        if mapped is None:
+            raise
+        raise mapped from exc
+
+
+class _Body(httpx.AsyncByteStream):
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        with _as_httpx():
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+
+    async def aclose(self) -> None:
+        self._response.release()
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """One aiohttp session, opened on the first request (inside the running loop) and closed by
+    :meth:`aclose`: at most ``limit`` connections, idle ones kept ``keepalive_s``. No proxy from
+    the environment, no redirects, no decompression (httpx decodes). Every session verifies TLS
+    with aiohttp's one default context, built once per process."""
+
+    def __init__(self, *, limit: int = MAX_CONNECTIONS, keepalive_s: float = KEEPALIVE_S) -> None:
+        self._session: aiohttp.ClientSession | None = None
+        self._limit = limit
+        self._keepalive_s = keepalive_s
+
+    def _open(self) -> aiohttp.ClientSession:
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=self._keepalive_s)
+        return aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False,
+                                     skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"))
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        import aiohttp
+
+        if self._session is None:
+            self._session = self._open()
+        timeout: dict[str, Any] = request.extensions.get("timeout", {})
+        data: Any
+        try:
+            data = request.content or None
+        except httpx.RequestNotRead:
+            data = request.stream  # sent as it is produced: a held start's last byte waits
+        headers = [(k, v) for k, v in request.headers.multi_items() if k.lower() != "transfer-encoding"]
+        # httpx has made the URL's user:password its Authorization header; aiohttp refuses both at once
+        url = request.url.copy_with(userinfo=b"") if request.url.userinfo else request.url
+        with _as_httpx():
+            response = await self._session.request(
+                request.method, str(url), headers=headers, data=data,
+                allow_redirects=False, compress=None,
+                timeout=aiohttp.ClientTimeout(total=None, connect=timeout.get("pool"),
+                                              sock_connect=timeout.get("connect"), sock_read=timeout.get("read")),
+            )
+        extensions: dict[str, Any] = {"http_version": b"HTTP/1.1"}
+        if response.reason:
+            extensions["reason_phrase"] = response.reason.encode()
+        return httpx.Response(response.status, headers=list(response.raw_headers), stream=_Body(response),
+                              request=request, extensions=extensions)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            session, self._session = self._session, None
+            await session.close()
