@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import ssl
 from pathlib import Path
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, Protocol
@@ -21,6 +20,7 @@ from sidecar.control.models import Capture, CaptureState, StopReason
 from sidecar.errors import KindUnsupported, RequestInvalid, SidecarError
 from sidecar.fleet._clocks import MORE, ClockOffset, clock_record, exchange
 from sidecar.fleet._targets import Target
+from sidecar.upstream.transport import AiohttpTransport
 
 # "upstream answered stop": the capture left `stopping` (collecting, or already terminal).
 STOPPED = (CaptureState.collecting, CaptureState.completed, CaptureState.degraded, CaptureState.failed)
@@ -64,23 +64,20 @@ class DriverFactory(Protocol):
 
 
 class FleetTransports:
-    """Connections for a fleet: one TLS context for all targets, a small pool per target.
+    """Connections for a fleet: a small pool per target, over aiohttp (``sidecar/upstream/transport.py``).
 
     Measured at scale (bench/fanout.py): a default ``httpx.AsyncClient`` builds its own TLS context
-    (tens of ms of CPU each, on the event loop, before any request); one pool shared by every
-    target costs O(requests x connections) per request in httpcore's pool. A pool per target that
-    reuses one TLS context costs neither."""
+    (tens of ms of CPU each, on the event loop, before any request), and one pool shared by every
+    target costs O(requests x connections) per request in httpcore's pool. A pool per target costs
+    neither, and aiohttp's sessions share its one TLS context; its requests take half httpcore's CPU
+    (bench/transport.py)."""
 
     # a target holds at most a blocking start or stop plus a heartbeat or poll beside it
-    LIMITS = httpx.Limits(max_connections=4, max_keepalive_connections=2, keepalive_expiry=60)
+    LIMIT = 4
+    KEEPALIVE_S = 60.0
 
-    def __init__(self) -> None:
-        self._tls: ssl.SSLContext | None = None
-
-    def for_target(self) -> httpx.AsyncHTTPTransport:
-        if self._tls is None:
-            self._tls = httpx.create_ssl_context()
-        return httpx.AsyncHTTPTransport(verify=self._tls, limits=self.LIMITS)
+    def for_target(self) -> AiohttpTransport:
+        return AiohttpTransport(limit=self.LIMIT, keepalive_s=self.KEEPALIVE_S)
 
 
 def deploy_from_stages_reply(reply: dict[str, Any]) -> DeployConfig:

@@ -1,7 +1,7 @@
 """Targets driven from worker processes (``Fleet(processes=P)``).
 
-One Python process spends about half a millisecond of CPU per HTTP request it sends and reads
-(httpx on an event loop), and more per in-process controller (journal, artifact checks): at a
+One Python process spends a few tenths of a millisecond of CPU per HTTP request it sends and reads
+(httpx over aiohttp on an event loop), and more per in-process controller (journal, artifact checks): at a
 thousand targets a fan-out's start and stop take that a thousand times, one after another.
 ``ShardPool`` spreads the sidecar and upstream targets over ``P`` worker processes, each an event
 loop running the targets' own :class:`~sidecar.fleet._drivers.SidecarDriver` or
