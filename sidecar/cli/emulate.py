@@ -35,6 +35,9 @@ def emulate(
     fault_stop_travel: float = typer.Option(
         0.0, "--fault-stop-travel", help="Test aid: seconds a stop takes to reach the workers, which record meanwhile."
     ),
+    fault_start_travel: float = typer.Option(
+        0.0, "--fault-start-travel", help="Test aid: seconds a start takes to reach the workers, which step meanwhile unrecorded."
+    ),
     fault_start_delay: float = typer.Option(
         0.0, "--fault-start-delay", help="Test aid: extra seconds inside start before replying (the workers record)."
     ),
@@ -109,6 +112,7 @@ def emulate(
                 gzip_delay_s=gzip_delay,
                 fault_stop_delay_s=fault_stop_delay,
                 fault_stop_travel_s=fault_stop_travel,
+                fault_start_travel_s=fault_start_travel,
                 fault_start_delay_s=fault_start_delay,
                 fault_metrics_delay_s=fault_metrics_delay,
                 fault_metrics_delay_after=fault_metrics_delay_after,

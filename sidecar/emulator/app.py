@@ -291,9 +291,10 @@ async def _hold_metrics_reply(emu: Emulator) -> None:
         await asyncio.sleep(f.metrics_delay_s)
 
 
-async def _stop_travel(emu: Emulator) -> None:
-    if emu.faults.stop_travel_s:
-        await asyncio.sleep(emu.faults.stop_travel_s)
+async def _travel(seconds: float) -> None:
+    """A start or stop on its way to the workers (``start_travel_s`` / ``stop_travel_s``)."""
+    if seconds:
+        await asyncio.sleep(seconds)
 
 
 async def _hold_stop_reply(emu: Emulator) -> None:
@@ -317,6 +318,7 @@ def _omni_profiler_router(emu: Emulator) -> APIRouter:
         try:
             if emu.faults.start_500:
                 raise RuntimeError("injected fault (--fault-start-500)")
+            await _travel(emu.faults.start_travel_s)
             await emu.collective_profile(True, stages)
         except Exception as e:
             logger.error("Failed to start profiler: %s", e)
@@ -333,7 +335,7 @@ def _omni_profiler_router(emu: Emulator) -> APIRouter:
         try:
             if emu.faults.stop_500:
                 raise RuntimeError("injected fault (--fault-stop-500)")
-            await _stop_travel(emu)
+            await _travel(emu.faults.stop_travel_s)
             await emu.collective_profile(False, stages)
         except Exception as e:
             logger.error("Failed to stop profiler: %s", e)
@@ -353,6 +355,7 @@ def _vllm_profiler_router(emu: Emulator) -> APIRouter:
     async def start_profile(raw_request: Request) -> Response:
         if emu.faults.start_500:
             raise HTTPException(status_code=500, detail="Failed to start profiler: injected fault (--fault-start-500)")
+        await _travel(emu.faults.start_travel_s)
         await _vllm_profile(emu, True)
         await _hold_start_reply(emu)
         return Response(status_code=200)
@@ -361,7 +364,7 @@ def _vllm_profiler_router(emu: Emulator) -> APIRouter:
     async def stop_profile(raw_request: Request) -> Response:
         if emu.faults.stop_500:
             raise HTTPException(status_code=500, detail="Failed to stop profiler: injected fault (--fault-stop-500)")
-        await _stop_travel(emu)
+        await _travel(emu.faults.stop_travel_s)
         await _vllm_profile(emu, False)
         await _hold_stop_reply(emu)
         return Response(status_code=200)

@@ -23,6 +23,9 @@ class Faults(BaseModel):
     # servers' stop travel (vLLM 0.30's front-end profiler stops first; vLLM-Omni's orchestrator and
     # stage queues), which on the two-stage vLLM-Omni server here let a 20-step window trace 31
     stop_travel_s: float = Field(default=0.0, ge=0)
+    # start reaches the workers this long after it arrived, while they step on unrecorded: the
+    # steps a ``steps`` window counts from its base read before the profilers start
+    start_travel_s: float = Field(default=0.0, ge=0)
     # start holds its reply this long after the workers started (and record): a server's first
     # profiler start on CPU, or vLLM 0.30 waiting for its front-end profiler
     start_delay_s: float = Field(default=0.0, ge=0)
@@ -72,6 +75,7 @@ class EmulatorOptions(BaseModel):
     # --- fault knobs at start-up (test aids; a real server has none of these) ---
     fault_stop_delay_s: float = Field(default=0.0, ge=0)
     fault_stop_travel_s: float = Field(default=0.0, ge=0)
+    fault_start_travel_s: float = Field(default=0.0, ge=0)
     fault_start_delay_s: float = Field(default=0.0, ge=0)
     fault_metrics_delay_s: float = Field(default=0.0, ge=0)
     fault_metrics_delay_after: int = Field(default=0, ge=0)
@@ -87,6 +91,7 @@ class EmulatorOptions(BaseModel):
         return Faults(
             stop_delay_s=self.fault_stop_delay_s,
             stop_travel_s=self.fault_stop_travel_s,
+            start_travel_s=self.fault_start_travel_s,
             start_delay_s=self.fault_start_delay_s,
             metrics_delay_s=self.fault_metrics_delay_s,
             metrics_delay_after=self.fault_metrics_delay_after,
