@@ -20,6 +20,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.config import load_deploy_config
+from sidecar.config.rules import capped_by_server
 from sidecar.control.budget import Probe, check_budget, make_plan, run_plan
 from sidecar.client import SidecarClient
 from sidecar.control.lead import NOISE_STEPS, StopLead
@@ -540,6 +542,53 @@ def test_render_bounds_the_rendered_stages_in_engine_steps(tmp_path: Path) -> No
     got = {s.stage_id: (s.profiler_config.max_iterations, s.profiler_config.delay_iterations)
            for s in load_deploy_config(out).stages if s.profiler_config}  # fmt: skip
     assert got == {0: (20, 5), 1: (20, 5)}
+
+
+@pytest.fixture(scope="module")
+def capped(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool) -> Iterator[ModuleSidecar]:
+    """Both profiled stages end each window themselves after 10 engine steps (render --steps 10)."""
+    root = tmp_path_factory.mktemp("capped-steps")
+    stages = {0: {"profiler": "torch", "max_iterations": 10}, 1: None, 2: {"profiler": "torch", "max_iterations": 10}}
+    yield from ModuleSidecar.for_module(emulator_pool, make_deploy(root, stages), emulator_args=THREAD,
+                                        state_dir=root / "state", log_path=root / "sidecar.log")  # fmt: skip
+
+
+@pytest.mark.parametrize(("stage2", "steps", "capped"), [
+    ({"max_iterations": 10}, 10, True),
+    ({"max_iterations": 10}, 12, True),    # the servers end their windows first
+    ({"max_iterations": 10}, 8, False),    # the window's own steps end it first
+    ({"max_iterations": 5, "delay_iterations": 5}, 10, True),
+    ({"max_iterations": 5, "delay_iterations": 6}, 10, False),
+    ({"delay_iterations": 5}, 10, False),  # no end of its own
+    ({}, 10, False),
+])
+def test_a_window_is_capped_by_the_server_when_every_stage_ends_its_own_within_the_steps(
+    tmp_path: Path, stage2: dict[str, int], steps: int, capped: bool
+) -> None:
+    deploy = load_deploy_config(make_deploy(tmp_path, {0: {"profiler": "torch", "max_iterations": 10}, 1: None,
+                                                       2: {"profiler": "torch", **stage2}}))  # fmt: skip
+    assert capped_by_server(deploy, [0, 2], steps) is capped
+    assert capped_by_server(deploy, [0], steps) is (steps >= 10)
+
+
+def test_a_window_the_server_caps_is_not_cut_short_by_a_start_that_travelled(capped: ModuleSidecar) -> None:
+    # The start reaches the workers 0.3 s after it arrives, while the engines step on unrecorded
+    # (--fault-start-travel): a stop sent when the count reaches 10 would land before the profilers
+    # had run their 10 iterations. Every stage ends its own window, so the stop waits for the steps
+    # run by the start's answer, and both traces hold the 10 the servers cap them at.
+    capped.emulator.set_faults(start_travel_s=0.3)
+    try:
+        with steady_load(capped.emulator.url, max_tokens=1, chat=True), capped.client() as client:
+            cap = client.start_capture(stages=[0, 2], steps=10)
+            final = client.wait_capture(cap.id, timeout=120)
+    finally:
+        capped.emulator.set_faults(start_travel_s=0.0)
+    traced = {v.stage_id: v.steps_traced for v in final.verdicts}
+    assert (final.state.value, final.stop_reason.value, traced) == ("completed", "steps", {0: 10, 2: 10}), (
+        traced, final.notes)
+    sent = [n for n in final.notes if n.startswith("the stop was sent at ")]
+    assert len(sent) == 1 and "every stage's server ends its own window after 10 engine iterations" in sent[0], final.notes
+    assert final.steps_counted is not None and final.steps_counted > 10, final.steps_counted
 
 
 @pytest.fixture(scope="module")

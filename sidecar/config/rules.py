@@ -137,6 +137,17 @@ def server_bounded_stages(deploy: DeployConfig, stages: list[int]) -> list[tuple
     return out
 
 
+def capped_by_server(deploy: DeployConfig, stages: list[int], steps: int) -> bool:
+    """Every stage of ``stages`` ends its own window within ``steps`` engine iterations of its
+    profiler's start (``max_iterations`` set, ``delay_iterations + max_iterations <= steps``): the
+    server, not the sidecar's stop, decides what a ``steps`` window of ``steps`` traces."""
+    bounded = dict(server_bounded_stages(deploy, stages))
+    return bool(stages) and all(
+        sid in bounded and 0 < bounded[sid].max_iterations and bounded[sid].max_iterations + bounded[sid].delay_iterations <= steps
+        for sid in stages
+    )
+
+
 def steps_bounded_by_server(deploy: DeployConfig, stages: list[int], steps: int) -> list[str]:
     """What the server's own iteration bounds do to a ``steps`` window of ``stages``, one note per
     stage that has them. vLLM's profiler skips ``delay_iterations`` engine iterations from its start

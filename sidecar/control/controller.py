@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from sidecar.config.models import DeployConfig, StageKind
-from sidecar.config.rules import select_stages, server_bounded_stages, steps_bounded_by_server
+from sidecar.config.rules import capped_by_server, select_stages, server_bounded_stages, steps_bounded_by_server
 from sidecar.control import artifacts
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
@@ -287,6 +287,9 @@ def _done(value: Any) -> asyncio.Task[Any]:
 
 RATE_WINDOW_S = 1.0  # a ``steps`` window's step rate is taken over this much of its latest reads
 STEP_READS_OUT = 4  # a ``steps`` window's counter reads out at once (a late one is hedged by fresh ones)
+# A window every stage's server ends itself: its stop waits this many steps past the count at which
+# the profilers have surely run ``steps`` iterations (the first, empty one counts too)
+CAPPED_MARGIN = 2
 
 
 def _check_steps(steps: int | None, delay_steps: int | None) -> None:
@@ -967,7 +970,13 @@ class CaptureController:
         cap, rt = self._captures[capture_id], self._rt[capture_id]
         assert cap.steps is not None
         steps, poll = cap.steps, self.settings.steps_poll_s
-        lead, learned_from = self._lead.lead(cap.stages)
+        # Every stage's server ends its own window after ``steps`` iterations (render --steps): a stop
+        # landing sooner would cut that window short (the profilers started somewhere between the
+        # base read and the start's answer), one landing later changes nothing. So the stop waits
+        # for the steps run by the start's answer, past ``steps``; no lead, nothing runs past.
+        capped = capped_by_server(self.deploy, cap.stages, steps)
+        head = 0  # a capped window's steps run by the start's answer
+        lead, learned_from = (0.0, 0) if capped else self._lead.lead(cap.stages)
         aim = steps - lead  # the count the stop is sent at
         base: dict[Labels, int] | None = None
         reads: collections.deque[tuple[float, int]] = collections.deque()  # (when the server counted, steps run)
@@ -987,7 +996,7 @@ class CaptureController:
         def late(sent: float, count: int) -> str | None:
             """Why a stop sent by the rate is past ``steps``: it was sent late (the sidecar's process
             did not run: a host whose CPUs the server keeps busy left it unscheduled for seconds)."""
-            if count - steps <= 2:
+            if count - steps <= 2 or capped:
                 return None
             return (f"the stop was sent {(sent - due()) * 1000:.0f} ms after the rate ({rate:.1f} steps/s) put the "
                     f"window at {steps} steps, at about {count}: the sidecar was not running meanwhile (a host "
@@ -995,8 +1004,14 @@ class CaptureController:
 
         async def stop(count: int, why: str | None = None) -> None:
             rt.steps_at_stop, rt.steps_learn = count, why is None
-            if why is not None:
+            if why is not None and not capped:
                 cap.notes.append(why)
+            elif capped:
+                cap.notes.append(
+                    f"the stop was sent at {count} steps counted, past the {steps} asked: every stage's server ends its "
+                    f"own window after {steps} engine iterations (max_iterations), and the engines had run {head} of "
+                    "the counted steps by the start's answer (its profilers started somewhere in them): a stop sent "
+                    "sooner could cut a window short, one sent later changes nothing" + (f"; {why}" if why else ""))
             elif lead:
                 cap.notes.append(
                     f"the stop was sent at {count} of the {steps} steps counted, {lead:.0f} ahead: in this "
@@ -1045,7 +1060,14 @@ class CaptureController:
             rate = (now - reads[0][1]) / (at - reads[0][0]) if at > reads[0][0] else 0.0
             log.debug("capture %s: %d of %d steps (read %.0f ms, %.1f steps/s)", cap.id, now, steps,
                       took * 1000, rate)
-            if now - steps > 2:
+            if capped and first:  # the first read after the start's answer: the profilers have started
+                head = now
+                aim = steps + head + CAPPED_MARGIN
+            if capped and now - aim > 2 and prev is not None:
+                await stop(now, f"the count went from {prev[1]} to {now} between two reads {(at - prev[0]) * 1000:.0f} ms "
+                                f"apart (this read took {took * 1000:.0f} ms), past the {aim:.0f} the stop waited for")
+                return
+            if now - steps > 2 and not capped:
                 if first and rt.started_mono is not None:
                     why = (f"the server had run {now} engine steps by the first count after the start was answered "
                            f"({rt.started_mono - reads[0][0]:.2f}s after it was sent), more than the {steps} asked: a "
