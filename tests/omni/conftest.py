@@ -16,6 +16,8 @@ The setups (each a real server, each named for what it exercises):
 - ``global_profiler``: no profiler in the YAML; ``--profiler-config`` for every stage (into the
   pool's shared dir) and ``--stage-overrides`` taking the profiler off stage 1.
 - ``bounded``: stage 0 with ``max_iterations: 3`` (into the shared dir too), stage 1 with stacks.
+- ``capped``: both stages with ``max_iterations: 20``, as ``omni-sidecar render --steps 20`` writes
+  it: the server bounds each window itself (``steps`` windows of 20, tests/omni/test_steps.py).
 - ``diffusion``: a tiny random DDPM, one diffusion stage, no deploy YAML: ``--profiler-config`` only.
 """
 
@@ -52,7 +54,7 @@ AR_PIPELINE = "omni_cpu_tiny_ar"  # tools/omni_cpu/omni_cpu_platform/pipeline.py
 # The order the tests run in, by the setups they use: a test needing two setups comes where the
 # second one starts. With two servers at a time, every setup then starts exactly once: two_stage,
 # global_profiler beside it, bounded in place of two_stage, then diffusion (before: five starts).
-SETUP_ORDER = ("two_stage", "global_profiler", "bounded", "diffusion")
+SETUP_ORDER = ("two_stage", "capped", "global_profiler", "bounded", "diffusion")
 PLAN: list[frozenset[str]] = []  # the setups each collected omni test uses, in run order
 POSITION = [0]  # index in PLAN of the test being set up
 
@@ -314,6 +316,9 @@ def omni_pool(omni_python: str, tiny_model: Path, tmp_path_factory: pytest.TempP
         pool.close()
 
 
+CAP = 20  # the capped server's max_iterations (omni-sidecar render --steps 20)
+
+
 def _two_stage(pool: OmniPool, root: Path) -> Spec:
     deploy = write_ar_deploy(root / "deploy.yaml", [torch_profiler(root / f"stage{i}") for i in (0, 1)])
     return Spec(deploy, [], {0: root / "stage0", 1: root / "stage1"})
@@ -334,6 +339,11 @@ def _bounded(pool: OmniPool, root: Path) -> Spec:
     return Spec(write_ar_deploy(root / "deploy.yaml", profilers), [], {0: pool.shared_dir, 1: root / "stage1"})
 
 
+def _capped(pool: OmniPool, root: Path) -> Spec:
+    profilers = [torch_profiler(root / f"stage{i}", max_iterations=CAP) for i in (0, 1)]
+    return Spec(write_ar_deploy(root / "deploy.yaml", profilers), [], {0: root / "stage0", 1: root / "stage1"})
+
+
 def _diffusion(pool: OmniPool, root: Path) -> Spec:
     """No deploy YAML (vLLM-Omni's generic single-stage diffusion); a sidecar is told the server's
     --profiler-config (and, in its test, --stages 0)."""
@@ -345,7 +355,7 @@ def _diffusion(pool: OmniPool, root: Path) -> Spec:
 
 
 SETUPS: dict[str, Callable[[OmniPool, Path], Spec]] = {
-    "two_stage": _two_stage, "global_profiler": _global_profiler, "bounded": _bounded, "diffusion": _diffusion,
+    "two_stage": _two_stage, "capped": _capped, "global_profiler": _global_profiler, "bounded": _bounded, "diffusion": _diffusion,
 }  # fmt: skip
 assert set(SETUPS) == set(SETUP_ORDER)
 
@@ -363,6 +373,11 @@ def global_profiler(omni_pool: OmniPool) -> Setup:
 @pytest.fixture(scope="module")
 def bounded(omni_pool: OmniPool) -> Setup:
     return omni_pool.get("bounded")
+
+
+@pytest.fixture(scope="module")
+def capped(omni_pool: OmniPool) -> Setup:
+    return omni_pool.get("capped")
 
 
 @pytest.fixture(scope="module")

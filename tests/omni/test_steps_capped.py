@@ -1,0 +1,61 @@
+"""``steps`` windows on a real two-stage ``vllm serve --omni`` whose stages bound their own windows
+(``max_iterations: 20``, as ``omni-sidecar render --steps 20`` writes it): the server ends each
+stage's window after its 20 iterations, the sidecar's stop (sent past the count the profilers
+need) never cuts one short, and however late it lands no trace holds more. The first stage's trace
+holds 20 steps give or take 2; the second's fewer, its waits for the first count as iterations
+(docs/captures.md). Without the cap the count alone ends the window: tests/omni/test_steps.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from sidecar.api.launcher import SidecarProcess
+from sidecar.client import SidecarClient
+from tests.fixtures.load import steady_load
+from tests.omni.conftest import CAP, Setup, end_open_captures, module_sidecar
+
+
+@pytest.fixture(scope="module")
+def capped_sidecar(capped: Setup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
+    with module_sidecar(capped, tmp_path_factory) as proc:
+        yield proc
+        end_open_captures(proc.url)
+
+
+@pytest.fixture
+def load(capped: Setup) -> Iterator[None]:
+    # two requests at a time, through both stages: a batch that keeps the engines stepping. The cap
+    # counts every iteration, idle ones too (nothing scheduled), and one request at a time leaves
+    # one idle iteration at each request's end: with 4-token requests 20 iterations held 16 steps.
+    with steady_load(capped.url, max_tokens=8), steady_load(capped.url, max_tokens=8):
+        yield
+
+
+@pytest.mark.parametrize("window", range(3))
+def test_twenty_steps_on_stages_the_server_caps_at_twenty_end_where_the_server_ends_them(
+    capped_sidecar: SidecarProcess, load: None, window: int
+) -> None:
+    with SidecarClient(capped_sidecar.url, timeout=600) as client:
+        cap = client.start_capture(stages=[0, 1], steps=CAP, label="omni-steps-capped")
+        assert all(f"stage {s}: the server stops its own profiler after {CAP} engine iterations" in " ".join(cap.notes)
+                   for s in (0, 1)), cap.notes
+        cap = client.wait_capture(cap.id, timeout=900)
+        summary = client.summary(cap.id)
+    traced = {v.stage_id: v.steps_traced for v in cap.verdicts}
+    markers = {f.stage_id: f.window.engine_steps for f in summary.files}
+    kinds = {f.stage_id: {k.kind: k.count for k in f.engine_step_kinds} for f in summary.files}
+    print(f"asked {CAP} on max_iterations {CAP}: counted {cap.steps_counted}, traced {traced}, step markers {markers} "
+          f"{kinds}, notes {cap.notes}")
+    assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
+    assert any(n.startswith(f"the stop was sent at {cap.steps_counted} steps counted, past the {CAP} asked")
+               for n in cap.notes), cap.notes
+    # Stage 0 steps on every iteration under this load: its trace holds the server's 20 iterations
+    # whole (the stop did not cut them short; it came up to 150 counted steps later here and added
+    # nothing), 2 of them the profiler's empty first and last: 18 steps that scheduled tokens.
+    assert markers[0] == CAP and abs(traced[0] - CAP) <= 2, (markers, traced, kinds)
+    # Stage 1 steps only on what stage 0 hands it: the iterations in which it waits count towards
+    # its 20 and leave no step in its trace (9-11 steps here), never more than the cap.
+    assert 0 < markers[1] <= CAP, (markers, traced, kinds)
