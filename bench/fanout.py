@@ -11,6 +11,8 @@ torch profiler (a collective RPC round trip plus ``torch.profiler.start``: ~0.1 
 engine, ~0.5 s with several stages or a busy step); a hold of 0 would measure only the trainer's
 CPU. Stubs bind their own ports (port 0) and report them; one stub process per 64 replicas (a
 stub writes its traces on the event loop; more per process and the stubs are what is measured).
+``--stub-cpus N`` pins the stubs to the last N CPUs and the fleet (and its workers) to the others,
+as if the replicas ran on other hosts.
 1,024 replicas need ~2,100 file descriptors here (the soft limit is raised).
 
 Columns. ``start``: the call until every upstream accepted (plain: prepare + send + hold; with
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import resource
 import statistics
@@ -157,10 +160,31 @@ def _table(kind: str, n: int, latency: float, repeat: int, rows: dict[tuple[int,
           f"skew p50 <= 20 ms -> plain {plain['skew_p50']:.1f} ms, start_at {rows[(n, True)]['skew_p50']:.1f} ms")
 
 
-def _bench(kind: str, n: int, latencies: list[float], repeat: int, serial_n: int, processes: int | None = None) -> None:
-    with tempfile.TemporaryDirectory(prefix="omni-fanout-") as tmp:
+def _split_cpus(stub_cpus: int) -> tuple[set[int] | None, set[int] | None]:
+    """(the stubs' CPUs, this process's) with the last ``stub_cpus`` CPUs for the stubs: the stubs
+    stand in for servers on other hosts, and on this one they take the fleet's CPUs (a stop's
+    burst runs 1,024 stub requests beside the fleet's workers on the same cores)."""
+    if not stub_cpus:
+        return None, None
+    cpus = sorted(os.sched_getaffinity(0))
+    if stub_cpus >= len(cpus):
+        raise SystemExit(f"--stub-cpus {stub_cpus}: this process has {len(cpus)} CPUs; leave the fleet some")
+    return set(cpus[-stub_cpus:]), set(cpus[:-stub_cpus])
+
+
+def _bench(kind: str, n: int, latencies: list[float], repeat: int, serial_n: int, processes: int | None = None,
+           stub_cpus: int = 0) -> None:
+    stubs_on, fleet_on = _split_cpus(stub_cpus)
+    own = os.sched_getaffinity(0)
+    with tempfile.TemporaryDirectory(prefix="omni-fanout-") as tmp, contextlib.ExitStack() as undo:
+        undo.callback(os.sched_setaffinity, 0, own)
         root = Path(tmp)
-        with StubFleet(n, mode=kind, root=root, latency=latencies[0], processes=-(-n // STUBS_PER_PROCESS)) as stubs:
+        with StubFleet(n, mode=kind, root=root, latency=latencies[0], processes=-(-n // STUBS_PER_PROCESS),
+                       cpus=stubs_on) as stubs:
+            if fleet_on:  # the fleet's worker processes, spawned later, inherit it
+                os.sched_setaffinity(0, fleet_on)
+                print(f"stubs on CPUs {min(stubs_on)}-{max(stubs_on)}, the fleet and its workers on "  # type: ignore[arg-type]
+                      f"{min(fleet_on)}-{max(fleet_on)}")
             if kind == "upstream":
                 targets = [Target.upstream(u, d) for u, d in zip(stubs.urls, write_deploys(root, n))]
             else:
@@ -401,6 +425,8 @@ def main() -> None:
     ap.add_argument("--stubs-per-process", type=int, default=64,
                     help="stub replicas per stub process: an upstream stub writes each stop's trace on its loop, "
                          "so many per process make the stubs, not the fleet, what a stop waits for")
+    ap.add_argument("--stub-cpus", type=int, default=0,
+                    help="pin the stubs to this many of the last CPUs and the fleet to the others (0: shared)")
     ap.add_argument("--processes", type=int, default=None,
                     help="the fleet's worker processes (default: the fleet's own choice, sidecar/fleet/_shards.py)")
     args = ap.parse_args()
@@ -422,7 +448,7 @@ def main() -> None:
         _clock_goals(args.replicas, latencies[0], repeat, args.processes)
         return
     for kind in (("upstream", "sidecar") if args.kind == "both" else (args.kind,)):
-        _bench(kind, args.replicas, latencies, repeat, min(args.serial, args.replicas), args.processes)
+        _bench(kind, args.replicas, latencies, repeat, min(args.serial, args.replicas), args.processes, args.stub_cpus)
 
 
 if __name__ == "__main__":
