@@ -533,7 +533,7 @@ def test_rollout_profiler_windows_end_after_the_engine_steps(shared: ModuleSidec
 
 
 def test_render_bounds_the_rendered_stages_in_engine_steps(tmp_path: Path) -> None:
-    from sidecar.config import load_deploy_config, render_overlay
+    from sidecar.config import render_overlay
 
     deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: None})
     out = tmp_path / "overlay.yaml"
