@@ -24,7 +24,7 @@ from sidecar.config import load_deploy_config
 from sidecar.config.rules import capped_by_server
 from sidecar.control.budget import Probe, check_budget, make_plan, run_plan
 from sidecar.client import SidecarClient
-from sidecar.control.lead import NOISE_STEPS, StopLead
+from sidecar.control.lead import LEAD_WINDOWS, NOISE_STEPS, StopLead
 from sidecar.errors import BudgetExceeded, SidecarError
 from sidecar.upstream.metrics import KEPT_FAMILIES, MetricsUnreadable, engine_steps, parse_metrics, quantile, step_counts, steps_since, window_metrics
 from tests.fixtures.emulator import EmulatorPool, emulator_state, make_deploy
@@ -239,31 +239,38 @@ def test_a_stop_that_travels_is_sent_ahead_by_what_the_last_windows_traced_past_
         ramped = _stage0_steps(shared) + 20
         assert poll(lambda: _stage0_steps(shared) >= ramped), "the emulator ran no steps under load"
         # two windows stopped on time by the count teach the third; a window that says why it ran
-        # past (a loaded host: the sidecar not scheduled) teaches nothing, so one more is run
+        # past (a loaded host: the sidecar not scheduled) teaches nothing, so one more is run. So
+        # are more while the learned windows' median is noise (a core kept busy slows the test's
+        # load thread, the emulator's pace: a 0.25 s travel once covered 2 steps): the sidecar
+        # takes no lead from that either (lead.py), and the test is of the lead.
         learned: list[Any] = []
-        while len(learned) < 2 and len(windows) < 6:
+
+        def late_of(caps: list[Any]) -> list[float]:
+            # the sidecar keeps the last LEAD_WINDOWS windows' figures, each the stages' median
+            return [statistics.median(v.steps_traced or 0 for v in c.verdicts) - c.steps_counted
+                    for c in caps if c.steps_counted is not None][-LEAD_WINDOWS:]
+
+        while (len(learned) < 2 or statistics.median(late_of(learned)) <= NOISE_STEPS) and len(windows) < 8:
             cap = client.wait_capture(client.start_capture(stages=[0, 2], steps=20).id, timeout=120)
             assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
             windows.append(cap)
             if not _ran_past(cap):
                 learned.append(cap)
-        assert len(learned) == 2, [c.notes for c in windows]
+        assert len(learned) >= 2, [c.notes for c in windows]
         # The window sent ahead; one stopped by the rate for a stated reason instead (a loaded host: a
         # read not back in time) says that reason, not the lead, and teaches nothing: one more is run.
         for _ in range(3):
             windows.append(client.wait_capture(client.start_capture(stages=[0, 2], steps=20).id, timeout=120))
             if not _ran_past(windows[-1]):
                 break
-    traced = [{v.stage_id: v.steps_traced or 0 for v in c.verdicts} for c in learned]
-    counted = [c.steps_counted for c in learned]
     print(f"asked 20 with a 0.25 s stop travel: counted {[c.steps_counted for c in windows]}, "
           f"traced {[[v.steps_traced for v in c.verdicts] for c in windows]}")
     # The windows it learns from: stopped at their count, traced past it by the travel (in steps: the
-    # emulator's pace under this host's load; quiet, 12-15; with a core kept busy, 4 once).
+    # emulator's pace under this host's load; quiet, 12-15; with a core kept busy, 2 to 4).
     assert not any("was sent at" in n for c in windows if c in learned for n in c.notes), [c.notes for c in windows]
-    late = [statistics.median(t.values()) - c for t, c in zip(traced, counted) if c is not None]
-    assert len(late) == 2 and min(late) > NOISE_STEPS, (traced, counted)  # else nothing to learn
-    # The third: sent that many steps ahead of the count (the median of the two), saying so. Where
+    late = late_of(learned)
+    assert len(late) == min(len(learned), LEAD_WINDOWS) and statistics.median(late) > NOISE_STEPS, late  # else nothing to learn
+    # The next: sent that many steps ahead of the count (the median of those learned), saying so. Where
     # it then lands depends on the pace in its own window: quiet, 19-21 here; loaded, 16 and 25 once.
     lead = statistics.median(late)
     last = windows[-1]
