@@ -72,12 +72,12 @@ class FleetTransports:
     neither, and aiohttp's sessions share its one TLS context; its requests take half httpcore's CPU
     (bench/transport.py)."""
 
-    # a target holds at most a blocking start or stop plus a heartbeat or poll beside it
+    # a target holds at most a blocking start or stop plus a heartbeat or poll beside it; idle
+    # connections are kept as long as the transport's default (below the server's own keep-alive)
     LIMIT = 4
-    KEEPALIVE_S = 60.0
 
     def for_target(self) -> AiohttpTransport:
-        return AiohttpTransport(limit=self.LIMIT, keepalive_s=self.KEEPALIVE_S)
+        return AiohttpTransport(limit=self.LIMIT)
 
 
 def deploy_from_stages_reply(reply: dict[str, Any]) -> DeployConfig:
