@@ -8,6 +8,7 @@ HTTP 200 only means "delivered" (docs/design.md §3). Errors: ``UpstreamUnreacha
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -76,6 +77,11 @@ class ProbeResult(BaseModel):
         return self.healthy and self.profiler_mounted is True
 
 
+def _json(body: dict[str, Any]) -> bytes:
+    """A request's JSON body, compact as httpx writes it."""
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
 def _is_5xx(exc: BaseException) -> bool:
     return type(exc) is UpstreamError and int(exc.details.get("status", 0)) >= 500
 
@@ -103,14 +109,22 @@ class UpstreamServer:
         self.start_attempts = start_attempts
         self.stop_5xx_attempts = stop_5xx_attempts
         self.retry_wait_max_s = retry_wait_max_s
+        self._transport = transport or AiohttpTransport()
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
-            transport=transport or AiohttpTransport(),
+            transport=self._transport,
             timeout=httpx.Timeout(self.timeouts.probe, connect=self.timeouts.connect),
             # The upstream is a local server; a proxy from the environment would only get in the way.
             trust_env=False,
         )
         self._urls: dict[tuple[str, tuple[str, ...]], httpx.URL] = {}
+        # The profiling POSTs' headers, made once: the URL's user:password as the Authorization
+        # header, as httpx's client makes it for the requests it builds (probes, /metrics).
+        base = httpx.URL(self.base_url)
+        self._post_headers: dict[str, str] = {}
+        if base.username or base.password:
+            creds = base64.b64encode(f"{base.username}:{base.password}".encode()).decode()
+            self._post_headers["authorization"] = f"Basic {creds}"
 
     def _url(self, path: str, names: tuple[str, ...] = ()) -> httpx.URL:
         """``path`` (with ``name[]`` params) as an absolute URL, parsed once per server: httpx
@@ -268,16 +282,14 @@ class UpstreamServer:
                 await before_send()  # type: ignore[misc]
 
         if body is not None and before_send is not None:
-            payload = json.dumps(body).encode()
+            payload = _json(body)
 
             async def held() -> AsyncIterator[bytes]:
                 yield payload[:-1]
                 await release()
                 yield payload[-1:]
 
-            request = self._client.build_request(
-                "POST", self._url("/start_profile"), content=held(), timeout=timeout,
-                headers={"content-type": "application/json", "content-length": str(len(payload))})
+            request = self._request("/start_profile", body, timeout, content=held(), length=len(payload))
         else:
             request = self._request("/start_profile", body, timeout)
             await release()
@@ -369,10 +381,23 @@ class UpstreamServer:
             return None
         return {"stages": [int(s) for s in stages]}
 
-    def _request(self, path: str, body: dict[str, Any] | None, timeout: httpx.Timeout) -> httpx.Request:
-        if body is None:
-            return self._client.build_request("POST", self._url(path), timeout=timeout)
-        return self._client.build_request("POST", self._url(path), json=body, timeout=timeout)
+    def _request(self, path: str, body: dict[str, Any] | None, timeout: httpx.Timeout, *,
+                 content: AsyncIterator[bytes] | None = None, length: int = 0) -> httpx.Request:
+        """A profiling POST, made here rather than by the client's ``build_request``, which merges
+        the client's parameters, cookies and headers anew into every request and parses its URL
+        again (0.22 ms of CPU per request on this project's machine, where a fleet's worker sends
+        128 stops at once). ``content``: a body sent as it is produced (``length`` bytes)."""
+        headers = dict(self._post_headers)
+        if content is not None:
+            headers |= {"content-type": "application/json", "content-length": str(length)}
+            data: bytes | AsyncIterator[bytes] | None = content
+        elif body is not None:
+            headers["content-type"] = "application/json"
+            data = _json(body)
+        else:
+            data = None
+        return httpx.Request("POST", self._url(path), content=data, headers=headers,
+                             extensions={"timeout": timeout.as_dict()})
 
     async def _post(self, path: str, body: dict[str, Any] | None, timeout: httpx.Timeout) -> None:
         await self._send(self._request(path, body, timeout))
@@ -380,8 +405,16 @@ class UpstreamServer:
     async def _send(self, request: httpx.Request) -> None:
         url = str(request.url)
         read = request.extensions["timeout"].get("read")
+        if self._client.is_closed:
+            raise RuntimeError(f"{self!r} is closed")
         try:
-            resp = await self._client.send(request)
+            # straight to the transport: no auth, redirects or cookies to handle on a profiling POST
+            # (the client's send handles each, a tenth of a millisecond per request)
+            resp = await self._transport.handle_async_request(request)
+            try:
+                await resp.aread()
+            finally:
+                await resp.aclose()
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise UpstreamUnreachable(
                 f"could not connect to {url} ({exc.__class__.__name__}); the request was not delivered. "
