@@ -974,3 +974,48 @@ async def test_a_stops_follow_up_waits_a_bounded_while_for_the_other_stops_in_fl
     assert a.stopped_at < b.stopped_at, (a.stopped_at, b.stopped_at)  # A's stop was answered first
     # A finished after B's stop was answered (it waited), or, B held past the bound, before it
     assert (a.finished_at >= b.stopped_at) is waits, (a.finished_at, b.stopped_at)
+
+
+async def test_the_last_stops_answer_reaches_its_waiter_before_any_follow_up_starts(fake_omni, control_deploy, tmp_path):
+    # A fleet's worker sends each stop's answer on as its driver's stop returns (UpstreamDriver,
+    # the real one). The follow-ups of the worker's captures (artifact looks in threads, scrapes)
+    # start once its last stop is answered; started before that answer was sent on, they held it
+    # back 40 to 145 ms on the device (1,024 targets, docs/fleet-clocks.md). Three controllers on
+    # one loop, their stops answered 0, 0.1 and 0.2 s after they arrive.
+    from sidecar.fleet import Target
+    from sidecar.fleet._drivers import UpstreamDriver
+
+    events: list[tuple[str, int]] = []
+    with FakeOmni(make_deploy(tmp_path / "b")) as b, FakeOmni(make_deploy(tmp_path / "c")) as c:
+        fakes = [fake_omni, b, c]
+        drivers = []
+        for i, fake in enumerate(fakes):
+            fake.stop_delay = 0.1 * i
+            d = UpstreamDriver(Target.upstream(fake.url, tmp_path / f"deploy{i}.yaml"), fake.deploy, stop_budget_s=10,
+                               settings=FAST, state_dir=tmp_path / f"state{i}")
+            look = d.controller._collect
+
+            async def logged(*args, _i=i, _look=look, **kwargs):  # type: ignore[no-untyped-def]
+                events.append(("look", _i))
+                return await _look(*args, **kwargs)
+
+            d.controller._collect = logged  # type: ignore[method-assign]
+            drivers.append(d)
+        try:
+            for d in drivers:
+                await d.open()
+            caps = [await d.start([0], "t", None, None) for d in drivers]
+
+            async def stop(i: int) -> None:
+                await drivers[i].stop(caps[i].id, StopReason.explicit)
+                events.append(("answer", i))
+
+            await asyncio.gather(*(stop(i) for i in range(3)))
+            done = [await d.wait(cap.id, timeout=20) for d, cap in zip(drivers, caps)]
+        finally:
+            for d in drivers:
+                await d.close()
+    assert [cap.state for cap in done] == [CaptureState.completed] * 3, done
+    answers = [n for n, (what, _) in enumerate(events) if what == "answer"]
+    looks = [n for n, (what, _) in enumerate(events) if what == "look"]
+    assert len(answers) == 3 and len(looks) >= 3 and max(answers) < min(looks), events
