@@ -627,3 +627,24 @@ def test_a_steps_window_on_a_stage_the_server_bounds_says_what_its_trace_holds(
     if asked > 10:  # the server's bound, whatever the stop's travel (the emulator runs no idle iteration;
         assert traced[0] == 10, (traced, final.notes)  # the real server's count: tests/omni/test_server_flags.py)
     assert not any(n.startswith("stage 2: the server") for n in final.notes), final.notes  # stage 2 is unbounded
+
+
+
+def test_a_window_the_server_caps_goes_on_without_a_stage_that_no_longer_steps(capped: ModuleSidecar) -> None:
+    # A capped window's stop waits for every stage's own count (on the real vLLM-Omni server the
+    # downstream stage counted 17-30 where stage 0 counted 38-56: tests/omni/test_steps_capped.py).
+    # Here stage 2's worker is dead (the server still answers the start and the stop SUCCESS, as
+    # vLLM-Omni 0.30 does) and its count stands still while stage 0 steps on: the stop goes once it
+    # has stood still CAPPED_STALL_S (2 s), and says which stage it did not wait for.
+    capped.emulator.set_faults(dead_stage=2)
+    try:
+        with steady_load(capped.emulator.url, max_tokens=1, chat=True), capped.client() as client:
+            final = client.wait_capture(client.start_capture(stages=[0, 2], steps=10).id, timeout=120)
+    finally:
+        capped.emulator.reset()
+    traced = {v.stage_id: v.steps_traced for v in final.verdicts}
+    assert (final.state.value, final.stop_reason.value, traced[0]) == ("degraded", "steps", 10), (traced, final.notes)
+    (sent,) = [n for n in final.notes if n.startswith("the stop was sent at ")]
+    assert re.search(r"had counted 10 \+ 2 steps past its count at the start's answer, when its profiler had "
+                     r"started \(stage 0: \d+ then \d+, stage 2: 0 then 0\): .*; stage 2 had counted 0 of its 10 past "
+                     r"the start's answer and none more for 2\.\ds \(a stage runs only on what reaches it\)", sent), sent

@@ -72,7 +72,8 @@ from sidecar.errors import (
     StageSetMismatch,
 )
 from sidecar.scrub import env_secret_values, scrub_secrets
-from sidecar.upstream.metrics import Labels, MetricsSnapshot, WindowMetrics, engine_steps, steps_since, window_metrics
+from sidecar.upstream.metrics import Labels, MetricsSnapshot, WindowMetrics, engine_steps, steps_by_stage, steps_since
+from sidecar.upstream.metrics import window_metrics
 from sidecar.upstream.server import Flavor, UpstreamServer
 
 if TYPE_CHECKING:
@@ -302,6 +303,7 @@ STEP_READS_OUT = 4  # a ``steps`` window's counter reads out at once (a late one
 # A window every stage's server ends itself: its stop waits this many steps past the count at which
 # the profilers have surely run ``steps`` iterations (the first, empty one counts too)
 CAPPED_MARGIN = 2
+CAPPED_STALL_S = 2.0  # ... unless a stage still short of that has not stepped for this long
 
 
 def _check_steps(steps: int | None, delay_steps: int | None) -> None:
@@ -985,9 +987,11 @@ class CaptureController:
         # Every stage's server ends its own window after ``steps`` iterations (render --steps): a stop
         # landing sooner would cut that window short (the profilers started somewhere between the
         # base read and the start's answer), one landing later changes nothing. So the stop waits
-        # for the steps run by the start's answer, past ``steps``; no lead, nothing runs past.
+        # until every stage has run ``steps`` past its count at the start's answer, each stage by its
+        # own counter (a stage fed by another steps later than it); no lead, nothing runs past.
         capped = capped_by_server(self.deploy, cap.stages, steps)
-        head = 0  # a capped window's steps run by the start's answer
+        heads: dict[str, int] = {}  # a capped window's steps per stage by the start's answer
+        moved: dict[str, tuple[int, float]] = {}  # per stage: its count, and when it last moved
         lead, learned_from = (0.0, 0) if capped else self._lead.lead(cap.stages)
         aim = steps - lead  # the count the stop is sent at
         base: dict[Labels, int] | None = None
@@ -1019,11 +1023,14 @@ class CaptureController:
             if why is not None and not capped:
                 cap.notes.append(why)
             elif capped:
+                counted = ", ".join(f"stage {s}: {heads.get(s, 0)} then {n}" if s else f"{heads.get(s, 0)} then {n}"
+                                    for s, (n, _) in sorted(moved.items()))
                 cap.notes.append(
                     f"the stop was sent at {count} steps counted, past the {steps} asked: every stage's server ends its "
-                    f"own window after {steps} engine iterations (max_iterations), and the engines had run {head} of "
-                    "the counted steps by the start's answer (its profilers started somewhere in them): a stop sent "
-                    "sooner could cut a window short, one sent later changes nothing" + (f"; {why}" if why else ""))
+                    f"own window after {steps} engine iterations (max_iterations), so the stop waited until each stage "
+                    f"had counted {steps} + {CAPPED_MARGIN} steps past its count at the start's answer, when its "
+                    f"profiler had started ({counted}): a stop sent sooner could cut a window short, one sent later "
+                    "changes nothing" + (f"; {why}" if why else ""))
             elif lead:
                 cap.notes.append(
                     f"the stop was sent at {count} of the {steps} steps counted, {lead:.0f} ahead: in this "
@@ -1040,7 +1047,7 @@ class CaptureController:
                 reads.append((at, 0))
         first = True
         while cap.state is CaptureState.active:
-            sent, hedge_s, by = time.monotonic(), max(3 * took, 4 * poll), due()
+            sent, hedge_s, by = time.monotonic(), max(3 * took, 4 * poll), math.inf if capped else due()
             got = await self._read_steps(cap.stages, due=by, hedge_s=hedge_s)
             if got is None:  # the rate says the window is full while no read has come back
                 now = time.monotonic()
@@ -1054,7 +1061,7 @@ class CaptureController:
                 return
             counts, at, took_now = got
             if counts is None:  # a failed read: the next one, unless the rate says the window is full
-                await asyncio.sleep(min(poll, max(due() - time.monotonic(), 0.0)))
+                await asyncio.sleep(poll if capped else min(poll, max(due() - time.monotonic(), 0.0)))
                 continue
             took = took_now
             if base is None:
@@ -1072,13 +1079,29 @@ class CaptureController:
             rate = (now - reads[0][1]) / (at - reads[0][0]) if at > reads[0][0] else 0.0
             log.debug("capture %s: %d of %d steps (read %.0f ms, %.1f steps/s)", cap.id, now, steps,
                       took * 1000, rate)
-            if capped and first:  # the first read after the start's answer: the profilers have started
-                head = now
-                aim = steps + head + CAPPED_MARGIN
-            if capped and now - aim > 2 and prev is not None:
-                await stop(now, f"the count went from {prev[1]} to {now} between two reads {(at - prev[0]) * 1000:.0f} ms "
-                                f"apart (this read took {took * 1000:.0f} ms), past the {aim:.0f} the stop waited for")
-                return
+            if capped:
+                per = steps_by_stage(base, counts, cap.stages)
+                if first:  # the first read after the start's answer: the profilers have started
+                    heads = dict(per)
+                    first = False
+                for s, n in per.items():
+                    if s not in moved or moved[s][0] != n:
+                        moved[s] = (n, at)
+                behind = [s for s, n in sorted(per.items()) if n < heads.get(s, 0) + steps + CAPPED_MARGIN]
+                if not behind:
+                    await stop(now)
+                    return
+                # A stage that runs only on what another hands it (vLLM-Omni's downstream stages) may
+                # stand still while the others have run their window: once it has for CAPPED_STALL_S,
+                # the stop goes, and says which stage it did not wait for.
+                if len(behind) < len(per) and all(at - moved[s][1] >= CAPPED_STALL_S for s in behind):
+                    await stop(now, "; ".join(
+                        f"stage {s} had counted {per[s] - heads.get(s, 0)} of its {steps} past the start's answer and "
+                        f"none more for {at - moved[s][1]:.1f}s (a stage runs only on what reaches it): its trace "
+                        "may hold fewer" for s in behind))
+                    return
+                await asyncio.sleep(poll)
+                continue
             if now - steps > 2 and not capped:
                 if first and rt.started_mono is not None:
                     why = (f"the server had run {now} engine steps by the first count after the start was answered "

@@ -229,15 +229,25 @@ def step_counts(text: str) -> dict[Labels, int]:
     return engine_steps(parse_metrics(text))
 
 
-def steps_since(base: Mapping[Labels, int], now: Mapping[Labels, int], stages: Iterable[int] | None) -> int:
-    """The engine steps a window has run from ``base`` to ``now`` (both :func:`engine_steps`): the
-    most-advanced engine among ``stages`` (vLLM-Omni's stage label) or, where engines carry no
-    stage label (plain vLLM), among all engines. Each engine is measured from its own base (an
-    engine absent from ``base`` from 0); one whose counter went back (restarted) has run none."""
+def steps_by_stage(base: Mapping[Labels, int], now: Mapping[Labels, int], stages: Iterable[int] | None) -> dict[str, int]:
+    """The engine steps a window has run from ``base`` to ``now`` (both :func:`engine_steps`), per
+    stage among ``stages``: its most-advanced engine (vLLM-Omni's ``stage`` label; engines without
+    one, plain vLLM's, under ``""``). Each engine is measured from its own base (an engine absent
+    from ``base`` from 0); one whose counter went back (restarted) has run none."""
     wanted = {str(s) for s in stages} if stages is not None else None
-    runs = [n - base.get(key, 0) for key, n in now.items()
-            if wanted is None or dict(key).get("stage") is None or dict(key)["stage"] in wanted]
-    return max(max(runs, default=0), 0)
+    out: dict[str, int] = {}
+    for key, n in now.items():
+        stage = dict(key).get("stage")
+        if wanted is None or stage is None or stage in wanted:
+            label = stage or ""
+            out[label] = max(out.get(label, 0), n - base.get(key, 0), 0)
+    return out
+
+
+def steps_since(base: Mapping[Labels, int], now: Mapping[Labels, int], stages: Iterable[int] | None) -> int:
+    """The engine steps a window has run: its most-advanced engine among ``stages``
+    (:func:`steps_by_stage`)."""
+    return max(steps_by_stage(base, now, stages).values(), default=0)
 
 
 __all__ = [
@@ -253,6 +263,7 @@ __all__ = [
     "KEPT_SAMPLES",
     "STEP_SAMPLES",
     "step_counts",
+    "steps_by_stage",
     "steps_since",
     "window_metrics",
 ]
