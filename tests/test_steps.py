@@ -553,7 +553,7 @@ def test_render_bounds_the_rendered_stages_in_engine_steps(tmp_path: Path) -> No
 
 @pytest.fixture(scope="module")
 def capped(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool) -> Iterator[ModuleSidecar]:
-    """Both profiled stages end each window themselves after 10 engine steps (render --steps 10)."""
+    """Both profiled stages end each window themselves after 10 engine iterations (render --steps 8)."""
     root = tmp_path_factory.mktemp("capped-steps")
     stages = {0: {"profiler": "torch", "max_iterations": 10}, 1: None, 2: {"profiler": "torch", "max_iterations": 10}}
     yield from ModuleSidecar.for_module(emulator_pool, make_deploy(root, stages), emulator_args=THREAD,
@@ -563,9 +563,10 @@ def capped(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool
 @pytest.mark.parametrize(("stage2", "steps", "capped"), [
     ({"max_iterations": 10}, 10, True),
     ({"max_iterations": 10}, 12, True),    # the servers end their windows first
-    ({"max_iterations": 10}, 8, False),    # the window's own steps end it first
-    ({"max_iterations": 5, "delay_iterations": 5}, 10, True),
-    ({"max_iterations": 5, "delay_iterations": 6}, 10, False),
+    ({"max_iterations": 10}, 8, True),     # 10 iterations: render --steps 8's cap (idle ones count)
+    ({"max_iterations": 10}, 7, False),    # the window's own steps end it first
+    ({"max_iterations": 5, "delay_iterations": 7}, 10, True),
+    ({"max_iterations": 5, "delay_iterations": 8}, 10, False),
     ({"delay_iterations": 5}, 10, False),  # no end of its own
     ({}, 10, False),
 ])
@@ -575,7 +576,7 @@ def test_a_window_is_capped_by_the_server_when_every_stage_ends_its_own_within_t
     deploy = load_deploy_config(make_deploy(tmp_path, {0: {"profiler": "torch", "max_iterations": 10}, 1: None,
                                                        2: {"profiler": "torch", **stage2}}))  # fmt: skip
     assert capped_by_server(deploy, [0, 2], steps) is capped
-    assert capped_by_server(deploy, [0], steps) is (steps >= 10)
+    assert capped_by_server(deploy, [0], steps) is (steps >= 8)
 
 
 def test_a_window_the_server_caps_is_not_cut_short_by_a_start_that_travelled(capped: ModuleSidecar) -> None:
@@ -611,7 +612,7 @@ def bounded(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPoo
     (20, "stage 0: the server stops its own profiler after 10 engine iterations (max_iterations: 10, fixed at its "
          "start; idle iterations count): the trace holds at most 10 of the 20 steps asked; for more, restart the "
          "server with a larger max_iterations (omni-sidecar render --steps 20)"),
-    (8, "stage 0: the server records up to 10 engine iterations per window (max_iterations: 10); this window's 8 "
+    (7, "stage 0: the server records up to 10 engine iterations per window (max_iterations: 10); this window's 7 "
         "steps end it first"),
 ])
 def test_a_steps_window_on_a_stage_the_server_bounds_says_what_its_trace_holds(
@@ -630,15 +631,18 @@ def test_a_steps_window_on_a_stage_the_server_bounds_says_what_its_trace_holds(
 
 
 
-def test_a_window_the_server_caps_goes_on_without_a_stage_that_no_longer_steps(capped: ModuleSidecar) -> None:
+def test_a_window_the_server_caps_goes_on_without_a_stage_that_no_longer_steps(
+    capped: ModuleSidecar, sidecar_factory: Any
+) -> None:
     # A capped window's stop waits for every stage's own count (on the real vLLM-Omni server the
     # downstream stage counted 17-30 where stage 0 counted 38-56: tests/omni/test_steps_capped.py).
     # Here stage 2's worker is dead (the server still answers the start and the stop SUCCESS, as
     # vLLM-Omni 0.30 does) and its count stands still while stage 0 steps on: the stop goes once it
-    # has stood still CAPPED_STALL_S (2 s), and says which stage it did not wait for.
+    # has stood still steps_stall_s (2 s here, 10 by default), and says which stage it did not wait for.
+    sc = sidecar_factory(capped.emulator.url, capped.deploy, env={"OMNI_SIDECAR_STEPS_STALL_S": "2"})
     capped.emulator.set_faults(dead_stage=2)
     try:
-        with steady_load(capped.emulator.url, max_tokens=1, chat=True), capped.client() as client:
+        with steady_load(capped.emulator.url, max_tokens=1, chat=True), SidecarClient(sc.url, timeout=60) as client:
             final = client.wait_capture(client.start_capture(stages=[0, 2], steps=10).id, timeout=120)
     finally:
         capped.emulator.reset()

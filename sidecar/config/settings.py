@@ -91,6 +91,8 @@ class SidecarSettings(BaseSettings):
     gone_after_s: float = Field(default=10.0, gt=0)
     # a `delay_steps` start waits this long for the server to run them (then steps_not_reached, 504)
     steps_wait_s: float = Field(default=600, gt=0)
+    # a capped `steps` window's stop waits this long at most for a stage whose count stands still
+    steps_stall_s: float = Field(default=10.0, gt=0)
     # a start scheduled (`start_at`) further ahead than this is refused (unset: any time ahead)
     start_at_max_s: float | None = Field(default=None, gt=0)
     # a request held open (`GET /v1/captures/{id}?until=started`) answers within this at most

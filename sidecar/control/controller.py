@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sidecar.config.models import DeployConfig, StageKind
 from sidecar.config.rules import capped_by_server, select_stages, server_bounded_stages, steps_bounded_by_server
+from sidecar.config.rules import server_window_end
 from sidecar.control import artifacts
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
@@ -115,6 +116,10 @@ class ControlSettings(BaseModel):
     # how long a ``delay_steps`` start waits for the server to run them.
     steps_poll_s: float = Field(default=0.02, gt=0)
     steps_wait_s: float = Field(default=600, gt=0)
+    # A ``steps`` window every stage's server caps: its stop waits this long at most for a stage
+    # whose count stands still short of its window (on the real vLLM-Omni server the downstream
+    # stage's stood 2.5 s in the first window after the server's start).
+    steps_stall_s: float = Field(default=10.0, gt=0)
     # A start scheduled (``start_at``) further ahead than this is refused (None: any time ahead;
     # the capture holds the slot until then, and a stop cancels it).
     start_at_max_s: float | None = Field(default=None, gt=0)
@@ -138,6 +143,7 @@ class ControlSettings(BaseModel):
             budget_action=settings.budget_action,
             gone_after_s=settings.gone_after_s,
             steps_wait_s=settings.steps_wait_s,
+            steps_stall_s=settings.steps_stall_s,
             start_at_max_s=settings.start_at_max_s,
         )
 
@@ -303,7 +309,6 @@ STEP_READS_OUT = 4  # a ``steps`` window's counter reads out at once (a late one
 # A window every stage's server ends itself: its stop waits this many steps past the count at which
 # the profilers have surely run ``steps`` iterations (the first, empty one counts too)
 CAPPED_MARGIN = 2
-CAPPED_STALL_S = 2.0  # ... unless a stage still short of that has not stepped for this long
 
 
 def _check_steps(steps: int | None, delay_steps: int | None) -> None:
@@ -990,6 +995,9 @@ class CaptureController:
         # until every stage has run ``steps`` past its count at the start's answer, each stage by its
         # own counter (a stage fed by another steps later than it); no lead, nothing runs past.
         capped = capped_by_server(self.deploy, cap.stages, steps)
+        # how far each stage's count must go past its count at the start's answer: the iterations of
+        # its window (render --steps N caps at N + 2), which its steps never outnumber
+        reach = max([steps, *(server_window_end(pc) for _, pc in server_bounded_stages(self.deploy, cap.stages))])
         heads: dict[str, int] = {}  # a capped window's steps per stage by the start's answer
         moved: dict[str, tuple[int, float]] = {}  # per stage: its count, and when it last moved
         lead, learned_from = (0.0, 0) if capped else self._lead.lead(cap.stages)
@@ -1027,8 +1035,8 @@ class CaptureController:
                                     for s, (n, _) in sorted(moved.items()))
                 cap.notes.append(
                     f"the stop was sent at {count} steps counted, past the {steps} asked: every stage's server ends its "
-                    f"own window after {steps} engine iterations (max_iterations), so the stop waited until each stage "
-                    f"had counted {steps} + {CAPPED_MARGIN} steps past its count at the start's answer, when its "
+                    f"own window after {reach} engine iterations (max_iterations), so the stop waited until each stage "
+                    f"had counted {reach} + {CAPPED_MARGIN} steps past its count at the start's answer, when its "
                     f"profiler had started ({counted}): a stop sent sooner could cut a window short, one sent later "
                     "changes nothing" + (f"; {why}" if why else ""))
             elif lead:
@@ -1087,16 +1095,17 @@ class CaptureController:
                 for s, n in per.items():
                     if s not in moved or moved[s][0] != n:
                         moved[s] = (n, at)
-                behind = [s for s, n in sorted(per.items()) if n < heads.get(s, 0) + steps + CAPPED_MARGIN]
+                behind = [s for s, n in sorted(per.items()) if n < heads.get(s, 0) + reach + CAPPED_MARGIN]
                 if not behind:
                     await stop(now)
                     return
                 # A stage that runs only on what another hands it (vLLM-Omni's downstream stages) may
-                # stand still while the others have run their window: once it has for CAPPED_STALL_S,
+                # stand still while the others have run their window: once it has for steps_stall_s,
                 # the stop goes, and says which stage it did not wait for.
-                if len(behind) < len(per) and all(at - moved[s][1] >= CAPPED_STALL_S for s in behind):
+                stall = self.settings.steps_stall_s
+                if len(behind) < len(per) and all(at - moved[s][1] >= stall for s in behind):
                     await stop(now, "; ".join(
-                        f"stage {s} had counted {per[s] - heads.get(s, 0)} of its {steps} past the start's answer and "
+                        f"stage {s} had counted {per[s] - heads.get(s, 0)} of its {reach} past the start's answer and "
                         f"none more for {at - moved[s][1]:.1f}s (a stage runs only on what reaches it): its trace "
                         "may hold fewer" for s in behind))
                     return
