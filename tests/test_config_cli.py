@@ -125,6 +125,23 @@ def test_render_writes_an_overlay_that_validates(qwen25_deploy: Path, tmp_path: 
     assert run("validate", out).returncode == 0
 
 
+def test_render_steps_caps_each_window_at_the_steps_plus_its_idle_iterations(qwen25_deploy: Path, tmp_path: Path) -> None:
+    # vLLM counts idle iterations towards max_iterations (on the real vLLM-Omni server 20 held 17-18
+    # steps): --steps 20 writes 22, and a steps window of 20 on the rendered server is one it caps.
+    from sidecar.config.deploy import load_deploy_config
+    from sidecar.config.rules import capped_by_server
+
+    out = tmp_path / "overlay.yaml"
+    proc = run("render", qwen25_deploy, "--profile", "light", "--stages", "0,2", "--dir", tmp_path / "perf",
+               "--steps", "20", "--delay-steps", "5", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    deploy = load_deploy_config(out)
+    got = {s.stage_id: (s.profiler_config.max_iterations, s.profiler_config.delay_iterations)
+           for s in deploy.stages if s.stage_id in (0, 2) and s.profiler_config}
+    assert got == {0: (22, 5), 2: (22, 5)}, got
+    assert capped_by_server(deploy, [0, 2], 27) and not capped_by_server(deploy, [0, 2], 24)
+
+
 def test_render_stage_overrides_prints_json(qwen25_deploy: Path) -> None:
     proc = run("render", qwen25_deploy, "--profile", "stacks", "--stages", "1", "--stage-overrides")
     assert json.loads(proc.stdout)["1"]["profiler_config"]["torch_profiler_with_stack"] is True

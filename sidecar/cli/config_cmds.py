@@ -24,7 +24,7 @@ from sidecar.config.profiles import (
     render_overlay,
     render_stage_overrides,
 )
-from sidecar.config.rules import validate_deploy
+from sidecar.config.rules import max_iterations_for, validate_deploy
 from sidecar.config.verl import format_replicas, installed_verl, read_verl_config, verl_findings
 from sidecar.errors import ConfigUnreadable, Finding, SidecarError
 
@@ -192,7 +192,7 @@ def render(
         Optional[str], typer.Option("--host", help="fills {host} in --dir (default: this machine's hostname)")
     ] = None,
     steps: Annotated[
-        Optional[int], typer.Option("--steps", min=1, help="max_iterations: every window of these stages ends itself after N engine steps")
+        Optional[int], typer.Option("--steps", min=1, help="every window of these stages ends itself after about N engine steps: max_iterations N+2 (vLLM counts idle iterations too)")
     ] = None,
     delay_steps: Annotated[
         Optional[int], typer.Option("--delay-steps", min=0, help="delay_iterations: a window starts recording N engine steps after its start")
@@ -209,7 +209,8 @@ def render(
         try:
             if stage_list is None:
                 stage_list = load_deploy_config(deploy_file, platform=platform).stage_ids
-            iterations = {k: v for k, v in (("max_iterations", steps), ("delay_iterations", delay_steps)) if v is not None}
+            caps = max_iterations_for(steps) if steps is not None else None
+            iterations = {k: v for k, v in (("max_iterations", caps), ("delay_iterations", delay_steps)) if v is not None}
             where = {"out_dir": out_dir, "platform": platform, "replica": replica, "host": host,
                      "iterations": iterations or None}
             if stage_overrides:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from sidecar.client import SidecarClient
+from sidecar.config.rules import max_iterations_for
 from sidecar.control.budget import trace_bytes
 from tests.fixtures.load import steady_load
 
@@ -89,3 +90,33 @@ def test_the_plan_predicts_a_twenty_step_window_within_a_quarter(sidecar: Any, l
           f"traced), actual {actual_mb:.2f} MB; stop predicted {predicted_stop_s:.2f}s; plan fits {plan.steps} "
           f"steps ({plan.limited_by})")
     assert 0.75 <= at_traced_mb / actual_mb <= 1.25, (plan, cap.verdicts)
+
+
+@pytest.fixture(scope="module")
+def capped(vllm_factory: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # as `omni-sidecar render --steps 20` writes it: 22 iterations, vLLM counting idle ones too
+    trace_dir = tmp_path_factory.mktemp("vllm-capped-traces")
+    pc = {"profiler": "torch", "torch_profiler_dir": str(trace_dir), "torch_profiler_with_stack": False,
+          "max_iterations": max_iterations_for(20)}
+    return {"server": vllm_factory(pc, log_stats=True), "profiler_config": pc}
+
+
+@pytest.mark.parametrize("window", range(3))
+def test_twenty_steps_on_a_server_that_caps_them_hold_twenty_give_or_take_two(
+    capped: dict[str, Any], sidecar_factory: Any, tmp_path: Path, window: int
+) -> None:
+    # The server ends the window itself after its 22 iterations, whatever the stop's travel; the
+    # sidecar's stop waits until the engine's own count is past them. Two 8-token requests at a time
+    # keep the engine stepping (one short request at a time leaves an idle iteration at each end).
+    sc = sidecar_factory(capped["server"].url, None, flavor="vllm", state_dir=tmp_path / "state",
+                         extra_args=["--profiler-config", json.dumps(capped["profiler_config"])])  # fmt: skip
+    url = capped["server"].url
+    with steady_load(url, max_tokens=8), steady_load(url, max_tokens=8), SidecarClient(sc.url, timeout=300) as client:
+        cap = client.wait_capture(client.start_capture(steps=20, label="capped").id, timeout=600)
+    (verdict,) = cap.verdicts
+    print(f"asked 20 on max_iterations {max_iterations_for(20)}: counted {cap.steps_counted}, traced "
+          f"{verdict.steps_traced}, notes {cap.notes}")
+    assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
+    assert any(n.startswith("the stop was sent at ") and "ends its own window after 22 engine iterations" in n
+               for n in cap.notes), cap.notes
+    assert verdict.steps_traced is not None and abs(verdict.steps_traced - 20) <= 2, (verdict, cap.notes)

@@ -16,8 +16,8 @@ The setups (each a real server, each named for what it exercises):
 - ``global_profiler``: no profiler in the YAML; ``--profiler-config`` for every stage (into the
   pool's shared dir) and ``--stage-overrides`` taking the profiler off stage 1.
 - ``bounded``: stage 0 with ``max_iterations: 3`` (into the shared dir too), stage 1 with stacks.
-- ``capped``: both stages with ``max_iterations: 20``, as ``omni-sidecar render --steps 20`` writes
-  it: the server bounds each window itself (``steps`` windows of 20, tests/omni/test_steps.py).
+- ``capped``: both stages with ``max_iterations: 22``, as ``omni-sidecar render --steps 20`` writes
+  it: the server bounds each window itself (``steps`` windows of 20, tests/omni/test_steps_capped.py).
 - ``diffusion``: a tiny random DDPM, one diffusion stage, no deploy YAML: ``--profiler-config`` only.
 """
 
@@ -41,6 +41,7 @@ import yaml
 from sidecar._process import ManagedProcess
 from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
+from sidecar.config.rules import max_iterations_for
 from sidecar.errors import SidecarError
 from tests.fixtures.venvs import group_python
 
@@ -316,7 +317,7 @@ def omni_pool(omni_python: str, tiny_model: Path, tmp_path_factory: pytest.TempP
         pool.close()
 
 
-CAP = 20  # the capped server's max_iterations (omni-sidecar render --steps 20)
+CAP = 20  # the capped server's windows: omni-sidecar render --steps 20 (max_iterations_for(CAP))
 
 
 def _two_stage(pool: OmniPool, root: Path) -> Spec:
@@ -340,7 +341,7 @@ def _bounded(pool: OmniPool, root: Path) -> Spec:
 
 
 def _capped(pool: OmniPool, root: Path) -> Spec:
-    profilers = [torch_profiler(root / f"stage{i}", max_iterations=CAP) for i in (0, 1)]
+    profilers = [torch_profiler(root / f"stage{i}", max_iterations=max_iterations_for(CAP)) for i in (0, 1)]
     return Spec(write_ar_deploy(root / "deploy.yaml", profilers), [], {0: root / "stage0", 1: root / "stage1"})
 
 
