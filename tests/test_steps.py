@@ -652,3 +652,24 @@ def test_a_window_the_server_caps_goes_on_without_a_stage_that_no_longer_steps(
     assert re.search(r"had counted 10 \+ 2 steps past its count at the start's answer, when its profiler had "
                      r"started \(stage 0: \d+ then \d+, stage 2: 0 then 0\): .*; stage 2 had counted 0 of its 10 past "
                      r"the start's answer and none more for 2\.\ds \(a stage runs only on what reaches it\)", sent), sent
+
+
+def test_a_window_the_stop_ended_past_the_steps_names_the_servers_own_cap(shared: ModuleSidecar, sidecar_factory: Any) -> None:
+    # The stop reaches the workers 0.25 s after it arrives (as on the real vLLM-Omni server under
+    # load): the first window of a sidecar traces past its count, and the capture names the way to
+    # 20 give or take 2, the server's own cap as render writes it.
+    shared.emulator.set_faults(stop_travel_s=0.25)
+    sc = sidecar_factory(shared.emulator.url, shared.deploy)
+    with steady_load(shared.emulator.url, max_tokens=1, chat=True), SidecarClient(sc.url, timeout=60) as client:
+        ramped = _stage0_steps(shared) + 20
+        assert poll(lambda: _stage0_steps(shared) >= ramped), "the emulator ran no steps under load"
+        final = client.wait_capture(client.start_capture(stages=[0, 2], steps=20).id, timeout=120)
+    traced = [v.steps_traced or 0 for v in final.verdicts]
+    hint = [n for n in final.notes if "let the server end each window itself" in n]
+    if any(abs(t - 20) > 2 for t in traced):
+        assert hint == ["the sidecar's stop ended this window, so the steps the engines ran while the start and the "
+                        "stop travelled to them moved it: for 20 steps give or take 2, let the server end each window "
+                        "itself (restart it with the profiler config `omni-sidecar render --steps 20` writes: "
+                        "max_iterations 22)"], final.notes
+    else:  # a host whose load slowed the emulator's steps below the travel's: nothing to say
+        assert hint == [], final.notes

@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sidecar.config.models import DeployConfig, StageKind
 from sidecar.config.rules import capped_by_server, select_stages, server_bounded_stages, steps_bounded_by_server
-from sidecar.config.rules import server_window_end
+from sidecar.config.rules import max_iterations_for, server_window_end
 from sidecar.control import artifacts
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
@@ -1188,6 +1188,14 @@ class CaptureController:
                     cap.notes.append(f"stage {v.stage_id}: the trace holds {v.steps_traced} engine steps, "
                                      f"{cap.steps} {'was' if cap.steps == 1 else 'were'} asked ({v.steps_traced - (cap.steps or 0):+d})")
             out.append(v)
+        steps = cap.steps or 0
+        if any(abs(n - steps) > 2 for n in per_stage.values()) and not server_bounded_stages(self.deploy, cap.stages):
+            # the way to the steps asked where the stop's travel moves it (docs/captures.md)
+            cap.notes.append(
+                f"the sidecar's stop ended this window, so the steps the engines ran while the start and the stop "
+                f"travelled to them moved it: for {steps} steps give or take 2, let the server end each window itself "
+                f"(restart it with the "
+                f"profiler config `omni-sidecar render --steps {steps}` writes: max_iterations {max_iterations_for(steps)})")
         return out
 
     # --- heartbeat / watchdog -------------------------------------------------------------
