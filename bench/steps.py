@@ -3,8 +3,7 @@ server per profiler flag set, each with its stat loggers on (its /metrics is the
 
 - asked 5, 20 and 50 steps (light flags): the steps the server counted and the trace holds,
   beside the goal (N +- 2 at 20);
-- per flag set (the product's stage profiles light, ops, stacks, as ``render --profile`` writes
-  them, without their ``max_iterations``): ``plan`` (probes of 1 and 2 steps) for ``--budget-mb`` and
+- per flag set (light, ops, stacks): ``plan`` (probes of 1 and 2 steps) for ``--budget-mb`` and
   ``--max-stop-s``, then a real window of the planned steps: predicted size and stop time beside
   the actual ones, as ratios, beside the goals (size within +-25%, stop within +-50%).
 
@@ -36,19 +35,16 @@ sys.path.insert(0, str(ROOT))
 
 from sidecar.api.launcher import SidecarProcess  # noqa: E402
 from sidecar.client import SidecarClient  # noqa: E402
-from sidecar.config.profiles import load_profile  # noqa: E402
 from sidecar.control.budget import trace_bytes  # noqa: E402
 from sidecar.control.models import Capture  # noqa: E402
 from tests.fixtures.load import steady_load  # noqa: E402
 from tests.live.conftest import VllmServer  # noqa: E402
 
-def flag_set(name: str) -> dict[str, Any]:
-    """The product's stage profile ``name`` (stage_profiles/, what ``render --profile`` writes),
-    without its ``max_iterations``: the plan's probes and its window need windows of any length."""
-    pc = dict(load_profile(name).profiler_config)
-    pc.pop("max_iterations", None)
-    pc.pop("torch_profiler_dir", None)
-    return pc
+FLAG_SETS: dict[str, dict[str, Any]] = {
+    "light": {"torch_profiler_with_stack": False, "torch_profiler_record_shapes": False},
+    "ops": {"torch_profiler_with_stack": False, "torch_profiler_record_shapes": True},
+    "stacks": {"torch_profiler_with_stack": True, "torch_profiler_record_shapes": True},
+}
 
 
 def live_python() -> str:
@@ -69,7 +65,7 @@ def tiny_model(python: str, root: Path) -> Path:
 def served(python: str, model: Path, root: Path, name: str, upstream: str | None = None,
            profiler_config: dict[str, Any] | None = None) -> Iterator[tuple[str, SidecarProcess]]:
     """A server (started here, or ``upstream``) and a sidecar in front of it."""
-    pc = profiler_config or {**flag_set(name), "torch_profiler_dir": str(root / f"traces-{name}")}
+    pc = profiler_config or {"profiler": "torch", "torch_profiler_dir": str(root / f"traces-{name}"), **FLAG_SETS[name]}
     server = None
     if upstream is None:
         server = VllmServer(python, model, pc, cwd=root, log_path=root / f"vllm-{name}.log", log_stats=True)
