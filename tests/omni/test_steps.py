@@ -6,6 +6,7 @@ server metrics come per stage; the plan's size prediction holds within a quarter
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -39,8 +40,12 @@ def test_twenty_steps_on_both_stages_end_by_themselves(client: SidecarClient, lo
     assert cap.steps_counted is not None, cap.notes
     past = ("by the first count after the start was answered", "the server ran past the 20 steps asked",
             "the sidecar was not running meanwhile")
+    # A window sent ahead by what the last ones traced past their counts says by how much (a CI run
+    # at 71b86d2: 12 ahead, counted 8); its count is that much lower.
+    ahead = re.search(r"the stop was sent at \d+ of the 20 steps counted, (\d+) ahead", " ".join(cap.notes))
+    lead = int(ahead.group(1)) if ahead else 0
     if not any(p in n for n in cap.notes for p in past):
-        assert 10 <= cap.steps_counted <= 30, (cap.steps_counted, cap.notes)
+        assert 10 - lead <= cap.steps_counted <= 30 - lead, (cap.steps_counted, cap.notes)
     # What each trace holds: what the engines ran until the stop landed, never more than the
     # server's own counter ran over the window, give or take the steps it had not recorded yet when
     # the window's last read was made (the load sends one 4-token request at a time). A CI run at
