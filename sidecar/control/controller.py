@@ -34,7 +34,7 @@ from sidecar.control.claims import CLAIMS, ClaimRegistry
 from sidecar.control.budget import Plan, check_budget, run_plan
 from sidecar.control.collect import after_stop_error, collect, found_so_far
 from sidecar.control.journal import CaptureJournal
-from sidecar.control.lead import StopLead
+from sidecar.control.lead import MAX_SHARE, Lead, StopLead
 from sidecar.control.schedule import check_start_at
 from sidecar.control.models import (
     CLOCKS_MAX,
@@ -287,6 +287,15 @@ START_AT_LATE_S = 0.002
 
 def _ago(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if abs(seconds) < 10 else f"{seconds:.1f} s"
+
+
+def _idle_note(idle: int, ran: int, *, capped: bool) -> str:
+    """What a steps window's note adds about its stage's idle iterations (nothing scheduled), which
+    its steps do not count and a server's cap does."""
+    if not idle:
+        return ""
+    return (f"; {idle} of the {ran} iterations it recorded were idle (nothing scheduled: between requests, or a "
+            "stage waiting for another's output)" + (", and the server's max_iterations counts them" if capped else ""))
 
 
 def _quiet(task: asyncio.Task[Any]) -> None:
@@ -1000,7 +1009,8 @@ class CaptureController:
         reach = max([steps, *(server_window_end(pc) for _, pc in server_bounded_stages(self.deploy, cap.stages))])
         heads: dict[str, int] = {}  # a capped window's steps per stage by the start's answer
         moved: dict[str, tuple[int, float]] = {}  # per stage: its count, and when it last moved
-        lead, learned_from = (0.0, 0) if capped else self._lead.lead(cap.stages)
+        ahead = Lead(0.0, 0, 0.0) if capped else self._lead.lead(cap.stages, steps)
+        lead = ahead.ahead
         aim = steps - lead  # the count the stop is sent at
         base: dict[Labels, int] | None = None
         reads: collections.deque[tuple[float, int]] = collections.deque()  # (when the server counted, steps run)
@@ -1031,7 +1041,7 @@ class CaptureController:
             if why is not None and not capped:
                 cap.notes.append(why)
             elif capped:
-                counted = ", ".join(f"stage {s}: {heads.get(s, 0)} then {n}" if s else f"{heads.get(s, 0)} then {n}"
+                counted = ", ".join(f"{f'stage {s}: ' if s else ''}{heads.get(s, 0)} then {n}"  # "": plain vLLM's one engine
                                     for s, (n, _) in sorted(moved.items()))
                 cap.notes.append(
                     f"the stop was sent at {count} steps counted, past the {steps} asked: every stage's server ends its "
@@ -1042,9 +1052,10 @@ class CaptureController:
             elif lead:
                 cap.notes.append(
                     f"the stop was sent at {count} of the {steps} steps counted, {lead:.0f} ahead: in this "
-                    f"server's last {learned_from} steps window{'s' if learned_from > 1 else ''} of these stages the "
-                    f"engines recorded {lead:.0f} steps past the count the stop was sent at (its travel to them; "
-                    "the median, docs/captures.md)")
+                    f"server's last {ahead.windows} steps windows of these stages the engines recorded "
+                    f"{ahead.late:.0f} steps past the count the stop was sent at (its travel to them; the median, "
+                    "docs/captures.md)" + ("" if lead == ahead.late else f"; {lead:.0f}, not {ahead.late:.0f}: a stop "
+                                           f"is never sent more than {MAX_SHARE:.0%} of the window ahead"))
             rt.steps_counter = None  # stop() cancels the counter; this one must not cancel itself
             await self.stop(capture_id, reason=StopReason.steps)
 
@@ -1169,6 +1180,7 @@ class CaptureController:
             cap.notes.append(f"the steps the traces hold are not counted: the summary failed ({type(exc).__name__}: {exc})")
             return verdicts
         per_stage: dict[int, int] = {}
+        idle: dict[int, tuple[int, int]] = {}  # per stage: its trace's idle iterations, of how many
         for f in data.get("files", []):
             sid = f.get("stage_id")
             if sid is None and len(cap.stages) == 1:
@@ -1176,9 +1188,13 @@ class CaptureController:
             if sid is None:
                 continue
             kinds = {k["kind"]: k["count"] for k in f.get("engine_step_kinds", [])}
-            worked = f.get("window", {}).get("engine_steps", 0) - kinds.get("idle", 0)
-            per_stage[sid] = max(per_stage.get(sid, 0), worked)
-        if rt.steps_learn and rt.steps_at_stop is not None and not server_bounded_stages(self.deploy, cap.stages):
+            ran = f.get("window", {}).get("engine_steps", 0)
+            worked = ran - kinds.get("idle", 0)
+            if worked >= per_stage.get(sid, 0):
+                per_stage[sid], idle[sid] = worked, (kinds.get("idle", 0), ran)
+        server_bounded = server_bounded_stages(self.deploy, cap.stages)
+        capped = {s for s, pc in server_bounded if pc.max_iterations > 0}
+        if rt.steps_learn and rt.steps_at_stop is not None and not server_bounded:
             self._lead.learn(cap.stages, per_stage, rt.steps_at_stop)
         out = []
         for v in verdicts:
@@ -1186,16 +1202,17 @@ class CaptureController:
                 v = v.model_copy(update={"steps_traced": per_stage[v.stage_id]})
                 if v.steps_traced != cap.steps:
                     cap.notes.append(f"stage {v.stage_id}: the trace holds {v.steps_traced} engine steps, "
-                                     f"{cap.steps} {'was' if cap.steps == 1 else 'were'} asked ({v.steps_traced - (cap.steps or 0):+d})")
+                                     f"{cap.steps} {'was' if cap.steps == 1 else 'were'} asked ({v.steps_traced - (cap.steps or 0):+d})"
+                                     + _idle_note(*idle[v.stage_id], capped=v.stage_id in capped))
             out.append(v)
         steps = cap.steps or 0
-        if any(abs(n - steps) > 2 for n in per_stage.values()) and not server_bounded_stages(self.deploy, cap.stages):
+        if any(abs(n - steps) > 2 for n in per_stage.values()) and not server_bounded:
             # the way to the steps asked where the stop's travel moves it (docs/captures.md)
             cap.notes.append(
                 f"the sidecar's stop ended this window, so the steps the engines ran while the start and the stop "
                 f"travelled to them moved it: for {steps} steps give or take 2, let the server end each window itself "
-                f"(restart it with the "
-                f"profiler config `omni-sidecar render --steps {steps}` writes: max_iterations {max_iterations_for(steps)})")
+                f"(restart it with the profiler config `omni-sidecar render --steps {steps}` writes: max_iterations "
+                f"{max_iterations_for(steps)})")
         return out
 
     # --- heartbeat / watchdog -------------------------------------------------------------

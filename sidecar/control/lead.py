@@ -25,6 +25,13 @@ the real two-stage server, windows stopped at counts of 20, 20, 18 and 21 traced
 noise moves the next window by as much. A window that says why it ran past (a first count
 already past, a sidecar not scheduled, a server that bounds its own window with
 ``max_iterations``) teaches nothing.
+
+Never more than half the window (``MAX_SHARE``): a lead learned from windows that ran past for
+another reason (a server's first profiler start holds its engines, then they run the queue in a
+burst) can be longer than the window, and a stop sent at the start's answer ends the window before
+the engines record anything. On the real two-stage vLLM-Omni server in CI (2026-12-04) two windows
+of 20 traced 42 past their counts, and the third, sent 42 ahead, at a count of 0, traced 0 steps on
+both stages.
 """
 
 from __future__ import annotations
@@ -32,12 +39,20 @@ from __future__ import annotations
 import collections
 import statistics
 from collections.abc import Mapping
+from typing import NamedTuple
 
-__all__ = ["LEAD_WINDOWS", "MIN_WINDOWS", "NOISE_STEPS", "StopLead"]
+__all__ = ["LEAD_WINDOWS", "MAX_SHARE", "MIN_WINDOWS", "NOISE_STEPS", "Lead", "StopLead"]
 
 LEAD_WINDOWS = 5  # the last windows per stage set whose lateness is kept
 NOISE_STEPS = 2  # a median lateness this small is no lead (a steps window's own precision)
 MIN_WINDOWS = 2  # windows a lead is learned from before it is taken
+MAX_SHARE = 0.5  # of the steps asked: the most a stop is sent ahead
+
+
+class Lead(NamedTuple):
+    ahead: float  # steps before the count reaches the steps asked that the stop is sent
+    windows: int  # the windows it is learned from
+    late: float  # their median steps traced past the count (``ahead`` before the cap)
 
 
 class StopLead:
@@ -46,13 +61,13 @@ class StopLead:
     def __init__(self) -> None:
         self._late: dict[tuple[int, ...], collections.deque[float]] = {}
 
-    def lead(self, stages: list[int]) -> tuple[float, int]:
-        """(how many steps early the next stop of ``stages`` is sent, windows it is learned from)."""
+    def lead(self, stages: list[int], steps: int) -> Lead:
+        """How many steps early the next stop of a ``steps`` window of ``stages`` is sent."""
         seen = self._late.get(tuple(sorted(stages)))
         if not seen or len(seen) < MIN_WINDOWS:
-            return 0.0, len(seen or ())
-        late = statistics.median(seen)
-        return (late if late > NOISE_STEPS else 0.0), len(seen)
+            return Lead(0.0, len(seen or ()), 0.0)
+        late = float(statistics.median(seen))
+        return Lead(min(late, steps * MAX_SHARE) if late > NOISE_STEPS else 0.0, len(seen), late)
 
     def learn(self, stages: list[int], traced: Mapping[int, int], counted: int) -> float | None:
         """Record one window: ``traced`` steps per stage, ``counted`` when its stop was sent (the
