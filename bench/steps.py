@@ -7,10 +7,16 @@ server per profiler flag set, each with its stat loggers on (its /metrics is the
   ``--max-stop-s``, then a real window of the planned steps: predicted size and stop time beside
   the actual ones, as ratios, beside the goals (size within +-25%, stop within +-50%).
 
+With ``--profiles light,ops,stacks`` the servers run the product's own stage profiles whole, as
+``render --profile`` writes them (``ignore_frontend``, and stacks' ``max_iterations: 8``): where
+the server ends every window itself the plan is held to its cap and predicts the trace write
+inside the engine, and the window's actual is each verdict's ``trace_write_s``.
+
 A load thread sends completions one after another for the whole run. Servers and sidecars bind
 127.0.0.1 on free ports and are always shut down. Nothing is asserted; it prints.
 
     python bench/steps.py [--flags light,ops,stacks] [--asked 5,20,50] [--budget-mb 150] [--max-stop-s 60]
+    python bench/steps.py --profiles light,ops,stacks --asked "" --max-tokens 16 --budget-mb 50 --max-stop-s 20
     python bench/steps.py --upstream http://127.0.0.1:8000 --profiler-config '{"profiler": "torch", ...}'
 
 ``--upstream`` measures a vLLM server you started (with its stat loggers on, and the profiler
@@ -35,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from sidecar.api.launcher import SidecarProcess  # noqa: E402
 from sidecar.client import SidecarClient  # noqa: E402
+from sidecar.config.profiles import load_profile  # noqa: E402
 from sidecar.control.budget import trace_bytes  # noqa: E402
 from sidecar.control.models import Capture  # noqa: E402
 from tests.fixtures.load import steady_load  # noqa: E402
@@ -45,6 +52,11 @@ FLAG_SETS: dict[str, dict[str, Any]] = {
     "ops": {"torch_profiler_with_stack": False, "torch_profiler_record_shapes": True},
     "stacks": {"torch_profiler_with_stack": True, "torch_profiler_record_shapes": True},
 }
+
+
+def profile_config(name: str, root: Path) -> dict[str, Any]:
+    """The product's stage profile ``name`` whole (stage_profiles/, what ``render --profile`` writes)."""
+    return {**dict(load_profile(name).profiler_config), "torch_profiler_dir": str(root / f"traces-{name}")}
 
 
 def live_python() -> str:
@@ -104,6 +116,7 @@ def window(client: SidecarClient, steps: int) -> Capture:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--flags", default="light,ops,stacks")
+    ap.add_argument("--profiles", help="the product's stage profiles to run whole instead of --flags (e.g. light,ops,stacks)")
     ap.add_argument("--asked", default="5,20,50")
     ap.add_argument("--budget-mb", type=float, default=150.0)
     ap.add_argument("--max-stop-s", type=float, default=60.0)
@@ -121,9 +134,10 @@ def main() -> None:
         root = Path(tmp)
         model = root / "model" if args.upstream else tiny_model(python, root)
         rows: list[str] = []
-        names = ["as-run"] if args.upstream else [n for n in args.flags.split(",") if n]
-        pc = json.loads(args.profiler_config) if args.profiler_config else None
+        names = ["as-run"] if args.upstream else [n for n in (args.profiles or args.flags).split(",") if n]
+        given = json.loads(args.profiler_config) if args.profiler_config else None
         for i, name in enumerate(names):
+            pc = profile_config(name, root) if args.profiles and not args.upstream else given
             with served(python, model, root, name, args.upstream, pc) as (url, sidecar), \
                     SidecarClient(sidecar.url, timeout=1800) as client:
                 for tokens in [int(t) for t in args.max_tokens.split(",") if t] if i == 0 else []:
@@ -142,11 +156,16 @@ def main() -> None:
                     cap = window(client, steps)
                 pred_mb, pred_stop = plan.predict(steps)
                 mb, st = size_mb(cap), stop_s(cap)
+                writes = [v.trace_write_s for v in cap.verdicts if v.trace_write_s is not None]
+                at_cap = plan.server_cap_steps is not None and steps >= plan.server_cap_steps
+                if at_cap:  # the server ended the window and wrote its trace inside the engine: that is its stop
+                    st = max(writes) if writes else float("nan")
                 rows.append(f"  {name:6s} plan {steps:4d} steps (by {plan.limited_by}): size {pred_mb:7.2f} MB "
                             f"predicted, {mb:7.2f} actual, ratio {pred_mb / mb if mb else float('nan'):.2f} "
-                            f"(goal 0.75-1.25); stop {pred_stop:6.2f}s predicted, {st:6.2f}s actual, ratio "
-                            f"{pred_stop / st if st else float('nan'):.2f} (goal 0.5-1.5); traced "
-                            f"{[v.steps_traced for v in cap.verdicts]}")
+                            f"(goal 0.75-1.25); {'write in the engine' if at_cap else 'stop'} {pred_stop:6.2f}s "
+                            f"predicted, {st:6.2f}s actual, ratio {pred_stop / st if st else float('nan'):.2f} "
+                            f"(goal 0.5-1.5); traced {[v.steps_traced for v in cap.verdicts]}, trace writes "
+                            f"{[round(w, 2) for w in writes]}s")
                 # the same line at the steps the window really held (a window that ran past its
                 # steps is the counter's imprecision, not the size line's)
                 held = max((v.steps_traced or 0 for v in cap.verdicts), default=0)
@@ -156,7 +175,8 @@ def main() -> None:
                                 f"stop ratio {h_stop / st if st else float('nan'):.2f}")
                 for pr in plan.probes:
                     rows.append(f"  {'':6s} probe {pr.steps_asked} asked: traced {pr.steps_traced}, "
-                                f"{sum(pr.bytes.values()) / 1e6:.2f} MB, stop {pr.stop_s:.2f}s")
+                                f"{sum(pr.bytes.values()) / 1e6:.2f} MB, stop {pr.stop_s:.2f}s, trace write "
+                                f"{'?' if pr.write_s is None else f'{pr.write_s:.2f}s'}")
                 rows.append(f"  {'':6s} window: counted {cap.steps_counted}, notes {cap.notes}")
                 print("\n".join(rows[-(len(plan.probes) + 2 + bool(held)):]), flush=True)
         print(f"plan vs actual (--budget-mb {args.budget_mb:g} --max-stop-s {args.max_stop_s:g})")

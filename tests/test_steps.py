@@ -430,9 +430,11 @@ class _ScriptedProbes:
     steps and bytes scripted: the engines' pace, which decides them, is the input under test."""
 
     def __init__(self, traced: list[dict[int, int]], size: Callable[[int], int] = lambda n: 1000 + 5000 * n,
-                 window_s: float | None = None) -> None:
-        self.traced, self.asked, self.size, self.window_s = traced, [], size, window_s
-        self.deploy = SimpleNamespace(stage=lambda sid: None)
+                 window_s: float | None = None, max_iterations: int = 0,
+                 write: Callable[[int], float] | None = None) -> None:
+        self.traced, self.asked, self.size, self.window_s, self.write = traced, [], size, window_s, write
+        pc = SimpleNamespace(max_iterations=max_iterations, delay_iterations=0)  # each stage's, fixed at its start
+        self.deploy = SimpleNamespace(stage=lambda sid: SimpleNamespace(profiler_config=pc) if max_iterations else None)
 
     async def start(self, stages: list[int] | None, *, steps: int, label: str, budget_check: bool) -> Any:
         self.asked.append(steps)
@@ -440,8 +442,10 @@ class _ScriptedProbes:
 
     async def wait(self, capture_id: str) -> Any:
         traced = self.traced[len(self.asked) - 1]
-        verdicts = [SimpleNamespace(stage_id=sid, steps_traced=n, sessions=[SimpleNamespace(
-            files=[SimpleNamespace(name="trace_rank0.json.gz", size=self.size(n))])]) for sid, n in traced.items()]
+        verdicts = [SimpleNamespace(stage_id=sid, steps_traced=n, trace_write_s=self.write(n) if self.write else None,
+                                    sessions=[SimpleNamespace(files=[SimpleNamespace(name="trace_rank0.json.gz",
+                                                                                     size=self.size(n))])])
+                    for sid, n in traced.items()]
         started = datetime(2026, 12, 3, tzinfo=timezone.utc) if self.window_s is not None else None
         asked = started + timedelta(seconds=self.window_s) if started is not None else None  # type: ignore[arg-type]
         return SimpleNamespace(id=capture_id, verdicts=verdicts, steps=self.asked[-1], steps_counted=None,
@@ -500,6 +504,40 @@ def test_the_refining_probe_lasts_at_most_five_seconds_of_the_servers_steps() ->
     slower = _ScriptedProbes([{0: 1}, {0: 2}], window_s=3.0)
     plan = asyncio.run(run_plan(slower, [0], budget_mb=2, max_stop_s=None))  # type: ignore[arg-type]
     assert (slower.asked, plan.notes) == ([1, 2], [])
+
+
+def test_a_plan_where_the_server_ends_every_window_is_held_to_its_cap_and_predicts_the_engines_write() -> None:
+    # max_iterations 8 on both stages (the stacks profile's): no window holds more than 8 - 2 steps,
+    # and there the trace is written inside the engine (0.5 s + 0.25 s per step), not at the stop
+    # (1 s + 1 s per step: the round trip that carries the write, at the sidecar's stop)
+    probes = [Probe(capture_id=f"p{n}", steps_asked=n, steps_traced={0: n, 2: n}, bytes={0: 1000 * n, 2: 1000 * n},
+                    stop_s=1.0 + n, write_s=0.5 + 0.25 * n) for n in (1, 2)]  # fmt: skip
+    plan = make_plan([0, 2], probes, {}, budget_mb=1.0, max_stop_s=100.0, server_cap_steps=6)
+    assert (plan.steps, plan.limited_by) == (6, "max_iterations"), plan
+    assert (plan.predicted_mb, plan.predicted_stop_s) == pytest.approx((0.012, 2.0)), plan
+    assert plan.predict(3) == pytest.approx((0.006, 4.0))  # below the cap the sidecar's stop ends it
+    tight = make_plan([0, 2], probes, {}, budget_mb=0.008, max_stop_s=None, server_cap_steps=6)
+    assert (tight.steps, tight.limited_by) == (4, "budget_mb"), tight  # a tighter bound still wins
+    unwritten = [p.model_copy(update={"write_s": None}) for p in probes]  # traces with no wall-clock base
+    assert make_plan([0, 2], unwritten, {}, budget_mb=1.0, max_stop_s=None, server_cap_steps=6).predicted_stop_s == 7.0
+
+
+def test_a_capped_servers_probes_are_never_longer_than_its_windows_and_the_plan_says_why() -> None:
+    # 1- and 2-step probes that traced the same count: the probe again would be 8 steps, past the
+    # 6 a window of max_iterations 8 holds, so it is 6; a third would be no longer, and is not taken
+    controller = _ScriptedProbes([{0: 3}, {0: 3}, {0: 3}], max_iterations=8, write=lambda n: 0.5 + 0.25 * n)
+    plan = asyncio.run(run_plan(controller, [0], budget_mb=1, max_stop_s=None))  # type: ignore[arg-type]
+    assert controller.asked == [1, 2, 6], controller.asked
+    assert "no longer probe fits the server's own bound on its windows (max_iterations: at most 6 steps)" in plan.notes[1]
+    assert plan.notes[-1].startswith("the server ends each window of stages [0] itself after 8 engine iterations"), plan.notes
+    lined = asyncio.run(run_plan(_ScriptedProbes([{0: 1}, {0: 2}], max_iterations=8, write=lambda n: 0.5 + 0.25 * n),
+                                 [0], budget_mb=1, max_stop_s=None))  # type: ignore[arg-type]
+    assert (lined.steps, lined.limited_by, lined.predicted_stop_s) == (6, "max_iterations", pytest.approx(2.0)), lined
+    assert "writes its trace inside the engine when it does: about 2.0s at 6 steps" in lined.notes[-1], lined.notes
+    # no cap on one stage: the sidecar's stop ends the window, the plan is not held
+    open_plan = asyncio.run(run_plan(_ScriptedProbes([{0: 1}, {0: 2}]), [0], budget_mb=1, max_stop_s=None,  # type: ignore[arg-type]
+                                     refine=False))
+    assert open_plan.server_cap_steps is None and open_plan.limited_by == "budget_mb", open_plan
 
 
 def test_a_steps_capture_above_the_planned_budget_is_refused_or_warned() -> None:
@@ -609,6 +647,23 @@ def test_a_window_the_server_caps_is_not_cut_short_by_a_start_that_travelled(cap
     sent = [n for n in final.notes if n.startswith("the stop was sent at ")]
     assert len(sent) == 1 and "every stage's server ends its own window after 10 engine iterations" in sent[0], final.notes
     assert final.steps_counted is not None and final.steps_counted > 10, final.steps_counted
+
+
+def test_a_plan_on_stages_the_server_caps_is_held_to_the_cap_and_predicts_the_write_its_windows_report(
+    capped: ModuleSidecar
+) -> None:
+    # Both stages end each window after 10 iterations: the plan is never more than 8 steps (10 less
+    # the 2 idle iterations render --steps adds), its probes' traces say how long the server took to
+    # write them, and so does each verdict of the planned window, where the engine wrote its trace.
+    with steady_load(capped.emulator.url, max_tokens=1, chat=True), capped.client() as client:
+        plan = client.plan(stages=[0, 2], budget_mb=500, max_stop_s=600)
+        final = client.wait_capture(client.start_capture(stages=[0, 2], steps=plan.steps).id, timeout=120)
+    assert (plan.steps, plan.limited_by, plan.server_cap_steps) == (8, "max_iterations", 8), plan
+    assert all(p.write_s is not None and 0 <= p.write_s < 60 for p in plan.probes), plan.probes
+    assert plan.notes[-1].startswith("the server ends each window of stages [0, 2] itself after 10 engine iterations"), plan.notes
+    assert plan.write_fixed_s is not None and plan.predicted_stop_s == pytest.approx(plan.predict(8)[1]), plan
+    assert final.stop_reason.value == "steps" and {v.stage_id for v in final.verdicts} == {0, 2}, final
+    assert all(v.trace_write_s is not None and 0 <= v.trace_write_s < 60 for v in final.verdicts), final.verdicts
 
 
 @pytest.fixture(scope="module")

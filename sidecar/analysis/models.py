@@ -206,6 +206,7 @@ class Window(BaseModel):
     step_names: list[str] = Field(default_factory=list)  # the first few, to show which
     engine_steps: int = 0  # vLLM engine step markers: execute_context_*, diffusion_forward*
     engine_step_mean_us: float | None = None
+    end_epoch_us: float | None = None  # the last event's end on the host's clock (baseTimeNanoseconds + end_us)
 
 
 class TraceMeta(BaseModel):

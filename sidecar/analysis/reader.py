@@ -634,3 +634,22 @@ def read_header(path: str | Path) -> dict[str, Any]:
     finally:
         gen.close()
     return reader.meta
+
+
+def trace_base_ns(header: dict[str, Any]) -> int | None:
+    """What a trace's ``ts`` (µs) count from: its ``baseTimeNanoseconds`` (Kineto), or None where
+    its ``ts`` are absolute: no base, or the emulator's synthetic traces, which write epoch-µs
+    ``ts`` and a base beside them (``"emulator_synthetic": true``, sidecar/emulator/_synthetic.py)."""
+    if header.get("emulator_synthetic") is True:
+        return None
+    base = header.get("baseTimeNanoseconds")
+    return base if isinstance(base, int) and not isinstance(base, bool) else None
+
+
+def trace_epoch_offset_us(header: dict[str, Any]) -> float | None:
+    """What to add to a trace's ``ts`` (µs) for the host's wall clock (epoch µs): its base, 0 for
+    the emulator's synthetic traces (epoch-µs ``ts``), None where the trace does not say."""
+    if header.get("emulator_synthetic") is True:
+        return 0.0
+    base = trace_base_ns(header)
+    return None if base is None else base / 1000.0

@@ -34,7 +34,7 @@ from sidecar.analysis.models import (
     TraceSummary,
     Window,
 )
-from sidecar.analysis.reader import TraceEvent, TraceReader
+from sidecar.analysis.reader import TraceEvent, TraceReader, trace_epoch_offset_us
 from sidecar.errors import TraceError
 
 # Categories, as Kineto names them.
@@ -119,6 +119,7 @@ class Aggregate:
         self.attribution: dict[DeviceKey, DeviceAttribution] = {}  # after finish()
         self.epochs: dict[DeviceKey, tuple[float, float]] = {}  # first and last event, epoch µs
         self.epoch_offset_us: float | None = None  # baseTimeNanoseconds / 1000 of this trace
+        self.end_epoch_us: float | None = None  # the last event's end, epoch µs (the latest of merged traces)
         # per-trace state, dropped by finish()
         self._att = TraceAttribution(steady=steady)
         self._stacks: dict[tuple[Any, Any], list[Any]] = {}  # (pid, tid) -> [last start, open ops]
@@ -410,6 +411,8 @@ class Aggregate:
             if ov[4] is not None:
                 ov[4][3] -= ov[2]
         span = (self.end - self.start) if self.start is not None and self.end is not None else 0.0
+        if self.epoch_offset_us is not None and self.end is not None:
+            self.end_epoch_us = self.epoch_offset_us + self.end
         attributed = self._att.finish(self.tables)
         for dev, busy in self._att.busy.items():
             self.devices[(stage_id, replica, rank, dev)] = [busy, span]
@@ -457,6 +460,8 @@ class Aggregate:
         for k, ep in other.epochs.items():
             m_ep = self.epochs.get(k)
             self.epochs[k] = ep if m_ep is None else (min(m_ep[0], ep[0]), max(m_ep[1], ep[1]))
+        if other.end_epoch_us is not None:
+            self.end_epoch_us = max(self.end_epoch_us or other.end_epoch_us, other.end_epoch_us)
         for k, v in other.step_kinds.items():
             m = self.step_kinds.setdefault(k, [0, 0.0])
             m[0] += v[0]
@@ -518,6 +523,7 @@ class Aggregate:
                 step_names=self.step_names,
                 engine_steps=self.engine_steps,
                 engine_step_mean_us=(self.engine_step_total / self.engine_steps) if self.engine_steps else None,
+                end_epoch_us=self.end_epoch_us,
             ),
             totals=Totals(
                 events=self.events,
@@ -617,9 +623,7 @@ def aggregate_trace(
         m = _RANK_IN_NAME.match(Path(path).name)
         meta.rank = int(m.group(1)) if m else None
     agg.events += reader.skipped  # Python stack events: counted, never needed
-    base = reader.meta.get("baseTimeNanoseconds")
-    if isinstance(base, int) and not isinstance(base, bool):
-        agg.epoch_offset_us = base / 1000.0
+    agg.epoch_offset_us = trace_epoch_offset_us(reader.meta)
     agg.finish(meta.rank, stage_id=stage_id, replica=replica)
     agg.files = [str(path)]
     agg.bytes_raw = reader.raw_bytes

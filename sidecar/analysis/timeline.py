@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.analysis.capture import TraceSource, find_sources
-from sidecar.analysis.reader import RawTraceReader, read_header
+from sidecar.analysis.reader import RawTraceReader, read_header, trace_base_ns
 from sidecar.analysis.writer import TraceWriter
 from sidecar.errors import TraceError
 
@@ -55,15 +55,6 @@ class TimelineReport:
 
 def _as_int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-
-def trace_base_ns(header: dict[str, Any]) -> int | None:
-    """What a trace's ``ts`` (µs) count from: its ``baseTimeNanoseconds`` (Kineto), or None where
-    its ``ts`` are absolute: no base, or the emulator's synthetic traces, which write epoch-µs
-    ``ts`` and a base beside them (``"emulator_synthetic": true``, sidecar/emulator/_synthetic.py)."""
-    if header.get("emulator_synthetic") is True:
-        return None
-    return _as_int(header.get("baseTimeNanoseconds"))
 
 
 def _rank(header: dict[str, Any], path: Path) -> int | None:

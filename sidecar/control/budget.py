@@ -3,6 +3,13 @@ measure, per stage, the bytes its files take and the server's stop time; a strai
 the probes (``fixed + per_step x steps``) predicts any window, and the plan is the most steps that
 fit both the size budget and the stop bound. The profiler flags are the server's, fixed at its
 start: the plan measures those it runs with and names them.
+
+A server that ends its own windows (``max_iterations`` on every stage, vllm/profiler/wrapper.py
+``step()``) bounds the plan too: no window holds more than its iterations, so the plan is never
+more than ``max_iterations - IDLE_ITERATIONS`` steps (what ``render --steps N`` writes, inverted),
+and no probe is longer. Such a window's trace is written inside the engine when the server ends it,
+and the sidecar's stop then answers at once: so a plan at the cap predicts that write (each probe's
+``trace_write_s``, from its trace's last event to its file's last write), not the stop's round trip.
 """
 
 from __future__ import annotations
@@ -12,11 +19,13 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
+from sidecar.config.rules import IDLE_ITERATIONS, server_bounded_stages
 from sidecar.control.artifacts import is_trace
 from sidecar.control.models import MAX_ENGINE_STEPS
 from sidecar.errors import BudgetExceeded, PlanInvalid
 
 if TYPE_CHECKING:
+    from sidecar.config.models import DeployConfig
     from sidecar.control.controller import CaptureController
     from sidecar.control.models import Capture, StageVerdict
 
@@ -32,6 +41,7 @@ class Probe(BaseModel):
     bytes: dict[int, int]  # stage -> bytes of its files
     stop_s: float  # stop asked -> the server answered
     window_s: float = 0.0  # the server accepted the start -> the stop was asked
+    write_s: float | None = None  # the longest of its stages' trace writes (StageVerdict.trace_write_s)
 
 
 class StagePlan(BaseModel):
@@ -49,15 +59,25 @@ class Plan(BaseModel):
     per_stage: list[StagePlan] = Field(default_factory=list)
     stop_fixed_s: float = 0.0
     stop_per_step_s: float = 0.0
+    # the trace write (its last event to its file's last write), the stop of a window the server
+    # ends itself; None where no probe's trace says when its last event was
+    write_fixed_s: float | None = None
+    write_per_step_s: float | None = None
+    # the most steps a window holds where every stage's server ends its windows itself
+    # (max_iterations - IDLE_ITERATIONS); None: the sidecar's stop ends them
+    server_cap_steps: int | None = None
     steps: int | None = None  # the most steps that fit both bounds (None: no bound given)
-    limited_by: Literal["budget_mb", "max_stop_s"] | None = None
+    limited_by: Literal["budget_mb", "max_stop_s", "max_iterations"] | None = None
     predicted_mb: float | None = None  # at ``steps``
     predicted_stop_s: float | None = None
     notes: list[str] = Field(default_factory=list)  # probes taken again, stages whose size is taken as fixed
 
     def predict(self, steps: int) -> tuple[float, float]:
-        """(MB on disk, stop seconds) of a ``steps`` window on these stages."""
+        """(MB on disk, stop seconds) of a ``steps`` window on these stages: at the server's cap,
+        its trace write (the server ends the window itself, and the sidecar's stop answers at once)."""
         size = sum(p.bytes_fixed + p.bytes_per_step * steps for p in self.per_stage) / MB
+        if self.server_cap_steps is not None and steps >= self.server_cap_steps and self.write_fixed_s is not None:
+            return size, self.write_fixed_s + (self.write_per_step_s or 0.0) * min(steps, self.server_cap_steps)
         return size, self.stop_fixed_s + self.stop_per_step_s * steps
 
 
@@ -90,13 +110,14 @@ def probe_of(cap: Capture) -> Probe:
     for v in cap.verdicts:
         traced[v.stage_id] = v.steps_traced if v.steps_traced is not None else (cap.steps_counted or cap.steps or 0)
         sizes[v.stage_id] = trace_bytes([v])
+    writes = [v.trace_write_s for v in cap.verdicts if getattr(v, "trace_write_s", None) is not None]
     stop_s = window_s = 0.0
     if cap.stop_requested_at is not None and cap.stopped_at is not None:
         stop_s = max((cap.stopped_at - cap.stop_requested_at).total_seconds(), 0.0)
     if cap.started_at is not None and cap.stop_requested_at is not None:
         window_s = max((cap.stop_requested_at - cap.started_at).total_seconds(), 0.0)
     return Probe(capture_id=cap.id, steps_asked=cap.steps or 0, steps_traced=traced, bytes=sizes, stop_s=stop_s,
-                 window_s=window_s)
+                 window_s=window_s, write_s=max(writes) if writes else None)
 
 
 def _local(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -109,9 +130,12 @@ def _local(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 
 def make_plan(stages: list[int], probes: list[Probe], flags: dict[int, dict[str, bool]], *,
-              budget_mb: float | None, max_stop_s: float | None, local: bool = False) -> Plan:
+              budget_mb: float | None, max_stop_s: float | None, local: bool = False,
+              server_cap_steps: int | None = None) -> Plan:
     """The plan from the probes: per stage a size line, one stop line, and the steps that fit.
-    ``local``: each line through the two longest probes only (after a refining probe)."""
+    ``local``: each line through the two longest probes only (after a refining probe).
+    ``server_cap_steps``: the most steps a window holds where the server ends every stage's window
+    itself (the plan is never more, and there predicts the trace write as the stop)."""
     pick = _local if local else list
     per_stage = []
     for sid in stages:
@@ -119,15 +143,20 @@ def make_plan(stages: list[int], probes: list[Probe], flags: dict[int, dict[str,
         fixed, per_step = fit(pick(points))
         per_stage.append(StagePlan(stage_id=sid, flags=flags.get(sid, {}), bytes_fixed=fixed, bytes_per_step=per_step))
     stop_fixed, stop_per_step = fit(pick([(float(max(p.steps_traced.values(), default=0)), p.stop_s) for p in probes]))
+    written = [(float(max(p.steps_traced.values(), default=0)), p.write_s) for p in probes if p.write_s is not None]
+    write_fixed, write_per_step = fit(pick(written)) if written else (None, None)
     plan = Plan(stages=stages, budget_mb=budget_mb, max_stop_s=max_stop_s, probes=probes, per_stage=per_stage,
-                stop_fixed_s=stop_fixed, stop_per_step_s=stop_per_step)
-    bounds: list[tuple[float, Literal["budget_mb", "max_stop_s"]]] = []
+                stop_fixed_s=stop_fixed, stop_per_step_s=stop_per_step, write_fixed_s=write_fixed,
+                write_per_step_s=write_per_step, server_cap_steps=server_cap_steps)
+    bounds: list[tuple[float, Literal["budget_mb", "max_stop_s", "max_iterations"]]] = []
     if budget_mb is not None:
         per_step = sum(p.bytes_per_step for p in per_stage) / MB
         fixed_mb = sum(p.bytes_fixed for p in per_stage) / MB
         bounds.append(((budget_mb - fixed_mb) / per_step if per_step > 0 else math.inf, "budget_mb"))
     if max_stop_s is not None:
         bounds.append(((max_stop_s - stop_fixed) / stop_per_step if stop_per_step > 0 else math.inf, "max_stop_s"))
+    if bounds and server_cap_steps is not None:
+        bounds.append((server_cap_steps, "max_iterations"))
     if bounds:
         most, why = min(bounds)
         plan.limited_by = why if math.isfinite(most) else None
@@ -158,6 +187,8 @@ async def run_plan(controller: CaptureController, stages: list[int] | None, *, b
 
     for n in probe_steps:
         await probe(n)
+    assert chosen is not None
+    cap_steps = server_cap_steps(controller.deploy, chosen)
     # A line needs two step counts per stage. An engine faster than the start's round trip can trace
     # 0 steps in a 1-step probe, or the same count in both: probe again, longer, up to twice.
     n = max(probe_steps)
@@ -165,27 +196,58 @@ async def run_plan(controller: CaptureController, stages: list[int] | None, *, b
         flat = _flat(probes)
         if not flat:
             break
-        n = min(n * 4, MAX_PROBE_STEPS)
+        longer = min(n * 4, MAX_PROBE_STEPS, cap_steps or MAX_PROBE_STEPS)
+        if longer <= n:
+            notes.append(f"{_describe(flat, probes)}: no longer probe fits the server's own bound on its windows "
+                         f"(max_iterations: at most {cap_steps} steps)")
+            break
+        n = longer
         notes.append(f"{_describe(flat, probes)}: probed again with {n} steps")
         await probe(n)
     notes += [f"stage {sid} traced no engine step in {len(probes)} probes: its files' size is taken as fixed, not "
               "per step" for sid in _flat(probes) if not any(p.steps_traced.get(sid, 0) for p in probes)]
-    assert chosen is not None
     flags = {}
     for sid in chosen:
         stage = controller.deploy.stage(sid)
         cfg = stage.profiler_config if stage is not None else None
         flags[sid] = {f.removeprefix("torch_profiler_"): bool(getattr(cfg, f, False)) for f in FLAGS} if cfg else {}
-    plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s)
+    plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s, server_cap_steps=cap_steps)
     n = _refining_steps(plan.steps, probes) if refine and plan.steps is not None else None
     if n is not None and plan.steps is not None:
         longest = _longest(probes)
         notes.append(f"planned {plan.steps} steps, {plan.steps // max(longest, 1)}x the longest probe ({longest}): "
                      f"probed again with {n} steps; the lines go through the two longest probes")
         await probe(n)
-        plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s, local=True)
+        plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s, local=True,
+                         server_cap_steps=cap_steps)
+    if cap_steps is not None:
+        notes.append(_capped_note(plan, cap_steps))
     plan.notes = notes
     return plan
+
+
+def server_cap_steps(deploy: DeployConfig, stages: list[int]) -> int | None:
+    """The most steps a window of ``stages`` holds where the server ends every stage's window itself
+    (``max_iterations`` on each, idle iterations counted: ``max_iterations - IDLE_ITERATIONS``, at
+    least 1); None where one stage's window is ended by the sidecar's stop."""
+    bounded = {sid: pc.max_iterations for sid, pc in server_bounded_stages(deploy, stages) if pc.max_iterations > 0}
+    if not stages or set(bounded) != set(stages):
+        return None
+    return max(min(bounded.values()) - IDLE_ITERATIONS, 1)
+
+
+def _capped_note(plan: Plan, cap_steps: int) -> str:
+    iterations = cap_steps + IDLE_ITERATIONS
+    head = (f"the server ends each window of stages {plan.stages} itself after {iterations} engine iterations "
+            f"(max_iterations, fixed at its start; idle ones count): a window holds at most about {cap_steps} steps")
+    if plan.write_fixed_s is None:
+        return head + ("; no probe's trace says when its last event was (no baseTimeNanoseconds), so the stop "
+                       "predicted is the sidecar's, not the server's own")
+    at = plan.write_fixed_s + (plan.write_per_step_s or 0.0) * cap_steps
+    return (head + f", and writes its trace inside the engine when it does: about {at:.1f}s at {cap_steps} steps "
+            f"(the probes' writes: {plan.write_fixed_s:.2f}s + {plan.write_per_step_s or 0.0:.3f}s per step), while the "
+            "sidecar's stop then answers at once; for longer windows, restart the server with a larger "
+            "max_iterations (omni-sidecar render --steps N)")
 
 
 def _longest(probes: list[Probe]) -> int:

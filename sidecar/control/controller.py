@@ -15,6 +15,7 @@ import collections
 import contextlib
 import logging
 import math
+import os
 import secrets
 import tempfile
 import time
@@ -287,6 +288,20 @@ START_AT_LATE_S = 0.002
 
 def _ago(seconds: float) -> str:
     return f"{seconds * 1000:.0f} ms" if abs(seconds) < 10 else f"{seconds:.1f} s"
+
+
+def _write_s(summary: dict[str, Any]) -> float | None:
+    """Seconds from the last event of a trace file's summary to the file's last write (its mtime):
+    how long the server took to write what it recorded. None where the trace has no wall-clock
+    base (baseTimeNanoseconds) or the file is gone."""
+    end_us = summary.get("window", {}).get("end_epoch_us")
+    if end_us is None or not summary.get("file"):
+        return None
+    try:
+        written_ns = os.stat(summary["file"]).st_mtime_ns
+    except OSError:
+        return None
+    return max(written_ns / 1e9 - end_us / 1e6, 0.0)
 
 
 def _idle_note(idle: int, ran: int, *, capped: bool) -> str:
@@ -1181,6 +1196,7 @@ class CaptureController:
             return verdicts
         per_stage: dict[int, int] = {}
         idle: dict[int, tuple[int, int]] = {}  # per stage: its trace's idle iterations, of how many
+        writes: dict[int, float] = {}  # per stage: its trace's last event to its file's last write, s
         for f in data.get("files", []):
             sid = f.get("stage_id")
             if sid is None and len(cap.stages) == 1:
@@ -1188,6 +1204,8 @@ class CaptureController:
             if sid is None:
                 continue
             kinds = {k["kind"]: k["count"] for k in f.get("engine_step_kinds", [])}
+            if (took := _write_s(f)) is not None:
+                writes[sid] = max(writes.get(sid, took), took)
             ran = f.get("window", {}).get("engine_steps", 0)
             worked = ran - kinds.get("idle", 0)
             if worked >= per_stage.get(sid, 0):
@@ -1199,7 +1217,8 @@ class CaptureController:
         out = []
         for v in verdicts:
             if v.stage_id in per_stage:
-                v = v.model_copy(update={"steps_traced": per_stage[v.stage_id]})
+                v = v.model_copy(update={"steps_traced": per_stage[v.stage_id],
+                                         "trace_write_s": writes.get(v.stage_id)})
                 if v.steps_traced != cap.steps:
                     cap.notes.append(f"stage {v.stage_id}: the trace holds {v.steps_traced} engine steps, "
                                      f"{cap.steps} {'was' if cap.steps == 1 else 'were'} asked ({v.steps_traced - (cap.steps or 0):+d})"

@@ -115,6 +115,11 @@ class StageVerdict(BaseModel):
     # Engine steps that scheduled work in this stage's trace (its execute_* annotations, the most
     # of any of its files); set for ``steps`` captures, to compare with the steps asked.
     steps_traced: int | None = None
+    # Seconds from the last event its trace holds to its file's last write: the server writing what
+    # it recorded (at the stop, or inside the engine where the server ends the window itself:
+    # max_iterations); the longest of its files. Set with ``steps_traced``, where the trace says
+    # when its last event was (baseTimeNanoseconds).
+    trace_write_s: float | None = None
 
 
 class ErrorRecord(BaseModel):
