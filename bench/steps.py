@@ -171,6 +171,10 @@ def main() -> None:
                 held = max((v.steps_traced or 0 for v in cap.verdicts), default=0)
                 if held:
                     h_mb, h_stop = plan.predict(held)
+                    if at_cap:  # the lines at what the server's window held (predict() takes its most)
+                        h_mb = sum(p.bytes_fixed + p.bytes_per_step * held for p in plan.per_stage) / 1e6
+                        if plan.write_fixed_s is not None:
+                            h_stop = plan.write_fixed_s + (plan.write_per_step_s or 0.0) * held
                     rows.append(f"  {'':6s} at the {held} steps held: size ratio {h_mb / mb if mb else float('nan'):.2f}, "
                                 f"stop ratio {h_stop / st if st else float('nan'):.2f}")
                 for pr in plan.probes:

@@ -507,19 +507,33 @@ def test_the_refining_probe_lasts_at_most_five_seconds_of_the_servers_steps() ->
 
 
 def test_a_plan_where_the_server_ends_every_window_is_held_to_its_cap_and_predicts_the_engines_write() -> None:
-    # max_iterations 8 on both stages (the stacks profile's): no window holds more than 8 - 2 steps,
-    # and there the trace is written inside the engine (0.5 s + 0.25 s per step), not at the stop
-    # (1 s + 1 s per step: the round trip that carries the write, at the sidecar's stop)
+    # max_iterations 8 on both stages (the stacks profile's): --steps 6 asks for the server's whole
+    # window (render --steps 6 caps at 8), which holds up to 8 steps (no idle iteration: the real
+    # vLLM CPU server's held 8 of 8) and is predicted at 8; its trace is written inside the engine
+    # (0.5 s + 0.25 s per step), not at the stop (1 s + 1 s per step: the round trip that carries
+    # the write where the sidecar's stop ends the window)
     probes = [Probe(capture_id=f"p{n}", steps_asked=n, steps_traced={0: n, 2: n}, bytes={0: 1000 * n, 2: 1000 * n},
                     stop_s=1.0 + n, write_s=0.5 + 0.25 * n) for n in (1, 2)]  # fmt: skip
     plan = make_plan([0, 2], probes, {}, budget_mb=1.0, max_stop_s=100.0, server_cap_steps=6)
     assert (plan.steps, plan.limited_by) == (6, "max_iterations"), plan
-    assert (plan.predicted_mb, plan.predicted_stop_s) == pytest.approx((0.012, 2.0)), plan
+    assert (plan.predicted_mb, plan.predicted_stop_s) == pytest.approx((0.016, 2.5)), plan
     assert plan.predict(3) == pytest.approx((0.006, 4.0))  # below the cap the sidecar's stop ends it
     tight = make_plan([0, 2], probes, {}, budget_mb=0.008, max_stop_s=None, server_cap_steps=6)
     assert (tight.steps, tight.limited_by) == (4, "budget_mb"), tight  # a tighter bound still wins
+    # 6.5 steps fit the budget, the server's whole window (up to 8) does not: one step short of it
+    short = make_plan([0, 2], probes, {}, budget_mb=0.013, max_stop_s=None, server_cap_steps=6)
+    assert (short.steps, short.limited_by, short.predicted_mb) == (5, "budget_mb", pytest.approx(0.010)), short
+    # a probe of the server's whole window: its stop answered at once (the engine had written its
+    # trace), and the stop line leaves it out; its write is the server's own, and the write line is
+    # drawn from it alone (the others' hold the stop's travel)
+    whole = Probe(capture_id="p6", steps_asked=6, steps_traced={0: 8, 2: 8}, bytes={0: 8000, 2: 8000}, stop_s=0.01,
+                  write_s=2.0)
+    with_whole = make_plan([0, 2], [*probes, whole], {}, budget_mb=1.0, max_stop_s=None, server_cap_steps=6)
+    assert (with_whole.stop_fixed_s, with_whole.stop_per_step_s) == pytest.approx((1.0, 1.0)), with_whole
+    assert (with_whole.write_fixed_s, with_whole.write_per_step_s, with_whole.predicted_stop_s) == pytest.approx(
+        (0.0, 0.25, 2.0)), with_whole
     unwritten = [p.model_copy(update={"write_s": None}) for p in probes]  # traces with no wall-clock base
-    assert make_plan([0, 2], unwritten, {}, budget_mb=1.0, max_stop_s=None, server_cap_steps=6).predicted_stop_s == 7.0
+    assert make_plan([0, 2], unwritten, {}, budget_mb=1.0, max_stop_s=None, server_cap_steps=6).predicted_stop_s == 9.0
 
 
 def test_a_capped_servers_probes_are_never_longer_than_its_windows_and_the_plan_says_why() -> None:
@@ -530,10 +544,14 @@ def test_a_capped_servers_probes_are_never_longer_than_its_windows_and_the_plan_
     assert controller.asked == [1, 2, 6], controller.asked
     assert "no longer probe fits the server's own bound on its windows (max_iterations: at most 6 steps)" in plan.notes[1]
     assert plan.notes[-1].startswith("the server ends each window of stages [0] itself after 8 engine iterations"), plan.notes
-    lined = asyncio.run(run_plan(_ScriptedProbes([{0: 1}, {0: 2}], max_iterations=8, write=lambda n: 0.5 + 0.25 * n),
-                                 [0], budget_mb=1, max_stop_s=None))  # type: ignore[arg-type]
-    assert (lined.steps, lined.limited_by, lined.predicted_stop_s) == (6, "max_iterations", pytest.approx(2.0)), lined
-    assert "writes its trace inside the engine when it does: about 2.0s at 6 steps" in lined.notes[-1], lined.notes
+    # a line at once, and the plan is the server's whole window: probed once as it is (it held 8)
+    whole = _ScriptedProbes([{0: 1}, {0: 2}, {0: 8}], max_iterations=8, write=lambda n: 0.5 + 0.25 * n)
+    lined = asyncio.run(run_plan(whole, [0], budget_mb=1, max_stop_s=None))  # type: ignore[arg-type]
+    assert whole.asked == [1, 2, 6] and lined.notes[0] == "planned the server's whole window (6 steps asked): probed it once", (
+        whole.asked, lined.notes)
+    assert (lined.steps, lined.limited_by, lined.predicted_stop_s) == (6, "max_iterations", pytest.approx(2.5)), lined
+    assert "--steps 6 or more asks for that whole window (render --steps 6 caps at 8)" in lined.notes[-1], lined.notes
+    assert "writes its trace inside the engine when it ends the window: about 2.5s at 8 steps" in lined.notes[-1], lined.notes
     # no cap on one stage: the sidecar's stop ends the window, the plan is not held
     open_plan = asyncio.run(run_plan(_ScriptedProbes([{0: 1}, {0: 2}]), [0], budget_mb=1, max_stop_s=None,  # type: ignore[arg-type]
                                      refine=False))

@@ -63,8 +63,9 @@ class Plan(BaseModel):
     # ends itself; None where no probe's trace says when its last event was
     write_fixed_s: float | None = None
     write_per_step_s: float | None = None
-    # the most steps a window holds where every stage's server ends its windows itself
-    # (max_iterations - IDLE_ITERATIONS); None: the sidecar's stop ends them
+    # where every stage's server ends its windows itself: the steps to ask for its whole window
+    # (max_iterations - IDLE_ITERATIONS, as render --steps writes it); such a window holds up to
+    # max_iterations steps (no idle iteration), and is predicted at that. None: the sidecar's stop ends them
     server_cap_steps: int | None = None
     steps: int | None = None  # the most steps that fit both bounds (None: no bound given)
     limited_by: Literal["budget_mb", "max_stop_s", "max_iterations"] | None = None
@@ -73,12 +74,16 @@ class Plan(BaseModel):
     notes: list[str] = Field(default_factory=list)  # probes taken again, stages whose size is taken as fixed
 
     def predict(self, steps: int) -> tuple[float, float]:
-        """(MB on disk, stop seconds) of a ``steps`` window on these stages: at the server's cap,
-        its trace write (the server ends the window itself, and the sidecar's stop answers at once)."""
-        size = sum(p.bytes_fixed + p.bytes_per_step * steps for p in self.per_stage) / MB
-        if self.server_cap_steps is not None and steps >= self.server_cap_steps and self.write_fixed_s is not None:
-            return size, self.write_fixed_s + (self.write_per_step_s or 0.0) * min(steps, self.server_cap_steps)
-        return size, self.stop_fixed_s + self.stop_per_step_s * steps
+        """(MB on disk, stop seconds) of a ``steps`` window on these stages. At the server's cap, of
+        the most the window holds (``max_iterations`` steps, no iteration idle: on the real vLLM CPU
+        server under load 8 of 8, 29-30 of 32), and its stop is the trace write inside the engine
+        (the server ends the window itself, and the sidecar's stop answers at once)."""
+        capped = self.server_cap_steps is not None and steps >= self.server_cap_steps
+        held = self.server_cap_steps + IDLE_ITERATIONS if capped and self.server_cap_steps is not None else steps
+        size = sum(p.bytes_fixed + p.bytes_per_step * held for p in self.per_stage) / MB
+        if capped and self.write_fixed_s is not None:
+            return size, self.write_fixed_s + (self.write_per_step_s or 0.0) * held
+        return size, self.stop_fixed_s + self.stop_per_step_s * held
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -142,8 +147,17 @@ def make_plan(stages: list[int], probes: list[Probe], flags: dict[int, dict[str,
         points = [(float(p.steps_traced.get(sid, 0)), float(p.bytes.get(sid, 0))) for p in probes]
         fixed, per_step = fit(pick(points))
         per_stage.append(StagePlan(stage_id=sid, flags=flags.get(sid, {}), bytes_fixed=fixed, bytes_per_step=per_step))
-    stop_fixed, stop_per_step = fit(pick([(float(max(p.steps_traced.values(), default=0)), p.stop_s) for p in probes]))
-    written = [(float(max(p.steps_traced.values(), default=0)), p.write_s) for p in probes if p.write_s is not None]
+    # the stop line from the windows the sidecar's stop ended: one that held the server's whole
+    # window had its trace written inside the engine before the stop came, which answered at once
+    # (a 30-step probe of light's max_iterations 32 answered in 0.01 s, beside 0.68 s at 31 steps)
+    stopped = [p for p in probes if server_cap_steps is None or _longest([p]) < server_cap_steps] or probes
+    stop_fixed, stop_per_step = fit(pick([(float(_longest([p])), p.stop_s) for p in stopped]))
+    # the write line from the probes of the server's whole window, where there are any: theirs is the
+    # server's own write; where the sidecar's stop ended a window, the time from its last event to
+    # the file holds what the engines did not record while the stop travelled (on the real vLLM-Omni
+    # server probes so stopped gave 1.3 and 2.7 s, its whole window 0.13 s)
+    whole = [p for p in probes if server_cap_steps is not None and p.steps_asked >= server_cap_steps]
+    written = [(float(_longest([p])), p.write_s) for p in (whole or probes) if p.write_s is not None]
     write_fixed, write_per_step = fit(pick(written)) if written else (None, None)
     plan = Plan(stages=stages, budget_mb=budget_mb, max_stop_s=max_stop_s, probes=probes, per_stage=per_stage,
                 stop_fixed_s=stop_fixed, stop_per_step_s=stop_per_step, write_fixed_s=write_fixed,
@@ -155,12 +169,18 @@ def make_plan(stages: list[int], probes: list[Probe], flags: dict[int, dict[str,
         bounds.append(((budget_mb - fixed_mb) / per_step if per_step > 0 else math.inf, "budget_mb"))
     if max_stop_s is not None:
         bounds.append(((max_stop_s - stop_fixed) / stop_per_step if stop_per_step > 0 else math.inf, "max_stop_s"))
-    if bounds and server_cap_steps is not None:
-        bounds.append((server_cap_steps, "max_iterations"))
     if bounds:
         most, why = min(bounds)
         plan.limited_by = why if math.isfinite(most) else None
         plan.steps = max(int(min(most, MAX_ENGINE_STEPS)), 0)
+        if server_cap_steps is not None and plan.steps >= server_cap_steps:
+            # the server's whole window, if what it may hold fits the bounds; else one step short of
+            # it, which the sidecar's stop ends
+            size, stop = plan.predict(server_cap_steps)
+            if size <= (budget_mb or math.inf) and stop <= (max_stop_s or math.inf):
+                plan.steps, plan.limited_by = server_cap_steps, "max_iterations"
+            else:
+                plan.steps = server_cap_steps - 1
         plan.predicted_mb, plan.predicted_stop_s = plan.predict(plan.steps)
     return plan
 
@@ -212,7 +232,17 @@ async def run_plan(controller: CaptureController, stages: list[int] | None, *, b
         cfg = stage.profiler_config if stage is not None else None
         flags[sid] = {f.removeprefix("torch_profiler_"): bool(getattr(cfg, f, False)) for f in FLAGS} if cfg else {}
     plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s, server_cap_steps=cap_steps)
-    n = _refining_steps(plan.steps, probes) if refine and plan.steps is not None else None
+    whole = cap_steps is not None and plan.limited_by == "max_iterations"
+    if whole and refine and not any(p.steps_asked >= plan.steps for p in probes):
+        # the plan is the server's whole window, no longer than the window it plans: probed once as
+        # it is (on the real vLLM CPU server probes of 3 and 4 steps put light's 30-step write at 0.04s
+        # of 0.30s: tiny probes' writes are noise)
+        notes.append(f"planned the server's whole window ({plan.steps} steps asked): probed it once")
+        await probe(plan.steps)
+        # through every probe, not the two longest: those can be a step apart (stacks: 6 and 7 steps
+        # held 0.32 and 0.84 MB, and a line through them put 8 steps at 4.2 MB, where it held 0.41)
+        plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s, server_cap_steps=cap_steps)
+    n = _refining_steps(plan.steps, probes) if refine and plan.steps is not None and not whole else None
     if n is not None and plan.steps is not None:
         longest = _longest(probes)
         notes.append(f"planned {plan.steps} steps, {plan.steps // max(longest, 1)}x the longest probe ({longest}): "
@@ -239,15 +269,17 @@ def server_cap_steps(deploy: DeployConfig, stages: list[int]) -> int | None:
 def _capped_note(plan: Plan, cap_steps: int) -> str:
     iterations = cap_steps + IDLE_ITERATIONS
     head = (f"the server ends each window of stages {plan.stages} itself after {iterations} engine iterations "
-            f"(max_iterations, fixed at its start; idle ones count): a window holds at most about {cap_steps} steps")
+            f"(max_iterations, fixed at its start; idle ones count): --steps {cap_steps} or more asks for that whole "
+            f"window (render --steps {cap_steps} caps at {iterations}), which holds up to {iterations} steps and is "
+            f"predicted at {iterations}")
     if plan.write_fixed_s is None:
         return head + ("; no probe's trace says when its last event was (no baseTimeNanoseconds), so the stop "
                        "predicted is the sidecar's, not the server's own")
-    at = plan.write_fixed_s + (plan.write_per_step_s or 0.0) * cap_steps
-    return (head + f", and writes its trace inside the engine when it does: about {at:.1f}s at {cap_steps} steps "
-            f"(the probes' writes: {plan.write_fixed_s:.2f}s + {plan.write_per_step_s or 0.0:.3f}s per step), while the "
-            "sidecar's stop then answers at once; for longer windows, restart the server with a larger "
-            "max_iterations (omni-sidecar render --steps N)")
+    at = plan.write_fixed_s + (plan.write_per_step_s or 0.0) * iterations
+    return (head + f"; the server writes its trace inside the engine when it ends the window: about {at:.1f}s at "
+            f"{iterations} steps (the probes' writes: {plan.write_fixed_s:.2f}s + {plan.write_per_step_s or 0.0:.3f}s "
+            "per step), and the sidecar's stop then answers at once; for longer windows, restart the server with a "
+            "larger max_iterations (omni-sidecar render --steps N)")
 
 
 def _longest(probes: list[Probe]) -> int:

@@ -17,6 +17,7 @@ import pytest
 from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
 from sidecar.config.rules import max_iterations_for
+from sidecar.control.budget import trace_bytes
 from tests.fixtures.load import steady_load
 from tests.omni.conftest import CAP, Setup, end_open_captures, module_sidecar
 
@@ -70,3 +71,30 @@ def test_twenty_steps_on_stages_the_server_caps_at_twenty_end_where_the_server_e
         if traced[s] != CAP:
             assert (f"stage {s}: the trace holds {traced[s]} engine steps, {CAP} were asked ({traced[s] - CAP:+d}); "
                     f"{kinds[s]['idle']} of the {ITERATIONS} iterations it recorded were idle") in " ".join(cap.notes), cap.notes
+
+
+def test_the_plan_on_a_server_that_caps_every_stage_is_its_whole_window_sized_within_a_quarter(
+    capped_sidecar: SidecarProcess, load: None
+) -> None:
+    # Every stage ends its own windows after 22 iterations: the plan is --steps 20 (what render
+    # --steps 20 caps at 22), predicted at the most such a window holds, and its stop is the trace
+    # write inside each engine (the sidecar's stop answers at once), which each verdict reports.
+    with SidecarClient(capped_sidecar.url, timeout=600) as client:
+        plan = client.plan(stages=[0, 1], budget_mb=150, max_stop_s=60)
+        cap = client.wait_capture(client.start_capture(stages=[0, 1], steps=plan.steps, label="planned").id, timeout=900)
+    predicted_mb, predicted_write_s = plan.predict(plan.steps)
+    traced = {v.stage_id: v.steps_traced or 0 for v in cap.verdicts}
+    at_traced_mb = sum(p.bytes_fixed + p.bytes_per_step * traced[p.stage_id] for p in plan.per_stage) / 1e6
+    actual_mb = trace_bytes(cap.verdicts) / 1e6
+    writes = {v.stage_id: v.trace_write_s for v in cap.verdicts}
+    print(f"plan {plan.steps} ({plan.limited_by}): predicted {predicted_mb:.3f} MB ({at_traced_mb:.3f} at the {traced} "
+          f"steps traced), actual {actual_mb:.3f} MB; write predicted {predicted_write_s:.2f}s, actual {writes}; "
+          f"probes {[(p.steps_traced, p.write_s) for p in plan.probes]}; notes {plan.notes}")
+    assert (plan.steps, plan.limited_by, plan.server_cap_steps) == (CAP, "max_iterations", CAP), plan
+    assert plan.notes[-1].startswith(f"the server ends each window of stages [0, 1] itself after {ITERATIONS} engine "
+                                     "iterations"), plan.notes
+    assert all(p.write_s is not None for p in plan.probes) and all(w is not None for w in writes.values()), (plan, writes)
+    # the size line at what each stage held (the steps held are the cap's, test above); the most
+    # the window may hold is the prediction's upper side
+    assert 0.75 <= at_traced_mb / actual_mb <= 1.25, (plan, cap.verdicts)
+    assert predicted_mb >= at_traced_mb, (predicted_mb, at_traced_mb)
