@@ -431,9 +431,10 @@ class _ScriptedProbes:
 
     def __init__(self, traced: list[dict[int, int]], size: Callable[[int], int] = lambda n: 1000 + 5000 * n,
                  window_s: float | None = None, max_iterations: int = 0,
-                 write: Callable[[int], float] | None = None) -> None:
+                 write: Callable[[int], float] | None = None, flags: dict[str, bool] | None = None) -> None:
         self.traced, self.asked, self.size, self.window_s, self.write = traced, [], size, window_s, write
-        pc = SimpleNamespace(max_iterations=max_iterations, delay_iterations=0)  # each stage's, fixed at its start
+        pc = SimpleNamespace(max_iterations=max_iterations, delay_iterations=0,  # each stage's, fixed at its start
+                             **(flags or {}))
         self.deploy = SimpleNamespace(stage=lambda sid: SimpleNamespace(profiler_config=pc) if max_iterations else None)
 
     async def start(self, stages: list[int] | None, *, steps: int, label: str, budget_check: bool) -> Any:
@@ -536,22 +537,57 @@ def test_a_plan_where_the_server_ends_every_window_is_held_to_its_cap_and_predic
     assert make_plan([0, 2], unwritten, {}, budget_mb=1.0, max_stop_s=None, server_cap_steps=6).predicted_stop_s == 9.0
 
 
+def test_the_servers_whole_window_probed_three_times_is_predicted_at_their_median_with_their_range() -> None:
+    # windows of equal steps that differ (stacks on the real vLLM CPU server: 8 steps held 0.37 to
+    # 1.84 MB, the Python calls of its worker's busy-wait between steps): the median, not a line
+    lines = [Probe(capture_id=f"p{n}", steps_asked=n, steps_traced={0: n}, bytes={0: 100_000 * n}, stop_s=1.0,
+                   write_s=0.1 * n) for n in (1, 2)]  # fmt: skip
+    whole = [Probe(capture_id=f"w{i}", steps_asked=6, steps_traced={0: 8}, bytes={0: size}, stop_s=0.01, write_s=w)
+             for i, (size, w) in enumerate([(1_840_000, 2.6), (370_000, 0.7), (900_000, 1.1)])]  # fmt: skip
+    plan = make_plan([0], [*lines, *whole], {}, budget_mb=5.0, max_stop_s=None, server_cap_steps=6)
+    assert (plan.steps, plan.limited_by, plan.predicted_mb, plan.predicted_stop_s) == (
+        6, "max_iterations", pytest.approx(0.9), pytest.approx(1.1)), plan
+    assert (plan.predicted_mb_range, plan.predicted_stop_range_s) == (pytest.approx((0.37, 1.84)), pytest.approx((0.7, 2.6)))
+    line = plan.per_stage[0]  # below the cap: the lines (through every probe), no range
+    assert plan.predict(3) == pytest.approx(((line.bytes_fixed + 3 * line.bytes_per_step) / 1e6, 1.0))
+    assert plan.predict_range(3) is None
+    # a budget under the median: one step short of the whole window, which the sidecar's stop ends
+    short = make_plan([0], [*lines, *whole], {}, budget_mb=0.8, max_stop_s=None, server_cap_steps=6)
+    assert (short.steps, short.predicted_mb_range) == (5, None), short
+
+
 def test_a_capped_servers_probes_are_never_longer_than_its_windows_and_the_plan_says_why() -> None:
     # 1- and 2-step probes that traced the same count: the probe again would be 8 steps, past the
-    # 6 a window of max_iterations 8 holds, so it is 6; a third would be no longer, and is not taken
-    controller = _ScriptedProbes([{0: 3}, {0: 3}, {0: 3}], max_iterations=8, write=lambda n: 0.5 + 0.25 * n)
+    # 6 a window of max_iterations 8 holds, so it is 6; a third would be no longer, and is not taken;
+    # the plan is then the server's whole window, and that 6-step probe is one of its three
+    controller = _ScriptedProbes([{0: 3}] * 5, max_iterations=8, write=lambda n: 0.5 + 0.25 * n)
     plan = asyncio.run(run_plan(controller, [0], budget_mb=1, max_stop_s=None))  # type: ignore[arg-type]
-    assert controller.asked == [1, 2, 6], controller.asked
+    assert controller.asked == [1, 2, 6, 6, 6], controller.asked
     assert "no longer probe fits the server's own bound on its windows (max_iterations: at most 6 steps)" in plan.notes[1]
     assert plan.notes[-1].startswith("the server ends each window of stages [0] itself after 8 engine iterations"), plan.notes
-    # a line at once, and the plan is the server's whole window: probed once as it is (it held 8)
-    whole = _ScriptedProbes([{0: 1}, {0: 2}, {0: 8}], max_iterations=8, write=lambda n: 0.5 + 0.25 * n)
+    # a line at once, and the plan is the server's whole window: probed three times as it is (each held 8)
+    whole = _ScriptedProbes([{0: 1}, {0: 2}] + [{0: 8}] * 3, max_iterations=8, write=lambda n: 0.5 + 0.25 * n)
     lined = asyncio.run(run_plan(whole, [0], budget_mb=1, max_stop_s=None))  # type: ignore[arg-type]
-    assert whole.asked == [1, 2, 6] and lined.notes[0] == "planned the server's whole window (6 steps asked): probed it once", (
-        whole.asked, lined.notes)
+    assert whole.asked == [1, 2, 6, 6, 6], whole.asked
+    assert lined.notes[0].startswith("planned the server's whole window (6 steps asked): probed it 3 times; at equal "
+                                     "steps they held 0.04-0.04 MB and wrote in 2.50-2.50s: predicted at their median"), lined.notes
     assert (lined.steps, lined.limited_by, lined.predicted_stop_s) == (6, "max_iterations", pytest.approx(2.5)), lined
     assert "--steps 6 or more asks for that whole window (render --steps 6 caps at 8)" in lined.notes[-1], lined.notes
-    assert "writes its trace inside the engine when it ends the window: about 2.5s at 8 steps" in lined.notes[-1], lined.notes
+    assert ("is predicted from its 3 probes of it; the server writes its trace inside the engine when it ends the window: "
+            "about 2.5s (the median of its probes' writes)") in lined.notes[-1], lined.notes
+    assert "differ by" not in lined.notes[0], lined.notes  # equal sizes: no spread to explain
+    # whole windows that differ (stacks on, the real vLLM CPU server: 0.64-1.08 MB at equal steps):
+    # the note says by how much and why, naming the busy-wait where a stage records stacks
+    sizes = iter([6_000, 11_000, 640_000, 1_080_000, 700_000])
+    spread = _ScriptedProbes([{0: 1}, {0: 2}] + [{0: 8}] * 3, size=lambda n: next(sizes), max_iterations=8,
+                             write=lambda n: 0.5 + 0.25 * n, flags={"torch_profiler_with_stack": True})
+    noted = asyncio.run(run_plan(spread, [0], budget_mb=5, max_stop_s=None))  # type: ignore[arg-type]
+    assert (noted.predicted_mb, noted.predicted_mb_range) == (pytest.approx(0.70), pytest.approx((0.64, 1.08))), noted
+    assert noted.notes[0].endswith("predicted at their median, the range beside it; their sizes differ by 1.7x: with "
+                                   "stacks on, most of a window can be the Python calls an engine's worker makes while "
+                                   "it waits for its next step (a multiprocess executor's busy-wait: vLLM on CPU, or a "
+                                   "stage of more than one GPU), which follow how the host schedules it, not the steps "
+                                   "(docs/captures.md)"), noted.notes
     # no cap on one stage: the sidecar's stop ends the window, the plan is not held
     open_plan = asyncio.run(run_plan(_ScriptedProbes([{0: 1}, {0: 2}]), [0], budget_mb=1, max_stop_s=None,  # type: ignore[arg-type]
                                      refine=False))
@@ -676,7 +712,12 @@ def test_a_plan_on_stages_the_server_caps_is_held_to_the_cap_and_predicts_the_wr
     with steady_load(capped.emulator.url, max_tokens=1, chat=True), capped.client() as client:
         plan = client.plan(stages=[0, 2], budget_mb=500, max_stop_s=600)
         final = client.wait_capture(client.start_capture(stages=[0, 2], steps=plan.steps).id, timeout=120)
+        shown = client._http.get("/v1/plan", params={"steps": 8}).json()["prediction"]
     assert (plan.steps, plan.limited_by, plan.server_cap_steps) == (8, "max_iterations", 8), plan
+    # the whole window probed three times: predicted at their median, their range beside it, in the API too
+    whole = [sum(p.bytes.values()) / 1e6 for p in plan.probes if p.steps_asked == 8]
+    assert len(whole) == 3 and plan.predicted_mb_range == pytest.approx((min(whole), max(whole))), plan
+    assert shown["mb_range"] == [round(min(whole), 3), round(max(whole), 3)] and shown["stop_range_s"], shown
     assert all(p.write_s is not None and 0 <= p.write_s < 60 for p in plan.probes), plan.probes
     assert plan.notes[-1].startswith("the server ends each window of stages [0, 2] itself after 10 engine iterations"), plan.notes
     assert plan.write_fixed_s is not None and plan.predicted_stop_s == pytest.approx(plan.predict(8)[1]), plan

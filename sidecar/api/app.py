@@ -357,7 +357,10 @@ def create_app(
         prediction = None
         if steps is not None:
             size_mb, stop_s = result.predict(steps)
-            prediction = {"steps": steps, "mb": round(size_mb, 3), "stop_s": round(stop_s, 3)}
+            spread = result.predict_range(steps)  # the server's whole window, probed more than once
+            prediction = {"steps": steps, "mb": round(size_mb, 3), "stop_s": round(stop_s, 3),
+                          "mb_range": [round(v, 3) for v in spread[0]] if spread else None,
+                          "stop_range_s": [round(v, 3) for v in spread[1]] if spread and spread[1] else None}
         return SafeJSONResponse({"plan": scrubber.data(result.model_dump(mode="json")), "prediction": prediction})
 
     @app.get("/v1/captures", tags=["captures"], summary="Captures, newest first (survives restarts), a page at a time",

@@ -143,5 +143,8 @@ def print_plan(console: Console, plan: Plan) -> None:
     if plan.steps is None:
         console.print("no --budget-mb or --max-stop-s: nothing to fit", highlight=False)
         return
+    mb, stop = plan.predicted_mb_range, plan.predicted_stop_range_s  # the server's whole window, probed more than once
     console.print(f"fits: --steps {plan.steps} (limited by {plan.limited_by or 'nothing'}): predicted "
-                  f"{plan.predicted_mb:.1f} MB, stop {plan.predicted_stop_s:.1f}s", highlight=False, soft_wrap=True)
+                  f"{plan.predicted_mb:.2f} MB{f' ({mb[0]:.2f}-{mb[1]:.2f} in its probes)' if mb else ''}, stop "
+                  f"{plan.predicted_stop_s:.2f}s{f' ({stop[0]:.2f}-{stop[1]:.2f}s in its probes)' if stop else ''}",
+                  highlight=False, soft_wrap=True)

@@ -15,6 +15,7 @@ and the sidecar's stop then answers at once: so a plan at the cap predicts that 
 from __future__ import annotations
 
 import math
+import statistics
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
@@ -71,19 +72,51 @@ class Plan(BaseModel):
     limited_by: Literal["budget_mb", "max_stop_s", "max_iterations"] | None = None
     predicted_mb: float | None = None  # at ``steps``
     predicted_stop_s: float | None = None
+    # at the server's whole window, probed more than once: the least and most its probes held and
+    # took to write (the prediction is their median); None elsewhere
+    predicted_mb_range: tuple[float, float] | None = None
+    predicted_stop_range_s: tuple[float, float] | None = None
     notes: list[str] = Field(default_factory=list)  # probes taken again, stages whose size is taken as fixed
 
     def predict(self, steps: int) -> tuple[float, float]:
         """(MB on disk, stop seconds) of a ``steps`` window on these stages. At the server's cap, of
-        the most the window holds (``max_iterations`` steps, no iteration idle: on the real vLLM CPU
-        server under load 8 of 8, 29-30 of 32), and its stop is the trace write inside the engine
+        its whole window: the median of the probes of that window where there are any, else the
+        lines at the most it holds (``max_iterations`` steps, no iteration idle: on the real vLLM
+        CPU server under load 8 of 8, 29-30 of 32); its stop is the trace write inside the engine
         (the server ends the window itself, and the sidecar's stop answers at once)."""
         capped = self.server_cap_steps is not None and steps >= self.server_cap_steps
+        whole = self.whole_probes() if capped else []
         held = self.server_cap_steps + IDLE_ITERATIONS if capped and self.server_cap_steps is not None else steps
         size = sum(p.bytes_fixed + p.bytes_per_step * held for p in self.per_stage) / MB
+        if whole:
+            size = statistics.median(_mb(p) for p in whole)
+            writes = [p.write_s for p in whole if p.write_s is not None]
+            if writes:
+                return size, statistics.median(writes)
         if capped and self.write_fixed_s is not None:
             return size, self.write_fixed_s + (self.write_per_step_s or 0.0) * held
         return size, self.stop_fixed_s + self.stop_per_step_s * held
+
+    def predict_range(self, steps: int) -> tuple[tuple[float, float], tuple[float, float] | None] | None:
+        """((MB low, high), (write s low, high) or None) of the server's whole window, from its probes
+        (two or more); None below the cap or with fewer. At equal steps such windows differ: with
+        stacks on, 0.37 to 1.84 MB in 16 windows of 8 steps on the real vLLM CPU server, the Python
+        calls of its worker's busy-wait between steps (docs/captures.md)."""
+        whole = self.whole_probes() if self.server_cap_steps is not None and steps >= self.server_cap_steps else []
+        if len(whole) < 2:
+            return None
+        sizes = [_mb(p) for p in whole]
+        writes = [p.write_s for p in whole if p.write_s is not None]
+        return (min(sizes), max(sizes)), ((min(writes), max(writes)) if len(writes) >= 2 else None)
+
+    def whole_probes(self) -> list[Probe]:
+        """The probes that asked for the server's whole window (``server_cap_steps`` or more)."""
+        cap = self.server_cap_steps
+        return [p for p in self.probes if cap is not None and p.steps_asked >= cap]
+
+
+def _mb(probe: Probe) -> float:
+    return sum(probe.bytes.values()) / MB
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -182,6 +215,9 @@ def make_plan(stages: list[int], probes: list[Probe], flags: dict[int, dict[str,
             else:
                 plan.steps = server_cap_steps - 1
         plan.predicted_mb, plan.predicted_stop_s = plan.predict(plan.steps)
+        spread = plan.predict_range(plan.steps)
+        if spread is not None:
+            plan.predicted_mb_range, plan.predicted_stop_range_s = spread
     return plan
 
 
@@ -233,15 +269,18 @@ async def run_plan(controller: CaptureController, stages: list[int] | None, *, b
         flags[sid] = {f.removeprefix("torch_profiler_"): bool(getattr(cfg, f, False)) for f in FLAGS} if cfg else {}
     plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s, server_cap_steps=cap_steps)
     whole = cap_steps is not None and plan.limited_by == "max_iterations"
-    if whole and refine and not any(p.steps_asked >= plan.steps for p in probes):
-        # the plan is the server's whole window, no longer than the window it plans: probed once as
-        # it is (on the real vLLM CPU server probes of 3 and 4 steps put light's 30-step write at 0.04s
-        # of 0.30s: tiny probes' writes are noise)
-        notes.append(f"planned the server's whole window ({plan.steps} steps asked): probed it once")
-        await probe(plan.steps)
-        # through every probe, not the two longest: those can be a step apart (stacks: 6 and 7 steps
-        # held 0.32 and 0.84 MB, and a line through them put 8 steps at 4.2 MB, where it held 0.41)
+    taken = sum(1 for p in probes if whole and p.steps_asked >= (plan.steps or 0))
+    if whole and refine and taken < WHOLE_PROBES:
+        # the plan is the server's whole window, no longer than the window it plans: probed as it is
+        # (on the real vLLM CPU server probes of 3 and 4 steps put light's 30-step write at 0.04s of
+        # 0.30s: tiny probes' writes are noise), and more than once: such windows differ at equal
+        # steps (stacks: 0.37 to 1.84 MB in 16 windows of 8; ops: a 30-step write of 1.03 s, then 0.60)
+        for _ in range(WHOLE_PROBES - taken):
+            await probe(plan.steps)
+        # lines through every probe, not the two longest: those can be a step apart (stacks: 6 and 7
+        # steps held 0.32 and 0.84 MB, and a line through them put 8 steps at 4.2 MB, where it held 0.41)
         plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s, server_cap_steps=cap_steps)
+        notes.append(_whole_note(plan))
     n = _refining_steps(plan.steps, probes) if refine and plan.steps is not None and not whole else None
     if n is not None and plan.steps is not None:
         longest = _longest(probes)
@@ -268,18 +307,39 @@ def server_cap_steps(deploy: DeployConfig, stages: list[int]) -> int | None:
 
 def _capped_note(plan: Plan, cap_steps: int) -> str:
     iterations = cap_steps + IDLE_ITERATIONS
+    probed = len(plan.whole_probes())
     head = (f"the server ends each window of stages {plan.stages} itself after {iterations} engine iterations "
             f"(max_iterations, fixed at its start; idle ones count): --steps {cap_steps} or more asks for that whole "
             f"window (render --steps {cap_steps} caps at {iterations}), which holds up to {iterations} steps and is "
-            f"predicted at {iterations}")
+            + (f"predicted from its {probed} probes of it" if probed else f"predicted at {iterations}"))
     if plan.write_fixed_s is None:
         return head + ("; no probe's trace says when its last event was (no baseTimeNanoseconds), so the stop "
                        "predicted is the sidecar's, not the server's own")
-    at = plan.write_fixed_s + (plan.write_per_step_s or 0.0) * iterations
-    return (head + f"; the server writes its trace inside the engine when it ends the window: about {at:.1f}s at "
-            f"{iterations} steps (the probes' writes: {plan.write_fixed_s:.2f}s + {plan.write_per_step_s or 0.0:.3f}s "
-            "per step), and the sidecar's stop then answers at once; for longer windows, restart the server with a "
-            "larger max_iterations (omni-sidecar render --steps N)")
+    at = plan.predict(cap_steps)[1]
+    how = ("the median of its probes' writes" if probed else
+           f"the probes' writes: {plan.write_fixed_s:.2f}s + {plan.write_per_step_s or 0.0:.3f}s per step")
+    return (head + f"; the server writes its trace inside the engine when it ends the window: about {at:.1f}s ({how}), "
+            "and the sidecar's stop then answers at once; for longer windows, restart the server with a larger "
+            "max_iterations (omni-sidecar render --steps N)")
+
+
+def _whole_note(plan: Plan) -> str:
+    whole, cap = plan.whole_probes(), plan.server_cap_steps or 0
+    head = f"planned the server's whole window ({cap} steps asked): probed it {len(whole)} times"
+    spread = plan.predict_range(cap)
+    if spread is None:
+        return head
+    (lo, hi), writes = spread
+    wrote = "" if writes is None else f" and wrote in {writes[0]:.2f}-{writes[1]:.2f}s"
+    note = head + f"; at equal steps they held {lo:.2f}-{hi:.2f} MB{wrote}: predicted at their median, the range beside it"
+    if hi <= lo * SPREAD:
+        return note
+    stacks = any(p.flags.get("with_stack") for p in plan.per_stage)
+    return note + f"; their sizes differ by {hi / lo:.1f}x: " + (
+        "with stacks on, most of a window can be the Python calls an engine's worker makes while it waits for its "
+        "next step (a multiprocess executor's busy-wait: vLLM on CPU, or a stage of more than one GPU), which follow "
+        "how the host schedules it, not the steps (docs/captures.md)" if stacks else
+        "windows of equal steps differ on this server, and one window may hold more than the most its probes held")
 
 
 def _longest(probes: list[Probe]) -> int:
@@ -302,6 +362,8 @@ def _refining_steps(planned: int, probes: list[Probe]) -> int | None:
     return n if n >= 2 * longest else None
 
 
+SPREAD = 1.25  # whole-window probes whose sizes differ by more: the note says why they may
+WHOLE_PROBES = 3  # probes of the server's whole window, where the plan is that window
 REPROBES = 2  # longer probes after the asked ones, when a stage's probes give no line
 MAX_PROBE_STEPS = 64
 REFINE_BEYOND = 8  # a plan this many times the longest probe gets a refining probe

@@ -4,6 +4,9 @@
 import { api } from "./api.js";
 import { el } from "./format.js";
 
+// " (0.37-1.84 in its probes)": the least and most the probes of the server's whole window gave
+const span = (range, unit) => (range ? ` (${range[0].toFixed(2)}-${range[1].toFixed(2)}${unit} in its probes)` : "");
+
 // The start form's steps mode: an input and a line that shows the latest plan's prediction.
 export function stepsMode() {
   const input = el("input", { type: "number", name: "steps", min: "1", step: "1", value: "20", class: "num", id: "steps-input", "aria-label": "engine steps" });
@@ -20,7 +23,7 @@ export function stepsMode() {
       const r = await api(`v1/plan?steps=${n}`);
       if (mine !== seq) return;
       prediction.textContent = r.prediction
-        ? ` predicted ${r.prediction.mb.toFixed(1)} MB, stop ${r.prediction.stop_s.toFixed(1)} s (plan of stages ${r.plan.stages.join(", ")})`
+        ? ` predicted ${r.prediction.mb.toFixed(1)} MB${span(r.prediction.mb_range, "")}, stop ${r.prediction.stop_s.toFixed(1)} s${span(r.prediction.stop_range_s, " s")} (plan of stages ${r.plan.stages.join(", ")})`
         : " no plan yet: `omni-sidecar plan` predicts the size";
     } catch {
       prediction.textContent = "";
