@@ -17,6 +17,7 @@ A load thread sends completions one after another for the whole run. Servers and
 
     python bench/steps.py [--flags light,ops,stacks] [--asked 5,20,50] [--budget-mb 150] [--max-stop-s 60]
     python bench/steps.py --profiles light,ops,stacks --asked "" --max-tokens 16 --budget-mb 50 --max-stop-s 20
+    python bench/steps.py --profiles stacks --asked "" --max-tokens 16 --budget-mb 50 --max-stop-s 20 --inproc
     python bench/steps.py --upstream http://127.0.0.1:8000 --profiler-config '{"profiler": "torch", ...}'
 
 ``--upstream`` measures a vLLM server you started (with its stat loggers on, and the profiler
@@ -125,7 +126,13 @@ def main() -> None:
                          "by the request round trip; 16: back-to-back decode steps)")
     ap.add_argument("--upstream", help="a running vLLM server (stat loggers on) instead of starting one per flag set")
     ap.add_argument("--profiler-config", help="with --upstream: the JSON its --profiler-config got")
+    ap.add_argument("--inproc", action="store_true",
+                    help="the servers started here run their worker inside the engine's process "
+                         "(VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's CPU platform then keeps the `uni` executor), as a "
+                         "one-GPU server's does: no worker busy-waits on a queue between steps, which stacks record")
     args = ap.parse_args()
+    if args.inproc:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # VllmServer passes this process's environment on
     if args.upstream and not args.profiler_config:
         ap.error("--upstream needs --profiler-config (the sidecar must know where the server writes)")
     python = live_python()
@@ -160,6 +167,13 @@ def main() -> None:
                 at_cap = plan.server_cap_steps is not None and steps >= plan.server_cap_steps
                 if at_cap:  # the server ended the window and wrote its trace inside the engine: that is its stop
                     st = max(writes) if writes else float("nan")
+                spread = plan.predict_range(steps)  # the probes of the server's whole window, where taken
+                if spread is not None:
+                    (lo, hi), wr = spread
+                    rows.append(f"  {name:6s} whole-window probes: {lo:.2f}-{hi:.2f} MB (actual {mb:.2f}: "
+                                f"{'inside' if lo <= mb <= hi else 'outside'}, {mb / lo if lo else float('nan'):.2f}x the least), "
+                                + ("write ?" if wr is None else f"write {wr[0]:.2f}-{wr[1]:.2f}s (actual {st:.2f}s: "
+                                   f"{'inside' if wr[0] <= st <= wr[1] else 'outside'})"))
                 rows.append(f"  {name:6s} plan {steps:4d} steps (by {plan.limited_by}): size {pred_mb:7.2f} MB "
                             f"predicted, {mb:7.2f} actual, ratio {pred_mb / mb if mb else float('nan'):.2f} "
                             f"(goal 0.75-1.25); {'write in the engine' if at_cap else 'stop'} {pred_stop:6.2f}s "
@@ -182,7 +196,7 @@ def main() -> None:
                                 f"{sum(pr.bytes.values()) / 1e6:.2f} MB, stop {pr.stop_s:.2f}s, trace write "
                                 f"{'?' if pr.write_s is None else f'{pr.write_s:.2f}s'}")
                 rows.append(f"  {'':6s} window: counted {cap.steps_counted}, notes {cap.notes}")
-                print("\n".join(rows[-(len(plan.probes) + 2 + bool(held)):]), flush=True)
+                print("\n".join(rows[-(len(plan.probes) + 2 + bool(held) + (spread is not None)):]), flush=True)
         print(f"plan vs actual (--budget-mb {args.budget_mb:g} --max-stop-s {args.max_stop_s:g})")
         print("\n".join(rows))
 
