@@ -88,7 +88,9 @@ async def test_hung_and_dead_targets_do_not_hold_the_others_stop_and_roll_up_as_
         by_outcome.setdefault(r.outcome.value, set()).add(i)
     hung = {i for i, f in faults.items() if f == "hang_stop"}
     dead = {i for i, f in faults.items() if f == "die_after_start"}
-    assert by_outcome["stop_timeout"] == hung and by_outcome["stop_failed"] == dead
+    odd = {i: (r.outcome.value, r.error) for i, r in enumerate(fc.targets.values()) if i in hung | dead}
+    assert by_outcome["stop_timeout"] == hung and by_outcome["stop_failed"] == dead, {
+        i: o for i, o in odd.items() if o[0] != ("stop_timeout" if i in hung else "stop_failed")}
     assert len(by_outcome["stopped"]) == N - len(faults)
     assert all(r.ok for r in fc.targets.values() if r.outcome is TargetOutcome.stopped)
     assert _started_never_stopped(stubs) == sorted(hung)  # still stopping: their own budget ran out
