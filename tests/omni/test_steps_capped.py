@@ -62,15 +62,21 @@ def test_twenty_steps_on_stages_the_server_caps_at_twenty_end_where_the_server_e
     # Each stage's trace holds the server's 22 iterations whole: the stop waited for every stage's
     # own count (stage 1 steps only on what stage 0 hands it, later than it) and came 35-45 counted
     # steps later here, adding nothing. Some iterations are idle (nothing scheduled), and the cap
-    # counts them: 2 on stage 0, which the load keeps fed, leaving 20 steps; 3 to 5 on stage 1,
+    # counts them: 0 to 2 on stage 0, which the load keeps fed, leaving 20-22 steps; 3 to 5 on stage 1,
     # whose waits for stage 0 count too, leaving 17-19 (CI, 2026-12-04: 17), which its note says.
     assert markers == {0: ITERATIONS, 1: ITERATIONS}, (markers, traced, kinds)
     assert abs(traced[0] - CAP) <= 2, (markers, traced, kinds)
     for s in (0, 1):
         assert traced[s] == ITERATIONS - kinds[s].get("idle", 0), (markers, traced, kinds)
-        if traced[s] != CAP:
-            assert (f"stage {s}: the trace holds {traced[s]} engine steps, {CAP} were asked ({traced[s] - CAP:+d}); "
-                    f"{kinds[s]['idle']} of the {ITERATIONS} iterations it recorded were idle") in " ".join(cap.notes), cap.notes
+        # a stage off the steps asked says so, and names its idle iterations where it had any (a stage
+        # with none holds all 22: CI, 2026-12-04, stage 0 held 22 and stage 1 17 with 5 idle)
+        idle = kinds[s].get("idle", 0)
+        said = f"stage {s}: the trace holds {traced[s]} engine steps, {CAP} were asked ({traced[s] - CAP:+d})"
+        if traced[s] != CAP and idle:
+            assert any(n.startswith(f"{said}; {idle} of the {ITERATIONS} iterations it recorded were idle")
+                       for n in cap.notes), cap.notes
+        elif traced[s] != CAP:
+            assert said in cap.notes, cap.notes
 
 
 def test_the_plan_on_a_server_that_caps_every_stage_is_its_whole_window_sized_within_a_quarter(
