@@ -85,7 +85,7 @@ class Plan(BaseModel):
         CPU server under load 8 of 8, 29-30 of 32); its stop is the trace write inside the engine
         (the server ends the window itself, and the sidecar's stop answers at once)."""
         capped = self.server_cap_steps is not None and steps >= self.server_cap_steps
-        whole = self.whole_probes() if capped else []
+        whole = self.whole_probes(steps)
         held = self.server_cap_steps + IDLE_ITERATIONS if capped and self.server_cap_steps is not None else steps
         size = sum(p.bytes_fixed + p.bytes_per_step * held for p in self.per_stage) / MB
         if whole:
@@ -102,17 +102,20 @@ class Plan(BaseModel):
         (two or more); None below the cap or with fewer. At equal steps such windows differ: with
         stacks on, 0.37 to 1.84 MB in 16 windows of 8 steps on the real vLLM CPU server, the Python
         calls of its worker's busy-wait between steps (docs/captures.md)."""
-        whole = self.whole_probes() if self.server_cap_steps is not None and steps >= self.server_cap_steps else []
+        whole = self.whole_probes(steps)
         if len(whole) < 2:
             return None
         sizes = [_mb(p) for p in whole]
         writes = [p.write_s for p in whole if p.write_s is not None]
         return (min(sizes), max(sizes)), ((min(writes), max(writes)) if len(writes) >= 2 else None)
 
-    def whole_probes(self) -> list[Probe]:
-        """The probes that asked for the server's whole window (``server_cap_steps`` or more)."""
+    def whole_probes(self, steps: int | None = None) -> list[Probe]:
+        """The probes that asked for the server's whole window (``server_cap_steps`` or more); none
+        where ``steps`` (when given) is short of that window, which the sidecar's stop ends."""
         cap = self.server_cap_steps
-        return [p for p in self.probes if cap is not None and p.steps_asked >= cap]
+        if cap is None or (steps is not None and steps < cap):
+            return []
+        return [p for p in self.probes if p.steps_asked >= cap]
 
 
 def _mb(probe: Probe) -> float:
@@ -269,7 +272,7 @@ async def run_plan(controller: CaptureController, stages: list[int] | None, *, b
         flags[sid] = {f.removeprefix("torch_profiler_"): bool(getattr(cfg, f, False)) for f in FLAGS} if cfg else {}
     plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s, server_cap_steps=cap_steps)
     whole = cap_steps is not None and plan.limited_by == "max_iterations"
-    taken = sum(1 for p in probes if whole and p.steps_asked >= (plan.steps or 0))
+    taken = len(plan.whole_probes()) if whole else 0  # a probe again may have asked for the whole window
     if whole and refine and taken < WHOLE_PROBES:
         # the plan is the server's whole window, no longer than the window it plans: probed as it is
         # (on the real vLLM CPU server probes of 3 and 4 steps put light's 30-step write at 0.04s of
