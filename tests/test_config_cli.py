@@ -142,6 +142,49 @@ def test_render_steps_caps_each_window_at_the_steps_plus_its_idle_iterations(qwe
     assert capped_by_server(deploy, [0, 2], 27) and not capped_by_server(deploy, [0, 2], 24)
 
 
+def test_render_idle_gives_a_fed_stage_the_iterations_it_idles(qwen25_deploy: Path, tmp_path: Path) -> None:
+    # a capture's note gives the share of its iterations a stage idled (4 of 22 on the real
+    # vLLM-Omni server's stage 1): that stage is capped at 20 plus the idle iterations that share
+    # adds (25), the others at 22, and a window of 20 on the rendered server is still one it caps
+    from sidecar.config.deploy import load_deploy_config
+    from sidecar.config.rules import capped_by_server
+    from sidecar.control.budget import server_cap_steps
+
+    out = tmp_path / "overlay.yaml"
+    proc = run("render", qwen25_deploy, "--profile", "light", "--stages", "0,1,2", "--dir", tmp_path / "perf",
+               "--steps", "20", "--idle", "1=4/22", "--idle", "2=0.25", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    deploy = load_deploy_config(out)
+    got = {s.stage_id: s.profiler_config.max_iterations for s in deploy.stages if s.profiler_config}
+    assert got == {0: 22, 1: 25, 2: 27}, got
+    assert capped_by_server(deploy, [0, 1, 2], 20) and server_cap_steps(deploy, [0, 1, 2]) == 20
+    # the same per stage in the --stage-overrides JSON
+    proc = run("render", qwen25_deploy, "--profile", "light", "--stages", "0,1", "--dir", tmp_path / "perf",
+               "--steps", "20", "--idle", "1=5/22", "--stage-overrides")
+    caps = {k: v["profiler_config"]["max_iterations"] for k, v in json.loads(proc.stdout).items()}
+    assert caps == {"0": 22, "1": 26}, proc.stdout
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--idle", "1=4/22"], "add --steps"),
+    (["--steps", "20", "--idle", "1"], "--idle takes STAGE=IDLE/ITERATIONS, e.g. 1=5/22"),
+    (["--steps", "20", "--idle", "1=4/0"], "--idle takes STAGE=IDLE/ITERATIONS"),
+    (["--steps", "20", "--idle", "x=1/2"], "--idle takes STAGE=IDLE/ITERATIONS"),
+    (["--steps", "20", "--idle", "2=4/22"], "stage 2 is not one this renders"),
+    (["--steps", "20", "--idle", "1=9/22"], "a cap allows for at most 0.33"),
+    (["--steps", "20", "--idle", "1=-1/22"], "a cap allows for at most 0.33"),
+])
+def test_render_idle_refuses_what_it_cannot_use_and_names_the_form(
+    qwen25_deploy: Path, tmp_path: Path, args: list[str], said: str
+) -> None:
+    out = tmp_path / "overlay.yaml"
+    proc = run("render", qwen25_deploy, "--profile", "light", "--stages", "0,1", "--dir", tmp_path / "perf", *args,
+               "-o", out)
+    text = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2 and said in text and not out.exists(), text
+    assert "Traceback" not in text
+
+
 def test_render_stage_overrides_prints_json(qwen25_deploy: Path) -> None:
     proc = run("render", qwen25_deploy, "--profile", "stacks", "--stages", "1", "--stage-overrides")
     assert json.loads(proc.stdout)["1"]["profiler_config"]["torch_profiler_with_stack"] is True

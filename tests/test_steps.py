@@ -12,6 +12,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
@@ -670,7 +671,12 @@ def capped(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool
     ({"max_iterations": 10}, 8, True),     # 10 iterations: render --steps 8's cap (idle ones count)
     ({"max_iterations": 10}, 7, False),    # the window's own steps end it first
     ({"max_iterations": 5, "delay_iterations": 7}, 10, True),
-    ({"max_iterations": 5, "delay_iterations": 8}, 10, False),
+    # a stage ending later, within what a stage fed by another is given for its idle iterations
+    # (render --steps 10 --idle: up to a third of its iterations idle, 15), ends its own too
+    ({"max_iterations": 5, "delay_iterations": 8}, 10, True),
+    ({"max_iterations": 15}, 10, True),
+    ({"max_iterations": 16}, 10, False),   # past that: the deploy's own bound, not this window's
+    ({"max_iterations": 5, "delay_iterations": 11}, 10, False),
     ({"delay_iterations": 5}, 10, False),  # no end of its own
     ({}, 10, False),
 ])
@@ -728,6 +734,103 @@ def test_a_plan_on_stages_the_server_caps_is_held_to_the_cap_and_predicts_the_wr
     assert plan.write_fixed_s is not None and plan.predicted_stop_s == pytest.approx(plan.predict(8)[1]), plan
     assert final.stop_reason.value == "steps" and {v.stage_id for v in final.verdicts} == {0, 2}, final
     assert all(v.trace_write_s is not None and 0 <= v.trace_write_s < 60 for v in final.verdicts), final.verdicts
+
+
+@contextmanager
+def _idling(deploy: Path, root: Path, max_tokens: int = 4) -> Iterator[SidecarClient]:
+    """A client of a sidecar in front of an emulator whose stage 2 idles once after each request
+    (vLLM steps once more as a request ends with nothing else running: a stage fed by another idles
+    so between what it is handed), under one ``max_tokens`` request after another. The emulator is
+    its own (the session pool's would evict one a module's fixture holds) and stopped after."""
+    pool = EmulatorPool(size=1)
+    try:
+        shared = ModuleSidecar(pool, deploy, emulator_args=[*THREAD, "--idle-after-request", "2=1"],
+                               state_dir=root / "state", log_path=root / "sidecar.log")  # fmt: skip
+        try:
+            with steady_load(shared.emulator.url, max_tokens=max_tokens, chat=True), shared.client() as client:
+                yield client
+        finally:
+            shared.close()
+    finally:
+        pool.stop_all()
+
+
+def _window(client: SidecarClient, steps: int) -> Any:
+    return client.wait_capture(client.start_capture(stages=[0, 2], steps=steps).id, timeout=120)
+
+
+def test_a_stage_that_idles_is_told_the_cap_that_holds_the_steps_and_then_holds_them(tmp_path: Path) -> None:
+    # Both stages capped at 22 (render --steps 20). Stage 2 idles one iteration per 4-token request,
+    # and its cap counts them: its 22 iterations hold 17-18 steps. Its note gives the share it idled
+    # and the render that caps it for 20; the server restarted with that config holds 20 +- 2 there.
+    caps = {0: {"profiler": "torch", "max_iterations": 22}, 1: None, 2: {"profiler": "torch", "max_iterations": 22}}
+    (tmp_path / "a").mkdir()
+    deploy = make_deploy(tmp_path / "a", caps)
+    with _idling(deploy, tmp_path / "a") as client:
+        first = _window(client, 20)
+    traced = {v.stage_id: v.steps_traced for v in first.verdicts}
+    assert (first.stop_reason.value, traced[0]) == ("steps", 22) and traced[2] is not None and traced[2] < 20, (
+        traced, first.notes)
+    (fix,) = [n for n in first.notes if n.startswith("for 20 steps on stage 2 too, give it the iterations it idles")]
+    idle = re.search(r"--idle 2=(\d+)/22", fix)
+    assert idle is not None and int(idle.group(1)) == 22 - traced[2], (fix, traced)
+    assert f"stage 2: the trace holds {traced[2]} engine steps, 20 were asked ({traced[2] - 20:+d}); {idle.group(1)} " \
+           "of the 22 iterations it recorded were idle" in " ".join(first.notes), first.notes
+    # the render the note names, through the CLI, on the same deploy
+    flags = re.search(r"`omni-sidecar render (--steps 20 --idle 2=\d+/22)`", fix)
+    assert flags is not None, fix
+    rendered = tmp_path / "b" / "capped.yaml"
+    proc = subprocess.run([sys.executable, "-m", "sidecar", "render", str(deploy), "--profile", "light", "--stages",
+                           "0,2", "--dir", str(tmp_path / "b" / "perf"), *flags.group(1).split(), "-o", str(rendered)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    cap2 = re.search(r"max_iterations (\d+) on stage 2", fix)
+    got = {s.stage_id: s.profiler_config.max_iterations for s in load_deploy_config(rendered).stages if s.profiler_config}
+    assert cap2 is not None and got == {0: 22, 2: int(cap2.group(1))} and got[2] > 22, (got, fix)
+    with _idling(rendered, tmp_path / "b") as client:
+        second = _window(client, 20)
+        # the plan holds to the first stage's end: 20 steps ask for the whole window of both
+        plan = client.plan(stages=[0, 2], budget_mb=500, max_stop_s=600)
+    traced = {v.stage_id: v.steps_traced for v in second.verdicts}
+    print(f"capped at 22: {first.notes}\nrendered {got}: traced {traced}, {second.notes}")
+    sent = [n for n in second.notes if n.startswith("the stop was sent at ")]
+    assert len(sent) == 1 and f"ends its own window after 22 (stage 0) and {got[2]} (stage 2) engine iterations" in sent[0], (
+        second.notes)
+    assert traced[0] == 22 and abs(traced[2] - 20) <= 2, (traced, second.notes)  # fmt: skip
+    assert (plan.steps, plan.limited_by, plan.server_cap_steps) == (20, "max_iterations", 20), plan
+    assert plan.notes[-1].startswith(f"the server ends each window of stages [0, 2] itself after 22 (stage 0) and {got[2]} "
+                                     "(stage 2) engine iterations (max_iterations, fixed at its start; idle ones count; "
+                                     "a stage that ends later was given the iterations it idles"), plan.notes
+
+
+def test_a_stage_idling_more_than_a_cap_allows_for_is_told_it_is_fed_too_little(tmp_path: Path) -> None:
+    # one 1-token request at a time: stage 2 idles after every step, half its iterations, more than
+    # a cap gives a stage (a third): no render holds 20 steps there, and the note says why instead
+    caps = {0: {"profiler": "torch", "max_iterations": 22}, 1: None, 2: {"profiler": "torch", "max_iterations": 22}}
+    with _idling(make_deploy(tmp_path, caps), tmp_path, max_tokens=1) as client:
+        cap = _window(client, 20)
+    traced = {v.stage_id: v.steps_traced for v in cap.verdicts}
+    assert traced[0] == 22 and traced[2] is not None and traced[2] <= 12, (traced, cap.notes)
+    said = [n for n in cap.notes if n.startswith(f"stage 2 idled {22 - traced[2]} of its 22 iterations, more than 33%: it "
+                                                 "is fed too little for a window counted in steps")]
+    assert len(said) == 1 and not any("--idle" in n for n in cap.notes), cap.notes
+
+
+def test_a_cap_for_a_stage_that_idles_adds_the_iterations_its_share_adds_to_the_steps(tmp_path: Path) -> None:
+    from sidecar.config.rules import MAX_IDLE_SHARE, max_iterations_for
+    from sidecar.control.budget import server_cap_steps
+
+    # 4 and 5 of 22 idle (the real vLLM-Omni server's stage 1) cap 20 steps at 25 and 26; no share
+    # or a small one, at the 2 every window is given; a third at most
+    assert [max_iterations_for(20, share) for share in (0, 1 / 22, 4 / 22, 5 / 22, 0.2, 1 / 3)] == [22, 22, 25, 26, 25, 30]
+    with pytest.raises(ValueError, match="outside 0 to 0.333"):
+        max_iterations_for(20, MAX_IDLE_SHARE + 0.01)
+    # the plan on a server whose fed stage ends later holds to the first stage's end; one that ends
+    # past what a stage fed by another is given is the deploy's own bound, and the sidecar's stop ends windows
+    for stage2, cap_steps in ((25, 20), (30, 20), (31, None), (20, 18)):
+        deploy = load_deploy_config(make_deploy(tmp_path, {0: {"profiler": "torch", "max_iterations": 22}, 1: None,
+                                                           2: {"profiler": "torch", "max_iterations": stage2}}))  # fmt: skip
+        assert server_cap_steps(deploy, [0, 2]) == cap_steps, (stage2, cap_steps)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from sidecar.config.profiles import (
     render_overlay,
     render_stage_overrides,
 )
-from sidecar.config.rules import max_iterations_for, validate_deploy
+from sidecar.config.rules import MAX_IDLE_SHARE, max_iterations_for, validate_deploy
 from sidecar.config.verl import format_replicas, installed_verl, read_verl_config, verl_findings
 from sidecar.errors import ConfigUnreadable, Finding, SidecarError
 
@@ -172,6 +172,30 @@ def validate(
 app.command()(validate)
 
 
+def _idle_shares(values: list[str], steps: int | None, stages: list[int]) -> dict[int, float]:
+    """``--idle 1=5/22`` (or ``1=0.23``) per stage → {stage: share of its iterations idle}."""
+    if values and steps is None:
+        raise typer.BadParameter("--idle gives a stage's cap the iterations it idles in a window of --steps N: add --steps")
+    out: dict[int, float] = {}
+    for value in values:
+        stage, _, share = value.partition("=")
+        try:
+            sid = int(stage)
+            idle_n, slash, ran = share.partition("/")
+            frac = int(idle_n) / int(ran) if slash else float(share)
+        except (ValueError, ZeroDivisionError):
+            raise typer.BadParameter(f"--idle takes STAGE=IDLE/ITERATIONS, e.g. 1=5/22 (5 of 22 iterations idle on "
+                                     f"stage 1, as a capture's note gives it), or STAGE=SHARE, e.g. 1=0.23; got {value!r}") from None
+        if sid not in stages:
+            raise typer.BadParameter(f"--idle {value}: stage {sid} is not one this renders (--stages {stages})")
+        if not 0 <= frac <= MAX_IDLE_SHARE:
+            raise typer.BadParameter(
+                f"--idle {value}: a share of {frac:.2f} idle; a cap allows for at most {MAX_IDLE_SHARE:.2f} (a stage "
+                "idling more is fed too little for a window counted in steps: send more requests at once)")
+        out[sid] = frac
+    return out
+
+
 @app.command()
 def render(
     deploy_file: Annotated[Path, typer.Argument(metavar="DEPLOY", help="the deploy YAML to start from")],
@@ -197,6 +221,12 @@ def render(
     delay_steps: Annotated[
         Optional[int], typer.Option("--delay-steps", min=0, help="delay_iterations: a window starts recording N engine steps after its start")
     ] = None,
+    idle: Annotated[
+        Optional[list[str]], typer.Option(
+            "--idle", metavar="STAGE=IDLE/ITERATIONS",
+            help="with --steps: a stage that idles this share of its iterations (a stage fed by another; a capture's "
+                 "note gives it, e.g. 1=5/22) is capped at N plus those idle iterations; repeat per stage"),
+    ] = None,
 ) -> None:
     """Render a stage profile for chosen stages as a deploy overlay (base_config) or --stage-overrides JSON.
 
@@ -211,8 +241,11 @@ def render(
                 stage_list = load_deploy_config(deploy_file, platform=platform).stage_ids
             caps = max_iterations_for(steps) if steps is not None else None
             iterations = {k: v for k, v in (("max_iterations", caps), ("delay_iterations", delay_steps)) if v is not None}
+            shares = _idle_shares(idle or [], steps, stage_list)
             where = {"out_dir": out_dir, "platform": platform, "replica": replica, "host": host,
-                     "iterations": iterations or None}
+                     "iterations": iterations or None,
+                     "stage_iterations": {s: {"max_iterations": max_iterations_for(steps, share)}  # type: ignore[arg-type]
+                                          for s, share in shares.items()} or None}
             if stage_overrides:
                 text = render_stage_overrides(deploy_file, profile, stage_list, **where)  # type: ignore[arg-type]
                 console.print(text, highlight=False, soft_wrap=True)

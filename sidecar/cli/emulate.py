@@ -26,6 +26,10 @@ def emulate(
     ),
     model: str = typer.Option("omni-emulator", "--model", help="Model name served by /v1/models."),
     step_ms: float = typer.Option(5.0, "--step-ms", help="Minimum wall time of one engine step (ms)."),
+    idle_after_request: Optional[str] = typer.Option(
+        None, "--idle-after-request", metavar="STAGE=N,...",
+        help="Idle iterations a stage's engine runs after each request (nothing scheduled; max_iterations counts them), e.g. 2=1.",
+    ),
     gzip_delay: float = typer.Option(
         0.5, "--gzip-delay", help="Seconds a trace's background gzip waits after the export (models big traces)."
     ),
@@ -109,6 +113,7 @@ def emulate(
                 diffusion_stages=parse_stage_list(diffusion_stages) or [],
                 model=model,
                 step_ms=step_ms,
+                idle_after_request=_stage_counts(idle_after_request),
                 gzip_delay_s=gzip_delay,
                 fault_stop_delay_s=fault_stop_delay,
                 fault_stop_travel_s=fault_stop_travel,
@@ -141,6 +146,18 @@ def emulate(
 
 
 app.command("emulate")(emulate)
+
+
+def _stage_counts(value: str | None) -> dict[int, int]:
+    """``"2=1,1=2"`` → ``{2: 1, 1: 2}``; a bad item is a usage error naming the form."""
+    out: dict[int, int] = {}
+    for item in filter(None, (v.strip() for v in (value or "").split(","))):
+        stage, _, n = item.partition("=")
+        try:
+            out[int(stage)] = int(n)
+        except ValueError:
+            raise typer.BadParameter(f"--idle-after-request takes STAGE=N,..., e.g. 2=1 (got {value!r})") from None
+    return out
 
 
 def run_standalone() -> None:

@@ -106,17 +106,19 @@ def stage_profiler_configs(
     replica: int | None = None,
     host: str | None = None,
     iterations: dict[str, int] | None = None,
+    stage_iterations: dict[int, dict[str, int]] | None = None,
 ) -> dict[int, dict[str, Any]]:
     """The full profiler_config to write for each stage (every torch field explicit, so nothing from
     the base file's own profiler_config leaks through the merge). ``{replica}`` / ``{host}`` in
     ``out_dir`` (or in a kept dir) are expanded here, never left for the server. ``iterations``
-    (``max_iterations`` / ``delay_iterations``) bound every window of these stages in engine steps."""
+    (``max_iterations`` / ``delay_iterations``) bound every window of these stages in engine steps;
+    ``stage_iterations`` sets them per stage over that (a fed stage's cap with its idle iterations)."""
     check_stage_ids(deploy, stages, valid=deploy.stage_ids)  # any stage may be given a profiler
     if out_dir is not None:
         out_dir = expand_dir_placeholders(str(out_dir), replica=replica, host=host)
     out: dict[int, dict[str, Any]] = {}
     for sid in stages:
-        pc = {**profile.profiler_config, **(iterations or {})}
+        pc = {**profile.profiler_config, **(iterations or {}), **(stage_iterations or {}).get(sid, {})}
         if pc.get("profiler") == "torch":
             if out_dir is not None:
                 pc["torch_profiler_dir"] = os.path.join(os.path.abspath(os.path.expanduser(str(out_dir))), f"stage{sid}")
@@ -151,13 +153,14 @@ def render_overlay(
     replica: int | None = None,
     host: str | None = None,
     iterations: dict[str, int] | None = None,
+    stage_iterations: dict[int, dict[str, int]] | None = None,
 ) -> str:
     """YAML text of an overlay for ``out_path``: ``base_config`` points back at ``deploy_path``
     (relative to ``out_path``'s folder) and the chosen stages get the profile's profiler_config."""
     prof = profile if isinstance(profile, StageProfile) else load_profile(profile)
     deploy = load_deploy_config(deploy_path, platform=platform)
     configs = stage_profiler_configs(deploy, prof, stages, out_dir=out_dir, replica=replica, host=host,
-                                     iterations=iterations)
+                                     iterations=iterations, stage_iterations=stage_iterations)
     base = os.path.relpath(Path(deploy_path).resolve(), Path(out_path).resolve().parent)
     doc = {
         "base_config": base,
@@ -180,12 +183,13 @@ def render_stage_overrides(
     replica: int | None = None,
     host: str | None = None,
     iterations: dict[str, int] | None = None,
+    stage_iterations: dict[int, dict[str, int]] | None = None,
 ) -> str:
     """The JSON for ``vllm serve --omni --stage-overrides '<json>'``."""
     prof = profile if isinstance(profile, StageProfile) else load_profile(profile)
     deploy = load_deploy_config(deploy_path, platform=platform)
     configs = stage_profiler_configs(deploy, prof, stages, out_dir=out_dir, replica=replica, host=host,
-                                     iterations=iterations)
+                                     iterations=iterations, stage_iterations=stage_iterations)
     return json.dumps({str(sid): {"profiler_config": pc} for sid, pc in configs.items()}, separators=(",", ":"))
 
 

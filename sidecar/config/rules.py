@@ -5,6 +5,7 @@ lives; the controller, API, CLI and rollout hook all call it. Pure functions ove
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from sidecar.config.models import DeployConfig, ProfilerConfig, Stage
@@ -13,7 +14,7 @@ from sidecar.errors import Finding, Severity, StageNotCuda, StageSelectionError,
 from sidecar.errors import StageDuplicate, StageNotProfiled, StageNotTorch, StageUnknown, StagesEmpty
 
 __all__ = [
-    "IDLE_ITERATIONS", "capped_by_server", "max_iterations_for", "select_stages", "validate_deploy", "selection_finding",
+    "IDLE_ITERATIONS", "MAX_IDLE_SHARE", "capped_by_server", "max_iterations_for", "select_stages", "validate_deploy", "selection_finding",
     "server_bounded_stages", "steps_bounded_by_server", "server_window_end",
 ]
 
@@ -134,11 +135,21 @@ def _select_nsys(deploy: DeployConfig, stages: list[int] | None) -> list[int]:
 # 17 on the one downstream of it (docs/captures.md). So a window meant to hold N steps is capped
 # at N + IDLE_ITERATIONS iterations: with 0 to 4 idle ones it holds N give or take 2.
 IDLE_ITERATIONS = 2
+# A stage fed by another idles more: it waits for what the other hands it (on the real two-stage
+# vLLM-Omni server, 3 to 5 of 22 iterations on stage 1, 0 to 2 on stage 0). Its cap is given the
+# share of its iterations it idles (``render --steps N --idle STAGE=IDLE/ITERATIONS``, from a
+# window's note), at most this share: a stage idling more is fed too little for a window counted in
+# steps, and a cap above N + N/2 is the deploy's own bound, not a window of N.
+MAX_IDLE_SHARE = 1 / 3
 
 
-def max_iterations_for(steps: int) -> int:
-    """The ``max_iterations`` that caps a window of ``steps`` engine steps (``render --steps``)."""
-    return steps + IDLE_ITERATIONS
+def max_iterations_for(steps: int, idle_share: float = 0.0) -> int:
+    """The ``max_iterations`` that caps a window of ``steps`` engine steps (``render --steps``) on a
+    stage that idles ``idle_share`` of its iterations: the steps, plus the idle iterations that
+    share adds to them (rounded up; at least ``IDLE_ITERATIONS``): 20 steps at 5 of 22 idle, 26."""
+    if not 0.0 <= idle_share <= MAX_IDLE_SHARE + 1e-9:
+        raise ValueError(f"idle share {idle_share:.3f} is outside 0 to {MAX_IDLE_SHARE:.3f}")
+    return steps + max(IDLE_ITERATIONS, math.ceil(steps * idle_share / (1.0 - idle_share) - 1e-9))
 
 
 def server_bounded_stages(deploy: DeployConfig, stages: list[int]) -> list[tuple[int, ProfilerConfig]]:
@@ -155,13 +166,15 @@ def server_bounded_stages(deploy: DeployConfig, stages: list[int]) -> list[tuple
 
 def capped_by_server(deploy: DeployConfig, stages: list[int], steps: int) -> bool:
     """Every stage of ``stages`` ends its own window within the iterations a window of ``steps``
-    engine steps takes (``max_iterations`` set, ``delay_iterations + max_iterations <=
-    max_iterations_for(steps)``): the server, not the sidecar's stop, decides what such a ``steps``
+    engine steps takes: each has an end of its own (``max_iterations`` set), the first to end does
+    within ``max_iterations_for(steps)``, and the others within what a stage idling the most a cap
+    allows for (``MAX_IDLE_SHARE``: a stage fed by another, given its idle iterations by ``render
+    --steps N --idle``). The server, not the sidecar's stop, then decides what such a ``steps``
     window traces."""
     bounded = dict(server_bounded_stages(deploy, stages))
-    return bool(stages) and all(
-        sid in bounded and 0 < server_window_end(bounded[sid]) <= max_iterations_for(steps) for sid in stages
-    )
+    ends = [server_window_end(bounded[sid]) if sid in bounded else 0 for sid in stages]
+    return (bool(stages) and min(ends) > 0 and min(ends) <= max_iterations_for(steps)
+            and max(ends) <= max_iterations_for(steps, MAX_IDLE_SHARE))
 
 
 def server_window_end(pc: ProfilerConfig) -> int:
@@ -178,6 +191,10 @@ def steps_bounded_by_server(deploy: DeployConfig, stages: list[int], steps: int)
     holds at most ``max_iterations`` steps, never more however late the sidecar's stop lands: on
     the real vLLM-Omni server, 3 iterations held 2 steps and 1 idle iteration."""
     notes = []
+    # the iterations within which a stage's own end ends this window: a fed stage's larger cap is
+    # that window's where every stage ends its own (capped_by_server)
+    capped = capped_by_server(deploy, stages, steps)
+    limit = max_iterations_for(steps, MAX_IDLE_SHARE) if capped else max_iterations_for(steps)
     for sid, pc in server_bounded_stages(deploy, stages):
         skip = (f", after skipping the first {pc.delay_iterations} (delay_iterations: {pc.delay_iterations})"
                 if pc.delay_iterations > 0 else "")
@@ -185,7 +202,7 @@ def steps_bounded_by_server(deploy: DeployConfig, stages: list[int], steps: int)
             notes.append(f"stage {sid}: the server starts recording {pc.delay_iterations} engine iterations into each "
                          f"window (delay_iterations: {pc.delay_iterations}, fixed at its start): the trace holds about "
                          f"{max(steps - pc.delay_iterations, 0)} of the {steps} steps asked")
-        elif server_window_end(pc) <= max_iterations_for(steps):
+        elif server_window_end(pc) <= limit:
             tail = (f" of the {steps} steps asked; for more, restart the server with a larger max_iterations "
                     f"(omni-sidecar render --steps {steps})" if server_window_end(pc) < steps
                     else " steps, however late the stop lands")

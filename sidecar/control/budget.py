@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
-from sidecar.config.rules import IDLE_ITERATIONS, server_bounded_stages
+from sidecar.config.rules import IDLE_ITERATIONS, capped_by_server, server_bounded_stages, server_window_end
 from sidecar.control.artifacts import is_trace
 from sidecar.control.models import MAX_ENGINE_STEPS
 from sidecar.errors import BudgetExceeded, PlanInvalid
@@ -293,28 +293,39 @@ async def run_plan(controller: CaptureController, stages: list[int] | None, *, b
         plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s, local=True,
                          server_cap_steps=cap_steps)
     if cap_steps is not None:
-        notes.append(_capped_note(plan, cap_steps))
+        notes.append(_capped_note(plan, cap_steps, server_window_ends(controller.deploy, chosen)))
     plan.notes = notes
     return plan
 
 
 def server_cap_steps(deploy: DeployConfig, stages: list[int]) -> int | None:
     """The most steps a window of ``stages`` holds where the server ends every stage's window itself
-    (``max_iterations`` on each, idle iterations counted: ``max_iterations - IDLE_ITERATIONS``, at
-    least 1); None where one stage's window is ended by the sidecar's stop."""
-    bounded = {sid: pc.max_iterations for sid, pc in server_bounded_stages(deploy, stages) if pc.max_iterations > 0}
-    if not stages or set(bounded) != set(stages):
+    (``max_iterations`` on each, idle iterations counted: the first to end at ``max_iterations -
+    IDLE_ITERATIONS``, at least 1; a fed stage given its idle iterations ends later, within that
+    window: ``capped_by_server``); None where one stage's window is ended by the sidecar's stop."""
+    ends = server_window_ends(deploy, stages)
+    if not stages or set(ends) != set(stages):
         return None
-    return max(min(bounded.values()) - IDLE_ITERATIONS, 1)
+    steps = max(min(ends.values()) - IDLE_ITERATIONS, 1)
+    return steps if capped_by_server(deploy, stages, steps) else None
 
 
-def _capped_note(plan: Plan, cap_steps: int) -> str:
+def server_window_ends(deploy: DeployConfig, stages: list[int]) -> dict[int, int]:
+    """Each stage of ``stages`` whose server ends its windows itself, with the iterations it does so after."""
+    return {sid: server_window_end(pc) for sid, pc in server_bounded_stages(deploy, stages) if pc.max_iterations > 0}
+
+
+def _capped_note(plan: Plan, cap_steps: int, ends: dict[int, int]) -> str:
     iterations = cap_steps + IDLE_ITERATIONS
     probed = len(plan.whole_probes())
-    head = (f"the server ends each window of stages {plan.stages} itself after {iterations} engine iterations "
-            f"(max_iterations, fixed at its start; idle ones count): --steps {cap_steps} or more asks for that whole "
-            f"window (render --steps {cap_steps} caps at {iterations}), which holds up to {iterations} steps and is "
-            + (f"predicted from its {probed} probes of it" if probed else f"predicted at {iterations}"))
+    after = (f"{iterations}" if set(ends.values()) == {iterations} else
+             " and ".join(f"{n} (stage {sid})" for sid, n in sorted(ends.items())))
+    fed = ("" if set(ends.values()) == {iterations} else
+           "; a stage that ends later was given the iterations it idles: render --steps N --idle")
+    head = (f"the server ends each window of stages {plan.stages} itself after {after} engine iterations "
+            f"(max_iterations, fixed at its start; idle ones count{fed}): --steps {cap_steps} or more asks for that "
+            f"whole window (render --steps {cap_steps} caps at {iterations}), which holds up to {max(ends.values())} "
+            "steps and is " + (f"predicted from its {probed} probes of it" if probed else f"predicted at {iterations}"))
     if plan.write_fixed_s is None:
         return head + ("; no probe's trace says when its last event was (no baseTimeNanoseconds), so the stop "
                        "predicted is the sidecar's, not the server's own")

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sidecar.config.models import DeployConfig, StageKind
 from sidecar.config.rules import capped_by_server, select_stages, server_bounded_stages, steps_bounded_by_server
-from sidecar.config.rules import max_iterations_for, server_window_end
+from sidecar.config.rules import MAX_IDLE_SHARE, max_iterations_for, server_window_end
 from sidecar.control import artifacts
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
@@ -311,6 +311,31 @@ def _idle_note(idle: int, ran: int, *, capped: bool) -> str:
         return ""
     return (f"; {idle} of the {ran} iterations it recorded were idle (nothing scheduled: between requests, or a "
             "stage waiting for another's output)" + (", and the server's max_iterations counts them" if capped else ""))
+
+
+def _idle_fix(steps: int, short: dict[int, tuple[int, int]]) -> list[str]:
+    """The way to ``steps`` on the stages of a window the server ended itself that held fewer
+    because they idled (``short``: stage -> (idle iterations, iterations recorded)): give each the
+    share of its iterations it idles (``render --steps N --idle``), or, past ``MAX_IDLE_SHARE``, say
+    that it is fed too little for a window counted in steps."""
+    fixable = {s: (i, n) for s, (i, n) in short.items() if i and i / n <= MAX_IDLE_SHARE}
+    notes = [f"stage {s} idled {i} of its {n} iterations, more than {MAX_IDLE_SHARE:.0%}: it is fed too little for a "
+             f"window counted in steps (more requests at once feed it; docs/captures.md)"
+             for s, (i, n) in sorted(short.items()) if i and i / n > MAX_IDLE_SHARE]
+    if fixable:
+        flags = " ".join(f"--idle {s}={i}/{n}" for s, (i, n) in sorted(fixable.items()))
+        caps = ", ".join(f"{max_iterations_for(steps, i / n)} on stage {s}" for s, (i, n) in sorted(fixable.items()))
+        notes.append(f"for {steps} steps on {'those stages' if len(fixable) > 1 else f'stage {next(iter(fixable))}'} "
+                     f"too, give {'each' if len(fixable) > 1 else 'it'} the iterations it idles: restart the server "
+                     f"with the profiler config `omni-sidecar render --steps {steps} {flags}` writes (max_iterations "
+                     f"{caps})")
+    return notes
+
+
+def _reach(reach: dict[int, int], label: str, steps: int) -> int:
+    """The iterations a capped window's stage runs (``reach``, by stage id) for its step counter's
+    label (vLLM-Omni's stage; plain vLLM's one engine: "")."""
+    return reach[int(label)] if label and int(label) in reach else max(reach.values(), default=steps)
 
 
 def _quiet(task: asyncio.Task[Any]) -> None:
@@ -1020,8 +1045,9 @@ class CaptureController:
         # own counter (a stage fed by another steps later than it); no lead, nothing runs past.
         capped = capped_by_server(self.deploy, cap.stages, steps)
         # how far each stage's count must go past its count at the start's answer: the iterations of
-        # its window (render --steps N caps at N + 2), which its steps never outnumber
-        reach = max([steps, *(server_window_end(pc) for _, pc in server_bounded_stages(self.deploy, cap.stages))])
+        # its window (render --steps N caps at N + 2, more on a stage given its idle iterations),
+        # which its steps never outnumber
+        reach = {sid: max(steps, server_window_end(pc)) for sid, pc in server_bounded_stages(self.deploy, cap.stages)}
         heads: dict[str, int] = {}  # a capped window's steps per stage by the start's answer
         moved: dict[str, tuple[int, float]] = {}  # per stage: its count, and when it last moved
         ahead = Lead(0.0, 0, 0.0) if capped else self._lead.lead(cap.stages, steps)
@@ -1058,10 +1084,14 @@ class CaptureController:
             elif capped:
                 counted = ", ".join(f"{f'stage {s}: ' if s else ''}{heads.get(s, 0)} then {n}"  # "": plain vLLM's one engine
                                     for s, (n, _) in sorted(moved.items()))
+                ends = set(reach.values())
+                after = (f"{next(iter(ends))}" if len(ends) == 1 else
+                         " and ".join(f"{n} (stage {s})" for s, n in sorted(reach.items())))
                 cap.notes.append(
                     f"the stop was sent at {count} steps counted, past the {steps} asked: every stage's server ends its "
-                    f"own window after {reach} engine iterations (max_iterations), so the stop waited until each stage "
-                    f"had counted {reach} + {CAPPED_MARGIN} steps past its count at the start's answer, when its "
+                    f"own window after {after} engine iterations (max_iterations), so the stop waited until each stage "
+                    f"had counted {after if len(ends) == 1 else 'its own'} + {CAPPED_MARGIN} steps past its count at the "
+                    "start's answer, when its "
                     f"profiler had started ({counted}): a stop sent sooner could cut a window short, one sent later "
                     "changes nothing" + (f"; {why}" if why else ""))
             elif lead:
@@ -1121,7 +1151,7 @@ class CaptureController:
                 for s, n in per.items():
                     if s not in moved or moved[s][0] != n:
                         moved[s] = (n, at)
-                behind = [s for s, n in sorted(per.items()) if n < heads.get(s, 0) + reach + CAPPED_MARGIN]
+                behind = [s for s, n in sorted(per.items()) if n < heads.get(s, 0) + _reach(reach, s, steps) + CAPPED_MARGIN]
                 if not behind:
                     await stop(now)
                     return
@@ -1131,7 +1161,7 @@ class CaptureController:
                 stall = self.settings.steps_stall_s
                 if len(behind) < len(per) and all(at - moved[s][1] >= stall for s in behind):
                     await stop(now, "; ".join(
-                        f"stage {s} had counted {per[s] - heads.get(s, 0)} of its {reach} past the start's answer and "
+                        f"stage {s} had counted {per[s] - heads.get(s, 0)} of its {_reach(reach, s, steps)} past the start's answer and "
                         f"none more for {at - moved[s][1]:.1f}s (a stage runs only on what reaches it): its trace "
                         "may hold fewer" for s in behind))
                     return
@@ -1225,6 +1255,8 @@ class CaptureController:
                                      + _idle_note(*idle[v.stage_id], capped=v.stage_id in capped))
             out.append(v)
         steps = cap.steps or 0
+        if capped_by_server(self.deploy, cap.stages, steps):
+            cap.notes.extend(_idle_fix(steps, {s: idle[s] for s, n in per_stage.items() if n < steps and s in idle}))
         if any(abs(n - steps) > 2 for n in per_stage.values()) and not server_bounded:
             # the way to the steps asked where the stop's travel moves it (docs/captures.md)
             cap.notes.append(

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt
 
 
 class Faults(BaseModel):
@@ -62,6 +62,10 @@ class EmulatorOptions(BaseModel):
     diffusion_stages: list[int] = Field(default_factory=list)
     model: str = "omni-emulator"
     step_ms: float = Field(default=5.0, ge=0, description="minimum wall time of one engine step")
+    # stage -> idle iterations its engine runs after each request (nothing scheduled: vLLM steps once
+    # more as a request ends with nothing else running); each counts towards max_iterations, none on
+    # the step counter. A stage fed by another idles so between what it is handed.
+    idle_after_request: dict[int, NonNegativeInt] = Field(default_factory=dict)
     gzip_delay_s: float = Field(default=0.5, ge=0, description="models the seconds a real trace takes to gzip")
     startup_timeout_s: float = Field(default=60.0, gt=0)
     # process: one process per stage replica, real torch.profiler traces;

@@ -77,6 +77,7 @@ def plan_stages(deploy: DeployConfig, options: EmulatorOptions) -> list[StageRun
                 rank=0,  # every replica is rank 0 of its own engine
                 flavor=options.flavor,
                 step_ms=options.step_ms,
+                idle_after=options.idle_after_request.get(stage.stage_id, 0) if kind == "llm" else 0,
                 gzip_delay_s=options.gzip_delay_s,
                 backend="torch" if ctx is not None else "synthetic",
                 instance_id=instance_id,

@@ -48,6 +48,7 @@ class WorkerSpec:
     rank: int = 0
     flavor: str = "omni"
     step_ms: float = 5.0
+    idle_after: int = 0  # idle iterations after each request's steps (options.idle_after_request)
     gzip_delay_s: float = 0.0
     backend: str = "torch"  # "torch" | "synthetic"
     platform: str = "cuda"  # "cuda" | "cpu": the files a GPU server's workers write, or a CPU server's
@@ -142,6 +143,16 @@ class _Stage:
             spare = self.spec.step_ms / 1000 - (time.perf_counter() - t0)
             if spare > 0:
                 time.sleep(spare)
+        for _ in range(self.spec.idle_after):
+            # the request ended with nothing else running: vLLM steps once more, scheduling nothing
+            # (its profiler counts the iteration; the step counter, which counts outputs, does not)
+            self.iterations += 1
+            prof = self.profiler
+            if prof:
+                prof.step()
+            with prof.annotate("execute_model") if prof and prof.is_running else _null():
+                with prof.annotate(_IDLE_STEP) if prof and prof.is_running else _null():
+                    pass
         return out
 
     def reset(self, profiler_config: dict[str, Any] | None, reconfigure: bool) -> None:
@@ -168,6 +179,7 @@ class _Stage:
 
 
 _STEP_NAMES = ("execute_context_1(1)_generation_0(0)", "execute_context_0(0)_generation_1(1)")
+_IDLE_STEP = "execute_context_0(0)_generation_0(0)"
 
 
 class _null:
