@@ -4,22 +4,26 @@ iterations too): the server ends each stage's window after its 22 iterations, th
 (sent once every stage's own count is past what its profiler needs) never cuts one short, and
 however late it lands no trace holds more. Each stage's trace holds its 22 iterations whole: 20
 steps give or take 2 on the stage the load feeds, fewer on a stage fed by another, whose idle
-iterations the cap counts and its note names (docs/captures.md). Without the cap the count alone ends the window:
-tests/omni/test_steps.py.
+iterations the cap counts and its note names, with the render that gives that stage its idle
+iterations (``--idle 1=K/22``). The server given them (``capped_fed``: 25 on stage 1, ``render
+--steps 20 --idle 1=4/22``) holds 20 give or take 2 on both stages (docs/captures.md). Without the
+cap the count alone ends the window: tests/omni/test_steps.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
 from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
+from sidecar.control.models import Capture
 from sidecar.config.rules import max_iterations_for
 from sidecar.control.budget import trace_bytes
 from tests.fixtures.load import steady_load
-from tests.omni.conftest import CAP, Setup, end_open_captures, module_sidecar
+from tests.omni.conftest import CAP, FED_IDLE, Setup, end_open_captures, module_sidecar
 
 
 ITERATIONS = max_iterations_for(CAP)  # the capped server's max_iterations, as render --steps writes it
@@ -32,30 +36,43 @@ def capped_sidecar(capped: Setup, tmp_path_factory: pytest.TempPathFactory) -> I
         end_open_captures(proc.url)
 
 
-@pytest.fixture
-def load(capped: Setup) -> Iterator[None]:
+@contextmanager
+def _load(setup: Setup) -> Iterator[None]:
     # two requests at a time, through both stages: a batch that keeps the engines stepping. The cap
     # counts every iteration, idle ones too (nothing scheduled), and one request at a time leaves
     # one idle iteration at each request's end: with 4-token requests 20 iterations held 16 steps.
-    with steady_load(capped.url, max_tokens=8), steady_load(capped.url, max_tokens=8):
+    with steady_load(setup.url, max_tokens=8), steady_load(setup.url, max_tokens=8):
         yield
+
+
+@pytest.fixture
+def load(capped: Setup) -> Iterator[None]:
+    with _load(capped):
+        yield
+
+
+def _window(url: str, label: str) -> tuple[Capture, dict[int, int | None], dict[int, int], dict[int, dict[str, int]]]:
+    """One ``steps`` window of 20 on both stages through a real sidecar: its capture, and per stage
+    the steps its verdict says the trace holds, the iterations it recorded (step markers) and those
+    by kind (printed)."""
+    with SidecarClient(url, timeout=600) as client:
+        cap = client.wait_capture(client.start_capture(stages=[0, 1], steps=CAP, label=label).id, timeout=900)
+        summary = client.summary(cap.id)
+    traced = {v.stage_id: v.steps_traced for v in cap.verdicts}
+    markers = {f.stage_id: f.window.engine_steps for f in summary.files if f.stage_id is not None}
+    kinds = {f.stage_id: {k.kind: k.count for k in f.engine_step_kinds} for f in summary.files if f.stage_id is not None}
+    print(f"{label}: asked {CAP}: counted {cap.steps_counted}, traced {traced}, step markers {markers} {kinds}, "
+          f"notes {cap.notes}")
+    return cap, traced, markers, kinds
 
 
 @pytest.mark.parametrize("window", range(3))
 def test_twenty_steps_on_stages_the_server_caps_at_twenty_end_where_the_server_ends_them(
     capped_sidecar: SidecarProcess, load: None, window: int
 ) -> None:
-    with SidecarClient(capped_sidecar.url, timeout=600) as client:
-        cap = client.start_capture(stages=[0, 1], steps=CAP, label="omni-steps-capped")
-        assert all(f"stage {s}: the server stops its own profiler after {ITERATIONS} engine iterations" in " ".join(cap.notes)
-                   for s in (0, 1)), cap.notes
-        cap = client.wait_capture(cap.id, timeout=900)
-        summary = client.summary(cap.id)
-    traced = {v.stage_id: v.steps_traced for v in cap.verdicts}
-    markers = {f.stage_id: f.window.engine_steps for f in summary.files}
-    kinds = {f.stage_id: {k.kind: k.count for k in f.engine_step_kinds} for f in summary.files}
-    print(f"asked {CAP} on max_iterations {ITERATIONS}: counted {cap.steps_counted}, traced {traced}, step markers {markers} "
-          f"{kinds}, notes {cap.notes}")
+    cap, traced, markers, kinds = _window(capped_sidecar.url, "omni-steps-capped")
+    assert all(f"stage {s}: the server stops its own profiler after {ITERATIONS} engine iterations" in " ".join(cap.notes)
+               for s in (0, 1)), cap.notes
     assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
     assert any(n.startswith(f"the stop was sent at {cap.steps_counted} steps counted, past the {CAP} asked")
                for n in cap.notes), cap.notes
@@ -77,6 +94,37 @@ def test_twenty_steps_on_stages_the_server_caps_at_twenty_end_where_the_server_e
                        for n in cap.notes), cap.notes
         elif traced[s] != CAP:
             assert said in cap.notes, cap.notes
+    # a stage short of the steps asked because it idled is told the cap that holds them: the share
+    # of its iterations it idled, for render --idle (CI and here: stage 1, 3 to 5 of 22)
+    for s in (0, 1):
+        idle = kinds[s].get("idle", 0)
+        if traced[s] < CAP and idle:
+            assert any(f"--idle {s}={idle}/{ITERATIONS}" in n and f"{max_iterations_for(CAP, idle / ITERATIONS)} on stage {s}" in n
+                       for n in cap.notes if n.startswith("for 20 steps on")), cap.notes
+
+
+@pytest.fixture(scope="module")
+def fed_sidecar(capped_fed: Setup, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SidecarProcess]:
+    with module_sidecar(capped_fed, tmp_path_factory) as proc:
+        yield proc
+        end_open_captures(proc.url)
+
+
+@pytest.mark.parametrize("window", range(3))
+def test_twenty_steps_on_a_fed_stage_given_the_iterations_it_idles_hold_twenty_on_both_stages(
+    capped_fed: Setup, fed_sidecar: SidecarProcess, window: int
+) -> None:
+    # Stage 1 waits for what stage 0 hands it, and its cap counts those idle iterations: given the
+    # share its windows of 22 idled (4 of 22: render --steps 20 --idle 1=4/22 caps it at 25), it
+    # holds 20 give or take 2 as stage 0 does, and the sidecar's stop waited for each stage's own end.
+    fed = max_iterations_for(CAP, FED_IDLE)
+    with _load(capped_fed):
+        cap, traced, markers, kinds = _window(fed_sidecar.url, "omni-steps-fed")
+    assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
+    assert any(n.startswith("the stop was sent at ") and f"after {ITERATIONS} (stage 0) and {fed} (stage 1) engine "
+               "iterations" in n for n in cap.notes), cap.notes
+    assert markers == {0: ITERATIONS, 1: fed}, (markers, traced, kinds)
+    assert all(abs(traced[s] - CAP) <= 2 for s in (0, 1)), (markers, traced, kinds)
 
 
 def test_the_plan_on_a_server_that_caps_every_stage_is_its_whole_window_sized_within_a_quarter(
