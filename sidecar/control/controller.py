@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sidecar.config.models import DeployConfig, StageKind
 from sidecar.config.rules import capped_by_server, select_stages, server_bounded_stages, steps_bounded_by_server
-from sidecar.config.rules import MAX_IDLE_SHARE, max_iterations_for, server_window_end
+from sidecar.config.rules import IDLE_ITERATIONS, MAX_IDLE_SHARE, max_iterations_for, server_window_end
 from sidecar.control import artifacts
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
@@ -313,18 +313,28 @@ def _idle_note(idle: int, ran: int, *, capped: bool) -> str:
             "stage waiting for another's output)" + (", and the server's max_iterations counts them" if capped else ""))
 
 
-def _idle_fix(steps: int, short: dict[int, tuple[int, int]]) -> list[str]:
+def _idle_fix(steps: int, short: dict[int, tuple[int, int]], stages: list[int]) -> list[str]:
     """The way to ``steps`` on the stages of a window the server ended itself that held fewer
     because they idled (``short``: stage -> (idle iterations, iterations recorded)): give each the
     share of its iterations it idles (``render --steps N --idle``), or, past ``MAX_IDLE_SHARE``, say
-    that it is fed too little for a window counted in steps."""
-    fixable = {s: (i, n) for s, (i, n) in short.items() if i and i / n <= MAX_IDLE_SHARE}
-    notes = [f"stage {s} idled {i} of its {n} iterations, more than {MAX_IDLE_SHARE:.0%}: it is fed too little for a "
-             f"window counted in steps (more requests at once feed it; docs/captures.md)"
-             for s, (i, n) in sorted(short.items()) if i and i / n > MAX_IDLE_SHARE]
+    that it is fed too little for a window counted in steps. One stage of the window keeps N + 2
+    (``capped_by_server``: the first to end does within the window's own iterations): where every
+    one idled short, the one that idled least is told what feeds it instead (more requests at once)."""
+    shares = {s: i / n for s, (i, n) in short.items() if i}
+    notes = [f"stage {s} idled {short[s][0]} of its {short[s][1]} iterations, more than {MAX_IDLE_SHARE:.0%}: it is fed "
+             "too little for a window counted in steps (more requests at once feed it; docs/captures.md)"
+             for s, share in sorted(shares.items()) if share > MAX_IDLE_SHARE]
+    fixable = {s: share for s, share in shares.items() if share <= MAX_IDLE_SHARE}
+    if fixable and set(fixable) >= set(stages):
+        least = min(fixable, key=lambda s: (fixable[s], s))
+        del fixable[least]
+        notes.append(f"stage {least} idled {short[least][0]} of its {short[least][1]} iterations (nothing scheduled: "
+                     f"between requests){', as every stage of the window did' if len(stages) > 1 else ''}: the window's "
+                     f"first end stays at the steps + {IDLE_ITERATIONS} (render --idle gives a stage that ends later the "
+                     f"iterations it idles), so for {steps} steps on it send more requests at once")
     if fixable:
-        flags = " ".join(f"--idle {s}={i}/{n}" for s, (i, n) in sorted(fixable.items()))
-        caps = ", ".join(f"{max_iterations_for(steps, i / n)} on stage {s}" for s, (i, n) in sorted(fixable.items()))
+        flags = " ".join(f"--idle {s}={short[s][0]}/{short[s][1]}" for s in sorted(fixable))
+        caps = ", ".join(f"{max_iterations_for(steps, fixable[s])} on stage {s}" for s in sorted(fixable))
         notes.append(f"for {steps} steps on {'those stages' if len(fixable) > 1 else f'stage {next(iter(fixable))}'} "
                      f"too, give {'each' if len(fixable) > 1 else 'it'} the iterations it idles: restart the server "
                      f"with the profiler config `omni-sidecar render --steps {steps} {flags}` writes (max_iterations "
@@ -1256,7 +1266,8 @@ class CaptureController:
             out.append(v)
         steps = cap.steps or 0
         if capped_by_server(self.deploy, cap.stages, steps):
-            cap.notes.extend(_idle_fix(steps, {s: idle[s] for s, n in per_stage.items() if n < steps and s in idle}))
+            short = {s: idle[s] for s, n in per_stage.items() if n < steps and s in idle}
+            cap.notes.extend(_idle_fix(steps, short, cap.stages))
         if any(abs(n - steps) > 2 for n in per_stage.values()) and not server_bounded:
             # the way to the steps asked where the stop's travel moves it (docs/captures.md)
             cap.notes.append(
