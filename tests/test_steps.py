@@ -816,22 +816,26 @@ def test_a_stage_idling_more_than_a_cap_allows_for_is_told_it_is_fed_too_little(
     assert len(said) == 1 and not any("--idle" in n for n in cap.notes), cap.notes
 
 
-def test_the_render_a_short_stage_is_told_keeps_one_stage_at_the_windows_own_end() -> None:
+def test_the_render_a_short_stage_is_told_keeps_the_stage_that_ends_first_at_the_windows_own_end() -> None:
     from sidecar.control.controller import _idle_fix
 
     # the render named must leave a window the server ends (capped_by_server: the first stage to
-    # end does within N + 2): where every stage idled short, the one that idled least keeps its
-    # cap and is told to feed it; a single stage (plain vLLM) likewise; a stage past a third, fed too little
-    two = _idle_fix(20, {0: (3, 22), 1: (5, 22)}, [0, 1])
-    assert two[0].startswith("stage 0 idled 3 of its 22 iterations (nothing scheduled: between requests), as every "
-                             "stage of the window did: the window's first end stays at the steps + 2"), two
-    assert two[1].endswith("`omni-sidecar render --steps 20 --idle 1=5/22` writes (max_iterations 26 on stage 1)"), two
-    (one,) = _idle_fix(20, {0: (3, 22)}, [0])
-    assert one.startswith("stage 0 idled 3 of its 22 iterations (nothing scheduled: between requests): the window's "
-                          "first end stays") and "--idle" not in one.split("(render --idle")[0], one
-    fed, fix = _idle_fix(20, {0: (3, 22), 1: (12, 22)}, [0, 1])
+    # end does within N + 2): that stage, where it idled short, keeps its cap and is told to feed it
+    both = _idle_fix(20, {0: (3, 22), 1: (5, 22)}, {0: 22, 1: 22})
+    assert both[0].startswith("stage 0 idled 3 of its 22 iterations (nothing scheduled: between requests), and it "
+                              "ends the window first: its cap stays at the steps + 2"), both
+    assert both[1].endswith("`omni-sidecar render --steps 20 --idle 1=5/22` writes (max_iterations 26 on stage 1)"), both
+    # the first to end is the one kept, whichever idled more: here stage 1 keeps what it was given
+    first, fix = _idle_fix(20, {0: (6, 22), 1: (5, 25)}, {0: 22, 1: 25})
+    assert first.startswith("stage 0 idled 6 of its 22") and "--idle 1=5/25" in fix and "--idle 0" not in fix, (first, fix)
+    # on the real vLLM-Omni server at 50 steps (52 and 62), stage 0 idled 5 of 52 and stage 1 held 50
+    (first,) = _idle_fix(50, {0: (5, 52)}, {0: 52, 1: 62})
+    assert first.startswith("stage 0 idled 5 of its 52 iterations (nothing scheduled: between requests), and it ends"), first
+    (one,) = _idle_fix(20, {0: (3, 22)}, {0: 22})  # a one-stage server (plain vLLM)
+    assert "and it ends the window first" in one and "render --steps" not in one, one
+    fed, fix = _idle_fix(20, {0: (3, 22), 1: (12, 22)}, {0: 22, 1: 22})
     assert fed.startswith("stage 1 idled 12 of its 22 iterations, more than 33%") and "--idle 0=3/22" in fix, (fed, fix)
-    assert _idle_fix(20, {1: (0, 22)}, [0, 1]) == []  # short without idling: the stop, not the cap
+    assert _idle_fix(20, {1: (0, 22)}, {0: 22, 1: 22}) == []  # short without idling: the stop, not the cap
 
 
 def test_a_cap_for_a_stage_that_idles_adds_the_iterations_its_share_adds_to_the_steps(tmp_path: Path) -> None:
