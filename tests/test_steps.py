@@ -767,8 +767,16 @@ def test_a_stage_that_idles_is_told_the_cap_that_holds_the_steps_and_then_holds_
     (tmp_path / "a").mkdir()
     deploy = make_deploy(tmp_path / "a", caps)
     with _idling(deploy, tmp_path / "a") as client:
-        first = _window(client, 20)
+        # through the CLI, as a user reads the note: its output lists the capture's notes
+        env = {**os.environ, "OMNI_SIDECAR_URL": client.base_url, "COLUMNS": "200"}
+        cli = subprocess.run([sys.executable, "-m", "sidecar", "capture", "--stages", "0,2", "--steps", "20"],
+                             capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+        (first,) = client.list_captures()
     traced = {v.stage_id: v.steps_traced for v in first.verdicts}
+    out = cli.stdout + cli.stderr
+    assert cli.returncode == 0 and f"steps: 20 asked, {first.steps_counted} counted by the server; in the traces: stage " \
+        f"0: 22, stage 2: {traced[2]}" in out, out
+    assert "\nnotes:\n" in out and all(f"  - {n}" in " ".join(out.split("\n")) for n in first.notes), out
     assert (first.stop_reason.value, traced[0]) == ("steps", 22) and traced[2] is not None and traced[2] < 20, (
         traced, first.notes)
     (fix,) = [n for n in first.notes if n.startswith("for 20 steps on stage 2 too, give it the iterations it idles")]

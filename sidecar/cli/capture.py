@@ -71,6 +71,10 @@ def print_capture(cap: Capture, as_json: bool, wide: bool = False) -> None:
         console.print(f"stop reason: {cap.stop_reason.value}")
     print_steps(console, cap)
     print_window_metrics(console, cap.window_metrics)
+    if cap.notes:  # what the window did and the way to what was asked (the web page's "Notes")
+        console.print("notes:")
+        for note in cap.notes:
+            console.print(f"  - {escape(note)}", highlight=False, soft_wrap=True)
     if only_expected_unverified(cap):
         console.print("note: nsys writes its report itself, so the sidecar cannot check it (unverified, as "
                       "expected); exit 0. Look for the .nsys-rep where `nsys profile -o` points.",
