@@ -785,7 +785,7 @@ def test_a_stage_that_idles_is_told_the_cap_that_holds_the_steps_and_then_holds_
     assert f"stage 2: the trace holds {traced[2]} engine steps, 20 were asked ({traced[2] - 20:+d}); {idle.group(1)} " \
            "of the 22 iterations it recorded were idle" in " ".join(first.notes), first.notes
     # the render the note names, through the CLI, on the same deploy
-    flags = re.search(r"`omni-sidecar render (--steps 20 --idle 2=\d+/22)`", fix)
+    flags = re.search(r"`omni-sidecar render (--steps 20 --idle 2=\d+/22)`", out)  # as the CLI printed it
     assert flags is not None, fix
     rendered = tmp_path / "b" / "capped.yaml"
     proc = subprocess.run([sys.executable, "-m", "sidecar", "render", str(deploy), "--profile", "light", "--stages",
