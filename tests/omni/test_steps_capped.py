@@ -95,12 +95,20 @@ def test_twenty_steps_on_stages_the_server_caps_at_twenty_end_where_the_server_e
         elif traced[s] != CAP:
             assert said in cap.notes, cap.notes
     # a stage short of the steps asked because it idled is told the cap that holds them: the share
-    # of its iterations it idled, for render --idle (CI and here: stage 1, 3 to 5 of 22)
-    for s in (0, 1):
+    # of its iterations it idled, for render --idle (CI and here: stage 1, 3 to 5 of 22); the render
+    # keeps one stage at 22, the window's first end, so where both idled short (CI, 2026-12-04: 3 and
+    # 3 of 22) one of them is told to send more requests at once instead
+    fix = " ".join(n for n in cap.notes if n.startswith("for 20 steps on"))
+    kept = [s for s in (0, 1) if any(n.startswith(f"stage {s} idled {kinds[s].get('idle', 0)} of its {ITERATIONS} "
+                                                  "iterations (nothing scheduled: between requests), and it ends the "
+                                                  "window first") for n in cap.notes)]
+    short = [s for s in (0, 1) if traced[s] < CAP and kinds[s].get("idle", 0)]
+    for s in short:
         idle = kinds[s].get("idle", 0)
-        if traced[s] < CAP and idle:
-            assert any(f"--idle {s}={idle}/{ITERATIONS}" in n and f"{max_iterations_for(CAP, idle / ITERATIONS)} on stage {s}" in n
-                       for n in cap.notes if n.startswith("for 20 steps on")), cap.notes
+        assert s in kept or (f"--idle {s}={idle}/{ITERATIONS}" in fix and
+                             f"{max_iterations_for(CAP, idle / ITERATIONS)} on stage {s}" in fix), cap.notes
+    both = len(short) == 2 and all(kinds[s]["idle"] <= ITERATIONS / 3 for s in short)  # a third: fed too little
+    assert len(kept) == (1 if both else 0) and not all(f"--idle {s}=" in fix for s in (0, 1)), cap.notes
 
 
 @pytest.fixture(scope="module")
