@@ -172,11 +172,11 @@ def validate(
 app.command()(validate)
 
 
-def _idle_shares(values: list[str], steps: int | None, stages: list[int]) -> dict[int, float]:
-    """``--idle 1=5/22`` (or ``1=0.23``) per stage → {stage: share of its iterations idle}."""
+def _idle_caps(values: list[str], steps: int | None, stages: list[int]) -> dict[int, dict[str, int]]:
+    """``--idle 1=5/22`` (or ``1=0.23``) per stage → {stage: {"max_iterations": its cap for --steps}}."""
     if values and steps is None:
         raise typer.BadParameter("--idle gives a stage's cap the iterations it idles in a window of --steps N: add --steps")
-    out: dict[int, float] = {}
+    out: dict[int, dict[str, int]] = {}
     for value in values:
         stage, _, share = value.partition("=")
         try:
@@ -188,11 +188,12 @@ def _idle_shares(values: list[str], steps: int | None, stages: list[int]) -> dic
                                      f"stage 1, as a capture's note gives it), or STAGE=SHARE, e.g. 1=0.23; got {value!r}") from None
         if sid not in stages:
             raise typer.BadParameter(f"--idle {value}: stage {sid} is not one this renders (--stages {stages})")
-        if not 0 <= frac <= MAX_IDLE_SHARE:
+        try:
+            out[sid] = {"max_iterations": max_iterations_for(steps, frac)}  # type: ignore[arg-type]
+        except ValueError:
             raise typer.BadParameter(
                 f"--idle {value}: a share of {frac:.2f} idle; a cap allows for at most {MAX_IDLE_SHARE:.2f} (a stage "
-                "idling more is fed too little for a window counted in steps: send more requests at once)")
-        out[sid] = frac
+                "idling more is fed too little for a window counted in steps: send more requests at once)") from None
     return out
 
 
@@ -241,11 +242,8 @@ def render(
                 stage_list = load_deploy_config(deploy_file, platform=platform).stage_ids
             caps = max_iterations_for(steps) if steps is not None else None
             iterations = {k: v for k, v in (("max_iterations", caps), ("delay_iterations", delay_steps)) if v is not None}
-            shares = _idle_shares(idle or [], steps, stage_list)
             where = {"out_dir": out_dir, "platform": platform, "replica": replica, "host": host,
-                     "iterations": iterations or None,
-                     "stage_iterations": {s: {"max_iterations": max_iterations_for(steps, share)}  # type: ignore[arg-type]
-                                          for s, share in shares.items()} or None}
+                     "iterations": iterations or None, "stage_iterations": _idle_caps(idle or [], steps, stage_list) or None}
             if stage_overrides:
                 text = render_stage_overrides(deploy_file, profile, stage_list, **where)  # type: ignore[arg-type]
                 console.print(text, highlight=False, soft_wrap=True)

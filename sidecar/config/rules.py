@@ -15,7 +15,7 @@ from sidecar.errors import StageDuplicate, StageNotProfiled, StageNotTorch, Stag
 
 __all__ = [
     "IDLE_ITERATIONS", "MAX_IDLE_SHARE", "capped_by_server", "max_iterations_for", "select_stages", "validate_deploy", "selection_finding",
-    "server_bounded_stages", "steps_bounded_by_server", "server_window_end",
+    "server_bounded_stages", "steps_bounded_by_server", "server_window_end", "server_window_ends",
 ]
 
 
@@ -171,10 +171,14 @@ def capped_by_server(deploy: DeployConfig, stages: list[int], steps: int) -> boo
     allows for (``MAX_IDLE_SHARE``: a stage fed by another, given its idle iterations by ``render
     --steps N --idle``). The server, not the sidecar's stop, then decides what such a ``steps``
     window traces."""
-    bounded = dict(server_bounded_stages(deploy, stages))
-    ends = [server_window_end(bounded[sid]) if sid in bounded else 0 for sid in stages]
-    return (bool(stages) and min(ends) > 0 and min(ends) <= max_iterations_for(steps)
-            and max(ends) <= max_iterations_for(steps, MAX_IDLE_SHARE))
+    ends = server_window_ends(deploy, stages)
+    return (bool(stages) and set(ends) == set(stages) and min(ends.values()) <= max_iterations_for(steps)
+            and max(ends.values()) <= max_iterations_for(steps, MAX_IDLE_SHARE))
+
+
+def server_window_ends(deploy: DeployConfig, stages: list[int]) -> dict[int, int]:
+    """Each stage of ``stages`` whose server ends its windows itself, with the iterations it does so after."""
+    return {sid: server_window_end(pc) for sid, pc in server_bounded_stages(deploy, stages) if pc.max_iterations > 0}
 
 
 def server_window_end(pc: ProfilerConfig) -> int:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
-from sidecar.config.rules import IDLE_ITERATIONS, capped_by_server, server_bounded_stages, server_window_end
+from sidecar.config.rules import IDLE_ITERATIONS, capped_by_server, server_window_ends
 from sidecar.control.artifacts import is_trace
 from sidecar.control.models import MAX_ENGINE_STEPS
 from sidecar.errors import BudgetExceeded, PlanInvalid
@@ -308,11 +308,6 @@ def server_cap_steps(deploy: DeployConfig, stages: list[int]) -> int | None:
         return None
     steps = max(min(ends.values()) - IDLE_ITERATIONS, 1)
     return steps if capped_by_server(deploy, stages, steps) else None
-
-
-def server_window_ends(deploy: DeployConfig, stages: list[int]) -> dict[int, int]:
-    """Each stage of ``stages`` whose server ends its windows itself, with the iterations it does so after."""
-    return {sid: server_window_end(pc) for sid, pc in server_bounded_stages(deploy, stages) if pc.max_iterations > 0}
 
 
 def _capped_note(plan: Plan, cap_steps: int, ends: dict[int, int]) -> str:

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from sidecar.config.models import DeployConfig, StageKind
 from sidecar.config.rules import capped_by_server, select_stages, server_bounded_stages, steps_bounded_by_server
-from sidecar.config.rules import IDLE_ITERATIONS, MAX_IDLE_SHARE, max_iterations_for, server_window_end
+from sidecar.config.rules import IDLE_ITERATIONS, MAX_IDLE_SHARE, max_iterations_for, server_window_ends
 from sidecar.control import artifacts
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
@@ -1060,7 +1060,7 @@ class CaptureController:
         # how far each stage's count must go past its count at the start's answer: the iterations of
         # its window (render --steps N caps at N + 2, more on a stage given its idle iterations),
         # which its steps never outnumber
-        reach = {sid: max(steps, server_window_end(pc)) for sid, pc in server_bounded_stages(self.deploy, cap.stages)}
+        reach = {sid: max(steps, end) for sid, end in server_window_ends(self.deploy, cap.stages).items()}
         heads: dict[str, int] = {}  # a capped window's steps per stage by the start's answer
         moved: dict[str, tuple[int, float]] = {}  # per stage: its count, and when it last moved
         ahead = Lead(0.0, 0, 0.0) if capped else self._lead.lead(cap.stages, steps)
@@ -1270,8 +1270,7 @@ class CaptureController:
         steps = cap.steps or 0
         if capped_by_server(self.deploy, cap.stages, steps):
             short = {s: idle[s] for s, n in per_stage.items() if n < steps and s in idle}
-            ends = {s: server_window_end(pc) for s, pc in server_bounded}
-            cap.notes.extend(_idle_fix(steps, short, ends))
+            cap.notes.extend(_idle_fix(steps, short, server_window_ends(self.deploy, cap.stages)))
         if any(abs(n - steps) > 2 for n in per_stage.values()) and not server_bounded:
             # the way to the steps asked where the stop's travel moves it (docs/captures.md)
             cap.notes.append(
