@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
 from tests.fixtures.emulator import EmulatorPool, make_deploy
+from tests.fixtures.waits import poll
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,6 +133,68 @@ def test_stop_wait_timeout_reports_the_time_it_waited(setup):
     waited = re.search(r"after (\d+\.\d)s", err)
     assert (done.returncode, "wait_timeout" in err, waited is not None and float(waited.group(1)) >= 1.0) == (
         1, True, True), err
+
+
+def _stops(emu: Any) -> int:
+    return sum(c["path"] == "/stop_profile" for c in emu.state()["calls"])
+
+
+def test_a_stop_the_server_holds_answers_at_once_and_the_cli_waits_with_its_state(setup):
+    # The server holds its stop reply (vLLM-Omni does while it builds the op tables and stacks of a
+    # long window): the API's stop answers at once, a second stop through the CLI answers and sends
+    # nothing more upstream, and the waiting CLI shows the state on a terminal until the reply comes.
+    # The real server's stop is sometimes done before a CLI has started (CI at 85cfd57), so holding
+    # it is what makes "while it is still stopping" a condition here, not a hope.
+    sc, emu = setup
+    emu.set_faults(hang_stop=True)
+    waiting: subprocess.Popen[bytes] | None = None
+    try:
+        with SidecarClient(sc.url, timeout=120) as client:
+            cid = client.start_capture([0]).id
+            emu.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "max_tokens": 2}).raise_for_status()
+            sent = _stops(emu)
+            first = client.stop_capture(cid).state.value
+            assert poll(lambda: _stops(emu) == sent + 1)  # the sidecar's one stop is held by the server
+            again = cli("stop", cid, "--no-wait", "--sidecar", sc.url)
+            held = (client.get_capture(cid).state.value, _stops(emu) - sent)
+        env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT), "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}
+        waiting = subprocess.Popen([sys.executable, "-m", "sidecar", "stop", cid, "--sidecar", sc.url, "--timeout",
+                                    "120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        shown = _Reader(waiting)
+        assert poll(lambda: f"capture {cid}: stopping" in shown.text(), timeout=120), shown.text()
+        still = (waiting.poll(), _stops(emu) - sent)
+    finally:
+        emu.set_faults(hang_stop=False)
+        with SidecarClient(sc.url, timeout=120) as client:
+            client.wait_capture(cid, timeout=120)
+    assert waiting.wait(timeout=120) == 0, shown.text()
+    shown.join()
+    assert (first, again.returncode, f"capture {cid} stopping" in " ".join(again.stdout.split()), held, still) == (
+        "stopping", 0, True, ("stopping", 1), (None, 1)), again.stdout + again.stderr
+    assert f"capture {cid} — completed" in shown.text() and "ok" in shown.text(), shown.text()
+
+
+class _Reader:
+    """Everything a child process writes, read as it comes (a terminal's progress line is redrawn
+    in place and never ends a line, so it is read in chunks)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self._chunks: list[bytes] = []
+        assert proc.stdout is not None
+        self._out = proc.stdout
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while chunk := self._out.read1(4096):
+            self._chunks.append(chunk)
+
+    def text(self) -> str:
+        return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(self._chunks).decode(errors="replace"))
+
+    def join(self) -> None:
+        self._thread.join(timeout=120)
 
 
 def test_diff_takes_capture_id_prefixes(setup):
