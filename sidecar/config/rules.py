@@ -15,7 +15,7 @@ from sidecar.errors import StageDuplicate, StageNotProfiled, StageNotTorch, Stag
 
 __all__ = [
     "IDLE_ITERATIONS", "MAX_IDLE_SHARE", "capped_by_server", "max_iterations_for", "select_stages", "validate_deploy", "selection_finding",
-    "server_bounded_stages", "steps_bounded_by_server", "server_window_end", "server_window_ends",
+    "server_bounded_stages", "steps_bounded_by_server", "server_window_end", "server_window_ends", "window_ends_text",
 ]
 
 
@@ -179,6 +179,13 @@ def capped_by_server(deploy: DeployConfig, stages: list[int], steps: int) -> boo
 def server_window_ends(deploy: DeployConfig, stages: list[int]) -> dict[int, int]:
     """Each stage of ``stages`` whose server ends its windows itself, with the iterations it does so after."""
     return {sid: server_window_end(pc) for sid, pc in server_bounded_stages(deploy, stages) if pc.max_iterations > 0}
+
+
+def window_ends_text(ends: dict[int, int]) -> str:
+    """``server_window_ends`` as a note says it: ``22`` where every stage ends alike, else
+    ``22 (stage 0) and 25 (stage 1)``."""
+    alike = set(ends.values())
+    return f"{alike.pop()}" if len(alike) == 1 else " and ".join(f"{n} (stage {sid})" for sid, n in sorted(ends.items()))
 
 
 def server_window_end(pc: ProfilerConfig) -> int:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field
 
-from sidecar.config.rules import IDLE_ITERATIONS, capped_by_server, server_window_ends
+from sidecar.config.rules import IDLE_ITERATIONS, capped_by_server, server_window_ends, window_ends_text
 from sidecar.control.artifacts import is_trace
 from sidecar.control.models import MAX_ENGINE_STEPS
 from sidecar.errors import BudgetExceeded, PlanInvalid
@@ -313,11 +313,9 @@ def server_cap_steps(deploy: DeployConfig, stages: list[int]) -> int | None:
 def _capped_note(plan: Plan, cap_steps: int, ends: dict[int, int]) -> str:
     iterations = cap_steps + IDLE_ITERATIONS
     probed = len(plan.whole_probes())
-    after = (f"{iterations}" if set(ends.values()) == {iterations} else
-             " and ".join(f"{n} (stage {sid})" for sid, n in sorted(ends.items())))
-    fed = ("" if set(ends.values()) == {iterations} else
+    fed = ("" if len(set(ends.values())) == 1 else
            "; a stage that ends later was given the iterations it idles: render --steps N --idle")
-    head = (f"the server ends each window of stages {plan.stages} itself after {after} engine iterations "
+    head = (f"the server ends each window of stages {plan.stages} itself after {window_ends_text(ends)} engine iterations "
             f"(max_iterations, fixed at its start; idle ones count{fed}): --steps {cap_steps} or more asks for that "
             f"whole window (render --steps {cap_steps} caps at {iterations}), which holds up to {max(ends.values())} "
             "steps and is " + (f"predicted from its {probed} probes of it" if probed else f"predicted at {iterations}"))

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sidecar.config.models import DeployConfig, StageKind
 from sidecar.config.rules import capped_by_server, select_stages, server_bounded_stages, steps_bounded_by_server
 from sidecar.config.rules import IDLE_ITERATIONS, MAX_IDLE_SHARE, max_iterations_for, server_window_ends
+from sidecar.config.rules import window_ends_text
 from sidecar.control import artifacts
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
@@ -1060,7 +1061,8 @@ class CaptureController:
         # how far each stage's count must go past its count at the start's answer: the iterations of
         # its window (render --steps N caps at N + 2, more on a stage given its idle iterations),
         # which its steps never outnumber
-        reach = {sid: max(steps, end) for sid, end in server_window_ends(self.deploy, cap.stages).items()}
+        ends = server_window_ends(self.deploy, cap.stages)
+        reach = {sid: max(steps, end) for sid, end in ends.items()}
         heads: dict[str, int] = {}  # a capped window's steps per stage by the start's answer
         moved: dict[str, tuple[int, float]] = {}  # per stage: its count, and when it last moved
         ahead = Lead(0.0, 0, 0.0) if capped else self._lead.lead(cap.stages, steps)
@@ -1097,13 +1099,12 @@ class CaptureController:
             elif capped:
                 counted = ", ".join(f"{f'stage {s}: ' if s else ''}{heads.get(s, 0)} then {n}"  # "": plain vLLM's one engine
                                     for s, (n, _) in sorted(moved.items()))
-                ends = set(reach.values())
-                after = (f"{next(iter(ends))}" if len(ends) == 1 else
-                         " and ".join(f"{n} (stage {s})" for s, n in sorted(reach.items())))
+                waits = set(reach.values())
                 cap.notes.append(
                     f"the stop was sent at {count} steps counted, past the {steps} asked: every stage's server ends its "
-                    f"own window after {after} engine iterations (max_iterations), so the stop waited until each stage "
-                    f"had counted {after if len(ends) == 1 else 'its own'} + {CAPPED_MARGIN} steps past its count at the "
+                    f"own window after {window_ends_text(ends)} engine iterations "
+                    f"(max_iterations), so the stop waited until each stage had counted "
+                    f"{waits.pop() if len(waits) == 1 else 'its own'} + {CAPPED_MARGIN} steps past its count at the "
                     "start's answer, when its "
                     f"profiler had started ({counted}): a stop sent sooner could cut a window short, one sent later "
                     "changes nothing" + (f"; {why}" if why else ""))
