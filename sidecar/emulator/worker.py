@@ -22,6 +22,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
@@ -124,36 +125,35 @@ class _Stage:
         out = []
         for i in range(n):
             t0 = time.perf_counter()
-            self.iterations += 1
-            prof = self.profiler
             if self.spec.kind == "diffusion":
                 # the diffusion worker steps its profiler after the forward
-                with prof.annotate("diffusion_forward") if prof and prof.is_running else _null():
+                self.iterations += 1
+                prof = self.profiler
+                with _span(prof, "diffusion_forward"):
                     out.append(self.model.step())
                 if prof:
                     prof.step()
             else:
-                # the GPU worker steps its profiler before the forward (annotate_profile)
-                if prof:
-                    prof.step()
-                with prof.annotate("execute_model") if prof and prof.is_running else _null():
-                    # vLLM's own step marker inside it: a request's first step prefills, the rest decode
-                    with prof.annotate(_STEP_NAMES[i > 0]) if prof and prof.is_running else _null():
-                        out.append(self.model.step())
+                # vLLM's own step marker: a request's first step prefills, the rest decode
+                out.append(self._iteration(_STEP_NAMES[i > 0], self.model.step))
             spare = self.spec.step_ms / 1000 - (time.perf_counter() - t0)
             if spare > 0:
                 time.sleep(spare)
         for _ in range(self.spec.idle_after):
             # the request ended with nothing else running: vLLM steps once more, scheduling nothing
             # (its profiler counts the iteration; the step counter, which counts outputs, does not)
-            self.iterations += 1
-            prof = self.profiler
-            if prof:
-                prof.step()
-            with prof.annotate("execute_model") if prof and prof.is_running else _null():
-                with prof.annotate(_IDLE_STEP) if prof and prof.is_running else _null():
-                    pass
+            self._iteration(_IDLE_STEP, lambda: 0)
         return out
+
+    def _iteration(self, marker: str, forward: Callable[[], int]) -> int:
+        """One engine iteration of an LLM stage: the GPU worker steps its profiler before the forward
+        (annotate_profile), which runs inside ``execute_model`` and vLLM's step marker."""
+        self.iterations += 1
+        prof = self.profiler
+        if prof:
+            prof.step()
+        with _span(prof, "execute_model"), _span(prof, marker):
+            return forward()
 
     def reset(self, profiler_config: dict[str, Any] | None, reconfigure: bool) -> None:
         """Emulator-only: profiler idle (a window in progress is dropped, nothing written), no
@@ -180,6 +180,11 @@ class _Stage:
 
 _STEP_NAMES = ("execute_context_1(1)_generation_0(0)", "execute_context_0(0)_generation_1(1)")
 _IDLE_STEP = "execute_context_0(0)_generation_0(0)"
+
+
+def _span(prof: Any, name: str) -> Any:
+    """``name`` annotated in a running profiler's trace; nothing otherwise."""
+    return prof.annotate(name) if prof and prof.is_running else _null()
 
 
 class _null:
