@@ -37,12 +37,16 @@ def setup(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool)
         yield sc, emu
 
 
-def cli(*args: str, terminal: bool = False) -> subprocess.CompletedProcess[str]:
+def _env(terminal: bool) -> dict[str, str]:
     env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT)}
     env.pop("OMNI_SIDECAR_URL", None)
     if terminal:  # rich treats the pipe as an interactive terminal
         env.update(TTY_COMPATIBLE="1", TTY_INTERACTIVE="1")
-    return subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True, text=True, env=env,
+    return env
+
+
+def cli(*args: str, terminal: bool = False) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True, text=True, env=_env(terminal),
                           timeout=300, cwd=ROOT)
 
 
@@ -147,7 +151,7 @@ def test_a_stop_the_server_holds_answers_at_once_and_the_cli_waits_with_its_stat
     # it is what makes "while it is still stopping" a condition here, not a hope.
     sc, emu = setup
     emu.set_faults(hang_stop=True)
-    waiting: subprocess.Popen[bytes] | None = None
+    cid = None
     try:
         with SidecarClient(sc.url, timeout=120) as client:
             cid = client.start_capture([0]).id
@@ -158,16 +162,16 @@ def test_a_stop_the_server_holds_answers_at_once_and_the_cli_waits_with_its_stat
             assert poll(lambda: _stops(emu) == sent + 1)  # the sidecar's one stop is held by the server
             again = cli("stop", cid, "--no-wait", "--sidecar", sc.url)
             held = (client.get_capture(cid).state.value, _stops(emu) - sent)
-        env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT), "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}
         waiting = subprocess.Popen([sys.executable, "-m", "sidecar", "stop", cid, "--sidecar", sc.url, "--timeout",
-                                    "120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+                                    "120"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(True), cwd=ROOT)
         shown = _Reader(waiting)
         assert poll(lambda: f"capture {cid}: stopping" in shown.text(), timeout=120), shown.text()
         still = (waiting.poll(), _stops(emu) - sent)
     finally:
         emu.set_faults(hang_stop=False)
-        with SidecarClient(sc.url, timeout=120) as client:
-            client.wait_capture(cid, timeout=120)
+        if cid is not None:  # the module's sidecar holds nothing open for the next test
+            with SidecarClient(sc.url, timeout=120) as client:
+                client.wait_capture(cid, timeout=120)
     assert waiting.wait(timeout=120) == 0, shown.text()
     shown.join()
     assert (first, again.returncode, f"capture {cid} stopping" in " ".join(again.stdout.split()), held, still) == (
