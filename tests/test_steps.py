@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.config import load_deploy_config
-from sidecar.config.rules import capped_by_server
+from sidecar.config.rules import capped_by_server, server_window_ends, window_ends_text
 from sidecar.control.budget import Probe, check_budget, make_plan, run_plan
 from sidecar.client import SidecarClient
 from sidecar.control.lead import LEAD_WINDOWS, MAX_SHARE, NOISE_STEPS, StopLead
@@ -687,6 +687,16 @@ def test_a_window_is_capped_by_the_server_when_every_stage_ends_its_own_within_t
                                                        2: {"profiler": "torch", **stage2}}))  # fmt: skip
     assert capped_by_server(deploy, [0, 2], steps) is capped
     assert capped_by_server(deploy, [0], steps) is (steps >= 8)
+
+
+def test_a_note_names_each_stages_own_end_of_a_window_the_server_caps(tmp_path: Path) -> None:
+    # the iterations each stage's server ends its window after, as the stop's and the plan's notes
+    # word them: one number where all end alike, each stage's own otherwise (a stage capped at 5 after
+    # delay_iterations 8 ends at 13, not at the steps asked)
+    deploy = load_deploy_config(make_deploy(tmp_path, {0: {"profiler": "torch", "max_iterations": 10}, 1: None,
+                                                       2: {"profiler": "torch", "max_iterations": 5, "delay_iterations": 8}}))
+    ends = server_window_ends(deploy, [0, 2])
+    assert (window_ends_text(ends), window_ends_text({0: 22, 1: 22})) == ("10 (stage 0) and 13 (stage 2)", "22"), ends
 
 
 def test_a_window_the_server_caps_is_not_cut_short_by_a_start_that_travelled(capped: ModuleSidecar) -> None:
