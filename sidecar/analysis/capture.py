@@ -33,6 +33,7 @@ from sidecar.analysis.models import (
     TraceMeta,
     TraceSummary,
 )
+from sidecar.analysis.starts import Start, common_span, handovers, stage_starts, start_skews
 from sidecar.analysis.summary import Aggregate, aggregate_trace, trace_summary
 from sidecar.errors import TraceError
 
@@ -237,22 +238,33 @@ def stragglers(replicas: Sequence[ReplicaStat]) -> list[Straggler]:
     return out
 
 
+def device_starts(agg: Aggregate) -> list[Start]:
+    """Each device's profiling span and first and last work, epoch µs (sidecar/analysis/starts.py)."""
+    out = []
+    for k, (first, last) in agg.epochs.items():
+        span = agg.profiling_epochs.get(k)
+        out.append(Start(stage_id=k[0], replica=k[1], rank=k[2], device=k[3], first_work_us=first, last_work_us=last,
+                         profiling_start_us=span[0] if span else None, profiling_end_us=span[1] if span else None))
+    return out
+
+
 def common_window(agg: Aggregate, requested_start: float | None = None) -> tuple[CommonWindow | None, dict[Any, float]]:
-    """The span every device was recording (epoch µs, from each trace's ``baseTimeNanoseconds``)
-    and each device's start skew: its first event against ``requested_start`` (epoch seconds,
-    the capture's start) or, without it, against the earliest device."""
-    eps = agg.epochs
-    if not eps:
+    """The span every device was recording (epoch µs, from each trace's ``baseTimeNanoseconds``:
+    the latest profiling start to the earliest profiling end) and each device's start skew: its
+    profiling start against ``requested_start`` (epoch seconds, the capture's start) or, without
+    it, against the earliest device of its own stage."""
+    starts = device_starts(agg)
+    span = common_span(starts)
+    if span is None:
         return None, {}
-    firsts = [f for f, _ in eps.values()]
-    ref = requested_start * 1e6 if requested_start is not None else min(firsts)
-    start, end = max(firsts), min(e for _, e in eps.values())
+    start, end = span
     window = CommonWindow(
-        start_epoch_us=start, end_epoch_us=end, span_us=max(0.0, end - start), devices=len(eps),
+        start_epoch_us=start, end_epoch_us=end, span_us=max(0.0, end - start), devices=len(starts),
         reference="requested_start" if requested_start is not None else "earliest_rank",
-        requested_start_epoch_us=ref if requested_start is not None else None,
+        requested_start_epoch_us=requested_start * 1e6 if requested_start is not None else None,
     )
-    return window, {k: f - ref for k, (f, _) in eps.items()}
+    skews = start_skews(starts, None if requested_start is None else requested_start * 1e6)
+    return window, {(s.stage_id, s.replica, s.rank, s.device): k for s, k in zip(starts, skews) if k is not None}
 
 
 def _with_skew(devices: list[DeviceStat], skew: dict[Any, float]) -> list[DeviceStat]:
@@ -274,7 +286,7 @@ def summarize_paths(
     ``TraceTooLarge`` for a file past the reader's limits); a file that cannot be read beside
     readable ones is reported in ``errors`` (and ``truncated`` where part of it was used).
     ``requested_start`` (epoch seconds) is when the capture was started: each device's
-    ``start_skew_us`` is measured from it (else from the earliest device).
+    ``start_skew_us`` is measured from it (else from the earliest device of its stage).
     """
     sources = find_sources(paths)
     results = aggregate_sources(sources, workers=workers)
@@ -310,10 +322,14 @@ def summarize_paths(
         _with_skew(b["devices"], skew)
     replicas = _replica_stats(sources, results)
     lagging = stragglers(replicas)
+    starts = device_starts(total)
+    by_stage, handed = stage_starts(starts), handovers(starts)
     return CaptureSummary(
         **body,
-        findings=capture_findings(body["devices"], lagging, window),
+        findings=capture_findings(body["devices"], lagging, by_stage, handed),
         common_window=window,
+        stage_starts=by_stage,
+        handovers=handed,
         stages=[StageSummary(stage_id=sid, files=files, **b) for sid, files, b in stage_bodies],
         files=per_file,
         replicas=replicas,

@@ -1,16 +1,17 @@
 """A capture's findings: which stage · replica · rank is slow and why, ranked.
 
 Every rule is here, each a function of one device's attribution fields (or of the capture's
-stragglers and start skew) returning its figures when it fires; ``word`` is the one place that
-turns figures into a sentence. ``capture_findings`` ranks them by ``score`` (the share of the
-window the finding explains); severity follows the score.
+stragglers, each stage's profiling starts and the pipeline's hand-overs) returning its figures when
+it fires; ``word`` is the one place that turns figures into a sentence. ``capture_findings`` ranks
+them by ``score`` (the share of the window the finding explains); severity follows the score. A
+hand-over latency is a figure, not a problem: severity ``info``, score 0, ranked last.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from sidecar.analysis.models import CommonWindow, DeviceStat, Finding, Straggler
+from sidecar.analysis.models import DeviceStat, Finding, Handover, StageStart, Straggler
 
 IDLE = 0.5  # GPU idle at least half of the steady window
 HOST_WAIT = 0.5  # ... and at least half of that waiting on the host
@@ -19,7 +20,8 @@ COMM_EXPOSED = 0.05  # communication not under compute, share of the window
 OVERLAP_LOW = 0.5
 MEMORY = 0.10  # memcpy/memset not under compute or communication, share of the window
 STRAGGLER = 1.2  # slowest member / median of its stage
-SKEW_US = 100_000.0  # first events of the ranks this far apart
+SKEW_US = 100_000.0  # profiling starts of one stage's ranks and replicas this far apart
+HANDOVER_US = 10_000.0  # a downstream stage's first work this long after its upstream stage's
 
 
 def _host_bound(d: DeviceStat) -> dict[str, float] | None:
@@ -93,8 +95,11 @@ def word(rule: str, f: dict[str, float]) -> str:
     if rule == "straggler":
         return f"{f['ratio']:.2f}× the median of its stage ({f['slowest_us'] / 1000:,.1f} vs {f['median_us'] / 1000:,.1f} ms)"
     if rule == "start_skew":
-        return (f"ranks started profiling up to {f['spread_us'] / 1000:,.0f} ms apart; the window common to all of them "
-                f"is {f['common_us'] / 1000:,.0f} ms")
+        return (f"the ranks and replicas of its stage started profiling up to {f['spread_us'] / 1000:,.0f} ms apart; "
+                f"the window common to all of them is {f['common_us'] / 1000:,.0f} ms")
+    if rule == "handover_latency":
+        return (f"waited {f['latency_us'] / 1000:,.0f} ms for stage {f['upstream_stage_id']:.0f}'s first output "
+                "(the pipeline's hand-over latency, not a start skew)")
     raise KeyError(rule)
 
 
@@ -111,14 +116,22 @@ def _severity(score: float) -> str:
     return "high" if score >= 0.5 else "medium" if score >= 0.2 else "low"
 
 
-def _finding(rule: str, figures: dict[str, float], where: str, **keys: int | None) -> Finding:
+def _finding(rule: str, figures: dict[str, float], where: str, severity: str | None = None, **keys: int | None) -> Finding:
     score = min(1.0, figures.pop("score"))
-    return Finding(rule=rule, severity=_severity(score), score=score, message=f"{where}: {word(rule, figures)}",
-                   figures=figures, **keys)
+    return Finding(rule=rule, severity=severity or _severity(score), score=score,
+                   message=f"{where}: {word(rule, figures)}", figures=figures, **keys)
+
+
+def handover_finding(h: Handover) -> Finding:
+    """A downstream stage's hand-over latency as a finding (``fleet skew`` prints its message too)."""
+    fig = {"latency_us": h.latency_us, "upstream_stage_id": float(h.upstream_stage_id), "score": 0.0}
+    if h.waited_us is not None:
+        fig["waited_us"] = h.waited_us
+    return _finding("handover_latency", fig, _where(h.stage_id, None, None), "info", stage_id=h.stage_id)
 
 
 def capture_findings(devices: Sequence[DeviceStat], stragglers: Sequence[Straggler] = (),
-                     common: CommonWindow | None = None) -> list[Finding]:
+                     stage_starts: Sequence[StageStart] = (), handovers: Sequence[Handover] = ()) -> list[Finding]:
     """Every rule on every device, then the capture-wide ones, highest score first."""
     out: list[Finding] = []
     for d in devices:
@@ -132,14 +145,15 @@ def capture_findings(devices: Sequence[DeviceStat], stragglers: Sequence[Straggl
             fig = {"ratio": s.ratio, "slowest_us": s.slowest_us, "median_us": s.median_us, "score": s.ratio - 1.0}
             out.append(_finding("straggler", fig, _where(s.stage_id, s.slowest_replica, s.slowest_rank),
                                 stage_id=s.stage_id, replica=s.slowest_replica, rank=s.slowest_rank))
-    skews = [d.start_skew_us for d in devices if d.start_skew_us is not None]
-    if common is not None and len(skews) >= 2 and max(skews) - min(skews) >= SKEW_US:
-        spread = max(skews) - min(skews)
-        late = max(devices, key=lambda d: d.start_skew_us if d.start_skew_us is not None else float("-inf"))
-        fig = {"spread_us": spread, "common_us": common.span_us, "score": spread / (spread + common.span_us)}
-        out.append(_finding("start_skew", fig, _where(late.stage_id, late.replica, late.rank),
-                            stage_id=late.stage_id, replica=late.replica, rank=late.rank, device=late.device))
-    return sorted(out, key=lambda f: -f.score)
+    for st in stage_starts:  # never across stages: a downstream stage starts work late by design
+        if st.members >= 2 and st.spread_us >= SKEW_US:
+            fig = {"spread_us": st.spread_us, "common_us": st.common_us, "members": st.members,
+                   "score": st.spread_us / (st.spread_us + st.common_us)}
+            out.append(_finding("start_skew", fig, _where(st.stage_id, st.latest_replica, st.latest_rank),
+                                stage_id=st.stage_id, replica=st.latest_replica, rank=st.latest_rank,
+                                device=st.latest_device))
+    out += [handover_finding(h) for h in handovers if h.latency_us >= HANDOVER_US]
+    return sorted(out, key=lambda f: (f.severity == "info", -f.score))
 
 
-__all__ = ["DEVICE_RULES", "capture_findings", "word"]
+__all__ = ["DEVICE_RULES", "capture_findings", "handover_finding", "word"]

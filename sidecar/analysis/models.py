@@ -146,8 +146,12 @@ class DeviceStat(BaseModel):
     overlap: Overlap | None = None
     launch: LaunchStats | None = None
     steady: SteadyWindow | None = None
-    first_event_epoch_us: float | None = None  # baseTimeNanoseconds / 1000 + the first event's ts
-    start_skew_us: float | None = None  # first event against the capture's start (or the earliest rank)
+    first_event_epoch_us: float | None = None  # baseTimeNanoseconds / 1000 + the first event's ts: its first work
+    # Kineto's own profiler span (``PyTorch Profiler (N)``) on the host's clock: when it started recording
+    profiling_start_epoch_us: float | None = None
+    # its profiling start (its first event where the trace has no span) against the capture's start,
+    # else against the earliest device of its stage (docs/summaries.md, "When each device started")
+    start_skew_us: float | None = None
 
 
 class StepKindStat(BaseModel):
@@ -274,8 +278,10 @@ class StageSummary(SummaryBody):
 class Finding(BaseModel):
     """One ranked observation about a capture (sidecar/analysis/findings.py holds the rules)."""
 
-    rule: str  # host_bound | launch_bound | communication_exposed | memory_bound | straggler | start_skew | idle_other
-    severity: str  # high | medium | low
+    # host_bound | launch_bound | communication_exposed | memory_bound | straggler | start_skew | idle_other
+    # | handover_latency
+    rule: str
+    severity: str  # high | medium | low; info for a figure that is no problem (handover_latency)
     score: float  # ranking key: the share of the window the finding explains
     message: str
     figures: dict[str, float] = Field(default_factory=dict)
@@ -286,14 +292,44 @@ class Finding(BaseModel):
 
 
 class CommonWindow(BaseModel):
-    """The span every rank (device) of the capture was recording, on the hosts' clock (epoch µs)."""
+    """The span every rank (device) of the capture was recording, on the hosts' clock (epoch µs):
+    the latest profiling start to the earliest profiling end (Kineto's profiler spans)."""
 
     start_epoch_us: float | None = None
     end_epoch_us: float | None = None
     span_us: float = 0.0
-    reference: str = "earliest_rank"  # what start_skew_us is measured from: requested_start | earliest_rank
+    # what start_skew_us is measured from: requested_start | earliest_rank (of the device's own stage)
+    reference: str = "earliest_rank"
     requested_start_epoch_us: float | None = None
     devices: int = 0
+
+
+class StageStart(BaseModel):
+    """When the ranks and replicas of one stage started profiling (Kineto's profiler span, else their
+    first event), compared with each other only: stages start work at different times by design."""
+
+    stage_id: int | None = None
+    members: int  # devices (summary) or traces (fleet) compared
+    earliest_epoch_us: float
+    latest_epoch_us: float
+    spread_us: float  # latest − earliest
+    common_us: float = 0.0  # the span every member of the stage was recording
+    latest_replica: int | None = None  # the member that started last
+    latest_rank: int | None = None
+    latest_device: int | None = None
+
+
+class Handover(BaseModel):
+    """A downstream stage's first work after its upstream stage's (the next lower stage id of the same
+    pipeline): how long the pipeline took to hand it work, not a start skew."""
+
+    pipeline: str | None = None  # whose stages hand work to each other (a fleet target); None: the capture's
+    stage_id: int
+    upstream_stage_id: int
+    latency_us: float  # its first work − the upstream stage's first work (≥ 0)
+    waited_us: float | None = None  # its first work − its own profiling start
+    first_work_epoch_us: float
+    upstream_first_work_epoch_us: float
 
 
 class CaptureSummary(SummaryBody):
@@ -301,6 +337,8 @@ class CaptureSummary(SummaryBody):
 
     findings: list[Finding] = Field(default_factory=list)
     common_window: CommonWindow | None = None
+    stage_starts: list[StageStart] = Field(default_factory=list)
+    handovers: list[Handover] = Field(default_factory=list)
 
     stages: list[StageSummary] = Field(default_factory=list)
     files: list[TraceSummary] = Field(default_factory=list)

@@ -35,6 +35,7 @@ from sidecar.analysis.models import (
     Window,
 )
 from sidecar.analysis.reader import TraceEvent, TraceReader, trace_epoch_offset_us
+from sidecar.analysis.starts import PROFILER_SPAN
 from sidecar.errors import TraceError
 
 # Categories, as Kineto names them.
@@ -91,6 +92,13 @@ _CTX_GEN = re.compile(r"^execute_(?:\d+_)?context_(\d+)(?:\([^)]*\))?_generation
 DeviceKey = tuple[int | None, int | None, int | None, int]  # (stage, replica, rank, device)
 
 
+def _widen(spans: dict[DeviceKey, tuple[float, float]], other: dict[DeviceKey, tuple[float, float]]) -> None:
+    """Each device's (first, last) in ``spans`` widened by ``other``'s."""
+    for k, (lo, hi) in other.items():
+        mine = spans.get(k)
+        spans[k] = (lo, hi) if mine is None else (min(mine[0], lo), max(mine[1], hi))
+
+
 class Aggregate:
     """Summable state of one or more traces. ``add_batch`` for events, ``merge`` for others."""
 
@@ -118,6 +126,8 @@ class Aggregate:
         self.overhead_us = 0.0
         self.attribution: dict[DeviceKey, DeviceAttribution] = {}  # after finish()
         self.epochs: dict[DeviceKey, tuple[float, float]] = {}  # first and last event, epoch µs
+        self.profiling: tuple[float, float] | None = None  # this trace's Kineto profiler span (ts, end)
+        self.profiling_epochs: dict[DeviceKey, tuple[float, float]] = {}  # that span per device, epoch µs
         self.epoch_offset_us: float | None = None  # baseTimeNanoseconds / 1000 of this trace
         self.end_epoch_us: float | None = None  # the last event's end, epoch µs (the latest of merged traces)
         # per-trace state, dropped by finish()
@@ -371,8 +381,12 @@ class Aggregate:
             elif cat == "overhead":
                 self._add_overhead(e.ts, e.ts + e.dur, e.dur)
                 continue
+            elif cat == PROFILER_SPAN:  # when the profiler recorded, not work (sidecar/analysis/starts.py)
+                p = self.profiling
+                self.profiling = (e.ts, e.ts + e.dur) if p is None else (min(p[0], e.ts), max(p[1], e.ts + e.dur))
+                continue
             else:
-                continue  # Trace spans, flows: not part of the window
+                continue  # flows and the rest: not part of the window
             if ts < start:
                 start = ts
             if te > end:
@@ -420,6 +434,9 @@ class Aggregate:
             self.attribution[(stage_id, replica, rank, dev)] = a
             if self.epoch_offset_us is not None and self.start is not None and self.end is not None:
                 self.epochs[(stage_id, replica, rank, dev)] = (self.epoch_offset_us + self.start, self.epoch_offset_us + self.end)
+                if self.profiling is not None:
+                    self.profiling_epochs[(stage_id, replica, rank, dev)] = (
+                        self.epoch_offset_us + self.profiling[0], self.epoch_offset_us + self.profiling[1])
         self._att = TraceAttribution(steady=self._att.steady)
         for (dev, stream), v in self._stream_of.items():
             self.streams[(stage_id, replica, rank, dev, stream)] = v
@@ -457,9 +474,8 @@ class Aggregate:
                 self.attribution[k] = a
             else:
                 mine_a.merge(a)
-        for k, ep in other.epochs.items():
-            m_ep = self.epochs.get(k)
-            self.epochs[k] = ep if m_ep is None else (min(m_ep[0], ep[0]), max(m_ep[1], ep[1]))
+        _widen(self.epochs, other.epochs)
+        _widen(self.profiling_epochs, other.profiling_epochs)
         if other.end_epoch_us is not None:
             self.end_epoch_us = max(self.end_epoch_us or other.end_epoch_us, other.end_epoch_us)
         for k, v in other.step_kinds.items():
@@ -549,6 +565,7 @@ class Aggregate:
                 DeviceStat(stage_id=k[0], replica=k[1], rank=k[2], device=k[3], busy_us=b, span_us=sp,
                            busy_share=min(1.0, share(b, sp)), idle_share=idle(b, sp),
                            first_event_epoch_us=self.epochs[k][0] if k in self.epochs else None,
+                           profiling_start_epoch_us=self.profiling_epochs[k][0] if k in self.profiling_epochs else None,
                            **(self.attribution[k].fields() if k in self.attribution else {}))
                 for k, (b, sp) in sorted(self.devices.items(), key=lambda kv: order(kv[0]))
             ],

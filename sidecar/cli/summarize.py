@@ -95,7 +95,7 @@ def _tables(title: str, body: SummaryBody, by: By) -> None:
         console.print(tab)
 
 
-_SEVERITY = {"high": "bold red", "medium": "yellow", "low": "dim"}
+_SEVERITY = {"high": "bold red", "medium": "yellow", "low": "dim", "info": "cyan"}
 
 
 def print_findings(findings: list[Finding]) -> None:
