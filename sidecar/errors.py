@@ -135,6 +135,34 @@ def class_for_code(code: str) -> type[SidecarError] | None:
     return None
 
 
+# An error as data, for work done in another process (an analysis child, a fleet worker, a Ray
+# actor): (class name, code, message, details). The name is None for a failure that is no
+# SidecarError (a bug): it crosses as ``internal_error`` with its type in the message.
+WireError = tuple[str | None, str, str, dict[str, Any]]
+
+
+def error_to_wire(exc: BaseException) -> WireError:
+    """``exc`` as data: a ``SidecarError``'s class name, code, message and details; anything else
+    as no class, code ``internal_error`` and ``"<type>: <text>"``."""
+    if isinstance(exc, SidecarError):
+        return (type(exc).__name__, exc.code, exc.message, dict(exc.details))
+    return (None, "internal_error", f"{type(exc).__name__}: {exc}", {})
+
+
+def error_from_wire(data: WireError, *, fallback: type[SidecarError] = SidecarError) -> SidecarError:
+    """The error ``error_to_wire`` made, to raise on this side: the same class where this module
+    defines it, reporting the same code. ``fallback`` (relaying the code and message) stands in
+    for a class this side lacks or that is built with other arguments, and for a bug."""
+    name, code, message, details = data
+    cls = globals().get(name) if name else None
+    if not (isinstance(cls, type) and issubclass(cls, SidecarError)):
+        cls = fallback
+    try:
+        return cls.relay(code, message, details=details)
+    except TypeError:  # a class built with other arguments: the code and message still cross
+        return fallback.relay(code, message, details=details)
+
+
 # --- request / stage selection (422: the request must change) ---------------------------------
 
 
@@ -568,6 +596,29 @@ class PlanInvalid(CaptureError):
 
     code = "plan_invalid"
     http_status = 422
+
+
+class StepsUnbounded(CaptureError):
+    """A ``steps`` window on stages whose server cannot end it itself (no ``max_iterations`` cap):
+    the sidecar's stop would land late by what the engines step while it travels."""
+
+    code = "steps_unbounded"
+    http_status = 422
+
+
+class PlanUnmeasurable(CaptureError):
+    """A plan whose probes cannot measure a window: a stage traced no engine step, or too few
+    probes ended ``completed``."""
+
+    code = "plan_unmeasurable"
+    http_status = 422
+
+
+class PlanTimeout(CaptureError):
+    """A plan that did not finish within its stated bound (``plan_max_s``)."""
+
+    code = "plan_timeout"
+    http_status = 504
 
 
 class CaptureStopPending(CaptureActive):

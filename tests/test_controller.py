@@ -11,6 +11,7 @@ import pytest
 
 from sidecar.control.claims import ClaimRegistry
 from sidecar.control.controller import CaptureController, ControlSettings
+from sidecar.fleet._pacing import FLEET_PACING
 from sidecar.control.models import CaptureState, StopReason, Verdict
 from sidecar.errors import (
     ArtifactNotFound,
@@ -955,7 +956,8 @@ async def test_a_stops_follow_up_waits_a_bounded_while_for_the_other_stops_in_fl
         ctls = []
         for i, (fake, deploy) in enumerate(((fake_omni, control_deploy), (other, other_deploy))):
             up = UpstreamServer(fake.url, stop_budget_s=10, retry_wait_max_s=0.05)
-            ctls.append(CaptureController(up, deploy, state_dir=tmp_path / f"state{i}", settings=FAST))
+            ctls.append(CaptureController(up, deploy, state_dir=tmp_path / f"state{i}", settings=FAST,
+                                          pacing=FLEET_PACING))  # the fleet's pacing; a sidecar's has none
         try:
             for c in ctls:
                 await c.open()

@@ -105,11 +105,12 @@ async def test_a_steps_window_whose_summary_fails_still_completes_and_says_why(c
 
     monkeypatch.setattr(sidecar.analysis, "summarize_paths", summarizer_bug)
     with steady_load(ctl.upstream.base_url, max_tokens=1, chat=True):
-        cap = await ctl.start([0], steps=5)
+        cap = await ctl.start([0], steps=5, steps_bound="count")
         done = await ctl.wait(cap.id, timeout=WAIT)
     assert (done.state, done.stop_reason, done.verdict(0).verdict, done.verdict(0).steps_traced) == (
         CaptureState.completed, StopReason.steps, Verdict.ok, None), done
-    assert any("not counted: the summary failed (RuntimeError: summarizer bug" in n for n in done.notes), done.notes
+    (why,) = done.fact("steps_not_counted")
+    assert why.figures["why"].startswith("the summary failed (RuntimeError: summarizer bug"), done.facts
 
 async def test_idle_window_is_empty_no_request_ran(ctl):
     done = await _capture(ctl, [0], busy=False)

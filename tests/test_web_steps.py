@@ -24,6 +24,7 @@ def test_a_steps_window_from_the_page_shows_its_steps_and_server_metrics(web_sta
     page.locator("#steps-input").wait_for()
     page.check("#start-form input[name=mode][value=steps]")
     page.fill("#steps-input", "12")
+    page.check("#count-steps")  # these stages have no max_iterations cap: a best-effort count, asked by name
     with steady_load(web_stack.emulator.url, max_tokens=1, chat=True):  # steady engine steps on every stage
         page.click("#start-button")
         # the link, or the page's error box: a refused start fails here with its reason, not at the bound
@@ -34,8 +35,9 @@ def test_a_steps_window_from_the_page_shows_its_steps_and_server_metrics(web_sta
         page.locator("#window-metrics tbody tr").first.wait_for(timeout=300_000)
     start = next(r for r in page.requests if r.method == "POST")
     rows = [r.inner_text().split("\t")[0] for r in page.locator("#window-metrics tbody tr").all()]
-    assert json.loads(start.post_data) == {"stages": [0, 2], "steps": 12}
+    assert json.loads(start.post_data) == {"stages": [0, 2], "steps": 12, "steps_bound": "count"}
     assert page.locator("#steps-line").inner_text().startswith("Steps: 12 asked, ")
+    assert "(ended by the sidecar's count" in page.locator("#steps-line").inner_text()
     assert {"stage 0", "stage 2"} <= set(rows), rows
     screenshot(page, "web-steps-window")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from typing import Any
 
 from sidecar.config.models import DeployConfig, ProfilerConfig, Stage
 from sidecar.config.placeholders import dir_placeholders
@@ -15,7 +16,7 @@ from sidecar.errors import StageDuplicate, StageNotProfiled, StageNotTorch, Stag
 
 __all__ = [
     "IDLE_ITERATIONS", "MAX_IDLE_SHARE", "capped_by_server", "max_iterations_for", "select_stages", "validate_deploy", "selection_finding",
-    "server_bounded_stages", "steps_bounded_by_server", "server_window_end", "server_window_ends", "window_ends_text",
+    "server_bounded_stages", "steps_bounded_by_server", "server_window_end", "server_window_ends",
 ]
 
 
@@ -181,49 +182,32 @@ def server_window_ends(deploy: DeployConfig, stages: list[int]) -> dict[int, int
     return {sid: server_window_end(pc) for sid, pc in server_bounded_stages(deploy, stages) if pc.max_iterations > 0}
 
 
-def window_ends_text(ends: dict[int, int]) -> str:
-    """``server_window_ends`` as a note says it: ``22`` where every stage ends alike, else
-    ``22 (stage 0) and 25 (stage 1)``."""
-    alike = set(ends.values())
-    return f"{alike.pop()}" if len(alike) == 1 else " and ".join(f"{n} (stage {sid})" for sid, n in sorted(ends.items()))
-
-
 def server_window_end(pc: ProfilerConfig) -> int:
     """The engine iterations from a profiler's start to its own end of a window
     (``delay_iterations + max_iterations``; 0: it has no end of its own)."""
     return pc.delay_iterations + pc.max_iterations if pc.max_iterations > 0 else 0
 
 
-def steps_bounded_by_server(deploy: DeployConfig, stages: list[int], steps: int) -> list[str]:
-    """What the server's own iteration bounds do to a ``steps`` window of ``stages``, one note per
-    stage that has them. vLLM's profiler skips ``delay_iterations`` engine iterations from its start
-    and stops itself after ``max_iterations`` more (vllm/profiler/wrapper.py ``step()``; both fixed
-    at the server's start). Its iterations include idle ones (no token scheduled), so the trace
-    holds at most ``max_iterations`` steps, never more however late the sidecar's stop lands: on
-    the real vLLM-Omni server, 3 iterations held 2 steps and 1 idle iteration."""
-    notes = []
+def steps_bounded_by_server(deploy: DeployConfig, stages: list[int], steps: int) -> list[tuple[int, dict[str, Any]]]:
+    """What the server's own iteration bounds do to a ``steps`` window of ``stages``: per stage that
+    has them, its figures (``how``: ``delay`` (it skips ``delay_iterations``), ``capped`` (it ends
+    the window: the trace holds at most ``max_iterations``) or ``ends_first`` (the steps end it
+    before its cap); ``max_iterations``, ``delay_iterations``, ``end``, ``steps``). vLLM's profiler
+    skips ``delay_iterations`` engine iterations from its start and stops itself after
+    ``max_iterations`` more (vllm/profiler/wrapper.py ``step()``; both fixed at the server's
+    start). Its iterations include idle ones (no token scheduled), so the trace holds at most
+    ``max_iterations`` steps, never more however late the sidecar's stop lands."""
+    out: list[tuple[int, dict[str, Any]]] = []
     # the iterations within which a stage's own end ends this window: a fed stage's larger cap is
     # that window's where every stage ends its own (capped_by_server)
     capped = capped_by_server(deploy, stages, steps)
     limit = max_iterations_for(steps, MAX_IDLE_SHARE) if capped else max_iterations_for(steps)
     for sid, pc in server_bounded_stages(deploy, stages):
-        skip = (f", after skipping the first {pc.delay_iterations} (delay_iterations: {pc.delay_iterations})"
-                if pc.delay_iterations > 0 else "")
-        if pc.max_iterations <= 0:
-            notes.append(f"stage {sid}: the server starts recording {pc.delay_iterations} engine iterations into each "
-                         f"window (delay_iterations: {pc.delay_iterations}, fixed at its start): the trace holds about "
-                         f"{max(steps - pc.delay_iterations, 0)} of the {steps} steps asked")
-        elif server_window_end(pc) <= limit:
-            tail = (f" of the {steps} steps asked; for more, restart the server with a larger max_iterations "
-                    f"(omni-sidecar render --steps {steps})" if server_window_end(pc) < steps
-                    else " steps, however late the stop lands")
-            notes.append(f"stage {sid}: the server stops its own profiler after {pc.max_iterations} engine iterations "
-                         f"(max_iterations: {pc.max_iterations}, fixed at its start{skip}; idle iterations count): the "
-                         f"trace holds at most {pc.max_iterations}{tail}")
-        else:
-            notes.append(f"stage {sid}: the server records up to {pc.max_iterations} engine iterations per window "
-                         f"(max_iterations: {pc.max_iterations}{skip}); this window's {steps} steps end it first")
-    return notes
+        end = server_window_end(pc)
+        how = "delay" if pc.max_iterations <= 0 else "capped" if end <= limit else "ends_first"
+        out.append((sid, {"how": how, "max_iterations": pc.max_iterations, "delay_iterations": pc.delay_iterations,
+                          "end": end, "steps": steps}))
+    return out
 
 
 def selection_finding(err: StageSelectionError, where: Where | None = None) -> Finding:

@@ -89,10 +89,13 @@ class SidecarSettings(BaseSettings):
     stop_budget_s: float = Field(default=1800, gt=0)  # total time stop is retried for
     # a stop ends `failed` (upstream_gone) once the server has been unreachable this long
     gone_after_s: float = Field(default=10.0, gt=0)
-    # a `delay_steps` start waits this long for the server to run them (then steps_not_reached, 504)
+    # a `delay_steps` start waits this long for the server to run them (then steps_not_reached, 504),
+    # and a `steps` window records this long at most
     steps_wait_s: float = Field(default=600, gt=0)
-    # a capped `steps` window's stop waits this long at most for a stage whose count stands still
+    # a `steps` window ends once its step counter has stood still (or gone unread) this long
     steps_stall_s: float = Field(default=10.0, gt=0)
+    # write each `steps` window's counter reads here as a JSON fixture (tests/data/steps/)
+    steps_record_dir: str | None = None
     # a start scheduled (`start_at`) further ahead than this is refused (unset: any time ahead)
     start_at_max_s: float | None = Field(default=None, gt=0)
     # a request held open (`GET /v1/captures/{id}?until=started`) answers within this at most

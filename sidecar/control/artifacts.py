@@ -130,6 +130,7 @@ class StageWatch:
     ranks: int = 1  # per replica
     names_collide: bool = False  # LLM replicas write one folder name (vLLM-Omni 0.30)
     shared_with: str | None = None  # who else writes into this folder (told by fleet/settings)
+    with_memory: bool = False  # torch_profiler_with_memory: vLLM-Omni dumps a memory snapshot on CUDA
 
     @property
     def expected_traces(self) -> int:
@@ -150,6 +151,7 @@ class StageWatch:
             "ranks": self.ranks,
             "names_collide": self.names_collide,
             "shared_with": self.shared_with,
+            "with_memory": self.with_memory,
         }
 
     @classmethod
@@ -168,6 +170,7 @@ class StageWatch:
             ranks=max(int(data.get("ranks", 1)), 1),
             names_collide=bool(data.get("names_collide", False)),
             shared_with=data.get("shared_with"),
+            with_memory=bool(data.get("with_memory", False)),
         )
 
 
@@ -239,6 +242,7 @@ def watch_stage(stage: Stage, roots: dict[str, str], *, flat: bool = False, shar
         ranks=stage.ranks_per_replica,
         names_collide=False if flat else stage.trace_names_collide,
         shared_with=shared_with,
+        with_memory=bool(pc is not None and pc.torch_profiler_with_memory),
     )
 
 

@@ -14,21 +14,37 @@ and the sidecar's stop then answers at once: so a plan at the cap predicts that 
 
 from __future__ import annotations
 
+import asyncio
 import math
 import statistics
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from pydantic import BaseModel, Field
 
-from sidecar.config.rules import IDLE_ITERATIONS, capped_by_server, server_window_ends, window_ends_text
+from sidecar.config.rules import IDLE_ITERATIONS, capped_by_server, server_window_ends
 from sidecar.control.artifacts import is_trace
-from sidecar.control.models import MAX_ENGINE_STEPS
-from sidecar.errors import BudgetExceeded, PlanInvalid
+from sidecar.control.models import MAX_ENGINE_STEPS, Capture, CaptureState
+from sidecar.control.notes import ends_text as window_ends_text
+from sidecar.errors import BudgetExceeded, PlanInvalid, PlanTimeout, PlanUnmeasurable
 
 if TYPE_CHECKING:
     from sidecar.config.models import DeployConfig
-    from sidecar.control.controller import CaptureController
-    from sidecar.control.models import Capture, StageVerdict
+    from sidecar.control.models import StageVerdict
+
+
+class Prober(Protocol):
+    """What a plan drives: the capture controller's start, wait and stop (no import of it here)."""
+
+    deploy: DeployConfig
+
+    def stages_for(self, stages: list[int] | None) -> list[int]:
+        """The stages a capture of ``stages`` profiles (None: the default set)."""
+
+    async def start(self, stages: list[int] | None = None, **opts: Any) -> Capture: ...
+
+    async def wait(self, capture_id: str, timeout: float | None = None) -> Capture: ...
+
+    async def stop(self, capture_id: str, **opts: Any) -> Capture: ...
 
 MB = 1_000_000
 FLAGS = ("torch_profiler_with_stack", "torch_profiler_record_shapes", "torch_profiler_with_memory",
@@ -76,7 +92,10 @@ class Plan(BaseModel):
     # took to write (the prediction is their median); None elsewhere
     predicted_mb_range: tuple[float, float] | None = None
     predicted_stop_range_s: tuple[float, float] | None = None
-    notes: list[str] = Field(default_factory=list)  # probes taken again, stages whose size is taken as fixed
+    notes: list[str] = Field(default_factory=list)  # probes taken again, the whole window probed
+    # probes that did not end ``completed`` (not measured): capture id -> its state
+    skipped: dict[str, str] = Field(default_factory=dict)
+    bound_s: float | None = None  # the most this plan was allowed to take (plan_max_s)
 
     def predict(self, steps: int) -> tuple[float, float]:
         """(MB on disk, stop seconds) of a ``steps`` window on these stages. At the server's cap, of
@@ -202,6 +221,9 @@ def make_plan(stages: list[int], probes: list[Probe], flags: dict[int, dict[str,
     if budget_mb is not None:
         per_step = sum(p.bytes_per_step for p in per_stage) / MB
         fixed_mb = sum(p.bytes_fixed for p in per_stage) / MB
+        if per_step <= 0:  # no growth seen between probes: all of a probe's bytes per step (the safe side)
+            per_step = max(_mb(p) / max(_longest([p]), 1) for p in probes) if probes else 0.0
+            fixed_mb = 0.0
         bounds.append(((budget_mb - fixed_mb) / per_step if per_step > 0 else math.inf, "budget_mb"))
     if max_stop_s is not None:
         bounds.append(((max_stop_s - stop_fixed) / stop_per_step if stop_per_step > 0 else math.inf, "max_stop_s"))
@@ -224,36 +246,83 @@ def make_plan(stages: list[int], probes: list[Probe], flags: dict[int, dict[str,
     return plan
 
 
-async def run_plan(controller: CaptureController, stages: list[int] | None, *, budget_mb: float | None,
-                   max_stop_s: float | None, probe_steps: tuple[int, ...] = (1, 2), refine: bool = True) -> Plan:
+# A plan's bounds no probe could meet: the smallest trace a window writes (an empty one, a few kB)
+# and the quickest stop a server answers (a loopback round trip) are above these.
+MIN_BUDGET_MB = 0.01
+MIN_STOP_S = 0.01
+
+
+async def run_plan(controller: Prober, stages: list[int] | None, *, budget_mb: float | None,
+                   max_stop_s: float | None, probe_steps: tuple[int, ...] = (1, 2), refine: bool = True,
+                   max_s: float | None = None) -> Plan:
     """Probe captures of ``probe_steps`` engine steps each on ``stages`` (the server must be
-    stepping: each waits like any ``steps`` window), then the plan; with ``refine``, a plan far
-    beyond the probes is probed again at half its steps and planned from the longest probes."""
-    for name, bound in (("budget_mb", budget_mb), ("max_stop_s", max_stop_s)):
+    stepping: each probe is a ``steps`` window, which ends by its stall bound where it does not),
+    then the plan; with ``refine``, a plan far beyond the probes is probed again at half its steps
+    and planned from the longest probes. Refused before any probe where a bound is out of reach;
+    ``PlanUnmeasurable`` where a stage traced no step or too few probes completed; ``PlanTimeout``
+    past ``max_s`` (the probe then running is stopped)."""
+    for name, bound, low in (("budget_mb", budget_mb, MIN_BUDGET_MB), ("max_stop_s", max_stop_s, MIN_STOP_S)):
         if bound is not None and not (bound > 0 and math.isfinite(bound)):
             raise PlanInvalid(f"{name} must be > 0, got {bound}", key=name)
-    if not probe_steps or any(n < 1 for n in probe_steps):
-        raise PlanInvalid(f"probe steps must be >= 1, got {list(probe_steps)}", key="probe_steps")
+        if bound is not None and bound < low:
+            raise PlanInvalid(f"{name} {bound:g} is below what any window can meet (the smallest trace and the "
+                              f"quickest stop are above {low:g}); ask for {low:g} or more", key=name,
+                              details={"minimum": low})
+    if not probe_steps or any(isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_PROBE_STEPS
+                              for n in probe_steps):
+        raise PlanInvalid(f"probe steps must be whole numbers from 1 to {MAX_PROBE_STEPS}, got {list(probe_steps)}",
+                          key="probe_steps")
+    chosen = controller.stages_for(stages)
+    running: list[str] = []
+    work = asyncio.ensure_future(_probe_and_plan(controller, chosen, running, budget_mb=budget_mb,
+                                                 max_stop_s=max_stop_s, probe_steps=probe_steps, refine=refine))
+    try:
+        plan = await asyncio.wait_for(asyncio.shield(work), max_s) if max_s is not None else await work
+    except asyncio.TimeoutError:
+        work.cancel()
+        for cid in running:  # the probe still recording: never left on
+            await controller.stop(cid)
+        raise PlanTimeout(f"the plan did not finish within its bound of {max_s:g}s (plan_max_s); a probe on a slow "
+                          "or idle server takes up to its stall bound: send load while planning, or plan fewer "
+                          "stages", details={"bound_s": max_s}) from None
+    except BaseException:
+        work.cancel()
+        for cid in running:
+            await controller.stop(cid)
+        raise
+    plan.bound_s = max_s
+    return plan
+
+
+async def _probe_and_plan(controller: Prober, chosen: list[int], running: list[str], *, budget_mb: float | None,
+                          max_stop_s: float | None, probe_steps: tuple[int, ...], refine: bool) -> Plan:
     probes: list[Probe] = []
-    chosen: list[int] | None = stages
+    skipped: dict[str, str] = {}
     notes: list[str] = []
 
     async def probe(n: int) -> None:
-        nonlocal chosen
-        cap = await controller.start(chosen, steps=n, label=f"plan-probe-{n}", budget_check=False)
-        chosen = cap.stages
-        probes.append(probe_of(await controller.wait(cap.id)))
+        bound = "server" if capped_by_server(controller.deploy, chosen, n) else "count"
+        cap = await controller.start(chosen, steps=n, steps_bound=bound, label=f"plan-probe-{n}", budget_check=False)
+        running.append(cap.id)
+        done = await controller.wait(cap.id)
+        running.remove(cap.id)
+        if done.state is not CaptureState.completed:  # what it wrote is not a measure of a window
+            skipped[done.id] = done.state.value
+            return
+        p = probe_of(done)
+        probes.append(p)
+        if len(probes) == 1:
+            _out_of_reach(p, budget_mb=budget_mb, max_stop_s=max_stop_s)
 
     for n in probe_steps:
         await probe(n)
-    assert chosen is not None
     cap_steps = server_cap_steps(controller.deploy, chosen)
     # A line needs two step counts per stage. An engine faster than the start's round trip can trace
     # 0 steps in a 1-step probe, or the same count in both: probe again, longer, up to twice.
     n = max(probe_steps)
     for _ in range(REPROBES):
         flat = _flat(probes)
-        if not flat:
+        if not flat and len(probes) >= 2:
             break
         longer = min(n * 4, MAX_PROBE_STEPS, cap_steps or MAX_PROBE_STEPS)
         if longer <= n:
@@ -263,8 +332,7 @@ async def run_plan(controller: CaptureController, stages: list[int] | None, *, b
         n = longer
         notes.append(f"{_describe(flat, probes)}: probed again with {n} steps")
         await probe(n)
-    notes += [f"stage {sid} traced no engine step in {len(probes)} probes: its files' size is taken as fixed, not "
-              "per step" for sid in _flat(probes) if not any(p.steps_traced.get(sid, 0) for p in probes)]
+    _measurable(chosen, probes, skipped)
     flags = {}
     for sid in chosen:
         stage = controller.deploy.stage(sid)
@@ -279,23 +347,59 @@ async def run_plan(controller: CaptureController, stages: list[int] | None, *, b
         # 0.30s: tiny probes' writes are noise), and more than once: such windows differ at equal
         # steps (stacks: 0.37 to 1.84 MB in 16 windows of 8; ops: a 30-step write of 1.03 s, then 0.60)
         for _ in range(WHOLE_PROBES - taken):
-            await probe(plan.steps)
+            await probe(plan.steps or cap_steps)
         # lines through every probe, not the two longest: those can be a step apart (stacks: 6 and 7
         # steps held 0.32 and 0.84 MB, and a line through them put 8 steps at 4.2 MB, where it held 0.41)
         plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s, server_cap_steps=cap_steps)
         notes.append(_whole_note(plan))
-    n = _refining_steps(plan.steps, probes) if refine and plan.steps is not None and not whole else None
-    if n is not None and plan.steps is not None:
+    n2 = _refining_steps(plan.steps, probes) if refine and plan.steps is not None and not whole else None
+    if n2 is not None and plan.steps is not None:
         longest = _longest(probes)
         notes.append(f"planned {plan.steps} steps, {plan.steps // max(longest, 1)}x the longest probe ({longest}): "
-                     f"probed again with {n} steps; the lines go through the two longest probes")
-        await probe(n)
+                     f"probed again with {n2} steps; the lines go through the two longest probes")
+        await probe(n2)
         plan = make_plan(chosen, probes, flags, budget_mb=budget_mb, max_stop_s=max_stop_s, local=True,
                          server_cap_steps=cap_steps)
     if cap_steps is not None:
         notes.append(_capped_note(plan, cap_steps, server_window_ends(controller.deploy, chosen)))
-    plan.notes = notes
+    if skipped:
+        notes.append(f"not measured: {', '.join(f'{cid} ({state})' for cid, state in skipped.items())}: a probe "
+                     "that did not end completed is no measure of a window")
+    plan.notes, plan.skipped = notes, skipped
     return plan
+
+
+def _out_of_reach(first: Probe, *, budget_mb: float | None, max_stop_s: float | None) -> None:
+    """Refused once the shortest window already breaks a bound: no window of the plan can meet it."""
+    size = _mb(first)
+    if budget_mb is not None and size > budget_mb:
+        raise PlanUnmeasurable(
+            f"the shortest probe ({first.steps_asked} step(s)) wrote {size:.3f} MB, above the budget of {budget_mb:g} "
+            "MB: no window fits it; raise budget_mb or profile with lighter flags (torch_profiler_with_stack / "
+            "record_shapes off)", key="budget_mb", details={"probe_mb": round(size, 6), "budget_mb": budget_mb})
+    if max_stop_s is not None and first.stop_s > max_stop_s and first.write_s is None:
+        raise PlanUnmeasurable(
+            f"the shortest probe's stop took {first.stop_s:.2f}s, above max_stop_s {max_stop_s:g}: no window fits it; "
+            "raise max_stop_s", key="max_stop_s", details={"probe_stop_s": round(first.stop_s, 4),
+                                                           "max_stop_s": max_stop_s})
+
+
+def _measurable(stages: list[int], probes: list[Probe], skipped: dict[str, str]) -> None:
+    """Refused where the probes measure no window: too few completed, or a stage that traced no step."""
+    if len(probes) < 2:
+        why = "; ".join(f"{cid} ended {state}" for cid, state in skipped.items()) or "none ran"
+        raise PlanUnmeasurable(
+            f"{len(probes)} probe(s) completed, a plan needs 2 ({why}); check the captures' reasons, send load while "
+            "planning, and plan again", details={"completed": len(probes), "skipped": skipped})
+    stepless = [sid for sid in stages if not any(p.steps_traced.get(sid, 0) for p in probes)]
+    if stepless:
+        asked = ", ".join(str(p.steps_asked) for p in probes)
+        raise PlanUnmeasurable(
+            f"stage{'s' if len(stepless) > 1 else ''} {', '.join(map(str, stepless))} traced no engine step in "
+            f"{len(probes)} probes ({asked} steps asked): no request reached {'them' if len(stepless) > 1 else 'it'} "
+            "while they ran, so their size per step is unknown; send load that reaches every planned stage while "
+            f"planning, or plan without {'them' if len(stepless) > 1 else 'it'}",
+            key="stages", details={"stages": stepless, "probes": len(probes)})
 
 
 def server_cap_steps(deploy: DeployConfig, stages: list[int]) -> int | None:

@@ -23,6 +23,7 @@ from enum import Enum
 from pathlib import Path
 
 from sidecar.control.artifacts import (
+    TRACE_FILE,
     VLLM_TABLE_FILE,
     Scan,
     StageWatch,
@@ -300,6 +301,49 @@ def decide(watch: StageWatch, found: Scan, looks: list[TraceLook], *, shared: bo
     return Decision(Verdict.ok, Rule.ok, d)
 
 
+def trace_on_gpu(path: Path) -> bool:
+    """Whether a trace was recorded on a GPU: its header lists the devices (``deviceProperties``;
+    a CPU-only run writes none). False where the header cannot be read."""
+    try:
+        from sidecar.analysis.reader import read_header
+        from sidecar.errors import TraceError
+    except ImportError:
+        return False
+    try:
+        props = read_header(path).get("deviceProperties")
+    except (TraceError, OSError, ValueError):
+        return False
+    return isinstance(props, list) and bool(props)
+
+
+def missing_snapshots(watch: StageWatch, found: Scan, counted: list[TraceLook]) -> tuple[str, ...]:
+    """For a stage with ``torch_profiler_with_memory`` on: each counted trace recorded on a GPU whose
+    session folder holds no ``memory_snapshot_rank<N>.pickle`` (vLLM-Omni dumps one there at the
+    stop on CUDA; on a CPU it has no allocator history, so none is expected), as folder/file."""
+    if not watch.with_memory or watch.flat:
+        return ()
+    sessions = {os.path.basename(s.path.rstrip("/")): s for s in found.sessions}
+    out = []
+    for t in counted:
+        s, m = sessions.get(t.folder), TRACE_FILE.match(t.name)
+        if s is None or m is None:
+            continue
+        want = f"memory_snapshot_rank{m.group('rank')}.pickle"
+        if any(os.path.basename(f.name) == want for f in s.files):
+            continue
+        path = Path(s.local_path or "") / t.name
+        if trace_on_gpu(path if path.exists() else path.with_name(t.name + ".gz")):
+            out.append(f"{t.folder}/{want}")
+    return tuple(out)
+
+
+def _no_snapshot(watch: StageWatch, lost: tuple[str, ...]) -> str:
+    return (f"stage {watch.stage_id} records memory (torch_profiler_with_memory) on a GPU but wrote no memory "
+            f"snapshot: {', '.join(lost)} is missing (vLLM-Omni dumps the CUDA allocator's history there at the "
+            "stop and only logs a failure); the summary still has the memory figures from the trace's events. "
+            "Check the server log for this stage")
+
+
 # --- the words: one place turns a decision into the reason a user reads -----------------------
 
 
@@ -411,6 +455,9 @@ def verdict(watch: StageWatch, found: Scan, *, pending: list[str], timed_out: bo
     d = decide(watch, found, looks, shared=bool(shared))
     reason = _words(watch, found, d, pending=pending, timed_out=timed_out, collect_timeout_s=collect_timeout_s,
                     shared=shared, nsys_hint=nsys_hint)
+    lost = missing_snapshots(watch, found, d.counted)
+    if lost:
+        reason = f"{reason}; {_no_snapshot(watch, lost)}" if reason else _no_snapshot(watch, lost)
     if note:
         reason = f"{note}; {reason}" if reason else note
     return StageVerdict(stage_id=watch.stage_id, profiler_dir=watch.server_dir, sessions=found.sessions,

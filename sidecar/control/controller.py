@@ -6,155 +6,56 @@ that lets a restarted sidecar stop a capture left active. No HTTP framework here
 The slot stays taken while a stop is unanswered: a stop that outlives its budget is collected as
 "found so far" and held in ``stopping`` until the server answers or is shown gone (unreachable for
 ``gone_after_s`` by its readiness probe), so a next capture never races the previous one's files.
+What a start may ask is checked in limits.py, when a ``steps`` window ends is steps.py's policy
+(fed by window.py), the stop's sending is stopping.py's, a plan is budget.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import contextlib
 import logging
 import math
-import os
 import secrets
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any
 
 from sidecar.config.models import DeployConfig, StageKind
-from sidecar.config.rules import capped_by_server, select_stages, server_bounded_stages, steps_bounded_by_server
-from sidecar.config.rules import IDLE_ITERATIONS, MAX_IDLE_SHARE, max_iterations_for, server_window_ends
-from sidecar.config.rules import window_ends_text
-from sidecar.control import artifacts
+from sidecar.config.rules import IDLE_ITERATIONS, MAX_IDLE_SHARE, max_iterations_for, select_stages
+from sidecar.config.rules import server_bounded_stages, server_window_ends, steps_bounded_by_server
+from sidecar.control import artifacts, budget, window
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
-from sidecar.control.budget import Plan, check_budget, run_plan
 from sidecar.control.collect import after_stop_error, collect, found_so_far
 from sidecar.control.journal import CaptureJournal
-from sidecar.control.lead import MAX_SHARE, Lead, StopLead
-from sidecar.control.schedule import check_start_at
-from sidecar.control.models import (
-    CLOCKS_MAX,
-    MAX_ENGINE_STEPS,
-    Capture,
-    CaptureKind,
-    CaptureState,
-    ClockRecord,
-    ErrorRecord,
-    StageVerdict,
-    StopReason,
-    Verdict,
-)
+from sidecar.control import limits
+from sidecar.control.limits import StepsAsk, check_steps, check_window
+from sidecar.control.models import CLOCKS_MAX, Capture, CaptureKind, CaptureState, ClockRecord, ErrorRecord
+from sidecar.control.models import StageVerdict, StopReason, Verdict
+from sidecar.control.notes import note
 from sidecar.control.nsys import nsys_command, nsys_hint
+from sidecar.control.pacing import Direct, Pacing
+from sidecar.control.schedule import check_start_at, wait_until
+from sidecar.control.settings import ControlSettings
+from sidecar.control.steps import Bound, Read, StepsWindow, idle_fix, steps_traced
+from sidecar.control.stopping import send_stop
 from sidecar.control.summaries import SUMMARY_TOP, SummaryCache
-from sidecar.errors import (
-    ArtifactNotFound,
-    CaptureActive,
-    CaptureNotFound,
-    CaptureStateError,
-    CaptureStopPending,
-    UpstreamError,
-    UpstreamTimeout,
-    UpstreamUnreachable,
-)
-from sidecar.errors import (
-    DurationInvalid,
-    LeaseInvalid,
-    MetricsUnavailable,
-    EngineStepsInvalid,
-    StartCancelled,
-    StepsNotReached,
-    StepsUnavailable,
-    SidecarClosing,
-    SidecarError,
-    StageSetMismatch,
-)
+from sidecar.errors import ArtifactNotFound, CaptureActive, CaptureNotFound, CaptureStateError, CaptureStopPending
+from sidecar.errors import MetricsUnavailable, SidecarClosing, SidecarError, StageSetMismatch, StartCancelled
+from sidecar.errors import StepsUnavailable, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from sidecar.scrub import env_secret_values, scrub_secrets
-from sidecar.upstream.metrics import Labels, MetricsSnapshot, WindowMetrics, engine_steps, steps_by_stage, steps_since
-from sidecar.upstream.metrics import window_metrics
+from sidecar.upstream.metrics import MetricsSnapshot, WindowMetrics, engine_steps, window_metrics
 from sidecar.upstream.server import Flavor, UpstreamServer
-
-if TYPE_CHECKING:
-    from sidecar.config.settings import SidecarSettings
 
 log = logging.getLogger(__name__)
 
 OnChange = Callable[[Capture], Any]
 _LIVE = (CaptureState.starting, CaptureState.active, CaptureState.stopping, CaptureState.collecting)
-
-
-class ControlSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # a misspelt knob is an error, not silently ignored
-
-    collect_timeout_s: float = Field(default=120, ge=0)  # bound on waiting for gzip after the stop
-    # An unclosed plain .json is still being written until unchanged this long (within the bound).
-    trace_quiet_s: float = Field(default=2.0, gt=0)
-    poll_s: float = Field(default=0.05, gt=0)  # how often a pending gzip is looked at
-    artifact_roots: dict[str, str] = Field(default_factory=dict)  # SERVER_PATH -> LOCAL_PATH
-    default_lease_s: float | None = Field(default=None, gt=0)
-    max_duration_s: float | None = Field(default=None, gt=0)
-    close_timeout_s: float = Field(default=60, ge=0)  # how long close() waits for a stop
-    # A rollback runs inside start(); a dead stage 500s every stop, so it gets its own short budget.
-    rollback_budget_s: float = Field(default=30, gt=0)
-    summarize: bool = True  # cache a trace summary after completion when sidecar.analysis has one
-    keep: int | None = Field(default=None, ge=0)  # finished captures kept in history (None: all)
-    keep_days: float | None = Field(default=None, gt=0)  # finished captures older than this are dropped
-    # Clock skew allowed between the server's stamps (folder epoch, file ns) and this process.
-    clock_skew_s: float = Field(default=2.0, ge=0)
-    # A stop ends ``failed`` once the server has been unreachable this long (probed every
-    # ``gone_poll_s``) instead of waiting out the stop budget.
-    gone_after_s: float = Field(default=10.0, gt=0)
-    gone_poll_s: float = Field(default=1.0, gt=0)
-    # Server-side torch_profiler_dirs another server also writes into (-> who), e.g. set by the
-    # fleet when the user overrides the ``profiler_dir_shared`` refusal: those stages are
-    # ``ambiguous``, never ``ok``.
-    shared_profiler_dirs: dict[str, str] = Field(default_factory=dict)
-    # ``steps`` windows: how often the server's /metrics step counter is read while one runs, and
-    # how long a ``delay_steps`` start waits for the server to run them.
-    steps_poll_s: float = Field(default=0.02, gt=0)
-    steps_wait_s: float = Field(default=600, gt=0)
-    # A ``steps`` window every stage's server caps: its stop waits this long at most for a stage
-    # whose count stands still short of its window (on the real vLLM-Omni server the downstream
-    # stage's stood 2.5 s in the first window after the server's start).
-    steps_stall_s: float = Field(default=10.0, gt=0)
-    # A start scheduled (``start_at``) further ahead than this is refused (None: any time ahead;
-    # the capture holds the slot until then, and a stop cancels it).
-    start_at_max_s: float | None = Field(default=None, gt=0)
-    window_metrics: bool = True  # scrape /metrics at start and stop and keep the difference
-    # A ``steps`` capture planned (``plan``) above this many MB is refused (or only noted: warn).
-    budget_mb: float | None = Field(default=None, gt=0)
-    budget_action: Literal["refuse", "warn"] = "refuse"
-
-    @classmethod
-    def from_settings(cls, settings: SidecarSettings) -> ControlSettings:
-        return cls(
-            collect_timeout_s=settings.collect_timeout_s,
-            trace_quiet_s=settings.trace_quiet_s,
-            artifact_roots=dict(settings.artifact_roots),
-            default_lease_s=settings.default_lease_s,
-            max_duration_s=settings.max_duration_s,
-            close_timeout_s=settings.close_timeout_s,
-            keep=settings.keep,
-            keep_days=settings.keep_days,
-            budget_mb=settings.budget_mb,
-            budget_action=settings.budget_action,
-            gone_after_s=settings.gone_after_s,
-            steps_wait_s=settings.steps_wait_s,
-            steps_stall_s=settings.steps_stall_s,
-            start_at_max_s=settings.start_at_max_s,
-        )
-
-
-def _is_server_error(exc: UpstreamError) -> bool:
-    """A 5xx answer: the request reached the server (unlike unreachable) and it replied (unlike a hang)."""
-    if isinstance(exc, (UpstreamTimeout, UpstreamUnreachable)):
-        return False
-    return int(exc.details.get("status", 0)) >= 500
+# A scheduled start this late when ready is noted (the fan-out of a fleet lands within ms of it).
+START_AT_LATE_S = 0.002
 
 
 def _now() -> datetime:
@@ -163,193 +64,10 @@ def _now() -> datetime:
 
 def _copy(cap: Capture) -> Capture:
     """A copy that never changes under its holder, without a deep copy's cost (measured: a third
-    of a fan-out's CPU per target): scalars, datetimes and enums are immutable, error records are
-    never changed once appended, so only the lists and the verdicts are copied."""
-    return cap.model_copy(update={"stages": list(cap.stages), "errors": list(cap.errors), "notes": list(cap.notes),
+    of a fan-out's CPU per target): scalars, datetimes and enums are immutable, error records and
+    notes are never changed once appended, so only the lists and the verdicts are copied."""
+    return cap.model_copy(update={"stages": list(cap.stages), "errors": list(cap.errors), "facts": list(cap.facts),
                                   "verdicts": [v.model_copy(deep=True) for v in cap.verdicts]})
-
-
-class _ThreadBatch:
-    """Blocking calls made in one event-loop tick run in one thread hop: a fan-out starting a
-    thousand controllers at once takes one worker thread for their baselines, not a thousand
-    hops queued on the default pool."""
-
-    def __init__(self) -> None:
-        self._pending: list[tuple[Callable[[], Any], asyncio.Future[Any]]] | None = None
-
-    async def run(self, fn: Callable[[], Any]) -> Any:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        if self._pending is None:
-            self._pending = []
-            loop.call_soon(self._flush, loop)
-        self._pending.append((fn, fut))
-        return await fut
-
-    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        batch, self._pending = self._pending or [], None
-
-        def work() -> list[tuple[bool, Any]]:
-            out: list[tuple[bool, Any]] = []
-            for fn, _ in batch:
-                try:
-                    out.append((True, fn()))
-                except BaseException as exc:  # handed to its caller, like to_thread does
-                    out.append((False, exc))
-            return out
-
-        def done(results: asyncio.Future[list[tuple[bool, Any]]]) -> None:
-            if results.cancelled() or results.exception() is not None:
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(results.exception() or asyncio.CancelledError())
-                return
-            for (_, fut), (ok, value) in zip(batch, results.result()):
-                if fut.done():  # its caller was cancelled meanwhile
-                    continue
-                if ok:
-                    fut.set_result(value)
-                else:
-                    fut.set_exception(value)
-
-        loop.run_in_executor(None, work).add_done_callback(done)
-
-
-# A stop's follow-up work waits at most this long for the other stops sent on its event loop.
-FOLLOW_UP_WAIT_S = 1.0
-
-
-class _StopsInFlight:
-    """The upstream stops sent and not yet answered by the controllers of one event loop. A
-    stop's follow-up work (the after-window scrape, the artifact looks) waits, at most
-    ``FOLLOW_UP_WAIT_S``, until none is: in a process that drives many controllers (a fleet's
-    worker, 128 upstream targets stopped in one turn) each answered stop's scrape and looks ran
-    between the other stops' answers and delayed them (measured: 128 targets in one process
-    stopped in 3.7x one target's time with them beside, 2.4x without). A stop counts as in
-    flight until its answer is published (the capture's change that its waiters see), and the
-    follow-ups start two loop turns after the last one is: the answer's waiter (a fleet worker
-    sending it on) runs first. Released at once, the look threads and 128 follow-ups held the
-    last answer of a fleet worker back 40 to 145 ms (device, 1,024 targets: each worker's last
-    stop answered in time, its answer to the fleet late). A lone controller's own stop is
-    answered when its follow-up starts, so it never waits."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.quiet = asyncio.Event()
-        self.quiet.set()
-
-    def sending(self) -> Callable[[], None]:
-        """One stop sent; returns its ``answered`` callback (once is counted; call it again freely)."""
-        self.count += 1
-        self.quiet.clear()
-        ended = False
-
-        def answered() -> None:
-            nonlocal ended
-            if not ended:
-                ended = True
-                self.count -= 1
-                if not self.count:
-                    self.quiet.set()
-
-        return answered
-
-    async def answered(self) -> None:
-        if not self.quiet.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.quiet.wait(), FOLLOW_UP_WAIT_S)
-        for _ in range(2):  # the answers' waiters first (the change woke them a turn ago)
-            await asyncio.sleep(0)
-
-
-_T = TypeVar("_T")
-_SNAPSHOTS: dict[asyncio.AbstractEventLoop, _ThreadBatch] = {}
-_STOPS: dict[asyncio.AbstractEventLoop, _StopsInFlight] = {}
-
-
-def _of_loop(table: dict[asyncio.AbstractEventLoop, _T], make: Callable[[], _T]) -> _T:
-    """This event loop's entry of ``table`` (made on first use; closed loops' entries dropped)."""
-    loop = asyncio.get_running_loop()
-    entry = table.get(loop)
-    if entry is None:
-        for old in [lp for lp in table if lp.is_closed()]:
-            del table[old]
-        entry = table[loop] = make()
-    return entry
-
-
-async def _snapshot(watches: list[StageWatch]) -> None:
-    """The baselines before a start, in a thread shared by every controller starting this tick."""
-    await _of_loop(_SNAPSHOTS, _ThreadBatch).run(lambda: [artifacts.snapshot(w) for w in watches])
-
-
-# A scheduled start this late when ready is noted (the fan-out of a fleet lands within ms of it).
-START_AT_LATE_S = 0.002
-
-
-def _ago(seconds: float) -> str:
-    return f"{seconds * 1000:.0f} ms" if abs(seconds) < 10 else f"{seconds:.1f} s"
-
-
-def _write_s(summary: dict[str, Any]) -> float | None:
-    """Seconds from the last event of a trace file's summary to the file's last write (its mtime):
-    how long the server took to write what it recorded. None where the trace has no wall-clock
-    base (baseTimeNanoseconds) or the file is gone."""
-    end_us = summary.get("window", {}).get("end_epoch_us")
-    if end_us is None or not summary.get("file"):
-        return None
-    try:
-        written_ns = os.stat(summary["file"]).st_mtime_ns
-    except OSError:
-        return None
-    return max(written_ns / 1e9 - end_us / 1e6, 0.0)
-
-
-def _idle_note(idle: int, ran: int, *, capped: bool) -> str:
-    """What a steps window's note adds about its stage's idle iterations (nothing scheduled), which
-    its steps do not count and a server's cap does."""
-    if not idle:
-        return ""
-    return (f"; {idle} of the {ran} iterations it recorded were idle (nothing scheduled: between requests, or a "
-            "stage waiting for another's output)" + (", and the server's max_iterations counts them" if capped else ""))
-
-
-def _idle_fix(steps: int, short: dict[int, tuple[int, int]], ends: dict[int, int]) -> list[str]:
-    """The way to ``steps`` on the stages of a window the server ended itself that held fewer
-    because they idled (``short``: stage -> (idle iterations, iterations recorded); ``ends``: every
-    stage's own end, in iterations): give each the share of its iterations it idles (``render
-    --steps N --idle``), or, past ``MAX_IDLE_SHARE``, say that it is fed too little for a window
-    counted in steps. The render keeps a window the server ends (``capped_by_server``: the first
-    stage to end does within N + 2): a stage ending the window first that idled short is told
-    what feeds it instead (more requests at once; a one-stage server's, or stage 0 at 50 steps on
-    the real vLLM-Omni server: 4-5 of 52 idle)."""
-    shares = {s: i / n for s, (i, n) in short.items() if i}
-    notes = [f"stage {s} idled {short[s][0]} of its {short[s][1]} iterations, more than {MAX_IDLE_SHARE:.0%}: it is fed "
-             "too little for a window counted in steps (more requests at once feed it; docs/captures.md)"
-             for s, share in sorted(shares.items()) if share > MAX_IDLE_SHARE]
-    fixable = {s: share for s, share in shares.items() if share <= MAX_IDLE_SHARE}
-    while fixable and min(max_iterations_for(steps, fixable[s]) if s in fixable else n for s, n in ends.items()) > \
-            max_iterations_for(steps):
-        first = min(fixable, key=lambda s: (ends.get(s, 0), fixable[s], s))
-        del fixable[first]
-        notes.append(f"stage {first} idled {short[first][0]} of its {short[first][1]} iterations (nothing scheduled: "
-                     f"between requests), and it ends the window first: its cap stays at the steps + {IDLE_ITERATIONS} "
-                     f"(render --idle gives a stage that ends later the iterations it idles), so for {steps} steps on it "
-                     "send more requests at once")
-    if fixable:
-        flags = " ".join(f"--idle {s}={short[s][0]}/{short[s][1]}" for s in sorted(fixable))
-        caps = ", ".join(f"{max_iterations_for(steps, fixable[s])} on stage {s}" for s in sorted(fixable))
-        notes.append(f"for {steps} steps on {'those stages' if len(fixable) > 1 else f'stage {next(iter(fixable))}'} "
-                     f"too, give {'each' if len(fixable) > 1 else 'it'} the iterations it idles: restart the server "
-                     f"with the profiler config `omni-sidecar render --steps {steps} {flags}` writes (max_iterations "
-                     f"{caps})")
-    return notes
-
-
-def _reach(reach: dict[int, int], label: str, steps: int) -> int:
-    """The iterations a capped window's stage runs (``reach``, by stage id) for its step counter's
-    label (vLLM-Omni's stage; plain vLLM's one engine: "")."""
-    return reach[int(label)] if label and int(label) in reach else max(reach.values(), default=steps)
 
 
 def _quiet(task: asyncio.Task[Any]) -> None:
@@ -367,23 +85,6 @@ def _done(value: Any) -> asyncio.Task[Any]:
     return asyncio.ensure_future(have())
 
 
-RATE_WINDOW_S = 1.0  # a ``steps`` window's step rate is taken over this much of its latest reads
-STEP_READS_OUT = 4  # a ``steps`` window's counter reads out at once (a late one is hedged by fresh ones)
-# A window every stage's server ends itself: its stop waits this many steps past the count at which
-# the profilers have surely run ``steps`` iterations (the first, empty one counts too)
-CAPPED_MARGIN = 2
-
-
-def _check_steps(steps: int | None, delay_steps: int | None) -> None:
-    for key, value, low in (("steps", steps, 1), ("delay_steps", delay_steps, 0)):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= MAX_ENGINE_STEPS:
-            raise EngineStepsInvalid(f"{key} must be a whole number of engine steps from {low} to {MAX_ENGINE_STEPS}, "
-                                     f"got {value!r}",
-                               key=key)
-
-
 def _new_id() -> str:
     # Sortable by time, unique across restarts, safe as a file name and URL segment.
     return f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
@@ -393,8 +94,7 @@ class _Runtime:
     """What the controller keeps per live capture beside the record itself."""
 
     __slots__ = ("watches", "done", "started_mono", "heartbeat_mono", "watchdog", "stopper", "pending_stop",
-                 "stop_timed_out", "metrics_before", "metrics_after", "steps_counter", "steps_base",
-                 "steps_at_stop", "steps_learn", "wake")
+                 "stop_timed_out", "metrics_before", "metrics_after", "steps_counter", "steps_base", "wake")
 
     def __init__(self) -> None:
         self.watches: list[StageWatch] = []
@@ -409,17 +109,15 @@ class _Runtime:
         self.metrics_before: asyncio.Task[MetricsSnapshot | str] | None = None
         self.metrics_after: asyncio.Task[MetricsSnapshot | str] | None = None
         self.steps_counter: asyncio.Task[None] | None = None  # a ``steps`` window's counter
-        # the counters read just before the start is sent (``_count``'s answer)
-        self.steps_base: tuple[dict[Labels, int] | None, float, float] | None = None
-        self.steps_at_stop: int | None = None  # steps counted past the base when the stop was sent
-        self.steps_learn = False  # sent on time by the count: its lateness teaches the next stop (lead.py)
+        self.steps_base: Read | None = None  # the counters read just before the start was sent
         self.wake: asyncio.Event | None = None  # set by a stop while a scheduled start waits for its time
 
 
 class CaptureController:
     """One capture at a time on ``upstream``. Call :meth:`open` once before use and
     :meth:`close` at shutdown. Returned captures are copies; they never change under the caller.
-    ``claims`` is the process's shared claim registry unless a test passes its own."""
+    ``claims`` is the process's shared claim registry unless a test passes its own; ``pacing`` is
+    how its blocking work is paced beside other controllers (a fleet's; a sidecar's runs at once)."""
 
     def __init__(
         self,
@@ -429,6 +127,7 @@ class CaptureController:
         state_dir: Path | None = None,
         settings: ControlSettings | None = None,
         claims: ClaimRegistry | None = None,
+        pacing: Pacing | None = None,
     ) -> None:
         self.upstream = upstream
         self.deploy = deploy
@@ -439,6 +138,7 @@ class CaptureController:
             else None
         )
         self.claims = claims if claims is not None else CLAIMS
+        self.pacing: Pacing = pacing or Direct()
         self._captures: dict[str, Capture] = {}
         self._rt: dict[str, _Runtime] = {}
         self._busy: list[str] = []  # live capture ids, oldest first (normally at most one)
@@ -447,12 +147,9 @@ class CaptureController:
         self._summaries = SummaryCache(self.journal)
         self._copies: Path | None = Path(state_dir).expanduser() / "artifacts" if state_dir is not None else None
         self._background: set[asyncio.Task[None]] = set()
-        # Journal writes (two fsyncs each) run in a thread, latest state per capture, off the
-        # event loop and off the caller's path; only the baseline before a start is awaited.
         self._opened = False
         self._closed = False
-        self.last_plan: Plan | None = None  # the latest ``plan``: what a ``steps`` start is predicted by
-        self._lead = StopLead()  # how early a ``steps`` window's stop is sent (lead.py)
+        self.last_plan: budget.Plan | None = None  # the latest ``plan``: what a ``steps`` start is predicted by
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -562,10 +259,7 @@ class CaptureController:
         if cap.terminal:
             changed = artifacts.changed_since_listed(cap.verdicts)
             if changed:
-                out.notes.append(
-                    f"files changed since the verdict: {', '.join(changed)} (another size, time or inode, or gone): "
-                    "the verdict describes them as they were when checked; what is on disk now may be another "
-                    "window's (a later start that reused the session folder name) or rewritten")
+                out.facts.append(note("files_changed", files=changed))
         return out
 
     def list(self) -> list[Capture]:
@@ -598,6 +292,7 @@ class CaptureController:
         release: Callable[[], Awaitable[None]] | None = None,
         steps: int | None = None,
         delay_steps: int | None = None,
+        steps_bound: StepsAsk | None = None,
         budget_check: bool = True,
         start_at: float | None = None,
         prepared: asyncio.Future[Capture] | None = None,
@@ -611,88 +306,97 @@ class CaptureController:
         raises (or the caller is cancelled while waiting at it), nothing was sent: the capture
         ends ``failed`` without a stop upstream and the exception is raised.
         Returns once the upstream accepted (state ``active``, or ``stopping`` when a stop was asked
-        for while it was starting). On an upstream failure or an
-        ambiguous start the same set is stopped (rollback), the capture ends ``failed`` and the
-        upstream error is raised with ``details['capture_id']``.
-        ``steps``: the capture stops itself once the server's engine-step counter (its /metrics)
-        has advanced that much since the start's reply; ``delay_steps``: the start is sent once it
-        has advanced that much (the capture is ``starting`` meanwhile, bounded by ``steps_wait_s``).
+        for while it was starting). On an upstream failure or an ambiguous start the same set is
+        stopped (rollback), the capture ends ``failed`` and the upstream error is raised with
+        ``details['capture_id']``.
+        ``steps``: a window of that many engine steps, ended by the server's own cap on every stage
+        (``render --steps N``; refused where there is none) or, with ``steps_bound="count"``, by the
+        sidecar's best-effort count of the server's /metrics; either way it ends by a time bound when
+        the counter stops moving (steps.py). ``delay_steps``: the start is sent once the server has
+        run that many (the capture is ``starting`` meanwhile, bounded by ``steps_wait_s``).
         ``start_at`` (epoch seconds, this host's clock): the start is sent then (at once if past,
         with a note saying how late); ``prepared``, when given, gets the capture once it is
         prepared and waiting (see :meth:`schedule`). A stop meanwhile cancels it: nothing is sent."""
         if self._closed:
             raise SidecarClosing("the sidecar is shutting down; start the capture after restart")
         kind = CaptureKind(kind)
-        duration_s, lease_s = self._check_window(duration_s, lease_s)
-        _check_steps(steps, delay_steps)
+        duration_s, lease_s = check_window(duration_s, lease_s, max_duration_s=self.settings.max_duration_s,
+                                           default_lease_s=self.settings.default_lease_s)
+        check_steps(steps, delay_steps)
         start_at = check_start_at(start_at, max_ahead_s=self.settings.start_at_max_s or math.inf, past_ok=True)
         # Validation comes before anything reaches the server (docs/design.md §4), and before the
         # overlap check: a bad stage list is wrong whatever else is running.
         selected = select_stages(self.deploy, stages, kind=kind.value)
+        bound = limits.steps_bound(self.deploy, list(selected), steps, steps_bound)
         warning = None
         if steps is not None and budget_check and self.settings.budget_mb is not None:
-            warning = check_budget(self.last_plan, list(selected), steps, self.settings.budget_mb,
-                                   self.settings.budget_action)
+            warning = budget.check_budget(self.last_plan, list(selected), steps, self.settings.budget_mb,
+                                          self.settings.budget_action)
         self._refuse_overlap()  # fast path: don't queue behind a start that may take minutes
         counted = steps is not None or delay_steps is not None
-        first = await self._step_counter(selected) if counted else None
+        first = await self._step_counter(selected) if counted else None  # only: has the server a counter?
         async with self._start_lock:
             self._refuse_overlap()
-            now = _now()
-            secrets = env_secret_values()  # read once: the environment scan is most of a start's CPU
+            secret_values = env_secret_values()  # read once: the environment scan is most of a start's CPU
             cap = Capture(
                 id=_new_id(),
-                label=scrub_secrets(label, secrets) if label else None,
-                upstream=scrub_secrets(self.upstream.base_url, secrets),  # no URL credentials in the record
+                label=scrub_secrets(label, secret_values) if label else None,
+                upstream=scrub_secrets(self.upstream.base_url, secret_values),  # no URL credentials in the record
                 stages=list(selected),
                 kind=kind,
                 duration_s=duration_s,
                 lease_s=lease_s,
                 steps=steps,
                 delay_steps=delay_steps,
+                steps_bound=bound,
                 start_at=None if start_at is None else datetime.fromtimestamp(start_at, timezone.utc),
-                created_at=now,
+                created_at=_now(),
             )
             if warning is not None:
-                cap.notes.append(warning)
+                cap.facts.append(note("budget_over", **warning))
             if steps is not None:
-                cap.notes.extend(steps_bounded_by_server(self.deploy, cap.stages, steps))
+                cap.facts.extend(note("server_bound", sid, **f)
+                                 for sid, f in steps_bounded_by_server(self.deploy, cap.stages, steps))
             rt = self._rt[cap.id] = _Runtime()
-            if first is not None:
-                rt.metrics_before = _done(first)
             rt.watches = self._watches(cap.stages, shared_stages)
             self._captures[cap.id] = cap
             self._busy.append(cap.id)
             sent = False
 
-            async def count_from_here() -> None:
-                """A ``steps`` window's base: the counters read just before the start is sent. Not
+            async def at_the_send() -> None:
+                """A counted window's edge: the counters and metrics read just before the start is
+                sent, after any delay or schedule (a window's metrics cover the window only). Not
                 beside it: vLLM 0.30's API server answers nothing while its front-end profiler
                 starts (seconds on CPU), while the engines already step and record."""
-                if cap.steps is not None:
-                    rt.steps_base = await self._count(cap.stages)
-
-            async def send_now() -> None:  # from here on the start may be delivered
                 nonlocal sent
-                await release()  # type: ignore[misc]
-                await count_from_here()
+                if counted:
+                    t0 = time.monotonic()
+                    snap = await self._scrape()
+                    at = (t0 + time.monotonic()) / 2
+                    rt.steps_base = Read(at, engine_steps(snap) if isinstance(snap, MetricsSnapshot) else None)
+                    if self.settings.window_metrics:
+                        rt.metrics_before = _done(snap)
                 sent = True
 
+            async def send_now() -> None:  # from here on the start may be delivered
+                await release()  # type: ignore[misc]
+                await at_the_send()
+
             try:
-                await _snapshot(rt.watches)
+                await self.pacing.run_blocking(lambda: [artifacts.snapshot(w) for w in rt.watches])
                 await self._next_folder_second(cap, rt)
                 self._open_window(cap, rt)
                 self._changed(cap)
                 await self.flush()  # journaled with the baselines before anything can start upstream
                 if delay_steps and first is not None:
-                    await self._wait_steps(cap, first, delay_steps)
+                    await window.wait_steps(self._reader(), engine_steps(first), cap.stages, delay_steps,
+                                            wait_s=self.settings.steps_wait_s, poll_s=self.settings.steps_poll_s)
                 if prepared is not None and not prepared.done():
                     prepared.set_result(_copy(cap))
                 if start_at is not None:
                     await self._until(cap, rt, start_at)
                 if release is None:
-                    await count_from_here()
-                    sent = True
+                    await at_the_send()
                     await self.upstream.start_profile(cap.stages)
                 else:  # the request waits, all but sent, for the fan-out's release
                     await self.upstream.start_profile(cap.stages, before_send=send_now)
@@ -741,10 +445,8 @@ class CaptureController:
         if wait <= 0:
             return
         await asyncio.sleep(wait)
-        await _snapshot(rt.watches)  # the baseline as the start will find it
-        cap.notes.append(
-            f"start waited {wait:.2f}s for the next second: a session folder of this capture's stages is named "
-            f"with second {newest} (the previous window's), and a start in that second would reuse its name")
+        await self.pacing.run_blocking(lambda: [artifacts.snapshot(w) for w in rt.watches])  # the baseline as the start finds it
+        cap.facts.append(note("folder_second_wait", wait_s=round(wait, 3), second=newest))
 
     async def _start_failed(self, cap: Capture, rt: _Runtime, exc: BaseException) -> None:
         """The start was sent and did not succeed: roll back what the server may have started."""
@@ -785,27 +487,6 @@ class CaptureController:
             f"stop it first (POST /v1/captures/{active}/stop) or wait for it to finish",
             details={"active_id": active},
         )
-
-    def _check_window(self, duration_s: float | None, lease_s: float | None) -> tuple[float | None, float | None]:
-        if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
-            raise DurationInvalid(f"duration_s must be > 0 seconds, got {duration_s}", 
-                               key="duration_s")
-        limit = self.settings.max_duration_s
-        if limit is not None:
-            if duration_s is None:
-                duration_s = limit  # a bounded sidecar never leaves a window open-ended
-            elif duration_s > limit:
-                raise DurationInvalid(
-                    f"duration_s {duration_s:g} is above this sidecar's limit of {limit:g}s; ask for less "
-                    "or raise the sidecar's OMNI_SIDECAR_MAX_DURATION_S",
-                    key="duration_s",
-                    details={"max_duration_s": limit},
-                )
-        if lease_s is None:
-            lease_s = self.settings.default_lease_s
-        elif not (lease_s > 0 and math.isfinite(lease_s)):
-            raise LeaseInvalid(f"lease_s must be > 0 seconds, got {lease_s}", key="lease_s")
-        return duration_s, lease_s
 
     def _watches(self, stage_ids: list[int], shared_stages: Mapping[int, str] | None = None) -> list[StageWatch]:
         out = []
@@ -888,7 +569,7 @@ class CaptureController:
         """A rollback stop that timed out, sent again until the server answers it or is gone.
         Cancelled (the sidecar closing): left ``stopping`` in the journal, for recovery."""
         try:
-            outcome, detail = await self._stop_upstream(cap, rt, hold=True)
+            outcome, detail = await self._send_stop(cap, rt, hold=True)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug must not hold the slot forever
@@ -906,18 +587,23 @@ class CaptureController:
         self.claims.close_window(cap.id, time.time())
         self._finish(cap, CaptureState.failed)
 
-    # --- steps and window metrics ---------------------------------------------------------
+    # --- plans, steps and window metrics --------------------------------------------------
 
     async def plan(self, stages: list[int] | None = None, *, budget_mb: float | None = None,
                    max_stop_s: float | None = None, probe_steps: tuple[int, ...] = (1, 2),
-                   refine: bool = True) -> Plan:
+                   refine: bool = True) -> budget.Plan:
         """Probe captures of ``probe_steps`` engine steps, then the steps that fit ``budget_mb``
-        and ``max_stop_s`` (sidecar/control/budget.py). Kept as ``last_plan``: later ``steps``
-        starts on the same stages are checked against the sidecar's ``budget_mb`` with it."""
-        plan = await run_plan(self, stages, budget_mb=budget_mb, max_stop_s=max_stop_s, probe_steps=probe_steps,
-                              refine=refine)
+        and ``max_stop_s`` (sidecar/control/budget.py), within ``plan_max_s``. Kept as
+        ``last_plan``: later ``steps`` starts on the same stages are checked against the
+        sidecar's ``budget_mb`` with it."""
+        plan = await budget.run_plan(self, stages, budget_mb=budget_mb, max_stop_s=max_stop_s,
+                                     probe_steps=probe_steps, refine=refine, max_s=self.settings.plan_max_s)
         self.last_plan = plan
         return plan
+
+    def stages_for(self, stages: list[int] | None) -> list[int]:
+        """The stages a torch capture of ``stages`` profiles (None: every profiled stage); refused as a start would."""
+        return list(select_stages(self.deploy, stages, kind="torch"))
 
     async def _scrape(self) -> MetricsSnapshot | str:
         """The server's /metrics now, or why not (a window never fails for its metrics)."""
@@ -926,8 +612,11 @@ class CaptureController:
         except MetricsUnavailable as exc:
             return exc.message
 
+    def _reader(self) -> window.ReadCounts:
+        return window.reader(self.upstream.step_counts)
+
     async def _step_counter(self, stages: list[int]) -> MetricsSnapshot:
-        """The first read of a ``steps`` window's counter; refused when the server has none."""
+        """A read of the server's counters, refused when it has none (the check a counted window needs)."""
         snap = await self._scrape()
         if isinstance(snap, str):
             raise StepsUnavailable(
@@ -940,34 +629,71 @@ class CaptureController:
                 "it without --disable-log-stats, or ask for duration_s instead of steps", details={"stages": stages})
         return snap
 
-    async def _count(self, stages: list[int]) -> tuple[dict[Labels, int] | None, float, float]:
-        """The engines' step counters now (None: the read failed), the middle of the read (when
-        the server counted, as near as the sidecar can tell) and how long the read took."""
-        t0 = time.monotonic()
-        try:
-            counts: dict[Labels, int] | None = await self.upstream.step_counts()
-        except MetricsUnavailable as exc:
-            counts = None
-            log.debug("a step counter read failed after %.0f ms: %s", (time.monotonic() - t0) * 1000, exc.message)
-        t1 = time.monotonic()
-        return counts, (t0 + t1) / 2, t1 - t0
+    async def _count_steps(self, capture_id: str) -> None:
+        """A ``steps`` window: its counter read and fed to the policy (steps.py) until it says stop."""
+        cap, rt = self._captures[capture_id], self._rt[capture_id]
+        assert cap.steps is not None and cap.steps_bound is not None and rt.started_mono is not None
+        ends = server_window_ends(self.deploy, cap.stages) if cap.steps_bound is Bound.server_cap else None
+        policy = StepsWindow(cap.steps, cap.stages, bound=cap.steps_bound, ends=ends, base=rt.steps_base,
+                             answered_at=rt.started_mono, stall_s=self.settings.steps_stall_s,
+                             max_s=self.settings.steps_wait_s)
+        decision = await window.count_window(policy, self._reader(), poll_s=self.settings.steps_poll_s)
+        cap.steps_counted, cap.steps_ended_by = decision.counted, decision.ended_by
+        cap.facts.append(note("steps_ended", ended_by=decision.ended_by.value if decision.ended_by else None,
+                              steps_asked=cap.steps, counted=decision.counted, bound=cap.steps_bound.value,
+                              per_stage=dict(decision.per_stage), heads=dict(decision.heads),
+                              behind=list(decision.behind), still_s=round(decision.still_s, 3),
+                              ends={str(s): n for s, n in (ends or {}).items()}, margin=policy.margin,
+                              max_s=policy.max_s))
+        if self.settings.steps_record_dir:
+            await asyncio.to_thread(window.record, self.settings.steps_record_dir, cap.id, policy, decision)
+        rt.steps_counter = None  # stop() cancels the counter; this one must not cancel itself
+        await self.stop(capture_id, reason=StopReason.steps)
 
-    async def _wait_steps(self, cap: Capture, first: MetricsSnapshot, n: int) -> None:
-        """Until the server has run ``n`` steps since ``first`` (a ``delay_steps`` start)."""
-        base = engine_steps(first)
-        deadline = time.monotonic() + self.settings.steps_wait_s
-        ran = 0
-        while True:
-            counts, _, _ = await self._count(cap.stages)
-            if counts is not None:
-                ran = steps_since(base, counts, cap.stages)
-                if ran >= n:
-                    return
-            if time.monotonic() >= deadline:
-                raise StepsNotReached(
-                    f"the server ran {ran} of the {n} delay_steps within {self.settings.steps_wait_s:g}s; "
-                    "send load to it, or ask for fewer delay_steps", details={"delay_steps": n, "counted": ran})
-            await asyncio.sleep(self.settings.steps_poll_s)
+    async def _settle_metrics(self, cap: Capture, rt: _Runtime) -> None:
+        """The window's metrics from the scrapes at its edges."""
+        if rt.metrics_before is None:
+            return
+        try:
+            before = await asyncio.wait_for(asyncio.shield(rt.metrics_before), self.upstream.timeouts.probe)
+            after = await asyncio.wait_for(asyncio.shield(rt.metrics_after), self.upstream.timeouts.probe) \
+                if rt.metrics_after is not None else "no scrape after the stop"
+        except asyncio.TimeoutError:
+            cap.window_metrics = WindowMetrics(unavailable="a /metrics scrape did not answer within "
+                                               f"{self.upstream.timeouts.probe:g}s")
+            return
+        if isinstance(before, str) or isinstance(after, str):
+            cap.window_metrics = WindowMetrics(unavailable=before if isinstance(before, str) else str(after))
+            return
+        cap.window_metrics = window_metrics(before, after)
+
+    async def _steps_traced(self, cap: Capture, verdicts: list[StageVerdict]) -> list[StageVerdict]:
+        """Each stage's engine steps as its trace holds them (the trace summary), with a note when a
+        stage holds other than asked, and the way to the steps where the server's cap idled short."""
+        try:
+            data = await self._summaries.get(cap, live=True)
+        except SidecarError as exc:
+            cap.facts.append(note("steps_not_counted", why=exc.message))
+            return verdicts
+        except Exception as exc:  # a summary never changes the capture's outcome (a bug included)
+            log.warning("capture %s: the steps the traces hold are not counted: %s", cap.id, exc, exc_info=True)
+            cap.facts.append(note("steps_not_counted", why=f"the summary failed ({type(exc).__name__}: {exc})"))
+            return verdicts
+        per_stage, idle, writes = window.trace_steps(data.get("files", []), cap.stages)
+        steps = cap.steps or 0
+        capped = {s for s, pc in server_bounded_stages(self.deploy, cap.stages) if pc.max_iterations > 0}
+        cap.facts.extend(note("steps_traced", f.pop("stage_id"), **f)  # type: ignore[arg-type]
+                         for f in steps_traced(steps, per_stage, idle, capped=capped))
+        if cap.steps_bound is Bound.server_cap:
+            short = {s: idle[s] for s, n in per_stage.items() if n < steps and s in idle}
+            for f in idle_fix(steps, short, server_window_ends(self.deploy, cap.stages), idle_iterations=IDLE_ITERATIONS,
+                              max_share=MAX_IDLE_SHARE, max_iterations_for=max_iterations_for):
+                code, sid = str(f.pop("code")), f.pop("stage_id", None)
+                cap.facts.append(note(code, sid, **f))  # type: ignore[arg-type]
+        return [v.model_copy(update={"steps_traced": per_stage[v.stage_id], "trace_write_s": writes.get(v.stage_id)})
+                if v.stage_id in per_stage else v for v in verdicts]
+
+    # --- scheduling -------------------------------------------------------------------------
 
     def _stop_while_starting(self, capture_id: str, reason: StopReason) -> None:
         """A stop asked for before the start was answered: sent once it is; a scheduled start
@@ -982,20 +708,17 @@ class CaptureController:
         when it is already past. A stop meanwhile raises ``StartCancelled``."""
         late = time.time() - start_at
         if late > START_AT_LATE_S:
-            cap.notes.append(f"start_at was {_ago(late)} past when the capture was ready: its start was sent at once")
+            cap.facts.append(note("start_at_late", late_s=round(late, 4)))
             return
         rt.wake = asyncio.Event()
         try:
-            # the loop's timers run on the monotonic clock: the wall clock is read again after each
-            while (ahead := start_at - time.time()) > 0 and rt.pending_stop is None:
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(rt.wake.wait(), ahead)
+            await wait_until(start_at, rt.wake, lambda: rt.pending_stop is not None)
         finally:
             rt.wake = None
         if rt.pending_stop is not None:
-            early = _ago(start_at - time.time())
-            raise StartCancelled(f"stopped ({rt.pending_stop.value}) {early} before its start_at: nothing was sent to "
-                                 "the server", details={"capture_id": cap.id})
+            early = start_at - time.time()
+            raise StartCancelled(f"stopped ({rt.pending_stop.value}) {early * 1000:.0f} ms before its start_at: "
+                                 "nothing was sent to the server", details={"capture_id": cap.id})
 
     async def schedule(self, stages: list[int] | None = None, *, start_at: float, **opts: Any) -> Capture:
         """:meth:`start` at ``start_at``, answered as soon as the capture is prepared (state
@@ -1013,273 +736,6 @@ class CaptureController:
         task.add_done_callback(self._background.discard)  # type: ignore[arg-type]
         task.add_done_callback(_quiet)  # its outcome is the capture's record
         return prepared.result()
-
-    async def _read_steps(self, stages: list[int], *, due: float, hedge_s: float
-                          ) -> tuple[dict[Labels, int] | None, float, float] | None:
-        """One count (as :meth:`_count`), hedged: a read not back within ``hedge_s`` gets a fresh
-        one beside it (at most ``STEP_READS_OUT`` out at once) and the freshest that comes back with
-        counts wins, so one slow reply does not blind a window. None when ``due`` (monotonic) comes
-        first; a failed read when every read out failed."""
-        out: set[asyncio.Future[tuple[dict[Labels, int] | None, float, float]]] = set()
-        try:
-            while True:
-                if len(out) < STEP_READS_OUT:
-                    out.add(asyncio.ensure_future(self._count(stages)))
-                left = due - time.monotonic()
-                if left <= 0:
-                    return None
-                done, out = await asyncio.wait(out, timeout=min(left, hedge_s), return_when=asyncio.FIRST_COMPLETED)
-                results = [t.result() for t in done if t.exception() is None]
-                counted = [r for r in results if r[0] is not None]
-                if counted:
-                    return max(counted, key=lambda r: r[1])
-                if done and not out:  # every read out failed
-                    return results[0] if results else (None, time.monotonic(), 0.0)
-        finally:
-            for t in out:
-                t.cancel()
-
-    async def _count_steps(self, capture_id: str) -> None:
-        """A ``steps`` window: read the server's counter every ``steps_poll_s``; from the reads, the
-        step rate, and from their round trip, the time a request takes to land. The base is the
-        read just before the start was sent: both servers start the engines' profilers as the start
-        arrives (vLLM 0.30 answers only once its front-end profiler has started too, which takes
-        seconds on CPU while the engines step and record). The stop is sent so that it lands when
-        the count reaches ``steps`` past the base: at once when due, else after the wait the rate
-        predicts, when that is shorter than the next read. No read is waited for past that moment:
-        a read that comes back late (a busy server or host: one took over a second in CI) or fails
-        would otherwise let the window run on uncounted, so the rate decides then, and says so."""
-        cap, rt = self._captures[capture_id], self._rt[capture_id]
-        assert cap.steps is not None
-        steps, poll = cap.steps, self.settings.steps_poll_s
-        # Every stage's server ends its own window after ``steps`` iterations (render --steps): a stop
-        # landing sooner would cut that window short (the profilers started somewhere between the
-        # base read and the start's answer), one landing later changes nothing. So the stop waits
-        # until every stage has run ``steps`` past its count at the start's answer, each stage by its
-        # own counter (a stage fed by another steps later than it); no lead, nothing runs past.
-        capped = capped_by_server(self.deploy, cap.stages, steps)
-        # how far each stage's count must go past its count at the start's answer: the iterations of
-        # its window (render --steps N caps at N + 2, more on a stage given its idle iterations),
-        # which its steps never outnumber
-        ends = server_window_ends(self.deploy, cap.stages)
-        reach = {sid: max(steps, end) for sid, end in ends.items()}
-        heads: dict[str, int] = {}  # a capped window's steps per stage by the start's answer
-        moved: dict[str, tuple[int, float]] = {}  # per stage: its count, and when it last moved
-        ahead = Lead(0.0, 0, 0.0) if capped else self._lead.lead(cap.stages, steps)
-        lead = ahead.ahead
-        aim = steps - lead  # the count the stop is sent at
-        base: dict[Labels, int] | None = None
-        reads: collections.deque[tuple[float, int]] = collections.deque()  # (when the server counted, steps run)
-        rate = took = 0.0
-
-        def due() -> float:
-            """When the stop is to be sent, by the rate, to land (half a round trip later) at ``steps``."""
-            if not reads or rate <= 0:
-                return math.inf
-            at, now = reads[-1]
-            return at + (aim - now) / rate - took / 2
-
-        def predicted(sent: float) -> int:
-            at, now = reads[-1]
-            return int(round(now + rate * max(sent + took / 2 - at, 0.0)))
-
-        def late(sent: float, count: int) -> str | None:
-            """Why a stop sent by the rate is past ``steps``: it was sent late (the sidecar's process
-            did not run: a host whose CPUs the server keeps busy left it unscheduled for seconds)."""
-            if count - steps <= 2 or capped:
-                return None
-            return (f"the stop was sent {(sent - due()) * 1000:.0f} ms after the rate ({rate:.1f} steps/s) put the "
-                    f"window at {steps} steps, at about {count}: the sidecar was not running meanwhile (a host "
-                    "whose CPUs are all busy, e.g. with the server itself, can leave it unscheduled for seconds)")
-
-        async def stop(count: int, why: str | None = None) -> None:
-            rt.steps_at_stop, rt.steps_learn = count, why is None
-            if why is not None and not capped:
-                cap.notes.append(why)
-            elif capped:
-                counted = ", ".join(f"{f'stage {s}: ' if s else ''}{heads.get(s, 0)} then {n}"  # "": plain vLLM's one engine
-                                    for s, (n, _) in sorted(moved.items()))
-                waits = set(reach.values())
-                cap.notes.append(
-                    f"the stop was sent at {count} steps counted, past the {steps} asked: every stage's server ends its "
-                    f"own window after {window_ends_text(ends)} engine iterations "
-                    f"(max_iterations), so the stop waited until each stage had counted "
-                    f"{waits.pop() if len(waits) == 1 else 'its own'} + {CAPPED_MARGIN} steps past its count at the "
-                    "start's answer, when its "
-                    f"profiler had started ({counted}): a stop sent sooner could cut a window short, one sent later "
-                    "changes nothing" + (f"; {why}" if why else ""))
-            elif lead:
-                cap.notes.append(
-                    f"the stop was sent at {count} of the {steps} steps counted, {lead:.0f} ahead: in this "
-                    f"server's last {ahead.windows} steps windows of these stages the engines recorded "
-                    f"{ahead.late:.0f} steps past the count the stop was sent at (its travel to them; the median, "
-                    "docs/captures.md)" + ("" if lead == ahead.late else f"; {lead:.0f}, not {ahead.late:.0f}: a stop "
-                                           f"is never sent more than {MAX_SHARE:.0%} of the window ahead"))
-            rt.steps_counter = None  # stop() cancels the counter; this one must not cancel itself
-            await self.stop(capture_id, reason=StopReason.steps)
-
-        if rt.steps_base is not None:
-            counts, at, _ = rt.steps_base
-            if counts is not None:
-                base = counts
-                reads.append((at, 0))
-        first = True
-        while cap.state is CaptureState.active:
-            sent, hedge_s, by = time.monotonic(), max(3 * took, 4 * poll), math.inf if capped else due()
-            got = await self._read_steps(cap.stages, due=by, hedge_s=hedge_s)
-            if got is None:  # the rate says the window is full while no read has come back
-                now = time.monotonic()
-                if now - by > max(5 * poll, 0.1) or now - sent < hedge_s:  # woken late: the sidecar did not run
-                    why = late(now, predicted(now))
-                else:
-                    why = (f"the step counter's reads had not come back after {(now - sent) * 1000:.0f} ms (the one "
-                           f"before took {took * 1000:.0f} ms): the stop was sent when the rate ({rate:.1f} steps/s "
-                           f"from {reads[-1][1]} counted) put the window at {steps} steps")
-                await stop(predicted(now), why)
-                return
-            counts, at, took_now = got
-            if counts is None:  # a failed read: the next one, unless the rate says the window is full
-                await asyncio.sleep(poll if capped else min(poll, max(due() - time.monotonic(), 0.0)))
-                continue
-            took = took_now
-            if base is None:
-                base = counts
-            prev = reads[-1] if reads else None
-            now = steps_since(base, counts, cap.stages)
-            reads.append((at, now))
-            # The rate over the last second of reads: the servers' counters move in bursts (vLLM-Omni's
-            # is recorded behind its busy API server), so read-to-read rates swing between 0 and several times it.
-            # The base goes once two reads follow the start's answer: a start can pause the engines
-            # (vLLM's first one on CPU held the engine 2.6 s), and a rate across it is too low.
-            answered = rt.started_mono if rt.started_mono is not None else -math.inf
-            while len(reads) > 2 and (at - reads[1][0] >= RATE_WINDOW_S or reads[0][0] < answered):
-                reads.popleft()
-            rate = (now - reads[0][1]) / (at - reads[0][0]) if at > reads[0][0] else 0.0
-            log.debug("capture %s: %d of %d steps (read %.0f ms, %.1f steps/s)", cap.id, now, steps,
-                      took * 1000, rate)
-            if capped:
-                per = steps_by_stage(base, counts, cap.stages)
-                if first:  # the first read after the start's answer: the profilers have started
-                    heads = dict(per)
-                    first = False
-                for s, n in per.items():
-                    if s not in moved or moved[s][0] != n:
-                        moved[s] = (n, at)
-                behind = [s for s, n in sorted(per.items()) if n < heads.get(s, 0) + _reach(reach, s, steps) + CAPPED_MARGIN]
-                if not behind:
-                    await stop(now)
-                    return
-                # A stage that runs only on what another hands it (vLLM-Omni's downstream stages) may
-                # stand still while the others have run their window: once it has for steps_stall_s,
-                # the stop goes, and says which stage it did not wait for.
-                stall = self.settings.steps_stall_s
-                if len(behind) < len(per) and all(at - moved[s][1] >= stall for s in behind):
-                    await stop(now, "; ".join(
-                        f"stage {s} had counted {per[s] - heads.get(s, 0)} of its {_reach(reach, s, steps)} past the start's answer and "
-                        f"none more for {at - moved[s][1]:.1f}s (a stage runs only on what reaches it): its trace "
-                        "may hold fewer" for s in behind))
-                    return
-                await asyncio.sleep(poll)
-                continue
-            if now - steps > 2 and not capped:
-                if first and rt.started_mono is not None:
-                    why = (f"the server had run {now} engine steps by the first count after the start was answered "
-                           f"({rt.started_mono - reads[0][0]:.2f}s after it was sent), more than the {steps} asked: a "
-                           "window on this server is at least that long (a server's first profiler start initialises "
-                           "the profiler, seconds on CPU); ask for more steps")
-                else:
-                    why = (f"the count went from {prev[1] if prev else 0} to {now} between two reads "
-                           f"{(at - prev[0]) * 1000 if prev else 0:.0f} ms apart (this read took {took * 1000:.0f} ms): "
-                           f"the server ran past the {steps} steps asked before the sidecar could see it")
-                await stop(now, why)
-                return
-            first = False
-            if aim - now <= 0.5:
-                await stop(now)
-                return
-            # stop after the predicted wait when the next read would come back later than it
-            wait = due() - time.monotonic()
-            if wait <= poll + took:
-                if wait > 0:
-                    await asyncio.sleep(wait)
-                t = time.monotonic()
-                await stop(predicted(t), late(t, predicted(t)))
-                return
-            await asyncio.sleep(poll)
-
-    async def _settle_metrics(self, cap: Capture, rt: _Runtime) -> None:
-        """The window's metrics from the scrapes at its edges (and a ``steps`` window's count)."""
-        cap.steps_counted = rt.steps_at_stop
-        if rt.metrics_before is None:
-            return
-        try:
-            before = await asyncio.wait_for(asyncio.shield(rt.metrics_before), self.upstream.timeouts.probe)
-            after = await asyncio.wait_for(asyncio.shield(rt.metrics_after), self.upstream.timeouts.probe) \
-                if rt.metrics_after is not None else "no scrape after the stop"
-        except asyncio.TimeoutError:
-            cap.window_metrics = WindowMetrics(unavailable="a /metrics scrape did not answer within "
-                                               f"{self.upstream.timeouts.probe:g}s")
-            return
-        if isinstance(before, str) or isinstance(after, str):
-            cap.window_metrics = WindowMetrics(unavailable=before if isinstance(before, str) else str(after))
-            return
-        cap.window_metrics = window_metrics(before, after)
-
-    async def _steps_traced(self, cap: Capture, rt: _Runtime, verdicts: list[StageVerdict]) -> list[StageVerdict]:
-        """Each stage's engine steps as its trace holds them (the trace summary), with a note
-        when a stage holds more or fewer than asked; a window stopped on time by the count teaches
-        the next one how early to send its stop (lead.py)."""
-        try:
-            data = await self._summaries.get(cap, live=True)
-        except SidecarError as exc:
-            cap.notes.append(f"the steps the traces hold are not counted: {exc.message}")
-            return verdicts
-        except Exception as exc:  # a summary never changes the capture's outcome (a bug included)
-            log.warning("capture %s: the steps the traces hold are not counted: %s", cap.id, exc, exc_info=True)
-            cap.notes.append(f"the steps the traces hold are not counted: the summary failed ({type(exc).__name__}: {exc})")
-            return verdicts
-        per_stage: dict[int, int] = {}
-        idle: dict[int, tuple[int, int]] = {}  # per stage: its trace's idle iterations, of how many
-        writes: dict[int, float] = {}  # per stage: its trace's last event to its file's last write, s
-        for f in data.get("files", []):
-            sid = f.get("stage_id")
-            if sid is None and len(cap.stages) == 1:
-                sid = cap.stages[0]  # plain vLLM's traces carry no stage in their names: its one engine
-            if sid is None:
-                continue
-            kinds = {k["kind"]: k["count"] for k in f.get("engine_step_kinds", [])}
-            if (took := _write_s(f)) is not None:
-                writes[sid] = max(writes.get(sid, took), took)
-            ran = f.get("window", {}).get("engine_steps", 0)
-            worked = ran - kinds.get("idle", 0)
-            if worked >= per_stage.get(sid, 0):
-                per_stage[sid], idle[sid] = worked, (kinds.get("idle", 0), ran)
-        server_bounded = server_bounded_stages(self.deploy, cap.stages)
-        capped = {s for s, pc in server_bounded if pc.max_iterations > 0}
-        if rt.steps_learn and rt.steps_at_stop is not None and not server_bounded:
-            self._lead.learn(cap.stages, per_stage, rt.steps_at_stop)
-        out = []
-        for v in verdicts:
-            if v.stage_id in per_stage:
-                v = v.model_copy(update={"steps_traced": per_stage[v.stage_id],
-                                         "trace_write_s": writes.get(v.stage_id)})
-                if v.steps_traced != cap.steps:
-                    cap.notes.append(f"stage {v.stage_id}: the trace holds {v.steps_traced} engine steps, "
-                                     f"{cap.steps} {'was' if cap.steps == 1 else 'were'} asked ({v.steps_traced - (cap.steps or 0):+d})"
-                                     + _idle_note(*idle[v.stage_id], capped=v.stage_id in capped))
-            out.append(v)
-        steps = cap.steps or 0
-        if capped_by_server(self.deploy, cap.stages, steps):
-            short = {s: idle[s] for s, n in per_stage.items() if n < steps and s in idle}
-            cap.notes.extend(_idle_fix(steps, short, server_window_ends(self.deploy, cap.stages)))
-        if any(abs(n - steps) > 2 for n in per_stage.values()) and not server_bounded:
-            # the way to the steps asked where the stop's travel moves it (docs/captures.md)
-            cap.notes.append(
-                f"the sidecar's stop ended this window, so the steps the engines ran while the start and the stop "
-                f"travelled to them moved it: for {steps} steps give or take 2, let the server end each window itself "
-                f"(restart it with the profiler config `omni-sidecar render --steps {steps}` writes: max_iterations "
-                f"{max_iterations_for(steps)})")
-        return out
 
     # --- heartbeat / watchdog -------------------------------------------------------------
 
@@ -1350,74 +806,16 @@ class CaptureController:
         rt.stopper = asyncio.create_task(self._run_stop(capture_id), name=f"stop-{capture_id}")
         return _copy(cap)
 
-    async def _gone(self, *, waited: bool = False) -> str:
-        """Returns (with the probe's reason) once the server has been unreachable for
-        ``gone_after_s``; a server that answers at all, however slowly, is not gone. ``waited``:
-        the first poll interval has passed already (the first probe is sent at once)."""
-        since: float | None = None
-        while True:
-            if not waited:
-                await asyncio.sleep(self.settings.gone_poll_s)
-            waited = False
-            try:
-                probe = await self.upstream.probe()
-            except Exception:  # a closed client at shutdown: nothing is known, so not gone
-                since = None
-                continue
-            if probe.reachable:
-                since = None
-                continue
-            now = time.monotonic()
-            since = now if since is None else since
-            if now - since >= self.settings.gone_after_s:
-                return probe.reason or f"{self.upstream.base_url} is not reachable"
+    async def _send_stop(self, cap: Capture, rt: _Runtime, *, hold: bool) -> tuple[str, Any]:
+        """stopping.send_stop for this capture: its first timeout collects what was found so far."""
 
-    async def _stop_upstream(self, cap: Capture, rt: _Runtime, *, hold: bool) -> tuple[str, Any]:
-        """Send the stop until it is answered: ``("answered", None)``, ``("server_error", exc)``
-        (5xx after the retries), ``("failed", exc)`` (never answered within the budget and not
-        held, or refused), or ``("gone", reason)``. With ``hold``, a stop that outlives its budget
-        is collected as found so far, and sent again (the server answers once its first stop
-        is done) until answered or gone."""
-        # The watcher for a server gone is started only once a stop has gone unanswered for a poll
-        # interval: a stop answered sooner (nearly every one) costs no task beside it, nor the loop
-        # turn its cancellation takes (a fleet's worker answers 128 stops at once).
-        gone: asyncio.Task[str] | None = None
-        stop: asyncio.Task[None] | None = None
-        try:
-            while True:
-                # Once the budget is spent, each repeat waits a whole read timeout: the server handles
-                # stops one after another, so the repeat answers once the first one is done.
-                budget = max(self.upstream.stop_budget_s, self.upstream.timeouts.stop) if rt.stop_timed_out else None
-                stop = asyncio.create_task(self.upstream.stop_profile(cap.stages, budget_s=budget),
-                                           name=f"stop-call-{cap.id}")
-                if gone is None:
-                    await asyncio.wait({stop}, timeout=self.settings.gone_poll_s)
-                    if not stop.done():
-                        gone = asyncio.create_task(self._gone(waited=True), name=f"gone-{cap.id}")
-                if not stop.done():
-                    assert gone is not None
-                    await asyncio.wait({stop, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if stop.done():
-                    try:
-                        stop.result()
-                        return "answered", None
-                    except UpstreamError as exc:
-                        if _is_server_error(exc):
-                            return "server_error", exc
-                        if hold and isinstance(exc, UpstreamTimeout):
-                            if not rt.stop_timed_out:
-                                rt.stop_timed_out = True
-                                await self._found_so_far(cap, rt, exc)
-                            continue
-                        return "failed", exc
-                assert gone is not None
-                return "gone", gone.result()
-        finally:
-            for task in (stop, gone):
-                if task is not None and not task.done():
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await task
+        async def timed_out(exc: UpstreamTimeout) -> None:
+            rt.stop_timed_out = True
+            await self._found_so_far(cap, rt, exc)
+
+        return await send_stop(self.upstream, cap.stages, hold=hold, timed_out=lambda: rt.stop_timed_out,
+                               on_timeout=timed_out, name=cap.id, gone_poll_s=self.settings.gone_poll_s,
+                               gone_after_s=self.settings.gone_after_s)
 
     async def _found_so_far(self, cap: Capture, rt: _Runtime, exc: UpstreamError) -> None:
         budget = self.upstream.stop_budget_s
@@ -1459,10 +857,9 @@ class CaptureController:
         cap = self._captures[capture_id]
         rt = self._rt[capture_id]
         stop_error: UpstreamError | None = None
-        stops = _of_loop(_STOPS, _StopsInFlight)
-        published = stops.sending()
+        published = self.pacing.stop_sent()
         try:
-            outcome, detail = await self._stop_upstream(cap, rt, hold=collect)
+            outcome, detail = await self._send_stop(cap, rt, hold=collect)
             self.claims.close_window(cap.id, time.time())
             if outcome == "gone":
                 self._error(
@@ -1509,7 +906,7 @@ class CaptureController:
             cap.state = CaptureState.collecting
             self._changed(cap)
             published()
-            await stops.answered()
+            await self.pacing.before_follow_up()
             if rt.metrics_before is not None:  # beside the collect, not before it
                 rt.metrics_after = asyncio.create_task(self._scrape(), name=f"metrics-after-{cap.id}")
             verdicts = await self._collect(cap, rt)
@@ -1518,7 +915,7 @@ class CaptureController:
             await self._settle_metrics(cap, rt)
             cap.verdicts = verdicts
             if cap.steps is not None:
-                verdicts = cap.verdicts = await self._steps_traced(cap, rt, verdicts)
+                verdicts = cap.verdicts = await self._steps_traced(cap, verdicts)
             ok = stop_error is None and all(v.verdict is Verdict.ok for v in verdicts)
             self._finish(cap, CaptureState.completed if ok else CaptureState.degraded)
             if self.settings.summarize and any(v.verdict in (Verdict.ok, Verdict.partial) for v in verdicts):

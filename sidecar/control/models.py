@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_serializer, model_validator
 
 from sidecar.control import filenames
+from sidecar.control.notes import Note, word
+from sidecar.control.steps import Bound, EndedBy
 from sidecar.upstream.metrics import WindowMetrics
 
 
@@ -110,6 +112,11 @@ class StageVerdict(BaseModel):
     verdict: Verdict | None = None  # None until collecting has finished
     sessions: list[SessionFolder] = Field(default_factory=list)
     reason: str | None = None  # for a non-ok verdict: what happened and what to do
+    # the rule that decided the verdict (sidecar/control/collect.py ``Rule``: ``no_session``, ``lost``,
+    # ``idle``, ...): what a program reads instead of the reason's words
+    rule: str | None = None
+    lost_ranks: list[int] = Field(default_factory=list)  # ``lost``: the ranks with no trace
+    lost_replicas: list[int] = Field(default_factory=list)  # ``lost``: the replicas with no trace
     expected_traces: int | None = None  # replicas x ranks of the stage (None: not counted)
     found_traces: int | None = None  # complete traces of this capture that arrived
     # Engine steps that scheduled work in this stage's trace (its execute_* annotations, the most
@@ -162,6 +169,10 @@ class Capture(BaseModel):
     # Engine steps the server's /metrics had counted since the start was sent, when the stop was
     # sent (the last read, and the steps its rate predicts until the stop lands).
     steps_counted: int | None = None
+    # what ended a ``steps`` window's recording (``server_cap``: every stage's deploy max_iterations;
+    # ``count``: the sidecar's best-effort count, asked for by name) and why its stop was sent
+    steps_bound: Bound | None = None
+    steps_ended_by: EndedBy | None = None
     stop_reason: StopReason | None = None
     created_at: datetime
     started_at: datetime | None = None  # upstream accepted start
@@ -171,12 +182,33 @@ class Capture(BaseModel):
     finished_at: datetime | None = None  # terminal state reached
     verdicts: list[StageVerdict] = Field(default_factory=list)
     errors: list[ErrorRecord] = Field(default_factory=list)
-    # What a reader should know that is not an error: the start waited for a fresh folder second;
-    # files replaced since the verdict (added when the capture is read, not journaled).
-    notes: list[str] = Field(default_factory=list)
+    # What a reader should know that is not an error, as facts (a code and its figures: the start
+    # waited for a fresh folder second, how a steps window ended, files replaced since the verdict);
+    # ``notes`` words them (sidecar/control/notes.py).
+    facts: list[Note] = Field(default_factory=list)
     clocks: list[ClockRecord] = Field(default_factory=list)  # a fleet's offsets of this host's clock
     # The server's /metrics differenced over the window (None: a record from before they were kept).
     window_metrics: WindowMetrics | None = None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def notes(self) -> list[str]:
+        """The facts in words (the one place: sidecar/control/notes.py)."""
+        return [word(n) for n in self.facts]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_notes(cls, data: Any) -> Any:
+        """A journal written before facts holds ``notes`` as prose: kept, as ``text`` facts."""
+        if isinstance(data, dict) and "facts" not in data and data.get("notes"):
+            data = {**data, "facts": [{"code": "text", "figures": {"text": str(t)}} for t in data["notes"]]}
+        if isinstance(data, dict) and "notes" in data:
+            data = {k: v for k, v in data.items() if k != "notes"}
+        return data
+
+    def fact(self, code: str) -> list[Note]:
+        """This capture's notes of one code."""
+        return [n for n in self.facts if n.code == code]
 
     @property
     def terminal(self) -> bool:

@@ -5,8 +5,11 @@ a fleet's (``Fleet.start(start_at=...)``, ``--start-at``).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 
 from sidecar.errors import StartAtInvalid
@@ -75,4 +78,12 @@ def parse_start_at(text: str, *, now: float | None = None) -> float:
     return when.timestamp()
 
 
-__all__ = ["HOLD_MAX_S", "START_AT_MAX_S", "check_start_at", "parse_start_at"]
+async def wait_until(start_at: float, wake: asyncio.Event, cancelled: Callable[[], bool]) -> None:
+    """Until ``start_at`` on this host's wall clock, or until ``cancelled()`` once ``wake`` is set.
+    The loop's timers run on the monotonic clock: the wall clock is read again after each wait."""
+    while (ahead := start_at - time.time()) > 0 and not cancelled():
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(wake.wait(), ahead)
+
+
+__all__ = ["HOLD_MAX_S", "START_AT_MAX_S", "check_start_at", "parse_start_at", "wait_until"]

@@ -1,7 +1,9 @@
 """Trace summaries of finished captures: computed by ``sidecar.analysis`` in a memory-capped worker
-process (``sidecar.analysis.isolated``), cached in
-memory and beside the journal (``<state_dir>/summaries/<id>.json``, ``<id>.top<N>.json``), one
-summarizer per capture at a time. A summary never changes a verdict.
+process (``sidecar.analysis.isolated``), once per capture, with ``SUMMARY_TOP_MAX`` rows per table
+(the most the API serves); a request for ``top`` rows gets that summary cut to ``top``
+(``cut``), so N different ``top``s cost one analysis. Kept beside the journal
+(``<state_dir>/summaries/<id>.json``) and, for the captures read last, in memory; one summarizer
+per capture at a time. A summary never changes a verdict.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -19,36 +22,109 @@ from sidecar.errors import CaptureNotTerminal, SummaryUnavailable
 
 log = logging.getLogger(__name__)
 
-# The summary computed after completion and served by default; other ``top``s are computed on demand.
+# The rows per table a summary is served with by default (the page, the CLI, the client).
 SUMMARY_TOP = 20
+# The most rows per table the API serves (``GET /v1/captures/{id}/summary?top=1..500``): each
+# capture is analysed once with this many, and every smaller ``top`` is a cut of it.
+SUMMARY_TOP_MAX = 500
+# The ranked tables ``top`` cuts, at every level (the capture, each stage, each file). The analysis
+# sorts each table (stably) and keeps its first ``top`` rows, so the first N rows of a summary made
+# with more are the summary made with N.
+TABLES = ("cpu_ops", "cpu_ops_by_device", "annotations", "runtime", "kernels", "memcpy", "memset", "memory_ops")
+LEVELS = ("stages", "files")  # the lists of bodies under the capture's own
+# The rows per table a cached file was made with (stripped before serving). A file without it was
+# written before summaries were analysed once: it holds SUMMARY_TOP rows.
+ROWS_KEY = "summary_rows"
+# Summaries kept in memory (the rest are read back from their file): a summary with every table
+# at SUMMARY_TOP_MAX rows for every file of a large capture is tens of MB.
+MEMORY_CAPTURES = 8
+
+
+def _bodies(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return [data, *(b for level in LEVELS for b in data.get(level) or [] if isinstance(b, dict))]
+
+
+def complete(data: dict[str, Any], rows: int) -> bool:
+    """Whether a summary made with ``rows`` rows per table holds every row: no table was cut."""
+    return all(len(b.get(t) or []) < rows for b in _bodies(data) for t in TABLES)
+
+
+def _cut_body(body: dict[str, Any], top: int) -> dict[str, Any]:
+    out = dict(body)
+    for t in TABLES:
+        if isinstance(out.get(t), list):
+            out[t] = out[t][:top]
+    return out
+
+
+def cut(data: dict[str, Any], top: int) -> dict[str, Any]:
+    """``data`` with every ranked table, at every level, cut to its first ``top`` rows (a new dict;
+    the rows themselves are shared)."""
+    out = _cut_body(data, top)
+    for level in LEVELS:
+        if isinstance(out.get(level), list):
+            out[level] = [_cut_body(b, top) if isinstance(b, dict) else b for b in out[level]]
+    return out
 
 
 class SummaryCache:
     def __init__(self, journal: CaptureJournal | None) -> None:
         self.journal = journal
-        self._data: dict[tuple[str, int], dict[str, Any]] = {}  # (capture id, top) -> summary
+        # capture id -> (rows per table it was made with, None: every row; the summary), most recent last
+        self._data: OrderedDict[str, tuple[int | None, dict[str, Any]]] = OrderedDict()
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.analyses = 0  # analyses started: one per capture, whatever ``top``s are asked for
 
-    def _file(self, capture_id: str, top: int) -> Path | None:
-        if self.journal is None:
+    def _file(self, capture_id: str) -> Path | None:
+        return self.journal.summary_path(capture_id) if self.journal is not None else None
+
+    def _keep(self, capture_id: str, rows: int, data: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:
+        held = (None if complete(data, rows) else rows, data)
+        self._data[capture_id] = held
+        self._data.move_to_end(capture_id)
+        while self.journal is not None and len(self._data) > MEMORY_CAPTURES:  # the file keeps the rest
+            self._data.popitem(last=False)
+        return held
+
+    def _load(self, capture_id: str) -> tuple[int, dict[str, Any]] | None:
+        """The capture's summary file: (rows per table it was made with, the summary), or None."""
+        path = self._file(capture_id)
+        if path is None:
             return None
-        path = self.journal.summary_path(capture_id)
-        return path if top == SUMMARY_TOP else path.with_name(f"{capture_id}.top{top}.json")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        rows = data.pop(ROWS_KEY, SUMMARY_TOP)
+        return (rows if isinstance(rows, int) and rows > 0 else SUMMARY_TOP), data
+
+    def _held(self, capture_id: str, loaded: tuple[int, dict[str, Any]] | None) -> tuple[int | None, dict[str, Any]] | None:
+        held = self._data.get(capture_id)
+        if held is not None:
+            self._data.move_to_end(capture_id)
+            return held
+        return self._keep(capture_id, *loaded) if loaded is not None else None
+
+    @staticmethod
+    def _serve(held: tuple[int | None, dict[str, Any]] | None, top: int) -> dict[str, Any] | None:
+        if held is None:
+            return None
+        rows, data = held
+        return cut(data, top) if rows is None or top <= rows else None
 
     def cached(self, capture_id: str, top: int = SUMMARY_TOP) -> dict[str, Any] | None:
-        data = self._data.get((capture_id, top))
-        path = self._file(capture_id, top)
-        if data is None and path is not None:
-            try:
-                data = self._data[(capture_id, top)] = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                return None
-        return data
+        """The summary with ``top`` rows per table when the capture's analysis is at hand (in
+        memory or in its file), else None."""
+        loaded = None if capture_id in self._data else self._load(capture_id)
+        return self._serve(self._held(capture_id, loaded), top)
 
     async def get(self, cap: Capture, top: int = SUMMARY_TOP, *, live: bool = False) -> dict[str, Any]:
-        """The cached summary of a terminal capture, else one computed now and cached. ``live``:
-        the controller's own call while collecting (its verdicts are final, the state not yet)."""
+        """The summary of a terminal capture with ``top`` rows per table: cut from the capture's one
+        analysis, which is run now when there is none yet. ``live``: the controller's own call while
+        collecting (its verdicts are final, the state not yet)."""
         if not cap.terminal and not live:
             raise CaptureNotTerminal(
                 f"capture {cap.id} is {cap.state.value}; the summary exists once it is terminal "
@@ -56,12 +132,16 @@ class SummaryCache:
                 details={"state": cap.state.value},
             )
         async with self._locks.setdefault(cap.id, asyncio.Lock()):
-            data = await asyncio.to_thread(self.cached, cap.id, top)  # a file read: off the loop
+            # the file is read off the loop; the memory is only touched on it
+            loaded = None if cap.id in self._data else await asyncio.to_thread(self._load, cap.id)
+            data = self._serve(self._held(cap.id, loaded), top)
             if data is None:
-                data = await self._compute(cap, top)
+                # a caller in process may ask past the API's bound: then that many rows, kept instead
+                rows = max(top, SUMMARY_TOP_MAX)
+                data = cut(self._keep(cap.id, rows, await self._compute(cap, rows))[1], top)
         return data
 
-    async def _compute(self, cap: Capture, top: int) -> dict[str, Any]:
+    async def _compute(self, cap: Capture, rows: int) -> dict[str, Any]:
         paths, skipped = artifacts.trace_files(cap.verdicts)
         if not paths:
             raise SummaryUnavailable(
@@ -78,20 +158,20 @@ class SummaryCache:
             ) from None
         # in a memory-capped worker: a hostile trace costs that worker, never the server
         started = cap.started_at.timestamp() if cap.started_at else None  # start_skew_us is measured from it
-        result = await asyncio.to_thread(run_isolated, summarize_paths, paths, top=top, requested_start=started)
+        self.analyses += 1
+        result = await asyncio.to_thread(run_isolated, summarize_paths, paths, top=rows, requested_start=started)
         data: dict[str, Any] = result.model_dump(mode="json")
         data["warnings"] = skipped + data.get("warnings", [])
-        path = self._file(cap.id, top)
+        path = self._file(cap.id)
         if path is not None:
             try:
-                await asyncio.to_thread(atomic_write_text, path, json.dumps(data))
+                await asyncio.to_thread(atomic_write_text, path, json.dumps({**data, ROWS_KEY: rows}))
             except OSError as exc:  # the summary is served anyway; only its cache is lost
                 log.warning("capture %s: cannot cache the summary in %s: %s", cap.id, path, exc)
-        self._data[(cap.id, top)] = data
         return data
 
     def schedule(self, cap: Capture) -> None:
-        """Compute the default summary in the background."""
+        """Analyse the capture in the background (the default summary is a cut of it)."""
 
         async def run() -> None:
             try:
@@ -108,10 +188,9 @@ class SummaryCache:
         task.add_done_callback(self._tasks.discard)
 
     def forget(self, capture_id: str) -> None:
-        """Drop a capture's cached summaries (retention)."""
+        """Drop a capture's cached summary (retention)."""
         self._locks.pop(capture_id, None)
-        for key in [k for k in self._data if k[0] == capture_id]:
-            del self._data[key]
+        self._data.pop(capture_id, None)
 
     def cancel(self) -> None:
         for task in list(self._tasks):

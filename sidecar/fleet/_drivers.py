@@ -232,13 +232,16 @@ class UpstreamDriver:
                  settings: Any | None, state_dir: Path | None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         from sidecar.control.controller import CaptureController
+        from sidecar.fleet._pacing import FLEET_PACING
         from sidecar.upstream.server import Flavor as UpstreamFlavor
         from sidecar.upstream.server import UpstreamServer
 
         self.target = target
         self.upstream = UpstreamServer(target.url, flavor=UpstreamFlavor(target.flavor), stop_budget_s=stop_budget_s,
                                        transport=transport)
-        self.controller = CaptureController(self.upstream, deploy, state_dir=state_dir, settings=settings)
+        # many controllers on one loop: the fleet's pacing (one thread hop per tick, follow-ups after the stops)
+        self.controller = CaptureController(self.upstream, deploy, state_dir=state_dir, settings=settings,
+                                            pacing=FLEET_PACING)
         self.deploy = deploy
         self._recovered: list[str] = []  # captures journaled live by an earlier process, stopped at open
 

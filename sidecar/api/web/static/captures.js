@@ -78,7 +78,10 @@ async function startForm(card, onStarted) {
     const m = form.querySelector("input[name=mode]:checked").value;
     if (m === "duration") body.duration_s = Number(duration.value);
     if (m === "lease") body.lease_s = Number(lease.value);
-    if (m === "steps") body.steps = Number(steps.input.value);
+    if (m === "steps") {
+      body.steps = Number(steps.input.value);
+      if (steps.count.checked) body.steps_bound = "count";
+    }
     if (label.value.trim()) body.label = label.value.trim();
     submit.disabled = true;
     clear(result, el("p", { class: "muted", text: "starting… (the server answers once every stage has started)" }));

@@ -31,7 +31,10 @@ export function stepsMode() {
   };
   input.addEventListener("input", predict);
   predict();
-  return { input, content: ["for ", input, " engine steps", prediction] };
+  // a server with no max_iterations cap on these stages refuses a steps window unless it is counted
+  const count = el("input", { type: "checkbox", name: "count_steps", id: "count-steps" });
+  const counted = el("label", { class: "small", title: "the sidecar counts the server's /metrics and stops at N: best effort, the traces hold more (the server's own cap, `omni-sidecar render --steps N`, is exact)" }, count, " count them (best effort)");
+  return { input, count, content: ["for ", input, " engine steps ", counted, prediction] };
 }
 
 function ms(v) {
@@ -52,6 +55,7 @@ export function windowCard(card, cap) {
         "p",
         { id: "steps-line" },
         `Steps: ${cap.steps} asked, ${cap.steps_counted ?? "?"} counted by the server`,
+        cap.steps_bound ? ` (ended by ${cap.steps_bound === "count" ? "the sidecar's count" : "the server's cap"}${cap.steps_ended_by && cap.steps_ended_by !== "steps" && cap.steps_ended_by !== "server" ? `, ${cap.steps_ended_by.replace("_", " ")}` : ""})` : "",
         traced.length ? `; in the traces: ${traced.map((v) => `stage ${v.stage_id}: ${v.steps_traced}`).join(", ")}` : "",
       ),
     );

@@ -1,0 +1,158 @@
+"""A capture's notes as facts: a code and its figures (:class:`Note`), worded in one place.
+
+Everything the controller wants a reader to know that is not an error is a :class:`Note`;
+``Capture.notes`` (the prose the API, CLI and page show) is :func:`word` of each. Tests and
+programs read the codes and figures; only this module words them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+
+class Note(BaseModel):
+    code: str
+    stage_id: int | None = None
+    figures: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return word(self)
+
+
+def note(code: str, stage_id: int | None = None, **figures: Any) -> Note:
+    return Note(code=code, stage_id=stage_id, figures=figures)
+
+
+def _ago(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if abs(seconds) < 10 else f"{seconds:.1f} s"
+
+
+def ends_text(ends: dict[Any, int]) -> str:
+    """Each stage's own end of a window: ``22`` where every stage ends alike, else ``22 (stage 0) and 25 (stage 1)``."""
+    alike = set(ends.values())
+    return f"{alike.pop()}" if len(alike) == 1 else " and ".join(
+        f"{n} (stage {sid})" for sid, n in sorted(ends.items(), key=lambda kv: int(kv[0])))
+
+
+def _stage(label: str) -> str:
+    return f"stage {label}" if label else "the engine"
+
+
+def _steps_ended(f: dict[str, Any]) -> str:
+    by, steps, counted = f["ended_by"], f["steps_asked"], f["counted"]
+    if by == "server":
+        return (f"the stop was sent at {counted} steps counted, past the {steps} asked: every stage's server ends its own "
+                f"window after {ends_text(f['ends'])} engine iterations (max_iterations), so the stop waited until each "
+                f"stage had counted its own end + {f['margin']} steps past its count at the start's answer: a stop "
+                "sent sooner could cut a window short, one sent later changes nothing")
+    if by == "steps":
+        return (f"the sidecar counted {counted} of the {steps} steps asked and sent the stop (a best-effort count: the "
+                "engines step on while the stop travels, so the traces hold more; each stage's steps_traced says how "
+                f"many). For exactly {steps}, let the server end the window: restart it with the profiler config "
+                f"`omni-sidecar render --steps {steps}` writes")
+    still = f"{f['still_s']:.1f}s"
+    if by == "stage_stalled":
+        behind = ", ".join(f"{_stage(s)} had counted {f['per_stage'].get(s, 0) - f['heads'].get(s, 0)}"
+                           for s in f["behind"])
+        return (f"the stop was sent with {behind} past the start's answer and none more for {still}, while the others "
+                "had ended their windows (a stage runs only on what reaches it): its trace may hold fewer steps")
+    if by == "stalled":
+        return (f"the window ended after {counted} of the {steps} steps asked: the server's step counter stood still "
+                f"for {still} (no requests reached these stages); send load while a steps window runs, or ask for "
+                "duration_s")
+    if by == "unreadable":
+        return (f"the window ended after {counted} of the {steps} steps asked: no read of the server's /metrics came "
+                f"back for {still}; the count is unknown past that")
+    if by == "counter_reset":
+        return (f"the window ended after {counted} steps: an engine's step counter went back (the server restarted): "
+                "its profiler is gone with it; check the server log")
+    return (f"the window ended after {counted} of the {steps} steps asked: it ran the longest a steps window may run "
+            f"({f['max_s']:g}s, steps_wait_s)")
+
+
+def _steps_traced(f: dict[str, Any], sid: int | None) -> str:
+    n, asked = f["steps_traced"], f["steps_asked"]
+    text = (f"stage {sid}: the trace holds {n} engine steps, {asked} {'was' if asked == 1 else 'were'} asked "
+            f"({n - asked:+d})")
+    if f.get("idle_iterations"):
+        text += (f"; {f['idle_iterations']} of the {f['iterations']} iterations it recorded were idle (nothing "
+                 "scheduled: between requests, or a stage waiting for another's output)"
+                 + (", and the server's max_iterations counts them" if f.get("capped") else ""))
+    return text
+
+
+def _server_bound(f: dict[str, Any], sid: int | None) -> str:
+    steps, mi, di = f["steps"], f["max_iterations"], f["delay_iterations"]
+    skip = f", after skipping the first {di} (delay_iterations: {di})" if di > 0 else ""
+    if f["how"] == "delay":
+        return (f"stage {sid}: the server starts recording {di} engine iterations into each window (delay_iterations: "
+                f"{di}, fixed at its start): the trace holds about {max(steps - di, 0)} of the {steps} steps asked")
+    if f["how"] == "ends_first":
+        return (f"stage {sid}: the server records up to {mi} engine iterations per window (max_iterations: {mi}{skip}); "
+                f"this window's {steps} steps end it first")
+    tail = (f" of the {steps} steps asked; for more, restart the server with a larger max_iterations "
+            f"(omni-sidecar render --steps {steps})" if f["end"] < steps else " steps, however late the stop lands")
+    return (f"stage {sid}: the server stops its own profiler after {mi} engine iterations (max_iterations: {mi}, fixed "
+            f"at its start{skip}; idle iterations count): the trace holds at most {mi}{tail}")
+
+
+def _idle_render(f: dict[str, Any]) -> str:
+    idle = {int(s): v for s, v in f["idle"].items()}
+    caps = {int(s): v for s, v in f["caps"].items()}
+    flags = " ".join(f"--idle {s}={i}/{n}" for s, (i, n) in sorted(idle.items()))
+    capped = ", ".join(f"{caps[s]} on stage {s}" for s in sorted(caps))
+    many = len(idle) > 1
+    return (f"for {f['steps']} steps on {'those stages' if many else f'stage {next(iter(idle))}'} too, give "
+            f"{'each' if many else 'it'} the iterations it idles: restart the server with the profiler config "
+            f"`omni-sidecar render --steps {f['steps']} {flags}` writes (max_iterations {capped})")
+
+
+_WORDS: dict[str, Callable[[dict[str, Any], int | None], str]] = {
+    "text": lambda f, _: str(f.get("text", "")),
+    "budget_over": lambda f, _: (
+        f"{f['steps']} steps on stages {f['stages']} are predicted at {f['predicted_mb']:.1f} MB (stop "
+        f"{f['predicted_stop_s']:.1f}s), above the budget of {f['budget_mb']:g} MB; ask for at most {f['max_steps']} "
+        "steps, or lighter profiler flags on the server (torch_profiler_with_stack / record_shapes off), or raise "
+        "OMNI_SIDECAR_BUDGET_MB"),
+    "server_bound": _server_bound,
+    "folder_second_wait": lambda f, _: (
+        f"start waited {f['wait_s']:.2f}s for the next second: a session folder of this capture's stages is named "
+        f"with second {f['second']} (the previous window's), and a start in that second would reuse its name"),
+    "start_at_late": lambda f, _: (
+        f"start_at was {_ago(f['late_s'])} past when the capture was ready: its start was sent at once"),
+    "files_changed": lambda f, _: (
+        f"files changed since the verdict: {', '.join(f['files'])} (another size, time or inode, or gone): the verdict "
+        "describes them as they were when checked; what is on disk now may be another window's (a later start that "
+        "reused the session folder name) or rewritten"),
+    "steps_ended": lambda f, _: _steps_ended(f),
+    "steps_not_counted": lambda f, _: f"the steps the traces hold are not counted: {f['why']}",
+    "steps_traced": _steps_traced,
+    "idle_fed_too_little": lambda f, sid: (
+        f"stage {sid} idled {f['idle_iterations']} of its {f['iterations']} iterations, more than "
+        f"{f['max_share']:.0%}: it is fed too little for a window counted in steps (more requests at once feed it; "
+        "docs/captures.md)"),
+    "idle_ends_first": lambda f, sid: (
+        f"stage {sid} idled {f['idle_iterations']} of its {f['iterations']} iterations (nothing scheduled: between "
+        f"requests), and it ends the window first: its cap stays at the steps + {f['idle_margin']} (render --idle "
+        f"gives a stage that ends later the iterations it idles), so for {f['steps']} steps on it send more requests "
+        "at once"),
+    "idle_render": lambda f, _: _idle_render(f),
+}
+
+
+def word(n: Note) -> str:
+    """The one place a note becomes prose."""
+    words = _WORDS.get(n.code)
+    if words is None:  # a note from a newer sidecar's journal: its code and figures as they are
+        return f"{n.code}: {n.figures}"
+    try:
+        return words(n.figures, n.stage_id)
+    except (KeyError, TypeError, ValueError):
+        return f"{n.code}: {n.figures}"
+
+
+__all__ = ["Note", "ends_text", "note", "word"]
