@@ -179,3 +179,53 @@ def test_a_trace_without_the_profiler_s_span_starts_at_its_first_event(write_tra
     assert [d.start_skew_us for d in cap.devices] == [0.0, SHIFT_US]
     (f,) = cap.findings
     assert (f.rule, f.stage_id, f.rank, f.figures["spread_us"]) == ("start_skew", 0, 1, SHIFT_US)
+
+
+# --- the fleet's alignment -------------------------------------------------------------------
+
+
+def fleet_result(path: Path, targets: dict[str, list[Path]]) -> Path:
+    """A fleet result as `fleet capture --json` writes it: per target, its stages' session folders."""
+    doc = {"targets": [
+        {"target": name, "kind": "upstream", "outcome": "stopped",
+         "verdicts": [{"stage_id": int(f.name.split("_stage")[1].split("_")[0]), "sessions": [{"path": str(f)}]}
+                      for f in folders]}
+        for name, folders in targets.items()]}
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def test_fleet_skew_compares_stages_apart_and_names_the_hand_over(pipeline: Path, tmp_path: Path) -> None:
+    result = fleet_result(tmp_path / "result.json", {"upstream=http://127.0.0.1:1": sorted(pipeline.iterdir())})
+    doc = cli_json("fleet", "skew", str(result))
+    assert doc["spread_ms"] == 0.0
+    assert [(s["stage_id"], s["spread_us"]) for s in doc["stages"]] == [(0, 0.0), (1, 0.0)]
+    (h,) = doc["handovers"]
+    assert (h["pipeline"], h["stage_id"], h["upstream_stage_id"]) == ("upstream=http://127.0.0.1:1", 1, 0)
+    assert h["latency_us"] == pytest.approx(SHIFT_US, abs=1.0)
+    # every stage was recording over the same span: the common window is stage 0's whole span
+    span = next(e for e in load_trace(FIXTURE)["traceEvents"] if e.get("cat") == "Trace")
+    assert doc["window_ms"] == pytest.approx(span["dur"] / 1000, abs=0.01)
+    text = cli("fleet", "skew", str(result))
+    assert text.returncode == 0, text.stderr + text.stdout
+
+
+def test_fleet_skew_finds_replicas_of_one_stage_started_apart(late_rank: Path, tmp_path: Path) -> None:
+    a, b = sorted(late_rank.iterdir())
+    result = fleet_result(tmp_path / "result.json", {"upstream=http://127.0.0.1:1": [a], "upstream=http://127.0.0.1:2": [b]})
+    doc = cli_json("fleet", "skew", str(result))
+    assert doc["spread_ms"] == pytest.approx(SHIFT_US / 1000, abs=0.01)
+    (s,) = doc["stages"]
+    assert (s["stage_id"], s["members"], s["latest_replica"]) == (0, 2, 1)
+    assert doc["handovers"] == [] and doc["window_ns"] is None and doc["window_empty"] is True
+    starts = sorted(sp["profiling_start_ns"] for sp in doc["spans"])
+    assert starts[1] - starts[0] == pytest.approx(SHIFT_US * 1000, abs=1000)
+
+
+def test_fleet_timeline_trims_to_the_window_every_stage_was_recording(pipeline: Path, tmp_path: Path) -> None:
+    result = fleet_result(tmp_path / "result.json", {"upstream=http://127.0.0.1:1": sorted(pipeline.iterdir())})
+    out = tmp_path / "t.json.gz"
+    doc = cli_json("fleet", "timeline", str(result), "-o", str(out), "--common-window")
+    assert doc["alignment"]["window_ms"] > 0 and doc["trimmed"] > 0
+    kernels = [e for e in load_trace(out)["traceEvents"] if e.get("cat") == "kernel"]
+    assert {e["pid"] for e in kernels} == {1}  # stage 1's work came after stage 0's span ended

@@ -1,11 +1,12 @@
 """Traces of many hosts on one clock: each trace's events mapped through its host's clock offset,
-the start skew against the requested start, and the common window (docs/fleet-clocks.md).
+the start skew against the requested start and within each stage, the pipeline's hand-overs and
+the common window (docs/fleet-clocks.md), with the definitions of ``sidecar/analysis/starts.py``.
 
 A trace's own clock: Kineto writes ``ts`` in µs relative to ``baseTimeNanoseconds`` (a trace
 without one in its header, such as the emulator's, has absolute ``ts``: base 0). Its host's
 clock is ``offset_ns`` ahead of the reference clock (the fleet's), so an event at ``ts`` sits at
 ``base + ts·1000 − offset_ns`` on the reference clock. Each trace is read once, streamed
-(``TraceReader``), for its first and last profiled event.
+(``TraceReader``), for its profiler span and its first and last profiled event.
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.analysis.capture import TraceSource
+from sidecar.analysis.models import Handover, StageStart
 from sidecar.analysis.reader import TraceReader, read_header
+from sidecar.analysis.starts import PROFILER_SPAN, Start, common_span, handovers, stage_starts
 from sidecar.analysis.timeline import _rank
 from sidecar.analysis.timeline import trace_base_ns as _trace_base_ns
 from sidecar.errors import TraceError
-
-# Not profiled work: the profiler's own span and its global instants ("Record Window End").
-_NOT_WORK = frozenset({"Trace"})
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,8 @@ def clock_shift_ns(base_ns: int, clock: HostClock) -> int:
 
 @dataclass
 class TraceSpan:
-    """One trace on the reference clock: its first and last profiled event (epoch ns)."""
+    """One trace on the reference clock: its profiler span and its first and last profiled event
+    (its work), epoch ns."""
 
     target: str
     file: str
@@ -70,47 +71,70 @@ class TraceSpan:
     first_ns: int | None = None
     last_ns: int | None = None
     events: int = 0
-    start_skew_ms: float | None = None  # first_ns − the requested start
+    start_skew_ms: float | None = None  # its profiling start (else first_ns) − the requested start
+    profiling_start_ns: int | None = None  # Kineto's profiler span (``PyTorch Profiler (N)``)
+    profiling_end_ns: int | None = None
+
+    @property
+    def start(self) -> Start:
+        """This trace for the rules of ``sidecar/analysis/starts.py`` (epoch µs)."""
+        def us(ns: int | None) -> float | None:
+            return None if ns is None else ns / 1000
+
+        return Start(stage_id=self.stage_id, replica=self.replica, rank=self.rank, pipeline=self.target,
+                     profiling_start_us=us(self.profiling_start_ns), profiling_end_us=us(self.profiling_end_ns),
+                     first_work_us=us(self.first_ns), last_work_us=us(self.last_ns))
 
 
 def trace_span(fs: FleetSource) -> TraceSpan:
-    """Read ``fs`` once for its first and last profiled event (``X`` events but the profiler's
-    own span), mapped onto the reference clock. ``TraceError`` when it cannot be read."""
+    """Read ``fs`` once for its profiler span and its first and last profiled event (``X`` events
+    but the profiler's own span), mapped onto the reference clock. ``TraceError`` when it cannot
+    be read."""
     header = read_header(fs.source.path)
     base = trace_base_ns(header)
     shift = clock_shift_ns(base, fs.clock)
-    lo = hi = None
+    lo = hi = p_lo = p_hi = None
     n = 0
     reader = TraceReader(fs.source.path)
     for batch in reader.batches():
         for e in batch:
-            if e.ph != "X" or e.cat in _NOT_WORK or e.ts <= 0:
+            if e.ph != "X" or e.ts <= 0:
+                continue
+            end = e.ts + max(e.dur, 0.0)
+            if e.cat == PROFILER_SPAN:
+                p_lo = e.ts if p_lo is None or e.ts < p_lo else p_lo
+                p_hi = end if p_hi is None or end > p_hi else p_hi
                 continue
             n += 1
-            end = e.ts + max(e.dur, 0.0)
             lo = e.ts if lo is None or e.ts < lo else lo
             hi = end if hi is None or end > hi else hi
     src = fs.source
+
+    def ns(ts: float | None) -> int | None:
+        return None if ts is None else shift + round(ts * 1000)
+
     return TraceSpan(
         target=fs.target, file=str(src.path), host=fs.clock.host, stage_id=src.stage_id, replica=src.replica,
         rank=_rank(header, src.path), base_ns=base, offset_ns=fs.clock.offset_ns, error_ns=fs.clock.error_ns,
-        first_ns=None if lo is None else shift + round(lo * 1000), last_ns=None if hi is None else shift + round(hi * 1000),
-        events=n,
+        first_ns=ns(lo), last_ns=ns(hi), events=n, profiling_start_ns=ns(p_lo), profiling_end_ns=ns(p_hi),
     )
 
 
 @dataclass
 class Alignment:
-    """Every trace of a capture on one clock, the skew of their starts and the common window."""
+    """Every trace of a capture on one clock, the skew of their starts within each stage, the
+    pipelines' hand-overs and the common window."""
 
     requested_ns: int | None  # the start asked for (start_at, else when the starts were sent)
     spans: list[TraceSpan] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    spread_ms: float | None = None  # latest first event − earliest first event
-    skew_p50_ms: float | None = None  # median first event − requested start
+    spread_ms: float | None = None  # the widest spread of profiling starts within one stage
+    skew_p50_ms: float | None = None  # median profiling start − requested start
     skew_max_ms: float | None = None
-    window_ns: tuple[int, int] | None = None  # latest first event → earliest last event
-    window_empty: bool = False  # the traces do not overlap at all
+    window_ns: tuple[int, int] | None = None  # latest profiling start → earliest profiling end
+    window_empty: bool = False  # the traces were never all recording at once
+    stages: list[StageStart] = field(default_factory=list)  # per stage: its members' profiling starts
+    handovers: list[Handover] = field(default_factory=list)  # per target: a stage's first work after its upstream's
 
     @property
     def window_ms(self) -> float | None:
@@ -119,8 +143,9 @@ class Alignment:
 
 def align(sources: Sequence[FleetSource], *, requested_ns: int | None = None) -> Alignment:
     """Each source's span on the reference clock (read once each), the start skew per trace
-    against ``requested_ns``, its spread, and the common window. A source that cannot be read is
-    named in ``errors``; ``TraceError`` when none can."""
+    against ``requested_ns``, its spread within each stage, each target's hand-overs from stage to
+    stage, and the common window. A source that cannot be read is named in ``errors``;
+    ``TraceError`` when none can."""
     out = Alignment(requested_ns=requested_ns)
     for fs in sources:
         try:
@@ -130,19 +155,20 @@ def align(sources: Sequence[FleetSource], *, requested_ns: int | None = None) ->
     if not out.spans and out.errors:
         raise TraceError("no readable trace in the fleet capture: " + "; ".join(out.errors[:5]),
                          details={"errors": out.errors})
-    timed = [s for s in out.spans if s.first_ns is not None and s.last_ns is not None]
-    if not timed:
+    starts = [s.start for s in out.spans]
+    span = common_span(starts)
+    if span is None:
         return out
-    firsts = [s.first_ns for s in timed]  # type: ignore[misc]
-    lasts = [s.last_ns for s in timed]  # type: ignore[misc]
-    out.spread_ms = (max(firsts) - min(firsts)) / 1e6
+    out.stages, out.handovers = stage_starts(starts), handovers(starts)
+    out.spread_ms = max(st.spread_us for st in out.stages) / 1000
     if requested_ns is not None:
-        for s in timed:
-            s.start_skew_ms = (s.first_ns - requested_ns) / 1e6  # type: ignore[operator]
-        skews = [s.start_skew_ms for s in timed]
-        out.skew_p50_ms = statistics.median(skews)  # type: ignore[arg-type]
-        out.skew_max_ms = max(skews, key=abs)  # type: ignore[arg-type]
-    lo, hi = max(firsts), min(lasts)
+        for sp, st in zip(out.spans, starts):
+            if st.start_us is not None:
+                sp.start_skew_ms = (round(st.start_us * 1000) - requested_ns) / 1e6
+        skews = [sp.start_skew_ms for sp in out.spans if sp.start_skew_ms is not None]
+        out.skew_p50_ms = statistics.median(skews)
+        out.skew_max_ms = max(skews, key=abs)
+    lo, hi = (round(v * 1000) for v in span)
     if lo < hi:
         out.window_ns = (lo, hi)
     else:

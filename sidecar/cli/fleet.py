@@ -380,29 +380,35 @@ ResultArg = Annotated[Path, typer.Argument(help="a fleet result: the output of `
 
 
 def _print_alignment(al: Any) -> None:
-    """Per trace: host, clock offset ± error, first event against the requested start; then the
-    spread and the common window."""
+    """Per trace: host, clock offset ± error, profiling start and first work against the requested
+    start; then the spread within each stage, the hand-overs and the common window."""
+    from sidecar.analysis.findings import handover_finding
+
     table = Table(title="start skew on the fleet's clock")
-    for col in ("replica", "stage", "rank", "machine", "offset ms", "± ms", "first event ms", "trace"):
+    for col in ("replica", "stage", "rank", "machine", "offset ms", "± ms", "start ms", "first work ms", "trace"):
         table.add_column(col, no_wrap=col != "trace")
 
     def ms(v: float | None, fmt: str = "{:+.3f}") -> str:
         return "-" if v is None else fmt.format(v)
 
     for sp in al.spans:
+        work = None if sp.first_ns is None or al.requested_ns is None else (sp.first_ns - al.requested_ns) / 1e6
         table.add_row(str(sp.replica), str(sp.stage_id), str(sp.rank), escape(sp.host), ms(sp.offset_ns / 1e6),
                       ms(None if sp.error_ns is None else sp.error_ns / 1e6, "{:.3f}"), ms(sp.start_skew_ms),
-                      escape(sp.file))
+                      ms(work), escape(sp.file))
     console.print(table)
-    line = f"spread of first events: {ms(al.spread_ms, '{:.3f}')} ms"
+    spreads = ", ".join(f"stage {st.stage_id} {st.spread_us / 1000:.3f} ms" for st in al.stages)
+    line = f"spread of profiling starts within each stage: {spreads or '-'}"
     if al.skew_p50_ms is not None:
         line += f"; against the requested start: p50 {al.skew_p50_ms:+.3f} ms, worst {al.skew_max_ms:+.3f} ms"
     console.print(line, highlight=False, soft_wrap=True)
+    for h in al.handovers:
+        console.print(f"{escape(h.pipeline or '')}: {escape(handover_finding(h).message)}", highlight=False, soft_wrap=True)
     if al.window_ns is not None:
-        console.print(f"common window: {al.window_ms:.3f} ms (latest first event → earliest last event)",
+        console.print(f"common window: {al.window_ms:.3f} ms (latest profiling start → earliest profiling end)",
                       highlight=False)
     elif al.window_empty:
-        console.print("[yellow]no common window[/]: one trace ends before another begins", highlight=False)
+        console.print("[yellow]no common window[/]: one trace's profiling ended before another's began", highlight=False)
 
 
 def _exit_on_trace_errors(errors: list[str]) -> None:
@@ -414,15 +420,16 @@ def _exit_on_trace_errors(errors: list[str]) -> None:
 
 
 def _alignment_json(al: Any) -> dict[str, Any]:
-    from dataclasses import asdict
+    from pydantic import TypeAdapter
 
-    return {**asdict(al), "window_ms": al.window_ms}
+    return {**TypeAdapter(type(al)).dump_python(al, mode="json"), "window_ms": al.window_ms}
 
 
 @fleet_app.command("skew")
 def skew(result: ResultArg, as_json: JsonOpt = False) -> None:
-    """Each trace's first profiled event against the requested start, on the fleet's clock (each
-    host's clock offset applied), their spread, and the common window."""
+    """Each trace's profiling start (Kineto's profiler span) and first work against the requested
+    start, on the fleet's clock (each host's clock offset applied); their spread within each stage,
+    each stage's hand-over latency, and the window every trace was recording."""
     from sidecar.fleet import align_fleet, load_fleet_result
 
     with cli_errors():

@@ -86,8 +86,9 @@ def requested_start_ns(fc: FleetCapture) -> int | None:
 
 
 def align_fleet(fc: FleetCapture) -> Alignment:
-    """Every trace's first and last profiled event on the fleet's clock, the start skew against
-    the requested start, its spread, and the common window."""
+    """Every trace's profiler span and first and last profiled event on the fleet's clock, the
+    start skew against the requested start, its spread within each stage, each target's hand-overs
+    from stage to stage, and the common window."""
     return align(fleet_sources(fc), requested_ns=requested_start_ns(fc))
 
 
@@ -100,8 +101,8 @@ def fleet_timeline(fc: FleetCapture, out: str | Path, *, common_window: bool = F
     if common_window:
         al = align(sources, requested_ns=requested_start_ns(fc))
         if al.window_ns is None:
-            raise TraceError("the traces of this fleet capture share no common window (the latest first "
-                             "event is after the earliest last event); drop --common-window",
+            raise TraceError("the traces of this fleet capture share no common window (the latest profiling "
+                             "start is after the earliest profiling end); drop --common-window",
                              details={"spread_ms": al.spread_ms})
         window = al.window_ns
     offsets = {str(fs.source.path): fs.clock.offset_ns for fs in sources}
