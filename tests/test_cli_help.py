@@ -1,8 +1,13 @@
 """The CLI's help and vocabulary: ``--version``, every option has help, no literal reST, flags
-show no value type, and the options several commands share mean and default the same."""
+show no value type, the options several commands share mean and default the same, and each help
+text shows as written with the defaults a run takes (no template left unrendered or eaten)."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -117,3 +122,58 @@ def test_one_command_imports_only_its_module():
     loaded = out.stdout.strip().splitlines()[-1]
     assert "'sidecar.cli.capture'" in loaded and "'sidecar.cli.fleet'" not in loaded, loaded
     assert "'sidecar.cli.serve'" not in loaded, loaded
+
+
+def _help(name: str, env: dict[str, str] | None = None) -> str:
+    """``omni-sidecar NAME --help`` as a terminal wide enough to give each text one line."""
+    return CliRunner().invoke(app, [*name.split(), "--help"], env={"COLUMNS": "3000", **(env or {})}).stdout
+
+
+def _words(text: str) -> str:
+    """``text`` as words: the panels' borders and the code spans' backticks aside."""
+    return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).replace("`", "").split())
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_help_text_shows_as_written(name):
+    # the help is Markdown: `<upstream host>` outside a code span is an HTML tag to it, and vanished
+    # (serve's state dir read `omni-sidecar/_-`)
+    cmd = COMMANDS[name]
+    texts = [cmd.help or ""] + [p.help or "" for p in cmd.params if not getattr(p, "hidden", False)]
+    shown = _words(_help(name))
+    assert [t for t in texts if _words(t) not in shown] == []
+
+
+# a template rendered wrong (`_-`), a default that is None, an empty one, an f-string left as text
+MALFORMED = re.compile(r"_-|\bNone\b|default:?\s*[),;\]]|\{[A-Za-z_][^{}\s]*\}|<\s*>")
+PLACEHOLDERS = {"{replica}", "{host}"}  # what `render --dir` takes, expanded by render itself
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_no_help_shows_a_malformed_default(name):
+    lines = [ln for ln in _help(name).splitlines() if not ln.strip().startswith("Usage:")]  # {ARG}: required
+    assert [m.group() for ln in lines for m in MALFORMED.finditer(ln) if m.group() not in PLACEHOLDERS] == []
+
+
+def test_serve_help_gives_the_defaults_a_sidecar_starts_with(monkeypatch):
+    from sidecar.config.settings import SidecarSettings
+
+    for key in [k for k in os.environ if k.startswith("OMNI_SIDECAR_")]:
+        monkeypatch.delenv(key)
+    settings = SidecarSettings()
+    said = {p.name: m.group(1) for p in COMMANDS["serve"].params
+            if (m := re.search(r"\(default (\S+)\)$", p.help or ""))}
+    assert said == {name: str(getattr(settings, name)) for name in ("host", "port", "flavor", "platform", "keep")}
+
+
+def test_serve_help_gives_the_state_dir_a_sidecar_takes(tmp_path):
+    # the default is computed from the environment: the help shows it for this one
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path), "COLUMNS": "3000"}
+    shown = _words(subprocess.run([sys.executable, "-m", "sidecar", "serve", "--help"], capture_output=True,
+                                  text=True, env=env, check=True).stdout)
+    pattern = re.search(r"default: (\S+<upstream host>_<upstream port>-<sidecar port>)", shown)
+    code = "from sidecar.config.settings import default_state_dir as d; print(d('http://vllm-host:8000', 8093))"
+    taken = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
+    described = pattern and pattern.group(1).replace("<upstream host>", "vllm-host").replace(
+        "<upstream port>", "8000").replace("<sidecar port>", "8093")
+    assert (described, taken.strip()) == (str(tmp_path / "omni-sidecar" / "vllm-host_8000-8093"),) * 2, shown

@@ -1,10 +1,14 @@
 """The CLI on an 80-column terminal, through the real command line (``python -m sidecar`` with
 COLUMNS=80) against a real sidecar and emulator: capture ids, URLs and session-folder paths are
 never cut, ids may be given by a unique prefix, every non-``ok`` verdict shows its reason, and
-``fleet capture`` shows progress on a terminal and stays quiet when piped."""
+``fleet capture`` shows progress on a terminal and stays quiet when piped. Piped at 60, 80 and 120
+columns, ``status``, ``list``, ``summarize`` and ``fleet capture`` show every figure, id and path
+of the capture's JSON whole, no ellipsis, and no line wider than the terminal but a path that is
+wider by itself (alone on its line)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -37,17 +41,48 @@ def setup(tmp_path_factory: pytest.TempPathFactory, emulator_pool: EmulatorPool)
         yield sc, emu
 
 
-def _env(terminal: bool) -> dict[str, str]:
-    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(ROOT)}
+def _env(terminal: bool, columns: int = 80) -> dict[str, str]:
+    env = {**os.environ, "COLUMNS": str(columns), "PYTHONPATH": str(ROOT)}
     env.pop("OMNI_SIDECAR_URL", None)
     if terminal:  # rich treats the pipe as an interactive terminal
         env.update(TTY_COMPATIBLE="1", TTY_INTERACTIVE="1")
     return env
 
 
-def cli(*args: str, terminal: bool = False) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True, text=True, env=_env(terminal),
-                          timeout=300, cwd=ROOT)
+def cli(*args: str, terminal: bool = False, columns: int = 80) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sidecar", *args], capture_output=True, text=True,
+                          env=_env(terminal, columns), timeout=300, cwd=ROOT)
+
+
+def shown_values(cap: dict[str, Any], metrics: bool = True) -> list[str]:
+    """Every figure, id and path of a capture's JSON that the CLI prints, as it prints them: the id,
+    each session folder and trace file, and (``metrics``) the server's counters and p50/p95
+    latencies in ms."""
+    values = [cap["id"]]
+    for v in cap["verdicts"]:
+        for s in v["sessions"]:
+            values.append(s.get("local_path") or s["path"])
+            values += [f["name"] for f in s["files"] if ".json" in f["name"]]
+    for e in (cap.get("window_metrics") or {}).get("engines", []) if metrics else []:
+        values += [str(e[k]) for k in ("engine_steps", "requests_finished", "prompt_tokens", "generation_tokens")
+                   if e.get(k) is not None]
+        values += [f"{h['p50_s'] * 1000:.1f}/{h['p95_s'] * 1000:.1f}" for h in e.get("latency", {}).values()
+                   if h.get("count")]
+    return values
+
+
+def layout_faults(out: str, values: list[str], columns: int) -> dict[str, list[str]]:
+    """What breaks the terminal rule in ``out``: values not shown whole (between blanks), an
+    ellipsis, and lines wider than ``columns`` other than a value too long for any line, alone and
+    unindented on its own."""
+    return {
+        "not whole": [v for v in values if not re.search(rf"(?<!\S){re.escape(v)}(?!\S)", out)],
+        "ellipsis": [ln for ln in out.splitlines() if "…" in ln],
+        "too wide": [ln for ln in out.splitlines() if len(ln) > columns and ln not in values],
+    }
+
+
+NO_FAULTS: dict[str, list[str]] = {"not whole": [], "ellipsis": [], "too wide": []}
 
 
 def _captured(sc: Any, emu: Any, traffic: bool = True) -> Any:
@@ -206,3 +241,48 @@ def test_diff_takes_capture_id_prefixes(setup):
     a, b = (_captured(sc, emu).id for _ in range(2))
     done = cli("diff", a[:-1], b[:-1], "--sidecar", sc.url, "--json")
     assert done.returncode == 0, done.stderr
+
+
+@pytest.fixture(scope="module")
+def busy_capture(setup: tuple[Any, Any]) -> dict[str, Any]:
+    """A capture whose window holds a request: ok verdicts, trace files and the server's metrics."""
+    sc, emu = setup
+    cap = _captured(sc, emu)
+    return json.loads(cli("status", cap.id, "--sidecar", sc.url, "--json").stdout)
+
+
+@pytest.mark.parametrize("columns", [60, 80, 120])
+def test_status_shows_every_figure_id_and_path_whole_within_the_width(setup, busy_capture, columns):
+    sc, _ = setup
+    done = cli("status", busy_capture["id"], "--sidecar", sc.url, columns=columns)
+    values = shown_values(busy_capture)
+    assert (done.returncode, bool(busy_capture["window_metrics"]["engines"]), layout_faults(done.stdout, values, columns)) == (
+        0, True, NO_FAULTS), done.stdout
+
+
+@pytest.mark.parametrize("columns", [60, 80, 120])
+def test_list_shows_every_capture_whole_within_the_width(setup, busy_capture, columns):
+    sc, emu = setup
+    done = cli("list", "--sidecar", sc.url, columns=columns)
+    ids = [c["id"] for c in json.loads(cli("list", "--sidecar", sc.url, "--json").stdout)]
+    assert (busy_capture["id"] in ids, layout_faults(done.stdout, [*ids, sc.url, emu.url], columns)) == (
+        True, NO_FAULTS), done.stdout
+
+
+@pytest.mark.parametrize("columns", [60, 80])
+def test_summarize_shows_every_op_name_whole_within_the_width(busy_capture, columns):
+    folders = [s.get("local_path") or s["path"] for v in busy_capture["verdicts"] for s in v["sessions"]]
+    summary = json.loads(cli("summarize", *folders, "--json").stdout)
+    done = cli("summarize", *folders, columns=columns)
+    ops = [o["name"] for st in summary["stages"] for o in st["cpu_ops"]]
+    assert (done.returncode, bool(ops), layout_faults(done.stdout, ops, columns)) == (0, True, NO_FAULTS), done.stdout
+
+
+def test_fleet_capture_shows_its_target_ids_and_paths_whole_in_60_columns(setup):
+    sc, _ = setup
+    done = cli("fleet", "capture", "--targets", f"sidecar={sc.url}", "--stages", "0,2", "--duration", "0.5",
+               columns=60)
+    with SidecarClient(sc.url) as client:
+        cap = json.loads(client.list_captures()[0].model_dump_json())
+    values = [f"sidecar={sc.url}", *shown_values(cap, metrics=False)]
+    assert (cap["id"] in done.stdout, layout_faults(done.stdout, values, 60)) == (True, NO_FAULTS), done.stdout

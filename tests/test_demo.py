@@ -17,12 +17,17 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sidecar.analysis import summarize_paths
+from tests.test_cli_narrow import NO_FAULTS, layout_faults, shown_values
+
 pytestmark = pytest.mark.slow
 
 
 ROOT = Path(__file__).resolve().parents[1]
-# the console script imports `sidecar` from the checkout under test, not from wherever it is installed
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+# the console script imports `sidecar` from the checkout under test, not from wherever it is installed;
+# piped, on an 80-column terminal (the run's output is checked against that width)
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+       "COLUMNS": "80"}
 
 
 def demo_command() -> list[str]:
@@ -56,6 +61,19 @@ def test_demo_out_keeps_both_logs_and_prints_no_numpy_warning(demo_run: tuple[su
     proc, out = demo_run
     logs = [(out / name).is_file() and (out / name).stat().st_size > 0 for name in ("sidecar.log", "emulator.log")]
     assert (logs, "Failed to initialize NumPy" in proc.stdout + proc.stderr) == ([True, True], False)
+
+
+def test_demo_shows_every_figure_id_and_path_of_its_capture_whole_in_80_columns(
+    demo_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    proc, out = demo_run
+    (cap,) = [json.loads(p.read_text()) for p in (out / "state" / "captures").glob("*.json")]
+    values = shown_values(cap)
+    # the top-ops tables: each row's op is one the traces hold, whole
+    traced = {o.name for st in summarize_paths([out / "traces"], top=10_000).stages for o in st.cpu_ops}
+    shown_ops = re.findall(r"^(\S+) +\d+ +[\d.]+ *$", proc.stdout, re.M)
+    assert (len(values) > 10, len(shown_ops) >= 2, set(shown_ops) - traced, layout_faults(proc.stdout, values, 80)) == (
+        True, True, set(), NO_FAULTS), proc.stdout
 
 
 def test_ctrl_c_mid_capture_shuts_everything_down_and_cleans_up(tmp_path: Path) -> None:

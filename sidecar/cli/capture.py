@@ -11,15 +11,14 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich import box
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, ctrl_c_held, parse_stage_list
 from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
-from sidecar.cli._render import STATE_STYLES, print_plan, print_steps, print_verdicts, print_wide, print_window_metrics, styled
-from sidecar.cli._render import verdict_table
+from sidecar.cli._layout import Column, print_table, print_text
+from sidecar.cli._render import STATE_STYLES, print_plan, print_steps, print_verdict_table, print_verdicts
+from sidecar.cli._render import print_window_metrics, styled, styled_cell
 from sidecar.client import DEFAULT_URL, SidecarClient
 from sidecar.control.models import Capture, CaptureKind, CaptureState, Verdict
 
@@ -40,8 +39,12 @@ MAX_CLI_LEASE_S = 60.0
 LabelOpt = Annotated[Optional[str], typer.Option("--label", help="a name for the capture, shown in lists")]
 StepsOpt = Annotated[
     Optional[int],
-    typer.Option("--steps", min=1, help="stop after the server has run N engine steps (its /metrics counter)"),
+    typer.Option("--steps", min=1, help="a window of N engine steps, ended by the server's own max_iterations cap "
+                 "(omni-sidecar render --steps N writes it; refused where there is none, see --count-steps)"),
 ]
+CountStepsOpt = Annotated[bool, typer.Option(
+    "--count-steps", help="with --steps: let the sidecar count the server's /metrics and stop at N (best effort: "
+    "the engines step on while the stop travels; the result says how many steps each trace holds)")]
 DelayStepsOpt = Annotated[
     Optional[int], typer.Option("--delay-steps", min=0, help="start once the server has run N engine steps")
 ]
@@ -63,24 +66,24 @@ def print_capture(cap: Capture, as_json: bool, wide: bool = False) -> None:
         return
     title = f"capture {cap.id} — {styled(cap.state.value, STATE_STYLES)}"
     if wide:
-        print_wide(title, verdict_table(cap.verdicts, "; ".join(e.message for e in cap.errors) or "no verdicts yet"))
+        print_verdict_table(console, title, cap.verdicts,
+                            "; ".join(e.message for e in cap.errors) or "no verdicts yet")
     else:
-        console.print(title, highlight=False, soft_wrap=True)
+        print_text(console, title)
         print_verdicts(console, cap.verdicts, indent="  ")
     if cap.stop_reason:
-        console.print(f"stop reason: {cap.stop_reason.value}")
+        print_text(console, f"stop reason: {cap.stop_reason.value}", markup=False)
     print_steps(console, cap)
     print_window_metrics(console, cap.window_metrics)
     if cap.notes:  # what the window did and the way to what was asked (the web page's "Notes")
-        console.print("notes:")
+        print_text(console, "notes:")
         for note in cap.notes:
-            console.print(f"  - {escape(note)}", highlight=False, soft_wrap=True)
+            print_text(console, note, indent="  - ", hang="    ", markup=False)
     if only_expected_unverified(cap):
-        console.print("note: nsys writes its report itself, so the sidecar cannot check it (unverified, as "
-                      "expected); exit 0. Look for the .nsys-rep where `nsys profile -o` points.",
-                      highlight=False, soft_wrap=True)
+        print_text(console, "note: nsys writes its report itself, so the sidecar cannot check it (unverified, as "
+                   "expected); exit 0. Look for the .nsys-rep where `nsys profile -o` points.", markup=False)
     for err in cap.errors:
-        console.print(f"[red]{escape(err.code)}[/]: {escape(err.message)}", highlight=False, soft_wrap=True)
+        print_text(console, f"[red]{escape(err.code)}[/]: {escape(err.message)}", hang="  ")
 
 
 def print_capture_findings(client: SidecarClient, cap: Capture) -> None:
@@ -88,7 +91,7 @@ def print_capture_findings(client: SidecarClient, cap: Capture) -> None:
     capture ends). A capture without a readable trace, or a sidecar without the summarizer, has none."""
     if not cap.terminal or not any(v.verdict is Verdict.ok for v in cap.verdicts):
         return
-    from sidecar.cli.summarize import print_findings
+    from sidecar.cli.summarize import print_findings, print_memory
     from sidecar.errors import SidecarError
 
     try:
@@ -96,6 +99,7 @@ def print_capture_findings(client: SidecarClient, cap: Capture) -> None:
     except SidecarError:
         return
     print_findings(summary.findings)
+    print_memory(summary.memory, summary.snapshots)  # a memory profile's figures, per device
 
 
 def only_expected_unverified(cap: Capture) -> bool:
@@ -130,15 +134,18 @@ def start(
     sidecar: SidecarOpt = DEFAULT_URL,
     stages: StagesOpt = None,
     duration: Annotated[
-        Optional[float], typer.Option("--duration", help="the server stops it after N s (default: at `omni-sidecar stop`)")
+        Optional[float], typer.Option("--duration", help="the server stops it after N s (default: at `omni-sidecar "
+                                      "stop`, or after the sidecar's `OMNI_SIDECAR_MAX_DURATION_S` where it sets one)")
     ] = None,
     lease: Annotated[
         Optional[float],
-        typer.Option("--lease", min=1, help="the server stops it after N s without a heartbeat (default: no lease)"),
+        typer.Option("--lease", min=1, help="the server stops it after N s without a heartbeat (default: the "
+                     "sidecar's `OMNI_SIDECAR_DEFAULT_LEASE_S`, no lease unless it sets one)"),
     ] = None,
     label: LabelOpt = None,
     steps: StepsOpt = None,
     delay_steps: DelayStepsOpt = None,
+    count_steps: CountStepsOpt = False,
     start_at: StartAtOpt = None,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
@@ -147,15 +154,16 @@ def start(
     with cli_errors(), _client(sidecar, token_file) as client:
         at = None if start_at is None else _on_sidecar_clock(client, start_at)
         cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease,
-                                   steps=steps, delay_steps=delay_steps, start_at=at)
+                                   steps=steps, delay_steps=delay_steps, start_at=at,
+                                   steps_bound="count" if count_steps else None)
         if as_json:
             console.print_json(cap.model_dump_json())
         elif cap.start_at is not None and cap.state.value == "starting":
             when = cap.start_at.astimezone().strftime("%H:%M:%S.%f")[:-3]
-            console.print(f"capture [bold]{cap.id}[/] starting: stages {cap.stages}, sent at {when} (the sidecar's "
-                          "clock); `omni-sidecar stop` before then cancels it", highlight=False)
+            print_text(console, f"capture [bold]{cap.id}[/] starting: stages {escape(str(cap.stages))}, sent at {when} (the "
+                       "sidecar's clock); `omni-sidecar stop` before then cancels it")
         else:
-            console.print(f"capture [bold]{cap.id}[/] {cap.state.value}: stages {cap.stages}")
+            print_text(console, f"capture [bold]{cap.id}[/] {cap.state.value}: stages {escape(str(cap.stages))}")
 
 
 def _on_sidecar_clock(client: SidecarClient, text: str) -> float:
@@ -189,7 +197,7 @@ def stop(
         if as_json:
             console.print_json(cap.model_dump_json())
         else:
-            console.print(f"capture [bold]{cap.id}[/] {cap.state.value}; `omni-sidecar status {cap.id}` to follow")
+            print_text(console, f"capture [bold]{cap.id}[/] {cap.state.value}; `omni-sidecar status {cap.id}` to follow")
 
 
 def _active_id(client: SidecarClient) -> str:
@@ -241,28 +249,18 @@ def list_(
             return
         upstreams = sorted({c.upstream for c in captures})
         where = f" · upstream {upstreams[0]}" if len(upstreams) == 1 else ""
-        # no vertical rules: at 80 columns every column keeps its values whole
-        table = Table(title=f"captures on {sidecar}{where}", title_justify="left", box=box.SIMPLE_HEAD,
-                      pad_edge=False, collapse_padding=True)
-        # the id is the value users copy: never cut it; the other columns fold
-        table.add_column("id", no_wrap=True, min_width=max((len(c.id) for c in captures), default=2))
-        table.add_column("state", no_wrap=True)
-        for col in ("stages", "label"):
-            table.add_column(col, overflow="fold")
-        table.add_column("created", no_wrap=True)
-        for col in ("stop reason", *(["upstream"] if len(upstreams) > 1 else [])):
-            table.add_column(col, overflow="fold")
-        for c in captures:
-            table.add_row(
-                c.id,
-                c.state.value,
-                ",".join(map(str, c.stages)),
-                c.label or "",
-                c.created_at.astimezone().strftime("%m-%d %H:%M:%S"),  # the id has the year (UTC)
-                c.stop_reason.value if c.stop_reason else "",
-                *([c.upstream] if len(upstreams) > 1 else []),
-            )
-        console.print(table)
+        columns = [Column("id"), Column("state"), Column("stages"), Column("label"), Column("created"),
+                   Column("stop reason"), *([Column("upstream")] if len(upstreams) > 1 else [])]
+        rows = [[
+            c.id,
+            styled_cell(c.state.value, STATE_STYLES),
+            ",".join(map(str, c.stages)),
+            c.label or "",
+            c.created_at.astimezone().strftime("%m-%d %H:%M:%S"),  # the id has the year (UTC)
+            c.stop_reason.value if c.stop_reason else "",
+            *([c.upstream] if len(upstreams) > 1 else []),
+        ] for c in captures]
+        print_table(console, f"captures on {sidecar}{where}", columns, rows, empty="no captures yet")
 
 
 @app.command()
@@ -279,6 +277,7 @@ def capture(
     ] = MAX_CLI_LEASE_S,
     steps: StepsOpt = None,
     delay_steps: DelayStepsOpt = None,
+    count_steps: CountStepsOpt = False,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
     wide: WideOpt = False,
@@ -292,9 +291,10 @@ def capture(
         try:
             with ctrl_c_held() as interrupted:  # Ctrl-C during the start stops the capture once it has one
                 cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease,
-                                           steps=steps, delay_steps=delay_steps)
+                                           steps=steps, delay_steps=delay_steps,
+                                           steps_bound="count" if count_steps else None)
             if not as_json:
-                console.print(f"capture [bold]{cap.id}[/] {cap.state.value}: stages {cap.stages}")
+                print_text(console, f"capture [bold]{cap.id}[/] {cap.state.value}: stages {escape(str(cap.stages))}")
             if interrupted():
                 raise KeyboardInterrupt
             if steps is not None and not as_json:

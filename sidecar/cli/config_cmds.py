@@ -11,9 +11,10 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.markup import escape
-from rich.table import Table
+from rich.text import Text
 
 from sidecar.cli._app import EXIT_ERROR, EXIT_OK, EXIT_UNREADABLE, app, cli_errors, console, err_console, parse_stage_list
+from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.config.deploy import PLATFORMS, load_deploy_config, load_server_config
 from sidecar.config.models import DeployConfig
 from sidecar.config.profiles import (
@@ -61,22 +62,16 @@ def _stage_rows(deploy: DeployConfig, findings: list[Finding]) -> list[dict[str,
 
 def _print_table(deploy: DeployConfig, rows: list[dict[str, Any]], findings: list[Finding]) -> None:
     title = str(deploy.path) if deploy.path else "plain vLLM (--profiler-config)"
-    table = Table(title=f"{title} (platform {deploy.platform or 'none'})", title_justify="left")
-    for col in ("id", "kind", "profiler", "dir", "findings"):
-        table.add_column(col, overflow="fold")
+    cells = []
     for row in rows:
-        codes = []
-        for f in findings:
-            if f.stage_id == row["stage_id"]:
-                style = "red" if f.is_error else "yellow"
-                codes.append(f"[{style}]{f.code}[/]")
-        table.add_row(
-            str(row["stage_id"]), row["kind"], row["profiler"] or "-", escape(row["dir"] or "-"), " ".join(codes) or "[green]ok[/]"
-        )
-    console.print(table)
+        codes = Text(" ").join(Text(f.code, style="red" if f.is_error else "yellow")
+                               for f in findings if f.stage_id == row["stage_id"])
+        cells.append([str(row["stage_id"]), row["kind"], row["profiler"] or "-", row["dir"] or "-",
+                      codes if codes.plain else Text("ok", style="green")])
+    print_table(console, f"{title} (platform {deploy.platform or 'none'})",
+                [Column("id"), Column("kind"), Column("profiler"), Column("dir"), Column("findings", prose=True)], cells)
     for f in findings:
-        style = "red" if f.is_error else "yellow"
-        console.print(f"[{style}]{escape(str(f))}[/]", highlight=False, soft_wrap=True)
+        print_text(console, Text(str(f), style="red" if f.is_error else "yellow"), hang="  ")
 
 
 STAGE_OVERRIDES_HELP = "the server's --stage-overrides JSON, e.g. '{\"0\": {\"profiler_config\": {...}}}'"
@@ -152,15 +147,13 @@ def validate(
         else:
             _print_table(deploy, rows, findings)
             if plan is not None:
-                console.print(support.describe(), highlight=False, markup=False)
-                console.print(
-                    f"verl {role}: steps={plan.steps} tool={plan.tool} discrete={plan.discrete} "
-                    f"enable={plan.enable} ranks={'all' if plan.all_ranks else plan.ranks or [0]}",
-                    highlight=False,
-                )
+                print_text(console, support.describe(), hang="  ", markup=False)
+                print_text(console, f"verl {role}: steps={plan.steps} tool={plan.tool} discrete={plan.discrete} "
+                           f"enable={plan.enable} ranks={'all' if plan.all_ranks else plan.ranks or [0]}",
+                           hang="  ", markup=False)
                 if plan.enable:
-                    console.print(f"{role} replicas profiled: {format_replicas(plan.requested_replicas(rank_mode))}",
-                                  highlight=False)
+                    print_text(console, f"{role} replicas profiled: {format_replicas(plan.requested_replicas(rank_mode))}",
+                               hang="  ", markup=False)
             n_err = sum(f.is_error for f in findings)
             n_warn = len(findings) - n_err
             console.print(
@@ -203,7 +196,7 @@ def render(
     profile: Annotated[str, typer.Option("--profile", help=f"preset ({', '.join(list_profiles())}) or a profile YAML")],
     stages: Annotated[Optional[str], typer.Option("--stages", help="stages to profile, e.g. 0,2 (default: all)")] = None,
     out_dir: Annotated[
-        Optional[Path], typer.Option("--dir", help="trace root; each stage writes to DIR/stage<id> (default: keep the stage's dir)")
+        Optional[Path], typer.Option("--dir", help="trace root; each stage writes to `DIR/stage<id>` (default: keep the stage's dir)")
     ] = None,
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="write the overlay YAML here")] = None,
     stage_overrides: Annotated[

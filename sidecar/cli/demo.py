@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console
+from sidecar.cli._layout import Column, print_table, print_text
 
 if TYPE_CHECKING:
     from sidecar.analysis.models import CaptureSummary
@@ -74,18 +76,17 @@ def send_chat_requests(url: str, n: int) -> int:
     return done
 
 
+def step(n: int | None, text: str) -> None:
+    """A step of the demo, ``N/5 text`` (``n`` None: more about the step before), wrapped under it."""
+    print_text(console, f"[bold]{n}/5[/] {text}" if n else f"      {text}", hang="      ")
+
+
 def print_summary(summary: CaptureSummary, top: int = 5) -> None:
     """Top CPU ops per stage of a capture's summary (``GET /v1/captures/{id}/summary``)."""
-    from rich.table import Table
-
     for stage in summary.stages:
-        table = Table(title=f"stage {stage.stage_id}: top ops by self CPU time", title_justify="left")
-        table.add_column("op", overflow="fold")
-        table.add_column("calls", justify="right")
-        table.add_column("self (ms)", justify="right")
-        for op in stage.cpu_ops[:top]:
-            table.add_row(op.name, str(op.count), f"{op.self_us / 1000:.2f}")
-        console.print(table)
+        print_table(console, f"stage {stage.stage_id}: top ops by self CPU time",
+                    [Column("op"), Column("calls", "right"), Column("self (ms)", "right")],
+                    [[op.name, str(op.count), f"{op.self_us / 1000:.2f}"] for op in stage.cpu_ops[:top]])
 
 
 @app.command()
@@ -111,25 +112,24 @@ def demo(
         try:
             base = find_base_deploy()
             overlay = write_overlay(base, workdir)
-            console.print(
-                f"[bold]1/5[/] deploy: {overlay} (base_config {base.name} + stage profile {DEMO_PROFILE!r}, "
-                f"traces under {workdir / 'traces'})"
-            )
-            console.print("[bold]2/5[/] starting the emulated vLLM-Omni server (3 stages, CPU torch profiler)…")
+            step(1, f"deploy: {escape(str(overlay))} (base_config {escape(base.name)} + stage profile "
+                    f"{DEMO_PROFILE!r}, traces under {escape(str(workdir / 'traces'))})")
+            step(2, "starting the emulated vLLM-Omni server (3 stages, CPU torch profiler)")
             with EmulatorProcess(overlay, flavor="omni", log_path=workdir / "emulator.log") as emulator:
-                console.print(f"      server at {emulator.url}")
-                console.print("[bold]3/5[/] starting the sidecar…")
+                step(None, f"server at {emulator.url}")
+                step(3, "starting the sidecar")
                 with SidecarProcess(
                     emulator.url, overlay, state_dir=workdir / "state", log_path=workdir / "sidecar.log"
                 ) as sc, SidecarClient(sc.url, timeout=60) as client:
-                    console.print(f"      sidecar at {sc.url} (API docs at {sc.url}/docs)")
+                    step(None, f"sidecar at {sc.url} (API docs at {sc.url}/docs)")
                     cap = client.start_capture(DEMO_STAGES, label="demo")
-                    console.print(f"[bold]4/5[/] capture {cap.id} active on stages {cap.stages}; sending {DEMO_REQUESTS} chat requests…")
+                    step(4, f"capture {cap.id} active on stages {escape(str(cap.stages))}; sending {DEMO_REQUESTS} "
+                            "chat requests")
                     sent = send_chat_requests(emulator.url, DEMO_REQUESTS)
-                    console.print(f"      {sent} requests answered; stopping (the server flushes traces now)")
+                    step(None, f"{sent} requests answered; stopping (the server flushes traces now)")
                     client.stop_capture(cap.id)
                     cap = wait_with_progress(client, cap.id, timeout=300, quiet=False)
-                    console.print("[bold]5/5[/] result")
+                    step(5, "result")
                     print_capture(cap, as_json=False)
                     ok = cap.state is CaptureState.completed and all(
                         (v := cap.verdict(s)) is not None and v.verdict is Verdict.ok for s in DEMO_STAGES
@@ -138,16 +138,16 @@ def demo(
                         try:
                             print_summary(client.summary(cap.id))
                         except Exception as err:  # a summary is a bonus; it never fails the demo
-                            console.print(f"(no summary: {err})")
+                            print_text(console, f"(no summary: {err})", markup=False)
                     where = "" if keep else " (deleted on exit; pass --keep or --out DIR to keep them)"
-                    console.print(f"traces: {workdir / 'traces'}{where}")
-                    console.print(f"journal: {workdir / 'state'}; logs: {workdir / 'sidecar.log'}, "
-                                  f"{workdir / 'emulator.log'}{where}")
-                    console.print("shutting down…")
+                    print_text(console, f"traces: {workdir / 'traces'}{where}", hang="  ", markup=False)
+                    print_text(console, f"journal: {workdir / 'state'}; logs: {workdir / 'sidecar.log'}, "
+                               f"{workdir / 'emulator.log'}{where}", hang="  ", markup=False)
+                    print_text(console, "shutting down")
         finally:
             if not keep:
                 shutil.rmtree(workdir, ignore_errors=True)
             else:
-                console.print(f"kept {workdir}")
-        console.print("[green]demo ok[/]" if ok else "[red]demo: capture not completed[/]")
+                print_text(console, f"kept {workdir}", markup=False)
+        print_text(console, "[green]demo ok[/]" if ok else "[red]demo: capture not completed[/]")
         raise typer.Exit(EXIT_OK if ok else EXIT_ERROR)

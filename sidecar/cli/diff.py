@@ -11,10 +11,10 @@ from pathlib import Path
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from sidecar.analysis.diff import CaptureDiff, StageDiff, diff_paths
 from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console
+from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.client import SidecarUnreachable
 from sidecar.errors import SidecarError
 
@@ -27,32 +27,30 @@ def _d(us: float) -> str:
     return f"{us / 1000:+,.3f}"
 
 
-def _short(name: str, width: int = 70) -> str:
-    return name if len(name) <= width else name[: width - 1] + "…"
-
-
 def _print_stage(title: str, s: StageDiff) -> None:
     t = s.totals
-    console.print(
+    print_text(
+        console,
         f"[bold]{escape(title)}[/]: window {_ms(t.span_us_a)} → {_ms(t.span_us_b)} ms; self CPU of ops "
         f"{_ms(t.cpu_op_self_us_a)} → {_ms(t.cpu_op_self_us_b)} ms; GPU {_ms(t.gpu_us_a)} → {_ms(t.gpu_us_b)} ms; "
         f"kernels {t.kernels_a:,} → {t.kernels_b:,}; step {_ms(t.step_mean_us_a)} → {_ms(t.step_mean_us_b)} ms",
-        highlight=False,
+        hang="  ",
     )
-    tab = Table("op", "count A→B", "self CPU ms A", "B", "Δ", title="ops by change in self CPU time")
-    for o in s.ops_by_self_cpu:
-        tab.add_row(_short(o.name), f"{o.count_a:,}→{o.count_b:,}", _ms(o.self_us_a), _ms(o.self_us_b), _d(o.delta_self_us))
-    console.print(tab)
+    # A, B and their difference stay in one table when a narrow terminal splits it
+    figures = [Column("count A→B", "right"), *(Column(h, "right", group="ms") for h in ("ms A", "B", "Δ"))]
+    print_table(console, "ops by change in self CPU time",
+                [Column("op"), *figures[:1], Column("self CPU ms A", "right", group="ms"), *figures[2:]],
+                [[o.name, f"{o.count_a:,}→{o.count_b:,}", _ms(o.self_us_a), _ms(o.self_us_b), _d(o.delta_self_us)]
+                 for o in s.ops_by_self_cpu])
     if s.ops_by_self_device:
-        tab = Table("op", "count A→B", "self device ms A", "B", "Δ", title="ops by change in self device time")
-        for o in s.ops_by_self_device:
-            tab.add_row(_short(o.name), f"{o.count_a:,}→{o.count_b:,}", _ms(o.self_device_us_a), _ms(o.self_device_us_b), _d(o.delta_self_device_us))
-        console.print(tab)
+        print_table(console, "ops by change in self device time",
+                    [Column("op"), *figures[:1], Column("self device ms A", "right", group="ms"), *figures[2:]],
+                    [[o.name, f"{o.count_a:,}→{o.count_b:,}", _ms(o.self_device_us_a), _ms(o.self_device_us_b),
+                      _d(o.delta_self_device_us)] for o in s.ops_by_self_device])
     if s.kernels:
-        tab = Table("kind", "name", "count A→B", "ms A", "B", "Δ", title="kernels / memcpy / memset by change in time")
-        for k in s.kernels:
-            tab.add_row(k.kind, _short(k.name), f"{k.count_a:,}→{k.count_b:,}", _ms(k.total_us_a), _ms(k.total_us_b), _d(k.delta_us))
-        console.print(tab)
+        print_table(console, "kernels / memcpy / memset by change in time", [Column("kind"), Column("name"), *figures],
+                    [[k.kind, k.name, f"{k.count_a:,}→{k.count_b:,}", _ms(k.total_us_a), _ms(k.total_us_b),
+                      _d(k.delta_us)] for k in s.kernels], keys=2)
 
 
 def _remote(url: str, a: str, b: str, top: int) -> CaptureDiff:
@@ -97,7 +95,8 @@ def diff(
     if as_json:
         console.print_json(json.dumps(result.model_dump(mode="json")))
     else:
-        console.print(f"A = {escape(result.a)}\nB = {escape(result.b)}", highlight=False)
+        print_text(console, f"A = {result.a}", hang="    ", markup=False)
+        print_text(console, f"B = {result.b}", hang="    ", markup=False)
         if len(result.stages) > 1:
             for s in result.stages:
                 _print_stage(f"stage {s.stage_id if s.stage_id is not None else '?'}", s)

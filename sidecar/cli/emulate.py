@@ -80,7 +80,7 @@ def emulate(
     ),
     platform: str = typer.Option(
         "cuda", "--platform", help="cuda: the files a GPU server writes; cpu: those of vLLM-Omni on vLLM's CPU platform "
-        "(no profiler_out_<N>.txt for LLM stages, no stacks_cuda)."
+        "(no `profiler_out_<N>.txt` for LLM stages, no stacks_cuda)."
     ),
     stage_overrides: Optional[str] = typer.Option(
         None, "--stage-overrides", help="Per-stage JSON merged over the deploy file, as `vllm serve --omni` does."

@@ -17,13 +17,15 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.text import Text
 
 from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, err_console, parse_stage_list
 from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
-from sidecar.cli._render import STATE_STYLES, VERDICT_STYLES, print_verdicts, print_wide, styled
+from sidecar.cli._layout import Column, print_table, print_text
+from sidecar.cli._render import STATE_STYLES, VERDICT_STYLES, print_verdicts, styled, styled_cell
 from sidecar.control.models import Verdict
 from sidecar.errors import FleetDurationInvalid, TargetInvalid
+from sidecar.fleet import START_TIMEOUT_S
 
 fleet_app = typer.Typer(
     name="fleet",
@@ -32,6 +34,11 @@ fleet_app = typer.Typer(
     rich_markup_mode="markdown",
 )
 app.add_typer(fleet_app, name="fleet")
+
+def _default_state_dir() -> Path:
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "omni-sidecar" / "fleet"
+
 
 TargetsOpt = Annotated[
     str,
@@ -51,7 +58,8 @@ TokenFileOpt = Annotated[
 ]
 StateDirOpt = Annotated[
     Optional[Path],
-    typer.Option("--state-dir", help="journal of upstream targets' captures, so `fleet stop` can find them"),
+    typer.Option("--state-dir", help="journal of upstream targets' captures, so `fleet stop` can find them "
+                 f"(default: `{_default_state_dir()}`, under $XDG_STATE_HOME when set, else ~/.local/state)"),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON (every target in full) instead of a table")]
 LabelOpt = Annotated[Optional[str], typer.Option("--label", help="a name for the captures, shown in lists")]
@@ -61,9 +69,8 @@ SharedOpt = Annotated[bool, typer.Option(
 HostLocalOpt = Annotated[bool, typer.Option(
     "--dirs-host-local", help="the same dir path on different hosts is a different (host-local) folder")]
 BudgetOpt = Annotated[float, typer.Option("--stop-budget", help="seconds each target's stop may take (s)")]
-StartTimeoutOpt = Annotated[Optional[float], typer.Option(
-    "--start-timeout", help="seconds a target may take to answer an open, a start, a read or a heartbeat "
-    "(default: the fleet's, 30 s)")]
+StartTimeoutOpt = Annotated[float, typer.Option(
+    "--start-timeout", help="seconds a target may take to answer an open, a start, a read or a heartbeat")]
 KindOpt = Annotated[str, typer.Option("--kind", help="torch (trace files) or nsys (profiler: cuda stages)")]
 StartAtOpt = Annotated[Optional[str], typer.Option(
     "--start-at", help="start every target at this wall-clock time: +S (seconds from now), epoch seconds, "
@@ -72,15 +79,10 @@ StartAtOpt = Annotated[Optional[str], typer.Option(
 ROWS_MAX = 16
 
 
-def _default_state_dir() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "omni-sidecar" / "fleet"
-
-
 def _fleet(targets: str, stages: str | None, deploy_config: Path | None, flavor: str,
            token_file: Path | None, state_dir: Path | None, allow_shared_dirs: bool = False,
            dirs_host_local: bool = False, stop_budget_s: float = 1800.0,
-           start_timeout_s: float | None = None) -> Any:
+           start_timeout_s: float = START_TIMEOUT_S) -> Any:
     from sidecar.fleet import Fleet
 
     token = None
@@ -93,7 +95,7 @@ def _fleet(targets: str, stages: str | None, deploy_config: Path | None, flavor:
     fleet = Fleet(targets, stages=parse_stage_list(stages), deploy_config=deploy_config, flavor=flavor,  # type: ignore[arg-type]
                   token=token, state_dir=state_dir or _default_state_dir(),
                   allow_shared_dirs=allow_shared_dirs, dirs_host_local=dirs_host_local, stop_budget_s=stop_budget_s,
-                  **({} if start_timeout_s is None else {"start_timeout_s": start_timeout_s}))
+                  start_timeout_s=start_timeout_s)
     return fleet
 
 
@@ -135,47 +137,47 @@ def _print(fc: Any, as_json: bool, wide: bool = False) -> None:
     ok = sum(r.ok for r in fc.targets.values())
     title = f"fleet {fc.label or ''}".rstrip() + f": {ok} of {len(fc.targets)} ok"
     if wide:
-        print_wide(title, _wide_table(fc))
+        _print_wide(title, fc)
         return
-    # A target URL, a capture id and a folder are never cut: each on its own unwrapped line.
-    console.print(title, highlight=False, soft_wrap=True)
+    # A target URL, a capture id and a folder are never cut: each on its own line.
+    print_text(console, title, markup=False)
     for r in fc.targets.values():
         state = r.state.value if r.state else "-"
-        console.print(f"{escape(r.target)}  {escape(r.outcome.value)}  {styled(state, STATE_STYLES)}",
-                      highlight=False, soft_wrap=True)
+        print_text(console, f"{escape(r.target)}  {escape(r.outcome.value)}  {styled(state, STATE_STYLES)}")
         if r.capture_id:
-            console.print(f"  capture {r.capture_id}", highlight=False, soft_wrap=True)
+            print_text(console, f"capture {r.capture_id}", indent="  ", markup=False)
         if r.error:
-            console.print(f"  [red]{escape(r.error.code)}[/]: {escape(r.error.message)}", highlight=False, soft_wrap=True)
+            print_text(console, f"[red]{escape(r.error.code)}[/]: {escape(r.error.message)}", indent="  ", hang="    ")
         print_verdicts(console, r.verdicts, indent="  ")
 
 
-def _wide_table(fc: Any) -> Table:
-    table = Table()
-    for col in ("target", "outcome", "capture", "state", "stage", "verdict", "reason", "session folders"):
-        table.add_column(col, no_wrap=True)
+def _print_wide(title: str, fc: Any) -> None:
+    """``--wide``: a row per target and stage, at the table's natural width."""
+    columns = [Column("target"), Column("outcome"), Column("capture"), Column("state"), Column("stage"),
+               Column("verdict"), Column("reason", prose=True), Column("session folders")]
+    rows: list[list[str | Text]] = []
     for r in fc.targets.values():
-        state = styled(r.state.value if r.state else "-", STATE_STYLES)
-        head = [escape(r.target), r.outcome.value, r.capture_id or "-", state]
+        state = styled_cell(r.state.value if r.state else "-", STATE_STYLES)
+        head = [r.target, r.outcome.value, r.capture_id or "-", state]
         error = f"{r.error.code}: {r.error.message}" if r.error else ""
         if not r.verdicts:
-            table.add_row(*head, "-", "-", escape(error), "-")
+            rows.append([*head, "-", "-", error, "-"])
         for v in r.verdicts:
-            verdict = styled(v.verdict.value if v.verdict else "-", VERDICT_STYLES)
-            reason = escape(error or (v.reason if v.verdict is not Verdict.ok else "") or "")
-            folders = "\n".join(escape(s.local_path or s.path) for s in v.sessions) or "-"
-            table.add_row(*head, str(v.stage_id), verdict, reason, folders)
-    return table
+            verdict = styled_cell(v.verdict.value if v.verdict else "-", VERDICT_STYLES)
+            reason = error or (v.reason if v.verdict is not Verdict.ok else "") or ""
+            folders = "\n".join(s.local_path or s.path for s in v.sessions) or "-"
+            rows.append([*head, str(v.stage_id), verdict, reason, folders])
+    print_table(console, title, columns, rows, wide=True)
 
 
 def _print_rollup(fc: Any) -> None:
-    """Counts and the worst few, one unwrapped line each: a target URL is never cut."""
+    """Counts and the worst few, a line each: a target URL is never cut."""
     roll = fc.rollup()
 
     def line(text: str) -> None:
-        console.print(text, highlight=False, soft_wrap=True)
+        print_text(console, text, hang="    ")
 
-    line(f"fleet {fc.label or ''}".rstrip() + f": {roll['ok']} of {roll['targets']} ok (--json for every target)")
+    line(f"fleet {escape(fc.label or '')}".rstrip() + f": {roll['ok']} of {roll['targets']} ok (--json for every target)")
     for group in ("outcomes", "states", "verdicts"):
         for name, count in roll[group].items():
             line(f"  {group[:-1]} {escape(str(name))}: {count}")
@@ -190,9 +192,9 @@ def _print_rollup(fc: Any) -> None:
 
 def _exit(fc: Any, kind: str = "torch") -> None:
     if not fc.ok and kind == "nsys" and _only_expected_unverified(fc):
-        console.print("note: nsys writes its reports itself, so the sidecar cannot check them (unverified, as "
-                      "expected); exit 0. Look for the .nsys-rep files where each `nsys profile -o` points.",
-                      highlight=False, soft_wrap=True)
+        print_text(console, "note: nsys writes its reports itself, so the sidecar cannot check them (unverified, "
+                   "as expected); exit 0. Look for the .nsys-rep files where each `nsys profile -o` points.",
+                   markup=False)
         raise typer.Exit(EXIT_OK)
     raise typer.Exit(EXIT_OK if fc.ok else EXIT_ERROR)
 
@@ -227,7 +229,7 @@ def start(
     dirs_host_local: HostLocalOpt = False,
     kind: KindOpt = "torch",
     start_at: StartAtOpt = None,
-    start_timeout: StartTimeoutOpt = None,
+    start_timeout: StartTimeoutOpt = START_TIMEOUT_S,
     wide: WideOpt = False,
 ) -> None:
     """Start on every target at once; all or nothing (a failure stops the ones that started)."""
@@ -265,7 +267,7 @@ def stop(
     state_dir: StateDirOpt = None,
     as_json: JsonOpt = False,
     stop_budget: BudgetOpt = 1800.0,
-    start_timeout: StartTimeoutOpt = None,
+    start_timeout: StartTimeoutOpt = START_TIMEOUT_S,
     wide: WideOpt = False,
 ) -> None:
     """Stop the live capture on every target at once, each within its own budget."""
@@ -304,7 +306,7 @@ def capture(
     kind: KindOpt = "torch",
     stop_budget: BudgetOpt = 1800.0,
     start_at: StartAtOpt = None,
-    start_timeout: StartTimeoutOpt = None,
+    start_timeout: StartTimeoutOpt = START_TIMEOUT_S,
     wide: WideOpt = False,
 ) -> None:
     """Start everywhere, keep the window open --duration seconds (or until Ctrl-C), stop
@@ -384,31 +386,30 @@ def _print_alignment(al: Any) -> None:
     start; then the spread within each stage, the hand-overs and the common window."""
     from sidecar.analysis.findings import handover_finding
 
-    table = Table(title="start skew on the fleet's clock")
-    for col in ("replica", "stage", "rank", "machine", "offset ms", "± ms", "start ms", "first work ms", "trace"):
-        table.add_column(col, no_wrap=col != "trace")
-
     def ms(v: float | None, fmt: str = "{:+.3f}") -> str:
         return "-" if v is None else fmt.format(v)
 
-    for sp in al.spans:
-        work = None if sp.first_ns is None or al.requested_ns is None else (sp.first_ns - al.requested_ns) / 1e6
-        table.add_row(str(sp.replica), str(sp.stage_id), str(sp.rank), escape(sp.host), ms(sp.offset_ns / 1e6),
-                      ms(None if sp.error_ns is None else sp.error_ns / 1e6, "{:.3f}"), ms(sp.start_skew_ms),
-                      ms(work), escape(sp.file))
-    console.print(table)
+    def work(sp: Any) -> float | None:
+        return None if sp.first_ns is None or al.requested_ns is None else (sp.first_ns - al.requested_ns) / 1e6
+
+    columns = [Column("replica"), Column("stage"), Column("rank"), Column("machine"), Column("offset ms", "right"),
+               Column("± ms", "right"), Column("start ms", "right"), Column("first work ms", "right"), Column("trace")]
+    rows = [[str(sp.replica), str(sp.stage_id), str(sp.rank), sp.host, ms(sp.offset_ns / 1e6),
+             ms(None if sp.error_ns is None else sp.error_ns / 1e6, "{:.3f}"), ms(sp.start_skew_ms), ms(work(sp)), sp.file]
+            for sp in al.spans]
+    print_table(console, "start skew on the fleet's clock", columns, rows, keys=3, empty="no traces")
     spreads = ", ".join(f"stage {st.stage_id} {st.spread_us / 1000:.3f} ms" for st in al.stages)
     line = f"spread of profiling starts within each stage: {spreads or '-'}"
     if al.skew_p50_ms is not None:
         line += f"; against the requested start: p50 {al.skew_p50_ms:+.3f} ms, worst {al.skew_max_ms:+.3f} ms"
-    console.print(line, highlight=False, soft_wrap=True)
+    print_text(console, line, markup=False)
     for h in al.handovers:
-        console.print(f"{escape(h.pipeline or '')}: {escape(handover_finding(h).message)}", highlight=False, soft_wrap=True)
+        print_text(console, f"{h.pipeline}: {handover_finding(h).message}", markup=False)
     if al.window_ns is not None:
-        console.print(f"common window: {al.window_ms:.3f} ms (latest profiling start → earliest profiling end)",
-                      highlight=False)
+        print_text(console, f"common window: {al.window_ms:.3f} ms (latest profiling start → earliest profiling end)",
+                   markup=False)
     elif al.window_empty:
-        console.print("[yellow]no common window[/]: one trace's profiling ended before another's began", highlight=False)
+        print_text(console, "[yellow]no common window[/]: one trace's profiling ended before another's began")
 
 
 def _exit_on_trace_errors(errors: list[str]) -> None:
@@ -460,10 +461,10 @@ def fleet_timeline_cmd(
         console.print_json(json.dumps({**asdict(report), "alignment": None if al is None else _alignment_json(al)}))
     else:
         if al is not None:
-            console.print(f"common window: {al.window_ms:.3f} ms; {report.trimmed:,} events outside it left out",
-                          highlight=False)
-        console.print(f"wrote {escape(str(out))}: {len(report.processes)} processes, {report.events:,} events; "
-                      "open it in https://ui.perfetto.dev", highlight=False, soft_wrap=True)
+            print_text(console, f"common window: {al.window_ms:.3f} ms; {report.trimmed:,} events outside it left out",
+                       markup=False)
+        print_text(console, f"wrote {out}: {len(report.processes)} processes, {report.events:,} events; "
+                   "open it in https://ui.perfetto.dev", markup=False)
     _exit_on_trace_errors(report.errors)
 
 
@@ -489,9 +490,9 @@ def archive(
         console.print_json(json.dumps(asdict(report)))
     else:
         for name, off in report.machines.items():
-            console.print(f"machine {escape(name)}: clock {off / 1e6:+.3f} ms", highlight=False, soft_wrap=True)
-        console.print(f"wrote {escape(str(out))}: {len(report.members)} traces + perfetto_manifest.json "
-                      f"({report.mode}); open it in https://ui.perfetto.dev", highlight=False, soft_wrap=True)
+            print_text(console, f"machine {name}: clock {off / 1e6:+.3f} ms", markup=False)
+        print_text(console, f"wrote {out}: {len(report.members)} traces + perfetto_manifest.json "
+                   f"({report.mode}); open it in https://ui.perfetto.dev", markup=False)
     _exit_on_trace_errors(report.errors)
 
 
@@ -516,12 +517,12 @@ def stragglers_cmd(
             row["diff"] = None if s.diff is None else s.diff.model_dump(mode="json")
         console.print_json(json.dumps(body))
         return
-    console.print(f"median replica {st.median_replica}: {st.median_wall_ms:.3f} ms of {st.replicas} replicas",
-                  highlight=False)
+    print_text(console, f"median replica {st.median_replica}: {st.median_wall_ms:.3f} ms of {st.replicas} replicas",
+               markup=False)
     for s in st.slowest:
-        console.print(f"replica {s.replica} ({escape(s.target)}): {s.wall_ms:.3f} ms, {s.excess_ms:+.3f} ms; "
-                      f"most in stage {s.stage_id} ({s.stage_excess_ms:+.3f} ms)", highlight=False, soft_wrap=True)
+        print_text(console, f"replica {s.replica} ({s.target}): {s.wall_ms:.3f} ms, {s.excess_ms:+.3f} ms; "
+                   f"most in stage {s.stage_id} ({s.stage_excess_ms:+.3f} ms)", hang="  ", markup=False)
         stage = next((d for d in (s.diff.stages if s.diff else []) if d.stage_id == s.stage_id), None)
         for op in (stage.ops_by_self_cpu if stage else [])[:top]:
-            console.print(f"  {escape(op.name)}: {op.delta_self_us:+,.1f} µs self CPU "
-                          f"({op.count_a} → {op.count_b} calls)", highlight=False, soft_wrap=True)
+            print_text(console, f"{op.name}: {op.delta_self_us:+,.1f} µs self CPU ({op.count_a} → {op.count_b} calls)",
+                       indent="  ", hang="    ", markup=False)

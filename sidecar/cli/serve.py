@@ -13,6 +13,16 @@ import typer
 from rich.markup import escape
 
 from sidecar.cli._app import app, cli_errors, err_console
+from sidecar.config.settings import SidecarSettings, default_state_dir
+
+# The defaults the help gives are the settings' own (a flag left out takes the OMNI_SIDECAR_* variable,
+# else these), and the state dir's root is the one this environment gives.
+_DEFAULTS = {name: field.default for name, field in SidecarSettings.model_fields.items()}
+STATE_DIR_HELP = (
+    "journal of captures, owned by this sidecar while it runs (default: "
+    f"`{default_state_dir()}/<upstream host>_<upstream port>-<sidecar port>`, under $XDG_STATE_HOME when set, "
+    "else ~/.local/state)"
+)
 
 
 @app.command()
@@ -28,23 +38,21 @@ def serve(
     deploy_config: Annotated[
         Optional[Path], typer.Option("--deploy-config", help="the deploy YAML the server was started with")
     ] = None,
-    host: Annotated[Optional[str], typer.Option("--host", help="bind address (default 127.0.0.1)")] = None,
-    port: Annotated[Optional[int], typer.Option("--port", help="port (default 8092)")] = None,
+    host: Annotated[Optional[str], typer.Option("--host", help=f"bind address (default {_DEFAULTS['host']})")] = None,
+    port: Annotated[Optional[int], typer.Option("--port", help=f"port (default {_DEFAULTS['port']})")] = None,
     fd: Annotated[Optional[int], typer.Option("--fd", hidden=True, min=0,
                                               help="serve on this listening socket (a launcher's, or systemd's)")] = None,
     state_dir: Annotated[
         Optional[Path],
-        typer.Option(
-            "--state-dir",
-            help="journal of captures, owned by this sidecar while it runs (default "
-            "$XDG_STATE_HOME or ~/.local/state, then omni-sidecar/<upstream host>_<port>-<sidecar port>)",
-        ),
+        typer.Option("--state-dir", help=STATE_DIR_HELP),
     ] = None,
     token_file: Annotated[
         Optional[Path], typer.Option("--token-file", help="bearer token required on mutating routes")
     ] = None,
-    flavor: Annotated[Optional[str], typer.Option("--flavor", help="omni (stage lists) or vllm (no body)")] = None,
-    platform: Annotated[Optional[str], typer.Option("--platform", help="platforms.<name> overlay (default cuda)")] = None,
+    flavor: Annotated[Optional[str], typer.Option(
+        "--flavor", help=f"omni (stage lists) or vllm (no body) (default {_DEFAULTS['flavor']})")] = None,
+    platform: Annotated[Optional[str], typer.Option(
+        "--platform", help=f"the deploy YAML's `platforms.<name>` overlay to apply (default {_DEFAULTS['platform']})")] = None,
     artifact_root: Annotated[
         Optional[list[str]],
         typer.Option("--artifact-root", help="SERVER_PATH=LOCAL_PATH where the server's trace dirs are mounted here"),
@@ -65,16 +73,21 @@ def serve(
                      "pipeline's stage ids, e.g. 0,1"),
     ] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level: debug, info, warning, error")] = "info",
-    keep: Annotated[Optional[int], typer.Option("--keep", help="finished captures kept in history (default 1000)")] = None,
+    keep: Annotated[Optional[int], typer.Option(
+        "--keep", help=f"finished captures kept in history (default {_DEFAULTS['keep']})")] = None,
     keep_days: Annotated[
-        Optional[float], typer.Option("--keep-days", help="drop finished captures older than this many days")
+        Optional[float], typer.Option("--keep-days", help="drop finished captures older than this many days "
+                                      "(default: kept whatever their age)")
     ] = None,
     allowed_host: Annotated[
         Optional[list[str]],
         typer.Option("--allowed-host", help="Host/Origin name accepted besides loopback names (repeatable; '*' = any)"),
     ] = None,
 ) -> None:
-    """Run the sidecar's HTTP API beside a vLLM-Omni server (OpenAPI at /docs)."""
+    """Run the sidecar's HTTP API beside a vLLM-Omni server (OpenAPI at /docs).
+
+    A setting left out takes its `OMNI_SIDECAR_*` environment variable (e.g. `OMNI_SIDECAR_PORT`),
+    else the default shown."""
     with cli_errors():
         from sidecar.config.deploy import load_server_config
         from sidecar.config.rules import validate_deploy

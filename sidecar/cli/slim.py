@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.markup import escape
 
 from sidecar.analysis.slim import slim_trace
 from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console
+from sidecar.cli._layout import print_text
 
 
 @app.command("slim")
@@ -24,11 +24,13 @@ def slim(
     cats = [c.strip() for c in drop.split(",") if c.strip()]
     with cli_errors():
         r = slim_trace(trace, out, drop=cats, window=window, max_mb=max_mb)
-    console.print(
-        f"wrote {escape(str(out))}: {r.events_out:,} of {r.events_in:,} events, "
+    print_text(
+        console,
+        f"wrote {out}: {r.events_out:,} of {r.events_in:,} events, "
         f"{r.raw_bytes_out / 1e6:,.1f} MB of JSON (from {r.raw_bytes_in / 1e6:,.1f} MB)"
         + (f"; dropped {', '.join(r.dropped_categories)}" if r.dropped_categories else ""),
-        highlight=False,
+        hang="  ",
+        markup=False,
     )
     if not r.fits:
         err_console.print(f"[bold red]error[/]: still larger than {max_mb} MB; use a narrower --window", highlight=False)

@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from sidecar.analysis.timeline import write_timeline
 from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console
+from sidecar.cli._layout import print_text
 
 
 @app.command("timeline")
@@ -30,10 +31,10 @@ def timeline(
         console.print_json(json.dumps(asdict(report)))
     else:
         for p in report.processes:
-            console.print(f"pid {p.pid}: [bold]{escape(p.name)}[/] {p.events:,} events, {p.kernels:,} kernels, "
-                          f"clock {p.offset_us:+,.1f} µs  ({escape(p.file)})", highlight=False)
-        console.print(f"wrote {escape(str(out))}: {report.events:,} events, {report.raw_bytes / 1e6:,.1f} MB of JSON; "
-                      "open it in https://ui.perfetto.dev", highlight=False)
+            print_text(console, f"pid {p.pid}: [bold]{escape(p.name)}[/] {p.events:,} events, {p.kernels:,} kernels, "
+                       f"clock {p.offset_us:+,.1f} µs  ({escape(p.file)})", hang="  ")
+        print_text(console, f"wrote {out}: {report.events:,} events, {report.raw_bytes / 1e6:,.1f} MB of JSON; "
+                   "open it in https://ui.perfetto.dev", hang="  ", markup=False)
     for msg in report.errors:
         err_console.print(f"[bold red]error[/]{escape('[trace_invalid]')}: {escape(msg)}", highlight=False)
     if report.errors:
