@@ -607,11 +607,12 @@ class StepsUnbounded(CaptureError):
 
 
 class PlanUnmeasurable(CaptureError):
-    """A plan whose probes cannot measure a window: a stage traced no engine step, or too few
-    probes ended ``completed``."""
+    """A plan whose probes cannot measure a window: a stage traced no engine step, too few probes
+    ended ``completed``, or the shortest probe already breaks a bound. The request was valid; the
+    server's state (its traffic, its flags) did not allow a measure: 409."""
 
     code = "plan_unmeasurable"
-    http_status = 422
+    http_status = 409
 
 
 class PlanTimeout(CaptureError):

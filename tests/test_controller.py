@@ -275,8 +275,9 @@ async def test_a_start_in_the_second_of_the_previous_folder_waits_and_says_so(ct
     cap = await ctl.start([0])
     await ctl.stop(cap.id)
     done = await ctl.wait(cap.id, timeout=20)
-    assert (done.state, done.notes[0].startswith("start waited"), f"second {now}" in done.notes[0],
-            _folders(done)[0].endswith(f"_{now}")) == (CaptureState.completed, True, True, False)
+    (waited,) = done.fact("folder_second_wait")
+    assert (done.state, waited.figures["second"], 0 < waited.figures["wait_s"] <= 1 + 2.0,
+            _folders(done)[0].endswith(f"_{now}")) == (CaptureState.completed, now, True, False)
 
 
 async def test_a_capture_whose_trace_was_replaced_after_its_verdict_says_so(ctl):
@@ -286,9 +287,9 @@ async def test_a_capture_whose_trace_was_replaced_after_its_verdict_says_so(ctl)
     replacement = trace.with_name("replacement")
     replacement.write_bytes(trace.read_bytes() + b"\0")
     replacement.replace(trace)  # a later window's trace, written over this one
-    notes = ctl.get(done.id).notes
-    assert (len(notes), f"{Path(session.path).name}/trace_rank0.json.gz" in notes[0],
-            "files changed since the verdict" in notes[0]) == (1, True, True)
+    (changed,) = ctl.get(done.id).facts
+    assert (changed.code, changed.figures["files"]) == (
+        "files_changed", [f"{Path(session.path).name}/trace_rank0.json.gz"]), changed
 
 
 # --- stop faults --------------------------------------------------------------------------

@@ -45,7 +45,8 @@ def test_the_api_conforms_to_its_openapi_document(
     emu = shared_emulator_factory(deploy, extra_args=["--workers", "thread"], startup_timeout=120)
     # a scheduled capture's held GET (?until=started) answers within 1 s here, not 30: the shapes
     # are under test, and the stateful phase holds several
-    env = {"OMNI_SIDECAR_COLLECT_TIMEOUT_S": "3", "OMNI_SIDECAR_HOLD_MAX_S": "1"}
+    # a steps window or a plan's probe on the idle emulator ends once its counter stood still 1 s
+    env = {"OMNI_SIDECAR_COLLECT_TIMEOUT_S": "3", "OMNI_SIDECAR_HOLD_MAX_S": "1", "OMNI_SIDECAR_STEPS_STALL_S": "1"}
     sc = sidecar_factory(emu.url, deploy, env=env)
     generation = (["--max-examples", FUZZ_EXAMPLES] if FUZZ_EXAMPLES else
                   ["--max-examples", str(MAX_EXAMPLES), "--seed", "1", "--generation-deterministic"])

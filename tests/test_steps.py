@@ -286,6 +286,15 @@ def test_plan_is_a_line_through_the_probes_cut_by_the_tighter_bound() -> None:
     assert (by_stop.steps, by_stop.limited_by, round(by_stop.predicted_stop_s or 0, 3)) == (4, "max_stop_s", 3.0)
 
 
+def test_a_plan_whose_probes_show_no_growth_is_bounded_by_their_bytes_per_step() -> None:
+    # two probes of the same size (a line with no slope): the budget's bound was infinite and a 1 MB
+    # budget planned 1,000,000 steps; now all of a probe's bytes count per step (the safe side)
+    probes = [Probe(capture_id=f"p{n}", steps_asked=n, steps_traced={0: n}, bytes={0: 200_000}, stop_s=1.0)
+              for n in (1, 2)]
+    plan = make_plan([0], probes, {}, budget_mb=1.0, max_stop_s=None)
+    assert (plan.steps, plan.limited_by) == (5, "budget_mb"), plan  # 0.2 MB per step at most: 5 fit
+
+
 class _ScriptedProbes:
     """The controller surface ``run_plan`` drives (start, wait, deploy), with each probe's traced
     steps and bytes scripted: the engines' pace, which decides them, is the input under test."""

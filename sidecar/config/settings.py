@@ -96,6 +96,8 @@ class SidecarSettings(BaseSettings):
     steps_stall_s: float = Field(default=10.0, gt=0)
     # write each `steps` window's counter reads here as a JSON fixture (tests/data/steps/)
     steps_record_dir: str | None = None
+    # a `plan`, its probes included, answers within this (then plan_timeout, 504)
+    plan_max_s: float = Field(default=300.0, gt=0)
     # a start scheduled (`start_at`) further ahead than this is refused (unset: any time ahead)
     start_at_max_s: float | None = Field(default=None, gt=0)
     # a request held open (`GET /v1/captures/{id}?until=started`) answers within this at most

@@ -464,7 +464,8 @@ def verdict(watch: StageWatch, found: Scan, *, pending: list[str], timed_out: bo
                         expected_traces=watch.expected_traces if watch.profiler == "torch" else None,
                         found_traces=None if d.rule in (Rule.not_torch, Rule.not_local, Rule.invisible)
                         else len(d.counted),
-                        verdict=d.verdict, reason=reason)
+                        verdict=d.verdict, reason=reason, rule=d.rule.value, lost_ranks=list(d.lost_ranks),
+                        lost_replicas=list(d.lost_replicas))
 
 
 def after_stop_error(v: StageVerdict, stop_error: UpstreamError) -> StageVerdict:
@@ -475,6 +476,7 @@ def after_stop_error(v: StageVerdict, stop_error: UpstreamError) -> StageVerdict
     return v.model_copy(
         update={
             "verdict": Verdict.missing,
+            "rule": "stop_failed",
             "reason": (
                 f"stage {v.stage_id} wrote no trace and the stop failed on the server "
                 f"({stop_error.message}): its worker most likely died during the window. Check the "

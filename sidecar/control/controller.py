@@ -24,30 +24,29 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.config.models import DeployConfig, StageKind
-from sidecar.config.rules import IDLE_ITERATIONS, MAX_IDLE_SHARE, max_iterations_for, select_stages
-from sidecar.config.rules import server_bounded_stages, server_window_ends, steps_bounded_by_server
-from sidecar.control import artifacts, budget, window
+from sidecar.config.rules import select_stages, steps_bounded_by_server
+from sidecar.control import artifacts, budget, limits
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
 from sidecar.control.collect import after_stop_error, collect, found_so_far
 from sidecar.control.journal import CaptureJournal
-from sidecar.control import limits
 from sidecar.control.limits import StepsAsk, check_steps, check_window
 from sidecar.control.models import CLOCKS_MAX, Capture, CaptureKind, CaptureState, ClockRecord, ErrorRecord
 from sidecar.control.models import StageVerdict, StopReason, Verdict
+from sidecar.control.measures import WindowMeasures
 from sidecar.control.notes import note
 from sidecar.control.nsys import nsys_command, nsys_hint
 from sidecar.control.pacing import Direct, Pacing
 from sidecar.control.schedule import check_start_at, wait_until
 from sidecar.control.settings import ControlSettings
-from sidecar.control.steps import Bound, Read, StepsWindow, idle_fix, steps_traced
+from sidecar.control.steps import Read
 from sidecar.control.stopping import send_stop
 from sidecar.control.summaries import SUMMARY_TOP, SummaryCache
 from sidecar.errors import ArtifactNotFound, CaptureActive, CaptureNotFound, CaptureStateError, CaptureStopPending
-from sidecar.errors import MetricsUnavailable, SidecarClosing, SidecarError, StageSetMismatch, StartCancelled
-from sidecar.errors import StepsUnavailable, UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from sidecar.errors import SidecarClosing, SidecarError, StageSetMismatch, StartCancelled
+from sidecar.errors import UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from sidecar.scrub import env_secret_values, scrub_secrets
-from sidecar.upstream.metrics import MetricsSnapshot, WindowMetrics, engine_steps, window_metrics
+from sidecar.upstream.metrics import MetricsSnapshot
 from sidecar.upstream.server import Flavor, UpstreamServer
 
 log = logging.getLogger(__name__)
@@ -145,6 +144,7 @@ class CaptureController:
         self._start_lock = asyncio.Lock()
         self._listeners: list[OnChange] = []
         self._summaries = SummaryCache(self.journal)
+        self._measures = WindowMeasures(upstream, deploy, self.settings, self._summaries)
         self._copies: Path | None = Path(state_dir).expanduser() / "artifacts" if state_dir is not None else None
         self._background: set[asyncio.Task[None]] = set()
         self._opened = False
@@ -334,7 +334,7 @@ class CaptureController:
                                           self.settings.budget_action)
         self._refuse_overlap()  # fast path: don't queue behind a start that may take minutes
         counted = steps is not None or delay_steps is not None
-        first = await self._step_counter(selected) if counted else None  # only: has the server a counter?
+        first = await self._measures.step_counter(selected) if counted else None  # only: has it a counter?
         async with self._start_lock:
             self._refuse_overlap()
             secret_values = env_secret_values()  # read once: the environment scan is most of a start's CPU
@@ -370,10 +370,7 @@ class CaptureController:
                 starts (seconds on CPU), while the engines already step and record."""
                 nonlocal sent
                 if counted:
-                    t0 = time.monotonic()
-                    snap = await self._scrape()
-                    at = (t0 + time.monotonic()) / 2
-                    rt.steps_base = Read(at, engine_steps(snap) if isinstance(snap, MetricsSnapshot) else None)
+                    rt.steps_base, snap = await self._measures.at_send()
                     if self.settings.window_metrics:
                         rt.metrics_before = _done(snap)
                 sent = True
@@ -389,8 +386,7 @@ class CaptureController:
                 self._changed(cap)
                 await self.flush()  # journaled with the baselines before anything can start upstream
                 if delay_steps and first is not None:
-                    await window.wait_steps(self._reader(), engine_steps(first), cap.stages, delay_steps,
-                                            wait_s=self.settings.steps_wait_s, poll_s=self.settings.steps_poll_s)
+                    await self._measures.wait_delay(first, cap.stages, delay_steps)
                 if prepared is not None and not prepared.done():
                     prepared.set_result(_copy(cap))
                 if start_at is not None:
@@ -423,7 +419,7 @@ class CaptureController:
             if rt.metrics_before is None and self.settings.window_metrics:
                 # once the start is answered: a scrape beside it makes the server render ~100 kB of
                 # text in the process that handles the start (vLLM-Omni: +40 ms on the start, p50)
-                rt.metrics_before = asyncio.create_task(self._scrape(), name=f"metrics-before-{cap.id}")
+                rt.metrics_before = asyncio.create_task(self._measures.scrape(), name=f"metrics-before-{cap.id}")
             self._changed(cap)
             if rt.pending_stop is not None:
                 await self.stop(cap.id, reason=rt.pending_stop)
@@ -605,93 +601,13 @@ class CaptureController:
         """The stages a torch capture of ``stages`` profiles (None: every profiled stage); refused as a start would."""
         return list(select_stages(self.deploy, stages, kind="torch"))
 
-    async def _scrape(self) -> MetricsSnapshot | str:
-        """The server's /metrics now, or why not (a window never fails for its metrics)."""
-        try:
-            return await self.upstream.metrics()
-        except MetricsUnavailable as exc:
-            return exc.message
-
-    def _reader(self) -> window.ReadCounts:
-        return window.reader(self.upstream.step_counts)
-
-    async def _step_counter(self, stages: list[int]) -> MetricsSnapshot:
-        """A read of the server's counters, refused when it has none (the check a counted window needs)."""
-        snap = await self._scrape()
-        if isinstance(snap, str):
-            raise StepsUnavailable(
-                f"a steps window counts the server's engine steps from its /metrics, and {snap}; check that the "
-                "server is up, or ask for duration_s instead of steps", details={"stages": stages})
-        if not engine_steps(snap):
-            raise StepsUnavailable(
-                f"a steps window counts the server's engine steps from its /metrics, and {self.upstream.base_url}"
-                "/metrics has no vllm:iteration_tokens_total (the server runs with --disable-log-stats?); restart "
-                "it without --disable-log-stats, or ask for duration_s instead of steps", details={"stages": stages})
-        return snap
-
     async def _count_steps(self, capture_id: str) -> None:
-        """A ``steps`` window: its counter read and fed to the policy (steps.py) until it says stop."""
+        """A ``steps`` window: counted until the policy ends it (measures.py), then stopped."""
         cap, rt = self._captures[capture_id], self._rt[capture_id]
-        assert cap.steps is not None and cap.steps_bound is not None and rt.started_mono is not None
-        ends = server_window_ends(self.deploy, cap.stages) if cap.steps_bound is Bound.server_cap else None
-        policy = StepsWindow(cap.steps, cap.stages, bound=cap.steps_bound, ends=ends, base=rt.steps_base,
-                             answered_at=rt.started_mono, stall_s=self.settings.steps_stall_s,
-                             max_s=self.settings.steps_wait_s)
-        decision = await window.count_window(policy, self._reader(), poll_s=self.settings.steps_poll_s)
-        cap.steps_counted, cap.steps_ended_by = decision.counted, decision.ended_by
-        cap.facts.append(note("steps_ended", ended_by=decision.ended_by.value if decision.ended_by else None,
-                              steps_asked=cap.steps, counted=decision.counted, bound=cap.steps_bound.value,
-                              per_stage=dict(decision.per_stage), heads=dict(decision.heads),
-                              behind=list(decision.behind), still_s=round(decision.still_s, 3),
-                              ends={str(s): n for s, n in (ends or {}).items()}, margin=policy.margin,
-                              max_s=policy.max_s))
-        if self.settings.steps_record_dir:
-            await asyncio.to_thread(window.record, self.settings.steps_record_dir, cap.id, policy, decision)
+        assert rt.started_mono is not None
+        await self._measures.count(cap, rt.steps_base, rt.started_mono)
         rt.steps_counter = None  # stop() cancels the counter; this one must not cancel itself
         await self.stop(capture_id, reason=StopReason.steps)
-
-    async def _settle_metrics(self, cap: Capture, rt: _Runtime) -> None:
-        """The window's metrics from the scrapes at its edges."""
-        if rt.metrics_before is None:
-            return
-        try:
-            before = await asyncio.wait_for(asyncio.shield(rt.metrics_before), self.upstream.timeouts.probe)
-            after = await asyncio.wait_for(asyncio.shield(rt.metrics_after), self.upstream.timeouts.probe) \
-                if rt.metrics_after is not None else "no scrape after the stop"
-        except asyncio.TimeoutError:
-            cap.window_metrics = WindowMetrics(unavailable="a /metrics scrape did not answer within "
-                                               f"{self.upstream.timeouts.probe:g}s")
-            return
-        if isinstance(before, str) or isinstance(after, str):
-            cap.window_metrics = WindowMetrics(unavailable=before if isinstance(before, str) else str(after))
-            return
-        cap.window_metrics = window_metrics(before, after)
-
-    async def _steps_traced(self, cap: Capture, verdicts: list[StageVerdict]) -> list[StageVerdict]:
-        """Each stage's engine steps as its trace holds them (the trace summary), with a note when a
-        stage holds other than asked, and the way to the steps where the server's cap idled short."""
-        try:
-            data = await self._summaries.get(cap, live=True)
-        except SidecarError as exc:
-            cap.facts.append(note("steps_not_counted", why=exc.message))
-            return verdicts
-        except Exception as exc:  # a summary never changes the capture's outcome (a bug included)
-            log.warning("capture %s: the steps the traces hold are not counted: %s", cap.id, exc, exc_info=True)
-            cap.facts.append(note("steps_not_counted", why=f"the summary failed ({type(exc).__name__}: {exc})"))
-            return verdicts
-        per_stage, idle, writes = window.trace_steps(data.get("files", []), cap.stages)
-        steps = cap.steps or 0
-        capped = {s for s, pc in server_bounded_stages(self.deploy, cap.stages) if pc.max_iterations > 0}
-        cap.facts.extend(note("steps_traced", f.pop("stage_id"), **f)  # type: ignore[arg-type]
-                         for f in steps_traced(steps, per_stage, idle, capped=capped))
-        if cap.steps_bound is Bound.server_cap:
-            short = {s: idle[s] for s, n in per_stage.items() if n < steps and s in idle}
-            for f in idle_fix(steps, short, server_window_ends(self.deploy, cap.stages), idle_iterations=IDLE_ITERATIONS,
-                              max_share=MAX_IDLE_SHARE, max_iterations_for=max_iterations_for):
-                code, sid = str(f.pop("code")), f.pop("stage_id", None)
-                cap.facts.append(note(code, sid, **f))  # type: ignore[arg-type]
-        return [v.model_copy(update={"steps_traced": per_stage[v.stage_id], "trace_write_s": writes.get(v.stage_id)})
-                if v.stage_id in per_stage else v for v in verdicts]
 
     # --- scheduling -------------------------------------------------------------------------
 
@@ -908,14 +824,14 @@ class CaptureController:
             published()
             await self.pacing.before_follow_up()
             if rt.metrics_before is not None:  # beside the collect, not before it
-                rt.metrics_after = asyncio.create_task(self._scrape(), name=f"metrics-after-{cap.id}")
+                rt.metrics_after = asyncio.create_task(self._measures.scrape(), name=f"metrics-after-{cap.id}")
             verdicts = await self._collect(cap, rt)
             if stop_error is not None:
                 verdicts = [after_stop_error(v, stop_error) for v in verdicts]
-            await self._settle_metrics(cap, rt)
+            await self._measures.settle(cap, rt.metrics_before, rt.metrics_after)
             cap.verdicts = verdicts
             if cap.steps is not None:
-                verdicts = cap.verdicts = await self._steps_traced(cap, verdicts)
+                verdicts = cap.verdicts = await self._measures.steps_traced(cap, verdicts)
             ok = stop_error is None and all(v.verdict is Verdict.ok for v in verdicts)
             self._finish(cap, CaptureState.completed if ok else CaptureState.degraded)
             if self.settings.summarize and any(v.verdict in (Verdict.ok, Verdict.partial) for v in verdicts):

@@ -75,7 +75,8 @@ class ControlSettings(BaseModel):
             gone_after_s=settings.gone_after_s,
             steps_wait_s=settings.steps_wait_s,
             steps_stall_s=settings.steps_stall_s,
-            steps_record_dir=getattr(settings, "steps_record_dir", None),
+            steps_record_dir=settings.steps_record_dir,
+            plan_max_s=settings.plan_max_s,
             start_at_max_s=settings.start_at_max_s,
         )
 

@@ -93,7 +93,7 @@ class StepsWindow:
         self.answered_at = answered_at
         self.base: dict[Labels, int] | None = dict(base.counts) if base is not None and base.counts is not None else None
         self._last: dict[Labels, int] | None = self.base
-        self._last_read = base.at if base is not None and base.counts is not None else answered_at
+        self._last_read = answered_at  # the window's clock starts at the start's answer (a start can take seconds)
         self._heads: dict[str, int] | None = None
         self._moved: dict[str, tuple[int, float]] = {}  # per stage: its count, and when it last moved
         self._per: dict[str, int] = {}

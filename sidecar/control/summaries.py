@@ -1,9 +1,10 @@
 """Trace summaries of finished captures: computed by ``sidecar.analysis`` in a memory-capped worker
 process (``sidecar.analysis.isolated``), once per capture, with ``SUMMARY_TOP_MAX`` rows per table
-(the most the API serves); a request for ``top`` rows gets that summary cut to ``top``
-(``cut``), so N different ``top``s cost one analysis. Kept beside the journal
-(``<state_dir>/summaries/<id>.json``) and, for the captures read last, in memory; one summarizer
-per capture at a time. A summary never changes a verdict.
+(the most the API serves); a request for ``top`` rows gets that summary cut to ``top`` (``cut``),
+so N different ``top``s cost one analysis. The capture is analysed again only when its trace files
+were replaced since (``replaced``). Kept beside the journal (``<state_dir>/summaries/<id>.json``)
+and, for the captures read last, in memory; one summarizer per capture at a time. A summary never
+changes a verdict.
 """
 
 from __future__ import annotations
@@ -11,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +35,11 @@ SUMMARY_TOP_MAX = 500
 # with more are the summary made with N.
 TABLES = ("cpu_ops", "cpu_ops_by_device", "annotations", "runtime", "kernels", "memcpy", "memset", "memory_ops")
 LEVELS = ("stages", "files")  # the lists of bodies under the capture's own
-# The rows per table a cached file was made with (stripped before serving). A file without it was
-# written before summaries were analysed once: it holds SUMMARY_TOP rows.
+# What a cached file records beside the summary (stripped before serving): the rows per table it
+# was made with (a file without it was written when a capture was analysed per ``top``: it holds
+# SUMMARY_TOP rows) and the trace files it read (``identity``).
 ROWS_KEY = "summary_rows"
+FILES_KEY = "summary_files"
 # Summaries kept in memory (the rest are read back from their file): a summary with every table
 # at SUMMARY_TOP_MAX rows for every file of a large capture is tens of MB.
 MEMORY_CAPTURES = 8
@@ -67,28 +72,64 @@ def cut(data: dict[str, Any], top: int) -> dict[str, Any]:
     return out
 
 
+@dataclass
+class Analysis:
+    """A capture's one analysis: ``rows`` per table it was made with (None: every row, no table was
+    cut), the trace files it read (path -> [size, mtime ns, inode]; None: not recorded), the summary."""
+
+    rows: int | None
+    files: dict[str, list[int]] | None
+    data: dict[str, Any]
+
+    def serves(self, top: int) -> bool:
+        return self.rows is None or top <= self.rows
+
+
+def identity(paths: list[Path]) -> dict[str, list[int]]:
+    """What tells a trace file from its replacement: its size, modification time and inode."""
+    out: dict[str, list[int]] = {}
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError:
+            continue
+        out[str(p)] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    return out
+
+
+def replaced(analysed: dict[str, list[int]] | None, paths: list[Path]) -> bool:
+    """Whether the trace files ``paths`` (readable now) are no longer the ones an analysis read: one
+    rewritten, one there but refused now (a FIFO, a link out of its folder), or one new (a gzip that
+    finished since). A file that is simply gone is not: the summary outlives the traces."""
+    if analysed is None:
+        return False
+    now = identity(paths)
+    if any(name not in analysed for name in now):
+        return True
+    return any(now[name] != ident if name in now else os.path.lexists(name) for name, ident in analysed.items())
+
+
 class SummaryCache:
     def __init__(self, journal: CaptureJournal | None) -> None:
         self.journal = journal
-        # capture id -> (rows per table it was made with, None: every row; the summary), most recent last
-        self._data: OrderedDict[str, tuple[int | None, dict[str, Any]]] = OrderedDict()
+        self._data: OrderedDict[str, Analysis] = OrderedDict()  # capture id -> its analysis, most recent last
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self.analyses = 0  # analyses started: one per capture, whatever ``top``s are asked for
+        self.analyses = 0  # analyses started: one per capture (and per replacement of its traces), whatever ``top``s
 
     def _file(self, capture_id: str) -> Path | None:
         return self.journal.summary_path(capture_id) if self.journal is not None else None
 
-    def _keep(self, capture_id: str, rows: int, data: dict[str, Any]) -> tuple[int | None, dict[str, Any]]:
-        held = (None if complete(data, rows) else rows, data)
+    def _keep(self, capture_id: str, rows: int, files: dict[str, list[int]] | None, data: dict[str, Any]) -> Analysis:
+        held = Analysis(None if complete(data, rows) else rows, files, data)
         self._data[capture_id] = held
         self._data.move_to_end(capture_id)
         while self.journal is not None and len(self._data) > MEMORY_CAPTURES:  # the file keeps the rest
             self._data.popitem(last=False)
         return held
 
-    def _load(self, capture_id: str) -> tuple[int, dict[str, Any]] | None:
-        """The capture's summary file: (rows per table it was made with, the summary), or None."""
+    def _load(self, capture_id: str) -> tuple[int, dict[str, list[int]] | None, dict[str, Any]] | None:
+        """The capture's summary file: (rows per table, files read, the summary), or None."""
         path = self._file(capture_id)
         if path is None:
             return None
@@ -98,33 +139,29 @@ class SummaryCache:
             return None
         if not isinstance(data, dict):
             return None
-        rows = data.pop(ROWS_KEY, SUMMARY_TOP)
-        return (rows if isinstance(rows, int) and rows > 0 else SUMMARY_TOP), data
+        rows, files = data.pop(ROWS_KEY, SUMMARY_TOP), data.pop(FILES_KEY, None)
+        return (rows if isinstance(rows, int) and rows > 0 else SUMMARY_TOP,
+                files if isinstance(files, dict) else None, data)
 
-    def _held(self, capture_id: str, loaded: tuple[int, dict[str, Any]] | None) -> tuple[int | None, dict[str, Any]] | None:
+    def _held(self, capture_id: str, loaded: tuple[int, dict[str, list[int]] | None, dict[str, Any]] | None,
+              ) -> Analysis | None:
         held = self._data.get(capture_id)
         if held is not None:
             self._data.move_to_end(capture_id)
             return held
         return self._keep(capture_id, *loaded) if loaded is not None else None
 
-    @staticmethod
-    def _serve(held: tuple[int | None, dict[str, Any]] | None, top: int) -> dict[str, Any] | None:
-        if held is None:
-            return None
-        rows, data = held
-        return cut(data, top) if rows is None or top <= rows else None
-
     def cached(self, capture_id: str, top: int = SUMMARY_TOP) -> dict[str, Any] | None:
         """The summary with ``top`` rows per table when the capture's analysis is at hand (in
         memory or in its file), else None."""
         loaded = None if capture_id in self._data else self._load(capture_id)
-        return self._serve(self._held(capture_id, loaded), top)
+        held = self._held(capture_id, loaded)
+        return cut(held.data, top) if held is not None and held.serves(top) else None
 
     async def get(self, cap: Capture, top: int = SUMMARY_TOP, *, live: bool = False) -> dict[str, Any]:
         """The summary of a terminal capture with ``top`` rows per table: cut from the capture's one
-        analysis, which is run now when there is none yet. ``live``: the controller's own call while
-        collecting (its verdicts are final, the state not yet)."""
+        analysis, which is run now when there is none yet (or its trace files were replaced since).
+        ``live``: the controller's own call while collecting (its verdicts are final, the state not yet)."""
         if not cap.terminal and not live:
             raise CaptureNotTerminal(
                 f"capture {cap.id} is {cap.state.value}; the summary exists once it is terminal "
@@ -132,17 +169,19 @@ class SummaryCache:
                 details={"state": cap.state.value},
             )
         async with self._locks.setdefault(cap.id, asyncio.Lock()):
-            # the file is read off the loop; the memory is only touched on it
+            # files are read and stat'ed off the loop; the memory is only touched on it
             loaded = None if cap.id in self._data else await asyncio.to_thread(self._load, cap.id)
-            data = self._serve(self._held(cap.id, loaded), top)
-            if data is None:
+            held = self._held(cap.id, loaded)
+            if held is None or not held.serves(top) or await asyncio.to_thread(
+                    replaced, held.files, artifacts.trace_files(cap.verdicts)[0]):
                 # a caller in process may ask past the API's bound: then that many rows, kept instead
                 rows = max(top, SUMMARY_TOP_MAX)
-                data = cut(self._keep(cap.id, rows, await self._compute(cap, rows))[1], top)
-        return data
+                held = self._keep(cap.id, rows, *await self._compute(cap, rows))
+        return cut(held.data, top)
 
-    async def _compute(self, cap: Capture, rows: int) -> dict[str, Any]:
-        paths, skipped = artifacts.trace_files(cap.verdicts)
+    async def _compute(self, cap: Capture, rows: int) -> tuple[dict[str, list[int]], dict[str, Any]]:
+        """The analysis with ``rows`` per table, and the trace files it read."""
+        paths, skipped = await asyncio.to_thread(artifacts.trace_files, cap.verdicts)
         if not paths:
             raise SummaryUnavailable(
                 f"capture {cap.id} has no readable trace (state {cap.state.value}); see its verdicts"
@@ -158,6 +197,7 @@ class SummaryCache:
             ) from None
         # in a memory-capped worker: a hostile trace costs that worker, never the server
         started = cap.started_at.timestamp() if cap.started_at else None  # start_skew_us is measured from it
+        files = await asyncio.to_thread(identity, paths)  # before the read: a file rewritten meanwhile is read again
         self.analyses += 1
         result = await asyncio.to_thread(run_isolated, summarize_paths, paths, top=rows, requested_start=started)
         data: dict[str, Any] = result.model_dump(mode="json")
@@ -165,10 +205,10 @@ class SummaryCache:
         path = self._file(cap.id)
         if path is not None:
             try:
-                await asyncio.to_thread(atomic_write_text, path, json.dumps({**data, ROWS_KEY: rows}))
+                await asyncio.to_thread(atomic_write_text, path, json.dumps({**data, ROWS_KEY: rows, FILES_KEY: files}))
             except OSError as exc:  # the summary is served anyway; only its cache is lost
                 log.warning("capture %s: cannot cache the summary in %s: %s", cap.id, path, exc)
-        return data
+        return files, data
 
     def schedule(self, cap: Capture) -> None:
         """Analyse the capture in the background (the default summary is a cut of it)."""

@@ -48,9 +48,8 @@ async def count_window(window: StepsWindow, read: ReadCounts, *, poll_s: float,
         try:
             got = await asyncio.wait_for(read(), timeout=max(window.stall_s / 2, poll_s))
         except asyncio.TimeoutError:
-            decision = window.check(clock())
-        else:
-            decision = window.feed(got)
+            got = Read(at=clock(), counts=None)  # not back: a failed read, so the clock decides (and it is recorded)
+        decision = window.feed(got)
         if decision.stop:
             return decision
         await asyncio.sleep(poll_s)

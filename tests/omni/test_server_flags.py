@@ -83,8 +83,8 @@ def test_a_steps_window_on_the_stage_the_server_bounds_never_holds_more_than_its
     # idle ones: the first run here held 2 steps and 1 idle iteration.
     with steady_load(bounded.url, max_tokens=4), SidecarClient(bounded_sidecar.url, timeout=600) as client:
         cap = client.start_capture(stages=[0], steps=10, label="bounded-steps")
-        assert any(n.startswith("stage 0: the server stops its own profiler after 3 engine iterations")
-                   for n in cap.notes), cap.notes
+        (said,) = cap.fact("server_bound")  # said at the start, with its figures
+        assert (said.stage_id, said.figures["how"], said.figures["max_iterations"]) == (0, "capped", 3), cap.facts
         cap = client.wait_capture(cap.id, timeout=900)
     traced = {v.stage_id: v.steps_traced for v in cap.verdicts}
     print(f"asked 10 on max_iterations 3: counted {cap.steps_counted}, traced {traced}")

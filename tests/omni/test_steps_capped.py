@@ -71,11 +71,12 @@ def test_twenty_steps_on_stages_the_server_caps_at_twenty_end_where_the_server_e
     capped_sidecar: SidecarProcess, load: None, window: int
 ) -> None:
     cap, traced, markers, kinds = _window(capped_sidecar.url, "omni-steps-capped")
-    assert all(f"stage {s}: the server stops its own profiler after {ITERATIONS} engine iterations" in " ".join(cap.notes)
-               for s in (0, 1)), cap.notes
+    bound = {n.stage_id: (n.figures["how"], n.figures["max_iterations"]) for n in cap.fact("server_bound")}
+    assert bound == {0: ("capped", ITERATIONS), 1: ("capped", ITERATIONS)}, cap.facts
     assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
-    assert any(n.startswith(f"the stop was sent at {cap.steps_counted} steps counted, past the {CAP} asked")
-               for n in cap.notes), cap.notes
+    (ended,) = cap.fact("steps_ended")
+    assert (cap.steps_ended_by.value, ended.figures["ends"], ended.figures["counted"]) == (
+        "server", {"0": ITERATIONS, "1": ITERATIONS}, cap.steps_counted), cap.facts
     # Each stage's trace holds the server's 22 iterations whole: the stop waited for every stage's
     # own count (stage 1 steps only on what stage 0 hands it, later than it) and came 35-45 counted
     # steps later here, adding nothing. Some iterations are idle (nothing scheduled), and the cap
@@ -83,32 +84,30 @@ def test_twenty_steps_on_stages_the_server_caps_at_twenty_end_where_the_server_e
     # whose waits for stage 0 count too, leaving 17-19 (CI, 2026-12-04: 17), which its note says.
     assert markers == {0: ITERATIONS, 1: ITERATIONS}, (markers, traced, kinds)
     assert abs(traced[0] - CAP) <= 2, (markers, traced, kinds)
+    held = {n.stage_id: n.figures for n in cap.fact("steps_traced")}
     for s in (0, 1):
         assert traced[s] == ITERATIONS - kinds[s].get("idle", 0), (markers, traced, kinds)
-        # a stage off the steps asked says so, and names its idle iterations where it had any (a stage
-        # with none holds all 22: CI, 2026-12-04, stage 0 held 22 and stage 1 17 with 5 idle)
-        idle = kinds[s].get("idle", 0)
-        said = f"stage {s}: the trace holds {traced[s]} engine steps, {CAP} were asked ({traced[s] - CAP:+d})"
-        if traced[s] != CAP and idle:
-            assert any(n.startswith(f"{said}; {idle} of the {ITERATIONS} iterations it recorded were idle")
-                       for n in cap.notes), cap.notes
-        elif traced[s] != CAP:
-            assert said in cap.notes, cap.notes
+        # a stage off the steps asked says so, with its idle iterations (a stage with none holds all
+        # 22: CI, 2026-12-04, stage 0 held 22 and stage 1 17 with 5 idle)
+        if traced[s] != CAP:
+            assert (held[s]["steps_traced"], held[s]["idle_iterations"], held[s]["iterations"]) == (
+                traced[s], kinds[s].get("idle", 0), ITERATIONS), cap.facts
+        else:
+            assert s not in held, cap.facts
     # a stage short of the steps asked because it idled is told the cap that holds them: the share
     # of its iterations it idled, for render --idle (CI and here: stage 1, 3 to 5 of 22); the render
     # keeps one stage at 22, the window's first end, so where both idled short (CI, 2026-12-04: 3 and
     # 3 of 22) one of them is told to send more requests at once instead
-    fix = " ".join(n for n in cap.notes if n.startswith("for 20 steps on"))
-    kept = [s for s in (0, 1) if any(n.startswith(f"stage {s} idled {kinds[s].get('idle', 0)} of its {ITERATIONS} "
-                                                  "iterations (nothing scheduled: between requests), and it ends the "
-                                                  "window first") for n in cap.notes)]
+    (render,) = cap.fact("idle_render") or [None]
+    fixed = {int(s): tuple(v) for s, v in render.figures["idle"].items()} if render else {}
+    kept = [n.stage_id for n in cap.fact("idle_ends_first")]
     short = [s for s in (0, 1) if traced[s] < CAP and kinds[s].get("idle", 0)]
     for s in short:
         idle = kinds[s].get("idle", 0)
-        assert s in kept or (f"--idle {s}={idle}/{ITERATIONS}" in fix and
-                             f"{max_iterations_for(CAP, idle / ITERATIONS)} on stage {s}" in fix), cap.notes
+        assert s in kept or (fixed[s] == (idle, ITERATIONS) and render is not None and
+                             render.figures["caps"][str(s)] == max_iterations_for(CAP, idle / ITERATIONS)), cap.facts
     both = len(short) == 2 and all(kinds[s]["idle"] <= ITERATIONS / 3 for s in short)  # a third: fed too little
-    assert len(kept) == (1 if both else 0) and not all(f"--idle {s}=" in fix for s in (0, 1)), cap.notes
+    assert len(kept) == (1 if both else 0) and len(fixed) < 2, cap.facts
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +128,8 @@ def test_twenty_steps_on_a_fed_stage_given_the_iterations_it_idles_hold_twenty_o
     with _load(capped_fed):
         cap, traced, markers, kinds = _window(fed_sidecar.url, "omni-steps-fed")
     assert (cap.state.value, cap.stop_reason.value if cap.stop_reason else None) == ("completed", "steps"), cap
-    assert any(n.startswith("the stop was sent at ") and f"after {ITERATIONS} (stage 0) and {fed} (stage 1) engine "
-               "iterations" in n for n in cap.notes), cap.notes
+    (ended,) = cap.fact("steps_ended")
+    assert (cap.steps_ended_by.value, ended.figures["ends"]) == ("server", {"0": ITERATIONS, "1": fed}), cap.facts
     assert markers == {0: ITERATIONS, 1: fed}, (markers, traced, kinds)
     assert all(abs(traced[s] - CAP) <= 2 for s in (0, 1)), (markers, traced, kinds)
 
@@ -153,8 +152,8 @@ def test_the_plan_on_a_server_that_caps_every_stage_is_its_whole_window_sized_wi
           f"steps traced), actual {actual_mb:.3f} MB; write predicted {predicted_write_s:.2f}s, actual {writes}; "
           f"probes {[(p.steps_traced, p.write_s) for p in plan.probes]}; notes {plan.notes}")
     assert (plan.steps, plan.limited_by, plan.server_cap_steps) == (CAP, "max_iterations", CAP), plan
-    assert plan.notes[-1].startswith(f"the server ends each window of stages [0, 1] itself after {ITERATIONS} engine "
-                                     "iterations"), plan.notes
+    assert any(n.startswith(f"the server ends each window of stages [0, 1] itself after {ITERATIONS} engine "
+                            "iterations") for n in plan.notes), plan.notes
     # every probe that traced a step says when its trace was written (one that traced none has no
     # last event to count from), and so does every stage of the planned window
     assert all(p.write_s is not None for p in plan.probes if any(p.steps_traced.values())), plan.probes
