@@ -22,18 +22,20 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from sidecar.analysis.findings import capture_findings
+from sidecar.analysis.findings import capture_findings, with_memory
 from sidecar.analysis.models import (
     CaptureSummary,
     CommonWindow,
     DeviceStat,
     ReplicaStat,
     StageSummary,
+    SnapshotSummary,
     Straggler,
     TraceMeta,
     TraceSummary,
 )
 from sidecar.analysis.starts import Start, common_span, handovers, stage_starts, start_skews
+from sidecar.analysis.snapshot import SNAPSHOT_FILE, summarize_snapshot
 from sidecar.analysis.summary import Aggregate, aggregate_trace, trace_summary
 from sidecar.errors import TraceError
 
@@ -273,6 +275,30 @@ def _with_skew(devices: list[DeviceStat], skew: dict[Any, float]) -> list[Device
     return devices
 
 
+def snapshots_beside(sources: Sequence[TraceSource]) -> tuple[list[SnapshotSummary], list[str]]:
+    """The ``memory_snapshot_rank<N>.pickle`` files in the folders of ``sources`` (vLLM-Omni writes
+    one beside each trace of a stage profiled with memory on CUDA), summarised safely
+    (sidecar/analysis/snapshot.py), and the errors of those that are refused or unreadable."""
+    out: list[SnapshotSummary] = []
+    errors: list[str] = []
+    seen: set[Path] = set()
+    for src in sources:
+        folder = src.path.parent
+        if folder in seen:
+            continue
+        seen.add(folder)
+        try:
+            names = sorted(e.name for e in os.scandir(folder) if SNAPSHOT_FILE.match(e.name))
+        except OSError:
+            continue
+        for name in names:
+            try:
+                out.append(summarize_snapshot(folder / name, stage_id=src.stage_id, replica=src.replica))
+            except TraceError as err:
+                errors.append(str(err))
+    return out, errors
+
+
 def summarize_paths(
     paths: Iterable[str | Path | TraceSource], *, top: int = 20, workers: int | None = None,
     requested_start: float | None = None,
@@ -320,13 +346,17 @@ def summarize_paths(
     stage_bodies = [(sid, agg.files, agg.body(top)) for sid, agg in sorted(stages.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
     for _, _, b in stage_bodies:
         _with_skew(b["devices"], skew)
+    body["snapshots"], failed_snapshots = snapshots_beside(sources)
+    body["errors"] += failed_snapshots
+    for sid, _, b in stage_bodies:
+        b["snapshots"] = [sn for sn in body["snapshots"] if sn.stage_id == sid]
     replicas = _replica_stats(sources, results)
     lagging = stragglers(replicas)
     starts = device_starts(total)
     by_stage, handed = stage_starts(starts), handovers(starts)
     return CaptureSummary(
         **body,
-        findings=capture_findings(body["devices"], lagging, by_stage, handed),
+        findings=with_memory(capture_findings(body["devices"], lagging, by_stage, handed), body["memory"]),
         common_window=window,
         stage_starts=by_stage,
         handovers=handed,

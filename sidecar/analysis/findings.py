@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from sidecar.analysis.models import DeviceStat, Finding, Handover, StageStart, Straggler
+from sidecar.analysis.memory import format_bytes
+from sidecar.analysis.models import DeviceMemory, DeviceStat, Finding, Handover, StageStart, Straggler
 
 IDLE = 0.5  # GPU idle at least half of the steady window
 HOST_WAIT = 0.5  # ... and at least half of that waiting on the host
@@ -76,8 +77,21 @@ def _pct(x: float) -> str:
     return f"{x * 100:.0f}%"
 
 
-def word(rule: str, f: dict[str, float]) -> str:
-    """The sentence for a rule's figures (without the stage · replica · rank)."""
+def word(rule: str, f: dict[str, float], op: str | None = None) -> str:
+    """The sentence for a rule's figures (without the stage · replica · rank); ``op``: the op a
+    memory finding names."""
+    if rule == "memory_peak":
+        held = (f"peak {format_bytes(f['peak_allocated_bytes'])} allocated"
+                + (f" of {format_bytes(f['reserved_at_peak_bytes'])} reserved" if "reserved_at_peak_bytes" in f else "")
+                + (f" ({_pct(f['capacity_share'])} of the device's memory)" if "capacity_share" in f else ""))
+        live = f"; {format_bytes(f['top_live_bytes'])} of it live from `{op}`" if op and f.get("top_live_bytes") else ""
+        free = (f"; {_pct(f['free_at_peak_share'])} reserved but free at the peak"
+                if f.get("free_at_peak_share") is not None and "reserved_at_peak_bytes" in f else "")
+        return held + live + free
+    if rule == "out_of_memory":
+        return (f"{f['ooms']:.0f} allocation(s) failed: out of memory, with {format_bytes(f['peak_allocated_bytes'])} "
+                "allocated at the peak" + (f" of {format_bytes(f['reserved_at_peak_bytes'])} reserved"
+                                           if "reserved_at_peak_bytes" in f else ""))
     if rule == "host_bound":
         return f"GPU idle {_pct(f['idle_share'])} of the window, {_pct(f['host_wait_share'])} of it waiting on the host"
     if rule == "launch_bound":
@@ -122,6 +136,40 @@ def _finding(rule: str, figures: dict[str, float], where: str, severity: str | N
                    message=f"{where}: {word(rule, figures)}", figures=figures, **keys)
 
 
+def memory_findings(memory: Sequence[DeviceMemory]) -> list[Finding]:
+    """Per device with memory events: its peak and who held it (``memory_peak``, scored by the
+    share of the device's memory it held, 0 where the capacity is unknown: a CPU), and failed
+    allocations (``out_of_memory``, score 1)."""
+    out: list[Finding] = []
+    for m in memory:
+        held = m.reserved_at_peak_bytes if m.reserved_at_peak_bytes is not None else m.peak_allocated_bytes
+        fig: dict[str, float] = {"peak_allocated_bytes": float(m.peak_allocated_bytes)}
+        if m.reserved_at_peak_bytes is not None:
+            fig["reserved_at_peak_bytes"] = float(m.reserved_at_peak_bytes)
+        if m.free_at_peak_share is not None:
+            fig["free_at_peak_share"] = m.free_at_peak_share
+        if m.capacity_bytes:
+            fig["capacity_share"] = held / m.capacity_bytes
+        top = m.live_at_peak[0] if m.live_at_peak else None
+        if top is not None:
+            fig["top_live_bytes"] = float(top.bytes)
+        where = _where(m.stage_id, m.replica, m.rank) + (f" ({m.device_type})" if m.device_type != "cuda" else "")
+        keys = {"stage_id": m.stage_id, "replica": m.replica, "rank": m.rank, "device": m.device}
+        if m.ooms:
+            oom = {k: v for k, v in fig.items() if k in ("peak_allocated_bytes", "reserved_at_peak_bytes")}
+            out.append(_finding("out_of_memory", {**oom, "ooms": float(m.ooms), "score": 1.0}, where, **keys))
+        score = fig.get("capacity_share", 0.0)
+        f = Finding(rule="memory_peak", severity=_severity(score), score=min(1.0, score),
+                    message=f"{where}: {word('memory_peak', fig, top.name if top else None)}", figures=fig, **keys)
+        out.append(f)
+    return out
+
+
+def with_memory(findings: list[Finding], memory: Sequence[DeviceMemory]) -> list[Finding]:
+    """``findings`` and the memory ones, ranked together as ``capture_findings`` ranks."""
+    return sorted([*findings, *memory_findings(memory)], key=lambda f: (f.severity == "info", -f.score))
+
+
 def handover_finding(h: Handover) -> Finding:
     """A downstream stage's hand-over latency as a finding (``fleet skew`` prints its message too)."""
     fig = {"latency_us": h.latency_us, "upstream_stage_id": float(h.upstream_stage_id), "score": 0.0}
@@ -156,4 +204,4 @@ def capture_findings(devices: Sequence[DeviceStat], stragglers: Sequence[Straggl
     return sorted(out, key=lambda f: (f.severity == "info", -f.score))
 
 
-__all__ = ["DEVICE_RULES", "capture_findings", "handover_finding", "word"]
+__all__ = ["DEVICE_RULES", "capture_findings", "handover_finding", "memory_findings", "with_memory", "word"]

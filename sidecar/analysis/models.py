@@ -237,6 +237,110 @@ class Totals(BaseModel):
     profiler_overhead_us: float = 0.0  # CUPTI buffer requests/flushes (Kineto "overhead" events)
 
 
+class MemoryOpStat(BaseModel):
+    """The memory events of one op name on one kind of device (torch key_averages' memory
+    columns): allocations and frees made while it was the innermost op on its thread.
+    ``self_bytes`` = allocated − freed = key_averages' ``self_cpu_memory_usage`` (CPU) or
+    ``self_device_memory_usage`` (a GPU)."""
+
+    name: str
+    device_type: str  # cpu | cuda | ... (torch's c10 device type of the events)
+    allocs: int = 0
+    alloc_bytes: int = 0
+    frees: int = 0
+    freed_bytes: int = 0
+    self_bytes: int = 0
+
+
+class LiveOp(BaseModel):
+    """Bytes one op name had live at a device's peak (allocated in the window, not yet freed)."""
+
+    name: str
+    bytes: int
+    blocks: int
+    stack: list[str] = Field(default_factory=list)  # ops enclosing one of its allocations, outermost first
+
+
+class DeviceMemory(BaseModel):
+    """What held memory on one device of one process over the window, from torch's memory events
+    (``profile_memory``; docs/summaries.md, "What is holding memory"). Bytes; times as the
+    trace's µs. ``allocated`` is the allocator's figure at the window's first event plus every
+    event's ``Bytes`` since (checked against the ``Total Allocated`` torch writes into each event:
+    ``allocator_peak_allocated_bytes``, ``accounting_drift_bytes``)."""
+
+    stage_id: int | None = None
+    replica: int | None = None
+    rank: int | None = None
+    device_type: str  # cpu | cuda | ...
+    device: int  # torch's Device Id (-1: the CPU)
+    capacity_bytes: int | None = None  # the GPU's memory (deviceProperties' totalGlobalMem)
+    events: int = 0
+    allocs: int = 0
+    frees: int = 0
+    alloc_bytes: int = 0
+    freed_bytes: int = 0
+    steps: int = 0  # engine steps, else ProfilerStep annotations, of the trace(s)
+    alloc_bytes_per_step: float | None = None  # churn
+    freed_bytes_per_step: float | None = None
+    start_allocated_bytes: int = 0  # before the window's first memory event
+    end_allocated_bytes: int = 0
+    peak_allocated_bytes: int = 0
+    peak_us: float | None = None  # the event that reached the peak (trace µs)
+    peak_offset_us: float | None = None  # ... from the window's start
+    peak_step: int | None = None  # the step it fell in (1 = the first step annotation; 0 = before it)
+    reserved_at_peak_bytes: int | None = None  # the allocator's Total Reserved then (None: no caching allocator)
+    free_at_peak_bytes: int | None = None  # reserved − allocated at the peak
+    free_at_peak_share: float | None = None  # ... of reserved
+    peak_reserved_bytes: int | None = None
+    allocator_peak_allocated_bytes: int | None = None  # max of the events' Total Allocated
+    accounting_drift_bytes: int = 0  # largest |allocated − Total Allocated| at the window's peaks
+    before_window_bytes_at_peak: int = 0  # live at the peak but allocated before the window
+    live_at_peak: list[LiveOp] = Field(default_factory=list)  # by bytes, the largest first
+    ooms: int = 0  # [OutOfMemory] events: allocations that failed
+    series: list[tuple[float, int, int]] = Field(default_factory=list)  # (µs from the window start, allocated, reserved)
+
+
+class SnapshotBlock(BaseModel):
+    """A block of a CUDA memory snapshot (or an allocation of its history), with where it was
+    allocated: frames innermost first, ``file:line:function`` (torch's ``_memory_viz`` format)."""
+
+    size: int
+    requested_size: int | None = None
+    address: int | None = None
+    state: str | None = None  # active_allocated | active_pending_free | inactive
+    stream: int | None = None
+    frames: list[str] = Field(default_factory=list)
+
+
+class SnapshotDevice(BaseModel):
+    """One device of ``memory_snapshot_rank<N>.pickle`` (``torch.cuda.memory._snapshot()``): the
+    allocator's segments at the stop, and the peak of its allocation history (``device_traces``,
+    replayed as torch's MemoryViz does: alloc to free_completed)."""
+
+    device: int
+    segments: int = 0
+    reserved_bytes: int = 0  # sum of segment sizes
+    allocated_bytes: int = 0  # blocks active_allocated
+    requested_bytes: int = 0  # what those allocations asked for
+    pending_free_bytes: int = 0  # blocks active_pending_free
+    inactive_bytes: int = 0  # blocks inactive (reserved, free)
+    largest_blocks: list[SnapshotBlock] = Field(default_factory=list)
+    trace_entries: int = 0
+    peak_bytes: int | None = None  # None: no allocation history
+    peak_index: int | None = None  # the history entry that reached it
+    peak_time_us: float | None = None
+    live_at_peak: list[SnapshotBlock] = Field(default_factory=list)
+    ooms: int = 0
+
+
+class SnapshotSummary(BaseModel):
+    file: str
+    stage_id: int | None = None
+    replica: int | None = None
+    rank: int | None = None
+    devices: list[SnapshotDevice] = Field(default_factory=list)
+
+
 class SummaryBody(BaseModel):
     """What every level (file, stage, capture) reports; tables hold the top N by time."""
 
@@ -255,6 +359,8 @@ class SummaryBody(BaseModel):
     streams: list[StreamStat] = Field(default_factory=list)
     engine_step_kinds: list[StepKindStat] = Field(default_factory=list)
     gpu_split: GpuSplit = Field(default_factory=GpuSplit)
+    memory: list[DeviceMemory] = Field(default_factory=list)  # per device, from profile_memory's events
+    memory_ops: list[MemoryOpStat] = Field(default_factory=list)  # by bytes allocated
     warnings: list[str] = Field(default_factory=list)  # e.g. a trace too big to open in Perfetto
 
 
@@ -273,6 +379,7 @@ class StageSummary(SummaryBody):
 
     stage_id: int | None = None  # None: files whose stage could not be inferred
     files: list[str] = Field(default_factory=list)
+    snapshots: list[SnapshotSummary] = Field(default_factory=list)  # memory_snapshot_rank<N>.pickle beside its traces
 
 
 class Finding(BaseModel):
@@ -337,6 +444,7 @@ class CaptureSummary(SummaryBody):
 
     findings: list[Finding] = Field(default_factory=list)
     common_window: CommonWindow | None = None
+    snapshots: list[SnapshotSummary] = Field(default_factory=list)
     stage_starts: list[StageStart] = Field(default_factory=list)
     handovers: list[Handover] = Field(default_factory=list)
 

@@ -86,6 +86,32 @@ class CompleteEvent(_EventFields, tag_field="ph", tag="X", gc=False):
     ph: ClassVar[str] = "X"
 
 
+class MemoryArgs(msgspec.Struct, gc=False):
+    """The ``args`` of torch's ``[memory]`` / ``[OutOfMemory]`` instant events (profile_memory):
+    the allocator's own figures at that event; a free has negative ``Bytes``."""
+
+    device_type: int | None = msgspec.field(default=None, name="Device Type")
+    device_id: int | None = msgspec.field(default=None, name="Device Id")
+    addr: int | None = msgspec.field(default=None, name="Addr")
+    nbytes: int | None = msgspec.field(default=None, name="Bytes")
+    total_allocated: int | None = msgspec.field(default=None, name="Total Allocated")
+    total_reserved: int | None = msgspec.field(default=None, name="Total Reserved")
+
+
+class InstantEvent(msgspec.Struct, tag_field="ph", tag="i", gc=False):
+    """A ``"ph": "i"`` event, for the summary's reader: torch writes its memory events so (name
+    ``[memory]``). Its category is not decoded: every instant reads as ``cpu_instant_event``, and
+    the summary tells them apart by name."""
+
+    ph: ClassVar[str] = "i"
+    cat: ClassVar[str] = "cpu_instant_event"
+    name: str = ""
+    pid: int | str | None = None
+    tid: int | str | None = None
+    ts: float = 0.0
+    args: MemoryArgs | None = None
+
+
 def _placeholder(ph: str) -> type:
     """An event of phase ``ph`` decoded to nothing (no strings, no numbers): its phase and a
     ``cat`` of None, so that a loop over complete events passes it by its category alone."""
@@ -96,14 +122,32 @@ def _placeholder(ph: str) -> type:
 # Every phase of the Chrome trace format: flows (s, t, f), instants, counters, metadata... decode
 # to empty placeholders (a third of a Kineto trace's events are flows); an unknown phase makes the
 # slice take the untyped path, as any odd event does.
-_PHASES = "B E i I C b n e s t f P N O D M V v R c ( )".split()
-_DECODE_COMPLETE = msgspec.json.Decoder(list[Union[(CompleteEvent, *map(_placeholder, _PHASES))]]).decode  # type: ignore[misc]
+# Instants ("i") are decoded whole: torch's memory events are instants.
+_PHASES = "B E I C b n e s t f P N O D M V v R c ( )".split()
+_DECODE_COMPLETE = msgspec.json.Decoder(list[Union[(CompleteEvent, InstantEvent, *map(_placeholder, _PHASES))]]).decode  # type: ignore[misc]
 _DECODE_ANY = msgspec.json.Decoder().decode
 _JSONError = msgspec.DecodeError
 
 
 def _int_or_none(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _coerce_instant(d: dict[str, Any]) -> InstantEvent:
+    """Slow path for an instant event (a memory event with odd field types): keep what is usable."""
+    a = d.get("args")
+    args = None
+    if isinstance(a, dict):
+        args = MemoryArgs(*(_int_or_none(a.get(k)) for k in (
+            "Device Type", "Device Id", "Addr", "Bytes", "Total Allocated", "Total Reserved")))
+    ts, pid, tid = d.get("ts"), d.get("pid"), d.get("tid")
+    return InstantEvent(
+        name=str(d.get("name", "")),
+        pid=pid if isinstance(pid, (int, str)) else None,
+        tid=tid if isinstance(tid, (int, str)) else None,
+        ts=float(ts) if isinstance(ts, (int, float)) else 0.0,
+        args=args,
+    )
 
 
 def _coerce(d: Any) -> TraceEvent | None:
@@ -458,8 +502,10 @@ class TraceReader:
             return self._decode_typed(doc)
         except msgspec.ValidationError:  # valid JSON, odd field types: take the slow path
             raw = _DECODE_ANY(doc)
-            events = [e for e in map(_coerce, raw) if e is not None]
-            return [e for e in events if e.ph == "X"] if self.complete_only else events
+            if self.complete_only:  # complete events, and instants (memory) as their own struct
+                return [_coerce_instant(d) if d.get("ph") == "i" else _coerce(d) for d in raw
+                        if isinstance(d, dict) and d.get("ph") in ("X", "i")]
+            return [e for e in map(_coerce, raw) if e is not None]
 
     def _parse(self, body: bytes) -> list[Any]:
         body = body.lstrip(_WS)

@@ -22,7 +22,19 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.analysis.attribution import CAPTURE_CALLS, DeviceAttribution, TraceAttribution
+from sidecar.analysis.memory import (
+    INSTANT,
+    MAX_INDEXED_OPS,
+    MEMORY_EVENT,
+    OOM_EVENT,
+    MemoryTracker,
+    ThreadOps,
+    device_memory,
+    merge_device,
+    op_stats,
+)
 from sidecar.analysis.models import (
+    DeviceMemory,
     DeviceStat,
     GpuSplit,
     GpuStat,
@@ -125,6 +137,9 @@ class Aggregate:
         self.replica: int | None = None
         self.overhead_us = 0.0
         self.attribution: dict[DeviceKey, DeviceAttribution] = {}  # after finish()
+        # (stage, replica, rank, device type, device id) -> what held its memory, after finish()
+        self.memory: dict[tuple[Any, ...], DeviceMemory] = {}
+        self.memory_ops: dict[tuple[str, str], list[int]] = {}  # (op, device type) -> [allocs, bytes, frees, bytes]
         self.epochs: dict[DeviceKey, tuple[float, float]] = {}  # first and last event, epoch µs
         self.profiling: tuple[float, float] | None = None  # this trace's Kineto profiler span (ts, end)
         self.profiling_epochs: dict[DeviceKey, tuple[float, float]] = {}  # that span per device, epoch µs
@@ -132,7 +147,12 @@ class Aggregate:
         self.end_epoch_us: float | None = None  # the last event's end, epoch µs (the latest of merged traces)
         # per-trace state, dropped by finish()
         self._att = TraceAttribution(steady=steady)
-        self._stacks: dict[tuple[Any, Any], list[Any]] = {}  # (pid, tid) -> [last start, open ops]
+        self._stacks: dict[tuple[Any, Any], list[Any]] = {}  # (pid, tid) -> [last start, open ops, ThreadOps | None]
+        self._ops_index: dict[tuple[Any, Any], ThreadOps] = {}  # (pid, tid) -> its ops, in memory traces
+        self._mem = MemoryTracker()
+        self._index_ops = False  # index each thread's ops for the memory events (profile_memory traces)
+        self._step_starts: list[float] = []
+        self.capacities: dict[int, int] = {}  # GPU memory per device id, from the trace's deviceProperties
         self._ext = array("i")
         self._ext_sparse: dict[int, int] = {}
         self._rows: list[list[Any]] = []  # rows named by External ids, by _POS
@@ -183,8 +203,20 @@ class Aggregate:
             key = (None, None)
             if key in self._stacks:
                 return self._stacks[key]
-        th = self._stacks[key] = [ts, []]
+        th = self._stacks[key] = [ts, [], None]
+        if self._index_ops:
+            th[2] = self._ops_index[key] = ThreadOps()
         return th
+
+    def index_ops(self, header: dict[str, Any]) -> None:
+        """Before the first batch: index each thread's ops when the trace recorded memory (its
+        memory events come after the ops and are charged to them), and note each GPU's memory."""
+        self._index_ops = bool(header.get("profile_memory"))
+        props = header.get("deviceProperties")
+        for i, d in enumerate(props if isinstance(props, list) else []):
+            if isinstance(d, dict) and isinstance(d.get("totalGlobalMem"), int):
+                did = d.get("id")
+                self.capacities[did if isinstance(did, int) else i] = d["totalGlobalMem"]
 
     def _device_slot(self, dev: int, stream: int) -> tuple[int, int]:
         if len(self._stream_of) < _MAX_DEVICES:
@@ -249,7 +281,10 @@ class Aggregate:
         ext_n = len(ext_arr)
         eps, max_open = _EPS, _MAX_OPEN
         # Kineto writes a thread's ops in runs: its stack and last start are kept in locals
-        last_pid = last_tid = last_th = st = None
+        last_pid = last_tid = last_th = st = ix = None
+        memory: list[Any] = []  # this batch's memory events, taken after its ops
+        ix_rows: list[Any] = []
+        ix_start = ix_end = ix_row = ix_parent = ix_rows.append  # the thread's index, in memory traces
         last_ts = 0.0
         # Rows' self times are kept as minus their children's time until finish() adds the totals.
         for e in events:  # "X" events only, and placeholders (cat None) for the other phases
@@ -286,7 +321,10 @@ class Aggregate:
                         th = self._new_thread(key, ts)
                     elif tse < th[0]:
                         self.out_of_order += 1
-                    last_pid, last_tid, last_th, st = pid, tid, th, th[1]
+                    last_pid, last_tid, last_th, st, ix = pid, tid, th, th[1], th[2]
+                    if ix is not None:
+                        ix_rows = ix.rows
+                        ix_start, ix_end, ix_row, ix_parent = ix.starts.append, ix.ends.append, ix_rows.append, ix.parents.append
                 last_ts = ts
                 while st:
                     top = st[-1]
@@ -294,8 +332,16 @@ class Aggregate:
                         top[1][3] -= dur  # a child's time is not its parent's self time
                         break
                     st.pop()
+                if ix is None:
+                    entry: tuple[Any, ...] = (te, row)
+                else:  # a memory trace: (end, row, position in the thread's index)
+                    entry = (te, row, len(ix_rows))
+                    ix_start(ts)
+                    ix_end(te)
+                    ix_row(row)
+                    ix_parent(st[-1][2] if st else -1)
                 if len(st) < max_open:
-                    st.append((te, row))
+                    st.append(entry)
                 else:  # deeper than any real call stack: not a parent
                     self._limit(f"more than {_MAX_OPEN} open ops on one thread: deeper ones are nobody's parent")
                 a = e.args
@@ -381,6 +427,10 @@ class Aggregate:
             elif cat == "overhead":
                 self._add_overhead(e.ts, e.ts + e.dur, e.dur)
                 continue
+            elif cat == INSTANT:
+                if e.name == MEMORY_EVENT or e.name == OOM_EVENT:
+                    memory.append(e)
+                continue
             elif cat == PROFILER_SPAN:  # when the profiler recorded, not work (sidecar/analysis/starts.py)
                 p = self.profiling
                 self.profiling = (e.ts, e.ts + e.dur) if p is None else (min(p[0], e.ts), max(p[1], e.ts + e.dur))
@@ -396,10 +446,19 @@ class Aggregate:
         if start != float("inf"):
             self.start, self.end = start, end
         self.events += len(events)
+        if memory:
+            self._mem.events(memory, self._ops_index)
+        if self._index_ops and sum(len(ix.rows) for ix in self._ops_index.values()) > MAX_INDEXED_OPS:
+            self._limit(f"more than {MAX_INDEXED_OPS:,} ops indexed for the memory events: later ops are not indexed "
+                        "(their allocations count, charged to an enclosing op indexed before, or to none)")
+            self._index_ops = False
+            for th in stacks.values():  # the ops indexed so far still charge the events that fall in them
+                th[2] = None
 
     def _annotation(self, name: str, ts: float, dur: float) -> None:
         if _STEP.match(name):
             self._att.step(ts)
+            self._step_starts.append(ts)
             self.steps += 1
             self.step_total += dur
             if len(self.step_names) < 8:
@@ -408,6 +467,7 @@ class Aggregate:
         kind = engine_step_kind(name) if name.startswith(("execute_", "diffusion_forward")) else None
         if kind is not None:
             self._att.step(ts)
+            self._step_starts.append(ts)
             self.engine_steps += 1
             self.engine_step_total += dur
             k = self.step_kinds.setdefault(kind, [0, 0.0])
@@ -440,6 +500,15 @@ class Aggregate:
         self._att = TraceAttribution(steady=self._att.steady)
         for (dev, stream), v in self._stream_of.items():
             self.streams[(stage_id, replica, rank, dev, stream)] = v
+        self._mem.finish()
+        for m in device_memory(self._mem, stage_id=stage_id, replica=replica, rank=rank, window_start=self.start,
+                               steps=self.engine_steps or self.steps, step_starts=sorted(self._step_starts),
+                               capacities=self.capacities):
+            self.memory[(stage_id, replica, rank, m.device_type, m.device)] = m
+        for k, v in self._mem.ops.items():
+            self.memory_ops[k] = v
+        self.limits += [w for w in self._mem.limits if w not in self.limits]
+        self._mem, self._ops_index, self._step_starts = MemoryTracker(), {}, []
         self._stacks, self._stream_of = {}, {}
         self._ext, self._ext_sparse, self._rows = array("i"), {}, []
         self._ov, self._ov_ends = [], []
@@ -498,6 +567,13 @@ class Aggregate:
         self.errors += other.errors
         self.files += other.files
         self.limits += [w for w in other.limits if w not in self.limits]
+        for k, m in other.memory.items():
+            mine_m = self.memory.get(k)
+            self.memory[k] = m if mine_m is None else merge_device(mine_m, m)
+        for k, v in other.memory_ops.items():
+            r = self.memory_ops.setdefault(k, [0, 0, 0, 0])
+            for i in range(4):
+                r[i] += v[i]
 
     def body(self, top: int) -> dict[str, Any]:
         """The fields of ``SummaryBody``, tables cut to the ``top`` rows by time."""
@@ -584,6 +660,8 @@ class Aggregate:
                 kernel_share=share(kernel_us, gpu_us), memcpy_share=share(memcpy_us, gpu_us),
                 memset_share=share(memset_us, gpu_us),
             ),
+            memory=[m for _, m in sorted(self.memory.items(), key=lambda kv: order(kv[0]))],
+            memory_ops=op_stats(self.memory_ops, top),
         )
 
     def _span_of(self, stream_key: tuple[Any, ...]) -> float:
@@ -630,7 +708,9 @@ def aggregate_trace(
     was_enabled = gc.isenabled()
     gc.disable()
     try:
-        for batch in reader.batches():
+        for n, batch in enumerate(reader.batches()):
+            if n == 0:  # the header is read before the first batch
+                agg.index_ops(reader.meta)
             agg.add_batch(batch)
     finally:
         if was_enabled:

@@ -25,6 +25,7 @@ from sidecar.cli._app import (
     err_console,
 )
 from sidecar.errors import ConfigUnreadable, SidecarError
+from sidecar.cli._memory import print_memory  # noqa: I001  (re-exported: stop and capture print it too)
 
 
 class By(str, Enum):
@@ -93,6 +94,7 @@ def _tables(title: str, body: SummaryBody, by: By) -> None:
         for k in body.engine_step_kinds:
             tab.add_row(k.kind, f"{k.count:,}", _ms(k.total_us), _ms(k.mean_us), f"{k.share:.1%}")
         console.print(tab)
+    print_memory(body.memory, getattr(body, "snapshots", []))
 
 
 _SEVERITY = {"high": "bold red", "medium": "yellow", "low": "dim", "info": "cyan"}

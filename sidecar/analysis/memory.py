@@ -1,0 +1,333 @@
+"""What holds memory, per device, in the summary's one pass: torch's memory events, streamed.
+
+With ``profile_memory`` torch writes an instant event ``[memory]`` per allocation and free (args
+``Device Type``, ``Device Id``, ``Addr``, ``Bytes`` (negative: a free), ``Total Allocated``,
+``Total Reserved``) and ``[OutOfMemory]`` per failed allocation. Kineto writes them after the CPU
+ops, so each is charged to the innermost op of its thread through a per-thread index of the ops
+(start, end, parent), built only for traces whose header says ``profile_memory`` and capped at
+``MAX_INDEXED_OPS``. State kept: the index, one entry per live allocation of the window, per op
+name its live bytes, a copy of those at the peak, and a chart series of at most ``MAX_POINTS``.
+``MemoryTracker`` is fed by ``summary.Aggregate``; ``device_memory`` turns it into ``DeviceMemory``.
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_right
+from typing import Any
+
+from sidecar.analysis.models import DeviceMemory, LiveOp, MemoryOpStat
+
+MEMORY_EVENT, OOM_EVENT = "[memory]", "[OutOfMemory]"
+INSTANT = "cpu_instant_event"
+# torch's c10::DeviceType numbers (ROCm reports CUDA; Ascend NPUs are PrivateUse1)
+DEVICE_TYPES = {0: "cpu", 1: "cuda", 2: "mkldnn", 5: "ideep", 6: "hip", 9: "xla", 12: "xpu", 13: "mps",
+                15: "hpu", 19: "mtia", 20: "privateuseone"}
+NO_OP = "(outside any recorded op)"
+MAX_INDEXED_OPS = 2_000_000  # ops indexed per trace for attribution (~24 bytes each)
+MAX_DEVICES = 64
+MAX_LIVE = 1 << 20  # live allocations tracked per device; past it, new ones are counted, not kept
+MAX_POINTS = 240  # chart points per device (the largest allocated of each time bucket)
+MAX_STACK = 8  # enclosing ops kept for a live op's stack
+TOP_LIVE = 10
+_UNSET = object()
+_SNAPSHOTS_EXACT = 1000  # peak copies taken at any new peak; after that, only at a 0.1 % higher one
+
+
+def format_bytes(n: float) -> str:
+    """``61.2 GiB``: binary units, one decimal (torch's ``_memory_viz._format_size``, with a space)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def device_type_name(n: int | None) -> str:
+    return "unknown" if n is None else DEVICE_TYPES.get(n, f"type{n}")
+
+
+class ThreadOps:
+    """The ops of one thread in start order: where each starts and ends, its stat row and the
+    op enclosing it (-1: none). Kineto writes a thread's ops sorted by start."""
+
+    __slots__ = ("starts", "ends", "rows", "parents")
+
+    def __init__(self) -> None:
+        self.starts = array("d")
+        self.ends = array("d")
+        self.rows: list[list[Any]] = []
+        self.parents = array("i")
+
+    def innermost(self, ts: float) -> int:
+        """The index of the innermost op open at ``ts`` (ends inclusive), or -1."""
+        i = bisect_right(self.starts, ts) - 1
+        ends, parents = self.ends, self.parents
+        while i >= 0 and ends[i] < ts:
+            i = parents[i]
+        return i
+
+    def stack(self, i: int) -> list[str]:
+        """Names of op ``i`` and the ops enclosing it, outermost first (the innermost ``MAX_STACK``)."""
+        out: list[str] = []
+        while i >= 0 and len(out) < MAX_STACK:
+            out.append(self.rows[i][0])
+            i = self.parents[i]
+        return out[::-1]
+
+
+class _Device:
+    """One device's pass state (see the module docstring)."""
+
+    __slots__ = ("kind", "ops", "start", "cur", "reserved", "peak", "peak_ts", "peak_reserved_at", "peak_reserved",
+                 "alloc_peak", "drift", "pending", "allocs", "stacks", "at_peak", "copies", "copied", "ooms",
+                 "points", "t0", "width", "edge", "first_ts")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        # op name -> [allocs, bytes allocated, frees, bytes freed, bytes live now, blocks live now]
+        self.ops: dict[str, list[int]] = {}
+        self.start: int | None = None  # allocated before the first event
+        self.cur = 0
+        self.reserved: int | None = None
+        self.peak = 0
+        self.peak_ts: float | None = None
+        self.peak_reserved_at: int | None = None
+        self.peak_reserved = -1  # the largest Total Reserved seen (-1: none)
+        self.alloc_peak = -1  # the largest Total Allocated seen (-1: none)
+        self.drift = 0
+        self.pending = False  # a new peak whose live set is not copied yet
+        self.allocs: dict[Any, tuple[int, list[int]]] = {}  # Addr -> (bytes, its op's record), while live
+        self.stacks: dict[str, list[str]] = {}  # op name -> the stack of its first allocation
+        self.at_peak: dict[str, tuple[int, int]] = {}
+        self.copies = 0
+        self.copied = 0  # the peak the last copy was taken at
+        self.ooms = 0
+        self.points: list[list[Any]] = []  # [bucket, ts, allocated, reserved]
+        self.t0 = 0.0
+        self.width = 1.0  # µs per chart bucket, doubled whenever the points fill up
+        self.edge = float("-inf")  # where the next bucket starts (µs)
+        self.first_ts: float | None = None
+
+    def copy_peak(self) -> None:
+        self.at_peak = {k: (r[4], r[5]) for k, r in self.ops.items() if r[5]}
+        self.pending = False
+        self.copies += 1
+        self.copied = self.peak
+
+    def point(self, ts: float) -> None:
+        """A new chart bucket at ``ts``, after the last one: ``MAX_POINTS`` to ``2 * MAX_POINTS`` of
+        them over the window, each the highest allocated of its time."""
+        pts = self.points
+        b = int((ts - self.t0) / self.width)
+        pts.append([b, ts, self.cur, self.reserved])
+        if len(pts) > 2 * MAX_POINTS:
+            self.width *= 2
+            merged: list[list[Any]] = []
+            for p in pts:
+                p[0] //= 2
+                if merged and merged[-1][0] == p[0]:
+                    m = merged[-1]
+                    if p[2] > m[2]:
+                        m[1], m[2] = p[1], p[2]
+                    if p[3] is not None and (m[3] is None or p[3] > m[3]):
+                        m[3] = p[3]
+                else:
+                    merged.append(p)
+            self.points = pts = merged
+        self.edge = self.t0 + (pts[-1][0] + 1) * self.width
+
+
+class MemoryTracker:
+    """The memory events of one trace (``events``), and the per-op table (``ops``, after ``finish``)."""
+
+    def __init__(self) -> None:
+        self.devices: dict[tuple[int, int], _Device] = {}
+        self.ops: dict[tuple[str, str], list[int]] = {}  # (name, device type) -> [allocs, bytes, frees, bytes]
+        self.limits: list[str] = []
+
+    def _limit(self, what: str) -> None:
+        if what not in self.limits:
+            self.limits.append(what)
+
+    def _device(self, dtype: Any, did: Any) -> _Device | None:
+        key = (dtype if dtype is not None else -1, did if did is not None else -1)
+        dev = self.devices.get(key)
+        if dev is None:
+            if len(self.devices) >= MAX_DEVICES:
+                self._limit(f"memory events of more than {MAX_DEVICES} devices: the rest left out")
+                return None
+            dev = self.devices[key] = _Device(device_type_name(dtype))
+        return dev
+
+    def events(self, batch: list[Any], index: dict[tuple[Any, Any], ThreadOps]) -> None:
+        """``[memory]`` / ``[OutOfMemory]`` events in file order; ``index`` holds each thread's ops
+        (by (pid, tid)) when the trace is indexed. One loop, the device and thread of the last event
+        kept in locals (a run of events is one device's, one thread's)."""
+        dtype: Any = _UNSET
+        did: Any = _UNSET
+        pid: Any = _UNSET
+        tid: Any = _UNSET
+        ix = dev = None
+        starts: Any = ()
+        ends: Any = ()
+        parents: Any = ()
+        rows: Any = ()
+        ops: dict[str, list[int]] = {}
+        allocs: dict[Any, tuple[int, list[int]]] = {}
+        for e in batch:
+            a = e.args
+            if a is None:
+                continue
+            if a.device_type != dtype or a.device_id != did:
+                dtype, did = a.device_type, a.device_id
+                dev = self._device(dtype, did)
+                if dev is not None:
+                    ops, allocs = dev.ops, dev.allocs
+            if dev is None:
+                continue
+            if e.name == OOM_EVENT:
+                dev.ooms += 1
+                continue
+            nbytes = a.nbytes
+            if not nbytes:
+                continue
+            ts = e.ts
+            total = a.total_allocated
+            if dev.start is None:  # the peak so far: what was allocated before the window
+                dev.start = dev.cur = dev.peak = max(0, total - nbytes) if total is not None else 0
+                dev.peak_ts, dev.peak_reserved_at, dev.pending, dev.first_ts, dev.t0 = ts, a.total_reserved, True, ts, ts
+            cur = dev.cur = dev.cur + nbytes
+            if total is not None and total > dev.alloc_peak:
+                dev.alloc_peak = total
+            reserved = a.total_reserved
+            if reserved is not None:
+                dev.reserved = reserved
+                if reserved > dev.peak_reserved:
+                    dev.peak_reserved = reserved
+            if e.tid != tid or e.pid != pid:
+                pid, tid = e.pid, e.tid
+                ix = index.get((pid, tid))
+                if ix is not None:
+                    starts, ends, parents, rows = ix.starts, ix.ends, ix.parents, ix.rows
+            i = -1
+            if ix is not None:  # the innermost op open at ts: the last started before it, or what encloses that
+                i = bisect_right(starts, ts) - 1
+                while i >= 0 and ends[i] < ts:
+                    i = parents[i]
+            name = rows[i][0] if i >= 0 else NO_OP
+            rec = ops.get(name)
+            if rec is None:
+                rec = ops[name] = [0, 0, 0, 0, 0, 0]
+                dev.stacks[name] = ix.stack(i) if i >= 0 else []  # type: ignore[union-attr]
+            if nbytes > 0:
+                rec[0] += 1
+                rec[1] += nbytes
+                old = allocs.get(a.addr)
+                if old is not None:  # allocated again without a free in between: the old one is gone
+                    old[1][4] -= old[0]
+                    old[1][5] -= 1
+                if old is not None or len(allocs) < MAX_LIVE:
+                    allocs[a.addr] = (nbytes, rec)
+                    rec[4] += nbytes
+                    rec[5] += 1
+                else:
+                    self._limit(f"more than {MAX_LIVE:,} live allocations on one device: later ones not attributed")
+                if cur > dev.peak:
+                    dev.peak, dev.peak_ts, dev.peak_reserved_at = cur, ts, dev.reserved
+                    if total is not None and abs(cur - total) > dev.drift:  # checked where it matters most
+                        dev.drift = abs(cur - total)
+                    if dev.copies < _SNAPSHOTS_EXACT or cur > dev.copied * 1.001:
+                        dev.pending = True
+            else:
+                if dev.pending:  # the live set is still the peak's: nothing was freed since
+                    dev.copy_peak()
+                rec[2] += 1
+                rec[3] -= nbytes
+                old = allocs.pop(a.addr, None)
+                if old is not None:
+                    old[1][4] -= old[0]
+                    old[1][5] -= 1
+            if ts >= dev.edge:
+                dev.point(ts)
+            else:  # the same chart bucket (or an event out of time order): keep its highest
+                last = dev.points[-1]
+                if cur > last[2]:
+                    last[1], last[2] = ts, cur
+                if reserved is not None and (last[3] is None or reserved > last[3]):
+                    last[3] = reserved
+
+    def finish(self) -> None:
+        for dev in self.devices.values():
+            if dev.pending:
+                dev.copy_peak()
+            for name, rec in dev.ops.items():
+                mine = self.ops.setdefault((name, dev.kind), [0, 0, 0, 0])
+                for i in range(4):
+                    mine[i] += rec[i]
+
+
+def device_memory(tracker: MemoryTracker, *, stage_id: int | None, replica: int | None, rank: int | None,
+                  window_start: float | None, steps: int, step_starts: list[float],
+                  capacities: dict[int, int]) -> list[DeviceMemory]:
+    """The ``DeviceMemory`` of each device a finished tracker saw."""
+    out = []
+    for (dtype, did), dev in sorted(tracker.devices.items()):
+        rows = dev.ops.values()
+        allocs, alloc_bytes = sum(r[0] for r in rows), sum(r[1] for r in rows)
+        frees, freed_bytes = sum(r[2] for r in rows), sum(r[3] for r in rows)
+        if allocs + frees == 0 and dev.ooms == 0:
+            continue
+        live = sorted(dev.at_peak.items(), key=lambda kv: -kv[1][0])
+        reserved = dev.peak_reserved_at if dtype != 0 or dev.peak_reserved_at else None  # the CPU allocator reserves nothing
+        free = reserved - dev.peak if reserved is not None else None
+        base = window_start if window_start is not None else dev.first_ts
+        out.append(DeviceMemory(
+            stage_id=stage_id, replica=replica, rank=rank, device_type=dev.kind, device=did,
+            capacity_bytes=capacities.get(did) if dtype == 1 else None,
+            events=allocs + frees, allocs=allocs, frees=frees, alloc_bytes=alloc_bytes, freed_bytes=freed_bytes,
+            steps=steps, alloc_bytes_per_step=alloc_bytes / steps if steps else None,
+            freed_bytes_per_step=freed_bytes / steps if steps else None,
+            start_allocated_bytes=dev.start or 0, end_allocated_bytes=dev.cur, peak_allocated_bytes=dev.peak,
+            peak_us=dev.peak_ts,
+            peak_offset_us=dev.peak_ts - base if dev.peak_ts is not None and base is not None else None,
+            peak_step=bisect_right(step_starts, dev.peak_ts) if dev.peak_ts is not None and step_starts else None,
+            reserved_at_peak_bytes=reserved, free_at_peak_bytes=free,
+            free_at_peak_share=free / reserved if free is not None and reserved else None,
+            peak_reserved_bytes=dev.peak_reserved if dev.peak_reserved > 0 or (dtype != 0 and dev.peak_reserved >= 0) else None,
+            allocator_peak_allocated_bytes=dev.alloc_peak if dev.alloc_peak >= 0 else None,
+            accounting_drift_bytes=dev.drift,
+            before_window_bytes_at_peak=max(0, dev.peak - sum(v[0] for _, v in live)),
+            live_at_peak=[LiveOp(name=n, bytes=v[0], blocks=v[1], stack=dev.stacks.get(n, [])) for n, v in live[:TOP_LIVE]
+                          if v[0] > 0],
+            ooms=dev.ooms,
+            series=[(p[1] - base if base is not None else 0.0, p[2], p[3] if p[3] is not None else 0) for p in dev.points],
+        ))
+    return out
+
+
+def merge_device(a: DeviceMemory, b: DeviceMemory) -> DeviceMemory:
+    """Two windows of one device (one stage process's traces from several session folders): the
+    counts add up, the peak and what held it are the higher window's."""
+    hi, lo = (a, b) if a.peak_allocated_bytes >= b.peak_allocated_bytes else (b, a)
+    steps = a.steps + b.steps
+    counts = {k: getattr(a, k) + getattr(b, k) for k in ("events", "allocs", "frees", "alloc_bytes", "freed_bytes", "ooms")}
+    return hi.model_copy(update={
+        **counts, "steps": steps,
+        "alloc_bytes_per_step": counts["alloc_bytes"] / steps if steps else None,
+        "freed_bytes_per_step": counts["freed_bytes"] / steps if steps else None,
+        "accounting_drift_bytes": max(a.accounting_drift_bytes, b.accounting_drift_bytes),
+        "peak_reserved_bytes": max((x for x in (a.peak_reserved_bytes, b.peak_reserved_bytes) if x is not None), default=None),
+        "allocator_peak_allocated_bytes": max((x for x in (a.allocator_peak_allocated_bytes, b.allocator_peak_allocated_bytes)
+                                               if x is not None), default=None),
+    })
+
+
+def op_stats(rows: dict[tuple[str, str], list[int]], top: int) -> list[MemoryOpStat]:
+    """The ``top`` op names by bytes allocated."""
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1][1])[:top]
+    return [MemoryOpStat(name=n, device_type=k, allocs=r[0], alloc_bytes=r[1], frees=r[2], freed_bytes=r[3],
+                         self_bytes=r[1] - r[3]) for (n, k), r in ranked]
+
+
+__all__ = ["MAX_INDEXED_OPS", "format_bytes", "MemoryTracker", "ThreadOps", "device_memory", "device_type_name", "merge_device", "op_stats"]
