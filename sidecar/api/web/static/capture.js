@@ -1,7 +1,7 @@
 // One capture: state and timings, per stage the verdict, its reason and what to do, the files
 // with download links and "Open in Perfetto", then the summary as charts once it is terminal.
 import { api } from "./api.js";
-import { barChart, busyIdleChart, stackedChart } from "./charts.js";
+import { barChart, busyIdleChart, lineChart, stackedChart } from "./charts.js";
 import { LIVE, TERMINAL, between, bytes, clear, el, errorBox, seconds, us, when } from "./format.js";
 import { stopCapture } from "./leases.js";
 import { openInPerfetto } from "./perfetto.js";
@@ -280,6 +280,33 @@ function whyCharts(devices) {
   ].filter(Boolean);
 }
 
+// what held memory (the summary's `memory`, from torch's memory events): allocated (solid, its
+// peak marked) and reserved (dashed) over the window, one colour per device; then what was live
+// at each device's peak, by the op that allocated it
+function memoryLabel(m) {
+  const parts = [];
+  if (m.replica !== null && m.replica !== undefined) parts.push(`rep ${m.replica}`);
+  if (m.rank !== null && m.rank !== undefined) parts.push(`rank ${m.rank}`);
+  parts.push(m.device >= 0 ? `${m.device_type}:${m.device}` : m.device_type);
+  return parts.join(" · ");
+}
+
+function memoryCharts(memory) {
+  const rows = (memory || []).filter((m) => m.series && m.series.length);
+  if (!rows.length) return [];
+  const series = rows.flatMap((m, i) => {
+    const cls = `line-${i % 4}`;
+    const out = [{ label: `${memoryLabel(m)} allocated`, cls, points: m.series.map((p) => [p[0], p[1]]) }];
+    if (m.series.some((p) => p[2] > 0)) out.push({ label: `${memoryLabel(m)} reserved`, cls, dashed: true, points: m.series.map((p) => [p[0], p[2]]) });
+    return out;
+  });
+  const peaks = rows.map((m) => `${memoryLabel(m)}: peak ${bytes(m.peak_allocated_bytes)}` + (m.peak_offset_us !== null && m.peak_offset_us !== undefined ? ` at ${us(m.peak_offset_us)}` : "") + (m.free_at_peak_share !== null && m.free_at_peak_share !== undefined ? `, ${Math.round(m.free_at_peak_share * 100)} % of reserved free` : ""));
+  return [
+    lineChart("Memory over the window", series, { xFmt: us, yFmt: bytes, note: peaks.join(" · ") }),
+    ...rows.map((m) => barChart(`Live at the peak by op (${memoryLabel(m)})`, (m.live_at_peak || []).map((o) => ({ label: o.name, value: o.bytes, note: `${o.blocks} block(s)${o.stack && o.stack.length ? " · " + o.stack.join(" › ") : ""}` })), { fmt: bytes, cls: "bar-kernel" })),
+  ].filter(Boolean);
+}
+
 export function renderSummary(card, s) {
   const charts = [];
   const notes = [];
@@ -293,6 +320,7 @@ export function renderSummary(card, s) {
     const top = (rows, key) => [...rows].sort((a, b) => b[key] - a[key]).slice(0, TOP_N);
     const figs = [
       ...whyCharts(st.devices),
+      ...memoryCharts(st.memory),
       barChart("Top ops by self CPU time", top(st.cpu_ops || [], "self_us").map((o) => ({ label: o.name, value: o.self_us, note: `${o.count}×` })), { fmt: us, cls: "bar-cpu" }),
       barChart("Top ops by self device time", top(st.cpu_ops_by_device || [], "self_device_us").map((o) => ({ label: o.name, value: o.self_device_us, note: `${o.count}×` })), { fmt: us, cls: "bar-gpu" }),
       barChart("Top kernels by GPU time", top(st.kernels || [], "total_us").map((k) => ({ label: k.name, value: k.total_us, note: `${k.count}×` })), { fmt: us, cls: "bar-kernel" }),

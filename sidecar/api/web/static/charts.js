@@ -119,3 +119,50 @@ export function stackedChart(title, rows, parts, { width = 560, labelWidth = 150
   }
   return figure(title, root);
 }
+
+// series: [{label, cls, points: [[x, y], ...], dashed?}] → lines over one x axis (µs from the
+// window's start) and one y axis from 0; each solid series marks its highest point (its peak)
+export function lineChart(title, series, { xFmt = String, yFmt = String, width = 560, height = 210, note } = {}) {
+  series = series.filter((s) => s.points && s.points.length);
+  if (!series.length) return null;
+  const left = 78;
+  const right = 14;
+  const top = 12;
+  const plotH = height - top - 52;
+  const plotW = width - left - right;
+  const xs = series.flatMap((s) => s.points.map((p) => p[0]));
+  const ys = series.flatMap((s) => s.points.map((p) => p[1]));
+  const x0 = Math.min(...xs);
+  const x1 = Math.max(...xs);
+  const yMax = Math.max(...ys) || 1;
+  const px = (x) => left + (x1 > x0 ? ((x - x0) / (x1 - x0)) * plotW : plotW / 2);
+  const py = (y) => top + plotH - (y / yMax) * plotH;
+  const root = svg("svg", { class: "chart-svg line-chart", viewBox: `0 0 ${width} ${height}`, width: "100%", role: "img", "aria-label": title });
+  for (const f of [0, 0.5, 1]) {
+    const y = py(f * yMax);
+    root.append(svg("line", { class: "grid-line", x1: left, x2: left + plotW, y1: y.toFixed(1), y2: y.toFixed(1) }));
+    root.append(text(left - 6, y + 4, yFmt(f * yMax), { class: "bar-value", "text-anchor": "end" }));
+  }
+  root.append(text(left, top + plotH + 16, xFmt(x0), { class: "bar-value" }));
+  root.append(text(left + plotW, top + plotH + 16, xFmt(x1), { class: "bar-value", "text-anchor": "end" }));
+  series.forEach((s, i) => {
+    const g = svg("g", { class: "series", "data-series": s.label });
+    const pts = s.points.map((p) => `${px(p[0]).toFixed(1)},${py(p[1]).toFixed(1)}`).join(" ");
+    const line = svg("polyline", { class: `line ${s.cls || ""} ${s.dashed ? "line-dashed" : ""}`.trim(), points: pts });
+    line.append(svg("title", {}, document.createTextNode(s.label)));
+    g.append(line);
+    if (!s.dashed) {
+      const peak = s.points.reduce((a, b) => (b[1] > a[1] ? b : a));
+      const dot = svg("circle", { class: `peak-dot ${s.cls || ""}`.trim(), cx: px(peak[0]).toFixed(1), cy: py(peak[1]).toFixed(1), r: 3.5, "data-peak": peak[1] });
+      dot.append(svg("title", {}, document.createTextNode(`${s.label}: peak ${yFmt(peak[1])} at ${xFmt(peak[0])}`)));
+      g.append(dot);
+      g.append(text(Math.min(px(peak[0]) + 6, left + plotW - 60), Math.max(py(peak[1]) - 6, top + 10), yFmt(peak[1]), { class: "peak-label" }));
+    }
+    root.append(g);
+    const ly = height - 18;
+    const lx = left + (i * plotW) / series.length;
+    root.append(svg("line", { class: `line ${s.cls || ""} ${s.dashed ? "line-dashed" : ""}`.trim(), x1: lx, x2: lx + 14, y1: ly - 4, y2: ly - 4 }));
+    root.append(text(lx + 18, ly, clip(s.label, Math.max(8, Math.floor(plotW / series.length / 7) - 3)), { class: "legend" }));
+  });
+  return figure(title, root, note);
+}
