@@ -2,6 +2,7 @@
 and big ones by replicating a real trace's events with shifted timestamps and ids.
 
   python3 bench/gen_traces.py cpu --out /tmp/traces --steps 4 8 32     # one trace per step count
+  python3 bench/gen_traces.py cpu --out /tmp/traces --steps 8 --memory  # profile_memory on (memory events)
   python3 bench/gen_traces.py gpu --out $OUT                           # on the GPU machine
   python3 bench/gen_traces.py replicate SRC.json[.gz] DST.json --size-mb 1000
   python3 bench/gen_traces.py hostbound --out $OUT                     # on the GPU machine
@@ -52,7 +53,7 @@ def key_averages_json(prof) -> dict:
 
 
 def profile_run(out: Path, name: str, *, device: str, steps: int, d_model: int, layers: int,
-                batch: int, seq: int, with_stack: bool, gz: bool) -> Path:
+                batch: int, seq: int, with_stack: bool, gz: bool, memory: bool = False) -> Path:
     """Train ``steps`` steps of a small transformer under torch.profiler; write trace + key_averages."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -75,7 +76,7 @@ def profile_run(out: Path, name: str, *, device: str, steps: int, d_model: int, 
         step()
     if device == "cuda":
         torch.cuda.synchronize()
-    with profile(activities=activities, with_stack=with_stack) as prof:
+    with profile(activities=activities, with_stack=with_stack, profile_memory=memory) as prof:
         for i in range(steps):
             with record_function(f"ProfilerStep#{i + 1}"):
                 step()
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("--out", type=Path, required=True)
     c.add_argument("--steps", type=int, nargs="+", default=[2])
     c.add_argument("--gz", action="store_true")
+    c.add_argument("--memory", action="store_true", help="profile_memory: the allocator's memory events in the trace")
     g = sub.add_parser("gpu", help="real CUDA traces: a small one to commit, a large one to bench")
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--large-steps", type=int, default=30)
@@ -271,8 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     t = time.time()
     if a.cmd == "cpu":
         for s in a.steps:
-            profile_run(a.out, f"cpu_steps{s}", device="cpu", steps=s, d_model=64, layers=2,
-                        batch=4, seq=32, with_stack=False, gz=a.gz)
+            profile_run(a.out, f"cpu_steps{s}" + ("_memory" if a.memory else ""), device="cpu", steps=s, d_model=64,
+                        layers=2, batch=4, seq=32, with_stack=False, gz=a.gz, memory=a.memory)
     elif a.cmd == "gpu":
         import torch
 

@@ -5,11 +5,16 @@ the speedup of a capture's files summarised in parallel.
   python3 bench/summarize.py TRACE.json.gz --files A B C D      # + 4 files on 1 core vs 2 cores
   python3 bench/summarize.py TRACE.json.gz --repeats 5 --no-hta
   python3 bench/summarize.py TRACE.json.gz --hta-python /tmp/hta-venv/bin/python --ready TRACE_100MB.json.gz
+  python3 bench/summarize.py MEMORY_TRACE.json.gz --committed     # + ours on each committed real trace
 
 ``ours`` is the whole product path: ``summarize_paths`` (per-file summary, the attribution fields,
 findings). ``hta, four analyses`` is HTA 0.5.0 loading the trace and running the same four
 analyses (temporal and idle time breakdown, comm/comp overlap, kernel launch statistics; see
 bench/hta_reference.py), in the Python given by ``--hta-python`` (HTA needs pandas and torch).
+The trace line says how many memory events (``profile_memory``: what holds memory, summarised in
+the same pass) the trace holds; ``bench/gen_traces.py cpu --memory`` makes one, ``replicate`` grows
+it. ``--committed`` also runs ours on each committed real H200 trace (tests/data/traces, recorded
+without memory: the pass's cost where the memory events are absent).
 ``--ready`` times the work between a stop's reply and its summary + findings (the summary of
 that file in a fresh process, its imports inside the time: colder than the sidecar's worker,
 which has them preloaded). The last table puts each figure beside its goal.
@@ -58,7 +63,7 @@ def run_ours(paths: list[str], workers: int = 1) -> dict:
     from sidecar.analysis import summarize_paths
 
     s = summarize_paths(paths, workers=workers)
-    return {"events": s.totals.events, "findings": len(s.findings)}
+    return {"events": s.totals.events, "findings": len(s.findings), "memory_events": sum(m.events for m in s.memory)}
 
 
 def run_ours_no_isal(paths: list[str]) -> dict:
@@ -217,6 +222,7 @@ def main() -> None:
     ap.add_argument("--hta-python", help="a Python with HTA (holistictraceanalysis) for the HTA contenders")
     ap.add_argument("--ready", type=Path, help="a ~100 MB trace: time from a stop's reply to its summary + findings")
     ap.add_argument("--no-json-load", action="store_true")
+    ap.add_argument("--committed", action="store_true", help="also ours, one core, on each committed real trace")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--cpus", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -256,7 +262,9 @@ def main() -> None:
         return statistics.median(vals) if vals else float("nan")
 
     ref = med(results[("ours", tuple(one))], "seconds")
-    print(f"\n{a.trace.name}: {raw_mb:.1f} MB raw JSON; medians of {a.repeats} (HTA: {a.hta_repeats}); time × = against ours on one core")
+    mem = med(results[("ours", tuple(one))], "memory_events")
+    print(f"\n{a.trace.name}: {raw_mb:.1f} MB raw JSON, {mem:,.0f} memory events; medians of {a.repeats} (HTA: "
+          f"{a.hta_repeats}); time × = against ours on one core")
     print(f"{'contender':32} {'cores':>5} {'seconds':>8} {'MB/s':>7} {'CPU s':>7} {'MB/CPU s':>8} {'peak RSS MB':>11} {'time ×':>7}  runs / note")
     for (name, cpus), rs in results.items():
         s = med(rs, "seconds")
@@ -272,7 +280,25 @@ def main() -> None:
             print(f"{label:32} {s:8.2f} s {files_mb / s:7.1f} MB/s  peak RSS {med(rs, 'peak_rss_mb'):5.0f} MB  "
                   f"speedup {base / s:4.2f}x  runs {_runs(rs)}")
     goals(results, one, raw_mb, ready, _raw_size(a.ready) / 1e6 if a.ready else 0.0, med)
+    if a.committed:
+        committed(one, a.repeats, med)
     print(f"\nafter: {_load()}")
+
+
+def committed(one: list[int], repeats: int, med) -> None:
+    """Ours on one core on each committed real trace (tests/data/traces), medians of ``repeats``."""
+    traces = sorted((ROOT / "tests" / "data" / "traces").glob("*.json.gz"))
+    runs: dict[Path, list[dict]] = {}
+    for _ in range(repeats):
+        for t in traces:
+            runs.setdefault(t, []).append(measure("ours", one, [t]))
+    print(f"\ncommitted real traces (tests/data/traces), ours on one core, medians of {repeats}")
+    print(f"{'trace':28} {'MB raw':>7} {'seconds':>8} {'MB/s':>7} {'MB/CPU s':>8} {'peak RSS MB':>11} {'memory events':>13}")
+    for t, rs in runs.items():
+        mb = _raw_size(t) / 1e6
+        s, c = med(rs, "seconds"), med(rs, "cpu_seconds")
+        print(f"{t.name:28} {mb:7.2f} {s:8.3f} {mb / s:7.1f} {mb / c:8.1f} {med(rs, 'peak_rss_mb'):11.0f} "
+              f"{med(rs, 'memory_events'):13.0f}")
 
 
 def goals(results: dict, one: list[int], raw_mb: float, ready: list[dict], ready_mb: float, med) -> None:
