@@ -511,3 +511,22 @@ def test_the_page_draws_memory_over_the_window_per_stage(memory_capture: dict[st
     assert chart.locator("polyline.line").count() == 1  # allocated; a CPU reserves nothing
     live = page.locator('.summary-stage[data-stage="0"] figure.chart', has_text="Live at the peak by op")
     assert live.locator("text.bar-label").first.text_content() == m["live_at_peak"][0]["name"][:31]
+
+
+def test_memory_events_of_too_many_devices_are_capped_and_said(tmp_path: Path) -> None:
+    events = [_op("aten::empty", 0, 1000)]
+    events += [{**_mem(1 + d, d, 512, 512), "args": {**_mem(1 + d, d, 512, 512)["args"], "Device Id": d}} for d in range(80)]
+    path = tmp_path / "trace_rank0.json"
+    path.write_text(json.dumps(_trace(events, profile_memory=1)))
+    s = summarize_trace(path)
+    assert len(s.memory) == 64 and any("memory events of more than 64 devices" in w for w in s.warnings)
+
+
+def test_a_memory_event_without_its_figures_is_passed_over(tmp_path: Path) -> None:
+    bare = {"ph": "i", "cat": "cpu_instant_event", "name": "[memory]", "pid": 1, "tid": 1, "ts": 5, "args": {}}
+    odd = {**bare, "args": {"Bytes": "many", "Addr": [1]}}
+    path = tmp_path / "trace_rank0.json"
+    path.write_text(json.dumps(_trace([_op("aten::empty", 0, 10), bare, odd, _mem(6, 1, 64, 64, device_type=0)],
+                                      profile_memory=1)))
+    [m] = summarize_trace(path).memory
+    assert (m.device_type, m.events, m.peak_allocated_bytes) == ("cpu", 1, 64)
