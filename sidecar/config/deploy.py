@@ -28,7 +28,7 @@ from sidecar.config.overrides import (
     parse_profiler_config_arg,
     parse_stage_overrides,
 )
-from sidecar.config.profiler import ProfilerConfig, _is_uri_path
+from sidecar.config.profiler import ProfilerConfig, _is_uri_path, check_for_version
 from sidecar.errors import (
     BaseConfigCycle,
     BaseConfigInvalid,
@@ -55,6 +55,7 @@ from sidecar.errors import (
     StageOverridesInvalid,
     Where,
 )
+from sidecar.versions import OmniDialect, VllmDialect, omni_deploy_keys_unknown
 
 __all__ = [
     "PLATFORMS",
@@ -65,6 +66,7 @@ __all__ = [
     "load_server_config",
     "profiler_config_error",
     "resolve_deploy",
+    "version_findings",
 ]
 
 PLATFORMS = ("cuda", "rocm", "npu", "xpu", "musa")
@@ -771,3 +773,61 @@ def load_server_config(
             key="stage_args",
         )
     return deploy
+
+
+def version_findings(deploy: DeployConfig, vllm: VllmDialect, omni: OmniDialect | None) -> list[Finding]:
+    """What a server of these versions says of ``deploy`` that the newest known version's rules
+    (the loader's) let through: a profiler_config key or value that vLLM refuses (its own message,
+    naming the version that brought a key), a deploy key the vLLM-Omni release does not know yet
+    (it refuses to start), and the options that version ignores (warnings)."""
+    out: list[Finding] = []
+    for stage in deploy.stages:
+        pc = stage.profiler_config
+        if pc is None:
+            continue
+        refused = check_for_version({k: getattr(pc, k) for k in pc.model_fields_set}, vllm)
+        if refused is not None:
+            key, message = refused
+            out.append(Finding(code="profiler_config_version", severity=Severity.error, stage_id=stage.stage_id,
+                               message=f"profiler_config: {message}", key=f"profiler_config.{key}" if key else None,
+                               where=stage.marks.get(f"profiler_config.{key}") or stage.marks.get("profiler_config")))
+            continue
+        if pc.capture_torch_profiler and not vllm.capture_torch_profiler:
+            out.append(Finding(
+                code="capture_torch_profiler_noop", severity=Severity.warning, stage_id=stage.stage_id,
+                key="profiler_config.capture_torch_profiler",
+                where=stage.marks.get("profiler_config.capture_torch_profiler"),
+                message=f"capture_torch_profiler does nothing on {vllm.name} (\"capture_torch_profiler is deprecated "
+                        "and has no effect. It will be removed in a future release.\"): drop it"))
+        if pc.torch_profiler_activities is not None and omni is not None and omni.ignores_activities:
+            out.append(Finding(
+                code="activities_ignored", severity=Severity.warning, stage_id=stage.stage_id,
+                key="profiler_config.torch_profiler_activities",
+                where=stage.marks.get("profiler_config.torch_profiler_activities"),
+                message=f"{omni.name}'s torch stages build their profiler with the platform's default activities: "
+                        f"torch_profiler_activities {list(pc.torch_profiler_activities)} is accepted and ignored "
+                        "(the trace records CPU and the device as without it)"))
+    if omni is not None:
+        out += _deploy_keys_findings(deploy, omni)
+    return out
+
+
+def _deploy_keys_findings(deploy: DeployConfig, omni: OmniDialect) -> list[Finding]:
+    unknown = omni_deploy_keys_unknown(omni)
+    stage_keys = {k: since for scope, k, since in unknown if scope == "stage"}
+    top_keys = {k: since for scope, k, since in unknown if scope == "top"}
+    out: list[Finding] = []
+    for stage in deploy.stages:
+        for key in sorted(set(stage.extras) & set(stage_keys)):
+            out.append(Finding(
+                code="deploy_key_version", severity=Severity.error, stage_id=stage.stage_id, key=key,
+                where=stage.where, message=f"`{key}` is a stage key of vLLM-Omni {stage_keys[key]}: {omni.name} "
+                f"refuses it at start-up; drop it, or run vLLM-Omni {stage_keys[key]} or later"))
+    if deploy.path is not None and top_keys:
+        doc = resolve_deploy(deploy.path)
+        for key in sorted(set(doc) & set(top_keys)):
+            out.append(Finding(
+                code="deploy_key_version", severity=Severity.error, key=key, where=doc.where_of(key),
+                message=f"top-level `{key}` is a key of vLLM-Omni {top_keys[key]}: {omni.name} refuses it at start-up; "
+                f"drop it, or run vLLM-Omni {top_keys[key]} or later"))
+    return out
