@@ -51,13 +51,14 @@ class ThreadOps:
     """The ops of one thread in start order: where each starts and ends, its stat row and the
     op enclosing it (-1: none). Kineto writes a thread's ops sorted by start."""
 
-    __slots__ = ("starts", "ends", "rows", "parents")
+    __slots__ = ("starts", "ends", "rows", "parents", "at")
 
     def __init__(self) -> None:
         self.starts = array("d")
         self.ends = array("d")
         self.rows: list[list[Any]] = []
         self.parents = array("i")
+        self.at = (-1, float("-inf"))  # where the last lookup ended: (op index, the time looked up)
 
     def innermost(self, ts: float) -> int:
         """The index of the innermost op open at ``ts`` (ends inclusive), or -1."""
@@ -109,18 +110,18 @@ class _Device:
         self.edge = float("-inf")  # where the next bucket starts (µs)
         self.first_ts: float | None = None
 
-    def copy_peak(self) -> None:
+    def copy_peak(self, peak: int) -> None:
         self.at_peak = {k: (r[4], r[5]) for k, r in self.ops.items() if r[5]}
         self.pending = False
         self.copies += 1
-        self.copied = self.peak
+        self.copied = peak
 
-    def point(self, ts: float) -> None:
-        """A new chart bucket at ``ts``, after the last one: ``MAX_POINTS`` to ``2 * MAX_POINTS`` of
-        them over the window, each the highest allocated of its time."""
+    def point(self, ts: float, cur: int, reserved: int | None) -> list[Any]:
+        """A new chart bucket at ``ts``, after the last one (``MAX_POINTS`` to ``2 * MAX_POINTS`` of
+        them over the window, each the highest allocated of its time); the last point."""
         pts = self.points
         b = int((ts - self.t0) / self.width)
-        pts.append([b, ts, self.cur, self.reserved])
+        pts.append([b, ts, cur, reserved])
         if len(pts) > 2 * MAX_POINTS:
             self.width *= 2
             merged: list[list[Any]] = []
@@ -136,6 +137,7 @@ class _Device:
                     merged.append(p)
             self.points = pts = merged
         self.edge = self.t0 + (pts[-1][0] + 1) * self.width
+        return pts[-1]
 
 
 class MemoryTracker:
@@ -162,29 +164,43 @@ class MemoryTracker:
 
     def events(self, batch: list[Any], index: dict[tuple[Any, Any], ThreadOps]) -> None:
         """``[memory]`` / ``[OutOfMemory]`` events in file order; ``index`` holds each thread's ops
-        (by (pid, tid)) when the trace is indexed. One loop, the device and thread of the last event
-        kept in locals (a run of events is one device's, one thread's)."""
+        (by (pid, tid)) when the trace is indexed. One loop; the state of the last event's device,
+        and its thread's index, live in locals (a run of events is one device's, one thread's) and
+        go back to the device when another device's event comes, and at the end."""
         dtype: Any = _UNSET
         did: Any = _UNSET
         pid: Any = _UNSET
         tid: Any = _UNSET
         ix = dev = None
+        pos, seen = -1, float("-inf")
         starts: Any = ()
         ends: Any = ()
         parents: Any = ()
         rows: Any = ()
         ops: dict[str, list[int]] = {}
         allocs: dict[Any, tuple[int, list[int]]] = {}
+        cur = peak = alloc_peak = peak_reserved = drift = 0
+        reserved: int | None = None
+        edge = 0.0
+        last: list[Any] = []
         for e in batch:
             a = e.args
             if a is None:
                 continue
             if a.device_type != dtype or a.device_id != did:
+                if dev is not None:
+                    dev.cur, dev.peak, dev.alloc_peak, dev.peak_reserved, dev.drift, dev.reserved = (
+                        cur, peak, alloc_peak, peak_reserved, drift, reserved)
                 dtype, did = a.device_type, a.device_id
                 dev = self._device(dtype, did)
-                if dev is not None:
-                    ops, allocs = dev.ops, dev.allocs
-            if dev is None:
+                if dev is None:
+                    continue
+                ops, allocs = dev.ops, dev.allocs
+                cur, peak, alloc_peak, peak_reserved, drift, reserved = (
+                    dev.cur, dev.peak, dev.alloc_peak, dev.peak_reserved, dev.drift, dev.reserved)
+                edge = dev.edge
+                last = dev.points[-1] if dev.points else []
+            elif dev is None:
                 continue
             if e.name == OOM_EVENT:
                 dev.ooms += 1
@@ -195,24 +211,40 @@ class MemoryTracker:
             ts = e.ts
             total = a.total_allocated
             if dev.start is None:  # the peak so far: what was allocated before the window
-                dev.start = dev.cur = dev.peak = max(0, total - nbytes) if total is not None else 0
+                dev.start = cur = peak = max(0, total - nbytes) if total is not None else 0
                 dev.peak_ts, dev.peak_reserved_at, dev.pending, dev.first_ts, dev.t0 = ts, a.total_reserved, True, ts, ts
-            cur = dev.cur = dev.cur + nbytes
-            if total is not None and total > dev.alloc_peak:
-                dev.alloc_peak = total
-            reserved = a.total_reserved
-            if reserved is not None:
-                dev.reserved = reserved
-                if reserved > dev.peak_reserved:
-                    dev.peak_reserved = reserved
+            cur += nbytes
+            if total is not None and total > alloc_peak:
+                alloc_peak = total
+            r = a.total_reserved
+            if r is not None:
+                reserved = r
+                if r > peak_reserved:
+                    peak_reserved = r
             if e.tid != tid or e.pid != pid:
+                if ix is not None:
+                    ix.at = (pos, seen)
                 pid, tid = e.pid, e.tid
                 ix = index.get((pid, tid))
                 if ix is not None:
                     starts, ends, parents, rows = ix.starts, ix.ends, ix.parents, ix.rows
+                    pos, seen = ix.at
             i = -1
             if ix is not None:  # the innermost op open at ts: the last started before it, or what encloses that
-                i = bisect_right(starts, ts) - 1
+                # A thread's events come in time order: walk on from the last lookup (a step or two
+                # between events), jump by bisection over a long run of ops, go back only by it.
+                n = len(starts)
+                if ts < seen:
+                    pos = bisect_right(starts, ts) - 1
+                elif pos + 1 < n and starts[pos + 1] <= ts:
+                    if pos + 4 < n and starts[pos + 4] <= ts:
+                        pos = bisect_right(starts, ts, pos + 4) - 1
+                    else:
+                        pos += 1
+                        while pos + 1 < n and starts[pos + 1] <= ts:
+                            pos += 1
+                seen = ts
+                i = pos
                 while i >= 0 and ends[i] < ts:
                     i = parents[i]
             name = rows[i][0] if i >= 0 else NO_OP
@@ -220,47 +252,54 @@ class MemoryTracker:
             if rec is None:
                 rec = ops[name] = [0, 0, 0, 0, 0, 0]
                 dev.stacks[name] = ix.stack(i) if i >= 0 else []  # type: ignore[union-attr]
+            addr = a.addr
             if nbytes > 0:
                 rec[0] += 1
                 rec[1] += nbytes
-                old = allocs.get(a.addr)
+                old = allocs.get(addr)
                 if old is not None:  # allocated again without a free in between: the old one is gone
                     old[1][4] -= old[0]
                     old[1][5] -= 1
                 if old is not None or len(allocs) < MAX_LIVE:
-                    allocs[a.addr] = (nbytes, rec)
+                    allocs[addr] = (nbytes, rec)
                     rec[4] += nbytes
                     rec[5] += 1
                 else:
                     self._limit(f"more than {MAX_LIVE:,} live allocations on one device: later ones not attributed")
-                if cur > dev.peak:
-                    dev.peak, dev.peak_ts, dev.peak_reserved_at = cur, ts, dev.reserved
-                    if total is not None and abs(cur - total) > dev.drift:  # checked where it matters most
-                        dev.drift = abs(cur - total)
+                if cur > peak:
+                    peak = cur
+                    dev.peak_ts, dev.peak_reserved_at = ts, reserved
+                    if total is not None and abs(cur - total) > drift:  # checked where it matters most
+                        drift = abs(cur - total)
                     if dev.copies < _SNAPSHOTS_EXACT or cur > dev.copied * 1.001:
                         dev.pending = True
             else:
                 if dev.pending:  # the live set is still the peak's: nothing was freed since
-                    dev.copy_peak()
+                    dev.copy_peak(peak)
                 rec[2] += 1
                 rec[3] -= nbytes
-                old = allocs.pop(a.addr, None)
+                old = allocs.pop(addr, None)
                 if old is not None:
                     old[1][4] -= old[0]
                     old[1][5] -= 1
-            if ts >= dev.edge:
-                dev.point(ts)
+            if ts >= edge:
+                last = dev.point(ts, cur, reserved)
+                edge = dev.edge
             else:  # the same chart bucket (or an event out of time order): keep its highest
-                last = dev.points[-1]
                 if cur > last[2]:
                     last[1], last[2] = ts, cur
-                if reserved is not None and (last[3] is None or reserved > last[3]):
-                    last[3] = reserved
+                if r is not None and (last[3] is None or r > last[3]):
+                    last[3] = r
+        if dev is not None:
+            dev.cur, dev.peak, dev.alloc_peak, dev.peak_reserved, dev.drift, dev.reserved = (
+                cur, peak, alloc_peak, peak_reserved, drift, reserved)
+        if ix is not None:
+            ix.at = (pos, seen)
 
     def finish(self) -> None:
         for dev in self.devices.values():
             if dev.pending:
-                dev.copy_peak()
+                dev.copy_peak(dev.peak)
             for name, rec in dev.ops.items():
                 mine = self.ops.setdefault((name, dev.kind), [0, 0, 0, 0])
                 for i in range(4):
