@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,117 @@ async def test_file_download_is_confined(api: AppClient) -> None:
     await client.post(f"/v1/captures/{cap['id']}/stop", params={"wait": "true"})
     reply = await client.get(f"/v1/captures/{cap['id']}/files/..%2F..%2F..%2Fetc%2Fpasswd")
     assert (reply.status_code, error_of(reply)["code"]) == (404, "artifact_not_found")
+
+
+async def _completed(client: Any, headers: dict[str, str] | None = None) -> tuple[str, str]:
+    """A completed capture of stage 0: its id and its trace's ``<session folder>/<file>``."""
+    cap = (await client.post("/v1/captures", json={"stages": [0]}, headers=headers)).json()
+    done = (await client.post(f"/v1/captures/{cap['id']}/stop", params={"wait": "true"}, headers=headers)).json()
+    session = done["verdicts"][0]["sessions"][0]
+    name = next(f["name"] for f in session["files"] if f["name"].startswith("trace_"))
+    return cap["id"], f"{Path(session['path']).name}/{name}"
+
+
+def _content_reads(cid: str, rel: str) -> list[str]:
+    """The reads that run an analysis or return trace content."""
+    return [f"/v1/captures/{cid}/summary", f"/v1/captures/{cid}/summary?top=0", f"/v1/captures/{cid}/timeline",
+            f"/v1/captures/{cid}/diff/{cid}", f"/v1/captures/{cid}/files/{rel}"]
+
+
+async def test_with_a_token_file_reads_of_trace_content_need_the_token(api: AppClient) -> None:
+    client = await api(token=True)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    cid, rel = await _completed(client, auth)
+    reads = _content_reads(cid, rel)
+    without = [await client.get(path) for path in reads]  # ?top=0 too: the token is checked first
+    wrong = [await client.get(path, headers={"Authorization": "Bearer nope"}) for path in reads]
+    right = [await client.get(path, headers=auth) for path in reads]
+    assert [(r.status_code, error_of(r)["code"]) for r in without + wrong] == [(401, "unauthorized")] * 10
+    assert [r.status_code for r in right] == [200, 422, 200, 200, 200]
+    # the document says which reads may answer 401: these, and not a capture's own record
+    spec = (await client.get("/openapi.json")).json()["paths"]
+    guarded = ["/v1/captures/{capture_id}/summary", "/v1/captures/{capture_id}/timeline", "/v1/captures/{a}/diff/{b}",
+               "/v1/captures/{capture_id}/files/{relpath}", "/v1/captures/{capture_id}"]
+    assert ["401" in spec[path]["get"]["responses"] for path in guarded] == [True, True, True, True, False]
+
+
+async def test_without_a_token_file_reads_of_trace_content_stay_open(api: AppClient) -> None:
+    client = await api()
+    cid, rel = await _completed(client)
+    assert [(await client.get(path)).status_code for path in _content_reads(cid, rel)] == [200, 422, 200, 200, 200]
+
+
+def _count_summaries(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The ``top`` of each summary analysis from now on: each runs in the memory-capped worker."""
+    from sidecar.analysis import isolated
+
+    analyses: list[Any] = []
+    run = isolated.run_isolated
+
+    def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if fn.__name__ == "summarize_paths":
+            analyses.append(kwargs.get("top"))
+        return run(fn, *args, **kwargs)
+
+    monkeypatch.setattr(isolated, "run_isolated", counted)
+    return analyses
+
+
+def _rich_trace(client: Any, cid: str) -> tuple[Path, Any]:
+    """The capture's one trace rewritten with a real one (ops, kernels, memcpy; the fake server's
+    holds one op): its path, and the capture."""
+    from sidecar.control import artifacts
+
+    cap = client.sidecar_app.state.controller.get(cid)
+    (path,), _ = artifacts.trace_files(cap.verdicts)
+    rich = (Path(__file__).parent / "data" / "traces" / "cuda_small.json.gz").read_bytes()
+    path.write_bytes(rich if path.suffix == ".gz" else gzip.decompress(rich))
+    return path, cap
+
+
+async def test_summaries_of_many_tops_cost_one_analysis(api: AppClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    analyses = _count_summaries(monkeypatch)
+    client = await api()
+    cid, _ = await _completed(client)
+    tops = [1, 2, 7, 20, 99, 250, 500, 3]
+    replies = [await client.get(f"/v1/captures/{cid}/summary", params={"top": top}) for top in tops]
+    again = await client.get(f"/v1/captures/{cid}/summary")  # the default, 20, as the page asks
+    assert [r.status_code for r in [*replies, again]] == [200] * (len(tops) + 1)
+    assert analyses == [500]  # one analysis, at the most rows the API serves; every top is cut from it
+    assert again.json() == replies[tops.index(20)].json()
+
+
+async def test_a_capture_is_analysed_again_only_when_its_trace_is_replaced(
+    api: AppClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    analyses = _count_summaries(monkeypatch)
+    client = await api(control={"summarize": False})
+    cid, _ = await _completed(client)
+    url = f"/v1/captures/{cid}/summary"
+    first = [(await client.get(url, params={"top": top})).json() for top in (5, 20)]
+    path, _ = _rich_trace(client, cid)  # rewritten in place
+    after = [(await client.get(url, params={"top": top})).json() for top in (5, 20)]
+    path.unlink()  # gone: what was analysed is still the capture's summary
+    gone = await client.get(url, params={"top": 7})
+    assert analyses == [500, 500]  # once, then once more for the rewritten trace
+    assert first[0]["totals"] == first[1]["totals"] != after[0]["totals"] == after[1]["totals"]
+    assert (gone.status_code, gone.json()["totals"]) == (200, after[0]["totals"])
+
+
+async def test_a_summary_cut_to_top_is_the_summary_analysed_at_top(api: AppClient) -> None:
+    """The cut of the capture's one analysis is what an analysis at that ``top`` gives: every
+    ranked table, at every level (capture, stage, file), in the same order."""
+    from sidecar.analysis import summarize_paths
+
+    client = await api(control={"summarize": False})
+    cid, _ = await _completed(client)
+    path, cap = _rich_trace(client, cid)
+    full = (await client.get(f"/v1/captures/{cid}/summary", params={"top": 500})).json()
+    cut = (await client.get(f"/v1/captures/{cid}/summary", params={"top": 2})).json()
+    analysed = summarize_paths([path], top=2, requested_start=cap.started_at.timestamp()).model_dump(mode="json")
+    tables = ("cpu_ops", "cpu_ops_by_device", "annotations", "runtime", "kernels", "memcpy")
+    assert all(len(full[t]) > 2 for t in tables), {t: len(full[t]) for t in tables}  # so the cut cuts
+    assert cut == analysed
 
 
 async def test_summary_while_active_is_409(api: AppClient) -> None:

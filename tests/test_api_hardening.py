@@ -85,6 +85,29 @@ async def test_a_json_null_body_starts_like_no_body(api: AppClient, fake_omni: A
     assert (reply.json()["stages"], [s["stages"] for s in fake_omni.starts()]) == ([0, 2], [[0, 2]])
 
 
+async def test_a_json_null_plan_body_plans_like_no_body(api: AppClient) -> None:
+    # POST /v1/plan has the same shape as POST /v1/captures (every field has a default)
+    from sidecar.errors import StepsUnavailable
+
+    client = await api()
+    asked: list[Any] = []
+
+    async def plan(stages: Any, **bounds: Any) -> Any:  # what the route hands the controller
+        asked.append((stages, bounds))
+        raise StepsUnavailable("recorded, not planned")
+
+    client.sidecar_app.state.controller.plan = plan
+    json_ = {"content-type": "application/json"}
+    replies = [await client.post("/v1/plan", content=b"null", headers=json_), await client.post("/v1/plan"),
+               await client.post("/v1/plan", json={})]
+    spec = (await client.get("/openapi.json")).json()["paths"]
+    defaults = (None, {"budget_mb": None, "max_stop_s": None, "probe_steps": (1, 2), "refine": True})
+    assert [(r.status_code, error_of(r)["code"]) for r in replies] == [(422, "steps_unavailable")] * 3
+    assert asked == [defaults] * 3
+    for path in ("/v1/captures", "/v1/plan"):  # and the document says `null` is a body these take
+        assert {"type": "null"} in spec[path]["post"]["requestBody"]["content"]["application/json"]["schema"]["anyOf"]
+
+
 async def test_a_body_over_1_mib_is_413(api: AppClient) -> None:
     client = await api()
     big = b'{"label": "' + b"x" * (1024 * 1024 + 10) + b'"}'

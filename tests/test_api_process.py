@@ -139,13 +139,44 @@ def test_file_download_is_confined_to_the_capture(served: Served) -> None:
         done = client.stop_capture(cap.id, wait=True, timeout=WAIT)
     folder = Path(done.verdicts[0].sessions[0].path).name
     files = f"{served.url}/v1/captures/{cap.id}/files"
-    ok = httpx.get(f"{files}/{folder}/trace_rank0.json.gz", timeout=HTTP_TIMEOUT)
+    token = {"Authorization": f"Bearer {TOKEN}"}  # trace content needs the token (--token-file)
+    ok = httpx.get(f"{files}/{folder}/trace_rank0.json.gz", headers=token, timeout=HTTP_TIMEOUT)
     escapes = [
-        httpx.get(f"{files}/{folder}/../../../secret.txt", timeout=HTTP_TIMEOUT),
-        httpx.get(f"{files}/{folder}/..%2F..%2F..%2Fsecret.txt", timeout=HTTP_TIMEOUT),
+        httpx.get(f"{files}/{folder}/../../../secret.txt", headers=token, timeout=HTTP_TIMEOUT),
+        httpx.get(f"{files}/{folder}/..%2F..%2F..%2Fsecret.txt", headers=token, timeout=HTTP_TIMEOUT),
     ]
     assert (ok.status_code, ok.content[:2]) == (200, b"\x1f\x8b")
     assert [r.status_code for r in escapes] == [404, 404]
+
+
+def test_reads_of_trace_content_need_the_token(served: Served) -> None:
+    # --token-file: a summary, a timeline, a diff and a download each run an analysis or return
+    # trace content, so each is 401 without the token and answers with it
+    with served.client() as client:
+        cap = client.start_capture([0])
+        assert busy(served.emulator) == 200
+        done = client.stop_capture(cap.id, wait=True, timeout=WAIT)
+    folder = Path(done.verdicts[0].sessions[0].path).name
+    reads = [f"/v1/captures/{cap.id}/summary?top=3", f"/v1/captures/{cap.id}/timeline",
+             f"/v1/captures/{cap.id}/diff/{cap.id}", f"/v1/captures/{cap.id}/files/{folder}/trace_rank0.json.gz"]
+    without = [httpx.get(f"{served.url}{path}", timeout=HTTP_TIMEOUT) for path in reads]
+    wrong = [httpx.get(f"{served.url}{path}", headers={"Authorization": "Bearer tok-wrong"}, timeout=HTTP_TIMEOUT)
+             for path in reads]  # fmt: skip
+    right = [httpx.get(f"{served.url}{path}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=HTTP_TIMEOUT)
+             for path in reads]  # fmt: skip
+    assert [(r.status_code, r.json()["error"]["code"], r.headers["www-authenticate"]) for r in without] == [
+        (401, "unauthorized", "Bearer")] * 4
+    assert [r.status_code for r in wrong] == [401] * 4
+    assert [r.status_code for r in right] == [200] * 4, [r.text[:300] for r in right]
+    assert (right[0].json()["stages"][0]["stage_id"], right[3].content[:2]) == (0, b"\x1f\x8b")
+
+
+def test_a_json_null_body_starts_a_capture_of_every_profiled_stage(served: Served) -> None:
+    # over a real socket: `null` is the body the OpenAPI document allows beside none, read as none
+    headers = {"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"}
+    reply = httpx.post(f"{served.url}/v1/captures", content=b"null", headers=headers, timeout=HTTP_TIMEOUT)
+    assert (reply.status_code, reply.json().get("stages")) == (201, [0, 2]), reply.text
+    assert [c["stages"] for c in upstream_calls(served.emulator, "/start_profile")][-1:] == [[0, 2]]
 
 
 def test_upstream_credentials_are_never_shown(served: Served) -> None:

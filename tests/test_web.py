@@ -397,6 +397,30 @@ def test_token_is_asked_for_and_used(web_stack_token: WebStack, open_page: Any, 
     assert page.locator("#token-state").inner_text().startswith("token set")
 
 
+def test_with_a_token_file_the_page_reads_the_summary_and_downloads_with_the_token(
+    web_stack_token: WebStack, open_page: Any, screenshot: Any
+) -> None:
+    # --token-file: the summary and the trace files need the token, which a plain link cannot send
+    done = web_stack_token.capture("token reads")
+    relpath, local = _trace_file(done, 0)
+    page = open_page(web_stack_token.url)
+    page.goto(f"/captures/{done['id']}")
+    page.locator("#token-dialog").wait_for(state="visible")  # the summary asked for it
+    page.fill("#token-input", WEB_TOKEN)
+    page.click("#token-ok")
+    page.locator("#capture-summary .summary-stage").first.wait_for(timeout=300_000)
+    link = page.locator(f'#capture-stages .stage-block[data-stage="0"] a.download[download="{local.name}"]')
+    with page.expect_download() as info:
+        link.click()
+    saved = Path(info.value.path())
+    summaries = [r.headers.get("authorization") for r in page.requests if "/summary" in r.url]
+    files = [(urlpath(r.url), r.headers.get("authorization")) for r in page.requests if "/files/" in r.url]
+    assert summaries == [None, f"Bearer {WEB_TOKEN}"]  # refused without it, then asked for and sent
+    assert files == [(f"/v1/captures/{done['id']}/files/{relpath}", f"Bearer {WEB_TOKEN}")]
+    assert saved.read_bytes() == local.read_bytes()
+    screenshot(page, "web-token-reads")
+
+
 def test_no_request_leaves_localhost(web_stack: WebStack, done_capture: dict[str, Any], open_page: Any) -> None:
     page = open_page(web_stack.url)
     for path in ("/", f"/captures/{done_capture['id']}", "/stages"):

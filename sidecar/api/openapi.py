@@ -5,6 +5,8 @@ statuses each route can give (from the error classes), the JSON-only request bod
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterable
 from typing import Any
 
 from fastapi import FastAPI
@@ -74,6 +76,8 @@ ERROR_RESPONSES: dict[str, dict[int | str, dict[str, Any]]] = {
     "common": _by_status(RequestError, HostNotAllowed, RequestInvalid, MethodNotAllowed, InternalError, **_ALLOW),
     # routes with a JSON body and a bearer token
     "mutating": _by_status(AuthError, BodyTooLarge, MediaTypeUnsupported, **_AUTH),
+    # reads that run an analysis or return trace content: the bearer token too
+    "token": _by_status(AuthError, **_AUTH),
     "capture": _by_status(CaptureNotFound),
     "start": _by_status(CaptureActive, UpstreamError, UpstreamUnreachable),
     "download": _by_status(ArtifactNotFound),
@@ -114,10 +118,23 @@ def _swagger_ui_dir() -> str | None:
     return str(swagger_ui_path)
 
 
-def install_docs(app: FastAPI, stage_ids: list[int] | None = None) -> None:
+def _nullable_body(op: dict[str, Any]) -> None:
+    """The operation's JSON body as ``anyOf: [<its model>, null]``, however FastAPI wrote it."""
+    body = op.get("requestBody", {}).get("content", {}).get("application/json", {})
+    schema = body.get("schema")
+    if schema is None:
+        return
+    model = next((s for s in schema.get("anyOf", [schema]) if "$ref" in s), None)
+    if model is not None:
+        body["schema"] = {"anyOf": [{"$ref": model["$ref"]}, {"type": "null"}]}
+
+
+def install_docs(app: FastAPI, stage_ids: list[int] | None = None, nullable_bodies: Iterable[str] = ()) -> None:
     """``/docs`` (Swagger UI from the package) and an ``/openapi.json`` that names the error shape.
     ``stage_ids``: the ids a request may name (the deploy's torch stages), so the document says
-    what the API takes: a non-empty list of distinct ids among them."""
+    what the API takes: a non-empty list of distinct ids among them. ``nullable_bodies``: the
+    POST routes whose body may be JSON ``null`` (the defaults, as no body)."""
+    nullable_bodies = tuple(nullable_bodies)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -136,10 +153,8 @@ def install_docs(app: FastAPI, stage_ids: list[int] | None = None) -> None:
                         if status == "422" and ref.endswith("/HTTPValidationError"):
                             op["responses"]["422"] = error(RequestInvalid)
             # a JSON `null` body means the defaults, as an omitted one does
-            start = schema.get("paths", {}).get("/v1/captures", {}).get("post", {})
-            body = start.get("requestBody", {}).get("content", {}).get("application/json", {})
-            if "schema" in body:
-                body["schema"] = {"anyOf": [body["schema"], {"type": "null"}]}
+            for path in nullable_bodies:
+                _nullable_body(schema.get("paths", {}).get(path, {}).get("post", {}))
             if stage_ids is not None:
                 for name in ("CaptureRequest", "CompatProfileRequest"):
                     _restrict_stages(comps.get(name), stage_ids)
@@ -169,4 +184,56 @@ def install_docs(app: FastAPI, stage_ids: list[int] | None = None) -> None:
         )
 
 
-__all__ = ["ERROR_RESPONSES", "ERROR_SCHEMA", "error", "install_docs", "responses"]
+def describe_kinds(app: FastAPI, deploy: Any) -> None:
+    """The document says which stages each capture ``kind`` takes (torch: ``profiler: torch``
+    stages, nsys: ``profiler: cuda`` ones): ``CaptureRequest`` is one variant per kind that has
+    stages in this deploy, so a schema-valid body is not refused ``stage_not_torch`` /
+    ``stage_not_cuda``. Wraps the document ``install_docs`` builds (call it after)."""
+    ids = {kind: sorted(s.stage_id for s in deploy.stages if s.profiler == profiler)
+           for kind, profiler in (("torch", "torch"), ("nsys", "cuda"))}
+    capped = any(s.profiler_config is not None and s.profiler_config.max_iterations > 0 for s in deploy.stages)
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        schema = build()
+        comps = schema.get("components", {}).get("schemas", {})
+        model = comps.get("CaptureRequest")
+        if model is None or "anyOf" in model:
+            return schema
+        variants = []
+        for kind, stage_ids in ids.items():
+            if not stage_ids and kind != "torch":
+                continue
+            variant = copy.deepcopy(model)
+            props = variant.setdefault("properties", {})
+            props["kind"] = {**props.get("kind", {}), "enum": [kind]}
+            if kind != "torch":  # the default is torch: an nsys capture says so
+                variant["required"] = sorted({*variant.get("required", []), "kind"})
+            stages = props.get("stages", {})
+            for option in stages.get("anyOf", [stages]):
+                if option.get("type") == "array" and stage_ids:
+                    option.update(minItems=1, uniqueItems=True, maxItems=len(stage_ids),
+                                  items={"type": "integer", "enum": stage_ids})
+            if kind == "torch" and not capped and "steps" in props:
+                # no stage ends its own window (max_iterations): a steps window is refused unless
+                # counted by name (steps_unbounded), so the document asks for steps_bound: count
+                counted = copy.deepcopy(variant)
+                counted["properties"]["steps_bound"] = {"type": "string", "enum": ["count"]}
+                counted["required"] = sorted({*counted.get("required", []), "steps", "steps_bound"})
+                variant["properties"]["steps"] = {"type": "null", "description": "(no stage of this deploy ends "
+                                                  "its own window: a steps window needs steps_bound: count)"}
+                variants.append(counted)
+            variants.append(variant)
+        comps["CaptureRequest"] = {"title": model.get("title", "CaptureRequest"),
+                                   "description": model.get("description", ""), "anyOf": variants}
+        plan = comps.get("PlanRequest", {}).get("properties", {}).get("stages", {})
+        for option in plan.get("anyOf", [plan]):  # a plan probes torch stages, each once
+            if option.get("type") == "array" and ids["torch"]:
+                option.update(minItems=1, uniqueItems=True, maxItems=len(ids["torch"]),
+                              items={"type": "integer", "enum": ids["torch"]})
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+__all__ = ["ERROR_RESPONSES", "ERROR_SCHEMA", "describe_kinds", "error", "install_docs", "responses"]

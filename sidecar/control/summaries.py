@@ -109,6 +109,10 @@ def replaced(analysed: dict[str, list[int]] | None, paths: list[Path]) -> bool:
     return any(now[name] != ident if name in now else os.path.lexists(name) for name, ident in analysed.items())
 
 
+def _replaced_since(held: Analysis, cap: Capture) -> bool:
+    return replaced(held.files, artifacts.trace_files(cap.verdicts)[0])
+
+
 class SummaryCache:
     def __init__(self, journal: CaptureJournal | None) -> None:
         self.journal = journal
@@ -172,8 +176,7 @@ class SummaryCache:
             # files are read and stat'ed off the loop; the memory is only touched on it
             loaded = None if cap.id in self._data else await asyncio.to_thread(self._load, cap.id)
             held = self._held(cap.id, loaded)
-            if held is None or not held.serves(top) or await asyncio.to_thread(
-                    replaced, held.files, artifacts.trace_files(cap.verdicts)[0]):
+            if held is None or not held.serves(top) or await asyncio.to_thread(_replaced_since, held, cap):
                 # a caller in process may ask past the API's bound: then that many rows, kept instead
                 rows = max(top, SUMMARY_TOP_MAX)
                 held = self._keep(cap.id, rows, *await self._compute(cap, rows))

@@ -14,7 +14,6 @@ from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse
 
 import sidecar
-from sidecar.errors import SidecarError
 
 STATIC = Path(__file__).with_name("static")
 # the assets that exist when the package is built: a name outside this set is a 404, so the route
@@ -38,11 +37,9 @@ router = APIRouter(include_in_schema=False)
 
 
 def _auth_required(request: Request) -> bool:
-    settings = getattr(request.app.state, "settings", None)
-    try:
-        return bool(settings is not None and settings.read_token())
-    except SidecarError:  # an unreadable token file: the API says so on the first mutating call
-        return True
+    """Whether the API wants the bearer token (the app's own check, ``sidecar.api.state``)."""
+    api = getattr(request.app.state, "api", None)
+    return bool(api is not None and api.auth.enabled)
 
 
 def _shell(request: Request) -> HTMLResponse:

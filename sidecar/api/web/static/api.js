@@ -1,6 +1,8 @@
 // The page's one way to call the sidecar's JSON API. Mutating calls are JSON-only POSTs
 // (content-type application/json: a cross-site form cannot send one, so CSRF needs no cookie
-// trick), the bearer token goes in Authorization, and a 401 asks for the token, then retries.
+// trick), the bearer token goes in Authorization on every call once the tab has it, and a 401
+// asks for the token, then retries. With --token-file the reads of trace content (the summary,
+// the timeline, file downloads) need it too, not only starts and stops.
 
 const TOKEN_KEY = "omni-sidecar.token";
 
@@ -70,6 +72,25 @@ export async function api(path, { method = "GET", body, raw = false, signal } = 
     return res.json();
   }
   throw new ApiError(401, "unauthorized", reason || "unauthorized", {});
+}
+
+// whether this sidecar runs with --token-file (the shell says so in <body data-auth>)
+export const authRequired = () => document.body.dataset.auth === "required";
+
+// Saves one of the capture's files, as its Download link would. A link cannot send the bearer
+// token, so where the sidecar wants one the file is fetched with it (asking for it first if the
+// tab has none) and handed to the browser as a blob; otherwise the link downloads by itself.
+export async function download(path, fileName) {
+  const res = await api(path, { raw: true });
+  const url = URL.createObjectURL(await res.blob());
+  const link = document.createElement("a");
+  link.href = url;
+  link.download = fileName;
+  link.hidden = true;
+  document.body.append(link);
+  link.click();
+  link.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 60000); // the browser has started the download by then
 }
 
 // the capture list, newest first, one page at a time. The server pages when it knows

@@ -1,13 +1,13 @@
 // Entry point: picks the view from the path (relative to <base>), wires the token dialog and the
 // header's upstream status. Every view only calls the sidecar's JSON API.
-import { api, onTokenNeeded, token } from "./api.js";
+import { api, authRequired, onTokenNeeded, token } from "./api.js";
 import { captureView } from "./capture.js";
 import { capturesView } from "./captures.js";
 import { clear, el } from "./format.js";
 import { startHeartbeats } from "./leases.js";
 import { stagesView } from "./stages.js";
 
-const AUTH_REQUIRED = document.body.dataset.auth === "required";
+const AUTH_REQUIRED = authRequired();
 
 function route() {
   const base = new URL(document.baseURI).pathname;

@@ -1,6 +1,6 @@
 // One capture: state and timings, per stage the verdict, its reason and what to do, the files
 // with download links and "Open in Perfetto", then the summary as charts once it is terminal.
-import { api } from "./api.js";
+import { api, authRequired, download } from "./api.js";
 import { barChart, busyIdleChart, lineChart, stackedChart } from "./charts.js";
 import { LIVE, TERMINAL, between, bytes, clear, el, errorBox, seconds, us, when } from "./format.js";
 import { stopCapture } from "./leases.js";
@@ -186,13 +186,32 @@ function sessionTable(cap, sid, session) {
             {},
             el("td", { class: "mono" }, f.name),
             el("td", { class: "num", text: bytes(f.size) }),
-            el("td", { class: "file-actions" }, el("a", { href, download: f.name.split("/").pop(), class: "download", text: "Download" }), open),
+            el("td", { class: "file-actions" }, downloadLink(href, f.name.split("/").pop(), status), open),
           );
         }),
       ),
     ),
     status,
   );
+}
+
+// a plain link; with --token-file a click fetches the file with the token (api.js download)
+function downloadLink(href, fileName, status) {
+  return el("a", {
+    href,
+    download: fileName,
+    class: "download",
+    text: "Download",
+    onclick: (evt) => {
+      if (!authRequired()) return;
+      evt.preventDefault();
+      status.textContent = `downloading ${fileName}…`;
+      download(href, fileName).then(
+        () => (status.textContent = ""),
+        (e) => (status.textContent = "could not download the file: " + e.message),
+      );
+    },
+  });
 }
 
 async function loadSummary(card, cap) {

@@ -1,48 +1,55 @@
-"""HTTP: a capture's merged timeline and the diff of two captures (``sidecar.analysis``).
+"""Analyses of terminal captures (``sidecar.analysis``, in a memory-capped worker process
+(``sidecar.analysis.isolated``), so a hostile trace cannot take the server down):
 
-``GET /v1/captures/{id}/timeline`` streams one Perfetto trace of every stage/replica/rank of a
-terminal capture (built once, kept beside the journal's summary); ``GET /v1/captures/{a}/diff/{b}``
-compares two terminal captures per stage. Thin: the controller finds the capture and its traces
-(``sidecar.control.artifacts.trace_paths``); the analysis layer does the rest, in a memory-capped
-worker process (``sidecar.analysis.isolated``), so a hostile trace cannot take the server down.
+- ``GET /v1/captures/{id}/summary?top=N``: top ops per stage; analysed once per capture, at the
+  most rows the API serves, and cut to ``top`` per request (``sidecar.control.summaries``);
+- ``GET /v1/captures/{id}/timeline``: one Perfetto trace of every stage/replica/rank (built once,
+  kept beside the journal's summary);
+- ``GET /v1/captures/{a}/diff/{b}``: two captures compared per stage.
+
+Each runs an analysis or returns trace content, so with ``--token-file`` each needs the bearer
+token, like the mutating routes. Thin: the controller finds the capture and its traces
+(``sidecar.control.artifacts.trace_files``); the analysis layer does the rest.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
 
 from sidecar.analysis.isolated import run_isolated
 from sidecar.api.openapi import error as openapi_error
+from sidecar.api.openapi import responses
 from sidecar.api.responses import SafeJSONResponse
+from sidecar.api.state import TOKEN, Api, ApiState
 from sidecar.control import artifacts
+from sidecar.control.summaries import SUMMARY_TOP, SUMMARY_TOP_MAX
 from sidecar.errors import CaptureNotFound, CaptureNotTerminal, SummaryUnavailable, TraceError, TraceTooLarge
-from sidecar.scrub import Scrubber
 
-router = APIRouter(tags=["captures"])
+router = APIRouter(tags=["captures"], dependencies=[TOKEN])
 
-# what _traces and the analyses raise, for the OpenAPI document
+# what a capture's analysis raises (the capture, its state, its traces), for the OpenAPI document
 _RESPONSES: dict[int | str, dict[str, Any]] = {
+    **responses("token"),
     404: openapi_error(CaptureNotFound, SummaryUnavailable),
     409: openapi_error(CaptureNotTerminal),
     422: openapi_error(TraceError, TraceTooLarge),
 }
 
 
-@functools.lru_cache(maxsize=1)
-def _scrubber() -> Scrubber:
-    return Scrubber()
+@router.get("/v1/captures/{capture_id}/summary", summary="Top ops per stage (cached)", responses=_RESPONSES)
+async def summary(api: Api, capture_id: str,
+                  top: int = Query(SUMMARY_TOP, ge=1, le=SUMMARY_TOP_MAX)) -> SafeJSONResponse:
+    return SafeJSONResponse(api.scrubber.data(await api.controller.summarize(capture_id, top=top)))
 
 
-def _traces(request: Request, capture_id: str) -> tuple[Any, list[Path]]:
-    controller = request.app.state.controller
-    cap = controller.get(capture_id)  # CaptureNotFound -> 404
+def _traces(api: ApiState, capture_id: str) -> list[Path]:
+    cap = api.controller.get(capture_id)  # CaptureNotFound -> 404
     if not cap.terminal:
         raise CaptureNotTerminal(
             f"capture {capture_id} is {cap.state.value}; its traces are there once it is terminal "
@@ -56,28 +63,25 @@ def _traces(request: Request, capture_id: str) -> tuple[Any, list[Path]]:
             + "".join(f"; {why}" for why in skipped),
             details={"skipped": skipped},
         )
-    return controller, paths
+    return paths
 
 
-def _timeline_file(controller: Any, capture_id: str) -> Path:
-    journal = getattr(controller, "journal", None)
+def _timeline_file(api: ApiState, capture_id: str) -> Path:
+    journal = getattr(api.controller, "journal", None)
     folder = journal.summary_path(capture_id).parent if journal is not None else Path(tempfile.gettempdir()) / "omni-sidecar"
     return folder / f"{capture_id}.timeline.json.gz"
-
-
-_locks: dict[str, asyncio.Lock] = {}
 
 
 @router.get("/v1/captures/{capture_id}/timeline", summary="One Perfetto trace of every stage, replica and rank",
             responses={**_RESPONSES, 200: {"description": "the merged trace",
                                            "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}}}},
             response_class=FileResponse)
-async def capture_timeline(request: Request, capture_id: str) -> FileResponse:
+async def capture_timeline(api: Api, capture_id: str) -> FileResponse:
     from sidecar.analysis.timeline import write_timeline
 
-    controller, paths = _traces(request, capture_id)
-    out = _timeline_file(controller, capture_id)
-    async with _locks.setdefault(capture_id, asyncio.Lock()):
+    paths = _traces(api, capture_id)
+    out = _timeline_file(api, capture_id)
+    async with api.timeline_locks.setdefault(capture_id, asyncio.Lock()):
         if not out.is_file():
             await asyncio.to_thread(run_isolated, write_timeline, paths, out)
     return FileResponse(out, media_type="application/gzip", filename=f"{capture_id}.timeline.json.gz")
@@ -85,10 +89,10 @@ async def capture_timeline(request: Request, capture_id: str) -> FileResponse:
 
 @router.get("/v1/captures/{a}/diff/{b}", summary="Per stage: ops and kernels by change in self CPU / device time (B - A)",
             responses=_RESPONSES)
-async def capture_diff(request: Request, a: str, b: str, top: int = Query(20, ge=1, le=500)) -> SafeJSONResponse:
+async def capture_diff(api: Api, a: str, b: str, top: int = Query(20, ge=1, le=500)) -> SafeJSONResponse:
     from sidecar.analysis.diff import diff_paths
 
-    _, pa = _traces(request, a)
-    _, pb = _traces(request, b)
+    pa = _traces(api, a)
+    pb = _traces(api, b)
     result = await asyncio.to_thread(run_isolated, diff_paths, pa, pb, top=top, label_a=a, label_b=b)
-    return SafeJSONResponse(_scrubber().data(result.model_dump(mode="json")))
+    return SafeJSONResponse(api.scrubber.data(result.model_dump(mode="json")))
