@@ -530,3 +530,12 @@ def test_a_memory_event_without_its_figures_is_passed_over(tmp_path: Path) -> No
                                       profile_memory=1)))
     [m] = summarize_trace(path).memory
     assert (m.device_type, m.events, m.peak_allocated_bytes) == ("cpu", 1, 64)
+
+
+def test_a_snapshot_that_is_a_link_is_not_followed(tmp_path: Path) -> None:
+    outside = tmp_path / "elsewhere.pickle"
+    shutil.copy(SNAPSHOTS / "two_devices.pickle", outside)
+    link = tmp_path / "memory_snapshot_rank0.pickle"
+    link.symlink_to(outside)
+    with pytest.raises(TraceError, match="symbolic link"):
+        summarize_snapshot(link)

@@ -2,8 +2,10 @@
 
 ``summarize_trace(path)`` summarises one ``.json``/``.json.gz`` file; ``summarize_paths(paths)``
 takes files, session folders and ``TraceSource``s, summarises them in parallel and merges per
-stage, replica and capture. ``timeline``, ``slim`` and ``diff`` (submodules) rewrite and compare
-traces. Loading (``reader``, ``writer``) is apart from analysing. Depends on nothing above it.
+stage, replica and capture, with what held memory where the traces recorded it (``memory``);
+``summarize_snapshot`` reads a CUDA memory snapshot safely. ``timeline``, ``slim`` and ``diff``
+(submodules) rewrite and compare traces. Loading (``reader``, ``writer``) is apart from
+analysing. Depends on nothing above it.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ _EXPORTS = {
         "summarize_paths",
     ),
     "sidecar.analysis.models": (
-        "CaptureSummary", "DeviceStat", "GpuSplit", "GpuStat", "OpStat", "ReplicaStat", "StageSummary",
-        "StepKindStat", "Straggler", "StreamStat", "SummaryBody", "Totals", "TraceMeta", "TraceSummary",
-        "Window",
+        "CaptureSummary", "DeviceMemory", "DeviceStat", "GpuSplit", "GpuStat", "LiveOp", "MemoryOpStat", "OpStat",
+        "ReplicaStat", "SnapshotBlock", "SnapshotDevice", "SnapshotSummary", "StageSummary", "StepKindStat",
+        "Straggler", "StreamStat", "SummaryBody", "Totals", "TraceMeta", "TraceSummary", "Window",
     ),
     "sidecar.analysis.reader": ("TraceReader",),
+    "sidecar.analysis.snapshot": ("read_snapshot", "summarize_snapshot"),
     "sidecar.analysis.summary": ("summarize_trace",),
 }
 

@@ -19,6 +19,7 @@ import io
 import os
 import pickle
 import re
+import stat
 import time
 from pathlib import Path
 from typing import Any, NoReturn
@@ -64,10 +65,13 @@ def read_snapshot(path: str | Path, *, max_bytes: int = MAX_SNAPSHOT_BYTES) -> d
     A bare list (an old ``_snapshot()`` of segments only) becomes ``{"segments": it}``."""
     p = Path(path)
     try:
-        why = not_regular(os.stat(p).st_mode)
+        mode = os.lstat(p).st_mode
+        if stat.S_ISLNK(mode):  # a link could name any file: a snapshot is read only where it lies
+            raise _fail(p, "is a symbolic link: not read")
+        why = not_regular(mode)
         if why is not None:
             raise _fail(p, why.replace("trace file", "snapshot"))
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
     except FileNotFoundError:
         raise _fail(p, "no such file") from None
     except OSError as err:
