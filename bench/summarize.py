@@ -16,13 +16,13 @@ the same pass) the trace holds; ``bench/gen_traces.py cpu --memory`` makes one, 
 it. ``--committed`` also runs ours on each committed real H200 trace (tests/data/traces, recorded
 without memory: the pass's cost where the memory events are absent).
 ``--ready`` times the work between a stop's reply and its summary + findings (the summary of
-that file in a fresh process, its imports inside the time: colder than the sidecar's worker,
-which has them preloaded). The last table puts each figure beside its goal.
+that file in a fresh process, its imports inside the time, as in the sidecar's analysis worker,
+also a fresh interpreter). The last table puts each figure beside its goal.
 
 Each measurement runs in its own fresh subprocess pinned to the cores it is given
 (``sched_setaffinity``), so its peak RSS (ru_maxrss) is its own and "one core" means one core (our
 read-ahead thread then shares it). Time is the work alone: imports are done before it, ours
-those that the sidecar's analysis worker preloads (``sidecar.analysis.isolated``). Contenders are
+those that the sidecar's analysis worker imports for a summary (``sidecar.analysis.capture``). Contenders are
 interleaved, ``--repeats`` times, and the table shows medians; the load average before and after
 is printed, since the machine may be shared. Not a test: nothing is asserted. Inputs: see
 bench/gen_traces.py (``gpu --large-steps N`` for a real CUDA trace of any size).
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gzip
-import importlib
 import json
 import os
 import resource
@@ -152,11 +151,7 @@ def child(name: str, cpus: list[int], paths: list[str]) -> None:
         if name == "ours, imports timed":
             import sidecar.analysis  # noqa: F401  (the package only: its modules load lazily, in the time)
         elif name.startswith("ours"):
-            from sidecar.analysis.isolated import PRELOAD
-
-            for module in PRELOAD:  # what the sidecar's analysis worker has loaded before a summary
-                importlib.import_module(module)
-            import sidecar.analysis.capture  # noqa: F401
+            import sidecar.analysis.capture  # noqa: F401  (what the analysis worker imports for a summary)
         if name.startswith("hta"):
             import hta.trace_analysis  # noqa: F401
     except ImportError as exc:

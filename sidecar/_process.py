@@ -22,17 +22,8 @@ if TYPE_CHECKING:  # typing.Self is 3.11+; the package supports 3.10
 import httpx
 from tenacity import RetryError, Retrying, retry_if_result, stop_after_delay, wait_fixed
 
+from sidecar._child import child_env
 from sidecar.errors import SidecarError
-
-_ROOT = str(Path(__file__).resolve().parents[1])  # the folder that holds the `sidecar` package
-
-
-def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment for a Python child that must import the same `sidecar` as
-    this process, installed or not (a checkout run from its folder, a script's ``sys.path``)."""
-    env = {**os.environ, **(extra or {})}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
-    return env
 
 
 def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:

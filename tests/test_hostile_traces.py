@@ -10,7 +10,9 @@ import gzip
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -18,7 +20,8 @@ from typer.testing import CliRunner
 from sidecar.analysis import summarize_trace
 from sidecar.analysis.reader import TraceReader
 from sidecar.cli import app
-from sidecar.errors import SidecarClosing, TraceError, TraceTooLarge
+from sidecar.errors import SidecarClosing, SidecarError, TraceError, TraceTooLarge
+from tests.fixtures.analysis import AnalysisGate, held_analysis
 from tests.fixtures.hostile import write_hostile
 from tests.fixtures.waits import poll
 
@@ -132,12 +135,24 @@ def test_an_error_in_the_worker_keeps_its_class(hostile_dir: Path) -> None:
     assert type(err.value) is TraceError
 
 
+def test_a_bug_in_the_worker_is_raised_as_it_was_or_as_internal_error_where_it_cannot_cross() -> None:
+    from sidecar.analysis.isolated import run_isolated
+    from tests.fixtures.analysis import summarizer_bug, summarizer_bug_built_otherwise
+
+    with pytest.raises(RuntimeError, match=r"summarizer bug \(1 trace\(s\)\)"):
+        run_isolated(summarizer_bug, ["a.json"])
+    with pytest.raises(SidecarError) as err:
+        run_isolated(summarizer_bug_built_otherwise, ["a.json"])
+    assert (err.value.code, err.value.message) == ("internal_error", "BugBuiltOtherwise: summarizer bug: 1 trace(s)")
+
+
 
 def test_the_servers_summary_of_several_large_files_runs_in_its_worker(tmp_path: Path) -> None:
-    # The server summarises a capture in a daemonic, memory-capped worker; files above the
-    # parallel threshold made summarize_paths open a process pool there ("daemonic processes are
-    # not allowed to have children"): the summary, and a steps window's trace count, failed on a
-    # real vLLM capture of 37 MB (bench/steps.py, stacks flags).
+    # The server summarises a capture in a memory-capped worker, which aggregates its files one
+    # after another; files above the parallel threshold made summarize_paths open a process pool
+    # there (the worker was then a daemonic multiprocessing child: "daemonic processes are not
+    # allowed to have children"): the summary, and a steps window's trace count, failed on a real
+    # vLLM capture of 37 MB (bench/steps.py, stacks flags).
     import gzip
     import json
 
@@ -159,23 +174,23 @@ def test_the_servers_summary_of_several_large_files_runs_in_its_worker(tmp_path:
     assert [f.totals.events for f in summary.files] == [len(doc["traceEvents"])] * 2
 
 _OWNER = """
-import os, sys, threading, time
+import os, sys, threading
 import psutil
 from sidecar.analysis.isolated import run_isolated
+from tests.fixtures.analysis import AnalysisGate, held_analysis
 
 if __name__ == "__main__":
-    threading.Thread(target=run_isolated, args=(time.sleep, 600), daemon=True).start()
-    me = psutil.Process()
-    while not any(c.ppid() != me.pid for c in me.children(recursive=True)):  # the analysis child, under the forkserver
-        time.sleep(0.02)
-    print(" ".join(str(c.pid) for c in me.children(recursive=True)), flush=True)
-    os.kill(me.pid, 9)
+    gate = AnalysisGate()
+    threading.Thread(target=run_isolated, args=(held_analysis, gate.port), daemon=True).start()
+    assert gate.wait_started(1)  # the analysis child runs it
+    print(" ".join(str(c.pid) for c in psutil.Process().children(recursive=True)), flush=True)
+    os.kill(os.getpid(), 9)
 """
 
 
-def test_an_analysis_child_and_its_forkserver_never_outlive_a_killed_sidecar(tmp_path: Path) -> None:
-    # a sidecar killed mid-summary left its analysis worker and the forkserver running, holding
-    # its stdout (the docs walkthrough's pipe never closed); now they go with it
+def test_an_analysis_child_never_outlives_a_killed_sidecar(tmp_path: Path) -> None:
+    # a sidecar killed mid-summary left its analysis worker (and the forkserver it came from)
+    # running, holding its stdout (the docs walkthrough's pipe never closed); now it goes with it
     import psutil
 
     script = tmp_path / "owner.py"
@@ -184,29 +199,99 @@ def test_an_analysis_child_and_its_forkserver_never_outlive_a_killed_sidecar(tmp
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
     assert proc.returncode == -9, proc.stderr[-2000:]
     pids = [int(p) for p in proc.stdout.split()]
-    assert len(pids) >= 2, proc.stdout  # the forkserver and the analysis child at least
+    assert len(pids) >= 1, proc.stdout  # the analysis child
     assert poll(lambda: not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids), 60)
 
 
-def test_stop_all_ends_an_analysis_in_flight_with_sidecar_closing() -> None:
-    import threading
-    import time
+_NO_MAIN_GUARD = """
+import sys, threading
+from sidecar.analysis import summarize_paths, summarize_trace
+from sidecar.analysis.isolated import run_isolated
 
-    from sidecar.analysis import isolated
+with open(sys.argv[1], "a") as fh:
+    fh.write("top level\\n")
+threading.Thread(target=threading.Event().wait, daemon=True).start()  # a program with threads (a trainer)
+if sys.argv[2] == "worker":
+    print(run_isolated(summarize_trace, sys.argv[3]).totals.events)
+else:
+    print(len(summarize_paths(sys.argv[3:], workers=2).files))
+"""
 
-    outcome: list[BaseException | None] = []
+
+@pytest.mark.parametrize("how", ["worker", "pool"])
+def test_a_script_without_a_main_guard_runs_its_top_level_once(tmp_path: Path, how: str) -> None:
+    # multiprocessing imported the caller's main script as __mp_main__ in each child (forkserver,
+    # spawn): a script without a main guard that summarised in process ran its top level again
+    # there (and, doing so, failed the summary as trace_too_large)
+    traces = Path(__file__).parent / "data" / "traces"
+    script, lines = tmp_path / "no_guard.py", tmp_path / "lines.txt"
+    script.write_text(_NO_MAIN_GUARD)
+    files = [traces / "cuda_small.json.gz"] if how == "worker" else [traces / "comm_rank0.json.gz", traces / "comm_rank1.json.gz"]
+    proc = subprocess.run([sys.executable, str(script), str(lines), how, *map(str, files)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert proc.returncode == 0 and int(proc.stdout) > 0, proc.stderr[-2000:]
+    assert lines.read_text().splitlines() == ["top level"]
+
+
+def _analyses(count: int, fn: Any, *args: Any) -> tuple[list[threading.Thread], list[object]]:
+    """``count`` callers of ``run_isolated(fn, *args)``, each in its own thread; each one's value
+    or exception lands in the list."""
+    from sidecar.analysis.isolated import run_isolated
+
+    outcomes: list[object] = []
 
     def run() -> None:
         try:
-            isolated.run_isolated(time.sleep, 600)
-            outcome.append(None)
+            outcomes.append(run_isolated(fn, *args))
         except BaseException as exc:  # noqa: BLE001 - the test looks at it
-            outcome.append(exc)
+            outcomes.append(exc)
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    assert poll(lambda: any(p.pid for p in isolated._running), 60)
+    threads = [threading.Thread(target=run, daemon=True) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads, outcomes
+
+
+def _joined(threads: list[threading.Thread]) -> bool:
+    for thread in threads:
+        thread.join(60)
+    return not any(t.is_alive() for t in threads)
+
+
+def test_at_most_max_workers_analyses_run_at_once_and_the_next_starts_as_one_ends(analysis_gate: AnalysisGate) -> None:
+    from sidecar.analysis import isolated
+
+    n = isolated.MAX_WORKERS
+    threads, outcomes = _analyses(n + 1, held_analysis, analysis_gate.port)
+    assert analysis_gate.wait_started(n)
+    assert poll(lambda: isolated._queued == 1, 60)  # the last one waits for a slot...
+    assert analysis_gate.started() == n  # ...without a child
+    analysis_gate.release()
+    assert analysis_gate.wait_started(n + 1)  # a slot freed: it starts
+    analysis_gate.release()
+    assert _joined(threads) and outcomes == ["released"] * (n + 1)
+
+
+def test_stop_all_ends_an_analysis_in_flight_with_sidecar_closing(analysis_gate: AnalysisGate) -> None:
+    from sidecar.analysis import isolated
+
+    threads, outcomes = _analyses(1, held_analysis, analysis_gate.port)
+    assert analysis_gate.wait_started(1)
     isolated.stop_all()
-    thread.join(60)
-    assert len(outcome) == 1 and isinstance(outcome[0], SidecarClosing), outcome
-    assert len(isolated.run_isolated(bytearray, 10)) == 10  # the next analysis runs as usual
+    assert _joined(threads) and len(outcomes) == 1 and isinstance(outcomes[0], SidecarClosing), outcomes
+    assert len(isolated.run_isolated(bytearray, 10)) == 10  # one asked for after it runs as usual
+
+
+def test_an_analysis_queued_behind_the_slots_is_refused_once_stop_all_has_begun(analysis_gate: AnalysisGate) -> None:
+    # A shutdown killed the analyses in flight, and the one queued behind them then took the freed
+    # slot and ran its full 9.7 s, holding the sidecar's exit.
+    from sidecar.analysis import isolated
+
+    n = isolated.MAX_WORKERS
+    threads, outcomes = _analyses(n + 1, held_analysis, analysis_gate.port)
+    assert analysis_gate.wait_started(n)
+    assert poll(lambda: isolated._queued == 1, 60)
+    isolated.stop_all()
+    assert _joined(threads), "an analysis still runs after stop_all()"
+    assert [type(o) for o in outcomes] == [SidecarClosing] * (n + 1), outcomes
+    assert analysis_gate.started() == n  # the queued one never started

@@ -5,23 +5,21 @@ A folder is searched (recursively) for ``trace_rank*.json[.gz]`` (vLLM-Omni) and
 come from the session folder's name (``<ts>_stage<sid>_rank<r>_<epoch>`` for LLM stages,
 ``<ts>_stage_<sid>_rep_<rep>_diffusion_<epoch>`` for diffusion stages; a ``replica_<n>`` /
 ``rep_<n>`` folder above it names the replica of a fleet capture) or are given by the caller.
-Files are summarised in parallel (a process pool) and merged per stage and into one total. A bad
+Files are summarised in parallel (child processes) and merged per stage and into one total. A bad
 file becomes an entry in ``errors``; it never hides the others.
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import re
 import statistics
 from collections.abc import Iterable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from sidecar._child import in_child, map_in_children, usable_cores
 from sidecar.analysis.findings import capture_findings, with_memory
 from sidecar.analysis.models import (
     CaptureSummary,
@@ -153,22 +151,21 @@ def default_workers(sources: Sequence[TraceSource]) -> int:
         size = 0
     if size < PARALLEL_MIN_BYTES:
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(len(sources), cores))
+    return max(1, min(len(sources), usable_cores()))
 
 
 def aggregate_sources(sources: Sequence[TraceSource], *, workers: int | None = None) -> list[Result]:
-    """Aggregate every source, in order; ``workers`` processes (default: ``default_workers``).
-    The pool uses ``forkserver`` (never ``fork``: callers run event loops and threads). A daemonic
-    process (the server's memory-capped analysis worker, ``sidecar.analysis.isolated``) may not
-    have children: it aggregates the files one after another."""
+    """Aggregate every source, in order; ``workers`` child processes (default:
+    ``default_workers``), fresh interpreters (``sidecar._child``: never a fork of the caller, never
+    its main module run again), the biggest file first. A child (the server's memory-capped
+    analysis worker, ``sidecar.analysis.isolated``) starts none: it aggregates the files one after
+    another, under its own cap."""
     n = default_workers(sources) if workers is None else max(1, min(workers, len(sources)))
-    if n <= 1 or multiprocessing.current_process().daemon:
+    if n <= 1 or in_child():
         return [_aggregate(s) for s in sources]
-    with ProcessPoolExecutor(max_workers=n, mp_context=_pool_context()) as pool:
-        # biggest first: the last file to start should be a short one
-        order = sorted(range(len(sources)), key=lambda i: -_size(sources[i]))
-        done = dict(zip(order, pool.map(_aggregate, [sources[i] for i in order])))
+    # biggest first: the last file to start should be a short one
+    order = sorted(range(len(sources)), key=lambda i: -_size(sources[i]))
+    done = dict(zip(order, map_in_children(_aggregate, [sources[i] for i in order], workers=n)))
     return [done[i] for i in range(len(sources))]
 
 
@@ -177,23 +174,6 @@ def _size(src: TraceSource) -> int:
         return src.path.stat().st_size
     except OSError:
         return 0
-
-
-def _pool_context() -> Any:
-    """``fork`` when this process runs no other thread (the CLI, a script): workers start in
-    milliseconds with everything imported. Otherwise (the sidecar server) ``forkserver`` with the
-    summarizer preloaded in the server, never a fork of a threaded process; spawn where neither
-    exists."""
-    import threading
-
-    methods = multiprocessing.get_all_start_methods()
-    if "fork" in methods and threading.active_count() == 1:
-        return get_context("fork")
-    if "forkserver" not in methods:
-        return get_context("spawn")
-    ctx = get_context("forkserver")
-    ctx.set_forkserver_preload(["sidecar.analysis.summary"])
-    return ctx
 
 
 def _replica_stats(sources: Sequence[TraceSource], results: Sequence[Result]) -> list[ReplicaStat]:

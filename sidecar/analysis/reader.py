@@ -30,6 +30,7 @@ from typing import IO, Any, ClassVar, Union
 
 import msgspec
 
+from sidecar._child import usable_cores
 from sidecar.errors import TraceError, TraceTooLarge
 
 try:  # ISA-L's inflate is 2-3x zlib's; same API (python-isal), optional
@@ -269,13 +270,6 @@ class _ReadAhead:
         self._src.close()
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def not_regular(mode: int) -> str | None:
     """Why a file of this ``st_mode`` is not read (a folder, FIFO, device, socket), or None for a
     regular file: the one wording for the reader and for ``control.artifacts.confined``."""
@@ -306,7 +300,7 @@ class TraceReader:
         self.max_bytes = max_bytes
         self.max_event_bytes = max_event_bytes
         # a read-ahead thread pays off only with a second core to run on
-        self.read_ahead = _cores() > 1 if read_ahead is None else read_ahead
+        self.read_ahead = usable_cores() > 1 if read_ahead is None else read_ahead
         # Python stack events (with_stack) are often most of a trace and no summary needs them:
         # runs of them are counted at the byte level and never decoded.
         self.skip_python = skip_python

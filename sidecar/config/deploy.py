@@ -27,6 +27,7 @@ from sidecar.config.overrides import (
     deep_merge,
     parse_profiler_config_arg,
     parse_stage_overrides,
+    profiler_config_error,
 )
 from sidecar.config.profiler import ProfilerConfig, _is_uri_path, check_for_version
 from sidecar.errors import (
@@ -390,26 +391,6 @@ def _apply_platform(stage: dict[str, Any], ps: MarkedDict) -> None:
             stage["flat"][key] = {**stage["flat"][key], **value}
         else:
             _set(stage["flat"], key, value, src)
-
-
-def _did_you_mean(key: str) -> str:
-    close = difflib.get_close_matches(key, list(ProfilerConfig.model_fields), n=1, cutoff=0.6)
-    return f"; did you mean `{close[0]}`?" if close else f"; valid keys: {', '.join(ProfilerConfig.model_fields)}"
-
-
-def profiler_config_error(err: ValidationError) -> tuple[str, str | None]:
-    """vLLM's error text for the first problem, and the ProfilerConfig key it is about."""
-    first = err.errors()[0]
-    loc = [str(p) for p in first.get("loc", ())]
-    msg = first.get("msg", str(err))
-    if msg.startswith("Value error, "):
-        msg = msg[len("Value error, ") :]
-    if first.get("type") == "extra_forbidden" and loc:
-        return f"unknown key `{loc[0]}`{_did_you_mean(loc[0])}", loc[0]
-    if loc:
-        return f"`{loc[0]}`: {msg}", loc[0]
-    key = next((f for f in ProfilerConfig.model_fields if msg.startswith(f)), None)
-    return msg, key
 
 
 def _build_stage(stage: dict[str, Any], file: str) -> tuple[Stage, list[Finding]]:

@@ -1,6 +1,8 @@
 """The server's command-line config: ``--stage-overrides`` and ``--profiler-config`` parsed and
 checked the way ``vllm serve --omni`` (0.30) parses them, and the rule that merges them over each
-stage's deploy-file ``profiler_config``. Pure: no vllm import; contract-tested against vLLM-Omni.
+stage's deploy-file ``profiler_config``; ``profiler_config_error`` words a ``ProfilerConfig`` that
+does not validate, for these flags and the deploy loader alike. Pure: no vllm import;
+contract-tested against vLLM-Omni.
 
 Rules (read from vllm_omni/config/resolver.py, stage_config.py and omni_config.py):
 - ``--stage-overrides`` is a JSON object ``{"<stage id>": {<engine key>: value}}``; keys are
@@ -14,6 +16,7 @@ Rules (read from vllm_omni/config/resolver.py, stage_config.py and omni_config.p
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -30,12 +33,33 @@ __all__ = [
     "deep_merge",
     "parse_profiler_config_arg",
     "parse_stage_overrides",
+    "profiler_config_error",
 ]
 
 STAGE_OVERRIDES_FLAG = "--stage-overrides"
 PROFILER_CONFIG_FLAG = "--profiler-config"
 # Stage-override keys the sidecar reads besides profiler_config (the rest is kept as extras).
 RUNTIME_KEYS = ("devices", "num_replicas")
+
+
+def _did_you_mean(key: str) -> str:
+    close = difflib.get_close_matches(key, list(ProfilerConfig.model_fields), n=1, cutoff=0.6)
+    return f"; did you mean `{close[0]}`?" if close else f"; valid keys: {', '.join(ProfilerConfig.model_fields)}"
+
+
+def profiler_config_error(err: ValidationError) -> tuple[str, str | None]:
+    """vLLM's error text for the first problem, and the ProfilerConfig key it is about."""
+    first = err.errors()[0]
+    loc = [str(p) for p in first.get("loc", ())]
+    msg = first.get("msg", str(err))
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, ") :]
+    if first.get("type") == "extra_forbidden" and loc:
+        return f"unknown key `{loc[0]}`{_did_you_mean(loc[0])}", loc[0]
+    if loc:
+        return f"`{loc[0]}`: {msg}", loc[0]
+    key = next((f for f in ProfilerConfig.model_fields if msg.startswith(f)), None)
+    return msg, key
 
 
 def _loads(value: str, flag: str, error: type[Exception]) -> Any:
@@ -110,8 +134,6 @@ def parse_profiler_config_arg(value: str | Mapping[str, Any] | None) -> dict[str
     try:
         pc = ProfilerConfig(**{str(k): v for k, v in parsed.items()})
     except ValidationError as err:
-        from sidecar.config.deploy import profiler_config_error
-
         message, key = profiler_config_error(err)
         raise ProfilerConfigArgInvalid(
             f"{PROFILER_CONFIG_FLAG}: {message} (vllm serve refuses this flag at start-up)",

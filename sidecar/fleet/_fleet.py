@@ -22,7 +22,7 @@ from sidecar.errors import BudgetInvalid, TargetInvalid, TargetNoAnswer, StagesN
 from sidecar.fleet._clocks import FLEET_MORE, MORE, ClockOffset
 from sidecar.fleet._drivers import Driver, DriverFactory, Kind, FleetTransports, SidecarDriver, UpstreamDriver
 from sidecar.fleet._release import START_AT_MAX_S, Release, check_start_at
-from sidecar.fleet._shards import ShardPool, processes_for
+from sidecar.fleet._shards import CLOCK_CONCURRENCY, ShardPool, processes_for
 from sidecar.fleet._results import FleetCapture, TargetError, TargetOutcome, TargetResult, error_of, mark_ambiguous
 from sidecar.fleet._targets import Flavor, Target, TargetKind, parse_targets, server_key
 
@@ -34,8 +34,6 @@ R = TypeVar("R")
 # The bound on every call that the server answers at once (open, start, live, a read): a target
 # that accepts and never answers costs a fan-out this much, never the HTTP client's default.
 START_TIMEOUT_S = 30.0
-# Clock exchanges in flight at once (bench/fanout.py --clocks measures why a bound is needed).
-CLOCK_CONCURRENCY = 16
 
 
 

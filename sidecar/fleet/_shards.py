@@ -26,26 +26,28 @@ import asyncio
 import contextlib
 import gc
 import itertools
-import os
 import pickle
 import socket
 import struct
 import sys
 from typing import Any
 
-from sidecar._process import child_env
+from sidecar._child import child_env, usable_cores
 from sidecar.errors import FleetError
 from sidecar.fleet._clocks import MORE, ClockOffset
 from sidecar.fleet._targets import Target, TargetKind
 from sidecar.fleet._wire import answer, failure, raise_reply
 
-__all__ = ["ShardDriver", "ShardPool", "processes_for"]
+__all__ = ["CLOCK_CONCURRENCY", "ShardDriver", "ShardPool", "processes_for"]
 
 SHARD_FROM = 512  # targets from which a fleet drives them from worker processes by default
 PER_PROCESS = 128  # targets per worker process, by default
 _HEADER = struct.Struct("!I")
 _MAX_FRAME = 1 << 30
 _WORKER = "import sys; from sidecar.fleet._shards import worker_main; worker_main(sys.argv[1:])"
+# Clock exchanges in flight at once, in the fleet and in each worker process (bench/fanout.py
+# --clocks measures why a bound is needed).
+CLOCK_CONCURRENCY = 16
 
 
 def processes_for(targets: int, requested: int | None) -> int:
@@ -56,8 +58,7 @@ def processes_for(targets: int, requested: int | None) -> int:
         return max(1, min(requested, targets))
     if targets < SHARD_FROM:
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cores - 1, -(-targets // PER_PROCESS)))
+    return max(1, min(usable_cores() - 1, -(-targets // PER_PROCESS)))
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> list[Any] | None:
@@ -165,8 +166,6 @@ async def _serve(sock: socket.socket, timeout_s: float, poll_s: float) -> None:
                 if gate is not None:
                     start_at, with_clocks = gate
                     if with_clocks and clocks is None:
-                        from sidecar.fleet._fleet import CLOCK_CONCURRENCY
-
                         clocks = asyncio.Semaphore(CLOCK_CONCURRENCY)
                     kwargs = {**kwargs, "release": _WorkerGate(cid, out, gates, start_at, clocks if with_clocks else None)}
                 tasks[cid] = asyncio.ensure_future(run(cid, name, method, args, kwargs))

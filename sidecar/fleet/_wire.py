@@ -1,8 +1,9 @@
 """A call's answer as data, for drivers whose work runs in another process (a Ray actor, a fleet
-worker process): ``("ok", value)`` or ``("error", (class name, code, message, details))``, raised
-again on the fleet's side as the same ``SidecarError`` class. A failure never crosses as an
-exception object: a class built with other arguments, or one the other side lacks, still arrives
-with its code and message (as ``FleetError``).
+worker process): ``("ok", value)`` or ``("error", wire error)``, the error in the one codec of
+``sidecar.errors`` (``error_to_wire`` / ``error_from_wire``) and raised again on the fleet's side
+as the same ``SidecarError`` class. A failure never crosses as an exception object: a class built
+with other arguments, one the other side lacks, or a failure that is no ``SidecarError`` still
+arrives with its code and message, as ``FleetError``.
 
 A :class:`~sidecar.control.models.Capture` answer crosses as its JSON (``("capture", bytes)``):
 pydantic-core reads it back in a third of the time ``pickle`` takes to rebuild the model (measured:
@@ -12,9 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sidecar import errors as _errors
 from sidecar.control.models import Capture
-from sidecar.errors import FleetError, SidecarError
+from sidecar.errors import FleetError, error_from_wire, error_to_wire
 
 
 def answer(value: Any) -> tuple[str, Any]:
@@ -25,9 +25,7 @@ def answer(value: Any) -> tuple[str, Any]:
 
 def failure(exc: BaseException) -> tuple[str, Any]:
     """A failure as data: the error's class name, code, message and details cross intact."""
-    if isinstance(exc, SidecarError):
-        return ("error", (type(exc).__name__, exc.code, exc.message, exc.details))
-    return ("error", ("FleetError", "internal_error", f"{type(exc).__name__}: {exc}", {}))
+    return ("error", error_to_wire(exc))
 
 
 def raise_reply(reply: tuple[str, Any]) -> Any:
@@ -37,12 +35,4 @@ def raise_reply(reply: tuple[str, Any]) -> Any:
         return value
     if status == "capture":
         return Capture.model_validate_json(value)
-    name, code, message, details = value
-    cls = getattr(_errors, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, SidecarError)):
-        cls = FleetError
-    try:
-        err = cls.relay(code, message, details=details)
-    except TypeError:  # a class built with other arguments: the code and message still cross
-        err = FleetError.relay(code, message, details=details)
-    raise err
+    raise error_from_wire(value, fallback=FleetError)
