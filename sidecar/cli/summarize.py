@@ -12,7 +12,6 @@ from pathlib import Path
 
 import typer
 from rich.markup import escape
-from rich.table import Table
 
 from sidecar.analysis import CaptureSummary, SummaryBody, summarize_paths
 from sidecar.analysis.models import DeviceStat, Finding
@@ -24,6 +23,7 @@ from sidecar.cli._app import (
     console,
     err_console,
 )
+from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.errors import ConfigUnreadable, SidecarError
 from sidecar.cli._memory import print_memory  # noqa: I001  (re-exported: stop and capture print it too)
 
@@ -45,8 +45,8 @@ def _ms(us: float) -> str:
     return f"{us / 1000:,.3f}"
 
 
-def _short(name: str, width: int = 80) -> str:
-    return name if len(name) <= width else name[: width - 1] + "…"
+def _right(*headers: str) -> list[Column]:
+    return [Column(h, "right") for h in headers]
 
 
 def _tables(title: str, body: SummaryBody, by: By) -> None:
@@ -54,46 +54,49 @@ def _tables(title: str, body: SummaryBody, by: By) -> None:
     steps = f", {w.steps} steps (mean {_ms(w.step_mean_us)} ms)" if w.steps and w.step_mean_us else ""
     if w.engine_steps and w.engine_step_mean_us:
         steps += f", {w.engine_steps} engine steps (mean {_ms(w.engine_step_mean_us)} ms)"
-    console.print(
-        f"[bold]{title}[/]: window {_ms(w.span_us)} ms{steps}; {t.events:,} events, "
+    print_text(
+        console,
+        f"[bold]{escape(title)}[/]: window {_ms(w.span_us)} ms{steps}; {t.events:,} events, "
         f"{t.cpu_ops:,} CPU ops, {t.kernels:,} kernels ({_ms(t.kernel_us)} ms)"
-        + (" [red](truncated)[/]" if body.truncated else "")
+        + (" [red](truncated)[/]" if body.truncated else ""),
+        hang="  ",
     )
     if by is By.op:
-        tab = Table("CPU op", "count", "total ms", "self CPU ms", "self device ms", title="CPU ops by self CPU time")
-        for o in body.cpu_ops:
-            tab.add_row(_short(o.name), f"{o.count:,}", _ms(o.total_us), _ms(o.self_us), _ms(o.self_device_us))
-        console.print(tab)
+        print_table(console, "CPU ops by self CPU time",
+                    [Column("CPU op"), *_right("count", "total ms", "self CPU ms", "self device ms")],
+                    [[o.name, f"{o.count:,}", _ms(o.total_us), _ms(o.self_us), _ms(o.self_device_us)]
+                     for o in body.cpu_ops])
         if body.cpu_ops_by_device:
-            tab = Table("CPU op", "count", "self device ms", "self CPU ms", title="CPU ops by GPU time they launched")
-            for o in body.cpu_ops_by_device:
-                tab.add_row(_short(o.name), f"{o.count:,}", _ms(o.self_device_us), _ms(o.self_us))
-            console.print(tab)
+            print_table(console, "CPU ops by GPU time they launched",
+                        [Column("CPU op"), *_right("count", "self device ms", "self CPU ms")],
+                        [[o.name, f"{o.count:,}", _ms(o.self_device_us), _ms(o.self_us)]
+                         for o in body.cpu_ops_by_device])
     else:
-        tab = Table("kind", "name", "count", "total ms", title="GPU kernels, memcpy, memset by total time")
         rows = [("kernel", k) for k in body.kernels] + [("memcpy", k) for k in body.memcpy] + [("memset", k) for k in body.memset]
-        for kind, k in sorted(rows, key=lambda r: -r[1].total_us):
-            tab.add_row(kind, _short(k.name), f"{k.count:,}", _ms(k.total_us))
-        console.print(tab)
+        print_table(console, "GPU kernels, memcpy, memset by total time",
+                    [Column("kind"), Column("name"), *_right("count", "total ms")],
+                    [[kind, k.name, f"{k.count:,}", _ms(k.total_us)] for kind, k in sorted(rows, key=lambda r: -r[1].total_us)],
+                    keys=2)
     if body.devices:
         def who(x: object) -> list[str]:
             return [str(v) if v is not None else "-" for v in (getattr(x, "stage_id"), getattr(x, "replica"), getattr(x, "rank"))]
 
-        tab = Table("stage", "replica", "rank", "device", "stream", "activities", "busy ms", "busy share", "idle share", title="GPU busy / idle")
-        for d in body.devices:
-            tab.add_row(*who(d), str(d.device), "all", "", _ms(d.busy_us), f"{d.busy_share:.1%}", f"{d.idle_share:.1%}")
-        for st in body.streams:
-            tab.add_row(*who(st), str(st.device), str(st.stream), f"{st.count:,}", _ms(st.busy_us), "", f"{st.idle_share:.1%}")
-        console.print(tab)
+        rows = [[*who(d), str(d.device), "all", "", _ms(d.busy_us), f"{d.busy_share:.1%}", f"{d.idle_share:.1%}"]
+                for d in body.devices]
+        rows += [[*who(st), str(st.device), str(st.stream), f"{st.count:,}", _ms(st.busy_us), "", f"{st.idle_share:.1%}"]
+                 for st in body.streams]
+        print_table(console, "GPU busy / idle",
+                    [Column("stage"), Column("replica"), Column("rank"), Column("device"), Column("stream"),
+                     *_right("activities", "busy ms", "busy share", "idle share")], rows, keys=5)
         g = body.gpu_split
-        console.print(f"GPU time: kernels {_ms(g.kernel_us)} ms ({g.kernel_share:.1%}), memcpy {_ms(g.memcpy_us)} ms "
-                      f"({g.memcpy_share:.1%}), memset {_ms(g.memset_us)} ms ({g.memset_share:.1%})", highlight=False)
+        print_text(console, f"GPU time: kernels {_ms(g.kernel_us)} ms ({g.kernel_share:.1%}), memcpy {_ms(g.memcpy_us)} ms "
+                   f"({g.memcpy_share:.1%}), memset {_ms(g.memset_us)} ms ({g.memset_share:.1%})", hang="  ", markup=False)
         _attribution(body.devices)
     if body.engine_step_kinds:
-        tab = Table("engine step kind", "count", "total ms", "mean ms", "share", title="Engine steps by kind")
-        for k in body.engine_step_kinds:
-            tab.add_row(k.kind, f"{k.count:,}", _ms(k.total_us), _ms(k.mean_us), f"{k.share:.1%}")
-        console.print(tab)
+        print_table(console, "Engine steps by kind",
+                    [Column("engine step kind"), *_right("count", "total ms", "mean ms", "share")],
+                    [[k.kind, f"{k.count:,}", _ms(k.total_us), _ms(k.mean_us), f"{k.share:.1%}"]
+                     for k in body.engine_step_kinds])
     print_memory(body.memory, getattr(body, "snapshots", []))
 
 
@@ -104,26 +107,27 @@ def print_findings(findings: list[Finding]) -> None:
     """The capture's findings, ranked (sidecar/analysis/findings.py words them)."""
     if not findings:
         return
-    console.print("[bold]Findings[/] (most of the window first)")
+    print_text(console, "[bold]Findings[/] (most of the window first)")
     for f in findings:
         style = _SEVERITY.get(f.severity, "")
-        console.print(f"  [{style}]{f.severity:6}[/] {escape(f.message)}", highlight=False, soft_wrap=True)
+        print_text(console, f"[{style}]{f.severity:6}[/] {escape(f.message)}", indent="  ", hang="         ")
 
 
 def _attribution(devices: list[DeviceStat]) -> None:
     rows = [d for d in devices if d.temporal is not None]
     if not rows:
         return
-    tab = Table("where", "window ms", "compute·comm·mem·idle %", "idle: host·kernel·other %",
-                "launch µs p50/p95", "cpu-bound", title="Why, per stage·replica·rank·GPU (steady window, HTA definitions)")
+    cells = []
     for d in rows:
         t, i, lc = d.temporal, d.idle_breakdown, d.launch
         who = "·".join(str(v) if v is not None else "-" for v in (d.stage_id, d.replica, d.rank, d.device))
         delay = f"{lc.delay_p50_us:.1f} / {lc.delay_p95_us:.1f}" if lc and lc.delay_p50_us is not None and lc.delay_p95_us is not None else "-"
         split = " · ".join(f"{x * 100:.0f}" for x in (t.compute_share, t.communication_share, t.memory_share, t.idle_share))
         waits = " · ".join(f"{x * 100:.0f}" for x in (i.host_wait_share, i.kernel_wait_share, i.other_share)) if i else "-"
-        tab.add_row(who, _ms(t.window_us), split, waits, delay, "yes" if lc and lc.cpu_bound else "no")
-    console.print(tab)
+        cells.append([who, _ms(t.window_us), split, waits, delay, "yes" if lc and lc.cpu_bound else "no"])
+    print_table(console, "Why, per stage·replica·rank·GPU (steady window, HTA definitions)",
+                [Column("where"), *_right("window ms", "compute·comm·mem·idle %", "idle: host·kernel·other %",
+                                          "launch µs p50/p95", "cpu-bound")], cells)
 
 
 def merged_notes(summary: CaptureSummary) -> list[str]:
@@ -167,12 +171,13 @@ def summarize(
         elif summary.files:
             _tables(summary.files[0].file, summary, by)
         if summary.stragglers:
-            tab = Table("stage", "measured by", "members", "slowest (replica/rank)", "slowest ms", "median ms", "slowest / median", title="Stragglers")
-            for g in summary.stragglers:
-                tab.add_row(str(g.stage_id if g.stage_id is not None else "?"), g.metric, str(g.members),
-                            f"{g.slowest_replica if g.slowest_replica is not None else '-'}/{g.slowest_rank if g.slowest_rank is not None else '-'}",
-                            _ms(g.slowest_us), _ms(g.median_us), f"{g.ratio:.2f}x")
-            console.print(tab)
+            print_table(console, "Stragglers",
+                        [Column("stage"), Column("measured by"), *_right("members"), Column("slowest (replica/rank)"),
+                         *_right("slowest ms", "median ms", "slowest / median")],
+                        [[str(g.stage_id if g.stage_id is not None else "?"), g.metric, str(g.members),
+                          f"{g.slowest_replica if g.slowest_replica is not None else '-'}/"
+                          f"{g.slowest_rank if g.slowest_rank is not None else '-'}",
+                          _ms(g.slowest_us), _ms(g.median_us), f"{g.ratio:.2f}x"] for g in summary.stragglers])
         print_findings(summary.findings)
     for note in merged_notes(summary):
         err_console.print(f"[bold]note[/]: {escape(note)}", highlight=False, soft_wrap=True)
