@@ -477,6 +477,14 @@ class UpstreamNotReady(UpstreamError):
     http_status = 503
 
 
+class UpstreamSessionActive(UpstreamError):
+    """The server refused a start with 409: a profiling session of its own is still open (vLLM
+    0.32 on keeps one from a start to a stop, also after its ``max_iterations`` ended the window)."""
+
+    code = "upstream_session_active"
+    http_status = 409
+
+
 # --- captures (409: the capture's state forbids it) --------------------------------------------
 
 

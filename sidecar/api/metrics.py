@@ -36,8 +36,23 @@ class _CaptureCollector(Collector):
         yield active
 
 
+class _ServerCollector(Collector):
+    def __init__(self, version: Callable[[], Any]) -> None:
+        self._version = version
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        version = self._version()
+        if version is None:
+            return
+        info = GaugeMetricFamily("omni_sidecar_upstream_info", "The upstream server as found at connect: 1, its kind "
+                                 "and versions as labels (vllm and omni empty where not served)",
+                                 labels=["kind", "vllm", "omni"])
+        info.add_metric([version.kind, str(version.vllm or ""), str(version.omni or "")], 1)
+        yield info
+
+
 class Metrics:
-    def __init__(self, state_counts: Callable[[], Mapping[str, int]]) -> None:
+    def __init__(self, state_counts: Callable[[], Mapping[str, int]], server: Callable[[], Any] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "omni_sidecar_http_requests",
@@ -52,6 +67,8 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_CaptureCollector(state_counts))
+        if server is not None:
+            self.registry.register(_ServerCollector(server))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,7 +15,7 @@ from rich.text import Text
 
 from sidecar.cli._app import EXIT_ERROR, EXIT_OK, EXIT_UNREADABLE, app, cli_errors, console, err_console, parse_stage_list
 from sidecar.cli._layout import Column, print_table, print_text
-from sidecar.config.deploy import PLATFORMS, load_deploy_config, load_server_config
+from sidecar.config.deploy import PLATFORMS, load_deploy_config, load_server_config, version_findings
 from sidecar.config.models import DeployConfig
 from sidecar.config.profiles import (
     list_profiles,
@@ -27,7 +27,8 @@ from sidecar.config.profiles import (
 )
 from sidecar.config.rules import MAX_IDLE_SHARE, max_iterations_for, validate_deploy
 from sidecar.config.verl import format_replicas, installed_verl, read_verl_config, verl_findings
-from sidecar.errors import ConfigUnreadable, Finding, SidecarError
+from sidecar.errors import ConfigUnreadable, Finding, Severity, SidecarError
+from sidecar.versions import NEWEST_OMNI, NEWEST_VLLM, Release, ServerVersion, omni_dialect
 
 
 def _exit_code(err: SidecarError) -> int:
@@ -74,6 +75,75 @@ def _print_table(deploy: DeployConfig, rows: list[dict[str, Any]], findings: lis
         print_text(console, Text(str(f), style="red" if f.is_error else "yellow"), hang="  ")
 
 
+def _version_option(value: str | None, flag: str) -> Release | None:
+    if value is None:
+        return None
+    release = Release.parse(value)
+    if release is None:
+        raise typer.BadParameter(f"{flag} takes a version such as 0.32.0 or 0.32.0rc1, got {value!r}")
+    return release
+
+
+def _read_server(url: str, omni_version: str | None) -> ServerVersion:
+    """What the server at ``url`` is (sidecar.upstream.server.UpstreamServer.identify)."""
+    import asyncio
+
+    from sidecar.upstream.server import UpstreamServer
+
+    async def read() -> ServerVersion:
+        async with UpstreamServer(url) as upstream:
+            upstream.omni_version = omni_version
+            probe = await upstream.probe()
+            if not probe.reachable:
+                raise typer.BadParameter(f"--server: {probe.reason}")
+            return await upstream.identify()
+
+    return asyncio.run(read())
+
+
+def _target(kind: str, vllm_version: str | None, omni_version: str | None, server: str | None) -> ServerVersion:
+    """The versions a deploy is checked for: the server's own (``--server``), or the ones named, or
+    the newest known vLLM (and the vLLM-Omni made for it)."""
+    given_vllm = _version_option(vllm_version, "--vllm-version")
+    _version_option(omni_version, "--omni-version")
+    if server is not None:
+        found = _read_server(server, omni_version)
+        if given_vllm is None:
+            return found
+        kind = found.kind
+    if given_vllm is not None:
+        line = given_vllm.line
+    elif kind == "omni":  # the vLLM of the vLLM-Omni named, or of the newest
+        line = (omni_dialect(Release.parse(omni_version)) if omni_version else NEWEST_OMNI).vllm_line
+    else:
+        line = NEWEST_VLLM.line
+    vllm = str(given_vllm) if given_vllm is not None else f"{line[0]}.{line[1]}.0"
+    return ServerVersion.of(kind, vllm, omni_version)  # type: ignore[arg-type]
+
+
+def _env_findings() -> list[Finding]:
+    import os
+
+    if not os.environ.get("VLLM_TORCH_PROFILER_DIR"):
+        return []
+    return [Finding(code="env_torch_profiler_dir", severity=Severity.warning, key="VLLM_TORCH_PROFILER_DIR",
+                    message="VLLM_TORCH_PROFILER_DIR is set here and no vLLM from 0.30 on reads it (vLLM 0.34 warns "
+                            "\"Unknown vLLM environment variable\"): nothing is profiled by it; set profiler_config "
+                            "(profiler: torch, torch_profiler_dir) instead")]
+
+
+def _print_server(version: ServerVersion, *, live: bool) -> None:
+    from sidecar.control.notes import note, word
+
+    print_text(console, ("server: " if live else "checked for: ") + version.describe(), hang="  ", markup=False)
+    if live and version.kind == "omni" and not version.omni_told and version.omni is not None:
+        print_text(console, f"  vLLM-Omni serves its own version nowhere: {version.omni} is the release made for vLLM "
+                   f"{version.vllm} (--omni-version to name another)", hang="    ", markup=False)
+    for w in version.warnings():
+        code = str(w.pop("code"))
+        print_text(console, Text(f"  warning[{code}]: {word(note(code, **w))}", style="yellow"), hang="    ")
+
+
 STAGE_OVERRIDES_HELP = "the server's --stage-overrides JSON, e.g. '{\"0\": {\"profiler_config\": {...}}}'"
 PROFILER_CONFIG_HELP = "the server's --profiler-config JSON (reaches every stage; alone: a plain `vllm serve`)"
 
@@ -97,12 +167,30 @@ def validate(
     allow_legacy: Annotated[
         bool, typer.Option("--allow-legacy", help="read a pre-0.30 `stage_args:` file (0.30 refuses it) with a warning")
     ] = False,
+    vllm_version: Annotated[Optional[str], typer.Option(
+        "--vllm-version", help="the vLLM the server runs: its rules check the config (default: the server's with "
+                               "--server, else the newest known: 0.34, or 0.32 under the newest vLLM-Omni)")] = None,
+    omni_version: Annotated[Optional[str], typer.Option(
+        "--omni-version", help="the vLLM-Omni the server runs (default: the one made for --vllm-version)")] = None,
+    server: Annotated[Optional[str], typer.Option(
+        "--server", metavar="URL", help="read the running server's versions (GET /version; vLLM-Omni by its "
+                                        "routes), print them, and check the config for them")] = None,
 ) -> None:
-    """Check a deploy YAML (and a verl config) for discrete torch profiling before anything starts."""
+    """Check a deploy YAML (and a verl config) for discrete torch profiling before anything starts.
+
+    Alone, `--server URL` prints what the server is and which way a steps window is bounded there."""
     with cli_errors():
         stage_list = parse_stage_list(stages)
         if role not in ("rollout", "reward"):
             raise typer.BadParameter(f"--role must be rollout or reward, got {role!r}")
+        target = _target("omni" if deploy_file is not None else "vllm", vllm_version, omni_version, server)
+        if server is not None and deploy_file is None and profiler_config is None:
+            if as_json:
+                console.print_json(json.dumps({"ok": True, "server": {**target.figures(), "summary": target.describe(),
+                                                                      "warnings": target.warnings()}}))
+            else:
+                _print_server(target, live=True)
+            raise typer.Exit(EXIT_OK)
         try:
             deploy = load_server_config(
                 deploy_file,
@@ -113,6 +201,7 @@ def validate(
                 allow_legacy=allow_legacy,
             )
             findings = validate_deploy(deploy, stages=stage_list, allow_cuda=nsys)
+            findings += version_findings(deploy, target.dialect, target.omni_dialect) + _env_findings()
             plan = None
             if verl_config is not None:
                 plan = read_verl_config(verl_config, role=role)  # type: ignore[arg-type]
@@ -142,10 +231,13 @@ def validate(
                 "verl_version": support.model_dump(mode="json") | {"summary": support.describe()} if plan else None,
                 # the replicas verl profiles: indices, "all", or null when it profiles none
                 "verl_replicas": (plan.requested_replicas(rank_mode) or "all") if plan and plan.enable else None,
+                "server": {**target.figures(), "summary": target.describe(), "warnings": target.warnings(),
+                           "live": server is not None},
             }
             console.print_json(json.dumps(report))
         else:
             _print_table(deploy, rows, findings)
+            _print_server(target, live=server is not None)
             if plan is not None:
                 print_text(console, support.describe(), hang="  ", markup=False)
                 print_text(console, f"verl {role}: steps={plan.steps} tool={plan.tool} discrete={plan.discrete} "

@@ -20,6 +20,7 @@ from sidecar.analysis.reader import not_regular
 from sidecar.config.models import Stage, StageKind
 from sidecar.control.claims import ClaimRegistry
 from sidecar.control.models import ArtifactFile, SessionFolder, StageVerdict
+from sidecar.versions import TABLE_BY_RANK, TABLE_BY_WORKER
 
 # docs/design.md §3 Artifacts; read from vllm_omni/worker/base.py and diffusion/stage_diffusion_client.py.
 LLM_SESSION = re.compile(r"^\d{8}-\d{6}_stage(?P<sid>\d+)_rank(?P<rank>\d+)_(?P<epoch>\d+)$")
@@ -28,12 +29,15 @@ DIFFUSION_SESSION = re.compile(
 )
 TRACE_FILE = re.compile(r"^trace_rank(?P<rank>\d+)\.json(\.gz)?$")
 # Plain vLLM (flavor vllm): torch's tensorboard_trace_handler writes straight into the dir, gzipped
-# inline before stop answers: worker ``<id>-rank-<r>.<ns>.pt.trace.json.gz`` and front-end
-# ``<host>_<pid>.async_llm.<ns>.pt.trace.json.gz`` (vllm/profiler/wrapper.py, torch.profiler).
+# inline before stop answers: worker ``<id>-rank-<r>.<ns>.pt.trace.json.gz`` (0.30) or
+# ``[<prefix>_]dp0_pp0_tp0_dcp0_ep0_rank0.<ns>.pt.trace.json.gz`` (0.31 on), and front-end
+# ``[<prefix>_]<host>_<pid>.async_llm.<ns>.pt.trace.json.gz`` (vllm/profiler/wrapper.py,
+# torch.profiler; every version's names in sidecar/versions.py).
 VLLM_TRACE_FILE = re.compile(r"^.+\.(?P<stamp>\d+)\.pt\.trace\.json(\.gz)?$")
 VLLM_FRONTEND_TRACE = re.compile(r"^.+\.async_llm\.\d+\.pt\.trace\.json(\.gz)?$")
 # Rewritten in place by every later stop: copied into the capture's state folder at collect time.
-VLLM_TABLE_FILE = re.compile(r"^profiler_out_\d+\.txt$")
+# Both namings: ``profiler_out_<r>.txt`` (up to 0.31) and ``<worker>.profiler_out.txt`` (0.32 on).
+VLLM_TABLE_FILE = re.compile(f"(?:{TABLE_BY_RANK.pattern})|(?:{TABLE_BY_WORKER.pattern})")
 _URI = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
 
 
@@ -131,6 +135,9 @@ class StageWatch:
     names_collide: bool = False  # LLM replicas write one folder name (vLLM-Omni 0.30)
     shared_with: str | None = None  # who else writes into this folder (told by fleet/settings)
     with_memory: bool = False  # torch_profiler_with_memory: vLLM-Omni dumps a memory snapshot on CUDA
+    # plain vLLM >= 0.32: the capture's profile_prefix, which starts every file name of its window:
+    # only files named so are its own (another capture's in the same folder never are)
+    prefix: str | None = None
 
     @property
     def expected_traces(self) -> int:
@@ -152,6 +159,7 @@ class StageWatch:
             "names_collide": self.names_collide,
             "shared_with": self.shared_with,
             "with_memory": self.with_memory,
+            "prefix": self.prefix,
         }
 
     @classmethod
@@ -171,6 +179,7 @@ class StageWatch:
             names_collide=bool(data.get("names_collide", False)),
             shared_with=data.get("shared_with"),
             with_memory=bool(data.get("with_memory", False)),
+            prefix=data.get("prefix"),
         )
 
 
@@ -244,6 +253,18 @@ def watch_stage(stage: Stage, roots: dict[str, str], *, flat: bool = False, shar
         shared_with=shared_with,
         with_memory=bool(pc is not None and pc.torch_profiler_with_memory),
     )
+
+
+def name_files(watches: list[StageWatch], prefix: str | None) -> None:
+    """Give a capture's flat watches (plain vLLM) the prefix its start asks the server to name its
+    files with (``profile_prefix``); a session-folder stage (vLLM-Omni) names nothing so."""
+    for watch in watches:
+        if watch.flat:
+            watch.prefix = prefix
+
+
+def _named_for(watch: StageWatch, name: str) -> bool:
+    return watch.prefix is None or name.startswith(f"{watch.prefix}_")
 
 
 def snapshot(watch: StageWatch) -> StageWatch:
@@ -369,6 +390,10 @@ def _scan_flat(watch: StageWatch, local: Path, window: Window | None, claims: Cl
                 continue
             if not e.is_file(follow_symlinks=False) or baseline.get(e.name) == _file_digest(e):
                 continue  # there before start and untouched since
+            if not _named_for(watch, e.name):
+                result.skipped.append(f"{e.name} (not named with this capture's prefix {watch.prefix}_: "
+                                      "another window's)")
+                continue
             try:
                 st = e.stat(follow_symlinks=False)
             except OSError:

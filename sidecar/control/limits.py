@@ -1,6 +1,8 @@
 """What a start may ask for: its window's bounds in time (``duration_s``, ``lease_s``, against the
 sidecar's limits) and in engine steps (``steps``, ``delay_steps``, and what will end a ``steps``
-window: the server's own cap, or a best-effort count asked for by name). Pure; raises typed errors.
+window: the start itself where the server takes per-capture bounds, the server's own cap, or a
+best-effort count asked for by name), and the per-capture options its start body carries. Pure;
+raises typed errors.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from sidecar.config.rules import capped_by_server, max_iterations_for
 from sidecar.control.models import MAX_ENGINE_STEPS
 from sidecar.control.steps import Bound
 from sidecar.errors import DurationInvalid, EngineStepsInvalid, LeaseInvalid, StepsUnbounded
+from sidecar.versions import ServerVersion, profile_prefix
 
 StepsAsk = Literal["server", "count"]
 
@@ -47,14 +50,19 @@ def check_steps(steps: int | None, delay_steps: int | None) -> None:
                                      f"{MAX_ENGINE_STEPS}, got {value!r}", key=key)
 
 
-def steps_bound(deploy: DeployConfig, stages: list[int], steps: int | None, asked: StepsAsk | None) -> Bound | None:
-    """What will end a ``steps`` window on ``stages``: the server's own cap where every stage has
-    one that a window of ``steps`` reaches (``render --steps N`` writes it), the sidecar's count
-    where the caller asked for it by name (``"count"``); refused (``StepsUnbounded``) otherwise."""
+def steps_bound(deploy: DeployConfig, stages: list[int], steps: int | None, asked: StepsAsk | None, *,
+                per_capture: bool = False) -> Bound | None:
+    """What will end a ``steps`` window on ``stages``: the start itself where the server takes
+    per-capture bounds (``per_capture``: vLLM >= 0.32 ends the window after exactly the steps its
+    start body asks), else the server's own cap where every stage has one that a window of ``steps``
+    reaches (``render --steps N`` writes it), the sidecar's count where the caller asked for it by
+    name (``"count"``); refused (``StepsUnbounded``) otherwise."""
     if steps is None:
         return None
     if asked == "count":
         return Bound.count
+    if per_capture:
+        return Bound.per_capture
     if capped_by_server(deploy, stages, steps):
         return Bound.server_cap
     cap = max_iterations_for(steps)
@@ -70,4 +78,21 @@ def steps_bound(deploy: DeployConfig, stages: list[int], steps: int | None, aske
                               "fix": f"omni-sidecar render --steps {steps}"})
 
 
-__all__ = ["StepsAsk", "check_steps", "check_window", "steps_bound"]
+def start_options(version: ServerVersion | None, capture_id: str, bound: Bound | None, steps: int | None,
+                  delay_steps: int | None) -> dict[str, object]:
+    """The per-capture keys of a start's body, as far as the server takes them (``version``'s
+    dialect): its files' prefix (the capture's id, so its files are told apart from any other's in
+    a shared folder), and a per-capture window's bounds (the server ends it after exactly
+    ``steps``, ``delay_steps`` after the start)."""
+    out: dict[str, object] = {}
+    if version is None:
+        return out
+    if version.per_capture_prefix:
+        out["profile_prefix"] = profile_prefix(capture_id)
+    if bound is Bound.per_capture and version.per_capture_bounds and steps is not None:
+        out["max_iterations"] = steps
+        out["delay_iterations"] = delay_steps or 0
+    return out
+
+
+__all__ = ["StepsAsk", "check_steps", "check_window", "start_options", "steps_bound"]

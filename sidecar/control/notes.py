@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from sidecar.versions import server_version
+
 
 class Note(BaseModel):
     code: str
@@ -44,6 +46,11 @@ def _stage(label: str) -> str:
 
 def _steps_ended(f: dict[str, Any]) -> str:
     by, steps, counted = f["ended_by"], f["steps_asked"], f["counted"]
+    if by == "server" and f.get("bound") == "per_capture":
+        return (f"the server ended the window itself after the {steps} steps this capture's start asked for "
+                f"(max_iterations {steps} in the start's body, no deploy cap); the stop followed at {counted} steps "
+                f"counted, once each stage had counted its end + {f['margin']}: the server holds a window open "
+                "until a stop, and refuses the next start without one")
     if by == "server":
         return (f"the stop was sent at {counted} steps counted, past the {steps} asked: every stage's server ends its own "
                 f"window after {ends_text(f['ends'])} engine iterations (max_iterations), so the stop waited until each "
@@ -111,6 +118,30 @@ def _idle_render(f: dict[str, Any]) -> str:
             f"`omni-sidecar render --steps {f['steps']} {flags}` writes (max_iterations {capped})")
 
 
+def _server_version(f: dict[str, Any]) -> str:
+    version = server_version(f)
+    return version.describe() if version is not None else f"server: {f}"
+
+
+def _start_options(f: dict[str, Any]) -> str:
+    parts = []
+    if f.get("max_iterations") is not None:
+        delay = f" after {f['delay_iterations']}" if f.get("delay_iterations") else ""
+        parts.append(f"to end the window itself after exactly {f['max_iterations']} engine steps{delay} "
+                     "(per-capture bound: no deploy cap needed)")
+    if f.get("profile_prefix"):
+        parts.append(f"to start every file name of this window with {f['profile_prefix']}_ (this capture's files "
+                     "are told apart by name from any other's in the folder)")
+    return "the start asked the server " + " and ".join(parts)
+
+
+def _version_unknown(f: dict[str, Any]) -> str:
+    if f.get("version"):
+        return (f"{f['what']} {f['version']} is not in the sidecar's table of versions (sidecar/versions.py): it is "
+                f"treated as {f['assumed']}, the nearest known")
+    return f"the server did not say its {f['what']} version (GET /version): it is treated as {f['assumed']}"
+
+
 _WORDS: dict[str, Callable[[dict[str, Any], int | None], str]] = {
     "text": lambda f, _: str(f.get("text", "")),
     "budget_over": lambda f, _: (
@@ -141,6 +172,16 @@ _WORDS: dict[str, Callable[[dict[str, Any], int | None], str]] = {
         f"gives a stage that ends later the iterations it idles), so for {f['steps']} steps on it send more requests "
         "at once"),
     "idle_render": lambda f, _: _idle_render(f),
+    "server_version": lambda f, _: _server_version(f),
+    "version_unknown": lambda f, _: _version_unknown(f),
+    "version_mismatch": lambda f, _: (
+        f"vLLM-Omni {f['omni'] or '(none made for it)'} runs on vLLM {f['vllm']}: vLLM-Omni must match vLLM's "
+        f"major.minor (it warns of this in its own log only); fix: {f['fix']}"),
+    "start_options": lambda f, _: _start_options(f),
+    "session_reopened": lambda f, _: (
+        f"the server answered the start with 409 (a profiling session still open): it was this sidecar's own, "
+        f"capture {f['previous']}'s, whose stop the server never answered; the sidecar stopped it (stages "
+        f"{f['stages']}) and started this capture again"),
 }
 
 

@@ -13,7 +13,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from enum import Enum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import httpx
 from pydantic import BaseModel, Field
@@ -26,11 +26,12 @@ from tenacity import (
     wait_exponential,
 )
 
-from sidecar.errors import MetricsUnavailable, UpstreamError, UpstreamTimeout, UpstreamUnreachable
-from sidecar.errors import StagesEmpty, StagesInvalid
+from sidecar.errors import MetricsUnavailable, UpstreamError, UpstreamSessionActive, UpstreamTimeout
+from sidecar.errors import StagesEmpty, StagesInvalid, UpstreamUnreachable
 from sidecar.upstream.metrics import KEPT_SAMPLES, MAX_METRICS_BYTES, STEP_SAMPLES, Labels, MetricsSnapshot
 from sidecar.upstream.metrics import MetricsUnreadable, parse_metrics, step_counts
 from sidecar.upstream.transport import AiohttpTransport
+from sidecar.versions import ServerVersion
 
 _T = TypeVar("_T")
 
@@ -118,6 +119,8 @@ class UpstreamServer:
             trust_env=False,
         )
         self._urls: dict[tuple[str, tuple[str, ...]], httpx.URL] = {}
+        self._version: ServerVersion | None = None  # what identify() found, until the server is gone
+        self.omni_version: str | None = None  # vLLM-Omni's release as the user told it (it serves it nowhere)
         # The profiling POSTs' headers, made once: the URL's user:password as the Authorization
         # header, as httpx's client makes it for the requests it builds (probes, /metrics).
         base = httpx.URL(self.base_url)
@@ -211,6 +214,52 @@ class UpstreamServer:
             "404 when not); is --upstream a vLLM-Omni server?",
         )
 
+    async def identify(self) -> ServerVersion:
+        """What the server is (kept until a call finds it unreachable): its vLLM version from
+        ``GET /version`` (vLLM-Omni answers vLLM's there, not its own), and whether it is vLLM-Omni,
+        told by a route only vLLM-Omni serves (``GET /v1/omni/sleep``: 405 there, 404 on plain
+        vLLM), else by its ``vllm_omni:`` metric families, else by the configured flavor. Two or
+        three GETs that change nothing; never raises (a version not served says so)."""
+        if self._version is not None:
+            return self._version
+        timeout = httpx.Timeout(self.timeouts.probe, connect=min(self.timeouts.connect, self.timeouts.probe))
+        vllm: str | None = None
+        answered = True
+        try:
+            reply = await self._client.get("/version", timeout=timeout)
+            if reply.status_code == 200:
+                vllm = str(reply.json().get("version") or "") or None
+        except httpx.HTTPError:
+            answered = False
+        except (ValueError, AttributeError):
+            pass
+        found = ServerVersion.of(await self._kind(timeout), vllm, self.omni_version)
+        if answered:  # a server not up yet is asked again next time
+            self._version = found
+        return found
+
+    @property
+    def version(self) -> ServerVersion | None:
+        """What :meth:`identify` found so far (None: not asked yet, or the server went away since)."""
+        return self._version
+
+    async def _kind(self, timeout: httpx.Timeout) -> Literal["vllm", "omni"]:
+        try:
+            route = await self._client.get("/v1/omni/sleep", timeout=timeout)
+            if route.status_code in (404, 405):
+                return "omni" if route.status_code == 405 else "vllm"
+        except httpx.HTTPError:
+            pass
+        try:
+            text = await self._metrics_text(None, ())
+            return "omni" if "vllm_omni:" in text else "vllm"
+        except MetricsUnavailable:
+            return "omni" if self.flavor is Flavor.omni else "vllm"
+
+    def forget_version(self) -> None:
+        """Identify the server again at the next :meth:`identify` (it may have been restarted)."""
+        self._version = None
+
     async def warm(self) -> bool:
         """Open a connection before it is needed (one ``GET /health``, best effort), so a later
         start pays no TCP connect. False when the server did not answer."""
@@ -263,8 +312,13 @@ class UpstreamServer:
     # --- profiling ------------------------------------------------------------------------
 
     async def start_profile(self, stages: list[int], *,
-                            before_send: Callable[[], Awaitable[None]] | None = None) -> None:
+                            before_send: Callable[[], Awaitable[None]] | None = None,
+                            options: dict[str, Any] | None = None) -> None:
         """Start the profiler on exactly ``stages``. Retried only when never delivered.
+        ``options``: the start body's per-capture keys a plain vLLM >= 0.32 reads
+        (``profile_prefix``, ``max_iterations``, ``delay_iterations``, ``profiler_kwargs``: what
+        :meth:`identify` says it takes); never sent to vLLM-Omni, whose body is its stage list.
+        A 409 (a session still open upstream) is ``UpstreamSessionActive``.
 
         ``before_send`` is awaited just before the request is complete (a fan-out releasing its
         starts together); if it raises, the request is never completed and the server never
@@ -272,6 +326,8 @@ class UpstreamServer:
         dispatch a request whose body is incomplete), so what is left after the release is one
         byte per target: the skew across a fleet is a write, not httpx's per-request CPU."""
         body = self._body(stages)
+        if options and self.flavor is Flavor.vllm:
+            body = dict(options)
         timeout = httpx.Timeout(self.timeouts.start, connect=self.timeouts.connect)
         released = before_send is None
 
@@ -416,6 +472,7 @@ class UpstreamServer:
             finally:
                 await resp.aclose()
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self._version = None  # a server that comes back may be another version
             raise UpstreamUnreachable(
                 f"could not connect to {url} ({exc.__class__.__name__}); the request was not delivered. "
                 "Check that the server is running and --upstream is right",
@@ -446,6 +503,11 @@ class UpstreamServer:
                 detail = str(payload["error"].get("message", text))[:_BODY_LIMIT]
         except ValueError:
             pass
+        if resp.status_code == 409:
+            raise UpstreamSessionActive(
+                f"POST {url} answered 409: {detail}",
+                details={"status": 409, "body": text, "url": url},
+            )
         hint = ""
         if resp.status_code == 404:
             hint = "; the profiler endpoints are not mounted (no stage sets profiler_config.profiler)"

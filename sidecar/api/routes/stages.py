@@ -40,6 +40,13 @@ def report(deploy: DeployConfig, scrubber: Scrubber) -> dict[str, Any]:
     )
 
 
-@router.get("/v1/stages", summary="Stages of the deploy, their profiler and findings")
+def server(version: Any) -> dict[str, Any] | None:
+    """What the upstream server was found to be at connect (sidecar/versions.py), or None (not yet)."""
+    if version is None:
+        return None
+    return {**version.figures(), "summary": version.describe(), "warnings": version.warnings()}
+
+
+@router.get("/v1/stages", summary="Stages of the deploy, their profiler and findings, and the server's version")
 async def stages(api: Api) -> dict[str, Any]:
-    return api.stages
+    return {**api.stages, "server": server(getattr(getattr(api.controller, "upstream", None), "version", None))}
