@@ -5,6 +5,8 @@ socket, set to plain vLLM 0.32's surface (``version``); tests/live and tests/omn
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from sidecar.upstream.server import Flavor, UpstreamServer
@@ -82,3 +84,15 @@ def test_validate_server_names_a_mismatched_pair_with_its_fix(control_deploy) ->
     (warning,) = report["server"]["warnings"]
     assert (code, warning["code"], warning["fix"].split(" (")[0]) == (
         0, "version_mismatch", "pip install 'vllm==0.32.*' --pre 'vllm-omni==0.32.0rc1'"), output
+
+
+def test_vllm_omnis_own_families_are_in_the_windows_server_metrics() -> None:
+    # two real vLLM-Omni 0.30.0 replies (tests/data/metrics): its vllm_omni:* families per stage and
+    # per hand-over (not the vllm:omni_* its doc names), beside the engines' vllm: ones
+    from sidecar.upstream.metrics import parse_metrics, window_metrics
+
+    data = Path(__file__).parent / "data" / "metrics"
+    window = window_metrics(*(parse_metrics((data / f"omni-0.30-cpu-{i}.prom").read_text()) for i in (0, 2)))
+    seen = {short: {where: lat.count for where, lat in by.items()} for short, by in window.omni.items()}
+    assert seen == {"stage_gen": {"1": 5}, "transfer_tx": {"0->1": 5}, "e2e": {"": 5}}, seen
+    assert sorted((e.stage, e.replica) for e in window.engines) == [("0", "0"), ("1", "0")]

@@ -32,17 +32,29 @@ LATENCY_FAMILIES: dict[str, str] = {
     "e2e": "vllm:e2e_request_latency_seconds",
     "queue": "vllm:request_queue_time_seconds",
 }
+# vLLM-Omni's own families (``vllm_omni:*``, every release 0.30.0 to 0.32.0rc1; its doc's
+# ``vllm:omni_*`` names are not what it serves): short name -> family, each a histogram of seconds
+# per stage (``stage``) or per hand-over (``from_stage``, ``to_stage``), or of the whole pipeline.
+OMNI_FAMILIES: dict[str, str] = {
+    "stage_gen": "vllm_omni:stage_gen_time_s",
+    "stage_in_queue": "vllm_omni:stage_in_queue_s",
+    "transfer_tx": "vllm_omni:transfer_tx_s",
+    "transfer_rx": "vllm_omni:transfer_rx_s",
+    "e2e": "vllm_omni:e2e_request_latency_s",
+}
+_OMNI = frozenset(OMNI_FAMILIES.values())
 # What a snapshot keeps (a window reads nothing else): only these families' sample lines are read.
 KEPT_FAMILIES = (STEP_FAMILY, REQUESTS_FAMILY, PROMPT_FAMILY, GENERATION_FAMILY, *LATENCY_FAMILIES.values())
+_READ_FAMILIES = (*KEPT_FAMILIES, *OMNI_FAMILIES.values())  # the omni ones kept apart (MetricsSnapshot.omni)
 # The same as sample names, for the server's exporter to render only those: prometheus_client's
 # ``/metrics?name[]=...``, which plain vLLM's /metrics is (make_asgi_app). vLLM-Omni 0.30's ignores
 # the parameter (measured: 122 kB either way) and the parse keeps the same lines.
 _COUNTERS = (REQUESTS_FAMILY, PROMPT_FAMILY, GENERATION_FAMILY)
 KEPT_SAMPLES = tuple(
-    f"{fam}{suffix}" for fam in KEPT_FAMILIES
+    f"{fam}{suffix}" for fam in _READ_FAMILIES
     for suffix in (("_total",) if fam in _COUNTERS else ("_bucket", "_count", "_sum")))
 STEP_SAMPLES = (f"{STEP_FAMILY}_count",)
-_KEPT_SAMPLE = {sample: (fam, sample[len(fam) + 1:]) for fam in KEPT_FAMILIES for sample in KEPT_SAMPLES
+_KEPT_SAMPLE = {sample: (fam, sample[len(fam) + 1:]) for fam in _READ_FAMILIES for sample in KEPT_SAMPLES
                 if sample.startswith(fam + "_") and sample[len(fam) + 1:] in ("total", "bucket", "count", "sum")}
 _KEPT_LINE = re.compile(rf"^({'|'.join(re.escape(n) for n in KEPT_SAMPLES)})(?:{{([^}}\n]*)}})?[ \t]+(\S+)", re.M)
 # The labels that name one engine: vLLM-Omni's stage and replica, plain vLLM's engine index.
@@ -53,6 +65,11 @@ Labels = tuple[tuple[str, str], ...]
 
 def _engine_key(labels: Mapping[str, str]) -> Labels:
     return tuple((k, labels[k]) for k in ENGINE_LABELS if k in labels)
+
+
+def _omni_key(labels: Mapping[str, str]) -> Labels:
+    """A vLLM-Omni family's sample: its stage, or its hand-over (replicas summed), or none (the pipeline)."""
+    return tuple((k, labels[k]) for k in ("stage", "from_stage", "to_stage") if k in labels)
 
 
 @dataclass
@@ -70,6 +87,8 @@ class MetricsSnapshot:
     taken_at: float  # time.time() of the reply
     counters: dict[tuple[str, Labels], float] = field(default_factory=dict)  # family -> value
     histograms: dict[tuple[str, Labels], _Histogram] = field(default_factory=dict)
+    # vLLM-Omni's own histograms (OMNI_FAMILIES), per stage or hand-over (not engines)
+    omni: dict[tuple[str, Labels], _Histogram] = field(default_factory=dict)
 
     def engines(self) -> list[Labels]:
         keys = {k for _, k in self.counters} | {k for _, k in self.histograms}
@@ -96,11 +115,14 @@ def parse_metrics(text: str, *, taken_at: float | None = None) -> MetricsSnapsho
         except ValueError:
             raise MetricsUnreadable(f"the /metrics reply is not Prometheus text: {m.group(0)[:200]!r}") from None
         labels = dict(_LABEL.findall(m.group(2) or ""))
-        key = (family, _engine_key(labels))
+        if family in _OMNI:
+            key, into = (family, _omni_key(labels)), snap.omni
+        else:
+            key, into = (family, _engine_key(labels)), snap.histograms
         if part == "total":
             snap.counters[key] = snap.counters.get(key, 0.0) + value
             continue
-        hist = snap.histograms.setdefault(key, _Histogram())
+        hist = into.setdefault(key, _Histogram())
         if part == "bucket":
             bound = float(labels.get("le", "inf"))
             hist.buckets[bound] = hist.buckets.get(bound, 0.0) + value
@@ -148,6 +170,9 @@ class WindowMetrics(BaseModel):
 
     seconds: float | None = None  # between the two scrapes
     engines: list[EngineMetrics] = Field(default_factory=list)
+    # vLLM-Omni's own families over the window (OMNI_FAMILIES): short name -> stage ("0"), hand-over
+    # ("0->1") or the pipeline ("") -> latency; empty on plain vLLM
+    omni: dict[str, dict[str, Latency]] = Field(default_factory=dict)
     unavailable: str | None = None
 
 
@@ -213,10 +238,18 @@ def window_metrics(before: MetricsSnapshot, after: MetricsSnapshot) -> WindowMet
                                  prompt_tokens=delta(PROMPT_FAMILY), generation_tokens=delta(GENERATION_FAMILY),
                                  latency=latency))
     seconds = max(after.taken_at - before.taken_at, 0.0)
+    omni: dict[str, dict[str, Latency]] = {}
+    for short, family in OMNI_FAMILIES.items():
+        for (fam, key), hist in sorted(after.omni.items()):
+            if fam == family:
+                labels = dict(key)
+                where = (f"{labels['from_stage']}->{labels['to_stage']}" if "from_stage" in labels
+                         else labels.get("stage", ""))
+                omni.setdefault(short, {})[where] = _delta_hist(before.omni.get((fam, key)), hist)
     if not out:
-        return WindowMetrics(seconds=seconds, unavailable="the server's /metrics has no per-engine vllm: families "
-                             "(started with --disable-log-stats?)")
-    return WindowMetrics(seconds=seconds, engines=out)
+        return WindowMetrics(seconds=seconds, omni=omni, unavailable="the server's /metrics has no per-engine vllm: "
+                             "families (started with --disable-log-stats?)")
+    return WindowMetrics(seconds=seconds, engines=out, omni=omni)
 
 
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
@@ -261,6 +294,7 @@ __all__ = [
     "quantile",
     "KEPT_FAMILIES",
     "KEPT_SAMPLES",
+    "OMNI_FAMILIES",
     "STEP_SAMPLES",
     "step_counts",
     "steps_by_stage",
