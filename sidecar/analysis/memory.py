@@ -31,6 +31,8 @@ MAX_POINTS = 240  # chart points per device (the largest allocated of each time 
 MAX_STACK = 8  # enclosing ops kept for a live op's stack
 TOP_LIVE = 10
 _UNSET = object()
+_NEVER, _ALWAYS = float("-inf"), float("inf")
+_NEAR = 36  # ops searched first when a thread's next memory event is past several op starts
 _SNAPSHOTS_EXACT = 1000  # peak copies taken at any new peak; after that, only at a 0.1 % higher one
 
 
@@ -165,14 +167,15 @@ class MemoryTracker:
     def events(self, batch: list[Any], index: dict[tuple[Any, Any], ThreadOps]) -> None:
         """``[memory]`` / ``[OutOfMemory]`` events in file order; ``index`` holds each thread's ops
         (by (pid, tid)) when the trace is indexed. One loop; the state of the last event's device,
-        and its thread's index, live in locals (a run of events is one device's, one thread's) and
-        go back to the device when another device's event comes, and at the end."""
+        its thread's index and the op its last event was charged to live in locals (a run of events
+        is one device's, one thread's, mostly one op's) and go back to the device when another
+        device's event comes, and at the end."""
         dtype: Any = _UNSET
         did: Any = _UNSET
         pid: Any = _UNSET
         tid: Any = _UNSET
         ix = dev = None
-        pos, seen = -1, float("-inf")
+        pos, seen = -1, _NEVER
         starts: Any = ()
         ends: Any = ()
         parents: Any = ()
@@ -181,25 +184,35 @@ class MemoryTracker:
         allocs: dict[Any, tuple[int, list[int]]] = {}
         cur = peak = alloc_peak = peak_reserved = drift = 0
         reserved: int | None = None
+        fresh = pending = False
         edge = 0.0
         last: list[Any] = []
+        # The op the last event was charged to (``i``, its record ``rec``) is every later event's of
+        # the same thread and device while ts lies in [seen, nxt) and ts <= iend: no op starts
+        # before nxt and that op (none: iend is +inf) has not ended. ``pos``: the last op started
+        # at or before ``seen``; ``n``: the thread's ops.
+        rec: list[int] = []
+        i = n = 0
+        nxt = iend = _NEVER
         for e in batch:
             a = e.args
             if a is None:
                 continue
             if a.device_type != dtype or a.device_id != did:
                 if dev is not None:
-                    dev.cur, dev.peak, dev.alloc_peak, dev.peak_reserved, dev.drift, dev.reserved = (
-                        cur, peak, alloc_peak, peak_reserved, drift, reserved)
+                    dev.cur, dev.peak, dev.alloc_peak, dev.peak_reserved, dev.drift, dev.reserved, dev.pending = (
+                        cur, peak, alloc_peak, peak_reserved, drift, reserved, pending)
                 dtype, did = a.device_type, a.device_id
                 dev = self._device(dtype, did)
                 if dev is None:
                     continue
                 ops, allocs = dev.ops, dev.allocs
-                cur, peak, alloc_peak, peak_reserved, drift, reserved = (
-                    dev.cur, dev.peak, dev.alloc_peak, dev.peak_reserved, dev.drift, dev.reserved)
+                cur, peak, alloc_peak, peak_reserved, drift, reserved, pending = (
+                    dev.cur, dev.peak, dev.alloc_peak, dev.peak_reserved, dev.drift, dev.reserved, dev.pending)
+                fresh = dev.start is None
                 edge = dev.edge
                 last = dev.points[-1] if dev.points else []
+                nxt = _NEVER  # the charged op's record is the last device's
             elif dev is None:
                 continue
             if e.name == OOM_EVENT:
@@ -210,9 +223,10 @@ class MemoryTracker:
                 continue
             ts = e.ts
             total = a.total_allocated
-            if dev.start is None:  # the peak so far: what was allocated before the window
+            if fresh:  # the peak so far: what was allocated before the window
                 dev.start = cur = peak = max(0, total - nbytes) if total is not None else 0
-                dev.peak_ts, dev.peak_reserved_at, dev.pending, dev.first_ts, dev.t0 = ts, a.total_reserved, True, ts, ts
+                dev.peak_ts, dev.peak_reserved_at, dev.first_ts, dev.t0 = ts, a.total_reserved, ts, ts
+                pending, fresh = True, False
             cur += nbytes
             if total is not None and total > alloc_peak:
                 alloc_peak = total
@@ -229,29 +243,39 @@ class MemoryTracker:
                 if ix is not None:
                     starts, ends, parents, rows = ix.starts, ix.ends, ix.parents, ix.rows
                     pos, seen = ix.at
-            i = -1
-            if ix is not None:  # the innermost op open at ts: the last started before it, or what encloses that
-                # A thread's events come in time order: walk on from the last lookup (a step or two
-                # between events), jump by bisection over a long run of ops, go back only by it.
-                n = len(starts)
-                if ts < seen:
-                    pos = bisect_right(starts, ts) - 1
-                elif pos + 1 < n and starts[pos + 1] <= ts:
-                    if pos + 4 < n and starts[pos + 4] <= ts:
-                        pos = bisect_right(starts, ts, pos + 4) - 1
+                    n = len(starts)
+                nxt = _NEVER
+            if not (seen <= ts < nxt and ts <= iend):
+                # The innermost op open at ts: the last started before it, or what encloses that.
+                # A thread's events come in time order: from the last lookup, an op that ended is
+                # left for the ops enclosing it; ops started since are passed by a bisection over
+                # the next few (over the rest past them); back in time, over all of them.
+                if ix is None:
+                    i, seen, nxt, iend = -1, _NEVER, _ALWAYS, _ALWAYS
+                else:
+                    if ts < seen or ts >= nxt:
+                        if ts < seen:
+                            pos = bisect_right(starts, ts) - 1
+                        else:
+                            hi = pos + _NEAR if pos + _NEAR < n else n
+                            pos = bisect_right(starts, ts, pos + 1, hi) - 1
+                            if pos == hi - 1 and hi < n:
+                                pos = bisect_right(starts, ts, hi) - 1
+                        i = pos
+                        nxt = starts[pos + 1] if pos + 1 < n else _ALWAYS
+                    seen = ts
+                    while i >= 0:
+                        iend = ends[i]
+                        if iend >= ts:
+                            break
+                        i = parents[i]
                     else:
-                        pos += 1
-                        while pos + 1 < n and starts[pos + 1] <= ts:
-                            pos += 1
-                seen = ts
-                i = pos
-                while i >= 0 and ends[i] < ts:
-                    i = parents[i]
-            name = rows[i][0] if i >= 0 else NO_OP
-            rec = ops.get(name)
-            if rec is None:
-                rec = ops[name] = [0, 0, 0, 0, 0, 0]
-                dev.stacks[name] = ix.stack(i) if i >= 0 else []  # type: ignore[union-attr]
+                        iend = _ALWAYS
+                name = rows[i][0] if i >= 0 else NO_OP
+                rec = ops.get(name)  # type: ignore[assignment]
+                if rec is None:
+                    rec = ops[name] = [0, 0, 0, 0, 0, 0]
+                    dev.stacks[name] = ix.stack(i) if i >= 0 else []  # type: ignore[union-attr]
             addr = a.addr
             if nbytes > 0:
                 rec[0] += 1
@@ -272,10 +296,11 @@ class MemoryTracker:
                     if total is not None and abs(cur - total) > drift:  # checked where it matters most
                         drift = abs(cur - total)
                     if dev.copies < _SNAPSHOTS_EXACT or cur > dev.copied * 1.001:
-                        dev.pending = True
+                        pending = True
             else:
-                if dev.pending:  # the live set is still the peak's: nothing was freed since
+                if pending:  # the live set is still the peak's: nothing was freed since
                     dev.copy_peak(peak)
+                    pending = False
                 rec[2] += 1
                 rec[3] -= nbytes
                 old = allocs.pop(addr, None)
@@ -291,8 +316,8 @@ class MemoryTracker:
                 if r is not None and (last[3] is None or r > last[3]):
                     last[3] = r
         if dev is not None:
-            dev.cur, dev.peak, dev.alloc_peak, dev.peak_reserved, dev.drift, dev.reserved = (
-                cur, peak, alloc_peak, peak_reserved, drift, reserved)
+            dev.cur, dev.peak, dev.alloc_peak, dev.peak_reserved, dev.drift, dev.reserved, dev.pending = (
+                cur, peak, alloc_peak, peak_reserved, drift, reserved, pending)
         if ix is not None:
             ix.at = (pos, seen)
 
