@@ -5,7 +5,8 @@ the speedup of a capture's files summarised in parallel.
   python3 bench/summarize.py TRACE.json.gz --files A B C D      # + 4 files on 1 core vs 2 cores
   python3 bench/summarize.py TRACE.json.gz --repeats 5 --no-hta
   python3 bench/summarize.py TRACE.json.gz --hta-python /tmp/hta-venv/bin/python --ready TRACE_100MB.json.gz
-  python3 bench/summarize.py MEMORY_TRACE.json.gz --committed     # + ours on each committed real trace
+  python3 bench/summarize.py MEMORY_TRACE.json.gz --committed     # + ours and HTA on each committed real trace
+  python3 bench/summarize.py TRACE.json.gz --baseline /tmp/before  # + another tree's code, side by side
 
 ``ours`` is the whole product path: ``summarize_paths`` (per-file summary, the attribution fields,
 findings). ``hta, four analyses`` is HTA 0.5.0 loading the trace and running the same four
@@ -13,8 +14,13 @@ analyses (temporal and idle time breakdown, comm/comp overlap, kernel launch sta
 bench/hta_reference.py), in the Python given by ``--hta-python`` (HTA needs pandas and torch).
 The trace line says how many memory events (``profile_memory``: what holds memory, summarised in
 the same pass) the trace holds; ``bench/gen_traces.py cpu --memory`` makes one, ``replicate`` grows
-it. ``--committed`` also runs ours on each committed real H200 trace (tests/data/traces, recorded
-without memory: the pass's cost where the memory events are absent).
+it. ``--committed`` also runs ours and HTA's four analyses on each committed real H200 trace
+(tests/data/traces, recorded without memory: the pass's cost where the memory events are absent).
+HTA's four analyses need GPU kernels: on a trace without any (a CPU trace, such as the one
+``gen_traces cpu --memory`` makes) they fail, and the HTA line is against HTA's load alone, the
+least any HTA analysis costs. ``--baseline DIR`` runs ours from another source tree (``git archive
+REV sidecar | tar -x -C DIR``) interleaved with this one, on one core, and prints the ratio: the
+A/B of a change measured in the same minutes, on a shared machine the only comparison that holds.
 ``--ready`` times the work between a stop's reply and its summary + findings (the summary of
 that file in a fresh process, its imports inside the time, as in the sidecar's analysis worker,
 also a fresh interpreter). The last table puts each figure beside its goal.
@@ -62,7 +68,9 @@ def run_ours(paths: list[str], workers: int = 1) -> dict:
     from sidecar.analysis import summarize_paths
 
     s = summarize_paths(paths, workers=workers)
-    return {"events": s.totals.events, "findings": len(s.findings), "memory_events": sum(m.events for m in s.memory)}
+    # getattr: a --baseline tree may predate the memory figures
+    return {"events": s.totals.events, "findings": len(s.findings),
+            "memory_events": sum(m.events for m in getattr(s, "memory", []))}
 
 
 def run_ours_no_isal(paths: list[str]) -> dict:
@@ -141,6 +149,7 @@ CONTENDERS = {
     "ours, files one by one": lambda p: run_ours(p, workers=1),
     "ours, files in 2 processes": lambda p: run_ours(p, workers=2),
     "ours, imports timed": lambda p: run_ours(p),
+    "ours, baseline": lambda p: run_ours(p),  # the same, from the --baseline tree (measure sets PYTHONPATH)
 }
 
 
@@ -184,7 +193,8 @@ def _cpu() -> float:
 
 def measure(name: str, cpus: list[int], paths: list[Path]) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("HTA_PATH", "") if name == "hta" else "", env.get("PYTHONPATH", "")) if p)
+    code = env.get("BENCH_BASELINE", "") if name == "ours, baseline" else str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (code, env.get("HTA_PATH", "") if name == "hta" else "", env.get("PYTHONPATH", "")) if p)
     python = os.environ.get("HTA_PYTHON", sys.executable) if name.startswith("hta") else sys.executable
     cmd = [python, __file__, "--child", name, "--cpus", ",".join(map(str, cpus)), str(paths[0])]
     if len(paths) > 1:
@@ -217,7 +227,8 @@ def main() -> None:
     ap.add_argument("--hta-python", help="a Python with HTA (holistictraceanalysis) for the HTA contenders")
     ap.add_argument("--ready", type=Path, help="a ~100 MB trace: time from a stop's reply to its summary + findings")
     ap.add_argument("--no-json-load", action="store_true")
-    ap.add_argument("--committed", action="store_true", help="also ours, one core, on each committed real trace")
+    ap.add_argument("--committed", action="store_true", help="also ours and HTA, one core, on each committed real trace")
+    ap.add_argument("--baseline", type=Path, help="a source tree holding sidecar/ (other code): ours from it, side by side")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--cpus", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -226,10 +237,17 @@ def main() -> None:
         return
     if a.hta_python:
         os.environ["HTA_PYTHON"] = a.hta_python
+    os.environ.setdefault("HTA_DISABLE_NS_ROUNDING", "1")  # see bench/hta_reference.py
+    if a.baseline:
+        if not (a.baseline / "sidecar" / "analysis").is_dir():
+            ap.error(f"--baseline {a.baseline}: no sidecar/analysis there (git archive REV sidecar | tar -x -C DIR)")
+        os.environ["BENCH_BASELINE"] = str(a.baseline.resolve())
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     one, two = cores[-1:], cores[-2:]
     print(f"before: {_load()}; one core = CPU {one}, two cores = CPUs {two}")
     single = [("ours", one), ("ours", two), ("ours, zlib instead of ISA-L", one), ("ours, imports timed", one)]
+    if a.baseline:
+        single.insert(1, ("ours, baseline", one))
     if not a.no_json_load:
         single.append(("json.load+python", one))
     raw_mb = _raw_size(a.trace) / 1e6
@@ -276,48 +294,73 @@ def main() -> None:
                   f"speedup {base / s:4.2f}x  runs {_runs(rs)}")
     goals(results, one, raw_mb, ready, _raw_size(a.ready) / 1e6 if a.ready else 0.0, med)
     if a.committed:
-        committed(one, a.repeats, med)
+        committed(one, a.repeats, a.hta_repeats if not a.no_hta else 0, bool(a.baseline), med)
     print(f"\nafter: {_load()}")
 
 
-def committed(one: list[int], repeats: int, med) -> None:
-    """Ours on one core on each committed real trace (tests/data/traces), medians of ``repeats``."""
+def committed(one: list[int], repeats: int, hta_repeats: int, baseline: bool, med) -> None:
+    """Ours (medians of ``repeats``, and the --baseline tree's interleaved) and HTA's four analyses
+    (of ``hta_repeats``) on one core on each committed real trace (tests/data/traces), each figure
+    of the speed lines per trace."""
     traces = sorted((ROOT / "tests" / "data" / "traces").glob("*.json.gz"))
     runs: dict[Path, list[dict]] = {}
+    base: dict[Path, list[dict]] = {}
+    hta: dict[Path, list[dict]] = {}
     for _ in range(repeats):
         for t in traces:
             runs.setdefault(t, []).append(measure("ours", one, [t]))
-    print(f"\ncommitted real traces (tests/data/traces), ours on one core, medians of {repeats}")
-    print(f"{'trace':28} {'MB raw':>7} {'seconds':>8} {'MB/s':>7} {'MB/CPU s':>8} {'peak RSS MB':>11} {'memory events':>13}")
+            if baseline:
+                base.setdefault(t, []).append(measure("ours, baseline", one, [t]))
+    for _ in range(hta_repeats):
+        for t in traces:
+            hta.setdefault(t, []).append(measure("hta, four analyses", one, [t]))
+    print(f"\ncommitted real traces (tests/data/traces), one core, ours: medians of {repeats}, HTA's four analyses: "
+          f"of {hta_repeats}; x HTA = HTA's time / ours (goals: >= 300 MB per CPU s, <= 150 MB RSS, >= 25 x HTA)")
+    print(f"{'trace':28} {'MB raw':>7} {'seconds':>8} {'MB/s':>7} {'MB/CPU s':>8} {'peak RSS MB':>11} {'memory events':>13} "
+          f"{'HTA s':>7} {'x HTA':>6} {'x HTA CPU':>9}" + (f" {'CPU s / baseline':>16}" if baseline else ""))
     for t, rs in runs.items():
         mb = _raw_size(t) / 1e6
         s, c = med(rs, "seconds"), med(rs, "cpu_seconds")
+        hs, hc = med(hta.get(t, []), "seconds"), med(hta.get(t, []), "cpu_seconds")
+        err = next((r["error"] for r in hta.get(t, []) if r.get("error")), "")
         print(f"{t.name:28} {mb:7.2f} {s:8.3f} {mb / s:7.1f} {mb / c:8.1f} {med(rs, 'peak_rss_mb'):11.0f} "
-              f"{med(rs, 'memory_events'):13.0f}")
+              f"{med(rs, 'memory_events'):13.0f} {hs:7.2f} {hs / s:6.1f} {hc / c:9.1f}"
+              + (f" {c / med(base[t], 'cpu_seconds'):16.2f}" if baseline else "") + f"  {err}")
 
 
 def goals(results: dict, one: list[int], raw_mb: float, ready: list[dict], ready_mb: float, med) -> None:
-    """Each figure of issue 22's speed lines beside its goal (measured above, in this run)."""
+    """Each figure of the speed lines (issues 22 and 45) beside its goal, measured above in this run.
+    The HTA line is against its four analyses, or its load alone where they fail (no GPU kernels)."""
     ours = results.get(("ours", tuple(one)), [])
+    base = results.get(("ours, baseline", tuple(one)), [])
     hta4 = results.get(("hta, four analyses", tuple(one)), [])
+    hta_load = results.get(("hta", tuple(one)), [])
     s = med(ours, "seconds")
     c = med(ours, "cpu_seconds")
     rows = [("MB/s raw per core (ours, 1 core)", raw_mb / s, ">= 300", raw_mb / s >= 300),
             ("  the same per CPU second (load-independent)", raw_mb / c, ">= 300", raw_mb / c >= 300),
             ("peak RSS MB (ours, 1 core)", med(ours, "peak_rss_mb"), "<= 150", med(ours, "peak_rss_mb") <= 150)]
-    if hta4:
-        x = med(hta4, "seconds") / s
-        rows.append(("x faster than HTA's four analyses", x, ">= 25", x >= 25))
-        xc = med(hta4, "cpu_seconds") / c
+    if base:
+        bc = med(base, "cpu_seconds")
+        rows.append(("  the baseline tree, MB per CPU second", raw_mb / bc, ">= 300", raw_mb / bc >= 300))
+        rows.append(("  ours / baseline, CPU seconds (same run)", c / bc, "", None))
+    against, label = hta4, "HTA's four analyses"
+    if hta4 and all(r.get("error") for r in hta4) and hta_load:
+        against, label = hta_load, "HTA's load alone (its analyses failed)"
+    if against:
+        x = med(against, "seconds") / s
+        rows.append((f"x faster than {label}", x, ">= 25", x >= 25))
+        xc = med(against, "cpu_seconds") / c
         rows.append(("  the same in CPU seconds", xc, ">= 25", xc >= 25))
     if ready:
         r = med(ready, "seconds")
         rows.append((f"stop reply -> summary + findings, {ready_mb:.0f} MB trace, s", r, "<= 1.5", r <= 1.5))
         rc = med(ready, "cpu_seconds")
         rows.append(("  the same in CPU seconds", rc, "<= 1.5", rc <= 1.5))
-    print("\ngoal (issue 22)                                        measured   goal    met")
+    print("\ngoal (issues 22, 45)                                    measured   goal    met")
     for label, value, goal, ok in rows:
-        print(f"{label:52} {value:9.2f}  {goal:7} {'yes' if ok else 'NO'}")
+        met = "" if ok is None else "yes" if ok else "NO"
+        print(f"{label:52} {value:9.2f}  {goal:7} {met}")
 
 
 if __name__ == "__main__":
