@@ -404,6 +404,38 @@ async def test_a_gpu_stage_with_memory_on_and_no_snapshot_says_so(tmp_path: Path
     assert (v.verdict, said) == (Verdict.ok, missing), v.reason
 
 
+def test_the_cli_prints_an_ok_verdicts_reason(tmp_path: Path) -> None:
+    """A GPU stage with memory on that wrote no snapshot is ``ok`` with a reason: ``status``, through
+    the real CLI against a real sidecar that has the capture in its journal, prints it under the
+    verdict as it prints a failed stage's."""
+    import asyncio
+    from datetime import datetime, timezone
+
+    from typer.testing import CliRunner
+
+    from sidecar.api.launcher import SidecarProcess, free_port
+    from sidecar.cli import app
+    from sidecar.control.journal import CaptureJournal
+    from sidecar.control.models import Capture, CaptureState, Verdict
+    from tests.fixtures.emulator import make_deploy
+
+    v = asyncio.run(_verdict(_stage_folder(tmp_path / "dir", TRACES / "cuda_small.json.gz", snapshot=False)))
+    assert v.verdict is Verdict.ok and v.reason and "memory_snapshot_rank0.pickle" in v.reason
+    upstream = f"http://127.0.0.1:{free_port()}"  # nothing there: a finished capture needs no server
+    now = datetime.now(timezone.utc)
+    cap = Capture(id="20261205-090000-abc123", upstream=upstream, stages=[1], state=CaptureState.completed,
+                  created_at=now, finished_at=now, verdicts=[v])
+    journal = CaptureJournal(tmp_path / "state")
+    journal.write(cap).result()
+    deploy = make_deploy(tmp_path, {1: {"profiler": "torch", "torch_profiler_dir": str(tmp_path / "dir"),
+                                        "torch_profiler_with_memory": True}})
+    with SidecarProcess(upstream, deploy, state_dir=tmp_path / "state") as sc:
+        shown = CliRunner().invoke(app, ["status", cap.id, "--sidecar", sc.url], env={"COLUMNS": "100"})
+    words = " ".join(shown.stdout.split())  # prose wraps at the terminal's width
+    verdict, reason = words.find("stage 1 ok"), words.find("reason: " + " ".join(v.reason.split()))
+    assert (shown.exit_code, 0 <= verdict < reason) == (0, True), shown.stdout
+
+
 def test_a_watch_keeps_memory_through_the_journal(tmp_path: Path) -> None:
     from sidecar.config.models import StageKind
     from sidecar.control.artifacts import StageWatch

@@ -1,7 +1,8 @@
 """How the CLI shows captures at any terminal width: a capture id, a URL or a session-folder path
 is never cut. The default layout puts each long value on its own line, and wraps prose between
-words; ``--wide`` prints one table row per session folder at its natural width instead. The reason
-of every non-``ok`` stage is shown. Tables and lines are laid out by ``sidecar.cli._layout``.
+words; ``--wide`` prints one table row per session folder at its natural width instead. Every
+stage's reason is shown, an ``ok`` one's too (a GPU stage with memory on that wrote no snapshot is
+``ok`` with a reason). Tables and lines are laid out by ``sidecar.cli._layout``.
 """
 
 from __future__ import annotations
@@ -56,12 +57,13 @@ def _traces(session: SessionFolder) -> list[str]:
 
 
 def print_verdicts(console: Console, verdicts: Sequence[StageVerdict], *, indent: str = "") -> None:
-    """Per stage: ``stage N  verdict``, then the reason (when not ``ok``), then each session folder
-    and each of its trace files on a line of its own (a path longer than the terminal whole)."""
+    """Per stage: ``stage N  verdict``, then its reason where it has one (``ok`` verdicts can: what
+    the traces prove but something beside them lacks), then each session folder and each of its
+    trace files on a line of its own (a path longer than the terminal whole)."""
     for v in verdicts:
         verdict = v.verdict.value if v.verdict else "-"
         print_text(console, f"{indent}stage {v.stage_id}  {styled(verdict, VERDICT_STYLES)}")
-        if v.reason and v.verdict is not Verdict.ok:
+        if v.reason:
             print_text(console, f"reason: {v.reason}", indent=f"{indent}  ", hang=f"{indent}    ", markup=False)
         for session in v.sessions:
             print_text(console, session.local_path or session.path, indent=f"{indent}  ", markup=False)
