@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from sidecar.config import load_deploy_config, render_overlay
-from tests.contract.conftest import bundled_deploy_dir
+from tests.contract.conftest import bundled_deploy_dir, installed_vllm_dump
 
 pytestmark = pytest.mark.contract
 
@@ -54,7 +54,7 @@ def assert_same_as_real_loader(sc: Any, vllm_pc: type, path: Path, platform: str
     assert ours.stage_ids == list(theirs)
     for stage in ours.stages:
         t = theirs[stage.stage_id]
-        assert (stage.profiler_config.model_dump() if stage.profiler_config else None) == _effective(
+        assert (installed_vllm_dump(stage.profiler_config.model_dump()) if stage.profiler_config else None) == _effective(
             vllm_pc, t["profiler_config"]
         ), f"stage {stage.stage_id}"
         assert (stage.devices, stage.num_replicas) == (

@@ -15,7 +15,7 @@ import yaml
 
 from sidecar.config import load_deploy_config
 from sidecar.errors import ConfigError
-from tests.contract.conftest import bundled_deploy_dir
+from tests.contract.conftest import bundled_deploy_dir, installed_vllm_dump
 
 pytestmark = pytest.mark.contract
 
@@ -74,7 +74,8 @@ def shapes(path: Path, perf: Path) -> dict[str, dict[str, str | None]]:
 def _ours(path: Path, platform: str, **cli: str | None) -> dict[int, tuple[dict[str, Any] | None, Any, int]]:
     deploy = load_deploy_config(path, platform=platform, **cli)
     return {
-        s.stage_id: (s.profiler_config.model_dump() if s.profiler_config else None, s.devices, s.num_replicas)
+        s.stage_id: (installed_vllm_dump(s.profiler_config.model_dump()) if s.profiler_config else None, s.devices,
+                     s.num_replicas)
         for s in deploy.stages
     }
 
