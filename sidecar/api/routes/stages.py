@@ -40,13 +40,19 @@ def report(deploy: DeployConfig, scrubber: Scrubber) -> dict[str, Any]:
     )
 
 
-def server(version: Any) -> dict[str, Any] | None:
-    """What the upstream server was found to be at connect (sidecar/versions.py), or None (not yet)."""
+def server(version: Any, deploy: DeployConfig) -> dict[str, Any] | None:
+    """What the upstream server was found to be at connect (sidecar/versions.py), and what that
+    version says of the deploy (``findings``: a key it refuses, an option it ignores); None: not yet."""
     if version is None:
         return None
-    return {**version.figures(), "summary": version.describe(), "warnings": version.warnings()}
+    from sidecar.config.deploy import version_findings
+
+    findings = version_findings(deploy, version.dialect, version.omni_dialect)
+    return {**version.figures(), "summary": version.describe(), "warnings": version.warnings(),
+            "findings": [f.model_dump(mode="json") for f in findings]}
 
 
 @router.get("/v1/stages", summary="Stages of the deploy, their profiler and findings, and the server's version")
 async def stages(api: Api) -> dict[str, Any]:
-    return {**api.stages, "server": server(getattr(getattr(api.controller, "upstream", None), "version", None))}
+    version = getattr(getattr(api.controller, "upstream", None), "version", None)
+    return {**api.stages, "server": api.scrubber.data(server(version, api.deploy)) if version is not None else None}
