@@ -1,6 +1,7 @@
 """CLI: ``omni-sidecar start|stop|status|capture|list`` — talk to a running sidecar through
 ``SidecarClient``; show a spinner while a stop flushes and a verdict table at the end.
-Exit code: 0 for a completed capture, 1 for degraded/failed or any error.
+Exit code: the one rule of sidecar/control/outcome.py: 0 once the traces were checked ok, 1 for
+degraded/failed or any error, 3 for traces not checked yet (still collecting at ``--timeout``).
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ import typer
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, ctrl_c_held, parse_stage_list
+from sidecar.cli._app import app, cli_errors, console, ctrl_c_held, parse_stage_list
 from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
 from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.cli._render import STATE_STYLES, print_plan, print_steps, print_verdict_table, print_verdicts
 from sidecar.cli._render import print_window_metrics, styled, styled_cell
 from sidecar.client import DEFAULT_URL, SidecarClient
-from sidecar.control.models import Capture, CaptureKind, CaptureState, Verdict
+from sidecar.control.models import Capture, CaptureState, Verdict
+from sidecar.control.outcome import Outcome, outcome_of
+from sidecar.control.outcome import exit_code as outcome_exit_code
 
 SidecarOpt = Annotated[
     str, typer.Option("--sidecar", envvar="OMNI_SIDECAR_URL", help="URL of a running `omni-sidecar serve`")
@@ -82,6 +85,9 @@ def print_capture(cap: Capture, as_json: bool, wide: bool = False) -> None:
     if only_expected_unverified(cap):
         print_text(console, "note: nsys writes its report itself, so the sidecar cannot check it (unverified, as "
                    "expected); exit 0. Look for the .nsys-rep where `nsys profile -o` points.", markup=False)
+    elif outcome_of(cap) is Outcome.unchecked:
+        print_text(console, f"note: the traces are not checked yet (the capture is {cap.state.value}); exit "
+                   f"{exit_code(cap)}. `omni-sidecar status {cap.id}` says how they ended.", markup=False)
     for err in cap.errors:
         print_text(console, f"[red]{escape(err.code)}[/]: {escape(err.message)}", hang="  ")
 
@@ -103,15 +109,14 @@ def print_capture_findings(client: SidecarClient, cap: Capture) -> None:
 
 
 def only_expected_unverified(cap: Capture) -> bool:
-    """An nsys capture whose stages are all ``unverified``: nsys writes the report itself, so that
-    is the expected outcome, not a failure."""
-    return (cap.kind is CaptureKind.nsys and cap.state is CaptureState.degraded and bool(cap.verdicts)
-            and all(v.verdict in (Verdict.ok, Verdict.unverified) for v in cap.verdicts))
+    """Ok without being completed: an nsys capture whose stages are ``unverified`` as expected
+    (nsys writes the report itself; the rule is sidecar/control/outcome.py's)."""
+    return outcome_of(cap) is Outcome.ok and cap.state is not CaptureState.completed
 
 
 def exit_code(cap: Capture) -> int:
-    """0 for a completed capture, and for an nsys one whose only non-ok verdicts are ``unverified``."""
-    return EXIT_OK if cap.state is CaptureState.completed or only_expected_unverified(cap) else EXIT_ERROR
+    """The one rule's exit code (sidecar/control/outcome.py): 0 ok, 1 failed, 3 not checked yet."""
+    return outcome_exit_code(outcome_of(cap))
 
 
 def wait_with_progress(client: SidecarClient, capture_id: str, timeout: float | None, quiet: bool) -> Capture:
@@ -231,8 +236,7 @@ def status(
         else:
             cap = client.get_capture(client.resolve_id(capture_id))
         print_capture(cap, as_json, wide)
-        if cap.terminal:
-            raise typer.Exit(exit_code(cap))
+        raise typer.Exit(exit_code(cap))
 
 
 @app.command("list")
