@@ -24,6 +24,14 @@ load average is printed with each table.
 
     python bench/fanout.py --replicas 128 [--kind upstream|sidecar|both] [--latency 0.1,0.5] [--repeat 3]
 
+``--windows`` (issue 43): scheduled windows, ``Fleet.capture(duration, start_at=...)`` over
+``--sizes`` stub targets (default 128 and 1,024) against one, in one fleet process: each target is
+told ``start_at`` (on its own clock) and the duration, and starts and ends its window itself. The
+start and stop skew are read from the stubs' own clocks (when each sent its server's start and its
+stop: first to p50 and to p99), and the finish is the time from the window's end (``start_at`` +
+duration) to every result gathered (every check over). With ``--driver ray`` the same over the
+Ray driver: ``--per-node`` targets per node actor (a few actors each driving many targets).
+
 ``--driver ray`` (the verl venv: ``PYTHONPATH=$PWD $(tools/verl-env.sh) bench/fanout.py --driver ray``)
 runs the same fan-out through the Ray driver on a local Ray cluster, ``--per-node`` replicas per
 node actor (one process each, as one actor serves a node's replicas), beside the in-process HTTP
@@ -38,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import resource
 import statistics
@@ -73,12 +82,10 @@ def _lead(n: int) -> float:
     return 1.0 + 0.01 * n
 
 
-async def _round(targets: list[Target], stubs: StubFleet, size: int, synced: bool,
-                 processes: int | None = None) -> dict[str, float]:
+async def _round(targets: list[Target], stubs: StubFleet, size: int, synced: bool) -> dict[str, float]:
     stubs.reset()
     cpu0 = sum(os.times()[:2])
-    async with Fleet(targets[:size], control_settings=SETTINGS, stop_budget_s=120, client_timeout_s=120,
-                     processes=processes) as fleet:
+    async with Fleet(targets[:size], control_settings=SETTINGS, stop_budget_s=120, client_timeout_s=120) as fleet:
         called = time.time()
         start_at = called + _lead(size) if synced else None
         t0 = time.perf_counter()
@@ -94,9 +101,8 @@ async def _round(targets: list[Target], stubs: StubFleet, size: int, synced: boo
         if not fc.ok:
             raise SystemExit(f"fan-out failed: {fc.rollup()}")
     cpu = sum(os.times()[:2]) - cpu0
-    # when each server's start left: a scheduled sidecar (start_at) logs the start it sends then
-    path = "/start_profile" if targets[0].kind.value == "upstream" or start_at else "/v1/captures"
-    got = sorted(ts[0] for i, ts in stubs.received(path).items() if i < size and ts)
+    # when each server's start left (a sidecar stub logs the start its sidecar sends)
+    got = sorted(ts[0] for i, ts in stubs.received("/start_profile").items() if i < size and ts)
     skews = [(t - got[0]) / 1e6 for t in got]
     # where a stop's time goes: when the stubs received it, when the fleet had each answer
     def after_call(key: str) -> list[float]:
@@ -172,8 +178,7 @@ def _split_cpus(stub_cpus: int) -> tuple[set[int] | None, set[int] | None]:
     return set(cpus[-stub_cpus:]), set(cpus[:-stub_cpus])
 
 
-def _bench(kind: str, n: int, latencies: list[float], repeat: int, serial_n: int, processes: int | None = None,
-           stub_cpus: int = 0) -> None:
+def _bench(kind: str, n: int, latencies: list[float], repeat: int, serial_n: int, stub_cpus: int = 0) -> None:
     stubs_on, fleet_on = _split_cpus(stub_cpus)
     own = os.sched_getaffinity(0)
     with tempfile.TemporaryDirectory(prefix="omni-fanout-") as tmp, contextlib.ExitStack() as undo:
@@ -181,9 +186,9 @@ def _bench(kind: str, n: int, latencies: list[float], repeat: int, serial_n: int
         root = Path(tmp)
         with StubFleet(n, mode=kind, root=root, latency=latencies[0], processes=-(-n // STUBS_PER_PROCESS),
                        cpus=stubs_on) as stubs:
-            if fleet_on:  # the fleet's worker processes, spawned later, inherit it
+            if fleet_on:
                 os.sched_setaffinity(0, fleet_on)
-                print(f"stubs on CPUs {min(stubs_on)}-{max(stubs_on)}, the fleet and its workers on "  # type: ignore[arg-type]
+                print(f"stubs on CPUs {min(stubs_on)}-{max(stubs_on)}, the fleet on "  # type: ignore[arg-type]
                       f"{min(fleet_on)}-{max(fleet_on)}")
             if kind == "upstream":
                 targets = [Target.upstream(u, d) for u, d in zip(stubs.urls, write_deploys(root, n))]
@@ -194,20 +199,19 @@ def _bench(kind: str, n: int, latencies: list[float], repeat: int, serial_n: int
                 rows: dict[tuple[int, bool], dict[str, float]] = {}
                 for size in (1, n):
                     for synced in (False, True):
-                        runs = [asyncio.run(_round(targets, stubs, size, synced, processes)) for _ in range(repeat)]
+                        runs = [asyncio.run(_round(targets, stubs, size, synced)) for _ in range(repeat)]
                         rows[(size, synced)] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                         rows[(size, synced)]["rss"] = max(r["rss"] for r in runs)
                 serial = asyncio.run(_serial(stubs.urls[:serial_n])) if kind == "upstream" else None
                 _table(kind, n, latency, repeat, rows, serial, serial_n)
 
 
-async def _clock_round(targets: list[Target], stubs: StubFleet, size: int, synced: bool, clocks: bool,
-                       processes: int | None = None) -> dict[str, float]:
+async def _clock_round(targets: list[Target], stubs: StubFleet, size: int, synced: bool, clocks: bool) -> dict[str, float]:
     """One start/stop of ``size`` targets, with or without the clock exchange (issue 23): the start,
     the stop, the skew, and how long after the stop every offset is known, with its error bound."""
     stubs.reset()
     async with Fleet(targets[:size], control_settings=SETTINGS, stop_budget_s=120, client_timeout_s=120,
-                     exchange_clocks=clocks, processes=processes) as fleet:
+                     exchange_clocks=clocks) as fleet:
         called = time.time()
         start_at = called + _lead(size) if synced else None
         t0 = time.perf_counter()
@@ -222,9 +226,7 @@ async def _clock_round(targets: list[Target], stubs: StubFleet, size: int, synce
         t_known = time.perf_counter() - t0
         if not fc.ok:
             raise SystemExit(f"fan-out failed: {fc.rollup()}")
-    # when each server's start left: a scheduled sidecar (start_at) logs the start it sends then
-    path = "/start_profile" if targets[0].kind.value == "upstream" or start_at else "/v1/captures"
-    got = sorted(ts[0] for i, ts in stubs.received(path).items() if i < size and ts)
+    got = sorted(ts[0] for i, ts in stubs.received("/start_profile").items() if i < size and ts)
     errors = sorted(r.clock.error_ns / 1e6 for r in fc.targets.values() if r.clock is not None)
     return {"start": t_start, "stop": t_stop, "known": t_known,
             "skew_p50": statistics.median((t - got[0]) / 1e6 for t in got),
@@ -232,9 +234,8 @@ async def _clock_round(targets: list[Target], stubs: StubFleet, size: int, synce
             "err_max": errors[-1] if errors else float("nan")}
 
 
-def _clock_goals(n: int, latency: float, repeat: int, processes: int | None = None) -> None:
-    """Issue 23's figures at ``n`` sidecar stub replicas, each printed beside its goal. ``processes``:
-    the fleet's worker processes for sidecar targets (None: its default, ``processes_for``)."""
+def _clock_goals(n: int, latency: float, repeat: int) -> None:
+    """Issue 23's figures at ``n`` sidecar stub replicas, each printed beside its goal."""
     with tempfile.TemporaryDirectory(prefix="omni-fanout-") as tmp, \
             StubFleet(n, mode="sidecar", root=Path(tmp), latency=latency, processes=-(-n // STUBS_PER_PROCESS)) as stubs:
         targets = [Target.sidecar(u) for u in stubs.urls]
@@ -242,14 +243,11 @@ def _clock_goals(n: int, latency: float, repeat: int, processes: int | None = No
         for size in (1, n):
             for synced in (False, True):
                 for clocks in (False, True):
-                    runs = [asyncio.run(_clock_round(targets, stubs, size, synced, clocks, processes))
+                    runs = [asyncio.run(_clock_round(targets, stubs, size, synced, clocks))
                             for _ in range(repeat)]
                     rows[(size, synced, clocks)] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-    from sidecar.fleet._shards import processes_for
-
     print(f"\nissue 23 at {n} sidecar stub replicas, hold {latency:g}s (median of {repeat}; {os.cpu_count()} CPUs; "
-          f"load {os.getloadavg()[0]:.1f}); the fleet's worker processes: {processes_for(n, processes)} at {n}, "
-          f"{processes_for(1, processes)} at 1")
+          f"load {os.getloadavg()[0]:.1f}); one fleet process")
     print(f"{'replicas':>8} {'start_at':>8} {'clocks':>6} {'start s':>8} {'stop s':>7} {'skew p50 ms':>11} "
           f"{'known s':>8} {'measured':>8} {'err p50 ms':>10} {'err max ms':>10}")
     for (size, synced, clocks), r in rows.items():
@@ -265,6 +263,102 @@ def _clock_goals(n: int, latency: float, repeat: int, processes: int | None = No
     goal("start with start_at vs one replica", rows[(n, True, True)]["start"] / rows[(1, True, True)]["start"], 3, "x")
     goal("skew p50 with start_at", rows[(n, True, True)]["skew_p50"], 20, " ms")
     goal("stop vs one replica", on["stop"] / rows[(1, False, True)]["stop"], 3, "x")
+WINDOW_S = 1.0  # --windows: each window's duration
+
+
+def _spread(ns: list[int]) -> tuple[float, float]:
+    """(first to p50, first to p99) in ms."""
+    got = sorted(ns)
+    ms = [(t - got[0]) / 1e6 for t in got]
+    return statistics.median(ms), ms[min(len(ms) - 1, math.ceil(0.99 * len(ms)) - 1)]
+
+
+async def _window_round(fleet_args: dict, stubs: StubFleet, size: int, lead: float) -> dict[str, float]:
+    """One scheduled window over ``size`` targets: the skews from the stubs' clocks, the finish."""
+    stubs.reset()
+    async with Fleet(**fleet_args) as fleet:
+        start_at = time.time() + lead
+        fc = await fleet.capture(WINDOW_S, start_at=start_at, artifact_timeout_s=FINISH_DEADLINE_S)
+        finish = time.time() - (start_at + WINDOW_S)
+        if not fc.ok:
+            raise SystemExit(f"fan-out failed: {fc.rollup()}")
+    starts = [ts[0] for i, ts in stubs.received("/start_profile").items() if i < size and ts]
+    stops = [ts[0] for i, ts in stubs.received("/stop_profile").items() if i < size and ts]
+    if len(starts) != size or len(stops) != size:
+        raise SystemExit(f"{len(starts)} starts and {len(stops)} stops logged for {size} targets")
+    (s50, s99), (e50, e99) = _spread(starts), _spread(stops)
+    return {"start_p50": s50, "start_p99": s99, "stop_p50": e50, "stop_p99": e99, "finish": finish,
+            "late_first": (min(starts) / 1e9 - start_at) * 1e3}
+
+
+def _window_table(title: str, rows: dict[int, dict[str, float]]) -> None:
+    sizes = sorted(rows)
+    one = rows[1]
+    print(f"\n{title} ({os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f})")
+    print(f"{'targets':>8} {'start skew p50 / p99 ms':>24} {'stop skew p50 / p99 ms':>23} {'1st start after start_at ms':>27} "
+          f"{'finish s':>9} {'vs 1':>6}")
+    for size in sizes:
+        r = rows[size]
+        print(f"{size:>8} {r['start_p50']:>11.1f} / {r['start_p99']:>10.1f} {r['stop_p50']:>10.1f} / {r['stop_p99']:>10.1f} "
+              f"{r['late_first']:>27.1f} {r['finish']:>9.3f} {r['finish'] / one['finish']:>5.2f}x")
+    big = rows[sizes[-1]]
+    for name, value, goal, unit in (("start skew p50", big["start_p50"], 20, " ms"), ("stop skew p50", big["stop_p50"], 20, " ms"),
+                                    ("finish vs one replica", big["finish"] / one["finish"], 3, "x")):
+        print(f"  goal at {sizes[-1]}: {name} {value:.2f}{unit} (<= {goal:g}{unit}) -> {'met' if value <= goal else 'NOT met'}")
+
+
+def _windows(sizes: list[int], latency: float, repeat: int) -> None:
+    """Issue 43's figures over sidecar stubs, in one fleet process."""
+    n = max(sizes)
+    with tempfile.TemporaryDirectory(prefix="omni-fanout-") as tmp, \
+            StubFleet(n, mode="sidecar", root=Path(tmp), latency=latency, processes=-(-n // STUBS_PER_PROCESS)) as stubs:
+        targets = [Target.sidecar(u) for u in stubs.urls]
+        rows = {}
+        for size in [1, *sizes]:
+            args = dict(targets=targets[:size], stop_budget_s=120, client_timeout_s=120)
+            runs = [asyncio.run(_window_round(args, stubs, size, _lead(size))) for _ in range(repeat)]
+            rows[size] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    _window_table(f"scheduled windows: sidecar stubs, hold {latency:g}s, window {WINDOW_S:g}s, one fleet process, "
+                  f"median of {repeat}", rows)
+
+
+def _ray_windows(n: int, per_node: int, latency: float, repeat: int) -> None:
+    """Issue 43's figures through the Ray driver: ``n`` upstream stubs, ``per_node`` per node actor."""
+    import ray
+
+    from sidecar.fleet import Placement, RayNodes
+
+    os.environ.setdefault("RAY_worker_register_timeout_seconds", "600")
+    root = Path(__file__).resolve().parents[1]
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(root)}})
+    node = ray.get_runtime_context().get_node_id()
+    control = SETTINGS.model_dump(mode="json")
+    try:
+        with tempfile.TemporaryDirectory(prefix="omni-fanout-ray-") as tmp, \
+                StubFleet(n, mode="upstream", root=Path(tmp), latency=latency, processes=-(-n // 64)) as stubs:
+            deploys = write_deploys(Path(tmp), n)
+            targets = [Target.ray(u, flavor="omni") for u in stubs.urls]
+            rows = {}
+            for size in (1, n):
+                nodes = RayNodes({t.name: Placement(node, str(d)) for t, d in zip(targets[:size], deploys)},
+                                 control=control, per_actor=per_node, top=0)
+                t0 = time.perf_counter()
+                nodes.launch(targets[:size], stop_budget_s=120, timeout_s=1800)
+                up = time.perf_counter() - t0
+                args = dict(targets=targets[:size], stages=[0], drivers=nodes, stop_budget_s=120)
+                # the nodes prepare in their own processes: start_at leaves them the lead their start takes
+                runs = [asyncio.run(_window_round(args, stubs, size, 2.0 + 0.005 * size)) for _ in range(repeat)]
+                rows[size] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                for actor in {id(a): a for a in nodes._launched.values()}.values():
+                    ray.kill(actor)
+                print(f"{size} targets: {-(-size // per_node)} node actor(s) up in {up:.1f}s")
+        _window_table(f"scheduled windows through the Ray driver: {n} upstream stubs, {per_node} per node actor "
+                      f"({-(-n // per_node)} actors), hold {latency:g}s, window {WINDOW_S:g}s, median of {repeat}", rows)
+    finally:
+        ray.shutdown()
+
+
 FINISH_DEADLINE_S = 120.0  # one deadline for every node's artifact check after the stop
 
 
@@ -417,6 +511,9 @@ def main() -> None:
     ap.add_argument("--serial", type=int, default=64, help="replicas in the serial reference loop")
     ap.add_argument("--clocks", action="store_true",
                     help="issue 23's figures instead (sidecar stubs, the clock exchange on and off, each beside its goal)")
+    ap.add_argument("--windows", action="store_true",
+                    help="issue 43's figures: scheduled windows (start_at and a duration) over --sizes stub targets")
+    ap.add_argument("--sizes", default="128,1024", help="--windows: the fleet sizes, each against one target")
     ap.add_argument("--driver", choices=("http", "ray"), default="http",
                     help="ray: the Ray driver beside the HTTP one (needs Ray: the verl venv)")
     ap.add_argument("--nodes", type=int, default=256, help="--driver ray: node actors wanted")
@@ -427,8 +524,6 @@ def main() -> None:
                          "so many per process make the stubs, not the fleet, what a stop waits for")
     ap.add_argument("--stub-cpus", type=int, default=0,
                     help="pin the stubs to this many of the last CPUs and the fleet to the others (0: shared)")
-    ap.add_argument("--processes", type=int, default=None,
-                    help="the fleet's worker processes (default: the fleet's own choice, sidecar/fleet/_shards.py)")
     args = ap.parse_args()
     global STUBS_PER_PROCESS
     STUBS_PER_PROCESS = args.stubs_per_process
@@ -436,6 +531,17 @@ def main() -> None:
     want = 2 * args.replicas + 256
     if soft < want:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+    if args.windows:
+        sizes = [int(x) for x in args.sizes.split(",") if x.strip()]
+        want = 4 * max(sizes) + 256
+        if soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+        latency = float(args.latency.split(",")[0])
+        if args.driver == "ray":
+            _ray_windows(max(sizes), args.per_node, latency, args.repeat or 1)
+        else:
+            _windows(sizes, latency, args.repeat or 1)
+        return
     if args.driver == "ray":
         want = 4 * args.nodes * args.per_node + 256
         if soft < want:
@@ -445,10 +551,10 @@ def main() -> None:
     repeat = args.repeat or (3 if args.replicas <= 256 else 1)
     latencies = [float(x) for x in args.latency.split(",") if x.strip()]
     if args.clocks:
-        _clock_goals(args.replicas, latencies[0], repeat, args.processes)
+        _clock_goals(args.replicas, latencies[0], repeat)
         return
     for kind in (("upstream", "sidecar") if args.kind == "both" else (args.kind,)):
-        _bench(kind, args.replicas, latencies, repeat, min(args.serial, args.replicas), args.processes, args.stub_cpus)
+        _bench(kind, args.replicas, latencies, repeat, min(args.serial, args.replicas), args.stub_cpus)
 
 
 if __name__ == "__main__":

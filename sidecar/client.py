@@ -63,9 +63,10 @@ def _auth_headers(token: str | None) -> dict[str, str]:
 
 def _unreachable(base_url: str, err: httpx.TransportError) -> SidecarUnreachable:
     kind = "timed out" if isinstance(err, httpx.TimeoutException) else "is not reachable"
+    # ``sent``: False where no connection was made, so the request never reached the sidecar
     return SidecarUnreachable(
         f"sidecar at {base_url} {kind} ({type(err).__name__}); is `omni-sidecar serve` running there?",
-        details={"url": base_url},
+        details={"url": base_url, "sent": not isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout))},
     )
 
 
@@ -162,6 +163,10 @@ class _Calls:
     stages = _Call("GET", "/v1/stages", _json)
     clock = _Call("GET", "/v1/clock", _json)
     list_captures = _Call("GET", "/v1/captures", _captures)
+
+    @staticmethod
+    def newest_captures(limit: int) -> _Call:
+        return _Call("GET", "/v1/captures", _captures, params={"limit": limit})
 
     @staticmethod
     def start_capture(
@@ -350,8 +355,9 @@ class AsyncSidecarClient:
                 await asyncio.sleep(delay)
                 delay = min(delay * 1.5, 1.0)
 
-    async def list_captures(self) -> list[Capture]:
-        return await self._send(_Calls.list_captures)
+    async def list_captures(self, limit: int | None = None) -> list[Capture]:
+        """Captures, newest first (``limit``: only that many: a live capture is always among the newest)."""
+        return await self._send(_Calls.list_captures if limit is None else _Calls.newest_captures(limit))
 
     async def resolve_id(self, text: str) -> str:
         """As :meth:`SidecarClient.resolve_id`."""

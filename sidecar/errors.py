@@ -824,6 +824,13 @@ class ConcurrencyInvalid(FleetInvalid):
     code = "concurrency_invalid"
 
 
+class FleetKeyInvalid(FleetInvalid):
+    """A fleet key (what each capture's label carries for the fleet's sweep) that is not 1-64
+    letters, digits, ``_``, ``.`` or ``-``."""
+
+    code = "fleet_key_invalid"
+
+
 class KindInvalid(FleetInvalid):
     """A capture kind other than ``torch`` or ``nsys``."""
 

@@ -137,8 +137,8 @@ class RolloutProfiler:
     ``wait_artifacts=False`` returns from the block once every upstream answered stop; the
     artifact check then finishes in the background (see :meth:`results`, :meth:`wait`).
     ``lease_s`` (default :data:`DEFAULT_LEASE_S`; ``None`` for none) makes each target's controller
-    stop the capture itself when heartbeats stop (a dead or hung trainer): they are sent every
-    ``lease_s / 3`` while the window is open.
+    stop the capture itself when its renewals stop (a dead or hung trainer): the fleet renews it
+    every ``lease_s / 3`` while the window is open.
     ``engine_steps``: each target's capture also stops itself once its server has run that many
     engine steps (a ``steps`` window, docs/captures.md), even if the block is still running.
     Other keyword arguments (``deploy_config``, ``flavor``, ``token``, ``stop_budget_s``,
@@ -324,7 +324,7 @@ class RolloutProfiler:
                 _at_exit(_close_at_exit, weakref.ref(self))
             return self._loop
 
-    async def _astart(self, step: int) -> tuple[StepResult, FleetCapture | None, asyncio.Task[None] | None]:
+    async def _astart(self, step: int) -> tuple[StepResult, FleetCapture]:
         label = f"{self.label_prefix}{step}"
         result = StepResult(step=step, label=label)
         self._results[step] = result
@@ -349,10 +349,7 @@ class RolloutProfiler:
                 "error": TargetError(code="internal_error", message=f"{type(exc).__name__}: {exc}")})
             raise
         self._results[step] = result.model_copy(update={"targets": dict(fc.targets)})
-        beat = None
-        if self.lease_s is not None:
-            beat = asyncio.get_running_loop().create_task(self._heartbeats(fc))
-        return self._results[step], fc, beat
+        return self._results[step], fc  # the fleet renews the leases until the stop
 
     async def _await_checks(self, timeout: float | None = None) -> None:
         """The background checks, for at most ``timeout`` (default: one artifact timeout and the
@@ -372,15 +369,7 @@ class RolloutProfiler:
         except Exception as exc:
             log.warning("RolloutProfiler: on_result for step %d failed: %s", step, exc)
 
-    async def _heartbeats(self, fc: FleetCapture) -> None:
-        assert self.lease_s is not None
-        while True:
-            await asyncio.sleep(self.lease_s / 3)
-            await self._fleet.heartbeat(fc)
-
-    async def _astop(self, step: int, fc: FleetCapture, beat: asyncio.Task[None] | None) -> StepResult:
-        if beat is not None:
-            beat.cancel()
+    async def _astop(self, step: int, fc: FleetCapture) -> StepResult:
         fc = await self._fleet.stop(fc, wait_artifacts=self.wait_artifacts,
                                     artifact_timeout_s=self.artifact_timeout_s)
         result = self._results[step].model_copy(update={"targets": dict(fc.targets)})
@@ -445,13 +434,12 @@ class _Step:
     """One profiled step's block. The sync and async hooks differ only in how they wait on the
     private loop; what a failure means (strict raises, best effort records and goes on) is here."""
 
-    __slots__ = ("prof", "step", "fc", "beat")
+    __slots__ = ("prof", "step", "fc")
 
     def __init__(self, prof: RolloutProfiler, step: int) -> None:
         self.prof = prof
         self.step = step
         self.fc: FleetCapture | None = None
-        self.beat: asyncio.Task[None] | None = None
 
     def _start_failed(self, exc: Exception) -> StepResult:
         if self.prof.strict:
@@ -480,7 +468,7 @@ class _SyncStep(_Step):
     def __enter__(self) -> StepResult:
         loop = self.prof._ensure_loop()
         try:
-            _, self.fc, self.beat = loop.run(self.prof._astart(self.step))
+            _, self.fc = loop.run(self.prof._astart(self.step))
         except Exception as exc:
             return self._start_failed(exc)
         return self.prof._results[self.step]
@@ -490,7 +478,7 @@ class _SyncStep(_Step):
         if self.fc is None:
             return False
         try:
-            result = self.prof._ensure_loop().run(self.prof._astop(self.step, self.fc, self.beat))
+            result = self.prof._ensure_loop().run(self.prof._astop(self.step, self.fc))
         except Exception as stop_exc:
             return self._stopped(stop_exc, exc)
         return self._stopped(result, exc)
@@ -502,7 +490,7 @@ class _AsyncStep(_Step):
     async def __aenter__(self) -> StepResult:
         loop = self.prof._ensure_loop()
         try:
-            _, self.fc, self.beat = await loop.arun(self.prof._astart(self.step))
+            _, self.fc = await loop.arun(self.prof._astart(self.step))
         except Exception as exc:
             return self._start_failed(exc)
         return self.prof._results[self.step]
@@ -513,7 +501,7 @@ class _AsyncStep(_Step):
             return False
         try:
             # shielded: a cancelled caller must not leave the profiler running
-            result = await self.prof._ensure_loop().arun(self.prof._astop(self.step, self.fc, self.beat), shield=True)
+            result = await self.prof._ensure_loop().arun(self.prof._astop(self.step, self.fc), shield=True)
         except Exception as stop_exc:
             return self._stopped(stop_exc, exc)
         return self._stopped(result, exc)

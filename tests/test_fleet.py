@@ -107,18 +107,18 @@ async def test_a_split_stop_finds_the_capture_its_recovery_already_stopped(fake_
     assert (res.outcome, res.capture_id, res.state) == (TargetOutcome.stopped, cid, CaptureState.completed)
     assert len(r.calls("/stop_profile")) == 1 and res.folders == [str(p) for p in r.sessions(0)] != []
 
-async def test_captures_left_live_by_worker_processes_stay_live_until_a_later_fleet_stops_them(
+async def test_captures_left_live_by_a_closed_fleet_stay_live_until_a_later_fleet_stops_them(
     fake_replica_factory, tmp_path
 ):
-    # `fleet start` at scale: the controllers run in the fleet's worker processes, and closing it
-    # with keep_live must leave each capture recording, journaled for `fleet stop`
+    # `fleet start`: closing with keep_live leaves each capture recording (no sweep), journaled for
+    # `fleet stop`
     replicas = fake_replica_factory(2, stages=(0,))
     targets = [Target.upstream(r.url, r.deploy) for r in replicas]
-    async with Fleet(targets, control_settings=FAST, state_dir=tmp_path / "st", processes=2) as fleet:
-        started = await fleet.start()
+    async with Fleet(targets, control_settings=FAST, state_dir=tmp_path / "st") as fleet:
+        started = await fleet.start(lease_s=None)
         await fleet.close(keep_live=True)
     assert [r.profiling() for r in replicas] == [{0: True}, {0: True}]
-    async with Fleet(targets, control_settings=FAST, state_dir=tmp_path / "st", processes=2) as again:
+    async with Fleet(targets, control_settings=FAST, state_dir=tmp_path / "st") as again:
         fc = await again.stop(await again.live(), wait_artifacts=True)
     assert {t.capture_id for t in fc.targets.values()} == {t.capture_id for t in started.targets.values()}
     assert all(t.outcome is TargetOutcome.stopped for t in fc.targets.values()), fc.targets
@@ -187,9 +187,9 @@ def test_cli_nsys_capture_whose_stages_are_unverified_exits_0_and_says_why(tmp_p
     assert [c["path"] for c in fake.calls] == ["/start_profile", "/stop_profile"]  # one window, stopped
 
 
-def test_a_capture_crosses_a_worker_process_as_its_json_unchanged() -> None:
-    """Worker processes and Ray actors answer with a capture's JSON (sidecar/fleet/_wire.py): what
-    the fleet reads back equals what the controller had, odd file names, verdicts and clocks included."""
+def test_a_capture_crosses_from_a_ray_node_as_its_json_unchanged() -> None:
+    """Ray node actors answer with a capture's JSON (sidecar/fleet/_wire.py): what the fleet reads
+    back equals what the controller had, odd file names, verdicts and clocks included."""
     from datetime import datetime, timezone
 
     from sidecar.control.models import (ArtifactFile, Capture, CaptureState, ClockRecord, ErrorRecord,

@@ -1,6 +1,8 @@
 """CLI: ``omni-sidecar fleet start|stop|capture --targets T,T,...`` — the same fan-out as the
 rollout hook, by hand. A target is ``sidecar=URL`` (a bare URL is a sidecar) or ``upstream=URL``
-(driven in-process; needs ``--deploy-config``). Exit code: 0 when every target succeeded, else 1.
+(driven in-process; needs ``--deploy-config``). Exit code: the one rule of
+sidecar/control/outcome.py over every target: 0 when every target's traces were checked ok, 1 when
+any failed, 3 when none failed but some are not checked yet (still collecting at ``--timeout``).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from sidecar.cli._app import EXIT_ERROR, EXIT_OK, app, cli_errors, console, err_console, parse_stage_list
+from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console, parse_stage_list
 from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
 from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.cli._render import STATE_STYLES, VERDICT_STYLES, print_verdicts, styled, styled_cell
-from sidecar.control.models import Verdict
+from sidecar.control.models import CaptureState, Verdict
+from sidecar.control.outcome import Outcome, exit_code
 from sidecar.errors import FleetDurationInvalid, TargetInvalid
 from sidecar.fleet import START_TIMEOUT_S
 
@@ -127,15 +130,20 @@ def _start_at(text: str | None) -> float | None:
 def _print(fc: Any, as_json: bool, wide: bool = False) -> None:
     if as_json:  # `fleet archive` / `fleet timeline` / `fleet skew` read this back
         console.print_json(json.dumps({
-            "label": fc.label, "ok": fc.ok, "stages": fc.stages, "start_at": fc.start_at, "released_at": fc.released_at,
-            "targets": [{**r.model_dump(mode="json"), "folders": r.folders} for r in fc.targets.values()],
+            "label": fc.label, "ok": fc.ok, "outcome": fc.traces.value, "stages": fc.stages, "start_at": fc.start_at,
+            "released_at": fc.released_at, "key": fc.key, "lease_s": fc.lease_s,
+            "targets": [{**r.model_dump(mode="json"), "folders": r.folders, "outcome_of_traces": r.traces.value}
+                        for r in fc.targets.values()],
         }))
         return
     if len(fc.targets) > ROWS_MAX:
         _print_rollup(fc)
         return
     ok = sum(r.ok for r in fc.targets.values())
+    unchecked = sum(r.traces is Outcome.unchecked for r in fc.targets.values())
     title = f"fleet {fc.label or ''}".rstrip() + f": {ok} of {len(fc.targets)} ok"
+    if unchecked:
+        title += f", {unchecked} not checked yet"
     if wide:
         _print_wide(title, fc)
         return
@@ -148,7 +156,20 @@ def _print(fc: Any, as_json: bool, wide: bool = False) -> None:
             print_text(console, f"capture {r.capture_id}", indent="  ", markup=False)
         if r.error:
             print_text(console, f"[red]{escape(r.error.code)}[/]: {escape(r.error.message)}", indent="  ", hang="    ")
+        _print_sweep(r)
         print_verdicts(console, r.verdicts, indent="  ")
+
+
+def _print_sweep(r: Any) -> None:
+    """What the end-of-call sweep found on this target, or why it could not look."""
+    if r.sweep is None:
+        return
+    if r.sweep.stopped:
+        print_text(console, f"[yellow]swept[/]: stopped {escape(', '.join(r.sweep.stopped))} (carried this fleet's "
+                   "key and was still live: a start that landed late)", indent="  ", hang="    ")
+    if r.sweep.error:
+        print_text(console, f"[red]not swept[/]: {escape(r.sweep.error.message)}; "
+                   f"{escape(r.sweep.ends_by or '')}", indent="  ", hang="    ")
 
 
 def _print_wide(title: str, fc: Any) -> None:
@@ -177,7 +198,9 @@ def _print_rollup(fc: Any) -> None:
     def line(text: str) -> None:
         print_text(console, text, hang="    ")
 
-    line(f"fleet {escape(fc.label or '')}".rstrip() + f": {roll['ok']} of {roll['targets']} ok (--json for every target)")
+    unchecked = f", {roll['unchecked']} not checked yet" if roll["unchecked"] else ""
+    line(f"fleet {escape(fc.label or '')}".rstrip()
+         + f": {roll['ok']} of {roll['targets']} ok{unchecked} (--json for every target)")
     for group in ("outcomes", "states", "verdicts"):
         for name, count in roll[group].items():
             line(f"  {group[:-1]} {escape(str(name))}: {count}")
@@ -190,25 +213,17 @@ def _print_rollup(fc: Any) -> None:
         line(f"  ... and {roll['failures_total'] - len(roll['failures'])} more failures")
 
 
-def _exit(fc: Any, kind: str = "torch") -> None:
-    if not fc.ok and kind == "nsys" and _only_expected_unverified(fc):
+def _exit(fc: Any, as_json: bool = False) -> None:
+    """Exit by the one rule over every target (sidecar/control/outcome.py), saying why where it is not plain."""
+    outcome = fc.traces
+    if not as_json and outcome is Outcome.ok and any(r.state is not CaptureState.completed for r in fc.targets.values()):
         print_text(console, "note: nsys writes its reports itself, so the sidecar cannot check them (unverified, "
                    "as expected); exit 0. Look for the .nsys-rep files where each `nsys profile -o` points.",
                    markup=False)
-        raise typer.Exit(EXIT_OK)
-    raise typer.Exit(EXIT_OK if fc.ok else EXIT_ERROR)
-
-
-def _only_expected_unverified(fc: Any) -> bool:
-    """Every target started and stopped cleanly, and its only non-ok verdicts are ``unverified``: what
-    an nsys capture ends with, since nsys writes the report (the same rule as `capture`'s)."""
-    from sidecar.fleet import TargetOutcome
-
-    return all(
-        r.error is None and r.outcome in (TargetOutcome.started, TargetOutcome.stopped) and bool(r.verdicts)
-        and all(v.verdict in (Verdict.ok, Verdict.unverified) for v in r.verdicts)
-        for r in fc.targets.values()
-    )
+    elif not as_json and outcome is Outcome.unchecked:
+        print_text(console, "note: some targets' traces are not checked yet (still being checked when --timeout ran "
+                   f"out); exit {exit_code(outcome)}, not 0: nothing says they are ok.", markup=False)
+    raise typer.Exit(exit_code(outcome))
 
 
 @fleet_app.command("start")
@@ -247,7 +262,9 @@ def start(
         async def run() -> Any:
             await fleet.open()
             try:
-                return await fleet.start(label=label, duration_s=duration, kind=kind, start_at=at)  # type: ignore[arg-type]
+                # handed over to `fleet stop`: no lease (nothing renews it once this command exits)
+                return await fleet.start(label=label, duration_s=duration, kind=kind, start_at=at,  # type: ignore[arg-type]
+                                         lease_s=None)
             finally:
                 await fleet.close(keep_live=True)  # `fleet stop` stops them (journal in --state-dir)
 
@@ -286,7 +303,7 @@ def stop(
         with _owning_state_dir(fleet):
             fc = asyncio.run(run())
         _print(fc, as_json, wide)
-        _exit(fc)
+        _exit(fc, as_json)
 
 
 @fleet_app.command("capture")
@@ -329,53 +346,63 @@ def capture(
         with _owning_state_dir(fleet):
             fc = asyncio.run(run())
         _print(fc, as_json, wide)
-        _exit(fc, kind)
+        _exit(fc, as_json)
 
 
 async def _capture_with_progress(fleet: Any, progress: Progress, duration: float | None, *, label: str | None,
                                  timeout: float | None, kind: str, start_at: float | None) -> Any:
-    """``Fleet.capture`` in its three public steps (start, window, stop, then the artifact checks
-    read until done), so each can show on the progress line. Interrupted, every started target is
-    stopped before the interrupt goes on, as ``Fleet.capture`` does."""
+    """``Fleet.capture`` in its public steps (start, window, stop, then the artifact checks read
+    until done), so each can show on the progress line. Each target is told the window's duration
+    and ends it itself. Ctrl-C (SIGINT, also to the whole process group) during the start or the
+    window ends the window: a start in flight lands first, then every target is stopped, swept and
+    its traces checked; during the checks it ends the wait for them. A second Ctrl-C abandons the
+    clean-up (what is left ends by its lease)."""
     import time
 
     from sidecar.fleet import TargetOutcome
 
-    n = len(fleet.targets)
-    when = f" at {time.strftime('%H:%M:%S', time.localtime(start_at))}" if start_at is not None else ""
-    task = progress.add_task(f"starting {n} target(s){when}", total=None)
-    fc = await fleet.start(label=label, kind=kind, start_at=start_at)
-    started = sum(r.outcome is TargetOutcome.started for r in fc.targets.values())
-    span = f"{duration:g}s" if duration is not None else "until Ctrl-C"
-    progress.update(task, description=f"window: {started} of {n} started, {span}", total=duration, completed=0)
-    t0 = time.monotonic()
-    ended = asyncio.Event()  # Ctrl-C in the window ends it early; the stop and the checks still run
     loop = asyncio.get_running_loop()
-    loop.add_signal_handler(signal.SIGINT, ended.set)
+    ended = asyncio.Event()
+    checking = False  # the window is over: a Ctrl-C now ends the wait for the checks
+
+    def interrupted() -> None:
+        ended.set()
+        loop.remove_signal_handler(signal.SIGINT)  # a second Ctrl-C: KeyboardInterrupt, the clean-up abandoned
+        err_console.print("not waiting for the checks" if checking else
+                          "stopping every target (Ctrl-C again to abandon it; the leases end what is left)")
+
+    loop.add_signal_handler(signal.SIGINT, interrupted)
     try:
-        while duration is None or time.monotonic() - t0 < duration:
+        n = len(fleet.targets)
+        when = f" at {time.strftime('%H:%M:%S', time.localtime(start_at))}" if start_at is not None else ""
+        task = progress.add_task(f"starting {n} target(s){when}", total=None)
+        fc = await fleet.start(label=label, kind=kind, start_at=start_at, duration_s=duration)
+        started = sum(r.outcome is TargetOutcome.started for r in fc.targets.values())
+        span = f"{duration:g}s" if duration is not None else "until Ctrl-C"
+        progress.update(task, description=f"window: {started} of {n} started, {span}", total=duration, completed=0)
+        t0 = time.monotonic()
+        while not ended.is_set() and (duration is None or time.monotonic() - t0 < duration):
             left = 0.2 if duration is None else min(0.2, duration - (time.monotonic() - t0))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(ended.wait(), max(left, 0.0))
-            if ended.is_set():
-                break
             progress.update(task, completed=time.monotonic() - t0)
-    except asyncio.CancelledError:
-        await asyncio.shield(fleet.stop(fc, wait_artifacts=False))
-        raise
+        progress.update(task, description=f"stopping {started} target(s) (the servers write traces now)", total=None)
+        fc = await fleet.stop(fc, wait_artifacts=False)  # every stop sent, even if cancelled meanwhile
+        if ended.is_set():  # the window was ended by Ctrl-C: a new one may end the wait for the checks
+            ended.clear()
+            loop.add_signal_handler(signal.SIGINT, interrupted)
+        checking = True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            waiting = [r for r in fc.targets.values()
+                       if r.capture_id and not r.done and r.outcome is TargetOutcome.stopped]
+            progress.update(task, description=f"collected {started - len(waiting)} of {started} target(s)' traces")
+            if not waiting or ended.is_set() or (deadline is not None and time.monotonic() >= deadline):
+                return await fleet.clocks(fc)  # the offsets exchanged after the stops, for `fleet archive`
+            await asyncio.sleep(0.5)
+            fc = await fleet.refresh(fc)
     finally:
         loop.remove_signal_handler(signal.SIGINT)
-    progress.update(task, description=f"stopping {started} target(s) (the servers write traces now)", total=None)
-    fc = await asyncio.shield(fleet.stop(fc, wait_artifacts=False))
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        waiting = [r for r in fc.targets.values()
-                   if r.capture_id and not r.done and r.outcome is TargetOutcome.stopped]
-        progress.update(task, description=f"collected {started - len(waiting)} of {started} target(s)' traces")
-        if not waiting or (deadline is not None and time.monotonic() >= deadline):
-            return await fleet.clocks(fc)  # the offsets exchanged after the stops, for `fleet archive`
-        await asyncio.sleep(0.5)
-        fc = await fleet.refresh(fc)
 
 
 ResultArg = Annotated[Path, typer.Argument(help="a fleet result: the output of `fleet capture ... --json`")]

@@ -29,6 +29,10 @@ FLEET_MORE = 64
 GOOD_NS = 2_000_000
 PAUSE_S = 0.002
 
+# Clock exchanges in flight at once in a fleet (bench/fanout.py --clocks measures why a bound is
+# needed: a thousand at once queue on one event loop, and each round trip, the error bound, grows).
+CLOCK_CONCURRENCY = 16
+
 # What a target answers: its realtime and monotonic clocks, in ns.
 ClockReading = tuple[int, int]
 
@@ -89,4 +93,4 @@ def read_clocks() -> ClockReading:
     return time.time_ns(), time.monotonic_ns()
 
 
-__all__ = ["FLEET_MORE", "GOOD_NS", "MORE", "SAMPLES", "ClockOffset", "ClockReading", "clock_record", "exchange", "read_clocks"]
+__all__ = ["CLOCK_CONCURRENCY", "FLEET_MORE", "GOOD_NS", "MORE", "SAMPLES", "ClockOffset", "ClockReading", "clock_record", "exchange", "read_clocks"]

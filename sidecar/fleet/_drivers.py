@@ -1,7 +1,9 @@
-"""Drivers: one per target kind, the same small async interface (open, start, stop, get, wait,
-heartbeat, live, close). A sidecar target is driven over its HTTP API; an upstream target by the
-same ``CaptureController`` a sidecar runs, in this process; a ray target by that controller in a
-Ray actor on the server's node (``_ray.py``, made by a ``DriverFactory``)."""
+"""Drivers: one per target kind, the same small async interface (open, start, stop, stopped, get,
+wait, heartbeat, live, captures, close). A sidecar target is driven over its HTTP API; an upstream
+target by the same ``CaptureController`` a sidecar runs, in this process; a ray target by that
+controller in a Ray actor on the server's node (``_ray.py``, made by a ``DriverFactory``). A stop is
+two calls: ``stop`` sends it (the target answers at once), ``stopped`` waits for the server's answer,
+so a fan-out bounds only the wait and never leaves a stop unsent."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import asyncio
 import contextlib
 import inspect
 from pathlib import Path
-from collections.abc import Awaitable, Callable
 from typing import Any, Literal, Protocol
 
 import httpx
@@ -17,8 +18,9 @@ import httpx
 from sidecar.config.models import DeployConfig, Stage, StageKind
 from sidecar.config.profiler import ProfilerConfig
 from sidecar.control.models import Capture, CaptureState, StopReason
-from sidecar.errors import KindUnsupported, RequestInvalid, SidecarError
-from sidecar.fleet._clocks import MORE, ClockOffset, clock_record, exchange
+from sidecar.errors import CaptureNotFound, KindUnsupported, RequestInvalid
+from sidecar.fleet._clocks import MORE, SAMPLES, ClockOffset, clock_record, exchange
+from sidecar.fleet._release import Gate, gated_start
 from sidecar.fleet._targets import Target
 from sidecar.upstream.transport import AiohttpTransport
 
@@ -37,8 +39,6 @@ TERMINAL = tuple(s for s in CaptureState if s.terminal)
 
 
 Kind = Literal["torch", "nsys"]
-# Awaited once a target's start is prepared, just before it is sent (sidecar/fleet/_release.py).
-ReleaseHook = Callable[[], Awaitable[None]]
 
 
 class Driver(Protocol):
@@ -46,14 +46,20 @@ class Driver(Protocol):
 
     async def open(self) -> DeployConfig | None: ...
     async def start(self, stages: list[int] | None, label: str | None, duration_s: float | None,
-                    lease_s: float | None, kind: Kind = "torch", release: ReleaseHook | None = None,
+                    lease_s: float | None, kind: Kind = "torch", release: Gate | None = None,
                     steps: int | None = None) -> Capture: ...
-    async def stop(self, capture_id: str, reason: StopReason) -> Capture: ...
+    async def stop(self, capture_id: str, reason: StopReason) -> Capture:
+        """Send the stop; returns once the target has it (at once: the server's answer is ``stopped``'s)."""
+    async def stopped(self, capture_id: str) -> Capture:
+        """Once the server answered the stop (``stop_answered``)."""
     async def get(self, capture_id: str) -> Capture: ...
     async def wait(self, capture_id: str, timeout: float | None) -> Capture: ...
     async def heartbeat(self, capture_id: str) -> None: ...
     async def live(self) -> Capture | None: ...
-    async def clock(self, more: int = MORE) -> ClockOffset: ...
+    async def captures(self) -> list[Capture]:
+        """The target's newest captures, newest first, every live one among them (what a fleet's
+        sweep looks through, and what it reads a window's end from)."""
+    async def clock(self, more: int = MORE, samples: int = SAMPLES) -> ClockOffset: ...
     async def close(self, keep_live: bool = False) -> None: ...
 
 
@@ -109,75 +115,38 @@ class SidecarDriver:
     async def open(self) -> DeployConfig | None:
         return deploy_from_stages_reply(await self.client.stages())
 
+    # a live capture is always among a sidecar's newest (one at a time; a late start is the newest)
+    NEWEST = 8
+
     async def start(self, stages, label, duration_s, lease_s, kind: Kind = "torch",  # type: ignore[no-untyped-def]
-                    release: ReleaseHook | None = None, steps: int | None = None) -> Capture:
-        at = getattr(release, "start_at", None)
-        if at is not None and kind == "torch":
-            cap = await self._scheduled(release, at, stages, label, duration_s, lease_s, steps)
-            if cap is not None:
-                return cap
-        # The sidecar prepares its capture itself once asked, so the fleet's release gates the
-        # request: the skew adds the fan-out's spread and the sidecar's own preparation (~ms).
-        if release is not None:
-            await release()
-        if steps is not None:  # sent only when asked: an older sidecar refuses the field
-            return await self.client.start_capture(stages=stages, label=label, duration_s=duration_s,
-                                                   lease_s=lease_s, steps=steps)
-        if kind == "torch":  # sent only when asked: a sidecar without nsys captures refuses the field
-            return await self.client.start_capture(stages=stages, label=label, duration_s=duration_s, lease_s=lease_s)
-        if "kind" in inspect.signature(self.client.start_capture).parameters:
-            return await self.client.start_capture(stages=stages, label=label, duration_s=duration_s,  # type: ignore[call-arg]
-                                                   lease_s=lease_s, kind=kind)
-        from sidecar.client import _Calls
+                    release: Gate | None = None, steps: int | None = None) -> Capture:
+        # Fields are sent only when asked: an older sidecar refuses one it does not know.
+        fields: dict[str, Any] = {"stages": stages, "label": label, "duration_s": duration_s, "lease_s": lease_s}
+        if steps is not None:
+            fields["steps"] = steps
 
-        call = _Calls.start_capture(stages, label, duration_s, lease_s)
-        return await self.client._send(call._replace(json={**(call.json or {}), "kind": kind}))
+        async def send(start_at: float | None = None) -> Capture:
+            if kind == "torch":
+                return await self.client.start_capture(**fields, start_at=start_at)
+            from sidecar.client import _Calls
 
-    async def _scheduled(self, release: ReleaseHook, at: float, stages: list[int] | None, label: str | None,
-                         duration_s: float | None, lease_s: float | None, steps: int | None) -> Capture | None:
-        """The start scheduled on the sidecar at ``at`` (the fleet's clock) mapped to its own clock
-        by an exchange taken now, in the lead before ``at`` (unless the fleet's exchange is off);
-        the capture once its server answered.
-        None when the sidecar does not know ``start_at`` (an older build: it refuses the field, or has
-        no clock route either): the fleet releases it."""
-        clocks = getattr(release, "clocks", None)  # None: the fleet's exchange is off; the clocks are taken as one
-        offset = 0.0
-        if clocks is not None:
+            call = _Calls.start_capture(stages, label, duration_s, lease_s, steps, None, start_at)
+            return await self.client._send(call._replace(json={**(call.json or {}), "kind": kind}))
+
+        async def schedule(at: float) -> Capture | None:
+            if kind != "torch":  # the sidecar's scheduled start takes torch captures: the gate times this one
+                return None
             try:
-                async with clocks:
-                    clock = await self.clock()
-            except SidecarError as err:
-                if err.code != "not_found":
+                return await send(at)
+            except RequestInvalid as err:  # a build before start_at refuses the field: released by the gate
+                if "start_at" not in err.message:
                     raise
-                return None  # a build before GET /v1/clock, so before start_at too
-            # within its own error bound the offset is not measured, only noise: the clocks agree as
-            # far as the exchange can tell (same host, NTP), and a start never leaves early for it
-            offset = clock.offset_s if abs(clock.offset_ns) > clock.error_ns else 0.0
-        try:
-            cap = await self.client.start_capture(stages=stages, label=label, duration_s=duration_s, lease_s=lease_s,
-                                                  steps=steps, start_at=at + offset)
-        except RequestInvalid as err:
-            if "start_at" not in err.message:
-                raise
-            return None
-        # held open by the sidecar from now: its answer is the start's, with no poll after start_at
-        started = asyncio.ensure_future(self.client.wait_started(cap.id, poll_s=self.poll_s / 4))
-        try:  # at start_at, or StartWithheld when another target failed first: then cancel it here
-            await release()
-        except BaseException:
-            started.cancel()
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self.client.stop_capture(cap.id))
-            raise
-        cap = await started
-        if cap.state is CaptureState.active or (cap.state is CaptureState.stopping
-                                                and cap.stop_reason is not StopReason.rollback):
-            return cap
-        # its start failed (rolled back) or was cancelled: the sidecar's record says why
-        err = cap.errors[-1] if cap.errors else None
-        raise SidecarError.relay(err.code if err else "start_failed",
-                                 err.message if err else f"capture {cap.id} ended {cap.state.value} before it started",
-                                 details={"capture_id": cap.id})
+                return None
+
+        # held open by the sidecar until it answered: no poll after start_at
+        return await gated_start(release, send=send, schedule=schedule,
+                                 started=lambda cid: self.client.wait_started(cid, poll_s=self.poll_s / 4),
+                                 cancel=self.client.stop_capture, clock=self.clock)
 
     async def _poll(self, capture_id: str, until: tuple[CaptureState, ...], deadline: float | None) -> Capture:
         # Backs off from poll_s to 2 s: a thousand targets polling every 0.2 s would be the load.
@@ -192,10 +161,9 @@ class SidecarDriver:
             delay = min(delay * 1.5, max(self.poll_s, 2.0))
 
     async def stop(self, capture_id: str, reason: StopReason) -> Capture:
-        # The sidecar answers at once; "stopped" means its upstream answered, so poll for that.
-        cap = await self.client.stop_capture(capture_id)
-        if stop_answered(cap):
-            return cap
+        return await self.client.stop_capture(capture_id)  # answered at once, before its server's answer
+
+    async def stopped(self, capture_id: str) -> Capture:
         return await self._poll(capture_id, STOPPED, None)
 
     async def get(self, capture_id: str) -> Capture:
@@ -209,17 +177,20 @@ class SidecarDriver:
         await self.client.heartbeat(capture_id)
 
     async def live(self) -> Capture | None:
-        return next((c for c in await self.client.list_captures() if not c.terminal), None)
+        return next((c for c in await self.captures() if not c.terminal), None)
+
+    async def captures(self) -> list[Capture]:
+        return await self.client.list_captures(limit=self.NEWEST)
 
     async def record_clock(self, capture_id: str, phase: str, clock: ClockOffset) -> None:
         await self.client.record_clock(capture_id, clock_record(phase, clock))
 
-    async def clock(self, more: int = MORE) -> ClockOffset:
+    async def clock(self, more: int = MORE, samples: int = SAMPLES) -> ClockOffset:
         async def read() -> tuple[int, int]:
             reply = await self.client.clock()
             return int(reply["realtime_ns"]), int(reply["monotonic_ns"])
 
-        return await exchange(read, more=more)
+        return await exchange(read, more=more, samples=samples)
 
     async def close(self, keep_live: bool = False) -> None:
         await self.client.aclose()
@@ -244,6 +215,7 @@ class UpstreamDriver:
                                             pacing=FLEET_PACING)
         self.deploy = deploy
         self._recovered: list[str] = []  # captures journaled live by an earlier process, stopped at open
+        self._started: list[str] = []  # the captures this driver started, oldest first
 
     async def open(self) -> DeployConfig | None:
         self._recovered = [c.id for c in await self.controller.open()]
@@ -253,20 +225,32 @@ class UpstreamDriver:
         return self.deploy
 
     async def start(self, stages, label, duration_s, lease_s, kind: Kind = "torch",  # type: ignore[no-untyped-def]
-                    release: ReleaseHook | None = None, steps: int | None = None) -> Capture:
+                    release: Gate | None = None, steps: int | None = None, start_at: float | None = None) -> Capture:
+        """``release``: the gate the prepared start waits at (in this process); ``start_at`` (this
+        host's clock; a Ray node's schedule): answered once prepared, state ``starting``, the start
+        sent then by the controller itself."""
         extra: dict[str, Any] = {} if release is None else {"release": release}
         if steps is not None:
             extra["steps"] = steps
-        if kind == "torch":
-            return await self.controller.start(stages, label=label, duration_s=duration_s, lease_s=lease_s, **extra)
-        if "kind" not in inspect.signature(self.controller.start).parameters:
+        if start_at is not None:
+            cap = await self.controller.schedule(stages, start_at=start_at, label=label, duration_s=duration_s,
+                                                 lease_s=lease_s, kind=kind, **extra)
+        elif kind == "torch":
+            cap = await self.controller.start(stages, label=label, duration_s=duration_s, lease_s=lease_s, **extra)
+        elif "kind" not in inspect.signature(self.controller.start).parameters:
             raise KindUnsupported(f"{self.target.name}: this build's capture controller has no {kind} captures; "
-                               "upgrade omni-sidecar, or capture with kind='torch'")
-        return await self.controller.start(stages, label=label, duration_s=duration_s, lease_s=lease_s,  # type: ignore[call-arg]
-                                           kind=kind, **extra)
+                                  "upgrade omni-sidecar, or capture with kind='torch'")
+        else:
+            cap = await self.controller.start(stages, label=label, duration_s=duration_s, lease_s=lease_s,  # type: ignore[call-arg]
+                                              kind=kind, **extra)
+        self._started.append(cap.id)
+        return cap
 
     async def stop(self, capture_id: str, reason: StopReason) -> Capture:
-        # controller.stop returns at once; wait (by subscription, no polling) for the upstream reply.
+        return await self.controller.stop(capture_id, reason=reason)  # at once: the stop runs in the background
+
+    async def stopped(self, capture_id: str) -> Capture:
+        # by subscription, no polling: the controller publishes the server's answer
         answered = asyncio.Event()
 
         def on_change(cap: Capture) -> None:
@@ -275,14 +259,14 @@ class UpstreamDriver:
 
         unsubscribe = self.controller.subscribe(on_change)
         try:
-            cap = await self.controller.stop(capture_id, reason=reason)
-            if not stop_answered(cap):
-                cap = self.controller.get(capture_id)
-            if not stop_answered(cap):
+            if not stop_answered(self.controller.get(capture_id)):
                 await answered.wait()
             return self.controller.get(capture_id)
         finally:
             unsubscribe()
+
+    async def wait_started(self, capture_id: str) -> Capture:
+        return await self.controller.wait_started(capture_id)
 
     async def get(self, capture_id: str) -> Capture:
         return self.controller.get(capture_id)
@@ -301,12 +285,23 @@ class UpstreamDriver:
             return self.controller.get(self._recovered[-1])
         return active
 
+    async def captures(self) -> list[Capture]:
+        # the live one (a start still in flight too) and the newest this driver started: not the
+        # controller's whole journal, copied for each of a thousand targets at every stop
+        active = self.controller.active
+        ids = [*self._started[-SidecarDriver.NEWEST:], *self._recovered, *([active.id] if active else [])]
+        found = {}
+        for cid in ids:
+            with contextlib.suppress(CaptureNotFound):  # past the journal's retention
+                found[cid] = self.controller.get(cid)
+        return sorted(found.values(), key=lambda c: (c.created_at, c.id), reverse=True)
+
     async def record_clock(self, capture_id: str, phase: str, clock: ClockOffset) -> None:
         from sidecar.control.models import ClockRecord
 
         await self.controller.record_clock(capture_id, ClockRecord(**clock_record(phase, clock)))
 
-    async def clock(self, more: int = MORE) -> ClockOffset:
+    async def clock(self, more: int = MORE, samples: int = SAMPLES) -> ClockOffset:
         return ClockOffset.in_process()  # the controller runs here: the traces' host clock is ours
 
     async def close(self, keep_live: bool = False) -> None:

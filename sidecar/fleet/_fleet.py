@@ -1,15 +1,21 @@
 """The fan-out: one capture over many targets. Start is concurrent and all-or-nothing (a failure
-stops the started ones, then ``FleetError`` lists every target's outcome); stop reaches every
-started target concurrently, each within its own budget. Bad input is refused (``FleetInvalid``)
-before anything is sent.
+stops the started ones, then ``FleetError`` lists every target's outcome); stop is sent to every
+started target and only the wait for the answers is bounded. Every capture carries the fleet's key
+(its label ends ``[fleet:KEY]``) and, where a target takes one, a lease the fleet renews while it
+holds the window; the end of every fleet call sweeps each target for live captures carrying the key
+and stops them (a start that landed after its deadline, a window whose stop was lost), whatever the
+calls sent said. Bad input is refused (``FleetInvalid``) before anything is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import re
+import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,12 +24,11 @@ from sidecar.config.models import DeployConfig
 from sidecar.config.rules import select_stages
 from sidecar.config.sharing import RENDER_FIX, shared_dir_groups, shared_profiler_dirs
 from sidecar.control.models import Capture, CaptureState, StopReason
-from sidecar.errors import BudgetInvalid, TargetInvalid, TargetNoAnswer, StagesNotShared, ConcurrencyInvalid, FlavorsMixed, FleetClosed, FleetStagesInvalid, KindInvalid, FleetError, FleetInvalid, ProfilerDirShared, SidecarError, StageSelectionError, StartWithheld
-from sidecar.fleet._clocks import FLEET_MORE, MORE, ClockOffset
-from sidecar.fleet._drivers import Driver, DriverFactory, Kind, FleetTransports, SidecarDriver, UpstreamDriver
+from sidecar.errors import BudgetInvalid, TargetInvalid, TargetNoAnswer, StagesNotShared, ConcurrencyInvalid, FlavorsMixed, FleetClosed, FleetKeyInvalid, FleetStagesInvalid, KindInvalid, FleetError, FleetInvalid, ProfilerDirShared, SidecarError, StageSelectionError, StartWithheld
+from sidecar.fleet._clocks import CLOCK_CONCURRENCY, FLEET_MORE, GOOD_NS, MORE, SAMPLES, ClockOffset
+from sidecar.fleet._drivers import Driver, DriverFactory, Kind, FleetTransports, SidecarDriver, UpstreamDriver, stop_answered
 from sidecar.fleet._release import START_AT_MAX_S, Release, check_start_at
-from sidecar.fleet._shards import CLOCK_CONCURRENCY, ShardPool, processes_for
-from sidecar.fleet._results import FleetCapture, TargetError, TargetOutcome, TargetResult, error_of, mark_ambiguous
+from sidecar.fleet._results import FleetCapture, Sweep, TargetError, TargetOutcome, TargetResult, error_of, mark_ambiguous
 from sidecar.fleet._targets import Flavor, Target, TargetKind, parse_targets, server_key
 
 log = logging.getLogger("sidecar.fleet")
@@ -34,6 +39,29 @@ R = TypeVar("R")
 # The bound on every call that the server answers at once (open, start, live, a read): a target
 # that accepts and never answers costs a fan-out this much, never the HTTP client's default.
 START_TIMEOUT_S = 30.0
+# Each capture's lease by default: a fleet process that dies leaves a target recording at most
+# this long after its last renewal (it renews every third of it while it holds the window).
+FLEET_LEASE_S = 60.0
+_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_KEYED = re.compile(r"\[fleet:([A-Za-z0-9_.-]{1,64})\]$")
+LABEL_MAX = 200  # the sidecar API's bound on a label
+_LIVE = (CaptureState.starting, CaptureState.active)
+_DEFAULT: Any = object()  # Fleet.start(lease_s=...) not given: the fleet's lease
+
+
+def keyed_label(label: str | None, key: str) -> str:
+    """The label a fleet's capture carries: the caller's, then ``[fleet:KEY]`` (what its sweep
+    looks for on every target), within the API's bound on a label."""
+    mark = f"[fleet:{key}]"
+    if not label:
+        return mark
+    return f"{label[:LABEL_MAX - len(mark) - 1]} {mark}"
+
+
+def key_of(label: str | None) -> str | None:
+    """The fleet key a capture's label carries, or None."""
+    found = _KEYED.search(label or "")
+    return found.group(1) if found else None
 
 
 
@@ -49,6 +77,11 @@ async def _by(deadline: float | None, aw: Awaitable[R], what: str, budget_s: flo
         raise TargetNoAnswer(f"no answer to {what} within {budget_s:g}s") from None
 
 
+def _not_sent(exc: BaseException) -> bool:
+    """The call never reached its target (no connection was made)."""
+    return isinstance(exc, SidecarError) and exc.details.get("sent") is False
+
+
 class Fleet:
     """Concurrent captures over ``targets``. Use ``async with Fleet(...) as fleet:`` (or call
     :meth:`open` / :meth:`close`). All methods must run on one event loop.
@@ -60,14 +93,21 @@ class Fleet:
     says so. ``client_timeout_s`` is the HTTP timeout towards sidecars (default: the start timeout).
 
     Scale: one TLS context for all targets and a small connection pool per target (see
-    ``FleetTransports``), warmed by ``open()``; no thread or process per target. Sidecar and
-    upstream targets are driven from ``processes`` worker processes (``sidecar/fleet/_shards.py``;
-    default: one per 128 from 512 such targets on, leaving this process a core), each a share of
-    the HTTP requests and controllers, which at a thousand targets are most of a fan-out's CPU; at most
-    ``max_concurrency`` targets are started at once (default: all). A start is two-phase: every
-    target prepares (baselines, journal), then all starts are sent together, at ``start_at``
-    when given (``sidecar/fleet/_release.py``), so the skew is the send alone. Stops are bounded
-    by one deadline per fan-out.
+    ``FleetTransports``), warmed by ``open()``; no thread or process per target: one event loop
+    drives them all (where one process is not enough, the Ray driver spreads the controllers over
+    node actors). At most ``max_concurrency`` starts and stop sends are in flight at once (default:
+    all). A start is two-phase: every target prepares (baselines, journal), then all starts are
+    sent together, at ``start_at`` when given (``sidecar/fleet/_release.py``: a sidecar or Ray node
+    is told the time and starts itself then), so the skew is the send alone. Every stop is sent;
+    one deadline per fan-out bounds the wait for their answers.
+
+    Ends decided from the targets (docs/fleet.md, "When the fleet process dies"): each capture's
+    label carries the fleet's ``key`` (default: a new one per fleet), and each a lease of
+    ``lease_s`` (default :data:`FLEET_LEASE_S`) that the fleet renews every third of it while it
+    holds the window (from a start to its stop). At the end of every call (a failed or cancelled
+    start, a stop, :meth:`close`) the fleet lists each target's captures and stops every one still
+    starting or active that carries its key and that it does not hold (:meth:`sweep`); a target it
+    cannot list is named in the result with what ends it (its lease).
 
     ``drivers`` places ``ray`` targets (:class:`~sidecar.fleet._ray.RayNodes`: each target's
     controller in a Ray actor on its server's node); the protocol above is the same for every driver.
@@ -105,20 +145,27 @@ class Fleet:
         start_at_max_s: float = START_AT_MAX_S,
         drivers: DriverFactory | None = None,
         exchange_clocks: bool = True,
-        processes: int | None = None,
+        key: str | None = None,
+        lease_s: float | None = FLEET_LEASE_S,
     ) -> None:
         self.targets = parse_targets(targets, deploy_config=deploy_config, flavor=flavor, token=token)
         if stages is not None and (
             isinstance(stages, (str, bytes)) or not isinstance(stages, (list, tuple))
         ):
             raise FleetStagesInvalid(f"stages must be a list of stage ids, got {stages!r}")
-        for name, count in (("max_concurrency", max_concurrency), ("processes", processes)):
-            if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
-                raise ConcurrencyInvalid(f"{name} must be a positive integer, got {count!r}")
+        if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
+                                            or max_concurrency < 1):
+            raise ConcurrencyInvalid(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
         self.stages = None if stages is None else list(stages)
-        for name, value in (("start_timeout_s", start_timeout_s), ("stop_budget_s", stop_budget_s)):
+        for name, value in (("start_timeout_s", start_timeout_s), ("stop_budget_s", stop_budget_s),
+                            ("lease_s", 1.0 if lease_s is None else lease_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise BudgetInvalid(f"{name} must be a positive number of seconds, got {value!r}")
+        if key is not None and not (isinstance(key, str) and _KEY.fullmatch(key)):
+            raise FleetKeyInvalid(f"key must be 1-64 letters, digits, '_', '.' or '-', got {key!r}",
+                                  details={"key": repr(key)})
+        self.key = key or secrets.token_hex(6)
+        self.lease_s = lease_s
         self.stop_budget_s = stop_budget_s
         self.start_timeout_s = start_timeout_s
         self.client_timeout_s = start_timeout_s if client_timeout_s is None else client_timeout_s
@@ -131,8 +178,6 @@ class Fleet:
         self.start_at_max_s = start_at_max_s
         self._make_driver = drivers
         self.exchange_clocks = exchange_clocks
-        self.processes = processes
-        self._pool: ShardPool | None = None
         placed = [t.name for t in self.targets if t.kind is TargetKind.ray]
         if placed and drivers is None:
             raise TargetInvalid(
@@ -161,6 +206,12 @@ class Fleet:
         self._opened = False
         self._clock_tasks: list[asyncio.Future[None]] = []
         self._clocks: dict[tuple[str, str], ClockOffset] = {}  # (start|stop, capture id) -> offset
+        # the windows this fleet holds: target -> (capture id, lease s), renewed until their stop
+        self._held: dict[str, tuple[str, float | None]] = {}
+        self._renewal: asyncio.Task[None] | None = None
+        # starts past their deadline, left to land: an in-process controller's start is waited for at
+        # close (cut short, the controller would stop a server whose start is still in flight)
+        self._late: dict[asyncio.Future[Any], bool] = {}  # -> in process
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -178,15 +229,9 @@ class Fleet:
             raise
 
     async def _open(self) -> None:
-        workers = processes_for(sum(t.kind is not TargetKind.ray for t in self.targets), self.processes)
-        if workers > 1:
-            self._pool = ShardPool(workers, timeout_s=self.client_timeout_s, poll_s=self.poll_s)
-            await self._pool.open()
         for t in self.targets:
             if t.kind is TargetKind.ray:
                 self._drivers[t.name] = self._make_driver(t, stop_budget_s=self.stop_budget_s)  # type: ignore[misc]
-            elif t.kind is TargetKind.sidecar and self._pool is not None:
-                self._drivers[t.name] = self._pool.driver(t)
             elif t.kind is TargetKind.sidecar:
                 self._drivers[t.name] = SidecarDriver(t, timeout_s=self.client_timeout_s, poll_s=self.poll_s,
                                                       transport=self._transports.for_target())
@@ -194,12 +239,9 @@ class Fleet:
                 state_dir = None
                 if self.state_dir is not None:
                     state_dir = self.state_dir / server_key(t.url).replace(":", "_").replace("/", "_")
-                upstream = {"deploy": self._deploys[t.name], "stop_budget_s": self.stop_budget_s,
-                            "settings": self.control_settings, "state_dir": state_dir}
-                if self._pool is not None:
-                    self._drivers[t.name] = self._pool.driver(t, upstream)
-                else:
-                    self._drivers[t.name] = UpstreamDriver(t, transport=self._transports.for_target(), **upstream)
+                self._drivers[t.name] = UpstreamDriver(
+                    t, self._deploys[t.name], stop_budget_s=self.stop_budget_s, settings=self.control_settings,
+                    state_dir=state_dir, transport=self._transports.for_target())
         deadline = asyncio.get_running_loop().time() + self.start_timeout_s
         opened = await self._each(list(self._drivers.values()), lambda d: _by(deadline, d.open(), "open", self.start_timeout_s))
         problems: dict[str, TargetError] = {}
@@ -221,17 +263,30 @@ class Fleet:
         self._seen_deploys = deploys
 
     async def close(self, *, keep_live: bool = False) -> None:
-        """Close clients and controllers. An in-process controller stops its live capture on
-        close; ``keep_live=True`` leaves it running, journaled in ``state_dir``, for a later
+        """Sweep every target (every capture carrying this fleet's key still starting or active is
+        stopped, a window it still holds included), then close clients and controllers.
+        ``keep_live=True`` sweeps nothing and leaves what it holds running: a sidecar's until its
+        duration or lease, an upstream target's journaled in ``state_dir`` for a later
         ``Fleet(..., state_dir=same).open()`` to stop (that is how ``fleet start``/``stop`` work)."""
         for task in self._clock_tasks:  # an exchange in flight is not worth holding a close for
             task.cancel()
         self._clock_tasks = []
+        self._release_all()
+        landing = [t for t, here in self._late.items() if here]
+        if landing:  # landed first (within the stop budget), so the sweep stops what they started
+            await asyncio.wait(landing, timeout=self.stop_budget_s)
+        if self._opened and self._drivers and not keep_live:
+            try:
+                swept = await _uncancellable(self._sweep(()))
+            except Exception as exc:  # closing must go on: the leases are the safety net
+                log.warning("fleet %s: the closing sweep failed: %s", self.key, exc)
+            else:
+                for name, sw in swept.items():
+                    log.warning("fleet %s: closing: %s: %s", self.key, name, _swept_text(sw))
+        for task in list(self._late):  # another process's start goes on there: its sweep was sent
+            task.cancel()
         drivers, self._drivers = list(self._drivers.values()), {}
         await asyncio.gather(*(d.close(keep_live) for d in drivers), return_exceptions=True)
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await pool.close()
         self._opened = False
 
     async def __aenter__(self) -> Fleet:
@@ -296,10 +351,11 @@ class Fleet:
             raise FleetClosed("the fleet is not open; use `async with Fleet(...)` or await fleet.open()")
         return self._drivers[name]
 
-    async def _each(self, items: Sequence[T], call: Callable[[T], Awaitable[R]]) -> list[R | BaseException]:
-        """``call`` on every item at once (at most ``max_concurrency`` in flight); exceptions are
-        returned, not raised (cancellation is raised)."""
-        if self.max_concurrency >= len(items):
+    async def _each(self, items: Sequence[T], call: Callable[[T], Awaitable[R]], *,
+                    gate: bool = True) -> list[R | BaseException]:
+        """``call`` on every item at once (at most ``max_concurrency`` in flight unless ``gate`` is
+        off: the call bounds its own part); exceptions are returned, not raised (cancellation is raised)."""
+        if not gate or self.max_concurrency >= len(items):
             return await asyncio.gather(*(call(i) for i in items), return_exceptions=True)
         gate = asyncio.Semaphore(self.max_concurrency)
 
@@ -312,13 +368,20 @@ class Fleet:
     # --- start / stop ---------------------------------------------------------------------
 
     async def start(
-        self, *, label: str | None = None, duration_s: float | None = None, lease_s: float | None = None,
+        self, *, label: str | None = None, duration_s: float | None = None, lease_s: float | None = _DEFAULT,
         kind: Kind = "torch", start_at: float | datetime | None = None, steps: int | None = None,
     ) -> FleetCapture:
         """Start on every target at once. Returns when every upstream accepted. If any target
-        fails, the started ones are stopped (concurrently) and ``FleetError`` lists every outcome.
-        Cancelled midway, the starts in flight are let finish and every started target is stopped
-        before the cancellation goes on (the cleanup is shielded).
+        fails, the started ones are stopped (concurrently), the targets swept (a start that timed
+        out may still land: it is stopped) and ``FleetError`` lists every outcome. Cancelled
+        midway, the starts in flight are let finish and every started target is stopped before the
+        cancellation goes on (the cleanup is shielded).
+
+        Each capture's label is ``label`` and the fleet's key; ``duration_s``: each target ends its
+        own window that long after its server answered the start (on its host: the ends are
+        aligned there, not by this fan-out); ``lease_s`` (default: the fleet's ``lease_s``; None: no
+        lease, for a window handed over to another process, as ``fleet start`` does): renewed by
+        this fleet until :meth:`stop`.
 
         Two-phase: each target's capture is prepared first (stage selection, baselines, journal),
         then every start is sent together; a target failing its preparation withholds the others'
@@ -331,7 +394,9 @@ class Fleet:
         ``steps``: each target's capture stops itself after that many engine steps of its server."""
         if kind not in ("torch", "nsys"):
             raise KindInvalid(f"kind must be 'torch' or 'nsys', got {kind!r}")
+        lease_s = self.lease_s if lease_s is _DEFAULT else lease_s
         at = check_start_at(start_at, max_ahead_s=self.start_at_max_s)
+        tagged = keyed_label(label, self.key)
         # open() checked the stage list against torch and cuda stages; now the kind is known.
         self._check_stages(self._seen_deploys, allow_cuda=kind == "nsys")
         names = [t.name for t in self.targets]
@@ -348,31 +413,19 @@ class Fleet:
         waves = self.max_concurrency < len(drivers)  # started in waves: each target's own budget from its turn
         clocks = asyncio.Semaphore(CLOCK_CONCURRENCY) if at is not None and self.exchange_clocks else None
 
-        async def one(d: Driver) -> tuple[Capture, float]:
-            arrived = False
-
-            async def gate() -> None:
-                nonlocal arrived
-                arrived = True
-                release.arrive()
-                await release.wait()
-
-            # a Ray node waits for start_at where the server is; a sidecar is told it (its clock,
-            # measured first: at most CLOCK_CONCURRENCY exchanges at once keep each round trip short)
-            gate.start_at = at  # type: ignore[attr-defined]
-            gate.clocks = clocks  # type: ignore[attr-defined]
+        async def one(d: Driver) -> tuple[Capture, float, ClockOffset | None]:
+            # a Ray node or a sidecar is told start_at on its own clock (measured first: at most
+            # CLOCK_CONCURRENCY exchanges at once keep each round trip short); see _release.py
+            gate = release.gate(clocks)
             try:
                 by = start_by(loop.time()) if waves else deadline
                 opts = {} if steps is None else {"steps": steps}  # a driver of an older build takes none
-                cap = await _by(by, d.start(self.stages, label, duration_s, lease_s, kind, gate, **opts), "start",
-                                self.start_timeout_s)
+                cap = await self._landing(d.start(self.stages, tagged, duration_s, lease_s, kind, gate, **opts), by,
+                                          in_process=isinstance(d, UpstreamDriver))
             except BaseException as exc:
-                if not arrived:  # failed in its preparation: nobody sends (all or nothing)
-                    release.arrive()
-                    release.abort(f"{d.target.name} failed before the starts were sent "
-                                  f"({error_of(exc).code})")
+                gate.failed(f"{d.target.name} failed before the starts were sent ({error_of(exc).code})")
                 raise
-            return cap, loop.time() - t0
+            return cap, loop.time() - t0, gate.clock
 
         fan_out = asyncio.ensure_future(self._each(drivers, one))
         try:
@@ -385,6 +438,7 @@ class Fleet:
             log.warning("start_at %.3f: the targets were prepared %.3fs after it; released then", at,
                         release.released_at - at)
         out: dict[str, TargetResult] = {}
+        measured: dict[str, ClockOffset] = {}  # the exchanges that mapped start_at: the start's clocks
         for t, res in zip(self.targets, results):
             base = TargetResult(target=t.name, kind=t.kind, outcome=TargetOutcome.started)
             if isinstance(res, BaseException):
@@ -393,28 +447,40 @@ class Fleet:
                 cid = res.details.get("capture_id") if isinstance(res, SidecarError) else None
                 outcome = TargetOutcome.not_started if isinstance(res, StartWithheld) else TargetOutcome.start_failed
                 err = error_of(res)
-                if isinstance(res, TargetNoAnswer):  # it may have started: say so (a lease is its safety net)
+                if isinstance(res, TargetNoAnswer):  # it may have started: the sweep below stops what it starts
                     err = TargetError(code="start_timeout", message=f"{res}; the server may have started "
-                                      "profiling all the same (the capture's lease stops it on a sidecar)")
+                                      "profiling all the same: the fleet swept it for the capture (see sweep)")
                 out[t.name] = base.model_copy(update={"outcome": outcome, "error": err, "capture_id": cid})
             else:
-                cap, took = res
+                cap, took, clock = res
                 out[t.name] = base.with_capture(cap, start_s=took)
-        fc = FleetCapture(label=label, stages=self.stages, targets=out, start_at=at, released_at=release.released_at)
+                if clock is not None:
+                    measured[t.name] = clock
+        fc = FleetCapture(label=label, stages=self.stages, targets=out, start_at=at, released_at=release.released_at,
+                          key=self.key, lease_s=lease_s)
         if all(r.outcome is TargetOutcome.started for r in out.values()):
-            self._exchange_later("start", fc, list(out))
+            self._hold(fc, lease_s)
+            self._exchange_later("start", fc, list(out), measured)
             return fc
+        # a start still landing (past its deadline) and not yet sent sends nothing now
+        release.abort("another target failed to start")
         started = [n for n, r in out.items() if r.outcome is TargetOutcome.started]
-        stopped = await _uncancellable(self._stop_all(fc, started, reason=StopReason.rollback))
+        out = await _uncancellable(self._roll_back(fc, started))
+        fc = fc.model_copy(update={"targets": out})
+        err = fc.to_error("start")
+        log.warning("%s; stopped the %d that had started", err.message, len(started))
+        raise err
+
+    async def _roll_back(self, fc: FleetCapture, started: list[str]) -> dict[str, TargetResult]:
+        """Stop the started targets, then sweep every target (a start past its deadline that landed)."""
+        out = dict(fc.targets)
+        stopped = await self._stop_all(fc, started, reason=StopReason.rollback)
         for name in started:
             r = stopped[name]
             out[name] = r.model_copy(update={
                 "outcome": TargetOutcome.rolled_back if r.outcome is TargetOutcome.stopped
                 else TargetOutcome.rollback_failed})
-        fc = FleetCapture(label=label, stages=self.stages, targets=out, start_at=at, released_at=release.released_at)
-        err = fc.to_error("start")
-        log.warning("%s; stopped the %d that had started", err.message, len(started))
-        raise err
+        return self._with_sweep(out, await self._sweep(self._kept()))
 
     async def _undo_start(self, fan_out: asyncio.Future[list[Any]], label: str | None) -> None:
         results = await fan_out
@@ -422,8 +488,130 @@ class Fleet:
                    for t, res in zip(self.targets, results) if not isinstance(res, BaseException)}
         if started:
             log.warning("fleet start cancelled: stopping the %d targets that had started", len(started))
-            fc = FleetCapture(label=label, stages=self.stages, targets=started)
-            await self._stop_all(fc, list(started), reason=StopReason.rollback)
+        fc = FleetCapture(label=label, stages=self.stages, targets=started, key=self.key)
+        out = await self._roll_back(fc, list(started))
+        for name, r in out.items():
+            if r.sweep is not None:
+                log.warning("fleet %s: start cancelled: %s: %s", self.key, name, _swept_text(r.sweep))
+
+    async def _landing(self, aw: Awaitable[R], by: float, *, in_process: bool) -> R:
+        """``aw`` (a start) once it answers, within ``by`` (loop time); past it ``TargetNoAnswer``,
+        while the start itself goes on: cut, an in-process controller's start would be rolled back
+        while the server may still be starting, and a sidecar carries on with it anyway. A start
+        that lands late is stopped by the sweep (or :meth:`close`, which lets it land first)."""
+        task = asyncio.ensure_future(aw)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=max(by - asyncio.get_running_loop().time(), 0.0))
+        except asyncio.CancelledError:
+            self._leave_landing(task, in_process)
+            raise
+        if task in done:
+            return task.result()
+        self._leave_landing(task, in_process)
+        raise TargetNoAnswer(f"no answer to start within {self.start_timeout_s:g}s")
+
+    def _leave_landing(self, task: asyncio.Future[Any], in_process: bool) -> None:
+        self._late[task] = in_process
+        task.add_done_callback(lambda t: self._late.pop(t, None))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its outcome is the sweep's
+
+    # --- the windows held, and the sweep ----------------------------------------------------
+
+    def _hold(self, fc: FleetCapture, lease_s: float | None) -> None:
+        """Hold ``fc``'s windows: each renewed every third of its lease until its stop."""
+        for name, r in fc.targets.items():
+            if r.outcome is TargetOutcome.started and r.capture_id:
+                self._held[name] = (r.capture_id, lease_s)
+        if lease_s is not None and (self._renewal is None or self._renewal.done()):
+            self._renewal = asyncio.ensure_future(self._renew())
+
+    def _kept(self) -> set[str]:
+        return {cid for cid, _ in self._held.values()}
+
+    def _release_all(self) -> None:
+        self._held.clear()
+        if self._renewal is not None:
+            self._renewal.cancel()
+            self._renewal = None
+
+    async def _renew(self) -> None:
+        """Every held window's lease renewed every third of it (one heartbeat fan-out per round)."""
+        while True:
+            leases = [lease for _, lease in self._held.values() if lease is not None]
+            if not leases:
+                return
+            await asyncio.sleep(min(leases) / 3)
+            held = [(n, cid) for n, (cid, lease) in self._held.items() if lease is not None]
+            deadline = asyncio.get_running_loop().time() + self.start_timeout_s
+
+            async def beat(item: tuple[str, str]) -> None:
+                name, cid = item
+                try:
+                    await _by(deadline, self._driver(name).heartbeat(cid), "a heartbeat", self.start_timeout_s)
+                except Exception as exc:  # a missed renewal is not fatal: the next comes a third of a lease later
+                    log.debug("lease renewal of %s on %s failed: %s", cid, name, exc)
+
+            await self._each(held, beat)
+
+    def _ends_by(self, t: Target) -> str:
+        """What ends a capture of this fleet on ``t`` that the fleet cannot stop itself."""
+        if t.kind is TargetKind.upstream:
+            if self.state_dir is None:
+                return ("nothing but a stop by hand: this fleet journals no upstream capture (no state_dir); "
+                        f"POST /stop_profile to {t.url}")
+            return f"the next fleet opened over state dir {self.state_dir}, whose journal it is in"
+        if self.lease_s is None:
+            return "its duration, if it was given one: it has no lease; `omni-sidecar fleet stop` stops it"
+        return f"its lease: it stops itself at most {self.lease_s:g}s after this fleet's last renewal"
+
+    async def sweep(self) -> dict[str, Sweep]:
+        """Stop every capture carrying this fleet's key that is still starting or active on any
+        target and that the fleet does not hold (a start that landed after its deadline, a window
+        whose stop was lost); each target's findings, where there are any. Every call that ends a
+        window runs it; call it for a fleet made with the ``key`` of one that is gone."""
+        return await _uncancellable(self._sweep(self._kept()))
+
+    async def _sweep(self, keep: Collection[str], names: Collection[str] | None = None) -> dict[str, Sweep]:
+        """:meth:`sweep` of ``names`` (default: every target), keeping the capture ids ``keep``."""
+        names = list(self._drivers) if names is None else [n for n in self._drivers if n in names]
+        results = await self._each(names, lambda n: self._sweep_one(n, keep))
+        for res in results:
+            if isinstance(res, BaseException) and not isinstance(res, Exception):
+                raise res
+        return {n: res for n, res in zip(names, results) if isinstance(res, Sweep)}
+
+    async def _listed(self, d: Driver) -> list[Capture]:
+        """What the target says: its newest captures (one read)."""
+        return await _by(asyncio.get_running_loop().time() + self.start_timeout_s, d.captures(),
+                         "a list of its captures", self.start_timeout_s)
+
+    async def _sweep_one(self, name: str, keep: Collection[str], listed: list[Capture] | None = None) -> Sweep | None:
+        """One target's sweep: its captures still starting or active with this fleet's key, other
+        than ``keep``, each sent a stop (``listed``: the target's captures, read already)."""
+        d = self._drivers[name]
+        if listed is None:
+            try:
+                listed = await self._listed(d)
+            except Exception as exc:
+                return Sweep(error=error_of(exc), ends_by=self._ends_by(d.target))
+        found = [c for c in listed if c.state in _LIVE and c.id not in keep and key_of(c.label) == self.key]
+        if not found:
+            return None
+        out = Sweep()
+        loop = asyncio.get_running_loop()
+        for c in found:
+            try:
+                await _by(loop.time() + self.start_timeout_s, d.stop(c.id, StopReason.explicit), "a stop",
+                          self.start_timeout_s)
+                out.stopped.append(c.id)
+            except Exception as exc:
+                out.error, out.ends_by = error_of(exc), self._ends_by(d.target)
+        log.warning("fleet %s: %s: %s", self.key, name, _swept_text(out))
+        return out
+
+    @staticmethod
+    def _with_sweep(out: dict[str, TargetResult], swept: dict[str, Sweep]) -> dict[str, TargetResult]:
+        return {n: r if n not in swept else r.model_copy(update={"sweep": swept[n]}) for n, r in out.items()}
 
     async def stop(
         self, fc: FleetCapture, *, wait_artifacts: bool = True, artifact_timeout_s: float | None = None
@@ -431,34 +619,59 @@ class Fleet:
         """Stop every started target concurrently (each within ``stop_budget_s``). With
         ``wait_artifacts`` also wait for each artifact check (bounded by ``artifact_timeout_s``);
         without, return once every upstream answered and let the checks finish in the background
-        (``refresh`` later). Never raises for a target's failure: see ``ok`` / ``to_error``."""
+        (``refresh`` later). Never raises for a target's failure: see ``ok`` / ``to_error``.
+        Every stop is sent, at most ``max_concurrency`` at once, however long that takes; only the
+        wait for the servers' answers is bounded (``stop_budget_s``). Then every target is swept
+        (:meth:`sweep`). Cancelled, it still sends every stop and sweeps before the cancellation
+        goes on."""
+        return await _uncancellable(self._stop(fc, wait_artifacts, artifact_timeout_s))
+
+    async def _stop(self, fc: FleetCapture, wait_artifacts: bool, artifact_timeout_s: float | None, *,
+                    ended: bool = False) -> FleetCapture:
         names = [n for n, r in fc.targets.items() if r.outcome is TargetOutcome.started and r.capture_id]
-        stopped = await self._stop_all(fc, names, reason=StopReason.explicit)
+        for name in names:
+            if self._held.get(name, ("",))[0] == fc.targets[name].capture_id:
+                del self._held[name]  # no longer renewed
+        keep = self._kept() | {fc.targets[n].capture_id for n in names}  # type: ignore[misc]
+        # each stopped target is swept with its stop (one read); the others beside
+        stopped, swept = await asyncio.gather(
+            self._stop_all(fc, names, reason=StopReason.explicit, sweep=keep, ended=ended),
+            self._sweep(keep, [n for n in self._drivers if n not in names]))
         out = dict(fc.targets)
         out.update(stopped)
-        fc = fc.model_copy(update={"targets": out})
+        fc = fc.model_copy(update={"targets": self._with_sweep(out, swept)})
         self._exchange_later("stop", fc, [n for n in names if out[n].outcome is TargetOutcome.stopped])
         if wait_artifacts:
             return await self.refresh(fc, wait=True, timeout=artifact_timeout_s)
         return await self._with_clocks(fc, wait=False)
 
-    def _exchange_later(self, phase: str, fc: FleetCapture, names: Sequence[str]) -> None:
+    def _exchange_later(self, phase: str, fc: FleetCapture, names: Sequence[str],
+                        measured: dict[str, ClockOffset] | None = None) -> None:
         """Each target's clock exchange (``sidecar/fleet/_clocks.py``) just after its start or stop,
         in the background and at most ``CLOCK_CONCURRENCY`` at once: a thousand exchanges at once
         would queue on this loop and each round trip (the error bound) would grow with the fleet.
-        The results land in ``clock_start`` / ``clock_stop`` at the next ``stop`` / ``refresh``."""
+        ``measured``: exchanges taken already (the one that mapped a target's ``start_at``), only
+        recorded. At the stop, a target whose start exchange was good takes one sample: it checks
+        the drift, the start's bound stays the tighter. The results land in ``clock_start`` /
+        ``clock_stop`` at the next ``stop`` / ``refresh``."""
         pairs = [(n, fc.targets[n].capture_id) for n in names if fc.targets[n].capture_id]
         if not (self.exchange_clocks and pairs):
             return
         loop = asyncio.get_running_loop()
         more = FLEET_MORE // len(pairs)  # a small fleet affords more samples on a busy host
+        known = measured or {}
 
         async def run() -> None:
             gate = asyncio.Semaphore(CLOCK_CONCURRENCY)
 
             async def one(name: str, cid: str) -> None:
-                async with gate:
-                    clock = await _clock_of(self._drivers[name], by=loop.time() + self.start_timeout_s, more=more)
+                clock = known.get(name)
+                if clock is None:
+                    start = self._clocks.get(("start", cid)) if phase == "stop" else None
+                    good = start is not None and start.error_ns <= GOOD_NS
+                    async with gate:
+                        clock = await _clock_of(self._drivers[name], by=loop.time() + self.start_timeout_s,
+                                                more=0 if good else more, samples=1 if good else SAMPLES)
                 if clock is None:
                     return
                 self._clocks[(phase, cid)] = clock
@@ -493,45 +706,71 @@ class Fleet:
             out[name] = r
         return fc.model_copy(update={"targets": out})
 
-    async def _stop_all(self, fc: FleetCapture, names: Sequence[str], *, reason: StopReason) -> dict[str, TargetResult]:
+    async def _stop_all(self, fc: FleetCapture, names: Sequence[str], *, reason: StopReason,
+                        sweep: Collection[str] | None = None, ended: bool = False) -> dict[str, TargetResult]:
+        """Send every target its stop (at most ``max_concurrency`` sends at once, each bounded by
+        ``start_timeout_s``: a target answers a stop at once), then wait for the servers' answers
+        until one deadline, ``stop_budget_s`` after the call. The deadline never holds a stop back:
+        one sent after it is read once for its answer. ``sweep``: each target is also swept (its
+        captures read once, keeping these ids). ``ended``: the targets were told to end the window
+        themselves, so each is read first, and sent a stop only where its window still runs."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
+        sends = asyncio.Semaphore(self.max_concurrency)
         # One deadline for all (a hung target delays no other), kept by one timer that cancels the
-        # stops still waiting when it fires: not a wait_for per target (a task and a timer each,
-        # a thousand of them in the fleet's process; asyncio.timeout_at needs Python 3.11).
-        waiting: set[asyncio.Task[Any]] = set()
+        # waits still running when it fires (asyncio.timeout_at needs Python 3.11).
+        waiting: set[asyncio.Future[Capture]] = set()
         expired = False
 
         def expire() -> None:
             nonlocal expired
             expired = True
-            for task in waiting:
-                task.cancel()
+            for w in waiting:
+                w.cancel()
+
+        async def answer_of(d: Driver, cid: str) -> Capture:
+            """The stopped capture, or (past the deadline) one read of it."""
+            if not expired:
+                w = asyncio.ensure_future(d.stopped(cid))
+                waiting.add(w)
+                try:
+                    return await w
+                except asyncio.CancelledError:
+                    if not expired or not w.cancelled():
+                        raise
+                finally:
+                    waiting.discard(w)
+            return await _by(loop.time() + self.start_timeout_s, d.get(cid), "a read of the capture", self.start_timeout_s)
 
         async def one(name: str) -> TargetResult:
             r = fc.targets[name]
             assert r.capture_id is not None
-            me = asyncio.current_task()
-            assert me is not None
-            waiting.add(me)
+            d = self._driver(name)
+            sent, listed, cap = False, None, None
             try:
-                if expired:  # still queued behind max_concurrency when the budget ran out
-                    raise asyncio.CancelledError
-                cap = await self._driver(name).stop(r.capture_id, reason)
-            except asyncio.CancelledError:
-                if not expired:
-                    raise
-                return r.model_copy(update={"outcome": TargetOutcome.stop_timeout, "stop_s": loop.time() - t0,
-                                            "error": TargetError(
-                    code="stop_timeout",
-                    message=f"the upstream did not answer stop within {self.stop_budget_s:g}s; "
-                            "it may still be flushing traces (the stop goes on in the background)")})
+                if ended:  # what the target says first: its window ended by itself, or not
+                    with contextlib.suppress(Exception):  # unread: its stop is sent, as to any other
+                        listed = await self._listed(d)
+                        cap = next((c for c in listed if c.id == r.capture_id), None)
+                if cap is None or not stop_answered(cap):
+                    async with sends:
+                        cap = await _by(loop.time() + self.start_timeout_s, d.stop(r.capture_id, reason), "stop",
+                                        self.start_timeout_s)
+                sent = True
+                swept = None if sweep is None else await self._sweep_one(name, sweep, listed)
+                if not stop_answered(cap):
+                    cap = await answer_of(d, r.capture_id)
             except Exception as exc:
-                return r.model_copy(update={"outcome": TargetOutcome.stop_failed, "error": error_of(exc),
-                                            "stop_s": loop.time() - t0})
-            finally:
-                waiting.discard(me)
+                return r.model_copy(update={**self._stop_fault(d.target, exc, sent), "stop_s": loop.time() - t0})
+            if swept is not None:
+                r = r.model_copy(update={"sweep": swept})
             took = loop.time() - t0
+            if not stop_answered(cap):
+                return r.with_capture(cap, outcome=TargetOutcome.stop_timeout, stop_s=took, error=TargetError(
+                    code="stop_timeout",
+                    message=f"the stop was sent and its server did not answer it within {self.stop_budget_s:g}s; "
+                            f"the target holds the stop (it stays {cap.state.value} until its server answers or is "
+                            "gone) and may still be writing traces"))
             err = None
             if cap.state is CaptureState.failed and cap.errors:
                 err = TargetError(code=cap.errors[-1].code, message=cap.errors[-1].message)
@@ -539,13 +778,26 @@ class Fleet:
 
         timer = loop.call_at(t0 + self.stop_budget_s, expire)
         try:
-            results = await self._each(list(names), one)
+            results = await self._each(list(names), one, gate=False)
         finally:
             timer.cancel()
         for res in results:
             if isinstance(res, BaseException):
                 raise res  # `one` catches every Exception: this is cancellation or an interrupt
         return dict(zip(names, results))  # type: ignore[arg-type]
+
+    def _stop_fault(self, t: Target, exc: BaseException, sent: bool) -> dict[str, Any]:
+        """A stop that failed: not sent (no connection: the lease ends it), unanswered, or refused."""
+        err = error_of(exc)
+        if not sent and _not_sent(exc):
+            return {"outcome": TargetOutcome.stop_not_sent, "error": TargetError(
+                code="stop_not_sent", message=f"the stop never reached the target ({err.code}: {err.message}); "
+                                              f"what ends its capture: {self._ends_by(t)}")}
+        if isinstance(exc, TargetNoAnswer):
+            return {"outcome": TargetOutcome.stop_timeout, "error": TargetError(
+                code="stop_timeout", message=f"{err.message}: the stop was sent and not acknowledged; what ends its "
+                                             f"capture if it never arrived: {self._ends_by(t)}")}
+        return {"outcome": TargetOutcome.stop_failed, "error": err}
 
     async def refresh(self, fc: FleetCapture, *, wait: bool = False, timeout: float | None = None) -> FleetCapture:
         """Re-read every target's capture (with ``wait``: until terminal or ``timeout``)."""
@@ -559,8 +811,9 @@ class Fleet:
             if r.capture_id is None or r.done or r.outcome in (TargetOutcome.start_failed,):
                 return r
             # A target past its stop budget (or unreachable) is read once, not waited for: its
-            # stop goes on in the background and must not hold the fleet past that budget.
-            patient = wait and r.outcome not in (TargetOutcome.stop_timeout, TargetOutcome.stop_failed)
+            # stop is held on the target and must not hold the fleet past that budget.
+            patient = wait and r.outcome not in (TargetOutcome.stop_timeout, TargetOutcome.stop_failed,
+                                                 TargetOutcome.stop_not_sent)
             try:
                 d = self._driver(r.target)
                 if patient:
@@ -585,7 +838,8 @@ class Fleet:
         return await self._with_clocks(fc, wait=wait)
 
     async def heartbeat(self, fc: FleetCapture) -> None:
-        """Extend every started capture's lease (best effort; errors are logged)."""
+        """Extend every started capture's lease now (best effort; errors are logged). The fleet
+        renews the windows it holds by itself: this is for a caller that wants one more."""
         deadline = asyncio.get_running_loop().time() + self.start_timeout_s
 
         async def one(r: TargetResult) -> None:
@@ -626,18 +880,22 @@ class Fleet:
         artifact_timeout_s: float | None = None, kind: Kind = "torch", start_at: float | datetime | None = None,
     ) -> FleetCapture:
         """Start (at ``start_at`` when given, see :meth:`start`), keep the window open
-        ``duration_s`` seconds, stop. Cancelled at any point, every started target is stopped
-        before the cancellation goes on (the artifact wait is skipped)."""
-        fc = await self.start(label=label, kind=kind, start_at=start_at)
+        ``duration_s`` seconds, stop. Each target is told ``duration_s`` and ends its own window
+        (scheduled where it runs: the ends are as aligned as the starts, whatever this fan-out's
+        speed); the fleet's stop, ``duration_s`` after the last start answered, finds them ended and
+        reads their outcome (it stops any that is not). Cancelled at any point, every started
+        target is stopped before the cancellation goes on (the artifact wait is skipped)."""
+        fc = await self.start(label=label, kind=kind, start_at=start_at, duration_s=duration_s)
         try:
             await asyncio.sleep(duration_s)
         except asyncio.CancelledError:
             await _uncancellable(self.stop(fc, wait_artifacts=False))
             raise
-        return await _uncancellable(self.stop(fc, wait_artifacts=wait_artifacts, artifact_timeout_s=artifact_timeout_s))
+        return await _uncancellable(self._stop(fc, wait_artifacts, artifact_timeout_s, ended=True))
 
 
-async def _clock_of(d: Driver, *, by: float | None = None, more: int = MORE) -> ClockOffset | None:
+async def _clock_of(d: Driver, *, by: float | None = None, more: int = MORE,
+                    samples: int = SAMPLES) -> ClockOffset | None:
     """``d``'s clock exchange (``sidecar/fleet/_clocks.py``), or None where it cannot be measured
     (a sidecar older than ``GET /v1/clock``, a driver without ``clock``): best effort, never a
     target's failure; its traces are then mapped at offset 0 and the archive says so."""
@@ -645,7 +903,7 @@ async def _clock_of(d: Driver, *, by: float | None = None, more: int = MORE) -> 
     if clock is None:
         return None
     try:
-        return await (clock(more) if by is None else _by(by, clock(more), "a clock exchange", 0.0))
+        return await (clock(more, samples) if by is None else _by(by, clock(more, samples), "a clock exchange", 0.0))
     except Exception as exc:
         log.debug("no clock offset for %s: %s", d.target.name, exc)
         return None
@@ -667,3 +925,13 @@ async def _uncancellable(aw: Awaitable[R]) -> R:
     if cancelled:
         raise asyncio.CancelledError
     return result
+
+
+def _swept_text(sw: Sweep) -> str:
+    parts = []
+    if sw.stopped:
+        parts.append(f"stopped {', '.join(sw.stopped)}, still live with this fleet's key")
+    if sw.error is not None:
+        parts.append(f"could not sweep it ({sw.error.code}: {sw.error.message}); what ends a capture left there: "
+                     f"{sw.ends_by}")
+    return "; ".join(parts)

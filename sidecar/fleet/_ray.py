@@ -12,10 +12,7 @@ the actor is the in-process :class:`~sidecar.fleet._drivers.UpstreamDriver` on t
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
-import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,8 +23,8 @@ import yaml
 from sidecar import errors as _errors
 from sidecar.config.models import DeployConfig
 from sidecar.control.models import Capture, StopReason
-from sidecar.errors import StartWithheld
-from sidecar.fleet._clocks import MORE, ClockOffset, exchange
+from sidecar.fleet._clocks import MORE, SAMPLES, ClockOffset, exchange
+from sidecar.fleet._release import gated_start
 from sidecar.fleet._targets import Target
 from sidecar.fleet._wire import answer, failure, raise_reply
 
@@ -59,49 +56,6 @@ def _top_ops(summary: dict[str, Any], top: int) -> dict[str, list[dict[str, Any]
 # --- node side ----------------------------------------------------------------------------------
 
 
-class _NodeGate:
-    """One gated start on a node: prepared → wait for the trainer's go (or abort), and for
-    ``start_at`` when given; with ``start_at`` the send does not wait for a go that arrives late.
-    Keyed by a token the trainer makes, so the start and the calls about it may arrive in any
-    order (an async actor does not keep the order of calls)."""
-
-    def __init__(self) -> None:
-        self.start_at: float | None = None
-        self._prepared = asyncio.Event()
-        self._go = asyncio.Event()
-        self._abort: str | None = None
-        self.reached = self.sent = False
-        self.parts_done = 0  # the start ended, and prepared() answered: then the gate is dropped
-
-    async def release(self) -> None:
-        self.reached = True
-        self._prepared.set()
-        if self.start_at is None:
-            await self._go.wait()
-        else:
-            try:
-                await asyncio.wait_for(self._go.wait(), max(self.start_at - time.time(), 0.0))
-            except asyncio.TimeoutError:
-                pass
-        if self._abort is not None:
-            raise StartWithheld(f"start prepared but not sent: {self._abort}")
-        self.sent = True
-
-    def end(self) -> None:
-        self._prepared.set()
-
-    async def prepared(self) -> bool:
-        await self._prepared.wait()
-        return self.reached
-
-    def go(self, abort: str | None) -> bool:
-        if self.sent:
-            return abort is None
-        self._abort = abort
-        self._go.set()
-        return True
-
-
 class NodeProfiler:
     """The servers of one node, each driven by the fleet's
     :class:`~sidecar.fleet._drivers.UpstreamDriver` on that node: one Ray async actor (one
@@ -115,7 +69,6 @@ class NodeProfiler:
         self._servers: dict[str, tuple[str, dict[str, Any] | str, str]] = {}  # name -> (url, deploy, flavor)
         self._drivers: dict[str, Any] = {}
         self._dirs: dict[str, tempfile.TemporaryDirectory[str]] = {}
-        self._gates: dict[str, _NodeGate] = {}
 
     def ready(self) -> bool:
         return True
@@ -154,49 +107,24 @@ class NodeProfiler:
         return await self._call(work)
 
     async def start(self, name: str, stages: list[int] | None, label: str | None, duration_s: float | None,
-                    lease_s: float | None, kind: str, gate: str | None = None,
-                    start_at: float | None = None, steps: int | None = None) -> tuple[str, Any]:
-        """``gate`` (a token): prepare, then wait at this node for :meth:`go` (the fleet's release)
-        and send then, or at ``start_at`` (a wall-clock time) when given: the send is timed here,
-        where the server is, not by a trainer-side call that reaches each node at its own moment."""
-        release = None
-        if gate is not None:
-            held = self._gate(gate)
-            held.start_at = start_at
-            release = held.release
-        try:
-            return await self._call(lambda: self._drivers[name].start(stages, label, duration_s, lease_s, kind,
-                                                                      release, steps=steps))
-        finally:
-            if gate is not None:
-                held.end()
-                self._part_done(gate)
+                    lease_s: float | None, kind: str, start_at: float | None = None,
+                    steps: int | None = None) -> tuple[str, Any]:
+        """The start now (answered once the server started), or with ``start_at`` (this node's
+        clock) scheduled here, where the server is: answered once prepared (``starting``), sent
+        then by the node's controller itself; :meth:`wait_started` answers once it went."""
+        return await self._call(lambda: self._drivers[name].start(stages, label, duration_s, lease_s, kind,
+                                                                  steps=steps, start_at=start_at))
 
-    def _gate(self, token: str) -> _NodeGate:
-        return self._gates.setdefault(token, _NodeGate())
-
-    def _part_done(self, token: str) -> None:
-        held = self._gates.get(token)
-        if held is not None:
-            held.parts_done += 1
-            if held.parts_done >= 2:
-                del self._gates[token]
-
-    async def prepared(self, gate: str) -> bool:
-        """Once the gated start is prepared and waiting (False: it ended before that)."""
-        reached = await self._gate(gate).prepared()
-        self._part_done(gate)
-        return reached
-
-    def go(self, gate: str, abort: str | None = None) -> bool:
-        """Let the prepared start send, or withhold it (``abort``). False when it had already sent
-        at its ``start_at`` (the caller then stops that capture)."""
-        held = self._gates.get(gate)
-        return True if held is None else held.go(abort)
+    async def wait_started(self, name: str, capture_id: str) -> tuple[str, Any]:
+        return await self._call(lambda: self._drivers[name].wait_started(capture_id))
 
     async def stop(self, name: str, capture_id: str, reason: str) -> tuple[str, Any]:
-        """Returns once the server answered stop (the artifact check goes on: :meth:`wait`)."""
+        """Sends the stop: answered at once (:meth:`stopped` waits for the server's answer)."""
         return await self._call(lambda: self._drivers[name].stop(capture_id, StopReason(reason)))
+
+    async def stopped(self, name: str, capture_id: str) -> tuple[str, Any]:
+        """Once the server answered the stop (the artifact check goes on: :meth:`wait`)."""
+        return await self._call(lambda: self._drivers[name].stopped(capture_id))
 
     async def get(self, name: str, capture_id: str) -> tuple[str, Any]:
         return await self._call(lambda: self._drivers[name].get(capture_id))
@@ -221,6 +149,10 @@ class NodeProfiler:
 
     async def live(self, name: str) -> tuple[str, Any]:
         return await self._call(lambda: self._drivers[name].live())
+
+    async def captures(self, name: str) -> tuple[str, Any]:
+        """The server's captures that are not terminal (what the fleet's sweep looks through)."""
+        return await self._call(lambda: self._drivers[name].captures())
 
     def clock(self) -> tuple[str, Any]:
         """This node's realtime and monotonic clocks (ns): one sample of the fleet's exchange."""
@@ -271,34 +203,28 @@ class RayNodeDriver:
 
     async def start(self, stages, label, duration_s, lease_s, kind="torch", release=None,  # type: ignore[no-untyped-def]
                     steps=None) -> Capture:
-        """Two phases across Ray: the node prepares and waits at its gate; once it is prepared the
-        fleet's release is awaited here (every target prepared, all or nothing) and the node told
-        to send. With the fleet's ``start_at`` the node sends at that time itself."""
+        """Through the fleet's gate (sidecar/fleet/_release.py, as a sidecar's): with the fleet's
+        ``start_at`` the node is told the time on its own clock and sends the start then itself."""
         name = self.target.name
-        if release is None:
-            return raise_reply(await self.actor.start.remote(name, stages, label, duration_s, lease_s, kind, steps=steps))  # type: ignore[no-any-return]
-        token = uuid.uuid4().hex
-        started = asyncio.ensure_future(self._ref(self.actor.start.remote(
-            name, stages, label, duration_s, lease_s, kind, token, getattr(release, "start_at", None), steps)))
-        if not await self._ref(self.actor.prepared.remote(token)):
-            return raise_reply(await started)  # type: ignore[no-any-return]  # it failed while preparing
-        try:
-            await release()
-        except BaseException as exc:
-            sent_already = not await self._ref(self.actor.go.remote(token, str(exc) or type(exc).__name__))
-            reply = await started
-            if sent_already and reply[0] == "ok":  # it had sent at start_at: stop what it started
-                await self._ref(self.actor.stop.remote(name, reply[1].id, StopReason.rollback.value))
-            raise
-        await self._ref(self.actor.go.remote(token))
-        return raise_reply(await started)  # type: ignore[no-any-return]
 
-    @staticmethod
-    async def _ref(ref: Any) -> Any:
-        return await ref
+        async def send(start_at: float | None = None) -> Capture:
+            return raise_reply(await self.actor.start.remote(name, stages, label, duration_s, lease_s, kind,  # type: ignore[no-any-return]
+                                                             start_at=start_at, steps=steps))
+
+        async def started(cid: str) -> Capture:
+            return raise_reply(await self.actor.wait_started.remote(name, cid))  # type: ignore[no-any-return]
+
+        async def cancel(cid: str) -> Capture:
+            return await self.stop(cid, StopReason.rollback)
+
+        return await gated_start(release, send=send, schedule=send, started=started, cancel=cancel,
+                                 clock=self.clock)
 
     async def stop(self, capture_id: str, reason: StopReason) -> Capture:
         return raise_reply(await self.actor.stop.remote(self.target.name, capture_id, reason.value))  # type: ignore[no-any-return]
+
+    async def stopped(self, capture_id: str) -> Capture:
+        return raise_reply(await self.actor.stopped.remote(self.target.name, capture_id))  # type: ignore[no-any-return]
 
     async def get(self, capture_id: str) -> Capture:
         return raise_reply(await self.actor.get.remote(self.target.name, capture_id))  # type: ignore[no-any-return]
@@ -314,13 +240,16 @@ class RayNodeDriver:
     async def live(self) -> Capture | None:
         return raise_reply(await self.actor.live.remote(self.target.name))  # type: ignore[no-any-return]
 
-    async def clock(self, more: int = MORE) -> ClockOffset:
+    async def captures(self) -> list[Capture]:
+        return raise_reply(await self.actor.captures.remote(self.target.name))  # type: ignore[no-any-return]
+
+    async def clock(self, more: int = MORE, samples: int = SAMPLES) -> ClockOffset:
         # The node's controller reads the node's clock, not the trainer's: exchanged like a sidecar's.
         async def read() -> tuple[int, int]:
             real, mono = raise_reply(await self.actor.clock.remote())
             return int(real), int(mono)
 
-        return await exchange(read, more=more)
+        return await exchange(read, more=more, samples=samples)
 
     async def close(self, keep_live: bool = False) -> None:
         import ray

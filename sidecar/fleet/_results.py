@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field
 
-from sidecar.control.models import Capture, CaptureState, StageVerdict, Verdict
+from sidecar.control.models import Capture, CaptureKind, CaptureState, StageVerdict, Verdict
+from sidecar.control.outcome import Outcome, capture_outcome, worst
 from sidecar.errors import FleetError, SidecarError
 from sidecar.fleet._clocks import ClockOffset
 from sidecar.fleet._targets import TargetKind
@@ -24,12 +25,24 @@ class TargetOutcome(str, Enum):
     rollback_failed = "rollback_failed"
     stopped = "stopped"  # the upstream answered stop (artifacts may still be being checked)
     stop_failed = "stop_failed"
-    stop_timeout = "stop_timeout"  # no answer within the stop budget; the stop goes on in the background
+    stop_timeout = "stop_timeout"  # the stop was sent and not answered within the stop budget
+    stop_not_sent = "stop_not_sent"  # the stop never left the fleet (interrupted first): the lease ends it
 
 
 class TargetError(BaseModel):
     code: str
     message: str
+
+
+class Sweep(BaseModel):
+    """What the sweep at the end of a fleet call found on one target (``Fleet._sweep``): the captures
+    carrying the fleet's key still starting or active there, each sent a stop (a start that landed
+    after its deadline, a window whose stop was lost), or that the target could not be asked, and
+    then what ends whatever may still record there."""
+
+    stopped: list[str] = Field(default_factory=list)  # capture ids found live with the key and stopped
+    error: TargetError | None = None  # the target could not be listed, or a stop not sent
+    ends_by: str | None = None  # with ``error``: the lease, or the next sweep of the key, that ends it
 
 
 class TargetResult(BaseModel):
@@ -40,6 +53,7 @@ class TargetResult(BaseModel):
     outcome: TargetOutcome
     capture_id: str | None = None
     state: CaptureState | None = None
+    capture_kind: CaptureKind | None = None  # torch or nsys (None: no capture known)
     stages: list[int] = Field(default_factory=list)
     verdicts: list[StageVerdict] = Field(default_factory=list)
     error: TargetError | None = None
@@ -49,6 +63,7 @@ class TargetResult(BaseModel):
     # measured, e.g. a sidecar older than GET /v1/clock); docs/fleet-clocks.md.
     clock_start: ClockOffset | None = None
     clock_stop: ClockOffset | None = None
+    sweep: Sweep | None = None  # set where the end-of-call sweep found something, or could not look
 
     @property
     def clock(self) -> ClockOffset | None:
@@ -62,13 +77,22 @@ class TargetResult(BaseModel):
         return [s.local_path or s.path for v in self.verdicts for s in v.sessions]
 
     @property
-    def ok(self) -> bool:
-        """Started and stopped cleanly, and — once checked — every stage has its trace."""
+    def traces(self) -> Outcome:
+        """The one rule (sidecar/control/outcome.py): ``ok`` once this target's traces were checked,
+        ``unchecked`` while its capture is live or still being checked, ``failed`` otherwise (its
+        start or stop failed, or the check found them wanting)."""
         if self.error is not None or self.outcome not in (TargetOutcome.started, TargetOutcome.stopped):
-            return False
+            return Outcome.failed
         if any(v.verdict is Verdict.ambiguous for v in self.verdicts):
-            return False
-        return self.state not in (CaptureState.degraded, CaptureState.failed)
+            return Outcome.failed
+        if self.state is None:
+            return Outcome.unchecked
+        return capture_outcome(self.state, self.capture_kind or CaptureKind.torch, [v.verdict for v in self.verdicts])
+
+    @property
+    def ok(self) -> bool:
+        """Started and stopped cleanly, and its traces checked ok (:attr:`traces`)."""
+        return self.traces is Outcome.ok
 
     @property
     def done(self) -> bool:
@@ -77,7 +101,7 @@ class TargetResult(BaseModel):
 
     def with_capture(self, cap: Capture, **changes: Any) -> TargetResult:
         return self.model_copy(
-            update={"capture_id": cap.id, "state": cap.state, "stages": list(cap.stages),
+            update={"capture_id": cap.id, "state": cap.state, "capture_kind": cap.kind, "stages": list(cap.stages),
                     "verdicts": list(cap.verdicts), **changes}
         )
 
@@ -117,8 +141,14 @@ class FanOutResult:
         targets: dict[str, TargetResult]
 
     @property
+    def traces(self) -> Outcome:
+        """The targets' outcomes rolled up by the one rule: failed if any failed, else not checked
+        if any is not, else ok."""
+        return worst(r.traces for r in self.targets.values())
+
+    @property
     def ok(self) -> bool:
-        return all(r.ok for r in self.targets.values())
+        return self.traces is Outcome.ok
 
     @property
     def done(self) -> bool:
@@ -151,6 +181,7 @@ class FanOutResult:
         return {
             "targets": len(rs),
             "ok": len(rs) - len(bad),
+            "unchecked": sum(r.traces is Outcome.unchecked for r in rs),
             "outcomes": dict(sorted(outcomes.items())),
             "states": dict(sorted(states.items())),
             "verdicts": dict(sorted(verdicts.items())),
@@ -196,3 +227,9 @@ class FleetCapture(BaseModel, FanOutResult):
     targets: dict[str, TargetResult]
     start_at: float | None = None  # the wall-clock time the starts were asked for (epoch s)
     released_at: float | None = None  # when the prepared starts were sent (epoch s)
+    # the fleet's key, carried by each target's capture (its label ends ``[fleet:KEY]``): what the
+    # sweep at the end of each fleet call stops (docs/fleet.md, "When the fleet process dies")
+    key: str | None = None
+    # each capture's lease (s), renewed by the fleet while it holds the window: what ends a target's
+    # capture at most this long after the fleet process is gone (None: no lease, ``fleet start``)
+    lease_s: float | None = None

@@ -1,5 +1,5 @@
-"""A call's answer as data, for drivers whose work runs in another process (a Ray actor, a fleet
-worker process): ``("ok", value)`` or ``("error", wire error)``, the error in the one codec of
+"""A call's answer as data, for the driver whose work runs in another process (a Ray node actor,
+``sidecar/fleet/_ray.py``): ``("ok", value)`` or ``("error", wire error)``, the error in the one codec of
 ``sidecar.errors`` (``error_to_wire`` / ``error_from_wire``) and raised again on the fleet's side
 as the same ``SidecarError`` class. A failure never crosses as an exception object: a class built
 with other arguments, one the other side lacks, or a failure that is no ``SidecarError`` still

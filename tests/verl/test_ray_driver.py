@@ -82,3 +82,35 @@ async def test_the_servers_of_a_node_share_one_actor_process(ray_cluster, stubs:
     assert len(pids) == processes  # 3 servers on one node: one process (or ceil(3 / per_actor))
     assert [[c[1] for c in r["calls"] if c[1] in ("/start_profile", "/stop_profile")] for r in stubs.log().values()] == [
         ["/start_profile", "/stop_profile"]] * 3
+
+
+async def test_a_start_answered_after_the_deadline_on_a_node_is_swept_and_stopped(ray_cluster, stubs: StubFleet):
+    # the node's controller carries on with the start the trainer stopped waiting for; the sweep
+    # reads the node's captures, finds it by the fleet's key and stops it once it is answered
+    stubs.reset(faults={2: "slow_start=3"})
+    fleet, targets = _fleet(ray_cluster, stubs, start_timeout_s=1)
+    async with fleet:
+        with pytest.raises(FleetError) as info:
+            await fleet.start(label="step1")
+    late = next(t for t in info.value.details["targets"] if t["target"] == targets[2].name)
+    assert (late["outcome"], late["error"]["code"], len(late["sweep"]["stopped"])) == ("start_failed", "start_timeout", 1)
+    deadline = time.monotonic() + 60
+    while not stubs.received("/start_profile", key="handled")[2]:  # until the late start landed
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    calls = {i: [c[1] for c in r["calls"] if c[1] in ("/start_profile", "/stop_profile")] for i, r in stubs.log().items()}
+    assert calls == {i: ["/start_profile", "/stop_profile"] for i in range(3)}
+    assert [i for i, r in stubs.log().items() if r["recording"]] == []
+
+
+async def test_each_node_starts_and_ends_the_window_itself(ray_cluster, stubs: StubFleet):
+    stubs.reset(faults={})
+    fleet, targets = _fleet(ray_cluster, stubs)
+    async with fleet:
+        at = time.time() + 5  # told to each node on its own clock: it schedules the start there
+        fc = await fleet.capture(0.5, label="step1", start_at=at, artifact_timeout_s=60)
+        # each ended by its node's own watchdog at its duration, not by the trainer's stop
+        reasons = [(await fleet._drivers[n].get(r.capture_id)).stop_reason for n, r in fc.targets.items()]
+    assert fc.ok, fc.rollup()
+    assert all(ts and ts[0] / 1e9 >= at for ts in stubs.received("/start_profile").values())
+    assert [r.value if r else None for r in reasons] == ["duration"] * len(targets)
