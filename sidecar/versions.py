@@ -57,11 +57,12 @@ def _line(line: tuple[int, int]) -> str:
 # --- file names -----------------------------------------------------------------------------
 # Plain vLLM's worker trace on CPU: 0.30 names it after the engine instance
 # (``<instance_id>-rank-<r>.<ns>.pt.trace.json.gz``), 0.31 on like the GPU worker
-# (``[<prefix>_]dp0_pp0_tp0_dcp0_ep0_rank0.<ns>.pt.trace.json.gz``); the front end writes
+# (``[<prefix>_]dp0_pp0_tp0_dcp0_ep0_rank0.<ns>.pt.trace.json.gz``, or ``[<prefix>_]rank0...`` where the
+# worker's parallel state is not up when its profiler is made: the CPU worker); the front end writes
 # ``[<prefix>_]<host>_<pid>.async_llm.<ns>.pt.trace.json.gz``.
 TRACE_BY_INSTANCE = re.compile(r"^(?P<worker>.+-rank-(?P<rank>\d+))\.(?P<stamp>\d+)\.pt\.trace\.json(\.gz)?$")
 TRACE_BY_RANK_SUFFIX = re.compile(
-    r"^(?P<worker>(?:(?P<prefix>[A-Za-z0-9][A-Za-z0-9._-]*)_)?dp\d+_pp\d+_tp\d+_dcp\d+_ep\d+_rank(?P<rank>\d+))"
+    r"^(?P<worker>(?:[A-Za-z0-9][A-Za-z0-9._-]*_)?(?:dp\d+_pp\d+_tp\d+_dcp\d+_ep\d+_)?rank(?P<rank>\d+))"
     r"\.(?P<stamp>\d+)\.pt\.trace\.json(\.gz)?$")
 # The key_averages table, rewritten in place by every later stop: ``profiler_out_<r>.txt`` up to
 # 0.31 (and vLLM-Omni's workers), ``<worker>.profiler_out.txt`` from 0.32.

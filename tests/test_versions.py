@@ -149,3 +149,21 @@ stages:
 
 def test_every_known_omni_release_pairs_with_a_known_vllm() -> None:
     assert {d.vllm_line for d in OMNI_DIALECTS} <= {d.line for d in VLLM_DIALECTS}
+
+
+@pytest.mark.parametrize(("name", "version"), [
+    ("0a1b2c-rank-0.1796459577500557026.pt.trace.json.gz", "0.30"),  # vLLM 0.30's CPU worker
+    ("cap-20261205-083319-78233c_rank0.1796459599597695455.pt.trace.json.gz", "0.32"),  # 0.32's CPU worker, as written
+    ("dp0_pp0_tp0_dcp0_ep0_rank0.1796459599597695455.pt.trace.json.gz", "0.31"),  # the GPU worker's name
+])
+def test_each_versions_worker_trace_name_is_its_own(name: str, version: str) -> None:
+    assert {v for v, d in V.items() if d.trace_pattern().match(name)} == (
+        {"0.30"} if version == "0.30" else {"0.31", "0.32", "0.33", "0.34"})
+
+
+def test_both_table_names_are_tables_and_the_front_ends_is_not_a_worker_trace() -> None:
+    from sidecar.versions import is_table_file
+
+    assert all(map(is_table_file, ["profiler_out_0.txt", "cap-x_rank0.profiler_out.txt", "h_1.async_llm.profiler_out.txt"]))
+    assert not any(d.trace_pattern().match("cap-x_vm_20326.async_llm.1796459599896141107.pt.trace.json.gz")
+                   for d in VLLM_DIALECTS)
