@@ -39,15 +39,16 @@ from sidecar.control.nsys import nsys_command, nsys_hint
 from sidecar.control.pacing import Direct, Pacing
 from sidecar.control.schedule import check_start_at, wait_until
 from sidecar.control.settings import ControlSettings
-from sidecar.control.steps import Read
+from sidecar.control.steps import Bound, Read
 from sidecar.control.stopping import send_stop
 from sidecar.control.summaries import SUMMARY_TOP, SummaryCache
 from sidecar.errors import ArtifactNotFound, CaptureActive, CaptureNotFound, CaptureStateError, CaptureStopPending
 from sidecar.errors import SidecarClosing, SidecarError, StageSetMismatch, StartCancelled
-from sidecar.errors import UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from sidecar.errors import UpstreamError, UpstreamSessionActive, UpstreamTimeout, UpstreamUnreachable
 from sidecar.scrub import env_secret_values, scrub_secrets
 from sidecar.upstream.metrics import MetricsSnapshot
 from sidecar.upstream.server import Flavor, UpstreamServer
+from sidecar.versions import ServerVersion
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,7 @@ class CaptureController:
         if self._opened:
             return []
         self._opened = True
+        self._identify_soon()
         entries = await asyncio.to_thread(self.journal.load) if self.journal else []
         recovered: list[Capture] = []
         for entry in entries:
@@ -327,7 +329,9 @@ class CaptureController:
         # Validation comes before anything reaches the server (docs/design.md §4), and before the
         # overlap check: a bad stage list is wrong whatever else is running.
         selected = select_stages(self.deploy, stages, kind=kind.value)
-        bound = limits.steps_bound(self.deploy, list(selected), steps, steps_bound)
+        version = await self._version()
+        bound = limits.steps_bound(self.deploy, list(selected), steps, steps_bound,
+                                   per_capture=version is not None and version.per_capture_bounds)
         warning = None
         if steps is not None and budget_check and self.settings.budget_mb is not None:
             warning = budget.check_budget(self.last_plan, list(selected), steps, self.settings.budget_mb,
@@ -354,11 +358,14 @@ class CaptureController:
             )
             if warning is not None:
                 cap.facts.append(note("budget_over", **warning))
-            if steps is not None:
+            options = limits.start_options(version, cap.id, bound, steps, delay_steps)
+            self._version_facts(cap, version, options)
+            if steps is not None and bound is not Bound.per_capture:
                 cap.facts.extend(note("server_bound", sid, **f)
                                  for sid, f in steps_bounded_by_server(self.deploy, cap.stages, steps))
             rt = self._rt[cap.id] = _Runtime()
             rt.watches = self._watches(cap.stages, shared_stages)
+            artifacts.name_files(rt.watches, options.get("profile_prefix"))  # type: ignore[arg-type]
             self._captures[cap.id] = cap
             self._busy.append(cap.id)
             sent = False
@@ -385,7 +392,7 @@ class CaptureController:
                 self._open_window(cap, rt)
                 self._changed(cap)
                 await self.flush()  # journaled with the baselines before anything can start upstream
-                if delay_steps and first is not None:
+                if delay_steps and first is not None and "delay_iterations" not in options:
                     await self._measures.wait_delay(first, cap.stages, delay_steps)
                 if prepared is not None and not prepared.done():
                     prepared.set_result(_copy(cap))
@@ -393,9 +400,9 @@ class CaptureController:
                     await self._until(cap, rt, start_at)
                 if release is None:
                     await at_the_send()
-                    await self.upstream.start_profile(cap.stages)
+                    await self._send_start(cap, options)
                 else:  # the request waits, all but sent, for the fan-out's release
-                    await self.upstream.start_profile(cap.stages, before_send=send_now)
+                    await self._send_start(cap, options, before_send=send_now)
             except BaseException as exc:
                 if sent:
                     await self._start_failed(cap, rt, exc)
@@ -447,7 +454,9 @@ class CaptureController:
     async def _start_failed(self, cap: Capture, rt: _Runtime, exc: BaseException) -> None:
         """The start was sent and did not succeed: roll back what the server may have started."""
         if isinstance(exc, UpstreamError):
-            await self._rollback(cap, exc.code, exc.message, delivered=not isinstance(exc, UpstreamUnreachable))
+            # a 409 started nothing of this capture's: no stop for it (that would end another's session)
+            delivered = not isinstance(exc, (UpstreamUnreachable, UpstreamSessionActive))
+            await self._rollback(cap, exc.code, exc.message, delivered=delivered)
             exc.details.setdefault("capture_id", cap.id)
         elif isinstance(exc, asyncio.CancelledError):
             # The caller went away mid-start: the server may be recording; undo it in the background.
@@ -459,6 +468,66 @@ class CaptureController:
         elif isinstance(exc, Exception):  # a bug must not leave a profiler running or the slot taken
             log.exception("capture %s: start failed unexpectedly", cap.id)
             await self._rollback(cap, "internal_error", f"{type(exc).__name__}: {exc}", delivered=True)
+
+    async def _version(self) -> ServerVersion | None:
+        """What the server is (sidecar/versions.py), asked once per connection: plain vLLM's start
+        depends on it (its body, its 409). vLLM-Omni's HTTP surface is the same in every known
+        release, so its start does not wait for it: the version known so far, and one asked for in
+        the background for the captures after."""
+        if self.upstream.flavor is Flavor.vllm:
+            return await self.upstream.identify()
+        self._identify_soon()
+        return self.upstream.version
+
+    def _identify_soon(self) -> None:
+        """Ask what the server is in the background (at open: the sidecar's connect), once at a time."""
+        if self.upstream.version is None and not any(t.get_name() == "identify" for t in self._background):
+            task = asyncio.create_task(self.upstream.identify(), name="identify")
+            self._background.add(task)  # type: ignore[arg-type]
+            task.add_done_callback(self._background.discard)  # type: ignore[arg-type]
+
+    def _version_facts(self, cap: Capture, version: ServerVersion | None, options: dict[str, object]) -> None:
+        """The server's version and the start's options on the capture; a note where a reader must
+        act (a version the table does not know, a mismatched pair) or the start bounds the window."""
+        if version is None:
+            return
+        cap.server = {**version.figures(), "start_options": dict(options)}
+        cap.facts.extend(note(str(w.pop("code")), **w) for w in version.warnings() if w.get("version") or
+                         w["code"] == "version_mismatch")
+        if "max_iterations" in options:
+            cap.facts.append(note("start_options", **options))
+
+    async def _send_start(self, cap: Capture, options: dict[str, object],
+                          before_send: Callable[[], Awaitable[None]] | None = None) -> None:
+        """The start, with its per-capture options. A 409 (vLLM >= 0.32: a session still open) from
+        this sidecar's own earlier window (started, its stop never answered) is stopped and the start
+        sent again, said in the capture; from anyone else's it is refused, named (never stopped here)."""
+        try:
+            await self.upstream.start_profile(cap.stages, before_send=before_send, options=options)
+            return
+        except UpstreamSessionActive as exc:
+            own = self._left_open(cap)
+            if own is None:
+                exc.message = (
+                    f"{exc.message}. The session open on {self.upstream.base_url} is not this sidecar's (no capture "
+                    "it journaled was left open there): another client started it (a POST /start_profile by hand, "
+                    "another sidecar or trainer on this server). Stop it there (POST /stop_profile) and start again")
+                exc.details["open_session"] = "not this sidecar's"
+                raise
+            exc.details["open_session"] = own.id
+        await self.upstream.stop_profile(own.stages, budget_s=min(self.settings.rollback_budget_s,
+                                                                  self.upstream.stop_budget_s))
+        cap.facts.append(note("session_reopened", previous=own.id, stages=own.stages))
+        await self.upstream.start_profile(cap.stages, options=options)
+
+    def _left_open(self, cap: Capture) -> Capture | None:
+        """This sidecar's newest started window on ``cap``'s server, if its stop may have left the
+        server's session open: never answered, or answered with an error (vLLM keeps the session then)."""
+        last = next((c for c in self.list() if c.id != cap.id and c.terminal and c.started_at is not None
+                     and scrub_secrets(c.upstream) == scrub_secrets(cap.upstream)), None)
+        if last is not None and (last.stopped_at is None or any(e.code == "stop_server_error" for e in last.errors)):
+            return last
+        return None
 
     def _refuse_overlap(self) -> None:
         if not self._busy:

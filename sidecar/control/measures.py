@@ -27,6 +27,16 @@ from sidecar.upstream.server import UpstreamServer
 log = logging.getLogger(__name__)
 
 
+def window_ends(deploy: DeployConfig, cap: Capture) -> dict[int, int] | None:
+    """Each stage's own end of a window its server ends: the deploy's caps (``server_cap``), or the
+    steps (after the delay) the start's body asked for (``per_capture``); None for a counted one."""
+    if cap.steps_bound is Bound.server_cap:
+        return server_window_ends(deploy, cap.stages)
+    if cap.steps_bound is Bound.per_capture and cap.steps is not None:
+        return {s: cap.steps + (cap.delay_steps or 0) for s in cap.stages}
+    return None
+
+
 class WindowMeasures:
     """What the server says about one controller's windows."""
 
@@ -75,7 +85,7 @@ class WindowMeasures:
         """A ``steps`` window: its counter read and fed to the policy until it says stop; its end is
         kept on the capture (``steps_counted``, ``steps_ended_by`` and a ``steps_ended`` fact)."""
         assert cap.steps is not None and cap.steps_bound is not None
-        ends = server_window_ends(self.deploy, cap.stages) if cap.steps_bound is Bound.server_cap else None
+        ends = window_ends(self.deploy, cap)
         policy = StepsWindow(cap.steps, cap.stages, bound=cap.steps_bound, ends=ends, base=base,
                              answered_at=answered_at, stall_s=self.settings.steps_stall_s,
                              max_s=self.settings.steps_wait_s)
@@ -122,7 +132,8 @@ class WindowMeasures:
             return verdicts
         per_stage, idle, writes = window.trace_steps(data.get("files", []), cap.stages)
         steps = cap.steps or 0
-        capped = {s for s, pc in server_bounded_stages(self.deploy, cap.stages) if pc.max_iterations > 0}
+        capped = set(cap.stages) if cap.steps_bound is Bound.per_capture else {
+            s for s, pc in server_bounded_stages(self.deploy, cap.stages) if pc.max_iterations > 0}
         for f in steps_traced(steps, per_stage, idle, capped=capped):
             sid = f.pop("stage_id")
             cap.facts.append(note("steps_traced", sid if isinstance(sid, int) else None, **f))
@@ -137,4 +148,4 @@ class WindowMeasures:
                 if v.stage_id in per_stage else v for v in verdicts]
 
 
-__all__ = ["WindowMeasures"]
+__all__ = ["WindowMeasures", "window_ends"]

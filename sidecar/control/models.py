@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, computed_field, field_seriali
 
 from sidecar.control import filenames
 from sidecar.control.notes import Note, word
+from sidecar.control.outcome import Outcome, outcome_of
 from sidecar.control.steps import Bound, EndedBy
 from sidecar.upstream.metrics import WindowMetrics
 
@@ -189,6 +190,10 @@ class Capture(BaseModel):
     clocks: list[ClockRecord] = Field(default_factory=list)  # a fleet's offsets of this host's clock
     # The server's /metrics differenced over the window (None: a record from before they were kept).
     window_metrics: WindowMetrics | None = None
+    # What the server was at the start (sidecar/versions.py ServerVersion.figures: plain vLLM or
+    # vLLM-Omni, their versions, what its start takes) and the per-capture options the start sent
+    # (``start_options``: profile_prefix, max_iterations, delay_iterations); None: not known yet.
+    server: dict[str, Any] | None = None
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -196,14 +201,21 @@ class Capture(BaseModel):
         """The facts in words (the one place: sidecar/control/notes.py)."""
         return [word(n) for n in self.facts]
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def outcome(self) -> Outcome:
+        """``ok`` (the traces were checked), ``failed`` or ``unchecked`` (not yet): the one rule
+        every surface reads (sidecar/control/outcome.py)."""
+        return outcome_of(self)
+
     @model_validator(mode="before")
     @classmethod
     def _legacy_notes(cls, data: Any) -> Any:
         """A journal written before facts holds ``notes`` as prose: kept, as ``text`` facts."""
         if isinstance(data, dict) and "facts" not in data and data.get("notes"):
             data = {**data, "facts": [{"code": "text", "figures": {"text": str(t)}} for t in data["notes"]]}
-        if isinstance(data, dict) and "notes" in data:
-            data = {k: v for k, v in data.items() if k != "notes"}
+        if isinstance(data, dict) and ("notes" in data or "outcome" in data):  # computed, never read back
+            data = {k: v for k, v in data.items() if k not in ("notes", "outcome")}
         return data
 
     def fact(self, code: str) -> list[Note]:

@@ -7,11 +7,14 @@ counter and feeds it (sidecar/control/counting.py), and a unit test feeds it rec
 (tests/data/steps/). Every window ends: by the steps, by the server's own end, or by a bound in
 time when the counter stops moving, stops answering, goes back, or the window runs too long.
 
-A window is bounded one of two ways (:class:`Bound`):
+A window is bounded one of three ways (:class:`Bound`):
 - ``server_cap``: every stage's server ends its own window after ``max_iterations`` engine
   iterations (``omni-sidecar render --steps N`` writes the cap). The stop then only has to come
   after that end: it waits until each stage has counted its own end plus ``CAPPED_MARGIN`` past
   its count at the start's answer (its profiler started somewhere before that read).
+- ``per_capture``: the start's own body asks the server for exactly the steps (``max_iterations``,
+  ``delay_iterations``: vLLM >= 0.32), with no deploy cap; the stop then waits as for
+  ``server_cap``, each stage's end being the steps (plus the delay).
 - ``count``: asked for by name (best effort): the sidecar stops once the count reaches the steps.
   The stop travels while the engines step on, so the trace holds more (on the real servers with
   no cap, 5 asked traced 33 on vLLM 0.30, 20 asked traced 225 on vLLM 0.32); the capture then says
@@ -35,6 +38,7 @@ class Bound(str, Enum):
     """What ends a ``steps`` window's recording."""
 
     server_cap = "server_cap"  # every stage's deploy max_iterations (render --steps)
+    per_capture = "per_capture"  # the start body's max_iterations (vLLM >= 0.32): the server ends it, exactly
     count = "count"  # the sidecar's count (best effort, asked for by name)
 
 
