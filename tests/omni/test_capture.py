@@ -51,6 +51,7 @@ def assert_not_recording(setup: Setup) -> None:
     assert tree(setup.dirs) == before
 
 
+@pytest.mark.smoke
 def test_busy_window_on_both_stages_is_ok_with_the_real_names(two_stage: Setup, client: SidecarClient) -> None:
     cap = capture(client, two_stage.url)
     assert cap.state.value == "completed", cap
@@ -69,12 +70,14 @@ def test_busy_window_on_both_stages_is_ok_with_the_real_names(two_stage: Setup, 
     assert_not_recording(two_stage)
 
 
+@pytest.mark.smoke
 def test_idle_window_is_empty_on_both_stages(two_stage: Setup, client: SidecarClient) -> None:
     cap = capture(client, None)
     assert cap.state.value == "degraded", cap
     assert {sid: v.verdict.value for sid, v in by_stage(cap).items()} == {0: "empty", 1: "empty"}
 
 
+@pytest.mark.smoke
 def test_one_stage_of_two_records_only_that_stage(two_stage: Setup, client: SidecarClient) -> None:
     stage0_before = tree({0: two_stage.dirs[0]})
     cap = capture(client, two_stage.url, stages=[1])
@@ -133,6 +136,7 @@ def test_a_partial_stop_on_the_server_leaves_the_other_stage_recording(two_stage
     assert_not_recording(two_stage)
 
 
+@pytest.mark.smoke
 def test_kill_9_of_the_sidecar_mid_capture_is_recovered_and_the_server_stops_recording(
     two_stage: Setup, sidecar: SidecarProcess, tmp_path: Path
 ) -> None:
@@ -154,3 +158,23 @@ def test_kill_9_of_the_sidecar_mid_capture_is_recovered_and_the_server_stops_rec
     assert cap.stop_reason is not None and cap.stop_reason.value == "stopped_on_recovery", cap
     assert {sid: v.verdict.value for sid, v in by_stage(cap).items()} == {0: "ok", 1: "ok"}, cap
     assert_not_recording(two_stage)
+
+
+@pytest.mark.smoke
+def test_the_sidecar_knows_its_server_by_version(two_stage: Setup, sidecar: SidecarProcess) -> None:
+    # vLLM-Omni answers GET /version with its vLLM's version; it is told apart by a route only it serves
+    from typer.testing import CliRunner
+
+    from sidecar.cli import app
+    from tests.omni.conftest import PAIRED_VLLM, VERSION
+
+    with httpx.Client(base_url=sidecar.url, timeout=60) as http:
+        assert poll(lambda: http.get("/v1/stages").json()["server"], timeout=60)
+        server = http.get("/v1/stages").json()["server"]
+    line = f"{PAIRED_VLLM.line[0]}.{PAIRED_VLLM.line[1]}."
+    assert (server["kind"], server["omni"], server["vllm"].startswith(line), server["warnings"]) == (
+        "omni", VERSION, True, []), server
+    said = CliRunner().invoke(app, ["validate", "--server", two_stage.url])
+    assert (said.exit_code, " ".join(said.output.split())) == (0, f"server: vLLM-Omni {VERSION} on vLLM {server['vllm']}: "
+            "per-capture bounds not available over HTTP; deploy caps are vLLM-Omni serves its own version nowhere: "
+            f"{VERSION} is the release made for vLLM {server['vllm']} (--omni-version to name another)"), said.output

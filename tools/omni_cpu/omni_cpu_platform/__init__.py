@@ -1,4 +1,4 @@
-"""omni-sidecar test support: runs the real vLLM-Omni 0.30 server on CPU (docs/omni-cpu.md).
+"""omni-sidecar test support: runs the real vLLM-Omni server (0.30.0, 0.32.0rc1) on CPU (docs/omni-cpu.md).
 
 Stands in for what a GPU build brings: vLLM-Omni's ``CudaOmniPlatform`` (through its
 ``vllm_omni.platform_plugins`` entry point), the CUDA AR worker, and a real model pipeline
