@@ -291,20 +291,24 @@ async def _window_round(fleet_args: dict, stubs: StubFleet, size: int, lead: flo
             "late_first": (min(starts) / 1e9 - start_at) * 1e3}
 
 
-def _window_table(title: str, rows: dict[int, dict[str, float]]) -> None:
-    sizes = sorted(rows)
-    one = rows[1]
+def _window_table(title: str, rows: dict[tuple[int, bool], dict[str, float]]) -> None:
+    """Rows by (targets, clock exchange on); each finish against one target's with the same exchange."""
     print(f"\n{title} ({os.cpu_count()} CPUs; load {os.getloadavg()[0]:.1f})")
-    print(f"{'targets':>8} {'start skew p50 / p99 ms':>24} {'stop skew p50 / p99 ms':>23} {'1st start after start_at ms':>27} "
-          f"{'finish s':>9} {'vs 1':>6}")
-    for size in sizes:
-        r = rows[size]
-        print(f"{size:>8} {r['start_p50']:>11.1f} / {r['start_p99']:>10.1f} {r['stop_p50']:>10.1f} / {r['stop_p99']:>10.1f} "
-              f"{r['late_first']:>27.1f} {r['finish']:>9.3f} {r['finish'] / one['finish']:>5.2f}x")
-    big = rows[sizes[-1]]
-    for name, value, goal, unit in (("start skew p50", big["start_p50"], 20, " ms"), ("stop skew p50", big["stop_p50"], 20, " ms"),
-                                    ("finish vs one replica", big["finish"] / one["finish"], 3, "x")):
-        print(f"  goal at {sizes[-1]}: {name} {value:.2f}{unit} (<= {goal:g}{unit}) -> {'met' if value <= goal else 'NOT met'}")
+    print(f"{'targets':>8} {'clocks':>6} {'start skew p50 / p99 ms':>24} {'stop skew p50 / p99 ms':>23} "
+          f"{'1st start after start_at ms':>27} {'finish s':>9} {'vs 1':>6}")
+    for (size, clocks), r in sorted(rows.items()):
+        one = rows[(1, clocks)]
+        print(f"{size:>8} {'on' if clocks else 'off':>6} {r['start_p50']:>11.1f} / {r['start_p99']:>10.1f} "
+              f"{r['stop_p50']:>10.1f} / {r['stop_p99']:>10.1f} {r['late_first']:>27.1f} {r['finish']:>9.3f} "
+              f"{r['finish'] / one['finish']:>5.2f}x")
+    n = max(size for size, _ in rows)
+    for clocks in sorted({c for _, c in rows}, reverse=True):
+        big, one = rows[(n, clocks)], rows[(1, clocks)]
+        for name, value, goal, unit in (("start skew p50", big["start_p50"], 20, " ms"),
+                                        ("stop skew p50", big["stop_p50"], 20, " ms"),
+                                        ("finish vs one target", big["finish"] / one["finish"], 3, "x")):
+            print(f"  goal at {n}, clock exchange {'on' if clocks else 'off'}: {name} {value:.2f}{unit} "
+                  f"(<= {goal:g}{unit}) -> {'met' if value <= goal else 'NOT met'}")
 
 
 def _windows(sizes: list[int], latency: float, repeat: int) -> None:
@@ -315,9 +319,10 @@ def _windows(sizes: list[int], latency: float, repeat: int) -> None:
         targets = [Target.sidecar(u) for u in stubs.urls]
         rows = {}
         for size in [1, *sizes]:
-            args = dict(targets=targets[:size], stop_budget_s=120, client_timeout_s=120)
-            runs = [asyncio.run(_window_round(args, stubs, size, _lead(size))) for _ in range(repeat)]
-            rows[size] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            for clocks in (True, False):  # the stop's clock exchanges are part of the results, or left out
+                args = dict(targets=targets[:size], stop_budget_s=120, client_timeout_s=120, exchange_clocks=clocks)
+                runs = [asyncio.run(_window_round(args, stubs, size, _lead(size))) for _ in range(repeat)]
+                rows[(size, clocks)] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     _window_table(f"scheduled windows: sidecar stubs, hold {latency:g}s, window {WINDOW_S:g}s, one fleet process, "
                   f"median of {repeat}", rows)
 
@@ -348,8 +353,8 @@ def _ray_windows(n: int, per_node: int, latency: float, repeat: int) -> None:
                 up = time.perf_counter() - t0
                 args = dict(targets=targets[:size], stages=[0], drivers=nodes, stop_budget_s=120)
                 # the nodes prepare in their own processes: start_at leaves them the lead their start takes
-                runs = [asyncio.run(_window_round(args, stubs, size, 2.0 + 0.005 * size)) for _ in range(repeat)]
-                rows[size] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+                runs = [asyncio.run(_window_round(args, stubs, size, 2.0 + 0.02 * size)) for _ in range(repeat)]
+                rows[(size, True)] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
                 for actor in {id(a): a for a in nodes._launched.values()}.values():
                     ray.kill(actor)
                 print(f"{size} targets: {-(-size // per_node)} node actor(s) up in {up:.1f}s")

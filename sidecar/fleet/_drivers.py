@@ -20,7 +20,7 @@ from sidecar.config.profiler import ProfilerConfig
 from sidecar.control.models import Capture, CaptureState, StopReason
 from sidecar.errors import CaptureNotFound, KindUnsupported, RequestInvalid
 from sidecar.fleet._clocks import MORE, SAMPLES, ClockOffset, clock_record, exchange
-from sidecar.fleet._release import Gate, gated_start
+from sidecar.fleet._release import Gate, Release, gated_start
 from sidecar.fleet._targets import Target
 from sidecar.upstream.transport import AiohttpTransport
 
@@ -216,6 +216,7 @@ class UpstreamDriver:
         self.deploy = deploy
         self._recovered: list[str] = []  # captures journaled live by an earlier process, stopped at open
         self._started: list[str] = []  # the captures this driver started, oldest first
+        self._timed: dict[str, Release] = {}  # a scheduled start's own gate, until it was sent
 
     async def open(self) -> DeployConfig | None:
         self._recovered = [c.id for c in await self.controller.open()]
@@ -226,16 +227,38 @@ class UpstreamDriver:
 
     async def start(self, stages, label, duration_s, lease_s, kind: Kind = "torch",  # type: ignore[no-untyped-def]
                     release: Gate | None = None, steps: int | None = None, start_at: float | None = None) -> Capture:
-        """``release``: the gate the prepared start waits at (in this process); ``start_at`` (this
-        host's clock; a Ray node's schedule): answered once prepared, state ``starting``, the start
-        sent then by the controller itself."""
+        """``release``: the gate the prepared start waits at (in this process). ``start_at`` (this
+        host's clock; a Ray node's schedule): answered once prepared (state ``starting``), the start
+        then held at its last byte until ``start_at`` by a gate of its own (the one gate, timed
+        here); a stop before then withholds it, and nothing reaches the server."""
+        if start_at is not None:
+            return await self._schedule(stages, label, duration_s, lease_s, kind, steps, start_at)
+        return await self._start(stages, label, duration_s, lease_s, kind, release, steps)
+
+    async def _schedule(self, stages, label, duration_s, lease_s, kind, steps, start_at) -> Capture:  # type: ignore[no-untyped-def]
+        timed = Release(1, start_at=start_at)
+        prepared: asyncio.Future[Capture] = asyncio.get_running_loop().create_future()
+        task = asyncio.ensure_future(self._start(stages, label, duration_s, lease_s, kind, timed.gate(), steps,
+                                                 prepared=prepared))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its outcome is the capture's record
+        await asyncio.wait({prepared, task}, return_when=asyncio.FIRST_COMPLETED)
+        if not prepared.done():
+            prepared.cancel()
+            return task.result()  # refused before it was prepared: raises
+        cap = prepared.result()
+        self._timed[cap.id] = timed
+        task.add_done_callback(lambda _: self._timed.pop(cap.id, None))
+        self._started.append(cap.id)
+        return cap
+
+    async def _start(self, stages, label, duration_s, lease_s, kind, release, steps,  # type: ignore[no-untyped-def]
+                     prepared: asyncio.Future[Capture] | None = None) -> Capture:
         extra: dict[str, Any] = {} if release is None else {"release": release}
         if steps is not None:
             extra["steps"] = steps
-        if start_at is not None:
-            cap = await self.controller.schedule(stages, start_at=start_at, label=label, duration_s=duration_s,
-                                                 lease_s=lease_s, kind=kind, **extra)
-        elif kind == "torch":
+        if prepared is not None:
+            extra["prepared"] = prepared
+        if kind == "torch":
             cap = await self.controller.start(stages, label=label, duration_s=duration_s, lease_s=lease_s, **extra)
         elif "kind" not in inspect.signature(self.controller.start).parameters:
             raise KindUnsupported(f"{self.target.name}: this build's capture controller has no {kind} captures; "
@@ -243,10 +266,14 @@ class UpstreamDriver:
         else:
             cap = await self.controller.start(stages, label=label, duration_s=duration_s, lease_s=lease_s,  # type: ignore[call-arg]
                                               kind=kind, **extra)
-        self._started.append(cap.id)
+        if prepared is None:
+            self._started.append(cap.id)
         return cap
 
     async def stop(self, capture_id: str, reason: StopReason) -> Capture:
+        timed = self._timed.get(capture_id)
+        if timed is not None:  # a start waiting for its start_at sends nothing now (once released, no-op)
+            timed.abort(f"stopped ({reason.value}) before its start_at")
         return await self.controller.stop(capture_id, reason=reason)  # at once: the stop runs in the background
 
     async def stopped(self, capture_id: str) -> Capture:
