@@ -272,6 +272,7 @@ def test_a_capture_is_ok_only_once_its_traces_were_checked(state, kind, verdicts
                   kind=kind, state=state, created_at=datetime.now(timezone.utc),
                   verdicts=[StageVerdict(stage_id=i, verdict=v) for i, v in enumerate(verdicts)])
     assert capture_outcome(state, kind, verdicts) is outcome and outcome_of(cap) is outcome
+    assert json.loads(cap.model_dump_json())["outcome"] == outcome.value  # what the API and the web page serve
 
 
 def test_fleet_capture_whose_traces_are_not_checked_yet_never_exits_0(tmp_path):

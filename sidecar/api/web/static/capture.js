@@ -8,6 +8,9 @@ import { openInPerfetto } from "./perfetto.js";
 import { windowCard } from "./steps.js";
 import { VERDICT_HELP, stateBadge, verdictBadge } from "./verdicts.js";
 
+// the capture's `outcome`: the server's one rule for ok (sidecar/control/outcome.py), as the CLI's exit code
+const TRACES_TEXT = { ok: "checked, ok", failed: "not ok (see the verdicts)", unchecked: "not checked yet" };
+
 const POLL_MS = 1500;
 const TOP_N = 10;
 const TRACE_FILE = /(^|\/)(trace_rank\d+\.json(\.gz)?|.*\.pt\.trace\.json(\.gz)?)$/;
@@ -98,6 +101,7 @@ function renderHead(card, cap, reload) {
       fact("Stop", cap.stop_reason ? cap.stop_reason.replaceAll("_", " ") : "–"),
       fact("Flush", flush === null ? "–" : seconds(flush)),
       fact("Checked", check === null ? "–" : seconds(check)),
+      fact("Traces", TRACES_TEXT[cap.outcome] || "–"),
     ),
     cap.errors && cap.errors.length
       ? el(
