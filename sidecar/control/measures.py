@@ -21,7 +21,7 @@ from sidecar.control.settings import ControlSettings
 from sidecar.control.steps import Bound, Decision, Read, StepsWindow, idle_fix, steps_traced
 from sidecar.control.summaries import SummaryCache
 from sidecar.errors import MetricsUnavailable, SidecarError, StepsUnavailable
-from sidecar.upstream.metrics import MetricsSnapshot, WindowMetrics, engine_steps, window_metrics
+from sidecar.upstream.metrics import Labels, MetricsSnapshot, WindowMetrics, engine_steps, window_metrics
 from sidecar.upstream.server import UpstreamServer
 
 log = logging.getLogger(__name__)
@@ -54,19 +54,22 @@ class WindowMeasures:
     def reader(self) -> window.ReadCounts:
         return window.reader(self.upstream.step_counts)
 
-    async def step_counter(self, stages: list[int]) -> MetricsSnapshot:
-        """A read of the server's counters, refused when it has none (the check a counted window needs)."""
-        snap = await self.scrape()
-        if isinstance(snap, str):
+    async def step_counter(self, stages: list[int]) -> dict[Labels, int]:
+        """The engines' step counts now, refused when the server has no counter (the check a counted
+        window needs): the fast read of the step family only, not a whole scrape (the window's
+        metrics take theirs at the send)."""
+        try:
+            counts = await self.upstream.step_counts()
+        except MetricsUnavailable as exc:
             raise StepsUnavailable(
-                f"a steps window counts the server's engine steps from its /metrics, and {snap}; check that the "
-                "server is up, or ask for duration_s instead of steps", details={"stages": stages})
-        if not engine_steps(snap):
+                f"a steps window counts the server's engine steps from its /metrics, and {exc.message}; check that "
+                "the server is up, or ask for duration_s instead of steps", details={"stages": stages}) from None
+        if not counts:
             raise StepsUnavailable(
                 f"a steps window counts the server's engine steps from its /metrics, and {self.upstream.base_url}"
                 "/metrics has no vllm:iteration_tokens_total (the server runs with --disable-log-stats?); restart "
                 "it without --disable-log-stats, or ask for duration_s instead of steps", details={"stages": stages})
-        return snap
+        return counts
 
     async def at_send(self) -> tuple[Read, MetricsSnapshot | str]:
         """A counted window's edge, read just before its start is sent: the counters (the steps
@@ -76,9 +79,9 @@ class WindowMeasures:
         at = (t0 + time.monotonic()) / 2
         return Read(at, engine_steps(snap) if isinstance(snap, MetricsSnapshot) else None), snap
 
-    async def wait_delay(self, first: MetricsSnapshot, stages: list[int], n: int) -> None:
+    async def wait_delay(self, first: dict[Labels, int], stages: list[int], n: int) -> None:
         """Until the server has run ``n`` steps since ``first`` (a ``delay_steps`` start)."""
-        await window.wait_steps(self.reader(), engine_steps(first), stages, n, wait_s=self.settings.steps_wait_s,
+        await window.wait_steps(self.reader(), first, stages, n, wait_s=self.settings.steps_wait_s,
                                 poll_s=self.settings.steps_poll_s)
 
     async def count(self, cap: Capture, base: Read | None, answered_at: float) -> Decision:
