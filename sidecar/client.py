@@ -172,11 +172,11 @@ class _Calls:
     def start_capture(
         stages: list[int] | None, label: str | None, duration_s: float | None, lease_s: float | None,
         steps: int | None = None, delay_steps: int | None = None, start_at: float | None = None,
-        steps_bound: str | None = None,
+        steps_bound: str | None = None, profile: str | None = None,
     ) -> _Call:
         body: dict[str, Any] = {"stages": stages, "label": label, "duration_s": duration_s, "lease_s": lease_s,
                                 "steps": steps, "delay_steps": delay_steps, "start_at": start_at,
-                                "steps_bound": steps_bound}
+                                "steps_bound": steps_bound, "profile": profile}
         body = {k: v for k, v in body.items() if v is not None}
         return _Call("POST", "/v1/captures", _capture, json=body, min_timeout=START_TIMEOUT)
 
@@ -310,14 +310,16 @@ class AsyncSidecarClient:
         delay_steps: int | None = None,
         start_at: float | None = None,
         steps_bound: str | None = None,
+        profile: str | None = None,
     ) -> Capture:
         """Start a capture; ``steps``: a window of that many engine steps, ended by the server's own
         cap (``omni-sidecar render --steps N``), or with ``steps_bound="count"`` by the sidecar's
         best-effort count (``delay_steps``: the start waits for that many first). ``start_at``
         (epoch seconds on the sidecar's clock): the start is sent then, and this returns once it is
-        prepared (state ``starting``); ``wait_started`` waits for the server's answer."""
+        prepared (state ``starting``); ``wait_started`` waits for the server's answer. ``profile``:
+        a stage preset's torch options for this capture only (plain vLLM 0.33 or newer)."""
         return await self._send(_Calls.start_capture(stages, label, duration_s, lease_s, steps, delay_steps,
-                                                    start_at, steps_bound))
+                                                    start_at, steps_bound, profile))
 
     async def plan(self, stages: list[int] | None = None, budget_mb: float | None = None,
                    max_stop_s: float | None = None, probe_steps: list[int] | None = None,
@@ -437,14 +439,16 @@ class SidecarClient:
         delay_steps: int | None = None,
         start_at: float | None = None,
         steps_bound: str | None = None,
+        profile: str | None = None,
     ) -> Capture:
         """Start a capture; ``steps``: a window of that many engine steps, ended by the server's own
         cap (``omni-sidecar render --steps N``), or with ``steps_bound="count"`` by the sidecar's
         best-effort count (``delay_steps``: the start waits for that many first). ``start_at``
         (epoch seconds on the sidecar's clock): the start is sent then, and this returns once it is
-        prepared (state ``starting``); ``wait_started`` waits for the server's answer."""
+        prepared (state ``starting``); ``wait_started`` waits for the server's answer. ``profile``:
+        a stage preset's torch options for this capture only (plain vLLM 0.33 or newer)."""
         return self._send(_Calls.start_capture(stages, label, duration_s, lease_s, steps, delay_steps,
-                                                    start_at, steps_bound))
+                                                    start_at, steps_bound, profile))
 
     def plan(self, stages: list[int] | None = None, budget_mb: float | None = None,
              max_stop_s: float | None = None, probe_steps: list[int] | None = None,

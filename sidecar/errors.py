@@ -614,6 +614,16 @@ class StepsUnbounded(CaptureError):
     http_status = 422
 
 
+class ProfileNotPerCapture(CaptureError):
+    """A stage profile asked for one capture where the server cannot take it per capture (its
+    start body has no ``profiler_kwargs``: vLLM before 0.33, every vLLM-Omni), or a preset that is
+    no set of torch options (``nsys``): the deploy's profiler_config is the way, by restart. The
+    request was valid; the server it reached cannot honour it: 409."""
+
+    code = "profile_not_per_capture"
+    http_status = 409
+
+
 class PlanUnmeasurable(CaptureError):
     """A plan whose probes cannot measure a window: a stage traced no engine step, too few probes
     ended ``completed``, or the shortest probe already breaks a bound. The request was valid; the

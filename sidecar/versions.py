@@ -235,6 +235,35 @@ def profiler_field_since(name: str) -> VllmDialect | None:
     return next((d for d in VLLM_DIALECTS if name not in d.profiler_fields_missing), None)
 
 
+# vllm/profiler/wrapper.py (0.31 to 0.34): what a worker of each device type accepts at start
+# (validate_worker_profiler_config), and the torch activities it records when none are configured.
+WORKER_PROFILERS: dict[str, frozenset[str]] = {
+    "cpu": frozenset({"torch"}), "cuda": frozenset({"torch", "cuda", "proton"}), "xpu": frozenset({"torch"})}
+WORKER_ACTIVITIES: dict[str, tuple[str, ...]] = {"cpu": ("CPU",), "cuda": ("CPU", "CUDA"), "xpu": ("CPU", "XPU")}
+# vLLM-Omni's platform names -> vLLM's device type (ROCm's is "cuda"); npu/musa run their own workers
+PLATFORM_DEVICE = {"cuda": "cuda", "rocm": "cuda", "xpu": "xpu", "cpu": "cpu"}
+
+
+def worker_refusal(dialect: VllmDialect, profiler: str | None, activities: list[str] | None,
+                   device: str | None) -> tuple[str, str] | None:
+    """What a worker of ``device`` says at start of this profiler and activities (vLLM >= 0.31 checks;
+    the server then fails to start), as ``(key, vLLM's own message)``; None when it accepts them or
+    the device is not one vLLM's table knows (its own workers decide)."""
+    if not dialect.platform_profilers or profiler is None or device not in WORKER_PROFILERS:
+        return None
+    kinds = WORKER_PROFILERS[device]
+    if profiler not in kinds:
+        return "profiler", (f"Unsupported profiler type for {device}: {profiler}. Supported profiler types: "
+                            f"{', '.join(sorted(kinds))}.")
+    supported = frozenset(WORKER_ACTIVITIES[device])
+    unsupported = set(WORKER_ACTIVITIES[device] if activities is None else activities) - supported
+    if profiler == "torch" and unsupported:
+        return "torch_profiler_activities", (
+            f"Unsupported torch profiler activities for {device}: {', '.join(sorted(unsupported))}. "
+            f"Supported activities: {', '.join(sorted(supported))}.")
+    return None
+
+
 def known(version: Release, dialects: tuple[Any, ...]) -> bool:
     lines = {getattr(d, "line", None) or d.release.line for d in dialects}
     return version.line in lines

@@ -136,3 +136,42 @@ def test_what_the_servers_version_says_of_the_deploy_is_in_stages(control_deploy
             assert poll(lambda: client.get("/v1/stages").json()["server"], timeout=30)
             server = client.get("/v1/stages").json()["server"]
     assert [(f["code"], f["severity"]) for f in server["findings"]] == [("capture_torch_profiler_noop", "warning")]
+
+
+# --- a stage preset for one capture: vLLM 0.33's profiler_kwargs --------------------------------
+
+
+def test_a_preset_for_one_capture_goes_as_profiler_kwargs_on_0_33_and_is_refused_before_it(control_deploy,
+                                                                                            sidecar_factory) -> None:
+    import json
+
+    from tests.fixtures.waits import poll
+
+    pc = control_deploy.stage(0).profiler_config.model_dump(include={"profiler", "torch_profiler_dir"})
+    for version in ("0.32.0", "0.33.0"):
+        with FakeOmni(control_deploy) as fake:
+            fake.flat, fake.version, fake.session_guard = True, version, True
+            sidecar = sidecar_factory(fake.url, None, flavor="vllm", extra_args=["--profiler-config", json.dumps(pc)])
+            with httpx.Client(base_url=sidecar.url, timeout=30) as client:
+                assert poll(lambda: client.get("/v1/stages").json()["server"], timeout=30)
+                r = client.post("/v1/captures", json={"stages": [0], "profile": "memory"})
+                if version == "0.32.0":  # refused before anything reached the server, naming the restart
+                    err = r.json()["error"]
+                    assert (r.status_code, err["code"], fake.starts()) == (409, "profile_not_per_capture", []), r.text
+                    assert "omni-sidecar render --profile memory" in err["message"] and "vLLM 0.32.0" in err["message"]
+                    for name in ("nsys", "memroy"):  # no torch options / no such preset: the schema's own list
+                        bad = client.post("/v1/captures", json={"stages": [0], "profile": name})
+                        assert (bad.status_code, bad.json()["error"]["code"]) == (422, "request_invalid"), bad.text
+                        assert "'memory'" in bad.json()["error"]["message"], bad.text
+                    continue
+                assert r.status_code == 201, r.text
+                cid = r.json()["id"]
+                client.post(f"/v1/captures/{cid}/stop")
+                assert poll(lambda: client.get(f"/v1/captures/{cid}").json()["state"] in ("completed", "degraded"),
+                            timeout=30)
+                done = client.get(f"/v1/captures/{cid}").json()
+    body = json.loads(fake.starts()[0]["raw"])
+    assert body == {"profile_prefix": profile_prefix(cid),
+                    "profiler_kwargs": {"profile_memory": True, "record_shapes": True, "with_stack": False}}, body
+    assert done["server"]["start_options"] == body
+    assert any("profile_memory=on, record_shapes=on, with_stack=off" in n for n in done["notes"]), done["notes"]

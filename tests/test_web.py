@@ -204,6 +204,10 @@ def test_detail_draws_summary_charts(web_stack: WebStack, done_capture: dict[str
     top = max(api_top, key=lambda o: o["self_us"])["name"]
     assert labels[0] == (top if len(top) <= 32 else top[:31] + "…")  # long names are clipped, in full in the tooltip
     assert page.locator('#capture-stages .stage-block[data-stage="0"] .badge.verdict').inner_text() == "ok"
+    # the server the capture ran on, as the sidecar found it at connect (its record's `server`)
+    server = done_capture["server"]
+    facts = dict(zip(page.locator("dl.facts dt").all_text_contents(), page.locator("dl.facts dd").all_text_contents()))
+    assert server["kind"] == "omni" and facts["Server"] == f"vLLM-Omni {server['omni']} on vLLM {server['vllm']}", facts
     screenshot(page, "web-capture")
 
 
@@ -364,6 +368,9 @@ def test_stages_page_shows_config_and_findings(web_stack: WebStack, open_page: A
     assert config["torch_profiler_with_stack"] == "false"
     assert "max_iterations_unbounded" in codes
     assert page.locator('#stages-card .stage-block[data-stage="1"]').get_by_text("no profiler").count() >= 1
+    # what the server is, and which way a steps window is bounded there (GET /v1/stages' `server`)
+    summary = httpx.get(f"{web_stack.url}/v1/stages", timeout=30).json()["server"]["summary"]
+    assert summary.startswith("vLLM-Omni ") and page.locator("#server-line").inner_text() == f"Server {summary}"
     screenshot(page, "web-stages")
 
 

@@ -51,6 +51,10 @@ CountStepsOpt = Annotated[bool, typer.Option(
 DelayStepsOpt = Annotated[
     Optional[int], typer.Option("--delay-steps", min=0, help="start once the server has run N engine steps")
 ]
+ProfileOpt = Annotated[Optional[str], typer.Option(
+    "--profile", help="record this capture with a stage preset's torch options (memory, shapes, stacks, ops, light), "
+    "sent as the start's profiler_kwargs: plain vLLM 0.33 or newer; other servers need `omni-sidecar render "
+    "--profile NAME` and a restart")]
 StartAtOpt = Annotated[Optional[str], typer.Option(
     "--start-at", help="send the start at this time: +S (seconds from now on the sidecar's clock), epoch seconds "
     "or ISO with zone (2026-12-01T14:05:00Z); answered at once, state starting")]
@@ -151,6 +155,7 @@ def start(
     steps: StepsOpt = None,
     delay_steps: DelayStepsOpt = None,
     count_steps: CountStepsOpt = False,
+    profile: ProfileOpt = None,
     start_at: StartAtOpt = None,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
@@ -160,7 +165,7 @@ def start(
         at = None if start_at is None else _on_sidecar_clock(client, start_at)
         cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease,
                                    steps=steps, delay_steps=delay_steps, start_at=at,
-                                   steps_bound="count" if count_steps else None)
+                                   steps_bound="count" if count_steps else None, profile=profile)
         if as_json:
             console.print_json(cap.model_dump_json())
         elif cap.start_at is not None and cap.state.value == "starting":
@@ -282,6 +287,7 @@ def capture(
     steps: StepsOpt = None,
     delay_steps: DelayStepsOpt = None,
     count_steps: CountStepsOpt = False,
+    profile: ProfileOpt = None,
     token_file: TokenFileOpt = None,
     as_json: JsonOpt = False,
     wide: WideOpt = False,
@@ -296,7 +302,7 @@ def capture(
             with ctrl_c_held() as interrupted:  # Ctrl-C during the start stops the capture once it has one
                 cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease,
                                            steps=steps, delay_steps=delay_steps,
-                                           steps_bound="count" if count_steps else None)
+                                           steps_bound="count" if count_steps else None, profile=profile)
             if not as_json:
                 print_text(console, f"capture [bold]{cap.id}[/] {cap.state.value}: stages {escape(str(cap.stages))}")
             if interrupted():

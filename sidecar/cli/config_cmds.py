@@ -28,7 +28,8 @@ from sidecar.config.profiles import (
 from sidecar.config.rules import MAX_IDLE_SHARE, max_iterations_for, validate_deploy
 from sidecar.config.verl import format_replicas, installed_verl, read_verl_config, verl_findings
 from sidecar.errors import ConfigUnreadable, Finding, Severity, SidecarError
-from sidecar.versions import NEWEST_OMNI, NEWEST_VLLM, Release, ServerVersion, omni_dialect
+from sidecar.versions import (NEWEST_OMNI, NEWEST_VLLM, PLATFORM_DEVICE, WORKER_PROFILERS, Release, ServerVersion,
+                             omni_dialect)
 
 
 def _exit_code(err: SidecarError) -> int:
@@ -160,6 +161,9 @@ def validate(
     ] = None,
     role: Annotated[str, typer.Option("--role", help="verl profiler block to check: rollout or reward")] = "rollout",
     platform: Annotated[str, typer.Option("--platform", help=f"platform overlay to apply: {', '.join(PLATFORMS)}")] = "cuda",
+    device: Annotated[Optional[str], typer.Option(
+        "--device", help="the workers' device: cpu, cuda or xpu (vLLM 0.31+ workers refuse at start a profiler or "
+                         "torch_profiler_activities their device lacks; default: the platform's, cuda)")] = None,
     nsys: Annotated[bool, typer.Option("--nsys", help="the capture is an nsys one: cuda stages may be targeted")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="print a machine-readable report")] = False,
     stage_overrides: Annotated[Optional[str], typer.Option("--stage-overrides", help=STAGE_OVERRIDES_HELP)] = None,
@@ -183,6 +187,8 @@ def validate(
         stage_list = parse_stage_list(stages)
         if role not in ("rollout", "reward"):
             raise typer.BadParameter(f"--role must be rollout or reward, got {role!r}")
+        if device is not None and device not in WORKER_PROFILERS:
+            raise typer.BadParameter(f"--device must be one of {', '.join(WORKER_PROFILERS)}, got {device!r}")
         target = _target("omni" if deploy_file is not None else "vllm", vllm_version, omni_version, server)
         if server is not None and deploy_file is None and profiler_config is None:
             if as_json:
@@ -201,7 +207,8 @@ def validate(
                 allow_legacy=allow_legacy,
             )
             findings = validate_deploy(deploy, stages=stage_list, allow_cuda=nsys)
-            findings += version_findings(deploy, target.dialect, target.omni_dialect) + _env_findings()
+            findings += version_findings(deploy, target.dialect, target.omni_dialect,
+                                         device or PLATFORM_DEVICE.get(platform)) + _env_findings()
             plan = None
             if verl_config is not None:
                 plan = read_verl_config(verl_config, role=role)  # type: ignore[arg-type]

@@ -56,7 +56,7 @@ from sidecar.errors import (
     StageOverridesInvalid,
     Where,
 )
-from sidecar.versions import OmniDialect, VllmDialect, omni_deploy_keys_unknown
+from sidecar.versions import OmniDialect, VllmDialect, omni_deploy_keys_unknown, worker_refusal
 
 __all__ = [
     "PLATFORMS",
@@ -756,20 +756,29 @@ def load_server_config(
     return deploy
 
 
-def version_findings(deploy: DeployConfig, vllm: VllmDialect, omni: OmniDialect | None) -> list[Finding]:
+def version_findings(deploy: DeployConfig, vllm: VllmDialect, omni: OmniDialect | None,
+                     device: str | None = None) -> list[Finding]:
     """What a server of these versions says of ``deploy`` that the newest known version's rules
     (the loader's) let through: a profiler_config key or value that vLLM refuses (its own message,
-    naming the version that brought a key), a deploy key the vLLM-Omni release does not know yet
-    (it refuses to start), and the options that version ignores (warnings)."""
+    naming the version that brought a key), a profiler or activities its workers on ``device``
+    (cpu, cuda, xpu) refuse at start, a deploy key the vLLM-Omni release does not know yet (it
+    refuses to start), and the options that version ignores (warnings)."""
     out: list[Finding] = []
     for stage in deploy.stages:
         pc = stage.profiler_config
         if pc is None:
             continue
-        refused = check_for_version({k: getattr(pc, k) for k in pc.model_fields_set}, vllm)
+        code, refused = "profiler_config_version", check_for_version(
+            {k: getattr(pc, k) for k in pc.model_fields_set}, vllm)
+        if refused is None:
+            activities = None if pc.torch_profiler_activities is None else list(pc.torch_profiler_activities)
+            code, refused = "profiler_config_device", worker_refusal(vllm, pc.profiler, activities, device)
+            if refused is not None:  # vLLM's words, and who says them when
+                refused = (refused[0], f"{refused[1]} ({vllm.name}'s {device} workers refuse it at start; "
+                                       "--device names the workers' device)")
         if refused is not None:
             key, message = refused
-            out.append(Finding(code="profiler_config_version", severity=Severity.error, stage_id=stage.stage_id,
+            out.append(Finding(code=code, severity=Severity.error, stage_id=stage.stage_id,
                                message=f"profiler_config: {message}", key=f"profiler_config.{key}" if key else None,
                                where=stage.marks.get(f"profiler_config.{key}") or stage.marks.get("profiler_config")))
             continue

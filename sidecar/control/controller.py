@@ -298,6 +298,7 @@ class CaptureController:
         budget_check: bool = True,
         start_at: float | None = None,
         prepared: asyncio.Future[Capture] | None = None,
+        profile: str | None = None,
     ) -> Capture:
         """Start a capture of ``stages`` (default: every stage of that ``kind``, sent explicitly).
         ``kind="nsys"`` targets ``profiler: cuda`` stages (verdict ``unverified`` with the nsys
@@ -318,7 +319,9 @@ class CaptureController:
         run that many (the capture is ``starting`` meanwhile, bounded by ``steps_wait_s``).
         ``start_at`` (epoch seconds, this host's clock): the start is sent then (at once if past,
         with a note saying how late); ``prepared``, when given, gets the capture once it is
-        prepared and waiting (see :meth:`schedule`). A stop meanwhile cancels it: nothing is sent."""
+        prepared and waiting (see :meth:`schedule`). A stop meanwhile cancels it: nothing is sent.
+        ``profile``: a stage preset's torch options for this capture only (vLLM >= 0.33's
+        ``profiler_kwargs``; refused on other servers, naming the restart: limits.check_profile)."""
         if self._closed:
             raise SidecarClosing("the sidecar is shutting down; start the capture after restart")
         kind = CaptureKind(kind)
@@ -330,6 +333,7 @@ class CaptureController:
         # overlap check: a bad stage list is wrong whatever else is running.
         selected = select_stages(self.deploy, stages, kind=kind.value)
         version = await self._version()
+        kwargs = limits.check_profile(version, profile)
         bound = limits.steps_bound(self.deploy, list(selected), steps, steps_bound,
                                    per_capture=version is not None and version.per_capture_bounds)
         warning = None
@@ -358,7 +362,7 @@ class CaptureController:
             )
             if warning is not None:
                 cap.facts.append(note("budget_over", **warning))
-            options = limits.start_options(version, cap.id, bound, steps, delay_steps)
+            options = limits.start_options(version, cap.id, bound, steps, delay_steps, kwargs)
             self._version_facts(cap, version, options)
             if steps is not None and bound is not Bound.per_capture:
                 cap.facts.extend(note("server_bound", sid, **f)
@@ -494,7 +498,7 @@ class CaptureController:
         cap.server = {**version.figures(), "start_options": dict(options)}
         cap.facts.extend(note(str(w.pop("code")), **w) for w in version.warnings() if w.get("version") or
                          w["code"] == "version_mismatch")
-        if "max_iterations" in options:
+        if "max_iterations" in options or "profiler_kwargs" in options:
             cap.facts.append(note("start_options", **options))
 
     async def _send_start(self, cap: Capture, options: dict[str, object],

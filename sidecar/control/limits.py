@@ -14,8 +14,10 @@ from sidecar.config.models import DeployConfig
 from sidecar.config.rules import capped_by_server, max_iterations_for
 from sidecar.control.models import MAX_ENGINE_STEPS
 from sidecar.control.steps import Bound
-from sidecar.errors import DurationInvalid, EngineStepsInvalid, LeaseInvalid, StepsUnbounded
-from sidecar.versions import ServerVersion, profile_prefix
+from sidecar.config.profiles import list_profiles, load_profile
+from sidecar.errors import (DurationInvalid, EngineStepsInvalid, LeaseInvalid, ProfileNotPerCapture, ProfileUnknown,
+                            StepsUnbounded)
+from sidecar.versions import ServerVersion, profile_prefix, profiler_kwargs
 
 StepsAsk = Literal["server", "count"]
 
@@ -78,12 +80,47 @@ def steps_bound(deploy: DeployConfig, stages: list[int], steps: int | None, aske
                               "fix": f"omni-sidecar render --steps {steps}"})
 
 
+def capture_profiles() -> list[str]:
+    """The stage presets a capture may carry: those that set torch options (not ``nsys``)."""
+    return [n for n in list_profiles() if profiler_kwargs(load_profile(n).profiler_config)]
+
+
+def check_profile(version: ServerVersion | None, profile: str | None) -> dict[str, bool] | None:
+    """The torch options a stage preset (``memory``, ``shapes``...) sets for one capture, as a
+    start body's ``profiler_kwargs`` (vLLM >= 0.33 merges them over the deploy's profiler_config
+    for that session only); refused where the server cannot take them, naming the restart that
+    can. Known torch keys only (versions.profiler_kwargs): vLLM passes the dict into torch
+    unchecked, and an unknown key there answers 200 and writes no trace."""
+    if profile is None:
+        return None
+    names = capture_profiles()
+    if profile not in list_profiles():
+        raise ProfileUnknown(f"unknown stage profile {profile!r}; a capture takes one of {', '.join(names)}",
+                             key="profile", details={"profiles": names})
+    kwargs = profiler_kwargs(load_profile(profile).profiler_config)
+    if not kwargs:
+        raise ProfileNotPerCapture(
+            f"stage profile {profile!r} is not a set of torch options a capture can carry; it is the stages' own "
+            f"profiler_config: restart them with `omni-sidecar render --profile {profile}`. A capture takes one of "
+            f"{', '.join(names)}", key="profile", details={"profiles": names, "fix": f"omni-sidecar render --profile {profile}"})
+    if version is None or not version.per_capture_kwargs:
+        server = version.describe().split(":", 1)[0] if version is not None else "a server whose version is not known"
+        raise ProfileNotPerCapture(
+            f"stage profile {profile!r} for one capture needs plain vLLM 0.33 or newer (its start body's "
+            f"profiler_kwargs); this is {server}, whose start takes none. Restart the stages with the profiler_config "
+            f"`omni-sidecar render --profile {profile}` writes, then capture without `profile`",
+            key="profile", details={"profile": profile, "profiler_kwargs": kwargs,
+                                    "server": version.figures() if version is not None else None,
+                                    "fix": f"omni-sidecar render --profile {profile}"})
+    return kwargs
+
+
 def start_options(version: ServerVersion | None, capture_id: str, bound: Bound | None, steps: int | None,
-                  delay_steps: int | None) -> dict[str, object]:
+                  delay_steps: int | None, kwargs: dict[str, bool] | None = None) -> dict[str, object]:
     """The per-capture keys of a start's body, as far as the server takes them (``version``'s
     dialect): its files' prefix (the capture's id, so its files are told apart from any other's in
-    a shared folder), and a per-capture window's bounds (the server ends it after exactly
-    ``steps``, ``delay_steps`` after the start)."""
+    a shared folder), a per-capture window's bounds (the server ends it after exactly ``steps``,
+    ``delay_steps`` after the start) and a stage preset's torch options (``check_profile``)."""
     out: dict[str, object] = {}
     if version is None:
         return out
@@ -92,7 +129,9 @@ def start_options(version: ServerVersion | None, capture_id: str, bound: Bound |
     if bound is Bound.per_capture and version.per_capture_bounds and steps is not None:
         out["max_iterations"] = steps
         out["delay_iterations"] = delay_steps or 0
+    if kwargs and version.per_capture_kwargs:
+        out["profiler_kwargs"] = dict(kwargs)
     return out
 
 
-__all__ = ["StepsAsk", "check_steps", "check_window", "start_options", "steps_bound"]
+__all__ = ["StepsAsk", "capture_profiles", "check_profile", "check_steps", "check_window", "start_options", "steps_bound"]

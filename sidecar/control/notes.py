@@ -132,6 +132,9 @@ def _start_options(f: dict[str, Any]) -> str:
     if f.get("profile_prefix"):
         parts.append(f"to start every file name of this window with {f['profile_prefix']}_ (this capture's files "
                      "are told apart by name from any other's in the folder)")
+    if f.get("profiler_kwargs"):
+        opts = ", ".join(f"{k}={'on' if v else 'off'}" for k, v in sorted(f["profiler_kwargs"].items()))
+        parts.append(f"to record this window with the torch options {opts} (profiler_kwargs, this capture only)")
     return "the start asked the server " + " and ".join(parts)
 
 

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from sidecar.config.models import DeployConfig
+from sidecar.emulator._profiler import VLLM_VERSION
 from sidecar.emulator.options import EmulatorOptions, Faults
 from sidecar.emulator.worker import StageRuntime, WorkerDead
 
@@ -460,6 +461,18 @@ def build_app(emu: Emulator) -> FastAPI:
         if dead:
             return JSONResponse({"status": "unhealthy"}, status_code=503)
         return JSONResponse({"status": "healthy"})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        # vLLM's route; vLLM-Omni serves vLLM's version there, not its own
+        return {"version": VLLM_VERSION}
+
+    if emu.options.flavor != "vllm":
+        @app.post("/v1/omni/sleep")
+        async def omni_sleep() -> Response:
+            # vLLM-Omni's own route (a GET answers 405 there, 404 on plain vLLM); the emulator's
+            # engines have no sleep mode, which the real route answers so
+            return JSONResponse({"detail": "Engine does not support sleep"}, status_code=501)
 
     @app.get("/metrics")
     async def metrics() -> Response:

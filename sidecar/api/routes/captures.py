@@ -16,9 +16,11 @@ from sidecar.api.openapi import responses
 from sidecar.api.responses import SafeJSONResponse
 from sidecar.api.state import TOKEN, Api
 from sidecar.control.budget import MAX_PROBE_STEPS, MIN_BUDGET_MB, MIN_STOP_S
+from sidecar.control.limits import capture_profiles
 from sidecar.control.models import MAX_ENGINE_STEPS, ClockRecord
 from sidecar.control.schedule import HOLD_MAX_S
-from sidecar.errors import CaptureActive, PlanInvalid, PlanTimeout, PlanUnmeasurable, StepsUnbounded
+from sidecar.errors import (CaptureActive, PlanInvalid, PlanTimeout, PlanUnmeasurable, ProfileNotPerCapture,
+                            StepsUnbounded)
 from sidecar.errors import (
     CaptureStateError,
     RequestInvalid,
@@ -52,6 +54,10 @@ def _whole(*bounds: Any) -> Any:
 Whole = _whole()
 
 
+# the stage presets a capture may carry (a set of torch options each: limits.check_profile)
+CAPTURE_PROFILES = tuple(capture_profiles())
+
+
 class CaptureRequest(BaseModel):
     """Body of ``POST /v1/captures``. Omitted ``stages`` = every profiled stage, sent explicitly."""
 
@@ -79,6 +85,11 @@ class CaptureRequest(BaseModel):
         description="epoch seconds on this sidecar's clock (GET /v1/clock): the start is sent then, and the "
                     "answer (202, state `starting`) comes once the capture is prepared; at once when past. A stop "
                     "before then cancels it, nothing sent")
+    profile: Literal[CAPTURE_PROFILES] | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="a stage preset (memory, shapes, stacks, ops, light) whose torch options this capture records "
+                    "with, sent as the start's `profiler_kwargs` (plain vLLM 0.33 or newer; elsewhere refused, "
+                    "naming `omni-sidecar render --profile NAME`)")
 
 
 class PlanRequest(BaseModel):
@@ -109,6 +120,7 @@ NULLABLE_BODIES = ("/v1/captures", "/v1/plan")
     summary="Start a capture (409 if one is active; 422 for a bad stage set, before any upstream call)",
     responses={**responses("mutating", "start"),
                202: {"description": "a scheduled start (`start_at`): the capture, prepared and `starting`"},
+               409: openapi_error(CaptureActive, ProfileNotPerCapture),
                422: openapi_error(RequestInvalid, StageSelectionError, WindowInvalid, StepsUnavailable,
                                   StepsUnbounded, StartAtInvalid),
                503: openapi_error(UpstreamUnreachable, SidecarClosing), 504: openapi_error(StepsNotReached)},
@@ -116,7 +128,7 @@ NULLABLE_BODIES = ("/v1/captures", "/v1/plan")
 async def start_capture(api: Api, req: Annotated[Optional[CaptureRequest], Body()] = None) -> SafeJSONResponse:
     req = req or CaptureRequest()
     opts = dict(label=req.label, duration_s=req.duration_s, lease_s=req.lease_s, kind=req.kind, steps=req.steps,
-                delay_steps=req.delay_steps, steps_bound=req.steps_bound)
+                delay_steps=req.delay_steps, steps_bound=req.steps_bound, profile=req.profile)
     if req.start_at is not None:
         return api.capture_response(await api.controller.schedule(req.stages, start_at=req.start_at, **opts), 202)
     return api.capture_response(await api.controller.start(req.stages, **opts), 201)

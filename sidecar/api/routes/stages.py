@@ -40,14 +40,15 @@ def report(deploy: DeployConfig, scrubber: Scrubber) -> dict[str, Any]:
     )
 
 
-def server(version: Any, deploy: DeployConfig) -> dict[str, Any] | None:
+def server(version: Any, deploy: DeployConfig, platform: str | None = None) -> dict[str, Any] | None:
     """What the upstream server was found to be at connect (sidecar/versions.py), and what that
     version says of the deploy (``findings``: a key it refuses, an option it ignores); None: not yet."""
     if version is None:
         return None
     from sidecar.config.deploy import version_findings
+    from sidecar.versions import PLATFORM_DEVICE
 
-    findings = version_findings(deploy, version.dialect, version.omni_dialect)
+    findings = version_findings(deploy, version.dialect, version.omni_dialect, PLATFORM_DEVICE.get(platform or ""))
     return {**version.figures(), "summary": version.describe(), "warnings": version.warnings(),
             "findings": [f.model_dump(mode="json") for f in findings]}
 
@@ -55,4 +56,5 @@ def server(version: Any, deploy: DeployConfig) -> dict[str, Any] | None:
 @router.get("/v1/stages", summary="Stages of the deploy, their profiler and findings, and the server's version")
 async def stages(api: Api) -> dict[str, Any]:
     version = getattr(getattr(api.controller, "upstream", None), "version", None)
-    return {**api.stages, "server": api.scrubber.data(server(version, api.deploy)) if version is not None else None}
+    found = server(version, api.deploy, api.stages.get("platform")) if version is not None else None
+    return {**api.stages, "server": api.scrubber.data(found) if found is not None else None}

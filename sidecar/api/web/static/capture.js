@@ -15,6 +15,12 @@ const POLL_MS = 1500;
 const TOP_N = 10;
 const TRACE_FILE = /(^|\/)(trace_rank\d+\.json(\.gz)?|.*\.pt\.trace\.json(\.gz)?)$/;
 
+// What the server was when the capture started (GET /version and what it serves: sidecar/versions.py).
+function serverName(s) {
+  const vllm = s.vllm ? `vLLM ${s.vllm}` : "vLLM (version not served)";
+  return s.kind === "omni" ? `vLLM-Omni ${s.omni || "(no release for this vLLM)"} on ${vllm}` : vllm;
+}
+
 export async function captureView(main, id) {
   const head = el("section", { class: "card", id: "capture-head" });
   const stages = el("section", { class: "card", id: "capture-stages" });
@@ -93,6 +99,9 @@ function renderHead(card, cap, reload) {
       { class: "facts" },
       fact("Stages", cap.stages.join(", ")),
       fact("Upstream", el("span", { class: "mono", text: cap.upstream })),
+      cap.server ? fact("Server", serverName(cap.server)) : null,
+      cap.server && cap.server.start_options && Object.keys(cap.server.start_options).length
+        ? fact("Start options", el("span", { class: "mono", text: JSON.stringify(cap.server.start_options) })) : null,
       cap.kind ? fact("Kind", cap.kind) : null,
       fact("Created", when(cap.created_at)),
       fact("Started", when(cap.started_at)),

@@ -62,6 +62,10 @@ export async function stagesView(main) {
     card,
     el("div", { class: "card-head" }, el("h2", { text: "Stages" }), el("span", { class: "muted mono small", text: r.deploy_config || "" })),
     el("p", { class: "muted small", text: `platform ${r.platform || "–"} · ${r.stages.length} stage${r.stages.length === 1 ? "" : "s"}` }),
+    r.server ? el("p", { class: "small", id: "server-line" }, "Server ", el("span", { class: "mono", text: r.server.summary })) : null,
+    r.server && r.server.warnings && r.server.warnings.length
+      ? el("ul", { class: "findings", id: "server-warnings" }, r.server.warnings.map((w) => el("li", { class: "finding-item sev-warning" }, el("code", { text: w.code }), " ", w.fix || w.version || w.assumed || "")))
+      : null,
     global.length ? el("div", { class: "stage-block" }, el("h3", { text: "Deploy" }), findingList(global)) : null,
     r.stages.map((s) =>
       el(
