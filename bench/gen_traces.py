@@ -4,6 +4,7 @@ and big ones by replicating a real trace's events with shifted timestamps and id
   python3 bench/gen_traces.py cpu --out /tmp/traces --steps 4 8 32     # one trace per step count
   python3 bench/gen_traces.py cpu --out /tmp/traces --steps 8 --memory  # profile_memory on (memory events)
   python3 bench/gen_traces.py gpu --out $OUT                           # on the GPU machine
+  python3 bench/gen_traces.py gpu --out $OUT --memory --large-steps 20 # a large real CUDA trace with memory on
   python3 bench/gen_traces.py replicate SRC.json[.gz] DST.json --size-mb 1000
   python3 bench/gen_traces.py hostbound --out $OUT                     # on the GPU machine
 
@@ -263,6 +264,8 @@ def main(argv: list[str] | None = None) -> None:
     g = sub.add_parser("gpu", help="real CUDA traces: a small one to commit, a large one to bench")
     g.add_argument("--out", type=Path, required=True)
     g.add_argument("--large-steps", type=int, default=30)
+    g.add_argument("--memory", action="store_true",
+                   help="only the large one, with profile_memory on (cuda_large_memory): the bench's real memory trace")
     h = sub.add_parser("hostbound", help="real CUDA traces: host-bound, CUDA graph, busy GPU")
     h.add_argument("--out", type=Path, required=True)
     r = sub.add_parser("replicate", help="grow a trace to a size by repeating its events")
@@ -279,6 +282,10 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         print(f"torch {torch.__version__}, cuda {torch.version.cuda}, {torch.cuda.get_device_name(0)}", flush=True)
+        if a.memory:
+            profile_run(a.out, "cuda_large_memory", device="cuda", steps=a.large_steps, d_model=512, layers=4,
+                        batch=16, seq=256, with_stack=True, gz=True, memory=True)
+            return
         profile_run(a.out, "cuda_small", device="cuda", steps=2, d_model=64, layers=1,
                     batch=4, seq=32, with_stack=False, gz=True)
         profile_run(a.out, "cuda_small_stack", device="cuda", steps=2, d_model=64, layers=1,
