@@ -304,7 +304,7 @@ def test_a_bad_key_lease_or_concurrency_is_refused_before_anything_is_sent(opts,
 
 
 def test_a_label_carries_the_fleet_key_within_the_apis_bound():
-    from sidecar.fleet._fleet import LABEL_MAX, key_of, keyed_label
+    from sidecar.fleet._leases import LABEL_MAX, key_of, keyed_label
 
     long = keyed_label("x" * 500, "k3y")
     assert (keyed_label(None, "k3y"), keyed_label("step3", "k3y")) == ("[fleet:k3y]", "step3 [fleet:k3y]")

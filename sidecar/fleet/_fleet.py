@@ -24,11 +24,52 @@ from sidecar.config.models import DeployConfig
 from sidecar.config.rules import select_stages
 from sidecar.config.sharing import RENDER_FIX, shared_dir_groups, shared_profiler_dirs
 from sidecar.control.models import Capture, CaptureState, StopReason
-from sidecar.errors import BudgetInvalid, TargetInvalid, TargetNoAnswer, StagesNotShared, ConcurrencyInvalid, FlavorsMixed, FleetClosed, FleetKeyInvalid, FleetStagesInvalid, KindInvalid, FleetError, FleetInvalid, ProfilerDirShared, SidecarError, StageSelectionError, StartWithheld
-from sidecar.fleet._clocks import CLOCK_CONCURRENCY, FLEET_MORE, GOOD_NS, MORE, SAMPLES, ClockOffset
-from sidecar.fleet._drivers import Driver, DriverFactory, Kind, FleetTransports, SidecarDriver, UpstreamDriver, stop_answered
+from sidecar.errors import (
+    BudgetInvalid,
+    ConcurrencyInvalid,
+    FlavorsMixed,
+    FleetClosed,
+    FleetError,
+    FleetInvalid,
+    FleetKeyInvalid,
+    FleetStagesInvalid,
+    KindInvalid,
+    ProfilerDirShared,
+    SidecarError,
+    StageSelectionError,
+    StagesNotShared,
+    StartWithheld,
+    TargetInvalid,
+    TargetNoAnswer,
+)
+from sidecar.fleet._clocks import (
+    CLOCK_CONCURRENCY,
+    FLEET_MORE,
+    GOOD_NS,
+    MORE,
+    SAMPLES,
+    ClockOffset,
+)
+from sidecar.fleet._drivers import (
+    Driver,
+    DriverFactory,
+    FleetTransports,
+    Kind,
+    SidecarDriver,
+    UpstreamDriver,
+    stop_answered,
+)
+from sidecar.fleet._leases import Leases, keyed_label, swept_text, with_sweep, within
 from sidecar.fleet._release import START_AT_MAX_S, Release, check_start_at
-from sidecar.fleet._results import FleetCapture, Sweep, TargetError, TargetOutcome, TargetResult, error_of, mark_ambiguous
+from sidecar.fleet._results import (
+    FleetCapture,
+    Sweep,
+    TargetError,
+    TargetOutcome,
+    TargetResult,
+    error_of,
+    mark_ambiguous,
+)
 from sidecar.fleet._targets import Flavor, Target, TargetKind, parse_targets, server_key
 
 log = logging.getLogger("sidecar.fleet")
@@ -43,38 +84,7 @@ START_TIMEOUT_S = 30.0
 # this long after its last renewal (it renews every third of it while it holds the window).
 FLEET_LEASE_S = 60.0
 _KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_KEYED = re.compile(r"\[fleet:([A-Za-z0-9_.-]{1,64})\]$")
-LABEL_MAX = 200  # the sidecar API's bound on a label
-_LIVE = (CaptureState.starting, CaptureState.active)
 _DEFAULT: Any = object()  # Fleet.start(lease_s=...) not given: the fleet's lease
-
-
-def keyed_label(label: str | None, key: str) -> str:
-    """The label a fleet's capture carries: the caller's, then ``[fleet:KEY]`` (what its sweep
-    looks for on every target), within the API's bound on a label."""
-    mark = f"[fleet:{key}]"
-    if not label:
-        return mark
-    return f"{label[:LABEL_MAX - len(mark) - 1]} {mark}"
-
-
-def key_of(label: str | None) -> str | None:
-    """The fleet key a capture's label carries, or None."""
-    found = _KEYED.search(label or "")
-    return found.group(1) if found else None
-
-
-
-
-async def _by(deadline: float | None, aw: Awaitable[R], what: str, budget_s: float) -> R:
-    """``aw`` bounded by ``deadline`` (loop time; ``None``: unbounded), else ``TargetNoAnswer``."""
-    if deadline is None:
-        return await aw
-    try:
-        # wait_for, not asyncio.timeout_at: the package supports Python 3.10
-        return await asyncio.wait_for(aw, max(deadline - asyncio.get_running_loop().time(), 0.0))
-    except asyncio.TimeoutError:  # on 3.10 not the builtin TimeoutError
-        raise TargetNoAnswer(f"no answer to {what} within {budget_s:g}s") from None
 
 
 def _not_sent(exc: BaseException) -> bool:
@@ -206,9 +216,9 @@ class Fleet:
         self._opened = False
         self._clock_tasks: list[asyncio.Future[None]] = []
         self._clocks: dict[tuple[str, str], ClockOffset] = {}  # (start|stop, capture id) -> offset
-        # the windows this fleet holds: target -> (capture id, lease s), renewed until their stop
-        self._held: dict[str, tuple[str, float | None]] = {}
-        self._renewal: asyncio.Task[None] | None = None
+        # the windows this fleet holds, their leases renewed until their stop, and the sweep
+        self._leases = Leases(self.key, lease_s=lease_s, state_dir=self.state_dir, timeout_s=start_timeout_s,
+                              drivers=lambda: self._drivers, driver=self._driver, each=self._each)
         # starts past their deadline, left to land: an in-process controller's start is waited for at
         # close (cut short, the controller would stop a server whose start is still in flight)
         self._late: dict[asyncio.Future[Any], bool] = {}  # -> in process
@@ -243,7 +253,7 @@ class Fleet:
                     t, self._deploys[t.name], stop_budget_s=self.stop_budget_s, settings=self.control_settings,
                     state_dir=state_dir, transport=self._transports.for_target())
         deadline = asyncio.get_running_loop().time() + self.start_timeout_s
-        opened = await self._each(list(self._drivers.values()), lambda d: _by(deadline, d.open(), "open", self.start_timeout_s))
+        opened = await self._each(list(self._drivers.values()), lambda d: within(deadline, d.open(), "open", self.start_timeout_s))
         problems: dict[str, TargetError] = {}
         deploys: dict[str, DeployConfig] = {}
         for (name, _), res in zip(self._drivers.items(), opened):
@@ -271,18 +281,18 @@ class Fleet:
         for task in self._clock_tasks:  # an exchange in flight is not worth holding a close for
             task.cancel()
         self._clock_tasks = []
-        self._release_all()
+        self._leases.release_all()
         landing = [t for t, here in self._late.items() if here]
         if landing:  # landed first (within the stop budget), so the sweep stops what they started
             await asyncio.wait(landing, timeout=self.stop_budget_s)
         if self._opened and self._drivers and not keep_live:
             try:
-                swept = await _uncancellable(self._sweep(()))
+                swept = await _uncancellable(self._leases.sweep(()))
             except Exception as exc:  # closing must go on: the leases are the safety net
                 log.warning("fleet %s: the closing sweep failed: %s", self.key, exc)
             else:
                 for name, sw in swept.items():
-                    log.warning("fleet %s: closing: %s: %s", self.key, name, _swept_text(sw))
+                    log.warning("fleet %s: closing: %s: %s", self.key, name, swept_text(sw))
         for task in list(self._late):  # another process's start goes on there: its sweep was sent
             task.cancel()
         drivers, self._drivers = list(self._drivers.values()), {}
@@ -459,7 +469,7 @@ class Fleet:
         fc = FleetCapture(label=label, stages=self.stages, targets=out, start_at=at, released_at=release.released_at,
                           key=self.key, lease_s=lease_s)
         if all(r.outcome is TargetOutcome.started for r in out.values()):
-            self._hold(fc, lease_s)
+            self._leases.hold(fc, lease_s)
             self._exchange_later("start", fc, list(out), measured)
             return fc
         # a start still landing (past its deadline) and not yet sent sends nothing now
@@ -480,7 +490,7 @@ class Fleet:
             out[name] = r.model_copy(update={
                 "outcome": TargetOutcome.rolled_back if r.outcome is TargetOutcome.stopped
                 else TargetOutcome.rollback_failed})
-        return self._with_sweep(out, await self._sweep(self._kept()))
+        return with_sweep(out, await self._leases.sweep(self._leases.kept()))
 
     async def _undo_start(self, fan_out: asyncio.Future[list[Any]], label: str | None) -> None:
         results = await fan_out
@@ -492,7 +502,7 @@ class Fleet:
         out = await self._roll_back(fc, list(started))
         for name, r in out.items():
             if r.sweep is not None:
-                log.warning("fleet %s: start cancelled: %s: %s", self.key, name, _swept_text(r.sweep))
+                log.warning("fleet %s: start cancelled: %s: %s", self.key, name, swept_text(r.sweep))
 
     async def _landing(self, aw: Awaitable[R], by: float, *, in_process: bool) -> R:
         """``aw`` (a start) once it answers, within ``by`` (loop time); past it ``TargetNoAnswer``,
@@ -515,103 +525,14 @@ class Fleet:
         task.add_done_callback(lambda t: self._late.pop(t, None))
         task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its outcome is the sweep's
 
-    # --- the windows held, and the sweep ----------------------------------------------------
-
-    def _hold(self, fc: FleetCapture, lease_s: float | None) -> None:
-        """Hold ``fc``'s windows: each renewed every third of its lease until its stop."""
-        for name, r in fc.targets.items():
-            if r.outcome is TargetOutcome.started and r.capture_id:
-                self._held[name] = (r.capture_id, lease_s)
-        if lease_s is not None and (self._renewal is None or self._renewal.done()):
-            self._renewal = asyncio.ensure_future(self._renew())
-
-    def _kept(self) -> set[str]:
-        return {cid for cid, _ in self._held.values()}
-
-    def _release_all(self) -> None:
-        self._held.clear()
-        if self._renewal is not None:
-            self._renewal.cancel()
-            self._renewal = None
-
-    async def _renew(self) -> None:
-        """Every held window's lease renewed every third of it (one heartbeat fan-out per round)."""
-        while True:
-            leases = [lease for _, lease in self._held.values() if lease is not None]
-            if not leases:
-                return
-            await asyncio.sleep(min(leases) / 3)
-            held = [(n, cid) for n, (cid, lease) in self._held.items() if lease is not None]
-            deadline = asyncio.get_running_loop().time() + self.start_timeout_s
-
-            async def beat(item: tuple[str, str]) -> None:
-                name, cid = item
-                try:
-                    await _by(deadline, self._driver(name).heartbeat(cid), "a heartbeat", self.start_timeout_s)
-                except Exception as exc:  # a missed renewal is not fatal: the next comes a third of a lease later
-                    log.debug("lease renewal of %s on %s failed: %s", cid, name, exc)
-
-            await self._each(held, beat)
-
-    def _ends_by(self, t: Target) -> str:
-        """What ends a capture of this fleet on ``t`` that the fleet cannot stop itself."""
-        if t.kind is TargetKind.upstream:
-            if self.state_dir is None:
-                return ("nothing but a stop by hand: this fleet journals no upstream capture (no state_dir); "
-                        f"POST /stop_profile to {t.url}")
-            return f"the next fleet opened over state dir {self.state_dir}, whose journal it is in"
-        if self.lease_s is None:
-            return "its duration, if it was given one: it has no lease; `omni-sidecar fleet stop` stops it"
-        return f"its lease: it stops itself at most {self.lease_s:g}s after this fleet's last renewal"
+    # --- the sweep (the windows held and their leases: sidecar/fleet/_leases.py) -------------
 
     async def sweep(self) -> dict[str, Sweep]:
         """Stop every capture carrying this fleet's key that is still starting or active on any
         target and that the fleet does not hold (a start that landed after its deadline, a window
         whose stop was lost); each target's findings, where there are any. Every call that ends a
         window runs it; call it for a fleet made with the ``key`` of one that is gone."""
-        return await _uncancellable(self._sweep(self._kept()))
-
-    async def _sweep(self, keep: Collection[str], names: Collection[str] | None = None) -> dict[str, Sweep]:
-        """:meth:`sweep` of ``names`` (default: every target), keeping the capture ids ``keep``."""
-        names = list(self._drivers) if names is None else [n for n in self._drivers if n in names]
-        results = await self._each(names, lambda n: self._sweep_one(n, keep))
-        for res in results:
-            if isinstance(res, BaseException) and not isinstance(res, Exception):
-                raise res
-        return {n: res for n, res in zip(names, results) if isinstance(res, Sweep)}
-
-    async def _listed(self, d: Driver) -> list[Capture]:
-        """What the target says: its newest captures (one read)."""
-        return await _by(asyncio.get_running_loop().time() + self.start_timeout_s, d.captures(),
-                         "a list of its captures", self.start_timeout_s)
-
-    async def _sweep_one(self, name: str, keep: Collection[str], listed: list[Capture] | None = None) -> Sweep | None:
-        """One target's sweep: its captures still starting or active with this fleet's key, other
-        than ``keep``, each sent a stop (``listed``: the target's captures, read already)."""
-        d = self._drivers[name]
-        if listed is None:
-            try:
-                listed = await self._listed(d)
-            except Exception as exc:
-                return Sweep(error=error_of(exc), ends_by=self._ends_by(d.target))
-        found = [c for c in listed if c.state in _LIVE and c.id not in keep and key_of(c.label) == self.key]
-        if not found:
-            return None
-        out = Sweep()
-        loop = asyncio.get_running_loop()
-        for c in found:
-            try:
-                await _by(loop.time() + self.start_timeout_s, d.stop(c.id, StopReason.explicit), "a stop",
-                          self.start_timeout_s)
-                out.stopped.append(c.id)
-            except Exception as exc:
-                out.error, out.ends_by = error_of(exc), self._ends_by(d.target)
-        log.warning("fleet %s: %s: %s", self.key, name, _swept_text(out))
-        return out
-
-    @staticmethod
-    def _with_sweep(out: dict[str, TargetResult], swept: dict[str, Sweep]) -> dict[str, TargetResult]:
-        return {n: r if n not in swept else r.model_copy(update={"sweep": swept[n]}) for n, r in out.items()}
+        return await _uncancellable(self._leases.sweep(self._leases.kept()))
 
     async def stop(
         self, fc: FleetCapture, *, wait_artifacts: bool = True, artifact_timeout_s: float | None = None
@@ -630,16 +551,15 @@ class Fleet:
                     ended: bool = False) -> FleetCapture:
         names = [n for n, r in fc.targets.items() if r.outcome is TargetOutcome.started and r.capture_id]
         for name in names:
-            if self._held.get(name, ("",))[0] == fc.targets[name].capture_id:
-                del self._held[name]  # no longer renewed
-        keep = self._kept() | {fc.targets[n].capture_id for n in names}  # type: ignore[misc]
+            self._leases.drop(name, fc.targets[name].capture_id)  # type: ignore[arg-type]  # no longer renewed
+        keep = self._leases.kept() | {fc.targets[n].capture_id for n in names}  # type: ignore[misc]
         # each stopped target is swept with its stop (one read); the others beside
         stopped, swept = await asyncio.gather(
             self._stop_all(fc, names, reason=StopReason.explicit, sweep=keep, ended=ended),
-            self._sweep(keep, [n for n in self._drivers if n not in names]))
+            self._leases.sweep(keep, [n for n in self._drivers if n not in names]))
         out = dict(fc.targets)
         out.update(stopped)
-        fc = fc.model_copy(update={"targets": self._with_sweep(out, swept)})
+        fc = fc.model_copy(update={"targets": with_sweep(out, swept)})
         self._exchange_later("stop", fc, [n for n in names if out[n].outcome is TargetOutcome.stopped])
         if wait_artifacts:
             return await self.refresh(fc, wait=True, timeout=artifact_timeout_s)
@@ -680,7 +600,7 @@ class Fleet:
                 record = getattr(self._drivers.get(name), "record_clock", None)
                 if record is not None:  # the capture keeps it too (journaled on its host); best effort
                     try:
-                        await _by(loop.time() + self.start_timeout_s, record(cid, phase, clock), "a clock record", 0.0)
+                        await within(loop.time() + self.start_timeout_s, record(cid, phase, clock), "a clock record", 0.0)
                     except Exception as exc:  # a sidecar older than POST /v1/captures/{id}/clock
                         log.debug("clock offset not recorded on %s: %s", name, exc)
 
@@ -740,7 +660,7 @@ class Fleet:
                         raise
                 finally:
                     waiting.discard(w)
-            return await _by(loop.time() + self.start_timeout_s, d.get(cid), "a read of the capture", self.start_timeout_s)
+            return await within(loop.time() + self.start_timeout_s, d.get(cid), "a read of the capture", self.start_timeout_s)
 
         async def one(name: str) -> TargetResult:
             r = fc.targets[name]
@@ -750,14 +670,14 @@ class Fleet:
             try:
                 if ended:  # what the target says first: its window ended by itself, or not
                     with contextlib.suppress(Exception):  # unread: its stop is sent, as to any other
-                        listed = await self._listed(d)
+                        listed = await self._leases.listed(d)
                         cap = next((c for c in listed if c.id == r.capture_id), None)
                 if cap is None or not stop_answered(cap):
                     async with sends:
-                        cap = await _by(loop.time() + self.start_timeout_s, d.stop(r.capture_id, reason), "stop",
+                        cap = await within(loop.time() + self.start_timeout_s, d.stop(r.capture_id, reason), "stop",
                                         self.start_timeout_s)
                 sent = True
-                swept = None if sweep is None else await self._sweep_one(name, sweep, listed)
+                swept = None if sweep is None else await self._leases.sweep_one(name, sweep, listed)
                 if not stop_answered(cap):
                     cap = await answer_of(d, r.capture_id)
             except Exception as exc:
@@ -792,11 +712,11 @@ class Fleet:
         if not sent and _not_sent(exc):
             return {"outcome": TargetOutcome.stop_not_sent, "error": TargetError(
                 code="stop_not_sent", message=f"the stop never reached the target ({err.code}: {err.message}); "
-                                              f"what ends its capture: {self._ends_by(t)}")}
+                                              f"what ends its capture: {self._leases.ends_by(t)}")}
         if isinstance(exc, TargetNoAnswer):
             return {"outcome": TargetOutcome.stop_timeout, "error": TargetError(
                 code="stop_timeout", message=f"{err.message}: the stop was sent and not acknowledged; what ends its "
-                                             f"capture if it never arrived: {self._ends_by(t)}")}
+                                             f"capture if it never arrived: {self._leases.ends_by(t)}")}
         return {"outcome": TargetOutcome.stop_failed, "error": err}
 
     async def refresh(self, fc: FleetCapture, *, wait: bool = False, timeout: float | None = None) -> FleetCapture:
@@ -819,10 +739,10 @@ class Fleet:
                 if patient:
                     left = None if deadline is None else max(deadline - loop.time(), 0.0)
                     # the driver's own wait honours `left`; the bound beyond it is for one that cannot
-                    cap = await _by(None if deadline is None else deadline + self.start_timeout_s,
+                    cap = await within(None if deadline is None else deadline + self.start_timeout_s,
                                     d.wait(r.capture_id, left), "the artifact check", timeout or 0.0)
                 else:
-                    cap = await _by(read_by, d.get(r.capture_id), "a read of the capture", self.start_timeout_s)
+                    cap = await within(read_by, d.get(r.capture_id), "a read of the capture", self.start_timeout_s)
             except Exception as exc:
                 return r.model_copy(update={"error": r.error or error_of(exc)})
             err = r.error
@@ -844,7 +764,7 @@ class Fleet:
 
         async def one(r: TargetResult) -> None:
             try:
-                await _by(deadline, self._driver(r.target).heartbeat(r.capture_id),  # type: ignore[arg-type]
+                await within(deadline, self._driver(r.target).heartbeat(r.capture_id),  # type: ignore[arg-type]
                           "a heartbeat", self.start_timeout_s)
             except Exception as exc:  # a missed heartbeat is not fatal; the lease is the safety net
                 log.debug("heartbeat to %s failed: %s", r.target, exc)
@@ -861,7 +781,7 @@ class Fleet:
         async def one(t: Target) -> TargetResult:
             base = TargetResult(target=t.name, kind=t.kind, outcome=TargetOutcome.started)
             try:
-                cap = await _by(deadline, self._driver(t.name).live(), "a read of its live capture", self.start_timeout_s)
+                cap = await within(deadline, self._driver(t.name).live(), "a read of its live capture", self.start_timeout_s)
             except Exception as exc:
                 return base.model_copy(update={"outcome": TargetOutcome.not_started, "error": error_of(exc)})
             if cap is None:
@@ -903,7 +823,7 @@ async def _clock_of(d: Driver, *, by: float | None = None, more: int = MORE,
     if clock is None:
         return None
     try:
-        return await (clock(more, samples) if by is None else _by(by, clock(more, samples), "a clock exchange", 0.0))
+        return await (clock(more, samples) if by is None else within(by, clock(more, samples), "a clock exchange", 0.0))
     except Exception as exc:
         log.debug("no clock offset for %s: %s", d.target.name, exc)
         return None
@@ -926,12 +846,3 @@ async def _uncancellable(aw: Awaitable[R]) -> R:
         raise asyncio.CancelledError
     return result
 
-
-def _swept_text(sw: Sweep) -> str:
-    parts = []
-    if sw.stopped:
-        parts.append(f"stopped {', '.join(sw.stopped)}, still live with this fleet's key")
-    if sw.error is not None:
-        parts.append(f"could not sweep it ({sw.error.code}: {sw.error.message}); what ends a capture left there: "
-                     f"{sw.ends_by}")
-    return "; ".join(parts)
