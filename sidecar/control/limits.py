@@ -7,14 +7,15 @@ raises typed errors.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
 from sidecar.config.models import DeployConfig
+from sidecar.config.profiles import list_profiles, load_profile
 from sidecar.config.rules import capped_by_server, max_iterations_for
 from sidecar.control.models import MAX_ENGINE_STEPS
 from sidecar.control.steps import Bound
-from sidecar.config.profiles import list_profiles, load_profile
 from sidecar.errors import (DurationInvalid, EngineStepsInvalid, LeaseInvalid, ProfileNotPerCapture, ProfileUnknown,
                             StepsUnbounded)
 from sidecar.versions import ServerVersion, profile_prefix, profiler_kwargs
@@ -80,9 +81,15 @@ def steps_bound(deploy: DeployConfig, stages: list[int], steps: int | None, aske
                               "fix": f"omni-sidecar render --steps {steps}"})
 
 
+@functools.cache
+def _preset_kwargs() -> dict[str, dict[str, bool]]:
+    """Each shipped stage preset's torch options (``{}``: none, ``nsys``), read once per process."""
+    return {n: profiler_kwargs(load_profile(n).profiler_config) for n in list_profiles()}
+
+
 def capture_profiles() -> list[str]:
     """The stage presets a capture may carry: those that set torch options (not ``nsys``)."""
-    return [n for n in list_profiles() if profiler_kwargs(load_profile(n).profiler_config)]
+    return [n for n, kwargs in _preset_kwargs().items() if kwargs]
 
 
 def check_profile(version: ServerVersion | None, profile: str | None) -> dict[str, bool] | None:
@@ -94,10 +101,10 @@ def check_profile(version: ServerVersion | None, profile: str | None) -> dict[st
     if profile is None:
         return None
     names = capture_profiles()
-    if profile not in list_profiles():
+    if profile not in _preset_kwargs():
         raise ProfileUnknown(f"unknown stage profile {profile!r}; a capture takes one of {', '.join(names)}",
                              key="profile", details={"profiles": names})
-    kwargs = profiler_kwargs(load_profile(profile).profiler_config)
+    kwargs = dict(_preset_kwargs()[profile])
     if not kwargs:
         raise ProfileNotPerCapture(
             f"stage profile {profile!r} is not a set of torch options a capture can carry; it is the stages' own "

@@ -35,7 +35,7 @@ class TargetError(BaseModel):
 
 
 class Sweep(BaseModel):
-    """What the sweep at the end of a fleet call found on one target (``Fleet._sweep``): the captures
+    """What the sweep at the end of a fleet call found on one target (``sidecar/fleet/_leases.py``): the captures
     carrying the fleet's key still starting or active there, each sent a stop (a start that landed
     after its deadline, a window whose stop was lost), or that the target could not be asked, and
     then what ends whatever may still record there."""
