@@ -255,8 +255,8 @@ def worker_refusal(dialect: VllmDialect, profiler: str | None, activities: list[
     if profiler not in kinds:
         return "profiler", (f"Unsupported profiler type for {device}: {profiler}. Supported profiler types: "
                             f"{', '.join(sorted(kinds))}.")
-    supported = frozenset(WORKER_ACTIVITIES[device])
-    unsupported = set(WORKER_ACTIVITIES[device] if activities is None else activities) - supported
+    supported = frozenset(WORKER_ACTIVITIES[device])  # the defaults are the supported set, as in vLLM
+    unsupported = set(activities or ()) - supported
     if profiler == "torch" and unsupported:
         return "torch_profiler_activities", (
             f"Unsupported torch profiler activities for {device}: {', '.join(sorted(unsupported))}. "
