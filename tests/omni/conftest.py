@@ -124,6 +124,14 @@ def server_env() -> dict[str, str]:
     return env
 
 
+# vLLM-Omni gives each stage 300 s to come up (--stage-init-timeout) and the whole start 600 s
+# (--init-timeout). A stage's wait includes the machine-wide device lock, and on a CI machine whose
+# two cores also run the tests beside the start, one stage once took longer than 300 s (its server
+# then ends its start with "did not become ready within 300s"): the servers here get room for a
+# start that is slow, not stuck. Both flags exist in every supported vLLM-Omni (0.30.0 to 0.32.0rc1).
+STAGE_INIT_ARGS = ("--stage-init-timeout", "900", "--init-timeout", "1200")
+
+
 class OmniServer(ManagedProcess):
     """``vllm serve <model> --omni --deploy-config <yaml>`` (the venv's console script) on a
     127.0.0.1 port. ``extra_args`` add server flags (``--profiler-config``, ``--stage-overrides``)."""
@@ -136,14 +144,15 @@ class OmniServer(ManagedProcess):
     def __init__(self, python: str, model: Path, deploy: Path | None, *, cwd: Path, log_path: Path,
                  extra_args: Sequence[str] = ()) -> None:  # fmt: skip
         env = server_env()
-        super().__init__(host="127.0.0.1", port=None, log_path=log_path, env=env, startup_timeout=420.0,
+        super().__init__(host="127.0.0.1", port=None, log_path=log_path, env=env, startup_timeout=1260.0,
                          stop_grace=30.0)  # fmt: skip
         self.python, self.model, self.deploy, self.cwd = python, model, deploy, cwd
         self.extra_args = list(extra_args)
 
     def argv(self) -> list[str]:
         vllm = str(Path(self.python).with_name("vllm"))
-        cmd = [vllm, "serve", str(self.model), "--omni", "--host", self.host, "--port", str(self.port)]
+        cmd = [vllm, "serve", str(self.model), "--omni", "--host", self.host, "--port", str(self.port),
+               *STAGE_INIT_ARGS]  # fmt: skip
         if self.deploy is not None:
             cmd += ["--deploy-config", str(self.deploy)]
         return cmd + self.extra_args
@@ -216,8 +225,11 @@ class OmniPool:
     returns the running server's ``Setup``, starting it under a fresh root if needed. At most
     ``keep`` run or start at once (each is ~5 GiB); the one stopped for room is, from ``PLAN`` (the
     setups each test uses, in run order), the one needed again last or never. Starts are one at a
-    time: vLLM-Omni serializes every server's stage start-up on a machine-wide lock per device
-    (``/tmp/vllm_omni_device_<id>_init.lock``), so two starts side by side only wait on each other.
+    time, also when a test needs a setup other than the one being started beside it: vLLM-Omni
+    serializes every server's stage start-up on a machine-wide lock per device
+    (``/tmp/vllm_omni_device_<id>_init.lock``), and a stage's wait for that lock counts against its
+    ``--stage-init-timeout``, so two starts side by side only wait on each other, and under load one
+    of them can run out of time.
 
     ``advance()`` (after each test) stops the servers no later test uses and starts the next setup
     ``PLAN`` needs while a slot is free, each in a thread: a stop's 10-20 s and a start's ~70 s run
@@ -230,6 +242,7 @@ class OmniPool:
         self.running: dict[str, Setup] = {}
         self.starting: dict[str, tuple[Setup, threading.Thread, list[BaseException]]] = {}
         self.stopping: list[threading.Thread] = []
+        self.failed: dict[str, BaseException] = {}  # a prefetch that failed, raised by its get
         self.shared_dir = tmp.mktemp("omni-shared-perf")  # one dir two setups write into
 
     def _next_use(self, name: str) -> float:
@@ -238,16 +251,16 @@ class OmniPool:
     def get(self, name: str) -> Setup:
         if name in self.starting:
             self._join(name)
+        if name in self.failed:
+            raise self.failed.pop(name)
         setup = self.running.get(name)
         if setup is not None and setup.server.returncode is None:
             return setup
         if setup is not None:
             self.running.pop(name).server.stop(grace=5)  # it died: start it again
+        self._settle()  # one start at a time: a prefetch of another setup ends before this one starts
         now = PLAN[POSITION[0]] if POSITION[0] < len(PLAN) else frozenset()
-        while len(self.running) + len(self.starting) >= self.keep:
-            if self.starting:  # a prefetch holds the slot: let it finish, then choose
-                self._join(next(iter(self.starting)))
-                continue
+        while len(self.running) >= self.keep:
             others = [n for n in self.running if n not in now] or list(self.running)
             self.running.pop(max(others, key=self._next_use)).server.stop(grace=30)
         self._room_beside_stops()
@@ -268,8 +281,8 @@ class OmniPool:
             thread.start()
         upcoming = [n for uses in later for n in SETUP_ORDER if n in uses]
         for n in dict.fromkeys(upcoming):
-            if len(self.running) + len(self.starting) >= self.keep:
-                break
+            if self.starting or len(self.running) >= self.keep:
+                break  # one start at a time
             self._room_beside_stops()
             if n not in self.running and n not in self.starting:
                 setup, errors = self._setup(n), []
@@ -303,6 +316,14 @@ class OmniPool:
         if errors:
             raise errors[0]
         self.running[name] = setup
+
+    def _settle(self) -> None:
+        """Wait for every start in progress; a failed one is raised by its own ``get``."""
+        for name in list(self.starting):
+            try:
+                self._join(name)
+            except BaseException as exc:
+                self.failed[name] = exc
 
     def close(self) -> None:
         for name in list(self.starting):
