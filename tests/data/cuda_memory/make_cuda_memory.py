@@ -15,8 +15,10 @@ the tests check against (``cuda_memory.truth.json``):
   allocated before it, and ``key_averages``' ``self_device_memory_usage`` per op.
 
 Nothing here runs in the tests: they read the files this wrote. Not run yet: no GPU machine was
-lent in the session that wrote it, so these files and their tests are still to come (on a device:
-``python3 tests/data/cuda_memory/make_cuda_memory.py $OUT``, then commit what it writes).
+lent in the sessions since it was written (2026-12-05: every start refused, then the session's
+device time too low to start one), so these files and their tests are still to come. On a device:
+``python3 tests/data/cuda_memory/make_cuda_memory.py $OUT``; commit what it writes here, and move
+the checks in ``real_fixture_checks.py`` (beside this) into tests/test_memory.py.
 """
 
 from __future__ import annotations
