@@ -266,6 +266,24 @@ def test_huge_external_ids_still_attribute_device_time(write_trace, x_event):
     assert rows["op"].self_device_us == 20.0
 
 
+def test_kernels_that_name_no_op_say_self_device_time_is_unknown_not_zero(write_trace, x_event):
+    # PyTorch 1.x's Kineto wrote the correlation id as a GPU event's External id (HTA's V100 test
+    # trace): no kernel then names its op, and a column of zeros must not read as "launched nothing"
+    legacy = [
+        x_event("aten::mm", 0, 100, External_id=3),
+        x_event("cudaLaunchKernel", 10, 5, cat="cuda_runtime", External_id=73689, correlation=73689),
+        x_event("gemm", 20, 30, cat="kernel", External_id=73689, correlation=73689, device=0, stream=7),
+    ]
+    s = summarize_trace(write_trace(legacy, "legacy/trace_rank0.json"))
+    assert _all_rows(s)["aten::mm"].self_device_us == 0.0
+    [w] = [w for w in s.warnings if "names a CPU op" in w]
+    assert "self device time per op is not known" in w and "older Kineto" in w
+    linked = [x_event("aten::mm", 0, 100, External_id=3),
+              x_event("gemm", 20, 30, cat="kernel", External_id=3, correlation=9, device=0, stream=7)]
+    s = summarize_trace(write_trace(linked, "linked/trace_rank0.json"))
+    assert _all_rows(s)["aten::mm"].self_device_us == 30.0 and not [w for w in s.warnings if "names a CPU op" in w]
+
+
 def test_gpu_totals_agree_with_key_averages(trace_data):
     ref = json.loads((trace_data / "cuda_small.key_averages.json").read_text())
     s = summarize_trace(trace_data / "cuda_small.json.gz", top=100_000)

@@ -487,6 +487,12 @@ class Aggregate:
         span = (self.end - self.start) if self.start is not None and self.end is not None else 0.0
         if self.epoch_offset_us is not None and self.end is not None:
             self.end_epoch_us = self.epoch_offset_us + self.end
+        if self._stream_of and self.tables[OP] and not any(row[4] for row in self.tables[OP].values()):
+            # Kineto of PyTorch 1.x wrote a GPU event's correlation id as its External id (HTA's
+            # V100 test trace): then no kernel finds its op, and 0 would read as "launched nothing"
+            self._limit("no GPU event names a CPU op of this trace as its launcher (its External id is not an op's: "
+                        "older Kineto wrote the correlation id there): self device time per op is not known here "
+                        "and reads 0; the per-device GPU figures do not depend on it")
         attributed = self._att.finish(self.tables)
         for dev, busy in self._att.busy.items():
             self.devices[(stage_id, replica, rank, dev)] = [busy, span]
