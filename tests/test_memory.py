@@ -13,11 +13,14 @@ import os
 import pickle
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from bench.snapshot_vs_torch import torch_history_high, torch_size as _size  # torch's readings: one home
 from sidecar.analysis import summarize_paths, summarize_trace
 from sidecar.analysis.findings import memory_findings
 from sidecar.analysis.memory import format_bytes
@@ -175,11 +178,6 @@ def _viz() -> Any:
     return _memory_viz
 
 
-def _size(text: str) -> float:
-    """A size as torch's ``_format_size`` writes it (``4.0MiB``)."""
-    m = re.fullmatch(r"(-?[\d.]+)(|Ki|Mi|Gi|Ti)B", text.strip())
-    assert m, text
-    return float(m.group(1)) * 1024 ** ["", "Ki", "Mi", "Gi", "Ti"].index(m.group(2))
 
 
 def test_the_segment_split_is_torchs_segsum_and_memory_flamegraph(truth: dict[int, dict[str, Any]]) -> None:
@@ -227,13 +225,7 @@ def test_the_history_peak_is_torchs_trace_replayed(truth: dict[int, dict[str, An
     for dev in s.devices:
         t = truth[dev.device]
         part = text.split(f"Device {dev.device} ----------------\n", 1)[1].split("Device ", 1)[0]
-        total, high = 0.0, 0.0  # torch's reading of the history: allocs in, completed frees out
-        for line in part.splitlines():
-            if m := re.match(r"^\w+ = (?:seg_\d+|MEM|\w+)\[\d+:(\S+)\]$", line):
-                total += _size(m.group(1))
-            elif m := re.match(r"^# free completed for \S+ (\S+)$", line):
-                total -= _size(m.group(1))
-            high = max(high, total)
+        high = torch_history_high(part)  # torch's reading of the history: allocs in, completed frees out
         assert (dev.peak_bytes, dev.ooms) == (t["history_peak_bytes"], t["ooms"])
         assert within(dev.peak_bytes - t["allocated_before_history_bytes"], high)
         assert sorted((b.size for b in dev.live_at_peak), reverse=True) == t["live_at_peak_sizes"][:10]
@@ -249,6 +241,32 @@ def test_a_snapshot_torch_wrote_itself_reads_as_its_segsum_says() -> None:
     assert within(dev.reserved_bytes, _size(stats["total_reserved"]))
     assert within(dev.requested_bytes, _size(stats["total_allocated"]))
     assert dev.peak_bytes is not None and dev.peak_bytes >= dev.allocated_bytes
+
+
+def test_the_snapshot_check_against_torch_agrees_on_every_fixture(monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    # bench/snapshot_vs_torch.py: the check a user (or a GPU session) runs on a real snapshot, here
+    # on the committed ones; a snapshot whose figures differ from torch's makes it fail
+    _viz()
+    script = Path(__file__).resolve().parents[1] / "bench" / "snapshot_vs_torch.py"
+    run = subprocess.run([sys.executable, str(script), *map(str, sorted(SNAPSHOTS.glob("*.pickle")))],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.count(" agree") >= 20 and "DIFFER" not in run.stdout
+    # a reading of ours that torch does not share is told apart, figure by figure
+    from bench import snapshot_vs_torch
+
+    def off_by_a_mib(path: Any) -> Any:
+        s = summarize_snapshot(path)
+        dev = s.devices[0]
+        dev.reserved_bytes += 1 << 20
+        dev.inactive_bytes += 1 << 20
+        return s
+
+    monkeypatch.setattr(snapshot_vs_torch, "summarize_snapshot", off_by_a_mib)
+    assert snapshot_vs_torch.check(SNAPSHOTS / "two_devices.pickle") is False
+    out = capsys.readouterr().out
+    assert {ln.split()[1] for ln in out.splitlines() if ln.endswith("DIFFER")} == {"reserved", "inactive"}, out
 
 
 def test_sizes_are_written_as_torch_writes_them() -> None:
