@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from bench import snapshot_vs_torch
 from bench.snapshot_vs_torch import torch_history_high, torch_size as _size  # torch's readings: one home
 from sidecar.analysis import summarize_paths, summarize_trace
 from sidecar.analysis.findings import memory_findings
@@ -178,8 +179,6 @@ def _viz() -> Any:
     return _memory_viz
 
 
-
-
 def test_the_segment_split_is_torchs_segsum_and_memory_flamegraph(truth: dict[int, dict[str, Any]]) -> None:
     viz = _viz()
     data = read_snapshot(SNAPSHOTS / "two_devices.pickle")
@@ -248,14 +247,12 @@ def test_the_snapshot_check_against_torch_agrees_on_every_fixture(monkeypatch: p
     # bench/snapshot_vs_torch.py: the check a user (or a GPU session) runs on a real snapshot, here
     # on the committed ones; a snapshot whose figures differ from torch's makes it fail
     _viz()
-    script = Path(__file__).resolve().parents[1] / "bench" / "snapshot_vs_torch.py"
+    script = snapshot_vs_torch.__file__
     run = subprocess.run([sys.executable, str(script), *map(str, sorted(SNAPSHOTS.glob("*.pickle")))],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count(" agree") >= 20 and "DIFFER" not in run.stdout
     # a reading of ours that torch does not share is told apart, figure by figure
-    from bench import snapshot_vs_torch
-
     def off_by_a_mib(path: Any) -> Any:
         s = summarize_snapshot(path)
         dev = s.devices[0]

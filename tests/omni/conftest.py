@@ -28,7 +28,6 @@ The setups (each a real server, each named for what it exercises):
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
@@ -326,9 +325,8 @@ class OmniPool:
                 self.failed[name] = exc
 
     def close(self) -> None:
-        for name in list(self.starting):
-            with contextlib.suppress(BaseException):
-                self._join(name)
+        self._settle()
+        self.failed.clear()  # nobody left to raise them to
         for setup in reversed(list(self.running.values())):
             setup.server.stop(grace=30)
         self.running.clear()
