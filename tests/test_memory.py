@@ -30,6 +30,7 @@ from sidecar.analysis.snapshot import read_snapshot, summarize_snapshot
 from sidecar.errors import TraceError, TraceTooLarge
 
 SNAPSHOTS = Path(__file__).parent / "data" / "snapshots"
+CUDA = Path(__file__).parent / "data" / "cuda_memory"  # real, from one H100: make_cuda_memory.py there
 TRACES = Path(__file__).parent / "data" / "traces"
 
 
@@ -135,6 +136,25 @@ def test_a_cuda_window_reports_reserved_free_at_the_peak_and_what_came_before(tm
         ("aten::mm", 4 * GiB, ["execute_context_1(5)_generation_0(0)", "aten::linear", "aten::mm"]),
         ("aten::softmax", 2 * GiB, ["execute_context_1(5)_generation_0(0)", "aten::softmax"])]
     assert (m.before_window_bytes_at_peak, m.end_allocated_bytes, m.accounting_drift_bytes) == (10 * GiB, 12 * GiB, 0)
+
+
+def test_threads_written_one_after_another_are_replayed_in_time_order(tmp_path: Path) -> None:
+    # Kineto writes each thread's ops and memory events as one block. On CUDA the backward runs on
+    # the autograd thread (2), whose block here comes first in the file: it allocates B at t=15 and
+    # frees the main thread's A at t=20, which the main thread (1) allocated at t=10.
+    def op(name: str, ts: float, dur: float, tid: int) -> dict:
+        return {**_op(name, ts, dur), "tid": tid}
+
+    events = [op("MmBackward0", 14, 8, 2), _mem(15, 0xB, 3 * GiB, 9 * GiB, tid=2), _mem(20, 0xA, -2 * GiB, 7 * GiB, tid=2),
+              op("aten::linear", 9, 3, 1), _mem(10, 0xA, 2 * GiB, 6 * GiB, tid=1)]
+    path = tmp_path / "trace_rank0.json"
+    path.write_text(json.dumps(_trace(events, profile_memory=1)))
+    [m] = summarize_trace(path).memory
+    # in time order: 4 GiB before, +2 (A), +3 (B): the peak of 9 GiB is when both were live
+    assert (m.start_allocated_bytes, m.peak_allocated_bytes, m.end_allocated_bytes) == (4 * GiB, 9 * GiB, 7 * GiB)
+    assert (m.peak_offset_us, m.accounting_drift_bytes, m.allocator_peak_allocated_bytes) == (6, 0, 9 * GiB)
+    assert [(o.name, o.bytes) for o in m.live_at_peak] == [("MmBackward0", 3 * GiB), ("aten::linear", 2 * GiB)]
+    assert m.series[0][1:] == (6 * GiB, 0) and max(p[1] for p in m.series) == 9 * GiB
 
 
 def test_memory_events_with_odd_field_types_are_still_read(tmp_path: Path) -> None:
@@ -248,7 +268,8 @@ def test_the_snapshot_check_against_torch_agrees_on_every_fixture(monkeypatch: p
     # on the committed ones; a snapshot whose figures differ from torch's makes it fail
     _viz()
     script = snapshot_vs_torch.__file__
-    run = subprocess.run([sys.executable, str(script), *map(str, sorted(SNAPSHOTS.glob("*.pickle")))],
+    snapshots = [*sorted(SNAPSHOTS.glob("*.pickle")), CUDA / "memory_snapshot_rank0.pickle"]
+    run = subprocess.run([sys.executable, str(script), *map(str, snapshots)],
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.count(" agree") >= 20 and "DIFFER" not in run.stdout
@@ -360,6 +381,110 @@ def test_a_fifo_named_as_a_snapshot_is_not_opened(tmp_path: Path) -> None:
     os.mkfifo(path)
     with pytest.raises(TraceError, match="FIFO"):
         summarize_snapshot(path)
+
+
+# --- real CUDA fixtures: one H100, torch's own figures of the same run beside them -------------
+# tests/data/cuda_memory/make_cuda_memory.py made them (torch 2.11.0+cu130, 2026-12-05): a small
+# transformer trained with its backward on the autograd thread, as on every CUDA run.
+
+
+@pytest.fixture(scope="module")
+def cuda_truth() -> dict[str, Any]:
+    return json.loads((CUDA / "cuda_memory.truth.json").read_text())
+
+
+def test_a_real_cuda_snapshot_is_read_safely_and_matches_the_allocators_own_stats(cuda_truth: dict[str, Any]) -> None:
+    viz = _viz()
+    path = CUDA / "memory_snapshot_rank0.pickle"
+    data = read_snapshot(path)  # torch's own dump: plain data only, no global refused
+    [dev] = summarize_snapshot(path).devices
+    t = cuda_truth["snapshot"]
+    # the segments' split is the allocator's own at the dump (torch.cuda.memory_stats)
+    assert (dev.device, dev.segments, dev.reserved_bytes) == (0, t["segments"], t["reserved_bytes"]), dev
+    assert dev.allocated_bytes + dev.pending_free_bytes == t["active_bytes"]
+    assert within(dev.requested_bytes, t["requested_bytes"])
+    stats = dict(re.findall(r"^(total_reserved|total_allocated|segments): (\S+)", viz.segsum(data), re.M))
+    assert within(dev.reserved_bytes, _size(stats["total_reserved"]))
+    assert within(dev.requested_bytes, _size(stats["total_allocated"]))
+    # the history's peak, with what was allocated before it began, is the allocator's peak
+    assert within(dev.peak_bytes, t["peak_allocated_bytes"]), (dev.peak_bytes, t)
+    assert any("make_cuda_memory.py" in f for b in dev.largest_blocks for f in b.frames), dev.largest_blocks
+
+
+def _self_memory_by_torchs_rule(trace: Path) -> tuple[dict[str, int], dict[str, int]]:
+    """Each op name's self CUDA memory two ways, from the trace: torch's rule (key_averages, read
+    in torch/autograd/profiler.py ``_parse_kineto_results``: an op is charged every memory event
+    within its interval, of any thread, less its children's), and the same restricted to the op's
+    own thread (ours: the allocation happened there)."""
+    from bisect import bisect_left, bisect_right
+    from itertools import accumulate
+
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    mem = sorted((e["ts"], e["args"]["Bytes"], e["tid"]) for e in events
+                 if e.get("name") == "[memory]" and e["args"].get("Device Type") == 1)
+    times = [m[0] for m in mem]
+    sums = [0, *accumulate(m[1] for m in mem)]
+
+    def charged(s: float, e: float, tid: Any = None) -> int:
+        i, j = bisect_left(times, s), bisect_right(times, e)
+        return sums[j] - sums[i] if tid is None else sum(m[1] for m in mem[i:j] if m[2] == tid)
+
+    any_thread: dict[str, int] = {}
+    own_thread: dict[str, int] = {}
+    threads: dict[Any, list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation"):
+            threads.setdefault(e["tid"], []).append(e)
+    for tid, ops in threads.items():
+        stack: list[tuple[float, list[Any]]] = []
+        rows = []
+        for o in sorted(ops, key=lambda o: (o["ts"], -o["dur"])):
+            s, end = o["ts"], o["ts"] + o["dur"]
+            while stack and stack[-1][0] < s:
+                stack.pop()
+            row = [re.sub(r"^ProfilerStep#\d+$", "ProfilerStep*", o["name"]), charged(s, end), charged(s, end, tid)]
+            if stack:
+                stack[-1][1][1] -= row[1]
+                stack[-1][1][2] -= row[2]
+            stack.append((end, row))
+            rows.append(row)
+        for name, a, own in rows:
+            any_thread[name] = any_thread.get(name, 0) + a
+            own_thread[name] = own_thread.get(name, 0) + own
+    return any_thread, own_thread
+
+
+def test_a_real_cuda_trace_with_memory_matches_the_allocators_peak_and_key_averages(cuda_truth: dict[str, Any]) -> None:
+    t = cuda_truth["trace"]
+    trace = CUDA / "cuda_memory_rank0.json.gz"
+    s = summarize_trace(trace, top=1000)
+    [m] = [m for m in s.memory if m.device_type == "cuda"]
+    assert (m.device, m.steps) == (0, t["steps"])
+    # the autograd thread's block follows the main thread's in the file: replayed in time order,
+    # the peak is the allocator's own (max_memory_allocated over the window), to the byte
+    assert m.peak_allocated_bytes == t["peak_allocated_bytes"] == m.allocator_peak_allocated_bytes, m
+    assert m.accounting_drift_bytes == 0
+    assert (m.start_allocated_bytes, m.end_allocated_bytes) == (t["allocated_before_window_bytes"], t["allocated_bytes"])
+    # the weights and optimizer state (allocated before the window) were all still live at the
+    # peak: the window's live blocks, by op, add up to the rest of it
+    assert m.before_window_bytes_at_peak == m.start_allocated_bytes
+    assert m.live_at_peak[0].name == "aten::empty" and m.peak_step == t["steps"]
+    ours: dict[str, int] = {}
+    for o in s.memory_ops:
+        if o.device_type == "cuda":
+            key = re.sub(r"^ProfilerStep#\d+$", "ProfilerStep*", o.name)
+            ours[key] = ours.get(key, 0) + o.self_bytes
+    ref = t["self_device_memory_usage"]
+    top = sorted(ref, key=lambda k: -abs(ref[k]))[:10]
+    any_thread, own_thread = _self_memory_by_torchs_rule(trace)
+    # torch's rule, as read, gives key_averages' figures; ours are that rule within the op's thread
+    assert {k: any_thread[k] for k in top} == {k: ref[k] for k in top}
+    assert {k: ours.get(k, 0) for k in top} == {k: own_thread[k] for k in top}
+    # so they are key_averages' own wherever no other thread allocated inside the op: all but the
+    # step annotation, whose interval on the main thread spans the autograd thread's backward
+    same = [k for k in top if any_thread[k] == own_thread[k]]
+    assert len(same) == 9 and "ProfilerStep*" not in same
+    assert {k: ours.get(k, 0) for k in same} == pytest.approx({k: ref[k] for k in same}, rel=0.02)
 
 
 # --- findings and the verdict ----------------------------------------------------------------

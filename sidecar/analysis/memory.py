@@ -2,12 +2,17 @@
 
 With ``profile_memory`` torch writes an instant event ``[memory]`` per allocation and free (args
 ``Device Type``, ``Device Id``, ``Addr``, ``Bytes`` (negative: a free), ``Total Allocated``,
-``Total Reserved``) and ``[OutOfMemory]`` per failed allocation. Kineto writes them after the CPU
-ops, so each is charged to the innermost op of its thread through a per-thread index of the ops
-(start, end, parent), built only for traces whose header says ``profile_memory`` and capped at
-``MAX_INDEXED_OPS``. State kept: the index, one entry per live allocation of the window, per op
-name its live bytes, a copy of those at the peak, and a chart series of at most ``MAX_POINTS``.
-``MemoryTracker`` is fed by ``summary.Aggregate``; ``device_memory`` turns it into ``DeviceMemory``.
+``Total Reserved``) and ``[OutOfMemory]`` per failed allocation. Kineto writes a thread's events
+as one block, after its CPU ops, so in the pass each is charged to the innermost op of its thread
+through a per-thread index of the ops (start, end, parent), built only for traces whose header says
+``profile_memory`` and capped at ``MAX_INDEXED_OPS``. The threads' blocks follow one another in
+the file, not in time (on CUDA the backward pass allocates on the autograd thread, and frees what
+the main thread allocated): so each event is also buffered (48 bytes, at most ``MAX_REPLAYED``)
+and what depends on time order (what is live, the peak, what was live at it, the chart) is
+replayed in time order at the trace's end. State kept: the index, the buffers, one entry per live
+allocation in the replay, per op name its live bytes, a copy of those at the peak, and a chart
+series of at most ``MAX_POINTS``. ``MemoryTracker`` is fed by ``summary.Aggregate``;
+``device_memory`` turns it into ``DeviceMemory``.
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ NO_OP = "(outside any recorded op)"
 MAX_INDEXED_OPS = 2_000_000  # ops indexed per trace for attribution (~24 bytes each)
 MAX_DEVICES = 64
 MAX_LIVE = 1 << 20  # live allocations tracked per device; past it, new ones are counted, not kept
+MAX_REPLAYED = 2_000_000  # memory events buffered per trace for the time-ordered replay (~48 bytes each)
 MAX_POINTS = 240  # chart points per device (the largest allocated of each time bucket)
 MAX_STACK = 8  # enclosing ops kept for a live op's stack
 TOP_LIVE = 10
 _UNSET = object()
+_NONE = -(1 << 63)  # a figure the event did not carry, in the buffers
+_NO_ADDR = _NONE
 _NEVER, _ALWAYS = float("-inf"), float("inf")
 _NEAR = 36  # ops searched first when a thread's next memory event is past several op starts
 _SNAPSHOTS_EXACT = 1000  # peak copies taken at any new peak; after that, only at a 0.1 % higher one
@@ -79,17 +87,28 @@ class ThreadOps:
         return out[::-1]
 
 
-class _Device:
-    """One device's pass state (see the module docstring)."""
+def _buffers() -> tuple[array, array, array, array, array, list[list[int]]]:
+    """A device's events as the pass saw them, for ``_replay``: ts, bytes, address, Total Allocated,
+    Total Reserved (``_NONE``/``_NO_ADDR`` where absent), and the record of the op charged."""
+    return array("d"), array("q"), array("q"), array("q"), array("q"), []
 
-    __slots__ = ("kind", "ops", "start", "cur", "reserved", "peak", "peak_ts", "peak_reserved_at", "peak_reserved",
-                 "alloc_peak", "drift", "pending", "allocs", "stacks", "at_peak", "copies", "copied", "ooms",
-                 "points", "t0", "width", "edge", "first_ts")
+
+class _Device:
+    """One device's state: per-op counts and the buffered events in the pass, the replay's
+    figures after ``MemoryTracker.finish`` (see the module docstring)."""
+
+    __slots__ = ("kind", "ops", "buffers", "last_ts", "ordered", "limit", "start", "cur", "reserved", "peak", "peak_ts",
+                 "peak_reserved_at", "peak_reserved", "alloc_peak", "drift", "stacks", "at_peak", "copies", "copied",
+                 "ooms", "points", "t0", "width", "edge", "first_ts")
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
         # op name -> [allocs, bytes allocated, frees, bytes freed, bytes live now, blocks live now]
         self.ops: dict[str, list[int]] = {}
+        self.buffers = _buffers()
+        self.last_ts = _NEVER  # the last buffered event's time, and whether they came in time order
+        self.ordered = True
+        self.limit: str | None = None  # a cap the replay hit
         self.start: int | None = None  # allocated before the first event
         self.cur = 0
         self.reserved: int | None = None
@@ -99,8 +118,6 @@ class _Device:
         self.peak_reserved = -1  # the largest Total Reserved seen (-1: none)
         self.alloc_peak = -1  # the largest Total Allocated seen (-1: none)
         self.drift = 0
-        self.pending = False  # a new peak whose live set is not copied yet
-        self.allocs: dict[Any, tuple[int, list[int]]] = {}  # Addr -> (bytes, its op's record), while live
         self.stacks: dict[str, list[str]] = {}  # op name -> the stack of its first allocation
         self.at_peak: dict[str, tuple[int, int]] = {}
         self.copies = 0
@@ -114,7 +131,6 @@ class _Device:
 
     def copy_peak(self, peak: int) -> None:
         self.at_peak = {k: (r[4], r[5]) for k, r in self.ops.items() if r[5]}
-        self.pending = False
         self.copies += 1
         self.copied = peak
 
@@ -149,6 +165,7 @@ class MemoryTracker:
         self.devices: dict[tuple[int, int], _Device] = {}
         self.ops: dict[tuple[str, str], list[int]] = {}  # (name, device type) -> [allocs, bytes, frees, bytes]
         self.limits: list[str] = []
+        self._room = MAX_REPLAYED  # events left to buffer (-1: the cap was hit and said)
 
     def _limit(self, what: str) -> None:
         if what not in self.limits:
@@ -166,10 +183,14 @@ class MemoryTracker:
 
     def events(self, batch: list[Any], index: dict[tuple[Any, Any], ThreadOps]) -> None:
         """``[memory]`` / ``[OutOfMemory]`` events in file order; ``index`` holds each thread's ops
-        (by (pid, tid)) when the trace is indexed. One loop; the state of the last event's device,
-        its thread's index and the op its last event was charged to live in locals (a run of events
-        is one device's, one thread's, mostly one op's) and go back to the device when another
-        device's event comes, and at the end."""
+        (by (pid, tid)) when the trace is indexed. Each event is charged to the innermost op of its
+        thread here and counted on that op; what depends on the order across threads (what is live,
+        the peak, the chart) is replayed by ``finish`` in time order: Kineto writes each thread's
+        events as one block, and on CUDA the backward pass runs on a thread of its own, so the file
+        order is not the time order (a free on the autograd thread comes before its allocation on
+        the main thread's). One loop; the last event's device, its thread's index and the op its
+        last event was charged to live in locals (a run of events is one device's, one thread's,
+        mostly one op's)."""
         dtype: Any = _UNSET
         did: Any = _UNSET
         pid: Any = _UNSET
@@ -181,12 +202,11 @@ class MemoryTracker:
         parents: Any = ()
         rows: Any = ()
         ops: dict[str, list[int]] = {}
-        allocs: dict[Any, tuple[int, list[int]]] = {}
-        cur = peak = alloc_peak = peak_reserved = drift = 0
-        reserved: int | None = None
-        fresh = pending = False
-        edge = 0.0
-        last: list[Any] = []
+        # the device's buffers, appended to in file order (see ``_Device``)
+        b_ts = b_nb = b_addr = b_tot = b_res = b_rec = ops  # rebound at the first event's device
+        last_ts = _NEVER
+        ordered = True
+        room = 0
         # The op the last event was charged to (``i``, its record ``rec``) is every later event's of
         # the same thread and device while ts lies in [seen, nxt) and ts <= iend: no op starts
         # before nxt and that op (none: iend is +inf) has not ended. ``pos``: the last op started
@@ -200,18 +220,15 @@ class MemoryTracker:
                 continue
             if a.device_type != dtype or a.device_id != did:
                 if dev is not None:
-                    dev.cur, dev.peak, dev.alloc_peak, dev.peak_reserved, dev.drift, dev.reserved, dev.pending = (
-                        cur, peak, alloc_peak, peak_reserved, drift, reserved, pending)
+                    dev.last_ts, dev.ordered = last_ts, ordered
                 dtype, did = a.device_type, a.device_id
                 dev = self._device(dtype, did)
                 if dev is None:
                     continue
-                ops, allocs = dev.ops, dev.allocs
-                cur, peak, alloc_peak, peak_reserved, drift, reserved, pending = (
-                    dev.cur, dev.peak, dev.alloc_peak, dev.peak_reserved, dev.drift, dev.reserved, dev.pending)
-                fresh = dev.start is None
-                edge = dev.edge
-                last = dev.points[-1] if dev.points else []
+                ops = dev.ops
+                b_ts, b_nb, b_addr, b_tot, b_res, b_rec = dev.buffers
+                last_ts, ordered = dev.last_ts, dev.ordered
+                room = self._room
                 nxt = _NEVER  # the charged op's record is the last device's
             elif dev is None:
                 continue
@@ -222,19 +239,6 @@ class MemoryTracker:
             if not nbytes:
                 continue
             ts = e.ts
-            total = a.total_allocated
-            if fresh:  # the peak so far: what was allocated before the window
-                dev.start = cur = peak = max(0, total - nbytes) if total is not None else 0
-                dev.peak_ts, dev.peak_reserved_at, dev.first_ts, dev.t0 = ts, a.total_reserved, ts, ts
-                pending, fresh = True, False
-            cur += nbytes
-            if total is not None and total > alloc_peak:
-                alloc_peak = total
-            r = a.total_reserved
-            if r is not None:
-                reserved = r
-                if r > peak_reserved:
-                    peak_reserved = r
             if e.tid != tid or e.pid != pid:
                 if ix is not None:
                     ix.at = (pos, seen)
@@ -276,59 +280,124 @@ class MemoryTracker:
                 if rec is None:
                     rec = ops[name] = [0, 0, 0, 0, 0, 0]
                     dev.stacks[name] = ix.stack(i) if i >= 0 else []  # type: ignore[union-attr]
-            addr = a.addr
             if nbytes > 0:
                 rec[0] += 1
                 rec[1] += nbytes
-                old = allocs.get(addr)
-                if old is not None:  # allocated again without a free in between: the old one is gone
-                    old[1][4] -= old[0]
-                    old[1][5] -= 1
-                if old is not None or len(allocs) < MAX_LIVE:
-                    allocs[addr] = (nbytes, rec)
-                    rec[4] += nbytes
-                    rec[5] += 1
-                else:
-                    self._limit(f"more than {MAX_LIVE:,} live allocations on one device: later ones not attributed")
-                if cur > peak:
-                    peak = cur
-                    dev.peak_ts, dev.peak_reserved_at = ts, reserved
-                    if total is not None and abs(cur - total) > drift:  # checked where it matters most
-                        drift = abs(cur - total)
-                    if dev.copies < _SNAPSHOTS_EXACT or cur > dev.copied * 1.001:
-                        pending = True
             else:
-                if pending:  # the live set is still the peak's: nothing was freed since
-                    dev.copy_peak(peak)
-                    pending = False
                 rec[2] += 1
                 rec[3] -= nbytes
-                old = allocs.pop(addr, None)
-                if old is not None:
-                    old[1][4] -= old[0]
-                    old[1][5] -= 1
-            if ts >= edge:
-                last = dev.point(ts, cur, reserved)
-                edge = dev.edge
-            else:  # the same chart bucket (or an event out of time order): keep its highest
-                if cur > last[2]:
-                    last[1], last[2] = ts, cur
-                if r is not None and (last[3] is None or r > last[3]):
-                    last[3] = r
+            if room <= 0:
+                if room == 0:
+                    self._limit(f"more than {MAX_REPLAYED:,} memory events in one trace: later ones are counted per op, "
+                                "but the peak, what was live and the chart cover the events before them")
+                    room = self._room = -1
+                continue
+            room -= 1
+            self._room = room
+            if ts < last_ts:
+                ordered = False
+            last_ts = ts
+            b_ts.append(ts)
+            b_nb.append(nbytes)
+            addr = a.addr
+            b_addr.append(addr if addr is not None else _NO_ADDR)
+            total = a.total_allocated
+            b_tot.append(total if total is not None else _NONE)
+            r = a.total_reserved
+            b_res.append(r if r is not None else _NONE)
+            b_rec.append(rec)
         if dev is not None:
-            dev.cur, dev.peak, dev.alloc_peak, dev.peak_reserved, dev.drift, dev.reserved, dev.pending = (
-                cur, peak, alloc_peak, peak_reserved, drift, reserved, pending)
+            dev.last_ts, dev.ordered = last_ts, ordered
         if ix is not None:
             ix.at = (pos, seen)
 
     def finish(self) -> None:
         for dev in self.devices.values():
-            if dev.pending:
-                dev.copy_peak(dev.peak)
+            _replay(dev)
+            if dev.limit:
+                self._limit(dev.limit)
             for name, rec in dev.ops.items():
                 mine = self.ops.setdefault((name, dev.kind), [0, 0, 0, 0])
                 for i in range(4):
                     mine[i] += rec[i]
+
+
+def _replay(dev: _Device) -> None:
+    """A device's buffered events in time order (stable: file order among equal times): what was
+    allocated before the first, what is live by address and by op, the peak and what was live at
+    it, the largest ``Total Allocated`` / ``Total Reserved`` torch wrote, and the chart."""
+    b_ts, b_nb, b_addr, b_tot, b_res, b_rec = dev.buffers
+    dev.buffers = _buffers()
+    order: Any = range(len(b_ts)) if dev.ordered else sorted(range(len(b_ts)), key=b_ts.__getitem__)
+    allocs: dict[int, tuple[int, list[int]]] = {}
+    cur = peak = drift = 0
+    alloc_peak = peak_reserved = -1
+    reserved: int | None = None
+    pending = False
+    edge = _NEVER
+    last: list[Any] = []
+    for k in order:
+        ts = b_ts[k]
+        nbytes = b_nb[k]
+        total: int | None = b_tot[k]
+        if total == _NONE:
+            total = None
+        if dev.start is None:  # the peak so far: what was allocated before the window
+            dev.start = cur = peak = max(0, total - nbytes) if total is not None else 0
+            dev.peak_ts, dev.first_ts, dev.t0 = ts, ts, ts
+            r0 = b_res[k]
+            dev.peak_reserved_at = r0 if r0 != _NONE else None
+            pending = True
+        cur += nbytes
+        if total is not None and total > alloc_peak:
+            alloc_peak = total
+        r: int | None = b_res[k]
+        if r == _NONE:
+            r = None
+        else:
+            reserved = r
+            if r > peak_reserved:
+                peak_reserved = r
+        addr = b_addr[k]
+        rec = b_rec[k]
+        if nbytes > 0:
+            old = allocs.get(addr) if addr != _NO_ADDR else None
+            if old is not None:  # allocated again without a free in between: the old one is gone
+                old[1][4] -= old[0]
+                old[1][5] -= 1
+            if addr != _NO_ADDR and (old is not None or len(allocs) < MAX_LIVE):
+                allocs[addr] = (nbytes, rec)
+                rec[4] += nbytes
+                rec[5] += 1
+            elif addr != _NO_ADDR:
+                dev.limit = f"more than {MAX_LIVE:,} live allocations on one device: later ones not attributed"
+            if cur > peak:
+                peak = cur
+                dev.peak_ts, dev.peak_reserved_at = ts, reserved
+                if total is not None and abs(cur - total) > drift:  # checked where it matters most
+                    drift = abs(cur - total)
+                if dev.copies < _SNAPSHOTS_EXACT or cur > dev.copied * 1.001:
+                    pending = True
+        else:
+            if pending:  # the live set is still the peak's: nothing was freed since
+                dev.copy_peak(peak)
+                pending = False
+            old = allocs.pop(addr, None) if addr != _NO_ADDR else None
+            if old is not None:
+                old[1][4] -= old[0]
+                old[1][5] -= 1
+        if ts >= edge:
+            last = dev.point(ts, cur, reserved)
+            edge = dev.edge
+        else:  # the same chart bucket: keep its highest
+            if cur > last[2]:
+                last[1], last[2] = ts, cur
+            if r is not None and (last[3] is None or r > last[3]):
+                last[3] = r
+    dev.cur, dev.peak, dev.alloc_peak, dev.peak_reserved, dev.drift, dev.reserved = (
+        cur, peak, alloc_peak, peak_reserved, drift, reserved)
+    if pending:
+        dev.copy_peak(peak)
 
 
 def device_memory(tracker: MemoryTracker, *, stage_id: int | None, replica: int | None, rank: int | None,
