@@ -179,6 +179,22 @@ def test_ops_past_the_index_cap_leave_a_warning_not_wrong_totals(tmp_path: Path,
     assert any("ops indexed for the memory events" in w for w in s.warnings)
 
 
+def test_events_past_the_replay_cap_are_counted_per_op_and_the_cap_is_said(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.analysis import memory
+
+    monkeypatch.setattr(memory, "MAX_REPLAYED", 4)
+    events = [_op("aten::empty", 0, 100)] + [_mem(i + 1, i, 100, 100 * (i + 1)) for i in range(6)]
+    path = tmp_path / "trace_rank0.json"
+    path.write_text(json.dumps(_trace(events, profile_memory=1)))
+    s = summarize_trace(path)
+    [m] = s.memory
+    # the peak covers the 4 events replayed; every allocation still counts for its op
+    assert (m.peak_allocated_bytes, m.allocs, m.alloc_bytes) == (400, 6, 600)
+    assert [(o.name, o.allocs) for o in s.memory_ops] == [("aten::empty", 6)]
+    assert [w for w in s.warnings if "memory events in one trace" in w], s.warnings
+
+
 def test_a_trace_without_memory_has_no_memory_figures(trace_data: Path) -> None:
     s = summarize_trace(trace_data / "cuda_small.json.gz")
     assert (s.memory, s.memory_ops) == ([], [])

@@ -206,7 +206,7 @@ class MemoryTracker:
         b_ts = b_nb = b_addr = b_tot = b_res = b_rec = ops  # rebound at the first event's device
         last_ts = _NEVER
         ordered = True
-        room = 0
+        room = self._room  # events this trace may still buffer
         # The op the last event was charged to (``i``, its record ``rec``) is every later event's of
         # the same thread and device while ts lies in [seen, nxt) and ts <= iend: no op starts
         # before nxt and that op (none: iend is +inf) has not ended. ``pos``: the last op started
@@ -228,7 +228,6 @@ class MemoryTracker:
                 ops = dev.ops
                 b_ts, b_nb, b_addr, b_tot, b_res, b_rec = dev.buffers
                 last_ts, ordered = dev.last_ts, dev.ordered
-                room = self._room
                 nxt = _NEVER  # the charged op's record is the last device's
             elif dev is None:
                 continue
@@ -290,10 +289,9 @@ class MemoryTracker:
                 if room == 0:
                     self._limit(f"more than {MAX_REPLAYED:,} memory events in one trace: later ones are counted per op, "
                                 "but the peak, what was live and the chart cover the events before them")
-                    room = self._room = -1
+                    room = -1
                 continue
             room -= 1
-            self._room = room
             if ts < last_ts:
                 ordered = False
             last_ts = ts
@@ -306,6 +304,7 @@ class MemoryTracker:
             r = a.total_reserved
             b_res.append(r if r is not None else _NONE)
             b_rec.append(rec)
+        self._room = room
         if dev is not None:
             dev.last_ts, dev.ordered = last_ts, ordered
         if ix is not None:
@@ -328,7 +327,7 @@ def _replay(dev: _Device) -> None:
     it, the largest ``Total Allocated`` / ``Total Reserved`` torch wrote, and the chart."""
     b_ts, b_nb, b_addr, b_tot, b_res, b_rec = dev.buffers
     dev.buffers = _buffers()
-    order: Any = range(len(b_ts)) if dev.ordered else sorted(range(len(b_ts)), key=b_ts.__getitem__)
+    order: Any = range(len(b_ts)) if dev.ordered else sorted(range(len(b_ts)), key=b_ts.tolist().__getitem__)
     allocs: dict[int, tuple[int, list[int]]] = {}
     cur = peak = drift = 0
     alloc_peak = peak_reserved = -1
@@ -340,18 +339,17 @@ def _replay(dev: _Device) -> None:
         ts = b_ts[k]
         nbytes = b_nb[k]
         total: int | None = b_tot[k]
+        r: int | None = b_res[k]
         if total == _NONE:
             total = None
         if dev.start is None:  # the peak so far: what was allocated before the window
             dev.start = cur = peak = max(0, total - nbytes) if total is not None else 0
             dev.peak_ts, dev.first_ts, dev.t0 = ts, ts, ts
-            r0 = b_res[k]
-            dev.peak_reserved_at = r0 if r0 != _NONE else None
+            dev.peak_reserved_at = r if r != _NONE else None
             pending = True
         cur += nbytes
         if total is not None and total > alloc_peak:
             alloc_peak = total
-        r: int | None = b_res[k]
         if r == _NONE:
             r = None
         else:
