@@ -4,7 +4,8 @@ and big ones by replicating a real trace's events with shifted timestamps and id
   python3 bench/gen_traces.py cpu --out /tmp/traces --steps 4 8 32     # one trace per step count
   python3 bench/gen_traces.py cpu --out /tmp/traces --steps 8 --memory  # profile_memory on (memory events)
   python3 bench/gen_traces.py gpu --out $OUT                           # on the GPU machine
-  python3 bench/gen_traces.py gpu --out $OUT --memory --large-steps 20 # a large real CUDA trace with memory on
+  python3 bench/gen_traces.py gpu --out $OUT --memory --large-steps 90 # a large real CUDA trace with memory on
+  python3 bench/gen_traces.py gpu --out $OUT --memory --no-stack --large-steps 90  # ... without stacks, and its twin without memory
   python3 bench/gen_traces.py replicate SRC.json[.gz] DST.json --size-mb 1000
   python3 bench/gen_traces.py hostbound --out $OUT                     # on the GPU machine
 
@@ -266,6 +267,9 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--large-steps", type=int, default=30)
     g.add_argument("--memory", action="store_true",
                    help="only the large one, with profile_memory on (cuda_large_memory): the bench's real memory trace")
+    g.add_argument("--no-stack", action="store_true",
+                   help="with --memory: the large one without stacks (cuda_nostack_memory), and the same run without "
+                        "memory (cuda_nostack): what the memory figures cost where no Python events are skipped")
     h = sub.add_parser("hostbound", help="real CUDA traces: host-bound, CUDA graph, busy GPU")
     h.add_argument("--out", type=Path, required=True)
     r = sub.add_parser("replicate", help="grow a trace to a size by repeating its events")
@@ -282,6 +286,11 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         print(f"torch {torch.__version__}, cuda {torch.version.cuda}, {torch.cuda.get_device_name(0)}", flush=True)
+        if a.memory and a.no_stack:
+            for name, memory in (("cuda_nostack_memory", True), ("cuda_nostack", False)):
+                profile_run(a.out, name, device="cuda", steps=a.large_steps, d_model=512, layers=4,
+                            batch=16, seq=256, with_stack=False, gz=True, memory=memory)
+            return
         if a.memory:
             profile_run(a.out, "cuda_large_memory", device="cuda", steps=a.large_steps, d_model=512, layers=4,
                         batch=16, seq=256, with_stack=True, gz=True, memory=True)
