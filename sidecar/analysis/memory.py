@@ -97,7 +97,7 @@ class _Device:
     """One device's state: per-op counts and the buffered events in the pass, the replay's
     figures after ``MemoryTracker.finish`` (see the module docstring)."""
 
-    __slots__ = ("kind", "ops", "buffers", "last_ts", "ordered", "limit", "start", "cur", "reserved", "peak", "peak_ts",
+    __slots__ = ("kind", "ops", "buffers", "limit", "start", "cur", "reserved", "peak", "peak_ts",
                  "peak_reserved_at", "peak_reserved", "alloc_peak", "drift", "stacks", "at_peak", "copies", "copied",
                  "ooms", "points", "t0", "width", "edge", "first_ts")
 
@@ -106,8 +106,6 @@ class _Device:
         # op name -> [allocs, bytes allocated, frees, bytes freed, bytes live now, blocks live now]
         self.ops: dict[str, list[int]] = {}
         self.buffers = _buffers()
-        self.last_ts = _NEVER  # the last buffered event's time, and whether they came in time order
-        self.ordered = True
         self.limit: str | None = None  # a cap the replay hit
         self.start: int | None = None  # allocated before the first event
         self.cur = 0
@@ -202,10 +200,7 @@ class MemoryTracker:
         parents: Any = ()
         rows: Any = ()
         ops: dict[str, list[int]] = {}
-        # the device's buffers, appended to in file order (see ``_Device``)
-        b_ts = b_nb = b_addr = b_tot = b_res = b_rec = ops  # rebound at the first event's device
-        last_ts = _NEVER
-        ordered = True
+        b_ts, b_nb, b_addr, b_tot, b_res, b_rec = _buffers()  # the device's, from its first event on (file order)
         room = self._room  # events this trace may still buffer
         # The op the last event was charged to (``i``, its record ``rec``) is every later event's of
         # the same thread and device while ts lies in [seen, nxt) and ts <= iend: no op starts
@@ -219,15 +214,12 @@ class MemoryTracker:
             if a is None:
                 continue
             if a.device_type != dtype or a.device_id != did:
-                if dev is not None:
-                    dev.last_ts, dev.ordered = last_ts, ordered
                 dtype, did = a.device_type, a.device_id
                 dev = self._device(dtype, did)
                 if dev is None:
                     continue
                 ops = dev.ops
                 b_ts, b_nb, b_addr, b_tot, b_res, b_rec = dev.buffers
-                last_ts, ordered = dev.last_ts, dev.ordered
                 nxt = _NEVER  # the charged op's record is the last device's
             elif dev is None:
                 continue
@@ -292,9 +284,6 @@ class MemoryTracker:
                     room = -1
                 continue
             room -= 1
-            if ts < last_ts:
-                ordered = False
-            last_ts = ts
             b_ts.append(ts)
             b_nb.append(nbytes)
             addr = a.addr
@@ -305,8 +294,6 @@ class MemoryTracker:
             b_res.append(r if r is not None else _NONE)
             b_rec.append(rec)
         self._room = room
-        if dev is not None:
-            dev.last_ts, dev.ordered = last_ts, ordered
         if ix is not None:
             ix.at = (pos, seen)
 
@@ -327,12 +314,21 @@ def _replay(dev: _Device) -> None:
     it, the largest ``Total Allocated`` / ``Total Reserved`` torch wrote, and the chart."""
     b_ts, b_nb, b_addr, b_tot, b_res, b_rec = dev.buffers
     dev.buffers = _buffers()
-    order: Any = range(len(b_ts)) if dev.ordered else sorted(range(len(b_ts)), key=b_ts.tolist().__getitem__)
+    if not b_ts:
+        return
+    # the threads' runs, merged (timsort finds the runs: linear where the file is in time order)
+    order = sorted(range(len(b_ts)), key=b_ts.tolist().__getitem__)
+    first = order[0]  # the peak so far: what was allocated before the window
+    total0, r0 = b_tot[first], b_res[first]
+    dev.start = max(0, total0 - b_nb[first]) if total0 != _NONE else 0
+    dev.peak_ts = dev.first_ts = dev.t0 = b_ts[first]
+    dev.peak_reserved_at = r0 if r0 != _NONE else None
     allocs: dict[int, tuple[int, list[int]]] = {}
-    cur = peak = drift = 0
+    cur = peak = dev.start
+    drift = 0
     alloc_peak = peak_reserved = -1
     reserved: int | None = None
-    pending = False
+    pending = True
     edge = _NEVER
     last: list[Any] = []
     for k in order:
@@ -342,11 +338,6 @@ def _replay(dev: _Device) -> None:
         r: int | None = b_res[k]
         if total == _NONE:
             total = None
-        if dev.start is None:  # the peak so far: what was allocated before the window
-            dev.start = cur = peak = max(0, total - nbytes) if total is not None else 0
-            dev.peak_ts, dev.first_ts, dev.t0 = ts, ts, ts
-            dev.peak_reserved_at = r if r != _NONE else None
-            pending = True
         cur += nbytes
         if total is not None and total > alloc_peak:
             alloc_peak = total
