@@ -116,9 +116,9 @@ def test_files_summarised_in_parallel_equal_one_by_one(trace_data, tmp_path):
 
 
 def test_a_trace_too_big_to_open_is_flagged_with_the_slim_command(trace_data, monkeypatch):
-    import sidecar.analysis.summary as summary
+    import sidecar.analysis.report as report
 
-    monkeypatch.setattr(summary, "TOO_BIG_BYTES", 1000)
+    monkeypatch.setattr(report, "TOO_BIG_BYTES", 1000)
     s = summarize_paths([trace_data / "cuda_small.json.gz"])
     assert (s.files[0].too_big, "omni-sidecar slim" in s.warnings[0]) == (True, True)
 

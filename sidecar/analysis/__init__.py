@@ -26,7 +26,7 @@ _EXPORTS = {
     ),
     "sidecar.analysis.reader": ("TraceReader",),
     "sidecar.analysis.snapshot": ("read_snapshot", "summarize_snapshot"),
-    "sidecar.analysis.summary": ("summarize_trace",),
+    "sidecar.analysis.report": ("summarize_trace",),
 }
 
 __all__, __getattr__ = lazy_exports(__name__, globals(), _EXPORTS)

@@ -34,7 +34,8 @@ from sidecar.analysis.models import (
 )
 from sidecar.analysis.starts import Start, common_span, handovers, stage_starts, start_skews
 from sidecar.analysis.snapshot import SNAPSHOT_FILE, summarize_snapshot
-from sidecar.analysis.summary import Aggregate, aggregate_trace, trace_summary
+from sidecar.analysis.report import summary_body, trace_summary
+from sidecar.analysis.summary import Aggregate, aggregate_trace
 from sidecar.errors import TraceError
 
 _LLM_SESSION = re.compile(r"_stage(\d+)_rank(\d+)_\d+$")
@@ -318,12 +319,12 @@ def summarize_paths(
         per_file.append(ts)
         stages.setdefault(src.stage_id, Aggregate()).merge(agg)
         total.merge(agg)
-    body = total.body(top)
+    body = summary_body(total, top)
     body["errors"] = errors + body["errors"]
     body["warnings"] = warnings
     window, skew = common_window(total, requested_start)
     _with_skew(body["devices"], skew)
-    stage_bodies = [(sid, agg.files, agg.body(top)) for sid, agg in sorted(stages.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
+    stage_bodies = [(sid, agg.files, summary_body(agg, top)) for sid, agg in sorted(stages.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))]
     for _, _, b in stage_bodies:
         _with_skew(b["devices"], skew)
     body["snapshots"], failed_snapshots = snapshots_beside(sources)

@@ -10,6 +10,10 @@ GPU ``cuda:0``, so the device number alone would add different GPUs together.
 Every one of those is capped (names, threads, open ops per thread, devices and streams, sparse
 ids), so a hostile file of unique names or ever-nested ops cannot grow them without bound: what
 passes a cap is counted in an overflow row or left out, and ``limits`` says which cap was hit.
+
+``Aggregate`` is the pass (``add_batch``, ``finish``) and the sum of several traces (``merge``);
+``aggregate_trace`` runs it over one file. ``sidecar.analysis.report`` turns a finished aggregate
+into the summary models.
 """
 
 from __future__ import annotations
@@ -31,21 +35,8 @@ from sidecar.analysis.memory import (
     ThreadOps,
     device_memory,
     merge_device,
-    op_stats,
 )
-from sidecar.analysis.models import (
-    DeviceMemory,
-    DeviceStat,
-    GpuSplit,
-    GpuStat,
-    OpStat,
-    StepKindStat,
-    StreamStat,
-    Totals,
-    TraceMeta,
-    TraceSummary,
-    Window,
-)
+from sidecar.analysis.models import DeviceMemory, TraceMeta
 from sidecar.analysis.reader import TraceEvent, TraceReader, trace_epoch_offset_us
 from sidecar.analysis.starts import PROFILER_SPAN
 from sidecar.errors import TraceError
@@ -76,7 +67,6 @@ _MAX_SPARSE_IDS = 1 << 18
 OTHER_NAMES = "(other names: too many distinct names in this trace)"
 _EXT_DENSE_LIMIT = 1 << 23  # External ids above this go to a dict (the array stays <= 32 MB)
 _UNSET = array("i", [-1])
-TOO_BIG_BYTES = 200_000_000  # raw JSON above this: warn that Perfetto's UI may not open it
 
 # A stat row: [name, count, total, self, self_device, position among the rows External ids name]
 _NAME, _COUNT, _TOTAL, _SELF, _SELF_DEV, _POS = range(6)
@@ -581,99 +571,6 @@ class Aggregate:
             for i in range(4):
                 r[i] += v[i]
 
-    def body(self, top: int) -> dict[str, Any]:
-        """The fields of ``SummaryBody``, tables cut to the ``top`` rows by time."""
-        span = (self.end - self.start) if self.start is not None and self.end is not None else 0.0
-
-        def ops(cat: str, key: int) -> list[OpStat]:
-            rows = sorted(self.tables[cat].values(), key=lambda r: r[key], reverse=True)[:top]
-            return [OpStat(name=r[0], count=r[1], total_us=r[2], self_us=r[3], self_device_us=r[4]) for r in rows]
-
-        def gpu(cat: str) -> list[GpuStat]:
-            rows = sorted(self.tables[cat].values(), key=lambda r: r[2], reverse=True)[:top]
-            return [GpuStat(name=r[0], count=r[1], total_us=r[2]) for r in rows]
-
-        def share(part: float, whole: float) -> float:
-            return part / whole if whole > 0 else 0.0
-
-        def idle(busy: float, of: float) -> float:
-            return max(0.0, 1.0 - busy / of) if of > 0 else 0.0
-
-        def order(k: tuple[Any, ...]) -> tuple[Any, ...]:
-            return tuple(-1 if v is None else v for v in k)
-
-        t = self.tables
-        kernel_us = sum(r[2] for r in t[KERNEL].values())
-        memcpy_us = sum(r[2] for r in t[MEMCPY].values())
-        memset_us = sum(r[2] for r in t[MEMSET].values())
-        gpu_us = kernel_us + memcpy_us + memset_us
-        by_device = [o for o in ops(OP, _SELF_DEV) if o.self_device_us > 0]
-        kinds_total = sum(v[1] for v in self.step_kinds.values())
-        return dict(
-            truncated=self.truncated,
-            errors=list(self.errors),
-            window=Window(
-                start_us=self.start,
-                end_us=self.end,
-                span_us=span,
-                steps=self.steps,
-                step_mean_us=(self.step_total / self.steps) if self.steps else None,
-                step_names=self.step_names,
-                engine_steps=self.engine_steps,
-                engine_step_mean_us=(self.engine_step_total / self.engine_steps) if self.engine_steps else None,
-                end_epoch_us=self.end_epoch_us,
-            ),
-            totals=Totals(
-                events=self.events,
-                bytes_raw=self.bytes_raw,
-                cpu_ops=sum(r[1] for r in t[OP].values()),
-                cpu_op_self_us=sum(r[3] for r in t[OP].values()),
-                kernels=sum(r[1] for r in t[KERNEL].values()),
-                kernel_us=kernel_us,
-                memcpy_us=memcpy_us,
-                memset_us=memset_us,
-                runtime_us=sum(r[2] for r in t[RUNTIME].values()),
-                out_of_order=self.out_of_order,
-                profiler_overhead_us=self.overhead_us,
-            ),
-            cpu_ops=ops(OP, _SELF),
-            cpu_ops_by_device=by_device,
-            annotations=ops(ANNOTATION, _TOTAL),
-            runtime=ops(RUNTIME, _TOTAL),
-            kernels=gpu(KERNEL),
-            memcpy=gpu(MEMCPY),
-            memset=gpu(MEMSET),
-            devices=[
-                DeviceStat(stage_id=k[0], replica=k[1], rank=k[2], device=k[3], busy_us=b, span_us=sp,
-                           busy_share=min(1.0, share(b, sp)), idle_share=idle(b, sp),
-                           first_event_epoch_us=self.epochs[k][0] if k in self.epochs else None,
-                           profiling_start_epoch_us=self.profiling_epochs[k][0] if k in self.profiling_epochs else None,
-                           **(self.attribution[k].fields() if k in self.attribution else {}))
-                for k, (b, sp) in sorted(self.devices.items(), key=lambda kv: order(kv[0]))
-            ],
-            streams=[
-                StreamStat(stage_id=k[0], replica=k[1], rank=k[2], device=k[3], stream=k[4], count=v[0],
-                           busy_us=v[1], idle_share=idle(v[1], self._span_of(k)))
-                for k, v in sorted(self.streams.items(), key=lambda kv: order(kv[0]))
-            ],
-            engine_step_kinds=[
-                StepKindStat(kind=k, count=int(v[0]), total_us=v[1], mean_us=v[1] / v[0] if v[0] else 0.0,
-                             share=share(v[1], kinds_total))
-                for k, v in sorted(self.step_kinds.items(), key=lambda kv: -kv[1][1])
-            ],
-            gpu_split=GpuSplit(
-                kernel_us=kernel_us, memcpy_us=memcpy_us, memset_us=memset_us,
-                kernel_share=share(kernel_us, gpu_us), memcpy_share=share(memcpy_us, gpu_us),
-                memset_share=share(memset_us, gpu_us),
-            ),
-            memory=[m for _, m in sorted(self.memory.items(), key=lambda kv: order(kv[0]))],
-            memory_ops=op_stats(self.memory_ops, top),
-        )
-
-    def _span_of(self, stream_key: tuple[Any, ...]) -> float:
-        d = self.devices.get(stream_key[:4])
-        return d[1] if d else ((self.end - self.start) if self.start is not None and self.end is not None else 0.0)
-
 
 def _meta(header: dict[str, Any]) -> TraceMeta:
     dist = header.get("distributedInfo") if isinstance(header.get("distributedInfo"), dict) else {}
@@ -692,13 +589,6 @@ def _meta(header: dict[str, Any]) -> TraceMeta:
         devices=[str(d.get("name")) for d in devices if isinstance(d, dict) and d.get("name")],
         extra={k: v for k, v in header.items() if k not in skip and isinstance(v, (int, float, str, bool))},
     )
-
-
-def slim_command(path: str | Path) -> str:
-    """The command that makes a trace small enough to open (see ``sidecar.analysis.slim``)."""
-    p = Path(path)
-    stem = p.name[: -len(".json.gz")] if p.name.endswith(".json.gz") else p.stem
-    return f"omni-sidecar slim {p} -o {p.with_name(stem + '.slim.json.gz')} --max-mb 150"
 
 
 def aggregate_trace(
@@ -738,33 +628,4 @@ def aggregate_trace(
     return agg, meta, reader.raw_bytes
 
 
-def trace_summary(path: str | Path, agg: Aggregate, meta: TraceMeta, raw: int, top: int) -> TraceSummary:
-    """The ``TraceSummary`` of one aggregated file, with the too-big warning where it applies."""
-    summary = TraceSummary(file=str(path), bytes_raw=raw, meta=meta, stage_id=agg.stage_id, replica=agg.replica, **agg.body(top))
-    summary.warnings += [f"{path}: {what}" for what in agg.limits]
-    if raw > TOO_BIG_BYTES:
-        summary.too_big = True
-        summary.slim_command = slim_command(path)
-        summary.warnings.append(
-            f"{path}: {raw / 1e6:.0f} MB of JSON; Perfetto's UI fails around 1 GB and is slow well "
-            f"before. Make a smaller copy: {summary.slim_command}"
-        )
-    return summary
-
-
-def summarize_trace(path: str | Path, *, top: int = 20, strict: bool = False, steady: bool = True) -> TraceSummary:
-    """Summary of one trace file (``.json`` or ``.json.gz``).
-
-    Raises ``TraceError`` (code ``trace_invalid``, message naming the file) for unreadable input.
-    A file cut short returns the summary of the events read so far with ``truncated=True`` and the
-    reason in ``errors``; with ``strict=True`` it raises instead, the partial summary in
-    ``details["partial"]``.
-    """
-    agg, meta, raw = aggregate_trace(path, steady=steady)
-    summary = trace_summary(path, agg, meta, raw, top)
-    if strict and summary.truncated:
-        raise TraceError(summary.errors[0], details={"file": str(path), "partial": summary.model_dump(mode="json")})
-    return summary
-
-
-__all__ = ["Aggregate", "aggregate_trace", "engine_step_kind", "slim_command", "summarize_trace", "trace_summary"]
+__all__ = ["Aggregate", "aggregate_trace", "engine_step_kind"]
