@@ -1,9 +1,9 @@
 """``steps`` windows on a real vLLM CPU server started WITH its stat loggers (its /metrics then has
 ``vllm:iteration_tokens_total``, the step counter). With no deploy cap, vLLM >= 0.32 ends a 20-step
-window itself, asked by the start's body, and its trace holds exactly 20 engine steps; an older
-server refuses it (the render that caps it named). A server capped at 22 by its deploy holds 20 +- 2
-(0.30), or exactly the 20 the start asked where the start bounds it (0.32). The window's server
-metrics are the real ones.
+window itself, asked by the start's body, and its trace holds exactly 20 engine iterations (an idle
+one among them said so); an older server refuses it (the render that caps it named). A server
+capped at 22 by its deploy holds 20 +- 2 (0.30), or exactly the 20 the start asked where the start
+bounds it (0.32). The window's server metrics are the real ones.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_twenty_steps_with_no_deploy_cap_trace_exactly_twenty_where_the_start_bo
     # ends it after exactly the iterations asked (by hand there: 20 asked, 20 traced; the sidecar's
     # own count had traced 225). An older server cannot end it: refused, with the render that caps it.
     # The server counts idle iterations too (nothing scheduled: between one request and the next), so
-    # three streams of long requests keep its engine busy for every one of them.
+    # three streams of long requests keep its engine busy for (nearly) every one of them.
     url = counted["server"].url
     with SidecarClient(sidecar.url, timeout=300) as client:
         if not dialect.per_capture_bounds:
@@ -68,7 +68,17 @@ def test_twenty_steps_with_no_deploy_cap_trace_exactly_twenty_where_the_start_bo
     print(f"asked 20, bounded by the start: counted {cap.steps_counted}, traced {verdict.steps_traced}, notes {cap.notes}")
     assert (cap.state.value, cap.steps_bound.value, cap.steps_ended_by.value) == (
         "completed", "per_capture", "server"), cap.facts
-    assert (cap.server["start_options"]["max_iterations"], verdict.steps_traced) == (20, 20), (cap.server, verdict)
+    assert cap.server["start_options"]["max_iterations"] == 20, cap.server
+    # The server's window is exactly 20 iterations. Three streams keep nearly all of them busy, but on a
+    # loaded machine an iteration can fall between two requests (seen in CI: 19 traced, 1 idle): the
+    # capture must then say so, and the idle and traced ones together must make the 20.
+    held = {n.stage_id: n.figures for n in cap.fact("steps_traced")}
+    if verdict.steps_traced == 20:
+        assert held == {}, cap.facts
+    else:
+        f = held[0]  # the trace's own iterations, and the idle ones among them
+        assert (f["iterations"], f["idle_iterations"]) == (20, 20 - verdict.steps_traced), (verdict, f)
+        assert f["idle_iterations"] <= 2, f
 
 
 def test_twenty_steps_counted_by_name_say_what_the_trace_holds(sidecar: Any, load: None) -> None:
