@@ -37,8 +37,7 @@ MAX_POINTS = 240  # chart points per device (the largest allocated of each time 
 MAX_STACK = 8  # enclosing ops kept for a live op's stack
 TOP_LIVE = 10
 _UNSET = object()
-_NONE = -(1 << 63)  # a figure the event did not carry, in the buffers
-_NO_ADDR = _NONE
+_NONE = -(1 << 63)  # a figure (or address) the event did not carry, in the buffers
 _NEVER, _ALWAYS = float("-inf"), float("inf")
 _NEAR = 36  # ops searched first when a thread's next memory event is past several op starts
 _SNAPSHOTS_EXACT = 1000  # peak copies taken at any new peak; after that, only at a 0.1 % higher one
@@ -89,7 +88,7 @@ class ThreadOps:
 
 def _buffers() -> tuple[array, array, array, array, array, list[list[int]]]:
     """A device's events as the pass saw them, for ``_replay``: ts, bytes, address, Total Allocated,
-    Total Reserved (``_NONE``/``_NO_ADDR`` where absent), and the record of the op charged."""
+    Total Reserved (``_NONE`` where absent), and the record of the op charged."""
     return array("d"), array("q"), array("q"), array("q"), array("q"), []
 
 
@@ -287,7 +286,7 @@ class MemoryTracker:
             b_ts.append(ts)
             b_nb.append(nbytes)
             addr = a.addr
-            b_addr.append(addr if addr is not None else _NO_ADDR)
+            b_addr.append(addr if addr is not None else _NONE)
             total = a.total_allocated
             b_tot.append(total if total is not None else _NONE)
             r = a.total_reserved
@@ -334,36 +333,33 @@ def _replay(dev: _Device) -> None:
     for k in order:
         ts = b_ts[k]
         nbytes = b_nb[k]
-        total: int | None = b_tot[k]
-        r: int | None = b_res[k]
-        if total == _NONE:
-            total = None
+        total = b_tot[k]  # _NONE (below every figure) where the event did not carry it
+        r = b_res[k]
         cur += nbytes
-        if total is not None and total > alloc_peak:
+        if total > alloc_peak:
             alloc_peak = total
-        if r == _NONE:
-            r = None
-        else:
+        if r != _NONE:
             reserved = r
             if r > peak_reserved:
                 peak_reserved = r
-        addr = b_addr[k]
-        rec = b_rec[k]
         if nbytes > 0:
-            old = allocs.get(addr) if addr != _NO_ADDR else None
-            if old is not None:  # allocated again without a free in between: the old one is gone
-                old[1][4] -= old[0]
-                old[1][5] -= 1
-            if addr != _NO_ADDR and (old is not None or len(allocs) < MAX_LIVE):
-                allocs[addr] = (nbytes, rec)
-                rec[4] += nbytes
-                rec[5] += 1
-            elif addr != _NO_ADDR:
-                dev.limit = f"more than {MAX_LIVE:,} live allocations on one device: later ones not attributed"
+            addr = b_addr[k]
+            if addr != _NONE:  # no address: counted, not kept live
+                old = allocs.get(addr)
+                if old is not None:  # allocated again without a free in between: the old one is gone
+                    old[1][4] -= old[0]
+                    old[1][5] -= 1
+                if old is not None or len(allocs) < MAX_LIVE:
+                    rec = b_rec[k]
+                    allocs[addr] = (nbytes, rec)
+                    rec[4] += nbytes
+                    rec[5] += 1
+                else:
+                    dev.limit = f"more than {MAX_LIVE:,} live allocations on one device: later ones not attributed"
             if cur > peak:
                 peak = cur
                 dev.peak_ts, dev.peak_reserved_at = ts, reserved
-                if total is not None and abs(cur - total) > drift:  # checked where it matters most
+                if total != _NONE and abs(cur - total) > drift:  # checked where it matters most
                     drift = abs(cur - total)
                 if dev.copies < _SNAPSHOTS_EXACT or cur > dev.copied * 1.001:
                     pending = True
@@ -371,7 +367,7 @@ def _replay(dev: _Device) -> None:
             if pending:  # the live set is still the peak's: nothing was freed since
                 dev.copy_peak(peak)
                 pending = False
-            old = allocs.pop(addr, None) if addr != _NO_ADDR else None
+            old = allocs.pop(b_addr[k], None)  # _NONE is never a key
             if old is not None:
                 old[1][4] -= old[0]
                 old[1][5] -= 1
@@ -381,7 +377,7 @@ def _replay(dev: _Device) -> None:
         else:  # the same chart bucket: keep its highest
             if cur > last[2]:
                 last[1], last[2] = ts, cur
-            if r is not None and (last[3] is None or r > last[3]):
+            if r != _NONE and (last[3] is None or r > last[3]):
                 last[3] = r
     dev.cur, dev.peak, dev.alloc_peak, dev.peak_reserved, dev.drift, dev.reserved = (
         cur, peak, alloc_peak, peak_reserved, drift, reserved)
