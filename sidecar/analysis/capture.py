@@ -26,16 +26,22 @@ from sidecar.analysis.models import (
     CommonWindow,
     DeviceStat,
     ReplicaStat,
-    StageSummary,
     SnapshotSummary,
+    StageSummary,
     Straggler,
     TraceMeta,
     TraceSummary,
 )
-from sidecar.analysis.starts import Start, common_span, handovers, stage_starts, start_skews
+from sidecar.analysis.report import aggregate_trace, summary_body, trace_summary
 from sidecar.analysis.snapshot import SNAPSHOT_FILE, summarize_snapshot
-from sidecar.analysis.report import summary_body, trace_summary
-from sidecar.analysis.summary import Aggregate, aggregate_trace
+from sidecar.analysis.starts import (
+    Start,
+    common_span,
+    handovers,
+    stage_starts,
+    start_skews,
+)
+from sidecar.analysis.summary import Aggregate
 from sidecar.errors import TraceError
 
 _LLM_SESSION = re.compile(r"_stage(\d+)_rank(\d+)_\d+$")

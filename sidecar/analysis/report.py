@@ -1,13 +1,16 @@
-"""A finished ``summary.Aggregate`` as the summary models: ``summary_body`` (the ``SummaryBody``
-fields of one trace, a stage or a capture, tables cut to the top rows), ``trace_summary`` (one
-file's ``TraceSummary``, with the warning where the file is too big for Perfetto's UI and the
-``slim`` command that makes a copy that opens) and ``summarize_trace`` (one file, read and
-reported). The pass that fills the aggregate is ``sidecar.analysis.summary``; this reads only what
-its ``finish`` and ``merge`` leave.
+"""One trace file through the pass, and a finished ``summary.Aggregate`` as the summary models:
+``aggregate_trace`` (one file read through ``Aggregate``, with its header as ``TraceMeta``),
+``summary_body`` (the ``SummaryBody`` fields of one trace, a stage or a capture, tables cut to the
+top rows), ``trace_summary`` (one file's ``TraceSummary``, with the warning where the file is too
+big for Perfetto's UI and the ``slim`` command that makes a copy that opens) and ``summarize_trace``
+(one file, read and reported). The pass that fills the aggregate is ``sidecar.analysis.summary``;
+this reads only what its ``finish`` and ``merge`` leave.
 """
 
 from __future__ import annotations
 
+import gc
+import re
 from pathlib import Path
 from typing import Any
 
@@ -24,22 +27,79 @@ from sidecar.analysis.models import (
     TraceSummary,
     Window,
 )
+from sidecar.analysis.reader import TraceReader, trace_epoch_offset_us
 from sidecar.analysis.summary import (
-    _SELF,
-    _SELF_DEV,
-    _TOTAL,
     ANNOTATION,
     KERNEL,
     MEMCPY,
     MEMSET,
     OP,
+    ROW_SELF,
+    ROW_SELF_DEV,
+    ROW_TOTAL,
     RUNTIME,
     Aggregate,
-    aggregate_trace,
 )
 from sidecar.errors import TraceError
 
 TOO_BIG_BYTES = 200_000_000  # raw JSON above this: warn that Perfetto's UI may not open it
+_RANK_IN_NAME = re.compile(r"^trace_rank(\d+)\.json")
+
+
+def _meta(header: dict[str, Any]) -> TraceMeta:
+    dist = header.get("distributedInfo") if isinstance(header.get("distributedInfo"), dict) else {}
+    devices = header.get("deviceProperties") if isinstance(header.get("deviceProperties"), list) else []
+
+    def as_int(v: Any) -> int | None:
+        return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+    skip = {"distributedInfo", "deviceProperties", "traceName", "host_name"}
+    return TraceMeta(
+        rank=as_int(dist.get("rank")),
+        world_size=as_int(dist.get("world_size")),
+        backend=dist.get("backend") if isinstance(dist.get("backend"), str) else None,
+        host_name=header.get("host_name") if isinstance(header.get("host_name"), str) else None,
+        trace_name=header.get("traceName") if isinstance(header.get("traceName"), str) else None,
+        devices=[str(d.get("name")) for d in devices if isinstance(d, dict) and d.get("name")],
+        extra={k: v for k, v in header.items() if k not in skip and isinstance(v, (int, float, str, bool))},
+    )
+
+
+def aggregate_trace(
+    path: str | Path, *, stage_id: int | None = None, replica: int | None = None, steady: bool = True
+) -> tuple[Aggregate, TraceMeta, int]:
+    """One pass over ``path``. Raises ``TraceError`` when nothing usable was read. ``stage_id``
+    and ``replica`` key its devices (with the rank from the trace). ``steady=False`` keeps the
+    profiler-start transient and graph captures in the attribution window (as HTA does)."""
+    reader = TraceReader(path, skip_python=True, complete_only=True)
+    agg = Aggregate(steady=steady)
+    # The pass allocates millions of short-lived structs and no cycles: the cyclic GC would only
+    # rescan the growing tables on every generation-0 threshold.
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for n, batch in enumerate(reader.batches()):
+            if n == 0:  # the header is read before the first batch
+                agg.index_ops(reader.meta)
+            agg.add_batch(batch)
+    finally:
+        if was_enabled:
+            gc.enable()
+    meta = _meta(reader.meta)
+    if meta.rank is None:  # no distributedInfo (single process): vLLM still names the file by rank
+        m = _RANK_IN_NAME.match(Path(path).name)
+        meta.rank = int(m.group(1)) if m else None
+    agg.events += reader.skipped  # Python stack events: counted, never needed
+    agg.epoch_offset_us = trace_epoch_offset_us(reader.meta)
+    agg.finish(meta.rank, stage_id=stage_id, replica=replica)
+    agg.files = [str(path)]
+    agg.bytes_raw = reader.raw_bytes
+    if reader.truncated:
+        if agg.events == 0:
+            raise TraceError(reader.error or f"{path}: truncated before the first event", details={"file": str(path)})
+        agg.truncated = True
+        agg.errors.append(reader.error or f"{path}: truncated")
+    return agg, meta, reader.raw_bytes
 
 
 def summary_body(agg: Aggregate, top: int) -> dict[str, Any]:
@@ -72,7 +132,7 @@ def summary_body(agg: Aggregate, top: int) -> dict[str, Any]:
     memcpy_us = sum(r[2] for r in t[MEMCPY].values())
     memset_us = sum(r[2] for r in t[MEMSET].values())
     gpu_us = kernel_us + memcpy_us + memset_us
-    by_device = [o for o in ops(OP, _SELF_DEV) if o.self_device_us > 0]
+    by_device = [o for o in ops(OP, ROW_SELF_DEV) if o.self_device_us > 0]
     kinds_total = sum(v[1] for v in agg.step_kinds.values())
     return dict(
         truncated=agg.truncated,
@@ -101,10 +161,10 @@ def summary_body(agg: Aggregate, top: int) -> dict[str, Any]:
             out_of_order=agg.out_of_order,
             profiler_overhead_us=agg.overhead_us,
         ),
-        cpu_ops=ops(OP, _SELF),
+        cpu_ops=ops(OP, ROW_SELF),
         cpu_ops_by_device=by_device,
-        annotations=ops(ANNOTATION, _TOTAL),
-        runtime=ops(RUNTIME, _TOTAL),
+        annotations=ops(ANNOTATION, ROW_TOTAL),
+        runtime=ops(RUNTIME, ROW_TOTAL),
         kernels=gpu(KERNEL),
         memcpy=gpu(MEMCPY),
         memset=gpu(MEMSET),
@@ -172,4 +232,4 @@ def summarize_trace(path: str | Path, *, top: int = 20, strict: bool = False, st
     return summary
 
 
-__all__ = ["TOO_BIG_BYTES", "slim_command", "summarize_trace", "summary_body", "trace_summary"]
+__all__ = ["TOO_BIG_BYTES", "aggregate_trace", "slim_command", "summarize_trace", "summary_body", "trace_summary"]

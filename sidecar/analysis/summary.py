@@ -11,21 +11,23 @@ Every one of those is capped (names, threads, open ops per thread, devices and s
 ids), so a hostile file of unique names or ever-nested ops cannot grow them without bound: what
 passes a cap is counted in an overflow row or left out, and ``limits`` says which cap was hit.
 
-``Aggregate`` is the pass (``add_batch``, ``finish``) and the sum of several traces (``merge``);
-``aggregate_trace`` runs it over one file. ``sidecar.analysis.report`` turns a finished aggregate
-into the summary models.
+``Aggregate`` is the pass (``add_batch``, ``finish``) and the sum of several traces (``merge``).
+``sidecar.analysis.report`` runs it over one file (``aggregate_trace``) and turns a finished
+aggregate into the summary models.
 """
 
 from __future__ import annotations
 
-import gc
 import re
 from array import array
 from bisect import bisect_left
-from pathlib import Path
 from typing import Any
 
-from sidecar.analysis.attribution import CAPTURE_CALLS, DeviceAttribution, TraceAttribution
+from sidecar.analysis.attribution import (
+    CAPTURE_CALLS,
+    DeviceAttribution,
+    TraceAttribution,
+)
 from sidecar.analysis.memory import (
     INSTANT,
     MAX_INDEXED_OPS,
@@ -36,10 +38,9 @@ from sidecar.analysis.memory import (
     device_memory,
     merge_device,
 )
-from sidecar.analysis.models import DeviceMemory, TraceMeta
-from sidecar.analysis.reader import TraceEvent, TraceReader, trace_epoch_offset_us
+from sidecar.analysis.models import DeviceMemory
+from sidecar.analysis.reader import TraceEvent
 from sidecar.analysis.starts import PROFILER_SPAN
-from sidecar.errors import TraceError
 
 # Categories, as Kineto names them.
 OP, ANNOTATION, RUNTIME = "cpu_op", "user_annotation", "runtime"
@@ -51,7 +52,6 @@ _STEP = re.compile(r"^ProfilerStep#\d+$")
 # ("execute_<tok>_context_..." with detailed_trace_annotation); vLLM-Omni's diffusion worker in
 # "diffusion_forward" / "diffusion_forward_batch".
 _ENGINE_STEP = re.compile(r"^execute_(\d+_)?context_\d+|^diffusion_forward(_batch)?$")
-_RANK_IN_NAME = re.compile(r"^trace_rank(\d+)\.json")
 _EPS = 5e-4  # µs: timestamps carry ns precision; float sums must not un-nest siblings
 _OVERHEAD_GAP = 200.0  # µs between a CUPTI buffer request and the API call that caused it
 _OVERHEAD_LIMIT = 1 << 16  # overhead events kept for placement (a few per trace in practice)
@@ -69,7 +69,7 @@ _EXT_DENSE_LIMIT = 1 << 23  # External ids above this go to a dict (the array st
 _UNSET = array("i", [-1])
 
 # A stat row: [name, count, total, self, self_device, position among the rows External ids name]
-_NAME, _COUNT, _TOTAL, _SELF, _SELF_DEV, _POS = range(6)
+ROW_NAME, ROW_COUNT, ROW_TOTAL, ROW_SELF, ROW_SELF_DEV, ROW_POS = range(6)
 
 
 def engine_step_kind(name: str) -> str | None:
@@ -145,7 +145,7 @@ class Aggregate:
         self.capacities: dict[int, int] = {}  # GPU memory per device id, from the trace's deviceProperties
         self._ext = array("i")
         self._ext_sparse: dict[int, int] = {}
-        self._rows: list[list[Any]] = []  # rows named by External ids, by _POS
+        self._rows: list[list[Any]] = []  # rows named by External ids, by ROW_POS
         # CUPTI overhead, sorted by end: ends, and [start, end, dur, best gap, op row]
         self._ov_ends: list[float] = []
         self._ov: list[list[Any]] = []
@@ -470,7 +470,7 @@ class Aggregate:
         self.rank, self.stage_id, self.replica = rank, stage_id, replica
         for table in (self.tables[OP], self.tables[ANNOTATION], self.tables[RUNTIME]):
             for row in table.values():  # self time: the total less the children's (kept negative)
-                row[_SELF] += row[_TOTAL]
+                row[ROW_SELF] += row[ROW_TOTAL]
         for ov in self._ov:
             if ov[4] is not None:
                 ov[4][3] -= ov[2]
@@ -572,60 +572,4 @@ class Aggregate:
                 r[i] += v[i]
 
 
-def _meta(header: dict[str, Any]) -> TraceMeta:
-    dist = header.get("distributedInfo") if isinstance(header.get("distributedInfo"), dict) else {}
-    devices = header.get("deviceProperties") if isinstance(header.get("deviceProperties"), list) else []
-
-    def as_int(v: Any) -> int | None:
-        return v if isinstance(v, int) and not isinstance(v, bool) else None
-
-    skip = {"distributedInfo", "deviceProperties", "traceName", "host_name"}
-    return TraceMeta(
-        rank=as_int(dist.get("rank")),
-        world_size=as_int(dist.get("world_size")),
-        backend=dist.get("backend") if isinstance(dist.get("backend"), str) else None,
-        host_name=header.get("host_name") if isinstance(header.get("host_name"), str) else None,
-        trace_name=header.get("traceName") if isinstance(header.get("traceName"), str) else None,
-        devices=[str(d.get("name")) for d in devices if isinstance(d, dict) and d.get("name")],
-        extra={k: v for k, v in header.items() if k not in skip and isinstance(v, (int, float, str, bool))},
-    )
-
-
-def aggregate_trace(
-    path: str | Path, *, stage_id: int | None = None, replica: int | None = None, steady: bool = True
-) -> tuple[Aggregate, TraceMeta, int]:
-    """One pass over ``path``. Raises ``TraceError`` when nothing usable was read. ``stage_id``
-    and ``replica`` key its devices (with the rank from the trace). ``steady=False`` keeps the
-    profiler-start transient and graph captures in the attribution window (as HTA does)."""
-    reader = TraceReader(path, skip_python=True, complete_only=True)
-    agg = Aggregate(steady=steady)
-    # The pass allocates millions of short-lived structs and no cycles: the cyclic GC would only
-    # rescan the growing tables on every generation-0 threshold.
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        for n, batch in enumerate(reader.batches()):
-            if n == 0:  # the header is read before the first batch
-                agg.index_ops(reader.meta)
-            agg.add_batch(batch)
-    finally:
-        if was_enabled:
-            gc.enable()
-    meta = _meta(reader.meta)
-    if meta.rank is None:  # no distributedInfo (single process): vLLM still names the file by rank
-        m = _RANK_IN_NAME.match(Path(path).name)
-        meta.rank = int(m.group(1)) if m else None
-    agg.events += reader.skipped  # Python stack events: counted, never needed
-    agg.epoch_offset_us = trace_epoch_offset_us(reader.meta)
-    agg.finish(meta.rank, stage_id=stage_id, replica=replica)
-    agg.files = [str(path)]
-    agg.bytes_raw = reader.raw_bytes
-    if reader.truncated:
-        if agg.events == 0:
-            raise TraceError(reader.error or f"{path}: truncated before the first event", details={"file": str(path)})
-        agg.truncated = True
-        agg.errors.append(reader.error or f"{path}: truncated")
-    return agg, meta, reader.raw_bytes
-
-
-__all__ = ["Aggregate", "aggregate_trace", "engine_step_kind"]
+__all__ = ["ROW_COUNT", "ROW_NAME", "ROW_POS", "ROW_SELF", "ROW_SELF_DEV", "ROW_TOTAL", "Aggregate", "engine_step_kind"]
