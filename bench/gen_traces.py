@@ -277,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("dst", type=Path)
     r.add_argument("--size-mb", type=float, required=True)
     a = ap.parse_args(argv)
+    if a.cmd == "gpu" and a.no_stack and not a.memory:
+        ap.error("gpu --no-stack goes with --memory (it makes the pair with and without memory)")
     t = time.time()
     if a.cmd == "cpu":
         for s in a.steps:
