@@ -63,19 +63,20 @@ class NodeProfiler:
     target's name) and answers ``("ok", value)`` or ``("error", (class, code, message, details))``:
     a failure is data, never an exception crossing Ray."""
 
-    def __init__(self, *, stop_budget_s: float = 1800.0, control: dict[str, Any] | None = None) -> None:
+    def __init__(self, servers: dict[str, tuple[str, dict[str, Any] | str, str]], *, stop_budget_s: float = 1800.0,
+                 control: dict[str, Any] | None = None) -> None:
+        # name -> (url, deploy, flavor); ``deploy`` a mapping (written here) or a deploy YAML's path on
+        # this node. Given at construction, which Ray runs before any method: an async actor runs its
+        # methods in no guaranteed order, so a separate ``add`` could come after the ``open`` it was
+        # meant for (seen in CI under load: open failed with KeyError, its add not yet run).
+        self._servers = dict(servers)
         self.stop_budget_s = stop_budget_s
         self.control = control or {}
-        self._servers: dict[str, tuple[str, dict[str, Any] | str, str]] = {}  # name -> (url, deploy, flavor)
         self._drivers: dict[str, Any] = {}
         self._dirs: dict[str, tempfile.TemporaryDirectory[str]] = {}
 
     def ready(self) -> bool:
         return True
-
-    def add(self, name: str, url: str, deploy: dict[str, Any] | str, flavor: str = "vllm") -> None:
-        """Hold one more server: ``deploy`` is a mapping (written here) or a deploy YAML's path on this node."""
-        self._servers[name] = (url, deploy, flavor)
 
     async def _call(self, work: Callable[[], Awaitable[Any]]) -> tuple[str, Any]:
         try:
@@ -293,12 +294,12 @@ class RayNodes:
         for node_id, held in by_node.items():
             size = self.per_actor or len(held)
             for i in range(0, len(held), size):
+                mine = held[i:i + size]
                 actor = ray.remote(num_cpus=0)(NodeProfiler).options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-                ).remote(stop_budget_s=stop_budget_s, control=self.control)
-                for t in held[i:i + size]:
-                    actor.add.remote(t.name, t.url, self.placements[t.name].deploy, t.flavor)
-                    out[t.name] = actor
+                ).remote({t.name: (t.url, self.placements[t.name].deploy, t.flavor) for t in mine},
+                         stop_budget_s=stop_budget_s, control=self.control)
+                out.update(dict.fromkeys((t.name for t in mine), actor))
         return out
 
     def launch(self, targets: list[Target], *, stop_budget_s: float, timeout_s: float = 300.0) -> None:
