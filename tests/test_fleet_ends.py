@@ -9,6 +9,7 @@ while its start is in flight and keeps a stop sent meanwhile."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -160,7 +161,8 @@ async def test_each_sidecar_ends_its_own_window_at_its_duration(tmp_path):
 # --- Ctrl-C to the process group of a fleet ----------------------------------------------------------
 
 TRAINER = """
-import asyncio, inspect, json, sys
+import asyncio, faulthandler, inspect, json, signal, sys
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for the stacks of a trainer that hangs
 from sidecar.fleet import Fleet, Target
 spec = json.loads(sys.argv[1])
 targets = [Target.upstream(u, d) for u, d in zip(spec["urls"], spec["deploys"])]
@@ -179,6 +181,22 @@ def _sigint_group(proc: subprocess.Popen[str]) -> str:
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: every process of the group
     try:
         return proc.communicate(timeout=120)[0]
+    except subprocess.TimeoutExpired as exc:
+        # Seen once in CI under load (not reproduced in 900 runs here): say where it hung. A trainer
+        # still running dumps its threads' stacks; one that exited left its output pipe open in
+        # another process, which the process list shows.
+        alive = proc.poll() is None
+        if alive:
+            proc.send_signal(signal.SIGUSR1)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(2)
+        os.killpg(proc.pid, signal.SIGKILL)
+        partial = exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else exc.output or ""
+        out = proc.communicate(timeout=30)[0] if alive else partial
+        ps = subprocess.run(["ps", "-eo", "pid,ppid,pgid,sid,stat,etime,args"], capture_output=True, text=True).stdout
+        procs = "\n".join(ln for ln in ps.splitlines() if "python" in ln or "PID" in ln)
+        raise AssertionError(f"the trainer {'did not end' if alive else 'ended but its output stayed open'} within "
+                             f"120 s of Ctrl-C\n--- its output ---\n{out[-20000:]}\n--- processes ---\n{procs[-8000:]}") from None
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
