@@ -182,7 +182,7 @@ def _sigint_group(proc: subprocess.Popen[str]) -> str:
     try:
         return proc.communicate(timeout=120)[0]
     except subprocess.TimeoutExpired as exc:
-        # Seen once in CI under load (not reproduced in 900 runs here): say where it hung. A trainer
+        # Seen once in CI under load (not reproduced in 730 runs here): say where it hung. A trainer
         # still running dumps its threads' stacks; one that exited left its output pipe open in
         # another process, which the process list shows.
         alive = proc.poll() is None
