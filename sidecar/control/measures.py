@@ -98,6 +98,7 @@ class WindowMeasures:
                               steps_asked=cap.steps, counted=decision.counted, bound=cap.steps_bound.value,
                               per_stage=dict(decision.per_stage), heads=dict(decision.heads),
                               behind=list(decision.behind), still_s=round(decision.still_s, 3),
+                              start_s=round(answered_at - base.at, 3) if base is not None else None,
                               ends={str(s): n for s, n in (ends or {}).items()}, margin=policy.margin,
                               max_s=policy.max_s))
         if self.settings.steps_record_dir:
