@@ -148,12 +148,20 @@ def test_a_steps_window_on_an_idle_server_ends_by_itself_and_says_why(capped: Mo
     sc = sidecar_factory(capped.emulator.url, capped.deploy, env={"OMNI_SIDECAR_STEPS_STALL_S": "1"})
     with SidecarClient(sc.url, timeout=60) as client:
         final = client.wait_capture(client.start_capture(stages=[0, 2], steps=8).id, timeout=60)
-        counted = client.wait_capture(client.start_capture(stages=[0, 2], steps=8, steps_bound="count").id, timeout=60)
+        # and /metrics answering late, as a busy server does (the real two-stage server beside
+        # another's start: up to 5 s, 13 ms alone): the fact says how long the window went unread
+        capped.emulator.set_faults(metrics_delay_s=0.3)
+        try:
+            counted = client.wait_capture(client.start_capture(stages=[0, 2], steps=8, steps_bound="count").id,
+                                          timeout=60)
+        finally:
+            capped.emulator.set_faults(metrics_delay_s=0)
     for cap in (final, counted):
         assert (cap.state.value in ("completed", "degraded"), cap.stop_reason.value, cap.steps_ended_by.value) == (
             True, "steps", "stalled"), cap
         (ended,) = cap.fact("steps_ended")
         assert (ended.figures["counted"], ended.figures["still_s"] >= 1) == (0, True), ended
+    assert counted.fact("steps_ended")[0].figures["read_gap_s"] >= 0.3, counted.facts
     starts = [c["path"] for c in emulator_state(capped.emulator)["calls"] if c["path"].endswith("_profile")]
     assert starts[-4:] == ["/start_profile", "/stop_profile"] * 2, starts  # each window stopped on the server
 

@@ -65,6 +65,10 @@ PAIRED_VLLM = vllm_dialect(Release(*omni_dialect(Release.parse(VERSION)).vllm_li
 # one starting beside the tests of the one before.
 SETUP_ORDER = ("two_stage", "capped", "capped_fed", "global_profiler", "bounded", "diffusion")
 PLAN: list[frozenset[str]] = []  # the setups each collected omni test uses, in run order
+# Per PLAN entry: whether the test is marked omni_quiet. A server start beside it (~70 s of both
+# cores) made its /metrics reads take up to 5 s (13 ms alone), so a 20-step count window traced
+# 931 steps whose stop took 107 s, and in CI a plan ran past its 300 s bound.
+QUIET: list[bool] = []
 POSITION = [0]  # index in PLAN of the test being set up
 
 
@@ -88,6 +92,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.omni)
         items[i] = item
     PLAN[:] = [_uses(it) for it in ours]
+    QUIET[:] = [it.get_closest_marker("omni_quiet") is not None for it in ours]
     for n, item in enumerate(ours):
         item.stash[_PLAN_INDEX] = n
 
@@ -99,6 +104,8 @@ _PLAN_INDEX = pytest.StashKey[int]()
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if _PLAN_INDEX in item.stash:
         POSITION[0] = item.stash[_PLAN_INDEX]
+        if QUIET[POSITION[0]] and POOL:
+            POOL[0].settle()  # a start still running beside it ends first
 
 
 POOL: list[OmniPool] = []  # the session's pool, once made
@@ -234,7 +241,9 @@ class OmniPool:
     ``PLAN`` needs while a slot is free, each in a thread: a stop's 10-20 s and a start's ~70 s run
     beside the tests, ``get`` waits for a start (or raises what it raised), and at most one server
     still stopping stands beside the ``keep``.
-    ``close()`` stops all (SIGTERM, then SIGKILL of the process group)."""
+    No start runs beside a test marked ``omni_quiet`` (its windows count steps or time stops):
+    ``advance()`` starts nothing when the next test is one, and a start still running when one
+    begins is waited for. ``close()`` stops all (SIGTERM, then SIGKILL of the process group)."""
 
     def __init__(self, python: str, model: Path, tmp: pytest.TempPathFactory, keep: int = 2) -> None:
         self.python, self.model, self.tmp, self.keep = python, model, tmp, keep
@@ -257,7 +266,7 @@ class OmniPool:
             return setup
         if setup is not None:
             self.running.pop(name).server.stop(grace=5)  # it died: start it again
-        self._settle()  # one start at a time: a prefetch of another setup ends before this one starts
+        self.settle()  # one start at a time: a prefetch of another setup ends before this one starts
         now = PLAN[POSITION[0]] if POSITION[0] < len(PLAN) else frozenset()
         while len(self.running) >= self.keep:
             others = [n for n in self.running if n not in now] or list(self.running)
@@ -278,6 +287,8 @@ class OmniPool:
                                       name=f"omni-stop-{n}", daemon=True)
             self.stopping.append(thread)
             thread.start()
+        if later and QUIET[POSITION[0] + 1]:
+            return  # no start beside a quiet test: the next test after it that is not quiet starts it
         upcoming = [n for uses in later for n in SETUP_ORDER if n in uses]
         for n in dict.fromkeys(upcoming):
             if self.starting or len(self.running) >= self.keep:
@@ -316,7 +327,7 @@ class OmniPool:
             raise errors[0]
         self.running[name] = setup
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Wait for every start in progress; a failed one is raised by its own ``get``."""
         for name in list(self.starting):
             try:
@@ -325,7 +336,7 @@ class OmniPool:
                 self.failed[name] = exc
 
     def close(self) -> None:
-        self._settle()
+        self.settle()
         self.failed.clear()  # nobody left to raise them to
         for setup in reversed(list(self.running.values())):
             setup.server.stop(grace=30)

@@ -17,6 +17,8 @@ from sidecar.errors import SidecarError
 from tests.fixtures.load import steady_load
 from tests.omni.conftest import Setup
 
+# its windows count steps and time stops: no omni server starts beside it (conftest QUIET)
+pytestmark = pytest.mark.omni_quiet
 
 
 @pytest.fixture

@@ -25,6 +25,9 @@ from sidecar.control.budget import trace_bytes
 from tests.fixtures.load import steady_load
 from tests.omni.conftest import CAP, FED_IDLE, Setup, end_open_captures, module_sidecar
 
+# its windows count steps and time stops: no omni server starts beside it (conftest QUIET)
+pytestmark = pytest.mark.omni_quiet
+
 
 ITERATIONS = max_iterations_for(CAP)  # the capped server's max_iterations, as render --steps writes it
 
