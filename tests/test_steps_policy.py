@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from sidecar.control.notes import note, word
 from sidecar.control.steps import Bound, EndedBy, Read, StepsWindow
 from sidecar.control.window import load_recorded
 
@@ -146,3 +147,14 @@ def test_recorded_windows_cover_both_servers_and_both_bounds() -> None:
     kinds = {(("stage" if any(k for k in r["per_stage"] if k) else "engine"), r["bound"])
              for r in map(load_recorded, RECORDED)}
     assert {("engine", "server_cap"), ("stage", "server_cap"), ("engine", "count")} <= kinds, kinds
+
+
+def test_a_counted_windows_note_says_when_its_reads_were_slow() -> None:
+    # the real two-stage server beside another server's start: reads up to 4.7 s apart, 931 counted of 20
+    figures = dict(ended_by="steps", steps_asked=20, bound="count", per_stage={}, heads={}, behind=[], still_s=0.0,
+                   ends={}, margin=2, max_s=600.0, start_s=0.04)
+    slow = word(note("steps_ended", **figures, counted=931, read_gap_s=4.72))
+    assert "answered slowly (up to 4.7s between two reads" in slow, slow
+    # reads as they come alone (13 ms), or a count that did not run past: no such sentence
+    for counted, gap in ((21, 0.06), (20, 4.72)):
+        assert "slowly" not in word(note("steps_ended", **figures, counted=counted, read_gap_s=gap))

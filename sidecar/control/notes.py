@@ -44,6 +44,12 @@ def _stage(label: str) -> str:
     return f"stage {label}" if label else "the engine"
 
 
+# A counted window whose reads came further apart than this says so in its note: the count ran past
+# the steps by what the engines ran between two reads (13 ms a read on the real two-stage server
+# alone, up to 5 s beside another server's start).
+SLOW_READ_S = 0.5
+
+
 def _steps_ended(f: dict[str, Any]) -> str:
     by, steps, counted = f["ended_by"], f["steps_asked"], f["counted"]
     if by == "server" and f.get("bound") == "per_capture":
@@ -57,9 +63,13 @@ def _steps_ended(f: dict[str, Any]) -> str:
                 f"stage had counted its own end + {f['margin']} steps past its count at the start's answer: a stop "
                 "sent sooner could cut a window short, one sent later changes nothing")
     if by == "steps":
+        gap = f.get("read_gap_s") or 0.0
+        slow = (f" The server's /metrics answered slowly (up to {gap:.1f}s between two reads: a busy server, or a "
+                "machine short of CPU), and what its engines ran meanwhile counted at once."
+                if counted > steps and gap >= SLOW_READ_S else "")
         return (f"the sidecar counted {counted} of the {steps} steps asked and sent the stop (a best-effort count: the "
                 "engines step on while the stop travels, so the traces hold more; each stage's steps_traced says how "
-                f"many). For exactly {steps}, let the server end the window: restart it with the profiler config "
+                f"many).{slow} For exactly {steps}, let the server end the window: restart it with the profiler config "
                 f"`omni-sidecar render --steps {steps}` writes")
     still = f"{f['still_s']:.1f}s"
     if by == "stage_stalled":
