@@ -182,9 +182,8 @@ def _sigint_group(proc: subprocess.Popen[str]) -> str:
     try:
         return proc.communicate(timeout=120)[0]
     except subprocess.TimeoutExpired as exc:
-        # Seen once in CI under load (not reproduced in 730 runs here): say where it hung. A trainer
-        # still running dumps its threads' stacks; one that exited left its output pipe open in
-        # another process, which the process list shows.
+        # Say where it hung: a trainer still running dumps its threads' stacks; one that exited left
+        # its output pipe open in another process, which the process list shows.
         alive = proc.poll() is None
         if alive:
             proc.send_signal(signal.SIGUSR1)
@@ -211,8 +210,12 @@ def _env() -> dict[str, str]:
 def test_ctrl_c_to_the_process_group_of_a_trainers_fleet_stops_every_upstream_target(tmp_path):
     with StubFleet(2, mode="upstream", root=tmp_path) as stubs:
         spec = {"urls": stubs.urls, "deploys": [str(d) for d in write_deploys(tmp_path, 2)]}
+        # SIGINT as a terminal leaves it: a test run from a shell's `&` (CI here) ignores it, and the
+        # trainer would inherit that (measured: an xdist worker launched so has SIG_IGN, and so had the
+        # trainer that hung 120 s after its Ctrl-C in CI: Python then installs no KeyboardInterrupt)
         proc = subprocess.Popen([sys.executable, "-c", TRAINER, json.dumps(spec)], cwd=ROOT, env=_env(), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         _until(lambda: all(r["recording"] for r in stubs.log().values()) or proc.poll() is not None, "both recording")
         out = _sigint_group(proc)
         assert _unstopped(stubs) == [], out
@@ -226,7 +229,8 @@ def test_ctrl_c_to_the_process_group_of_fleet_capture_stops_every_sidecar(replic
     proc = subprocess.Popen(
         [sys.executable, "-m", "sidecar", "fleet", "capture", "--targets", ",".join(s.url for s in sidecars),
          "--stages", "0", "--state-dir", str(tmp_path / "st"), "--json"],
-        cwd=ROOT, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        cwd=ROOT, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal (see above)
     clients = [SidecarClient(s.url, timeout=30) for s in sidecars]
     try:
         _until(lambda: all(any(c.state is CaptureState.active for c in cl.list_captures()) for cl in clients)
