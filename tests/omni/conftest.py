@@ -105,7 +105,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     if _PLAN_INDEX in item.stash:
         POSITION[0] = item.stash[_PLAN_INDEX]
         if QUIET[POSITION[0]] and POOL:
-            POOL[0].settle()  # a start still running beside it ends first
+            POOL[0].quiet()  # a start or stop still running beside it ends first
 
 
 POOL: list[OmniPool] = []  # the session's pool, once made
@@ -243,7 +243,7 @@ class OmniPool:
     still stopping stands beside the ``keep``.
     No start runs beside a test marked ``omni_quiet`` (its windows count steps or time stops):
     ``advance()`` starts nothing when the next test is one, and a start still running when one
-    begins is waited for. ``close()`` stops all (SIGTERM, then SIGKILL of the process group)."""
+    begins is waited for, as is a stop. ``close()`` stops all (SIGTERM, then SIGKILL of the process group)."""
 
     def __init__(self, python: str, model: Path, tmp: pytest.TempPathFactory, keep: int = 2) -> None:
         self.python, self.model, self.tmp, self.keep = python, model, tmp, keep
@@ -334,6 +334,13 @@ class OmniPool:
                 self._join(name)
             except BaseException as exc:
                 self.failed[name] = exc
+
+    def quiet(self) -> None:
+        """Before a quiet test: every start and every stop in progress ended."""
+        self.settle()
+        for thread in self.stopping:
+            thread.join()
+        self.stopping = []
 
     def close(self) -> None:
         self.settle()
