@@ -23,7 +23,12 @@ pytestmark = pytest.mark.omni_quiet
 
 @pytest.fixture
 def load(two_stage: Setup) -> Iterator[None]:
-    with steady_load(two_stage.url, max_tokens=4):  # through both stages
+    # through both stages, paced: on no cap a counted window runs past its steps by what the engines
+    # run between two counter reads, and its stop takes what they recorded to write. Unpaced, the
+    # server here ran ~170 steps/s; in CI its /metrics reads came 1.7 to 3.9 s apart (13 ms alone),
+    # so 20 asked counted 268 and a plan's 1-step probe 312 (traced 523), its stop 76 s and its
+    # check 191 s: the plan then ran past its 300 s bound.
+    with steady_load(two_stage.url, max_tokens=4, pause_s=0.1):
         yield
 
 
