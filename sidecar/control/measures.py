@@ -94,13 +94,12 @@ class WindowMeasures:
                              max_s=self.settings.steps_wait_s)
         decision = await window.count_window(policy, self.reader(), poll_s=self.settings.steps_poll_s)
         cap.steps_counted, cap.steps_ended_by = decision.counted, decision.ended_by
-        after = [r for r in policy.reads if r.at >= answered_at]  # the window's own reads
         cap.facts.append(note("steps_ended", ended_by=decision.ended_by.value if decision.ended_by else None,
                               steps_asked=cap.steps, counted=decision.counted, bound=cap.steps_bound.value,
                               per_stage=dict(decision.per_stage), heads=dict(decision.heads),
                               behind=list(decision.behind), still_s=round(decision.still_s, 3),
                               start_s=round(answered_at - base.at, 3) if base is not None else None,
-                              read_gap_s=round(max((b.at - a.at for a, b in zip(after, after[1:])), default=0.0), 3),
+                              read_gap_s=round(policy.read_gap_s, 3),
                               ends={str(s): n for s, n in (ends or {}).items()}, margin=policy.margin,
                               max_s=policy.max_s))
         if self.settings.steps_record_dir:

@@ -103,6 +103,13 @@ class StepsWindow:
         self._per: dict[str, int] = {}
         self.reads: list[Read] = [base] if base is not None else []
 
+    @property
+    def read_gap_s(self) -> float:
+        """The longest time between two of the window's own reads (after the start's answer): what
+        the engines ran in it was counted at once."""
+        after = [r.at for r in self.reads if r.at >= self.answered_at]
+        return max((b - a for a, b in zip(after, after[1:])), default=0.0)
+
     def _wanted(self, key: Labels) -> bool:
         label = stage_label(key)
         return not label or label in {str(s) for s in self.stages}
