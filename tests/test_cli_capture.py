@@ -21,6 +21,7 @@ from sidecar.api.launcher import SidecarProcess, free_port
 from sidecar.cli import app
 from sidecar.client import SidecarClient
 from tests.fixtures.emulator import EmulatorPool, make_deploy
+from tests.fixtures.terminal import ctrl_c_as_in_a_terminal
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()
@@ -181,7 +182,7 @@ def _capture_until_ctrl_c(sidecar: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a shell's & would ignore it
+        preexec_fn=ctrl_c_as_in_a_terminal,  # a shell's & would ignore it
     )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from sidecar.analysis import summarize_paths
+from tests.fixtures.terminal import ctrl_c_as_in_a_terminal
 from tests.test_cli_narrow import NO_FAULTS, layout_faults, shown_values
 
 pytestmark = pytest.mark.slow
@@ -82,7 +83,7 @@ def test_ctrl_c_mid_capture_shuts_everything_down_and_cleans_up(tmp_path: Path) 
         demo_command(),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env={**ENV, "TMPDIR": str(tmp_path)},
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a shell's & would ignore it
+        preexec_fn=ctrl_c_as_in_a_terminal,  # a shell's & would ignore it
     )  # fmt: skip
     try:
         seen = ""

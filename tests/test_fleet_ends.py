@@ -29,6 +29,7 @@ from sidecar.control.outcome import EXIT_UNCHECKED, Outcome, capture_outcome, ou
 from sidecar.errors import FleetError
 from sidecar.fleet import Fleet, Target, TargetOutcome
 from tests.fixtures.stubs import StubFleet, write_deploys
+from tests.fixtures.terminal import ctrl_c_as_in_a_terminal
 
 ROOT = Path(__file__).resolve().parents[1]
 LIVE = ("starting", "active")
@@ -210,12 +211,9 @@ def _env() -> dict[str, str]:
 def test_ctrl_c_to_the_process_group_of_a_trainers_fleet_stops_every_upstream_target(tmp_path):
     with StubFleet(2, mode="upstream", root=tmp_path) as stubs:
         spec = {"urls": stubs.urls, "deploys": [str(d) for d in write_deploys(tmp_path, 2)]}
-        # SIGINT as a terminal leaves it: a test run from a shell's `&` (CI here) ignores it, and the
-        # trainer would inherit that (measured: an xdist worker launched so has SIG_IGN, and so had the
-        # trainer that hung 120 s after its Ctrl-C in CI: Python then installs no KeyboardInterrupt)
         proc = subprocess.Popen([sys.executable, "-c", TRAINER, json.dumps(spec)], cwd=ROOT, env=_env(), text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                preexec_fn=ctrl_c_as_in_a_terminal)
         _until(lambda: all(r["recording"] for r in stubs.log().values()) or proc.poll() is not None, "both recording")
         out = _sigint_group(proc)
         assert _unstopped(stubs) == [], out
@@ -230,7 +228,7 @@ def test_ctrl_c_to_the_process_group_of_fleet_capture_stops_every_sidecar(replic
         [sys.executable, "-m", "sidecar", "fleet", "capture", "--targets", ",".join(s.url for s in sidecars),
          "--stages", "0", "--state-dir", str(tmp_path / "st"), "--json"],
         cwd=ROOT, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as in a terminal (see above)
+        preexec_fn=ctrl_c_as_in_a_terminal)
     clients = [SidecarClient(s.url, timeout=30) for s in sidecars]
     try:
         _until(lambda: all(any(c.state is CaptureState.active for c in cl.list_captures()) for cl in clients)

@@ -16,6 +16,7 @@ import pytest
 
 from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
+from tests.fixtures.terminal import ctrl_c_as_in_a_terminal
 from tests.fixtures.waits import poll
 from tests.omni.conftest import ROOT, Setup, complete, end_open_captures, module_sidecar
 
@@ -38,9 +39,7 @@ def cli_capture(sidecar: SidecarProcess, busy_url: str) -> dict[str, Any]:
         known = {c.id for c in client.list_captures()}
         proc = subprocess.Popen([sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar.url, "--json"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                # as in a terminal: a suite started by a shell's `&` inherits SIGINT
-                                # ignored, and Python then never raises KeyboardInterrupt
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+                                preexec_fn=ctrl_c_as_in_a_terminal)  # fmt: skip
         try:
             assert poll(lambda: any(c.id not in known and c.state.value == "active" for c in client.list_captures()),
                         timeout=120)  # fmt: skip
