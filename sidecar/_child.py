@@ -108,6 +108,24 @@ class Child:
             raise
         return self
 
+    def alive(self) -> bool:
+        """Started, and its process has not exited."""
+        return self._proc is not None and self._sock is not None and self._proc.poll() is None
+
+    def peak_rss(self) -> int | None:
+        """The most resident memory its process has held, in bytes (Linux's ``VmHWM``); None where
+        that cannot be read."""
+        if self._proc is None:
+            return None
+        try:
+            with open(f"/proc/{self._proc.pid}/status", encoding="ascii", errors="replace") as fh:
+                for line in fh:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
     def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """``fn(*args, **kwargs)`` in the child (pickled: a module-level function and plain data).
         A ``SidecarError`` is raised here as the same class, another exception as it was (or as a

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -123,6 +124,87 @@ def test_an_analysis_worker_past_its_memory_cap_is_trace_too_large_and_the_calle
         run_isolated(bytearray, 2 << 30, memory_bytes=512 << 20)  # 2 GiB asked under a 512 MB cap
     assert "memory limit" in err.value.message
     assert len(run_isolated(bytearray, 1 << 20)) == 1 << 20  # the next analysis runs as usual
+
+
+@pytest.fixture
+def no_kept_child() -> Iterator[None]:
+    """No analysis child kept from an earlier test, and none left for the next."""
+    from sidecar.analysis import isolated
+
+    isolated.stop_all()
+    yield
+    isolated.stop_all()
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_worker_that_answered_serves_the_next_analysis(no_kept_child: None) -> None:
+    # a fresh interpreter costs 0.35 s of CPU before any work (bench/isolated.py): the one that
+    # answered is kept for the next analysis, which then starts at once
+    from sidecar.analysis.isolated import run_isolated
+    from tests.fixtures.analysis import pid_after_holding
+
+    first = run_isolated(pid_after_holding, 1 << 20)
+    assert first != os.getpid() and run_isolated(pid_after_holding, 1 << 20) == first
+
+
+@pytest.mark.parametrize("failure", ["memory", "error", "bug"])
+def test_a_worker_whose_analysis_failed_is_never_reused(no_kept_child: None, hostile_dir: Path, failure: str) -> None:
+    from sidecar.analysis.isolated import run_isolated
+    from tests.fixtures.analysis import pid_after_holding, summarizer_bug
+
+    first = run_isolated(pid_after_holding, 1 << 20)  # kept
+    with pytest.raises(SidecarError if failure != "bug" else RuntimeError):
+        if failure == "memory":
+            run_isolated(bytearray, 2 << 30, memory_bytes=512 << 20)  # another cap: a child of its own
+        elif failure == "error":
+            run_isolated(summarize_trace, hostile_dir / "deep.json.gz")  # ran in the kept one
+        else:
+            run_isolated(summarizer_bug, ["a.json"])
+    after = run_isolated(pid_after_holding, 1 << 20)
+    if failure == "memory":  # the kept child was not the one that failed: it still serves
+        assert after == first
+    else:
+        assert after != first and poll(lambda: _gone(first), 30)
+
+
+def test_a_worker_whose_memory_peaked_high_is_not_kept(no_kept_child: None) -> None:
+    from sidecar.analysis import isolated
+    from tests.fixtures.analysis import pid_after_holding
+
+    big = isolated.run_isolated(pid_after_holding, isolated.REUSE_MAX_RSS + (64 << 20))
+    assert poll(lambda: _gone(big), 30) and not isolated._idle
+    small = isolated.run_isolated(pid_after_holding, 1 << 20)
+    assert small != big and isolated.run_isolated(pid_after_holding, 1 << 20) == small
+
+
+def test_a_kept_worker_ends_after_its_idle_time_and_at_stop_all(no_kept_child: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.analysis import isolated
+    from tests.fixtures.analysis import pid_after_holding
+
+    monkeypatch.setattr(isolated, "IDLE_S", 0.5)
+    idle = isolated.run_isolated(pid_after_holding, 1 << 20)
+    assert poll(lambda: _gone(idle) and not isolated._idle, 30)
+    monkeypatch.setattr(isolated, "IDLE_S", 600.0)
+    kept = isolated.run_isolated(pid_after_holding, 1 << 20)
+    assert kept != idle and not _gone(kept)
+    isolated.stop_all()  # the sidecar's shutdown: nothing of it stays
+    assert poll(lambda: _gone(kept), 30) and not isolated._idle
+
+
+def test_concurrent_analyses_keep_one_worker_and_close_the_others(no_kept_child: None, analysis_gate: AnalysisGate) -> None:
+    from sidecar.analysis import isolated
+
+    n = isolated.MAX_WORKERS
+    threads, outcomes = _analyses(n, held_analysis, analysis_gate.port)
+    assert analysis_gate.wait_started(n)
+    analysis_gate.release()
+    assert _joined(threads) and outcomes == ["released"] * n
+    assert len(isolated._idle) == isolated.KEEP_IDLE
 
 
 def test_an_error_in_the_worker_keeps_its_class(hostile_dir: Path) -> None:

@@ -10,6 +10,12 @@ that runs out of memory or dies is ``TraceTooLarge``. The reader's own limits
 At most ``MAX_WORKERS`` analyses run at once per process (a burst of diff requests waits its turn
 rather than multiplying the cap). Sync: call it in a thread from async code.
 
+A child that answered is kept, started, for the next analysis (``KEEP_IDLE``, each for
+``IDLE_S``): a fresh interpreter costs 0.35 s of CPU before its first line of work, four times a
+small trace's whole analysis, and on a server's two busy cores that start took 3 to 12 s per
+summary (bench/isolated.py). One that failed, was stopped, or peaked above ``REUSE_MAX_RSS``
+is never reused: the next analysis gets a fresh one, its own cap whole.
+
 The children never outlive the sidecar: each exits when the process that asked for it is gone
 (a ``kill -9``, or a SIGTERM that ends it before the summary does). ``stop_all()`` (the API's
 shutdown) kills the analyses in flight and refuses those waiting for a slot, so that a shutdown
@@ -20,6 +26,7 @@ after it runs as usual (another app in the same process).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -35,6 +42,10 @@ _busy = 0  # analyses holding a slot
 _queued = 0  # analyses waiting for one
 _running: dict[Child, int] = {}  # child -> the generation its analysis was asked in
 _generation = 0  # moved on by stop_all(): every analysis asked before it is refused
+KEEP_IDLE = 1  # children kept started between analyses
+IDLE_S = 60.0  # how long one is kept unused
+REUSE_MAX_RSS = 256 << 20  # a child whose resident memory peaked above this is not reused
+_idle: list[tuple[Child, int, float]] = []  # kept children: (child, its memory cap, parked at)
 
 
 def _closing() -> SidecarClosing:
@@ -59,20 +70,59 @@ def _take_slot() -> int:
         return asked
 
 
+def _idle_child(memory_bytes: int) -> Child | None:
+    """A kept child with this memory cap, still alive; None where there is none (under ``_turns``)."""
+    for i, (child, cap, _) in enumerate(_idle):
+        if cap == memory_bytes:
+            del _idle[i]
+            if child.alive():
+                return child
+            child.close()  # gone already (killed, its owner's cap): reaped at once
+            return None
+    return None
+
+
+def _park(child: Child, memory_bytes: int, asked: int) -> bool:
+    """Keep ``child`` for the next analysis where it may serve one; False: close it (under ``_turns``)."""
+    if _generation != asked or len(_idle) >= KEEP_IDLE or not child.alive():
+        return False
+    peak = child.peak_rss()
+    if peak is None or peak > REUSE_MAX_RSS:
+        return False
+    _idle.append((child, memory_bytes, time.monotonic()))
+    timer = threading.Timer(IDLE_S, _expire)
+    timer.daemon = True
+    timer.start()
+    return True
+
+
+def _expire() -> None:
+    """Close the children kept unused for ``IDLE_S`` or more."""
+    now = time.monotonic()
+    with _turns:
+        old = [c for c, _, at in _idle if now - at >= IDLE_S - 0.01]
+        _idle[:] = [e for e in _idle if e[0] not in old]
+    for child in old:
+        child.close()
+
+
 def run_isolated(fn: Callable[..., T], *args: Any, memory_bytes: int = ANALYSIS_MEMORY_BYTES, **kwargs: Any) -> T:
     """``fn(*args, **kwargs)`` in a memory-capped child process (``fn`` and its arguments are
     pickled: a function of an importable module, and plain data)."""
     global _busy
     asked = _take_slot()
-    child = Child(memory_bytes=memory_bytes)
+    child: Child | None = None
+    keep = False
     try:
         with _turns:
             if _generation != asked:
                 raise _closing()
-            child.start()
+            child = _idle_child(memory_bytes)
+            if child is None:
+                child = Child(memory_bytes=memory_bytes).start()
             _running[child] = asked
         try:
-            return child.call(fn, *args, **kwargs)
+            value = child.call(fn, *args, **kwargs)
         except (ChildExited, MemoryError):  # stop_all(), the kernel's OOM killer, a crash under the cap
             if _generation != asked:
                 raise _closing() from None
@@ -81,13 +131,19 @@ def run_isolated(fn: Callable[..., T], *args: Any, memory_bytes: int = ANALYSIS_
                 "is larger or stranger than the reader's limits expect (see docs/summaries.md, Limits)",
                 details={"limit_bytes": memory_bytes},
             ) from None
+        keep = True  # it answered: it may serve the next one
+        return value
     except BaseException:
-        child.kill()  # failed or interrupted: no use waiting for the child to end on its own
+        if child is not None:
+            child.kill()  # failed or interrupted: no use waiting for the child to end on its own
         raise
     finally:
         with _turns:
-            _running.pop(child, None)  # stop_all() no longer kills it: it is reaped below
-        child.close()  # before the slot is free: never more than MAX_WORKERS children
+            if child is not None:
+                _running.pop(child, None)  # stop_all() no longer kills it: it is reaped below
+                keep = keep and _park(child, memory_bytes, asked)
+        if child is not None and not keep:
+            child.close()  # before the slot is free: never more than MAX_WORKERS children at work
         with _turns:
             _busy -= 1
             _turns.notify()
@@ -102,7 +158,12 @@ def stop_all() -> None:
         _generation += 1
         for child in _running:
             child.kill()
+        kept = [c for c, _, _ in _idle]
+        _idle.clear()
         _turns.notify_all()
+    for child in kept:
+        child.kill()
+        child.close()
 
 
-__all__ = ["ANALYSIS_MEMORY_BYTES", "MAX_WORKERS", "run_isolated", "stop_all"]
+__all__ = ["ANALYSIS_MEMORY_BYTES", "IDLE_S", "KEEP_IDLE", "MAX_WORKERS", "REUSE_MAX_RSS", "run_isolated", "stop_all"]

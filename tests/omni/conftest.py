@@ -454,7 +454,13 @@ def diffusion(omni_pool: OmniPool) -> Setup:
 def start_sidecar(setup: Setup, state_dir: Path, **opts: Any) -> SidecarProcess:
     """A real ``omni-sidecar serve`` in front of ``setup``'s server, told what the server was."""
     extra = [*setup.server_args, *opts.pop("extra_args", [])]
-    return SidecarProcess(setup.url, setup.deploy, state_dir=state_dir, extra_args=extra, **opts).start()
+    # A plan's bound (plan_max_s, 300 s) is what the product answers a server that stops stepping
+    # with. Here the server shares the machine's two cores: at a window's start and stop its
+    # engines' gloo threads (26 runnable at once) take them for seconds, and a fresh interpreter's
+    # 0.3 s of CPU took 17 s (2026-12-06); a plan that took 75 to 137 s here ran past 300 s in CI.
+    # The tests hold a plan to its predictions, never to a time: they give it a bound no stall reaches.
+    env = {"OMNI_SIDECAR_PLAN_MAX_S": "900", **(opts.pop("env", None) or {})}
+    return SidecarProcess(setup.url, setup.deploy, state_dir=state_dir, extra_args=extra, env=env, **opts).start()
 
 
 @contextmanager
