@@ -23,6 +23,7 @@ import pytest
 from sidecar.api.launcher import SidecarProcess
 from sidecar.client import SidecarClient
 from tests.fixtures.emulator import EmulatorPool, make_deploy
+from tests.fixtures.load import steady_load
 from tests.fixtures.waits import poll
 
 pytestmark = pytest.mark.slow
@@ -155,6 +156,25 @@ def test_fleet_capture_shows_progress_on_a_terminal(setup):
     done = cli("fleet", "capture", "--targets", f"sidecar={sc.url}", "--stages", "0,2", "--duration", "1",
                terminal=True)
     assert ("window: 1 of 1 started" in done.stderr, "collected" in done.stderr) == (True, True), done.stderr
+
+
+def test_plan_shows_which_probe_runs_on_a_terminal_and_prints_the_plan(setup):
+    # A plan waits for each probe's steps (a minute or more on a slow server): on a terminal the
+    # CLI says which probe runs, its steps and state, while it waits; then the plan. Piped, the plan alone.
+    sc, emu = setup
+    args = [sys.executable, "-m", "sidecar", "plan", "--sidecar", sc.url, "--stages", "0,2", "--budget-mb", "500",
+            "--no-refine"]
+    with steady_load(emu.url, max_tokens=1, chat=True):
+        waiting = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_env(True), cwd=ROOT)
+        shown = _Reader(waiting)
+        assert waiting.wait(timeout=300) == 0, shown.text()
+        piped = subprocess.run(args, capture_output=True, text=True, env=_env(False), timeout=300, cwd=ROOT)
+    shown.join()
+    text = shown.text()
+    line = re.search(r"planning: probe \d+ \((\d+) steps, (\w+)\)", text)
+    assert (line is not None, "plan for stages [0, 2]" in text, "fits: --steps" in text) == (True, True, True), text
+    assert (piped.returncode, "planning" in piped.stdout + piped.stderr, "fits: --steps" in piped.stdout) == (
+        0, False, True), piped.stdout + piped.stderr
 
 
 def test_stop_wait_timeout_reports_the_time_it_waited(setup):

@@ -7,9 +7,10 @@ degraded/failed or any error, 3 for traces not checked yet (still collecting at 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.markup import escape
@@ -21,9 +22,11 @@ from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.cli._render import STATE_STYLES, print_plan, print_steps, print_verdict_table, print_verdicts
 from sidecar.cli._render import print_window_metrics, styled, styled_cell
 from sidecar.client import DEFAULT_URL, SidecarClient
+from sidecar.control.budget import PROBE_LABEL, Plan
 from sidecar.control.models import Capture, CaptureState, Verdict
 from sidecar.control.outcome import Outcome, outcome_of
 from sidecar.control.outcome import exit_code as outcome_exit_code
+from sidecar.errors import SidecarError
 
 SidecarOpt = Annotated[
     str, typer.Option("--sidecar", envvar="OMNI_SIDECAR_URL", help="URL of a running `omni-sidecar serve`")
@@ -102,7 +105,6 @@ def print_capture_findings(client: SidecarClient, cap: Capture) -> None:
     if not cap.terminal or not any(v.verdict is Verdict.ok for v in cap.verdicts):
         return
     from sidecar.cli.summarize import print_findings, print_memory
-    from sidecar.errors import SidecarError
 
     try:
         summary = client.summary(cap.id)
@@ -349,6 +351,50 @@ def _hold(client: SidecarClient, capture_id: str, seconds: float | None, lease: 
         _heartbeat_until(client, capture_id, seconds, lease)
 
 
+PLAN_POLL_S = 1.0  # how often a plan's progress line asks for its probes
+
+
+def plan_with_progress(client: SidecarClient, watcher: SidecarClient, stages: list[int] | None, *, quiet: bool,
+                       **opts: Any) -> Plan:
+    """``client.plan``, showing on a terminal which probe runs (its steps and state) and the time:
+    a plan waits for each probe's steps, a minute or more on a slow or idle server. ``watcher`` (a
+    second client) lists the captures the plan starts meanwhile."""
+    if quiet:
+        return client.plan(stages, **opts)
+    before = {c.id for c in watcher.list_captures()}
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["plan"] = client.plan(stages, **opts)
+        except BaseException as exc:  # raised in the caller's thread below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="plan", daemon=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+        task = progress.add_task("planning: the first probe", total=None)
+        thread.start()
+        while thread.is_alive():
+            thread.join(PLAN_POLL_S)
+            if thread.is_alive():
+                progress.update(task, description=_plan_progress(watcher, before))
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["plan"]  # type: ignore[no-any-return]
+
+
+def _plan_progress(watcher: SidecarClient, before: set[str]) -> str:
+    try:
+        probes = [c for c in watcher.list_captures() if c.id not in before and (c.label or "").startswith(PROBE_LABEL)]
+    except SidecarError:  # a progress line never fails the plan
+        return "planning"
+    if not probes:
+        return "planning: the first probe"
+    last = max(probes, key=lambda c: c.id)
+    return f"planning: probe {len(probes)} ({last.steps} steps, {last.state.value})"
+
+
 @app.command()
 def plan(
     sidecar: SidecarOpt = DEFAULT_URL,
@@ -368,8 +414,9 @@ def plan(
 
     The server must be serving (a probe waits for its steps). The profiler flags are the
     server's, fixed at its start: the plan measures those it runs with."""
-    with cli_errors(), _client(sidecar, token_file) as client:
-        result = client.plan(parse_stage_list(stages), budget_mb=budget_mb, max_stop_s=max_stop_s, refine=refine)
+    with cli_errors(), _client(sidecar, token_file) as client, _client(sidecar, token_file) as watcher:
+        result = plan_with_progress(client, watcher, parse_stage_list(stages), quiet=as_json, budget_mb=budget_mb,
+                                    max_stop_s=max_stop_s, refine=refine)
     if as_json:
         console.print_json(result.model_dump_json())
         return

@@ -47,6 +47,7 @@ class Prober(Protocol):
     async def stop(self, capture_id: str, **opts: Any) -> Capture: ...
 
 MB = 1_000_000
+PROBE_LABEL = "plan-probe-"  # each probe capture's label: this and its steps (the CLI's progress finds them so)
 FLAGS = ("torch_profiler_with_stack", "torch_profiler_record_shapes", "torch_profiler_with_memory",
          "torch_profiler_with_flops", "torch_profiler_use_gzip")  # fmt: skip
 
@@ -302,7 +303,7 @@ async def _probe_and_plan(controller: Prober, chosen: list[int], running: list[s
 
     async def probe(n: int) -> None:
         bound = "server" if capped_by_server(controller.deploy, chosen, n) else "count"
-        cap = await controller.start(chosen, steps=n, steps_bound=bound, label=f"plan-probe-{n}", budget_check=False)
+        cap = await controller.start(chosen, steps=n, steps_bound=bound, label=f"{PROBE_LABEL}{n}", budget_check=False)
         running.append(cap.id)
         done = await controller.wait(cap.id)
         running.remove(cap.id)
