@@ -490,8 +490,9 @@ class SidecarClient:
                 time.sleep(delay)
                 delay = min(delay * 1.5, 1.0)
 
-    def list_captures(self) -> list[Capture]:
-        return self._send(_Calls.list_captures)
+    def list_captures(self, limit: int | None = None) -> list[Capture]:
+        """Captures, newest first (``limit``: only that many: a live capture is always among the newest)."""
+        return self._send(_Calls.list_captures if limit is None else _Calls.newest_captures(limit))
 
     def resolve_id(self, text: str) -> str:
         """The capture whose id is ``text`` or starts with it (``CaptureNotFound`` /

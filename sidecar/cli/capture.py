@@ -125,14 +125,19 @@ def exit_code(cap: Capture) -> int:
     return outcome_exit_code(outcome_of(cap))
 
 
+def _spinner() -> Progress:
+    """The CLI's waiting line: a spinner, what it waits for, the time so far (on a terminal; rich
+    shows nothing when the output is piped)."""
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                    transient=True)
+
+
 def wait_with_progress(client: SidecarClient, capture_id: str, timeout: float | None, quiet: bool) -> Capture:
     """Poll until terminal, showing a spinner with elapsed time and the current state (on a
     terminal; rich shows nothing when the output is piped)."""
     if quiet:
         return client.wait_capture(capture_id, timeout=timeout)
-    with Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True
-    ) as progress:
+    with _spinner() as progress:
         task = progress.add_task(f"capture {capture_id}: stopping", total=None)
         return client.wait_capture(
             capture_id, timeout=timeout, poll_s=0.25,
@@ -346,12 +351,13 @@ def _hold(client: SidecarClient, capture_id: str, seconds: float | None, lease: 
     if quiet or seconds is None:
         _heartbeat_until(client, capture_id, seconds, lease)
         return
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as p:
+    with _spinner() as p:
         p.add_task(f"profiling for {seconds:g}s", total=None)
         _heartbeat_until(client, capture_id, seconds, lease)
 
 
 PLAN_POLL_S = 1.0  # how often a plan's progress line asks for its probes
+PLAN_SEEN = 16  # the newest captures it asks for: well above the probes of one plan (sidecar/control/budget.py)
 
 
 def plan_with_progress(client: SidecarClient, watcher: SidecarClient, stages: list[int] | None, *, quiet: bool,
@@ -361,7 +367,7 @@ def plan_with_progress(client: SidecarClient, watcher: SidecarClient, stages: li
     second client) lists the captures the plan starts meanwhile."""
     if quiet:
         return client.plan(stages, **opts)
-    before = {c.id for c in watcher.list_captures()}
+    before = {c.id for c in watcher.list_captures(PLAN_SEEN)}
     outcome: dict[str, Any] = {}
 
     def run() -> None:
@@ -371,8 +377,7 @@ def plan_with_progress(client: SidecarClient, watcher: SidecarClient, stages: li
             outcome["error"] = exc
 
     thread = threading.Thread(target=run, name="plan", daemon=True)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                  transient=True) as progress:
+    with _spinner() as progress:
         task = progress.add_task("planning: the first probe", total=None)
         thread.start()
         while thread.is_alive():
@@ -386,7 +391,8 @@ def plan_with_progress(client: SidecarClient, watcher: SidecarClient, stages: li
 
 def _plan_progress(watcher: SidecarClient, before: set[str]) -> str:
     try:
-        probes = [c for c in watcher.list_captures() if c.id not in before and (c.label or "").startswith(PROBE_LABEL)]
+        probes = [c for c in watcher.list_captures(PLAN_SEEN)
+                  if c.id not in before and (c.label or "").startswith(PROBE_LABEL)]
     except SidecarError:  # a progress line never fails the plan
         return "planning"
     if not probes:
