@@ -49,10 +49,17 @@ _HEADER_LIMIT = 1 << 20  # metadata before "traceEvents" larger than this is not
 # "}" "," "{" between two events; whitespace runs longer than _GAP between them are not Kineto's
 _BOUNDARY = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")
 _GAP = 4096
-_TAIL = 64 << 10  # bytes before the end searched first for the last boundary
+_NEAR = 4 << 10  # bytes before the end searched first for the last boundary (events are ~0.3 kB)
+_TAIL = 64 << 10  # then these, then the rest
 _WS = b" \t\r\n"
 _PYFN = b'"cat": "python_function"'
-_PY_TAIL = 256 << 10  # bytes at a slice's end searched for the start of a run of Python events
+# Python events are looked for every _PY_STRIDE bytes (in the next _PY_PROBE), so a run longer than
+# the stride is found wherever it starts; a slice is cut at a run of at least _PY_MIN_RUN bytes
+_PY_STRIDE = 32 << 10
+_PY_PROBE = 2 << 10
+_PY_MIN_RUN = 64 << 10
+_PY_TRIES = 16  # short runs passed over in one slice before the rest is decoded as it is
+_NOT_PYFN = re.compile(rb'"cat"[ \t\r\n]*:[ \t\r\n]*"(?!python_function")')  # an event of another category
 
 
 class EventArgs(msgspec.Struct, gc=False):
@@ -467,10 +474,11 @@ class TraceReader:
     def _last_boundary(data: bytes | bytearray, end: int) -> int:
         """Index just past the last ``}`` before ``end`` that is followed by ``,`` and ``{``
         (an event boundary in the array), or -1. The regex runs in C: a run of ``}`` or of
-        whitespace costs one linear scan, not a Python loop per byte. The last ``_TAIL`` bytes
-        are searched first (where a boundary almost always is), then the rest."""
+        whitespace costs one linear scan, not a Python loop per byte. The last ``_NEAR`` bytes
+        are searched first (where a boundary almost always is), then the last ``_TAIL``, then the
+        rest."""
         stop = min(len(data), end + _GAP)
-        lo = max(0, end - _TAIL)
+        lo = max(0, end - _NEAR)
         while True:
             last = -1
             for m in _BOUNDARY.finditer(data, lo, stop):
@@ -479,7 +487,7 @@ class TraceReader:
                 last = m.start() + 1
             if last >= 0 or lo == 0:
                 return last
-            stop, lo = min(len(data), lo + _GAP), 0
+            stop, lo = min(len(data), lo + _GAP), (max(0, end - _TAIL) if end - lo < _TAIL else 0)
 
     def _deep(self) -> TraceError:
         return self._fail("nests JSON deeper than the decoder allows (about 1000 levels); Kineto writes 3 or 4")
@@ -513,12 +521,23 @@ class TraceReader:
         # slice is copied; consumed bytes leave from the front (cheap for a bytearray).
         buf = bytearray(b",")
         buf += data
+        more = True  # read before parsing: always at first and after a slice without a boundary
         while True:
-            if not self._eof:
+            if not self._eof and (more or len(buf) < self.chunk_size):
                 buf += self._read()
                 if not self._eof and len(buf) < self.chunk_size // 2:
                     continue
+            more = False
             if self._eof:
+                # Python runs in the last slice are skipped too: slices up to the last "]" first
+                while self.skip_python:
+                    events, used = self._parse_in_place(buf, buf.rfind(b"]"))
+                    if used <= 0:
+                        break
+                    del buf[:used]
+                    if events:
+                        self.events_read += len(events)
+                        yield events
                 yield from self._finish(bytes(buf))
                 return
             events, used = self._parse_in_place(buf)
@@ -530,17 +549,18 @@ class TraceReader:
                         "a list of event objects)",
                         self.max_event_bytes,
                     )
+                more = True
                 continue
             del buf[:used]
             if events:
                 self.events_read += len(events)
                 yield events
 
-    def _parse_in_place(self, buf: bytearray, tries: int = 4) -> tuple[list[Any], int]:
-        """Events up to the last boundary of ``buf`` (which starts with whitespace and ","). A
-        ``},{`` inside a string makes a cut invalid: then try the boundary before it."""
+    def _parse_in_place(self, buf: bytearray, end: int | None = None, tries: int = 4) -> tuple[list[Any], int]:
+        """Events up to the last boundary of ``buf`` (which starts with whitespace and ",") before
+        ``end``. A ``},{`` inside a string makes a cut invalid: then try the boundary before it."""
         c = buf.find(b",")
-        end = len(buf)
+        end = len(buf) if end is None else end
         if self.skip_python and c >= 0:
             b = self._last_boundary(buf, end)
             if b > c:
@@ -579,31 +599,71 @@ class TraceReader:
 
     def _python_run(self, buf: bytearray, c: int, b: int) -> int:
         """Where ``buf[c:b]`` (whole events) meets Python events: ``-e`` when it starts with a run
-        of them ending at ``e`` (counted into ``skipped``), else the index where a run that reaches
-        the slice's end starts (decode up to there), else ``b``. Verified by counting: every
-        ``"ph"`` in a skipped run belongs to a python_function event, or nothing is skipped.
+        of them ending at ``e`` (counted into ``skipped``), else the index where a run of at least
+        ``_PY_MIN_RUN`` bytes, or one that reaches the slice's end, starts (decode up to there;
+        the next slice starts with the run), else ``b``. Verified by counting: every ``"ph"`` in a skipped run belongs to a
+        python_function event, or nothing is skipped.
 
-        Kineto writes a thread's Python events together, in runs of many MB, so only the first
-        event and the last ``_PY_TAIL`` bytes are searched: a run starting inside the slice runs
-        to its end. Python events elsewhere are decoded like any other (correct, only slower)."""
+        Kineto writes a thread's Python events together, in runs of up to many MB, between the
+        ops and the GPU events (with memory on, after the memory events): a slice is probed every
+        ``_PY_STRIDE`` bytes, so a run is found wherever it starts at a few kB scanned per probe.
+        Short runs are decoded like any other event (correct, only slower)."""
         first = buf.find(b'"ph"', c, b)
         if first < 0:
             return b
         second = buf.find(b'"ph"', first + 4, b)
-        if buf.find(_PYFN, c, b if second < 0 else second) < 0:  # the first event is not Python
-            if buf.find(_PYFN, max(c, b - _PY_TAIL), b) < 0:
+        if buf.find(_PYFN, c, b if second < 0 else second) >= 0:  # the slice starts with a Python event
+            e = self._run_end(buf, first, b)
+            n = buf.count(b'"ph"', c, e)
+            if n and n == buf.count(_PYFN, c, e):
+                self.skipped += n
+                self.events_read += n
+                return -e
+            return b
+        lo = second if second > 0 else b
+        for _ in range(_PY_TRIES):
+            p = self._probe_python(buf, lo, b)
+            if p < 0:
                 return b
-            cut = self._last_boundary(buf, buf.find(_PYFN, c, b))
-            return cut if cut > c else b
-        last = buf.rfind(_PYFN, c, b)
-        e = self._next_boundary(buf, last, b)
-        e = b if e < 0 else e
-        n = buf.count(b'"ph"', c, e)
-        if n and n == buf.count(_PYFN, c, e):
-            self.skipped += n
-            self.events_read += n
-            return -e
+            start = self._last_boundary(buf, p)
+            e = self._run_end(buf, p, b)
+            if start > c and (e - start >= _PY_MIN_RUN or e >= b):  # long, or on into the next slice
+                return start
+            lo = max(e, p + 1)
         return b
+
+    @staticmethod
+    def _probe_python(buf: bytearray, lo: int, hi: int) -> int:
+        """The first Python event's ``cat`` in ``buf[lo:hi]`` after the last probe that missed
+        one: exact for a run longer than the stride, -1 where no probe lands in a run."""
+        q = lo
+        while q < hi:
+            if buf.find(_PYFN, q, min(hi, q + _PY_PROBE)) >= 0:
+                return buf.find(_PYFN, max(lo, q - _PY_STRIDE), hi)
+            q += _PY_STRIDE
+        return -1
+
+    def _run_end(self, buf: bytearray, p: int, b: int) -> int:
+        """The boundary after the run of Python events holding ``p``: before the first event of
+        another category, else ``b`` (the run reaches the slice's end). Probed like the start, and
+        the bytes after the last probe searched whole: an event of another category that no probe
+        lands on is caught by the caller's count."""
+        q = p
+        while True:
+            hi = q + _PY_PROBE
+            if hi >= b:  # the last stretch: search it all
+                m = _NOT_PYFN.search(buf, max(p, q - _PY_STRIDE), b)
+                break
+            # the window reaches past the probe: a match the window's end cuts in two is none
+            m = _NOT_PYFN.search(buf, q, hi + 64)
+            if m is not None and m.start() < hi:
+                m = _NOT_PYFN.search(buf, max(p, q - _PY_STRIDE), b)
+                break
+            q += _PY_STRIDE
+        if m is None:
+            return b
+        e = self._last_boundary(buf, m.start())
+        return e if e > p else b
 
     @staticmethod
     def _next_boundary(data: bytearray, start: int, end: int) -> int:
