@@ -601,8 +601,8 @@ class TraceReader:
         """Where ``buf[c:b]`` (whole events) meets Python events: ``-e`` when it starts with a run
         of them ending at ``e`` (counted into ``skipped``), else the index where a run of at least
         ``_PY_MIN_RUN`` bytes, or one that reaches the slice's end, starts (decode up to there;
-        the next slice starts with the run), else ``b``. Verified by counting: every ``"ph"`` in a skipped run belongs to a
-        python_function event, or nothing is skipped.
+        the next slice starts with the run), else ``b``. Verified by counting: every ``"ph"`` in
+        a skipped run belongs to a python_function event, or nothing is skipped.
 
         Kineto writes a thread's Python events together, in runs of up to many MB, between the
         ops and the GPU events (with memory on, after the memory events): a slice is probed every
