@@ -309,6 +309,19 @@ def test_an_event_of_another_category_inside_a_python_run_is_kept(tmp_path):
         ["aten::op0", "odd_kernel", "[memory]", "aten::op1"], len(events))
 
 
+@pytest.mark.parametrize("chunk", [4096, 65536, 4 << 20])
+def test_a_python_run_that_ends_the_events_array_stops_before_the_keys_after_it(tmp_path, chunk):
+    """Keys after ``traceEvents`` may hold ``},{`` (a list of objects): a skip never reaches past
+    the array's end, so no such object is read as an event and the keys are kept."""
+    events = [_op(i) for i in range(500)] + [_py(i) for i in range(3000)]
+    path = tmp_path / "tail.json"
+    path.write_text(json.dumps({"traceEvents": events, "extra": [{"a": 1}, {"b": 2}], "traceName": "x"}, indent=1))
+    kept, fast = _read_fast(path, chunk=chunk)
+    assert ([e.name for e in kept if e.cat != "python_function"], len(kept) + fast.skipped, fast.skipped >= 2900,
+            fast.truncated, fast.meta.get("extra")) == (
+        [f"aten::op{i % 7}" for i in range(500)], len(events), True, False, [{"a": 1}, {"b": 2}])
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_python_skipping_keeps_every_other_event_whatever_the_layout(tmp_path, seed):
     """Random runs of ops and Python events (1 to 3,000 long; now and then an event of another
@@ -327,9 +340,57 @@ def test_python_skipping_keeps_every_other_event_whatever_the_layout(tmp_path, s
             events.insert(len(events) - rnd.randrange(n), rnd.choice([_op(i), {"ph": "M", "name": "thread_name", "pid": 1}]))
         events.extend(_op(j) for j in range(i, i + rnd.choice([1, 3, 50, 400])))
         i += 400
+    doc: dict = {"traceEvents": events}
+    if rnd.random() < 0.5:  # keys after the array, one holding "},{"
+        doc.update(extra=[{"a": 1}, {"b": 2}], traceName="t")
     path = tmp_path / "t.json"
-    path.write_text(json.dumps({"traceEvents": events}, indent=rnd.choice([None, 1])))
+    path.write_text(json.dumps(doc, indent=rnd.choice([None, 1])))
     kept, fast = _read_fast(path, chunk=rnd.choice([4096, 20000, 65536, 300000]))
     want = [(e.get("name"), e.get("ts")) for e in events if e.get("cat") != "python_function"]
     assert ([(e.name, e.ts if e.ph != "M" else None) for e in kept if e.cat != "python_function"],
-            len(kept) + fast.skipped, fast.skipped >= 1500) == (want, len(events), True)
+            len(kept) + fast.skipped, fast.skipped >= 1500, fast.truncated, fast.meta.get("extra")) == (
+        want, len(events), True, False, doc.get("extra"))
+
+
+def _event_ends(raw: bytes) -> list[int]:
+    """Where each event of a trace's ``traceEvents`` ends (byte offsets), by the standard library's
+    own JSON decoder: the reference for what a cut-off file still holds whole."""
+    import re
+
+    s = raw.decode("latin-1")  # one character a byte: offsets in it are the file's
+    i = s.index("[", s.index('"traceEvents"')) + 1
+    dec, sep, out = json.JSONDecoder(), re.compile(r"[\s,]*"), []
+    while True:
+        i = sep.match(s, i).end()
+        if s[i] == "]":
+            return out
+        _, i = dec.raw_decode(s, i)
+        out.append(i)
+
+
+@pytest.mark.parametrize("trace", ["traces/cuda_small_stack.json.gz", "cuda_memory/cuda_memory_rank0.json.gz"])
+def test_a_trace_cut_off_anywhere_keeps_every_whole_event(trace_data, tmp_path, trace):
+    """A file cut off (a copy or a write stopped) is read as truncated with every event written
+    whole before the cut, with Python runs skipped or not; the cut lands inside events, right
+    after one's ``}`` and after its ``,``, where the last whole event was once dropped."""
+    import gzip
+    import random
+
+    from sidecar.analysis.reader import TraceReader
+
+    raw = gzip.decompress((trace_data.parent / trace).read_bytes())
+    ends = _event_ends(raw)
+    rnd = random.Random(5)
+    cuts = [rnd.randrange(ends[0], ends[-1]) for _ in range(6)]
+    cuts += [ends[i] + d for i in rnd.sample(range(len(ends) - 1), 4) for d in (0, 1, 3)]
+    got, want = [], []
+    for cut in cuts:
+        path = tmp_path / "cut.json"
+        path.write_bytes(raw[:cut])
+        for skip in (False, True):
+            for chunk in (4096, 1 << 20):
+                r = TraceReader(path, chunk_size=chunk, skip_python=skip, read_ahead=False)
+                n = sum(len(b) for b in r.batches()) + r.skipped
+                got.append((cut, skip, chunk, n, r.truncated))
+                want.append((cut, skip, chunk, sum(e <= cut for e in ends), True))
+    assert got == want

@@ -60,6 +60,7 @@ _PY_PROBE = 2 << 10
 _PY_MIN_RUN = 64 << 10
 _PY_TRIES = 16  # short runs passed over in one slice before the rest is decoded as it is
 _NOT_PYFN = re.compile(rb'"cat"[ \t\r\n]*:[ \t\r\n]*"(?!python_function")')  # an event of another category
+_ARRAY_END = re.compile(rb"\}[ \t\r\n]*\]")  # the last event, then the end of the events array
 
 
 class EventArgs(msgspec.Struct, gc=False):
@@ -614,7 +615,10 @@ class TraceReader:
         second = buf.find(b'"ph"', first + 4, b)
         if buf.find(_PYFN, c, b if second < 0 else second) >= 0:  # the slice starts with a Python event
             e = self._run_end(buf, first, b)
-            n = buf.count(b'"ph"', c, e)
+            last = self._array_end(buf, c, e)
+            if last >= 0:  # the run ends the events array: skip it up to its last event
+                e = self._last_boundary(buf, last)
+            n = buf.count(b'"ph"', c, e) if e > c else 0
             if n and n == buf.count(_PYFN, c, e):
                 self.skipped += n
                 self.events_read += n
@@ -631,6 +635,18 @@ class TraceReader:
                 return start
             lo = max(e, p + 1)
         return b
+
+    @staticmethod
+    def _array_end(buf: bytearray, lo: int, hi: int) -> int:
+        """Where in ``buf[lo:hi]`` the events array ends (its last event's ``}``, then ``]``), or
+        -1: a skip stops before it, since the keys after the array may hold ``},{`` too."""
+        k = buf.find(b"]", lo, hi)
+        while k >= 0:
+            m = _ARRAY_END.search(buf, max(lo, k - _GAP), k + 1)
+            if m is not None:
+                return m.start()
+            k = buf.find(b"]", k + 1, hi)
+        return -1
 
     @staticmethod
     def _probe_python(buf: bytearray, lo: int, hi: int) -> int:
@@ -697,12 +713,11 @@ class TraceReader:
                 yield events
             return
         # No closing bracket parses: the JSON stops mid-array. Keep every complete event.
-        events, _ = self._parse_prefix(data, tries=64)
-        if not events:
-            try:  # a single last event with nothing after it
-                events = self._parse(data.rstrip(_WS).rstrip(b","))
-            except _JSONError:
-                events = []
+        events, used = self._parse_prefix(data, tries=64)
+        try:  # the last whole event, with at most a "," after it (the file cut off between events)
+            events = events + self._parse(data[used:].rstrip(_WS).rstrip(b","))
+        except _JSONError:
+            pass
         if events:
             self.events_read += len(events)
             yield events
