@@ -394,3 +394,40 @@ def test_a_trace_cut_off_anywhere_keeps_every_whole_event(trace_data, tmp_path, 
                 got.append((cut, skip, chunk, n, r.truncated))
                 want.append((cut, skip, chunk, sum(e <= cut for e in ends), True))
     assert got == want
+
+
+@pytest.mark.parametrize("chunk", [65536, 4 << 20])
+def test_a_damaged_byte_keeps_every_event_before_it_and_says_where(trace_data, tmp_path, chunk):
+    """One malformed byte inside the events array (a disk or copy fault): every event before the
+    damaged one is read, the summary is truncated and its error names the byte. It once failed the
+    whole file as "no event boundary within 4 MB" (trace_too_large), with nothing read."""
+    import gzip
+
+    from sidecar.analysis.reader import TraceReader
+
+    raw = bytearray(gzip.decompress((trace_data.parent / "cuda_memory/cuda_memory_rank0.json.gz").read_bytes()))
+    ends = _event_ends(bytes(raw))
+    at = raw.index(b'"cat": "cpu_op", "name": "', len(raw) // 4) + 24  # an op's: the space after "name": becomes an X
+    raw[at] = ord("X")
+    path = tmp_path / "damaged.json"
+    path.write_bytes(raw)
+    got = []
+    for skip in (False, True):
+        r = TraceReader(path, chunk_size=chunk, skip_python=skip, read_ahead=False)
+        got.append((sum(len(b) for b in r.batches()) + r.skipped, r.truncated,
+                    f"invalid JSON at byte {at:,} of the decompressed trace" in (r.error or "")))
+    assert got == [(sum(e < at for e in ends), True, True)] * 2
+
+
+def test_cli_summarize_of_a_damaged_trace_shows_the_events_before_the_damage(trace_data, tmp_path):
+    """Exit 1, as for a cut-off file, with the summary of what was read."""
+    import gzip
+
+    raw = bytearray(gzip.decompress((trace_data / "cuda_small.json.gz").read_bytes()))
+    at = raw.index(b'"name": "', len(raw) // 2) + 7
+    raw[at] = ord("X")
+    (tmp_path / "trace_rank0.json").write_bytes(raw)
+    r = _cli("summarize", str(tmp_path / "trace_rank0.json"), "--json")
+    doc = json.loads(r.stdout)
+    assert (r.returncode, doc["truncated"], f"invalid JSON at byte {at:,}" in doc["errors"][0], doc["totals"]["events"] > 1000,
+            "Traceback" in r.stderr) == (1, True, True, True, False), r.stderr

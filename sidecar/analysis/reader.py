@@ -4,8 +4,9 @@
 a trace is never in memory whole. It splits the ``traceEvents`` array at event boundaries and
 decodes each slice with msgspec into typed ``TraceEvent`` structs holding only the fields the
 summary needs (chosen by measurement: see docs/summaries.md). Header keys
-(``distributedInfo``, ``deviceProperties``, ...) land in ``meta``. A file that ends early sets
-``truncated`` and ``error`` after yielding every complete event; unreadable input raises
+(``distributedInfo``, ``deviceProperties``, ...) land in ``meta``. A file that ends early, or
+holds a malformed byte inside its events (a damaged copy), sets ``truncated`` and ``error`` (which
+names the byte) after yielding every complete event before it; unreadable input raises
 ``TraceError`` naming the file.
 
 Limits are part of the contract (docs/summaries.md, "Limits"): at most ``max_bytes`` of
@@ -61,6 +62,7 @@ _PY_MIN_RUN = 64 << 10
 _PY_TRIES = 16  # short runs passed over in one slice before the rest is decoded as it is
 _NOT_PYFN = re.compile(rb'"cat"[ \t\r\n]*:[ \t\r\n]*"(?!python_function")')  # an event of another category
 _ARRAY_END = re.compile(rb"\}[ \t\r\n]*\]")  # the last event, then the end of the events array
+_MALFORMED = re.compile(r"JSON is malformed: (.*) \(byte (\d+)\)$")  # msgspec's words for a broken byte
 
 
 class EventArgs(msgspec.Struct, gc=False):
@@ -136,6 +138,13 @@ _PHASES = "B E I C b n e s t f P N O D M V v R c ( )".split()
 _DECODE_COMPLETE = msgspec.json.Decoder(list[Union[(CompleteEvent, InstantEvent, *map(_placeholder, _PHASES))]]).decode  # type: ignore[misc]
 _DECODE_ANY = msgspec.json.Decoder().decode
 _JSONError = msgspec.DecodeError
+
+
+def _malformed(err: BaseException) -> tuple[str, int] | None:
+    """What msgspec found wrong and where (a byte of the document it was given), when the JSON is
+    malformed (not merely cut short: a cut inside a string reads as truncated, with no byte)."""
+    m = _MALFORMED.match(str(err))
+    return (m.group(1), int(m.group(2))) if m else None
 
 
 def _int_or_none(v: Any) -> int | None:
@@ -324,6 +333,7 @@ class TraceReader:
         self.raw_bytes = 0  # bytes of (decompressed) JSON consumed
         self._eof = False
         self._f: IO[bytes] | _GunzipStream | None = None
+        self._broken: tuple[int, str] | None = None  # the last malformed byte the decoder met (index, what)
 
     # --- raw input ---------------------------------------------------------------------------
 
@@ -359,6 +369,11 @@ class TraceReader:
                 self.max_bytes,
             )
         return data
+
+    def _damaged(self, offset: int, what: str) -> None:
+        """Malformed JSON inside the events array: the read ends there, like a cut-off file."""
+        self._truncate(f"invalid JSON at byte {offset:,} of the decompressed trace ({what}): the file is damaged "
+                       "there, and nothing after it is read")
 
     def _truncate(self, why: str) -> None:
         if not self.truncated:
@@ -542,6 +557,9 @@ class TraceReader:
                 yield from self._finish(bytes(buf))
                 return
             events, used = self._parse_in_place(buf)
+            if used < 0:  # malformed JSON: keep what came before it, and say where
+                self._damaged(self.raw_bytes - len(buf) + self._broken[0], self._broken[1])
+                return
             if used == 0:  # no complete boundary yet (one very large event): read more, within the limit
                 if len(buf) > self.max_event_bytes + self.chunk_size:
                     raise self._too_large(
@@ -569,33 +587,57 @@ class TraceReader:
                 if cut < 0:  # the slice starts with a run of Python events: skip it
                     return [], -cut
                 end = cut
+        broken: tuple[int, str] | None = None  # where msgspec found malformed JSON (index in buf), and what
         for _ in range(tries):
             b = self._last_boundary(buf, end)
             if b <= c or c < 0:
+                if broken is not None and not self._array_closed(buf, broken[0]):
+                    self._broken = broken
+                    return [], -1  # the first event of the slice is malformed
                 return [], 0
             saved_c, saved_b = buf[c], buf[b]
             buf[c], buf[b] = 0x5B, 0x5D  # "[", "]"
             try:
                 with memoryview(buf)[c : b + 1] as view:
                     return self._decode_doc(view), b
-            except _JSONError:
-                end = b - 1
+            except _JSONError as err:
+                bad = _malformed(err)
+                if bad is not None and c + bad[1] < b:  # all before that byte parsed: cut before it
+                    broken = (c + bad[1], bad[0])
+                    end = broken[0]
+                else:
+                    end = b - 1
             finally:
                 buf[c], buf[b] = saved_c, saved_b
         return [], 0
+
+    @staticmethod
+    def _array_closed(buf: bytes | bytearray, at: int) -> bool:
+        """Whether the decoder stopped at ``at`` because the events array had ended there and the
+        trace's keys follow (``], "traceName": ...``), not at a damaged byte."""
+        rest = bytes(buf[at : at + _GAP]).lstrip(_WS)
+        return rest[:1] == b"}" or (rest[:1] == b"," and rest[1:].lstrip(_WS)[:1] == b'"')
 
     def _parse_prefix(self, data: bytes, tries: int = 4) -> tuple[list[TraceEvent], int]:
         """Parse complete events up to the last boundary. A ``},{`` inside a string makes a cut
         invalid: then try the boundary before it."""
         end = len(data)
+        head = len(data) - len(data.lstrip(_WS))  # what _parse strips before the "[" it adds
+        head += data[head : head + 1] == b","
         for _ in range(tries):
             b = self._last_boundary(data, end)
             if b <= 0:
                 return [], 0
             try:
                 return self._parse(data[:b]), b
-            except _JSONError:
-                end = b - 1
+            except _JSONError as err:
+                bad = _malformed(err)
+                at = head + bad[1] - 1 if bad is not None else -1
+                if 0 <= at < b and not self._array_closed(data, at):
+                    self._broken = (at, bad[0])  # type: ignore[index]
+                    end = at
+                else:
+                    end = b - 1
         return [], 0
 
     def _python_run(self, buf: bytearray, c: int, b: int) -> int:
@@ -713,6 +755,7 @@ class TraceReader:
                 yield events
             return
         # No closing bracket parses: the JSON stops mid-array. Keep every complete event.
+        self._broken = None
         events, used = self._parse_prefix(data, tries=64)
         try:  # the last whole event, with at most a "," after it (the file cut off between events)
             events = events + self._parse(data[used:].rstrip(_WS).rstrip(b","))
@@ -721,6 +764,8 @@ class TraceReader:
         if events:
             self.events_read += len(events)
             yield events
+        if self._broken is not None and self._broken[0] >= used:  # not cut off: damaged
+            self._damaged(self.raw_bytes - len(data) + self._broken[0], self._broken[1])
         self._truncate("JSON ends inside the traceEvents array (file truncated?)")
 
 
