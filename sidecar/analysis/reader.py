@@ -32,6 +32,7 @@ from typing import IO, Any, ClassVar, Union
 import msgspec
 
 from sidecar._child import usable_cores
+from sidecar.analysis.scan import WS, array_closed, last_boundary, python_run
 from sidecar.errors import TraceError, TraceTooLarge
 
 try:  # ISA-L's inflate is 2-3x zlib's; same API (python-isal), optional
@@ -47,21 +48,6 @@ CHUNK = 4 << 20  # bytes of raw JSON parsed per batch: big enough to amortise, s
 MAX_RAW_BYTES = 8 << 30  # decompressed JSON read from one trace (time bound: a few GB/min)
 MAX_EVENT_BYTES = 4 << 20  # no event boundary within this many bytes: not a trace we read
 _HEADER_LIMIT = 1 << 20  # metadata before "traceEvents" larger than this is not a trace
-# "}" "," "{" between two events; whitespace runs longer than _GAP between them are not Kineto's
-_BOUNDARY = re.compile(rb"\}[ \t\r\n]*,[ \t\r\n]*\{")
-_GAP = 4096
-_NEAR = 4 << 10  # bytes before the end searched first for the last boundary (events are ~0.3 kB)
-_TAIL = 64 << 10  # then these, then the rest
-_WS = b" \t\r\n"
-_PYFN = b'"cat": "python_function"'
-# Python events are looked for every _PY_STRIDE bytes (in the next _PY_PROBE), so a run longer than
-# the stride is found wherever it starts; a slice is cut at a run of at least _PY_MIN_RUN bytes
-_PY_STRIDE = 32 << 10
-_PY_PROBE = 2 << 10
-_PY_MIN_RUN = 64 << 10
-_PY_TRIES = 16  # short runs passed over in one slice before the rest is decoded as it is
-_NOT_PYFN = re.compile(rb'"cat"[ \t\r\n]*:[ \t\r\n]*"(?!python_function")')  # an event of another category
-_ARRAY_END = re.compile(rb"\}[ \t\r\n]*\]")  # the last event, then the end of the events array
 _MALFORMED = re.compile(r"JSON is malformed: (.*) \(byte (\d+)\)$")  # msgspec's words for a broken byte
 
 
@@ -420,12 +406,12 @@ class TraceReader:
     def _batches(self) -> Iterator[list[TraceEvent]]:
         buf = self._read()
         blank = 0  # whitespace chunks dropped before the first JSON byte
-        while not self._eof and not buf.lstrip(_WS):
+        while not self._eof and not buf.lstrip(WS):
             blank += len(buf)
             if blank > _HEADER_LIMIT:
                 raise self._too_large(f"starts with more than {_mb(_HEADER_LIMIT)} of whitespace", _HEADER_LIMIT)
             buf = self._read()
-        stripped = buf.lstrip(_WS)
+        stripped = buf.lstrip(WS)
         if not stripped:
             if self.truncated:
                 raise self._fail("gzip stream ends before any data (file truncated?)")
@@ -447,17 +433,17 @@ class TraceReader:
             if idx >= 0:
                 j = idx + len(key)
                 while True:
-                    rest = buf[j:].lstrip(_WS)
+                    rest = buf[j:].lstrip(WS)
                     if len(rest) >= 2 or self._eof:
                         break
                     if len(buf) - j > _HEADER_LIMIT:
                         raise self._too_large(f"more than {_mb(_HEADER_LIMIT)} of whitespace after 'traceEvents'", _HEADER_LIMIT)
                     buf += self._read()
-                rest = buf[j:].lstrip(_WS)
-                if rest[:1] == b":" and rest[1:].lstrip(_WS)[:1] == b"[":
-                    after_colon = rest[1:].lstrip(_WS)
+                rest = buf[j:].lstrip(WS)
+                if rest[:1] == b":" and rest[1:].lstrip(WS)[:1] == b"[":
+                    after_colon = rest[1:].lstrip(WS)
                     pos = len(buf) - len(after_colon) + 1
-                    head = buf[buf.find(b"{") + 1 : idx].strip(_WS).rstrip(b",")
+                    head = buf[buf.find(b"{") + 1 : idx].strip(WS).rstrip(b",")
                     if head:
                         try:
                             self.meta.update(_DECODE_ANY(b"{" + head + b"}"))
@@ -486,25 +472,6 @@ class TraceReader:
         keys = ", ".join(list(doc)[:6]) if isinstance(doc, dict) else type(doc).__name__
         raise self._fail(f"is JSON but not a Chrome trace: no 'traceEvents' array (top-level keys: {keys})")
 
-    @staticmethod
-    def _last_boundary(data: bytes | bytearray, end: int) -> int:
-        """Index just past the last ``}`` before ``end`` that is followed by ``,`` and ``{``
-        (an event boundary in the array), or -1. The regex runs in C: a run of ``}`` or of
-        whitespace costs one linear scan, not a Python loop per byte. The last ``_NEAR`` bytes
-        are searched first (where a boundary almost always is), then the last ``_TAIL``, then the
-        rest."""
-        stop = min(len(data), end + _GAP)
-        lo = max(0, end - _NEAR)
-        while True:
-            last = -1
-            for m in _BOUNDARY.finditer(data, lo, stop):
-                if m.start() >= end:
-                    break
-                last = m.start() + 1
-            if last >= 0 or lo == 0:
-                return last
-            stop, lo = min(len(data), lo + _GAP), (max(0, end - _TAIL) if end - lo < _TAIL else 0)
-
     def _deep(self) -> TraceError:
         return self._fail("nests JSON deeper than the decoder allows (about 1000 levels); Kineto writes 3 or 4")
 
@@ -526,7 +493,7 @@ class TraceReader:
             return [e for e in map(_coerce, raw) if e is not None]
 
     def _parse(self, body: bytes) -> list[Any]:
-        body = body.lstrip(_WS)
+        body = body.lstrip(WS)
         if body[:1] == b",":
             body = body[1:]
         return self._decode_doc(b"[" + body + b"]")
@@ -581,17 +548,19 @@ class TraceReader:
         c = buf.find(b",")
         end = len(buf) if end is None else end
         if self.skip_python and c >= 0:
-            b = self._last_boundary(buf, end)
+            b = last_boundary(buf, end)
             if b > c:
-                cut = self._python_run(buf, c, b)
-                if cut < 0:  # the slice starts with a run of Python events: skip it
+                cut, n = python_run(buf, c, b)
+                if cut < 0:  # the slice starts with a run of Python events: count it, skip it
+                    self.skipped += n
+                    self.events_read += n
                     return [], -cut
                 end = cut
         broken: tuple[int, str] | None = None  # where msgspec found malformed JSON (index in buf), and what
         for _ in range(tries):
-            b = self._last_boundary(buf, end)
+            b = last_boundary(buf, end)
             if b <= c or c < 0:
-                if broken is not None and not self._array_closed(buf, broken[0]):
+                if broken is not None and not array_closed(buf, broken[0]):
                     self._broken = broken
                     return [], -1  # the first event of the slice is malformed
                 return [], 0
@@ -611,21 +580,14 @@ class TraceReader:
                 buf[c], buf[b] = saved_c, saved_b
         return [], 0
 
-    @staticmethod
-    def _array_closed(buf: bytes | bytearray, at: int) -> bool:
-        """Whether the decoder stopped at ``at`` because the events array had ended there and the
-        trace's keys follow (``], "traceName": ...``), not at a damaged byte."""
-        rest = bytes(buf[at : at + _GAP]).lstrip(_WS)
-        return rest[:1] == b"}" or (rest[:1] == b"," and rest[1:].lstrip(_WS)[:1] == b'"')
-
     def _parse_prefix(self, data: bytes, tries: int = 4) -> tuple[list[TraceEvent], int]:
         """Parse complete events up to the last boundary. A ``},{`` inside a string makes a cut
         invalid: then try the boundary before it."""
         end = len(data)
-        head = len(data) - len(data.lstrip(_WS))  # what _parse strips before the "[" it adds
+        head = len(data) - len(data.lstrip(WS))  # what _parse strips before the "[" it adds
         head += data[head : head + 1] == b","
         for _ in range(tries):
-            b = self._last_boundary(data, end)
+            b = last_boundary(data, end)
             if b <= 0:
                 return [], 0
             try:
@@ -633,101 +595,12 @@ class TraceReader:
             except _JSONError as err:
                 bad = _malformed(err)
                 at = head + bad[1] - 1 if bad is not None else -1
-                if 0 <= at < b and not self._array_closed(data, at):
+                if 0 <= at < b and not array_closed(data, at):
                     self._broken = (at, bad[0])  # type: ignore[index]
                     end = at
                 else:
                     end = b - 1
         return [], 0
-
-    def _python_run(self, buf: bytearray, c: int, b: int) -> int:
-        """Where ``buf[c:b]`` (whole events) meets Python events: ``-e`` when it starts with a run
-        of them ending at ``e`` (counted into ``skipped``), else the index where a run of at least
-        ``_PY_MIN_RUN`` bytes, or one that reaches the slice's end, starts (decode up to there;
-        the next slice starts with the run), else ``b``. Verified by counting: every ``"ph"`` in
-        a skipped run belongs to a python_function event, or nothing is skipped.
-
-        Kineto writes a thread's Python events together, in runs of up to many MB, between the
-        ops and the GPU events (with memory on, after the memory events): a slice is probed every
-        ``_PY_STRIDE`` bytes, so a run is found wherever it starts at a few kB scanned per probe.
-        Short runs are decoded like any other event (correct, only slower)."""
-        first = buf.find(b'"ph"', c, b)
-        if first < 0:
-            return b
-        second = buf.find(b'"ph"', first + 4, b)
-        if buf.find(_PYFN, c, b if second < 0 else second) >= 0:  # the slice starts with a Python event
-            e = self._run_end(buf, first, b)
-            last = self._array_end(buf, c, e)
-            if last >= 0:  # the run ends the events array: skip it up to its last event
-                e = self._last_boundary(buf, last)
-            n = buf.count(b'"ph"', c, e) if e > c else 0
-            if n and n == buf.count(_PYFN, c, e):
-                self.skipped += n
-                self.events_read += n
-                return -e
-            return b
-        lo = second if second > 0 else b
-        for _ in range(_PY_TRIES):
-            p = self._probe_python(buf, lo, b)
-            if p < 0:
-                return b
-            start = self._last_boundary(buf, p)
-            e = self._run_end(buf, p, b)
-            if start > c and (e - start >= _PY_MIN_RUN or e >= b):  # long, or on into the next slice
-                return start
-            lo = max(e, p + 1)
-        return b
-
-    @staticmethod
-    def _array_end(buf: bytearray, lo: int, hi: int) -> int:
-        """Where in ``buf[lo:hi]`` the events array ends (its last event's ``}``, then ``]``), or
-        -1: a skip stops before it, since the keys after the array may hold ``},{`` too."""
-        k = buf.find(b"]", lo, hi)
-        while k >= 0:
-            m = _ARRAY_END.search(buf, max(lo, k - _GAP), k + 1)
-            if m is not None:
-                return m.start()
-            k = buf.find(b"]", k + 1, hi)
-        return -1
-
-    @staticmethod
-    def _probe_python(buf: bytearray, lo: int, hi: int) -> int:
-        """The first Python event's ``cat`` in ``buf[lo:hi]`` after the last probe that missed
-        one: exact for a run longer than the stride, -1 where no probe lands in a run."""
-        q = lo
-        while q < hi:
-            if buf.find(_PYFN, q, min(hi, q + _PY_PROBE)) >= 0:
-                return buf.find(_PYFN, max(lo, q - _PY_STRIDE), hi)
-            q += _PY_STRIDE
-        return -1
-
-    def _run_end(self, buf: bytearray, p: int, b: int) -> int:
-        """The boundary after the run of Python events holding ``p``: before the first event of
-        another category, else ``b`` (the run reaches the slice's end). Probed like the start, and
-        the bytes after the last probe searched whole: an event of another category that no probe
-        lands on is caught by the caller's count."""
-        q = p
-        while True:
-            hi = q + _PY_PROBE
-            if hi >= b:  # the last stretch: search it all
-                m = _NOT_PYFN.search(buf, max(p, q - _PY_STRIDE), b)
-                break
-            # the window reaches past the probe: a match the window's end cuts in two is none
-            m = _NOT_PYFN.search(buf, q, hi + 64)
-            if m is not None and m.start() < hi:
-                m = _NOT_PYFN.search(buf, max(p, q - _PY_STRIDE), b)
-                break
-            q += _PY_STRIDE
-        if m is None:
-            return b
-        e = self._last_boundary(buf, m.start())
-        return e if e > p else b
-
-    @staticmethod
-    def _next_boundary(data: bytearray, start: int, end: int) -> int:
-        """Index just past the first ``}`` after ``start`` followed by ``,`` and ``{``, or -1."""
-        m = _BOUNDARY.search(data, start, min(len(data), end + _GAP))
-        return m.start() + 1 if m is not None and m.start() < end else -1
 
     def _finish(self, data: bytes) -> Iterator[list[TraceEvent]]:
         """The rest of the file: last events, ``]``, then the trailing keys (``traceName``)."""
@@ -740,7 +613,7 @@ class TraceReader:
             except _JSONError:
                 j = data.rfind(b"]", 0, j)
                 continue
-            tail = data[j + 1 :].strip(_WS)
+            tail = data[j + 1 :].strip(WS)
             if tail.startswith(b","):
                 try:
                     extra = _DECODE_ANY(b"{" + tail[1:])
@@ -758,7 +631,7 @@ class TraceReader:
         self._broken = None
         events, used = self._parse_prefix(data, tries=64)
         try:  # the last whole event, with at most a "," after it (the file cut off between events)
-            events = events + self._parse(data[used:].rstrip(_WS).rstrip(b","))
+            events = events + self._parse(data[used:].rstrip(WS).rstrip(b","))
         except _JSONError:
             pass
         if events:
