@@ -13,8 +13,8 @@ rather than multiplying the cap). Sync: call it in a thread from async code.
 A child that answered is kept, started, for the next analysis (``KEEP_IDLE``, each for
 ``IDLE_S``): a fresh interpreter costs 0.35 s of CPU before its first line of work, four times a
 small trace's whole analysis (bench/isolated.py), and beside a CPU server's busy engines a summary
-in a fresh one took 3 to 12 s (docs/summaries.md). One that failed, was stopped, or peaked above ``REUSE_MAX_RSS``
-is never reused: the next analysis gets a fresh one, its own cap whole.
+in a fresh one took 3 to 12 s (docs/summaries.md). One that failed, was stopped, or peaked above
+``REUSE_MAX_RSS`` is never reused: the next analysis gets a fresh one, its own cap whole.
 
 The children never outlive the sidecar: each exits when the process that asked for it is gone
 (a ``kill -9``, or a SIGTERM that ends it before the summary does). ``stop_all()`` (the API's
