@@ -4,15 +4,16 @@
 annotations) and settles into one ``DeviceAttribution`` per device, which merges and becomes the
 device's ``temporal``, ``idle_breakdown``, ``kernel_categories``, ``overlap``, ``launch`` and
 ``steady`` fields. Definitions are HTA 0.5.0's (docs/summaries.md, "Why a stage is slow"), checked
-against HTA's own figures on the committed traces; memory is bounded: interval unions merged in
-sorted blocks, launch delays in a log-bucket sketch, a handful of kernels awaiting their API call.
+against HTA's own figures on the committed traces; memory is bounded: a device's GPU events held in
+arrays (``MAX_GPU_EVENTS`` at a time) and swept in time order, launch delays in a log-bucket sketch,
+a handful of kernels awaiting their API call.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from operator import itemgetter
+from array import array
 from typing import Any
 
 from sidecar.analysis.models import (
@@ -51,10 +52,12 @@ KERNEL_WAIT_US = 30.0  # HTA's consecutive_kernel_delay default (its trace clock
 SHORT_KERNEL_US = 10.0
 CPU_BOUND_SHORTER = 0.5  # share of launches whose kernel ran shorter than its launch call
 CPU_BOUND_HOST_WAIT = 0.5  # share of idle time spent waiting on the host
-_BLOCK = 16384  # intervals per union before a sorted merge
+# GPU events of one device held for the sweep in time order: 32 bytes each, and 68 more while it sorts
+# them (about 10 s of a busy decode loop); past it each block is swept in turn
+MAX_GPU_EVENTS = 1 << 18
 _MAX_PENDING = 1 << 16  # GPU events waiting for their API call (it follows within a few events)
 _TOP = 5
-_first = itemgetter(0)
+_NAN = math.nan
 _log, _ceil = math.log, math.ceil
 
 
@@ -211,47 +214,31 @@ _JOINS = {COMPUTE: (0, 2, 3, 4, 5), COMMUNICATION: (1, 2, 3, 4, 5), MEMORY: (3, 
 
 
 class _Dev:
-    """Pass state of one device: its streams' GPU events (``[ts, te, API call start, dur, device,
-    kind]``), swept in sorted blocks into the six unions (compute, comm, compute∪comm, ∪memory,
-    all, busy) in one go. ``first``/``last`` bound the steady events (the transient is only busy)."""
+    """Pass state of one device: its GPU events as the file gives them, in arrays (start, end, its
+    API call's start, stream and kind), swept in time order by ``TraceAttribution.sweep`` into the
+    six unions (compute, comm, compute∪comm, ∪memory, all, busy) and each stream's gaps.
+    ``first``/``last`` bound the steady events (the transient is only busy)."""
 
-    __slots__ = ("first", "last", "streams", "count", "cs", "ce", "tot", "idle", "sketch", "launches", "shorter", "kernels", "short")
+    __slots__ = ("first", "last", "n", "ts", "te", "rt", "code", "prev", "swept", "gen", "cs", "ce", "tot", "idle",
+                 "sketch", "launches", "shorter", "kernels", "short")
 
     def __init__(self) -> None:
         self.first = math.inf
         self.last = -math.inf
-        self.streams: list[list[Any]] = []  # [device, the stream's last end, its events]
-        self.count = 0  # events waiting in the streams
+        self.n = 0  # events held
+        self.ts = array("d")
+        self.te = array("d")
+        self.rt = array("d")  # NaN until the API call is read (every comparison with NaN is false)
+        self.code = array("q")  # stream index * 8 + kind
+        self.prev: list[float | None] = []  # per stream (its index): the end of its last event swept
+        self.swept = -math.inf  # the latest end swept so far (a sweep before the end: the cap was hit)
+        self.gen = 0  # sweeps so far: a pending event's index is into this generation's arrays
         self.cs: list[float | None] = [None] * 6
         self.ce = [0.0] * 6
         self.tot = [0.0] * 6
         self.idle = [0.0, 0.0, 0.0]
         self.sketch = Sketch()
         self.launches = self.shorter = self.kernels = self.short = 0
-
-    def sweep(self, ivs: list[list[Any]]) -> None:
-        """Add events sorted by start to the unions."""
-        if not ivs:
-            return
-        cs, ce, tot = self.cs, self.ce, self.tot
-        first, last = self.first, self.last
-        for s, e, _, _, _, k in ivs:
-            if k != TRANSIENT:
-                if s < first:
-                    first = s
-                if e > last:
-                    last = e
-            for i in _JOINS[k]:
-                c = cs[i]
-                if c is None:
-                    cs[i], ce[i] = s, e
-                elif s <= ce[i]:
-                    if e > ce[i]:
-                        ce[i] = e
-                else:
-                    tot[i] += ce[i] - c
-                    cs[i], ce[i] = s, e
-        self.first, self.last = first, last
 
     def unions(self) -> list[float]:
         return [t + (self.ce[i] - c if c is not None else 0.0) for i, (t, c) in enumerate(zip(self.tot, self.cs))]
@@ -260,7 +247,10 @@ class _Dev:
 class TraceAttribution:
     """Pass state of one trace. Kineto writes a trace's CPU ops and annotations before its GPU
     events, and each GPU event just before its CUDA API call: the first step is known when the
-    GPU events arrive, and a GPU event waits only for its own API call (``_pending``)."""
+    GPU events arrive, and a GPU event waits only for its own API call (``pending``). It writes the
+    GPU events as CUPTI hands over its buffers: each buffer in time order, the buffers not (a 3.3 s
+    H100 capture holds three runs, each reaching back over much of the window), so a device's
+    events are held and swept in time order at the end (``MAX_GPU_EVENTS`` at a time)."""
 
     def __init__(self, steady: bool = True) -> None:
         self.steady = steady
@@ -269,13 +259,14 @@ class TraceAttribution:
         self.captures: list[list[float]] = []  # CUDA graph captures: [begin, end]
         self._open_capture: float | None = None
         self.devs: dict[int, _Dev] = {}
-        # per stream: [device, the last event's end, events as [ts, te, API call start]]. Kineto
-        # writes a stream's events in CUPTI buffers, not in time order: they are sorted per block.
-        self.streams: dict[tuple[int, int], list[Any]] = {}
-        self.pending: dict[int, list[list[Any]]] = {}  # correlation -> GPU events awaiting their API call
+        # (device, stream) -> its device, its index * 8, and the appends of the device's arrays
+        self.streams: dict[tuple[int, int], tuple[Any, ...]] = {}
+        # correlation -> GPU events awaiting their API call: (device, index, the device's sweeps, ts, dur)
+        self.pending: dict[int, list[tuple[_Dev, int, int, float, float]]] = {}
         self._kinds: dict[str, int] = {}
         self.transient = [math.inf, -math.inf, 0]  # GPU events before the first step: first, last, count
         self.busy: dict[int, float] = {}  # per device, after finish(): the union of all its GPU events
+        self.limits: list[str] = []
 
     def step(self, ts: float) -> None:
         if ts < self.step_start:
@@ -290,8 +281,8 @@ class TraceAttribution:
             d = self.devs.get(sk[0])
             if d is None:
                 d = self.devs[sk[0]] = _Dev()
-            st = self.streams[sk] = [d, None, []]
-            d.streams.append(st)
+            st = self.streams[sk] = (d, len(d.prev) * 8, d.ts.append, d.te.append, d.rt.append, d.code.append)
+            d.prev.append(None)
         d = st[0]
         if ts < self._cut:  # the profiler-start transient: the device's busy time only
             t = self.transient
@@ -305,55 +296,82 @@ class TraceAttribution:
                 d.kernels += 1
                 if dur < SHORT_KERNEL_US:
                     d.short += 1
-        rec = [ts, te, None, dur, d, k]
-        st[2].append(rec)
-        d.count += 1
-        if d.count >= _BLOCK:
-            self._flush(d)
+        i = d.n
+        d.n = i + 1
+        st[2](ts)
+        st[3](te)
+        st[4](_NAN)
+        st[5](st[1] + k)
         if corr and k != TRANSIENT:
             pending = self.pending
             w = pending.get(corr)
             if w is None:
                 if len(pending) < _MAX_PENDING:
-                    pending[corr] = [rec]
+                    pending[corr] = [(d, i, d.gen, ts, dur)]
             else:
-                w.append(rec)
+                w.append((d, i, d.gen, ts, dur))
+        if i + 1 >= MAX_GPU_EVENTS:
+            self.sweep(d)
 
-    def _flush(self, d: _Dev) -> None:
-        """A device's waiting events: each stream's gaps, then the unions (over all streams, in
-        time order)."""
-        merged: list[list[Any]] = []
-        for st in d.streams:
-            merged += self._gaps(st)
-        if len(d.streams) > 1:
-            merged.sort(key=_first)
-        d.sweep(merged)
-        d.count = 0
-
-    def _gaps(self, st: list[Any]) -> list[list[Any]]:
-        """HTA's idle categories for the gaps between a stream's consecutive events (in time
-        order): host wait when the next event's API call started after the gap began, kernel wait
-        when the gap is under 30 µs, else other. A graph capture inside a gap is not idle."""
-        d, prev, recs = st
-        recs.sort(key=_first)
-        idle = d.idle
+    def sweep(self, d: _Dev) -> None:
+        """A device's held events in time order (stable: file order among equal starts): each
+        stream's gaps (HTA's idle categories: host wait when the next event's API call started after
+        the gap began, kernel wait when the gap is under 30 µs, else other; a graph capture inside a
+        gap is not idle), then the unions."""
+        if not d.n:
+            return
+        ts, te, rt, code = d.ts.tolist(), d.te, d.rt, d.code
+        if min(ts) < d.swept:
+            self._limit(f"more than {MAX_GPU_EVENTS:,} GPU events on one device, and later ones start before earlier "
+                        "ones ended: its busy and idle figures are approximate (each block swept in time order)")
+        order = sorted(range(len(ts)), key=ts.__getitem__)  # the buffers' runs, merged
+        cs, ce, tot, idle, prev = d.cs, d.ce, d.tot, d.idle, d.prev
         caps = self.captures
-        for ts, te, rt, _, _, k in recs:
-            if k == TRANSIENT:
-                continue
-            if prev is not None:
-                gap = ts - prev
-                if gap > 0:
-                    i = 0 if rt is not None and rt > prev else 1 if gap < KERNEL_WAIT_US else 2
-                    if caps:
-                        for b, e in caps:
-                            if b < ts and e > prev:
-                                gap -= min(e, ts) - max(b, prev)
+        first, last = d.first, d.last
+        joins = _JOINS
+        for j in order:
+            s = ts[j]
+            e = te[j]
+            c = code[j]
+            k = c & 7
+            if k != TRANSIENT:
+                if s < first:
+                    first = s
+                if e > last:
+                    last = e
+                si = c >> 3
+                p = prev[si]
+                if p is not None:
+                    gap = s - p
                     if gap > 0:
-                        idle[i] += gap
-            prev = te
-        st[1], st[2] = prev, []
-        return recs
+                        g = 0 if rt[j] > p else 1 if gap < KERNEL_WAIT_US else 2
+                        if caps:
+                            for b, x in caps:
+                                if b < s and x > p:
+                                    gap -= min(x, s) - max(b, p)
+                        if gap > 0:
+                            idle[g] += gap
+                prev[si] = e
+            for i in joins[k]:
+                cur = cs[i]
+                if cur is None:
+                    cs[i], ce[i] = s, e
+                elif s <= ce[i]:
+                    if e > ce[i]:
+                        ce[i] = e
+                else:
+                    tot[i] += ce[i] - cur
+                    cs[i], ce[i] = s, e
+        d.first, d.last = first, last
+        d.swept = max(d.swept, max(te))
+        for a in (d.ts, d.te, d.rt, d.code):  # emptied in place: the streams hold their appends
+            del a[:]
+        d.n = 0
+        d.gen += 1
+
+    def _limit(self, what: str) -> None:
+        if what not in self.limits:
+            self.limits.append(what)
 
     def runtime(self, name: str, ts: float, dur: float, corr: int | None) -> None:
         if name in CAPTURE_BEGIN:
@@ -366,11 +384,11 @@ class TraceAttribution:
         if waiting is None:
             return
         launch = name in LAUNCH_CALLS
-        for rec in waiting:
-            rec[2] = ts
+        for d, i, gen, gts, gdur in waiting:
+            if d.gen == gen:  # else swept already (the cap): its gap was read without the API call
+                d.rt[i] = ts
             if launch:
-                d = rec[4]
-                delay = rec[0] - ts - dur
+                delay = gts - ts - dur
                 sk = d.sketch  # Sketch.add, inlined: one call per launch adds up
                 sk.n += 1
                 if delay < Sketch.MIN:
@@ -380,14 +398,14 @@ class TraceAttribution:
                     b = sk.buckets
                     b[k] = b.get(k, 0) + 1
                 d.launches += 1
-                if rec[3] < dur:
+                if gdur < dur:
                     d.shorter += 1
 
     def finish(self, tables: dict[str, dict[str, list[Any]]]) -> dict[int, DeviceAttribution]:
         """Settle every device (its busy time into ``busy``); ``tables`` (the trace's
         kernel/memcpy/memset rows) give each category's top kernels."""
         for d in self.devs.values():
-            self._flush(d)
+            self.sweep(d)
         self.pending = {}
         # categories from the trace's own tables (one GPU per trace in practice; a trace with
         # several gives each of them the trace's split)

@@ -484,6 +484,8 @@ class Aggregate:
                         "older Kineto wrote the correlation id there): self device time per op is not known here "
                         "and reads 0; the per-device GPU figures do not depend on it")
         attributed = self._att.finish(self.tables)
+        for what in self._att.limits:
+            self._limit(what)
         for dev, busy in self._att.busy.items():
             self.devices[(stage_id, replica, rank, dev)] = [busy, span]
         for dev, a in attributed.items():
