@@ -2,8 +2,9 @@
 
 State kept per trace: one row per distinct name, one open-op stack per thread, one 4-byte slot per
 CPU op ``External id`` (so GPU time and CUDA API calls can be charged to the op that launched
-them, as torch's key_averages does), and per device a sorted block of at most 16k GPU events
-(``attribution``, which also gives each device its busy time).
+them, as torch's key_averages does), and per device its GPU events, 32 bytes each, up to 262,144
+at a time, swept in time order at the end (``attribution``, which also gives each device its busy
+time).
 A trace's devices are keyed by (stage, replica, rank, device): every stage process calls its own
 GPU ``cuda:0``, so the device number alone would add different GPUs together.
 
