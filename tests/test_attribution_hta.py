@@ -229,3 +229,38 @@ def test_past_the_cap_a_sweep_that_goes_back_in_time_is_said(cupti_order, monkey
     assert a.devices[0].busy_us == pytest.approx(busy, rel=1e-9) and a.warnings == []
     b = summarize_trace(cupti, steady=False)
     assert any("more than 4,096 GPU events on one device" in w and "approximate" in w for w in b.warnings)
+
+
+def _with_step_before_capture(reverse: bool) -> dict:
+    """cuda_graph with a step annotation just before its graph capture, so that the capture lies
+    in the steady window; ``reverse``: the capture's end call written before its begin (as when
+    CUPTI hands over the later buffer first)."""
+    doc = json.loads(gzip.decompress((TRACES / "cuda_graph.json.gz").read_bytes()))
+    ev = doc["traceEvents"]
+    begin = next(i for i, e in enumerate(ev) if e.get("name") == "cudaStreamBeginCapture")
+    end = next(i for i, e in enumerate(ev) if e.get("name") == "cudaStreamEndCapture")
+    step = next(e for e in ev if str(e.get("name", "")).startswith("ProfilerStep#"))
+    ev.insert(0, {**step, "name": "ProfilerStep#0", "ts": ev[begin]["ts"] - 100.0, "dur": 1.0})
+    if reverse:
+        begin, end = begin + 1, end + 1
+        ev[begin], ev[end] = ev[end], ev[begin]
+    return doc
+
+
+def test_a_graph_capture_in_the_window_is_left_out_in_either_file_order(tmp_path: Path) -> None:
+    devices = []
+    for reverse in (False, True):
+        doc = _with_step_before_capture(reverse)
+        calls = {e["name"]: e for e in doc["traceEvents"] if "Capture" in str(e.get("name"))}
+        begin, end = calls["cudaStreamBeginCapture"], calls["cudaStreamEndCapture"]
+        path = tmp_path / f"graph_{reverse}.json"
+        path.write_text(json.dumps(doc))
+        d = summarize_trace(path).devices[0]
+        left = [x for x in d.steady.left_out if x.what == "cuda_graph_capture"]
+        assert [(x.start_us, x.end_us) for x in left] == [(begin["ts"], end["ts"] + end["dur"])], reverse
+        assert d.temporal.window_us == pytest.approx(d.steady.end_us - d.steady.start_us - left[0].us)
+        devices.append(d)
+    assert devices[1].model_dump() == devices[0].model_dump()
+    # HTA's window keeps the capture: its span is then part of the window
+    kept = summarize_trace(tmp_path / "graph_True.json", steady=False).devices[0]
+    assert not [x for x in kept.steady.left_out if x.what == "cuda_graph_capture"]

@@ -56,6 +56,7 @@ CPU_BOUND_HOST_WAIT = 0.5  # share of idle time spent waiting on the host
 # them (about 10 s of a busy decode loop); past it each block is swept in turn
 MAX_GPU_EVENTS = 1 << 18
 _MAX_PENDING = 1 << 16  # GPU events waiting for their API call (it follows within a few events)
+_MAX_CAPTURE_CALLS = 1 << 16
 _TOP = 5
 _NAN = math.nan
 _log, _ceil = math.log, math.ceil
@@ -256,8 +257,8 @@ class TraceAttribution:
         self.steady = steady
         self.step_start = math.inf  # first step annotation (ProfilerStep#N, engine step)
         self._cut = -math.inf  # GPU events before this are the profiler-start transient
-        self.captures: list[list[float]] = []  # CUDA graph captures: [begin, end]
-        self._open_capture: float | None = None
+        self.captures: list[list[float]] = []  # CUDA graph captures: [begin, end], paired by _pair
+        self._capture_calls: list[tuple[float, int]] = []  # (when, 1: a begin, -1: an end), in the file's order
         self.devs: dict[int, _Dev] = {}
         # (device, stream) -> its device, its index * 8, and the appends of the device's arrays
         self.streams: dict[tuple[int, int], tuple[Any, ...]] = {}
@@ -320,6 +321,7 @@ class TraceAttribution:
         gap is not idle), then the unions."""
         if not d.n:
             return
+        self._pair()
         ts, te, rt, code = d.ts.tolist(), d.te, d.rt, d.code
         if min(ts) < d.swept:
             self._limit(f"more than {MAX_GPU_EVENTS:,} GPU events on one device, and later ones start before earlier "
@@ -369,17 +371,28 @@ class TraceAttribution:
         d.n = 0
         d.gen += 1
 
+    def _pair(self) -> None:
+        """The graph captures, from their begin and end calls in time order: CUPTI's buffers can
+        put a capture's end in the file before its begin. An end closes the latest open begin."""
+        caps: list[list[float]] = []
+        begun: list[float] = []
+        for t, what in sorted(self._capture_calls):
+            if what > 0:
+                begun.append(t)
+            elif begun:
+                caps.append([begun.pop(), t])
+        self.captures = sorted(caps)
+
     def _limit(self, what: str) -> None:
         if what not in self.limits:
             self.limits.append(what)
 
     def runtime(self, name: str, ts: float, dur: float, corr: int | None) -> None:
-        if name in CAPTURE_BEGIN:
-            self._open_capture = ts
-        elif name == CAPTURE_END and self._open_capture is not None:
-            if self.steady:
-                self.captures.append([self._open_capture, ts + dur])
-            self._open_capture = None
+        if self.steady and (name in CAPTURE_BEGIN or name == CAPTURE_END):
+            if len(self._capture_calls) < _MAX_CAPTURE_CALLS:
+                self._capture_calls.append((ts, 1) if name in CAPTURE_BEGIN else (ts + dur, -1))
+            else:
+                self._limit(f"more than {_MAX_CAPTURE_CALLS:,} CUDA graph capture calls: later captures count as idle")
         waiting = self.pending.pop(corr, None) if corr else None
         if waiting is None:
             return
@@ -406,6 +419,7 @@ class TraceAttribution:
         kernel/memcpy/memset rows) give each category's top kernels."""
         for d in self.devs.values():
             self.sweep(d)
+        self._pair()  # for the left-out spans below (a device swept at the cap holds none now)
         self.pending = {}
         # categories from the trace's own tables (one GPU per trace in practice; a trace with
         # several gives each of them the trace's split)
