@@ -133,3 +133,30 @@ def test_a_fifo_in_place_of_a_trace_is_skipped_with_a_reason(shared: ModuleSidec
     assert [r.status_code for r in (summary, timeline)] == [404, 404]
     assert all("is a FIFO, not a trace file" in r.json()["error"]["message"] for r in (summary, timeline))
     assert _get(shared, "/healthz").status_code == 200
+
+
+def test_a_number_no_profiler_writes_leaves_its_event_out_and_the_summary_says_so(shared: ModuleSidecar) -> None:
+    """A memory event whose ``Bytes`` no 64-bit allocator holds (the analysis overflowed on it),
+    and a kernel starting at ``1e400`` (no float64 holds it: the slice was read as cut off there)."""
+    import gzip
+    import json
+
+    cid, trace, _ = _finished(shared)
+    raw = gzip.decompress(trace.read_bytes()) if trace.name.endswith(".gz") else trace.read_bytes()
+    doc = json.loads(raw)
+    n = len(doc["traceEvents"])
+    doc["traceEvents"][n // 2 : n // 2] = [
+        {"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]", "pid": 1, "tid": 1, "ts": 1.0,
+         "args": {"Bytes": 123456789.25, "Addr": 1, "Device Id": -1, "Device Type": 0}},
+        {"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": 987654321.25, "dur": 1.0},
+    ]
+    text = json.dumps(doc).replace("123456789.25", str(10**23)).replace("987654321.25", "1e400").encode()
+    _replace(trace, lambda p: p.write_bytes(gzip.compress(text) if p.name.endswith(".gz") else text))
+    summary = _get(shared, f"/v1/captures/{cid}/summary?top=5")
+    assert summary.status_code == 200, summary.text[:500]
+    body = summary.json()
+    assert any("2 events left out: a timestamp or duration past ±2^53 µs, or an allocator figure past 64 bits" in w
+               for w in body["warnings"]), body["warnings"]
+    assert not body["truncated"] and body["totals"]["events"] == n  # every other event read
+    timeline = _get(shared, f"/v1/captures/{cid}/timeline")
+    assert timeline.status_code == 200, timeline.text[:300]

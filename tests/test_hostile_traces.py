@@ -377,3 +377,79 @@ def test_an_analysis_queued_behind_the_slots_is_refused_once_stop_all_has_begun(
     assert _joined(threads), "an analysis still runs after stop_all()"
     assert [type(o) for o in outcomes] == [SidecarClosing] * (n + 1), outcomes
     assert analysis_gate.started() == n  # the queued one never started
+
+
+# --- numbers no profiler writes ----------------------------------------------------------------
+_BAD = 123456789.25  # where a case writes its number, as text
+
+
+def _numbers_trace(bad: dict | None) -> dict:
+    """A step, ops, memory events, kernels and their API calls; ``bad``: one more event in the
+    middle, holding a number no profiler writes."""
+    ev: list[dict] = [{"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "pid": 1, "tid": 1, "ts": 0.0, "dur": 400.0}]
+    for i in range(8):
+        t = 10.0 + 40 * i
+        ev.append({"ph": "X", "cat": "cpu_op", "name": f"aten::op{i % 3}", "pid": 1, "tid": 1, "ts": t, "dur": 20.0,
+                   "args": {"External id": i + 1}})
+        ev.append({"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]", "pid": 1, "tid": 1, "ts": t + 1,
+                   "args": {"Total Reserved": 1 << 21, "Total Allocated": 512 * (i + 1), "Bytes": 512, "Device Id": 0,
+                            "Device Type": 1, "Addr": 4096 * (i + 1)}})
+    if bad is not None:
+        ev.append(bad)
+    for i in range(8):
+        t = 12.0 + 40 * i
+        ev.append({"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": t + 5, "dur": 9.0,
+                   "args": {"External id": i + 1, "correlation": 100 + i, "device": 0, "stream": 7}})
+        ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "pid": 1, "tid": 1, "ts": t, "dur": 3.0,
+                   "args": {"External id": i + 1, "correlation": 100 + i}})
+    return {"schemaVersion": 1, "traceEvents": ev}
+
+
+NUMBERS = {
+    "float_past_float64": ({"ph": "X", "cat": "kernel", "name": "k", "pid": 0, "tid": 7, "ts": _BAD, "dur": 9.0,
+                            "args": {"correlation": 999, "device": 0, "stream": 7}}, "1e400"),
+    "times_past_2_53_us": ({"ph": "X", "cat": "cpu_op", "name": "aten::late", "pid": 1, "tid": 1, "ts": _BAD, "dur": _BAD}, "1e308"),
+    "allocator_figure_past_64_bits": ({"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]", "pid": 1, "tid": 1,
+                                       "ts": 200.0, "args": {"Bytes": _BAD, "Addr": 1, "Device Id": 0, "Device Type": 1}},
+                                      str(10**23)),
+}
+
+
+def _strict(text: str) -> Any:
+    """The first JSON document in ``text`` (the CLI's output: warnings follow it), as RFC 8259 has
+    it: no Infinity, no NaN."""
+    import json
+
+    def refuse(c: str) -> None:
+        raise ValueError(f"{c} is not JSON")
+
+    return json.JSONDecoder(parse_constant=refuse).raw_decode(text, text.index("{"))[0]
+
+
+@pytest.mark.parametrize("case", sorted(NUMBERS))
+def test_an_event_with_a_number_no_profiler_writes_is_left_out_and_said_and_nothing_else_is_lost(tmp_path: Path, case: str) -> None:
+    import json
+
+    bad, number = NUMBERS[case]
+    path = tmp_path / f"{case}.json"
+    path.write_text(json.dumps(_numbers_trace(bad)).replace(repr(_BAD), number))
+    clean = tmp_path / "clean.json"
+    clean.write_text(json.dumps(_numbers_trace(None)))
+    code, out, exc = _cli("summarize", str(path), "--json")
+    assert code == 0 and "Traceback" not in out, out
+    got = _strict(out)
+    want = _strict(_cli("summarize", str(clean), "--json")[1])
+    assert got["warnings"] == [f"{path}: 1 event left out: a timestamp or duration past ±2^53 µs, or an allocator "
+                               "figure past 64 bits (not a number a profiler writes)"]
+    assert not got["truncated"] and got["errors"] == []
+    for key in ("window", "cpu_ops", "kernels", "devices", "memory"):  # the rest, as if the event were not there
+        assert json.dumps(got[key]).replace(str(path), "") == json.dumps(want[key]).replace(str(clean), ""), key
+    # slim and timeline copy events as they are, in strict JSON: all but one past a float64 (no
+    # JSON number holds it), which they leave out and say so
+    left = case == "float_past_float64"
+    code, out, _ = _cli("slim", str(path), "-o", str(tmp_path / "slim.json"))
+    assert code == 0 and f"{34 - left} of 34 events" in out, out
+    assert len(_strict((tmp_path / "slim.json").read_text())["traceEvents"]) == 34 - left
+    code, out, _ = _cli("timeline", str(path), "-o", str(tmp_path / "timeline.json"))
+    assert code == 0 and ("1 event left out" in out) == left, out
+    _strict((tmp_path / "timeline.json").read_text())

@@ -19,6 +19,7 @@ the file holds, and time by the bytes read.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
@@ -27,7 +28,7 @@ import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any, ClassVar, Union
+from typing import IO, Annotated, Any, ClassVar, Union
 
 import msgspec
 
@@ -49,6 +50,12 @@ MAX_RAW_BYTES = 8 << 30  # decompressed JSON read from one trace (time bound: a 
 MAX_EVENT_BYTES = 4 << 20  # no event boundary within this many bytes: not a trace we read
 _HEADER_LIMIT = 1 << 20  # metadata before "traceEvents" larger than this is not a trace
 _MALFORMED = re.compile(r"JSON is malformed: (.*) \(byte (\d+)\)$")  # msgspec's words for a broken byte
+# The numbers a trace's events may hold: a ``ts``/``dur`` within ±2^53 µs (285 years: an epoch-µs
+# timestamp is 2^51), integers the allocator's figures fit (64 bits). An event past them is left
+# out and counted (``unusable``): nothing downstream then meets an infinity or an overflow.
+TIME_LIMIT_US = float(1 << 53)
+_Time = Annotated[float, msgspec.Meta(ge=-TIME_LIMIT_US, le=TIME_LIMIT_US)]
+_I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 
 
 class EventArgs(msgspec.Struct, gc=False):
@@ -65,8 +72,8 @@ class _EventFields(msgspec.Struct, gc=False):
     name: str = ""
     pid: int | str | None = None
     tid: int | str | None = None
-    ts: float = 0.0
-    dur: float = 0.0
+    ts: _Time = 0.0
+    dur: _Time = 0.0
     args: EventArgs | None = None
 
 
@@ -87,12 +94,12 @@ class MemoryArgs(msgspec.Struct, gc=False):
     """The ``args`` of torch's ``[memory]`` / ``[OutOfMemory]`` instant events (profile_memory):
     the allocator's own figures at that event; a free has negative ``Bytes``."""
 
-    device_type: int | None = msgspec.field(default=None, name="Device Type")
-    device_id: int | None = msgspec.field(default=None, name="Device Id")
-    addr: int | None = msgspec.field(default=None, name="Addr")
-    nbytes: int | None = msgspec.field(default=None, name="Bytes")
-    total_allocated: int | None = msgspec.field(default=None, name="Total Allocated")
-    total_reserved: int | None = msgspec.field(default=None, name="Total Reserved")
+    device_type: _I64 | None = msgspec.field(default=None, name="Device Type")
+    device_id: _I64 | None = msgspec.field(default=None, name="Device Id")
+    addr: _I64 | None = msgspec.field(default=None, name="Addr")
+    nbytes: _I64 | None = msgspec.field(default=None, name="Bytes")
+    total_allocated: _I64 | None = msgspec.field(default=None, name="Total Allocated")
+    total_reserved: _I64 | None = msgspec.field(default=None, name="Total Reserved")
 
 
 class InstantEvent(msgspec.Struct, tag_field="ph", tag="i", gc=False):
@@ -134,28 +141,64 @@ def _malformed(err: BaseException) -> tuple[str, int] | None:
 
 
 def _int_or_none(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < 1 << 63 else None
 
 
-def _coerce_instant(d: dict[str, Any]) -> InstantEvent:
-    """Slow path for an instant event (a memory event with odd field types): keep what is usable."""
+def _time(v: Any) -> float | None:
+    """A ``ts``/``dur`` as a float: 0.0 where it is not a number, None where it is one past the
+    limit (±inf and NaN too): the event is not usable."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return 0.0
+    return float(v) if -TIME_LIMIT_US <= v <= TIME_LIMIT_US else None
+
+
+def _finite(v: Any) -> bool:
+    """No ±inf or NaN anywhere in ``v`` (JSON has none: the standard library makes them of numbers
+    past a float64)."""
+    if isinstance(v, float):
+        return v - v == 0.0
+    if isinstance(v, dict):
+        return all(map(_finite, v.values()))
+    if isinstance(v, list):
+        return all(map(_finite, v))
+    return True
+
+
+def _lenient(doc: Any, err: msgspec.ValidationError) -> list[Any]:
+    """Valid JSON that msgspec refuses even untyped (a number past a float64, ``1e400``): the
+    standard library reads it (such numbers as ±inf, which the coercion leaves out)."""
+    try:
+        raw = json.loads(bytes(doc))
+    except (ValueError, RecursionError):
+        raise err from None
+    return raw if isinstance(raw, list) else []
+
+
+def _coerce_instant(d: dict[str, Any]) -> InstantEvent | None:
+    """Slow path for an instant event (a memory event with odd field types): keep what is usable
+    (None: its ``ts`` or an allocator figure is a number past the limits)."""
     a = d.get("args")
     args = None
     if isinstance(a, dict):
-        args = MemoryArgs(*(_int_or_none(a.get(k)) for k in (
-            "Device Type", "Device Id", "Addr", "Bytes", "Total Allocated", "Total Reserved")))
-    ts, pid, tid = d.get("ts"), d.get("pid"), d.get("tid")
+        vals = [a.get(k) for k in ("Device Type", "Device Id", "Addr", "Bytes", "Total Allocated", "Total Reserved")]
+        if any(isinstance(v, int) and not isinstance(v, bool) and _int_or_none(v) is None for v in vals):
+            return None  # an allocator figure past 64 bits
+        args = MemoryArgs(*map(_int_or_none, vals))
+    ts, pid, tid = _time(d.get("ts")), d.get("pid"), d.get("tid")
+    if ts is None:
+        return None
     return InstantEvent(
         name=str(d.get("name", "")),
         pid=pid if isinstance(pid, (int, str)) else None,
         tid=tid if isinstance(tid, (int, str)) else None,
-        ts=float(ts) if isinstance(ts, (int, float)) else 0.0,
+        ts=ts,
         args=args,
     )
 
 
 def _coerce(d: Any) -> TraceEvent | None:
-    """Slow path for an event whose fields have unexpected types: keep what is usable."""
+    """Slow path for an event whose fields have unexpected types: keep what is usable (None: its
+    ``ts`` or ``dur`` is a number past the limit)."""
     if not isinstance(d, dict):
         return None
     a = d.get("args")
@@ -167,7 +210,9 @@ def _coerce(d: Any) -> TraceEvent | None:
             device=_int_or_none(a.get("device")),
             stream=_int_or_none(a.get("stream")),
         )
-    ts, dur = d.get("ts"), d.get("dur")
+    ts, dur = _time(d.get("ts")), _time(d.get("dur"))
+    if ts is None or dur is None:
+        return None
     pid, tid = d.get("pid"), d.get("tid")
     return TraceEvent(
         ph=d.get("ph") if isinstance(d.get("ph"), str) else "",
@@ -175,8 +220,8 @@ def _coerce(d: Any) -> TraceEvent | None:
         name=str(d.get("name", "")),
         pid=pid if isinstance(pid, (int, str)) else None,
         tid=tid if isinstance(tid, (int, str)) else None,
-        ts=float(ts) if isinstance(ts, (int, float)) else 0.0,
-        dur=float(dur) if isinstance(dur, (int, float)) else 0.0,
+        ts=ts,
+        dur=dur,
         args=args,
     )
 
@@ -311,6 +356,7 @@ class TraceReader:
         self.complete_only = complete_only
         self._decode_typed = _DECODE_COMPLETE if complete_only else _DECODE
         self.skipped = 0  # events counted but not decoded
+        self.unusable = 0  # events left out: a number past the limits (TIME_LIMIT_US, 64-bit integers)
         self.chunk_size = chunk_size
         self.meta: dict[str, Any] = {}
         self.truncated = False
@@ -320,6 +366,14 @@ class TraceReader:
         self._eof = False
         self._f: IO[bytes] | _GunzipStream | None = None
         self._broken: tuple[int, str] | None = None  # the last malformed byte the decoder met (index, what)
+
+    def unusable_note(self) -> str | None:
+        """What was left out for numbers no profiler writes (see ``unusable``), or None."""
+        if not self.unusable:
+            return None
+        n = self.unusable
+        return (f"{n:,} event{'s' if n > 1 else ''} left out: a timestamp or duration past ±2^53 µs, or an "
+                "allocator figure past 64 bits (not a number a profiler writes)")
 
     # --- raw input ---------------------------------------------------------------------------
 
@@ -486,11 +540,19 @@ class TraceReader:
         try:
             return self._decode_typed(doc)
         except msgspec.ValidationError:  # valid JSON, odd field types: take the slow path
-            raw = _DECODE_ANY(doc)
+            try:
+                raw = _DECODE_ANY(doc)
+            except msgspec.ValidationError as err:
+                raw = _lenient(doc, err)
             if self.complete_only:  # complete events, and instants (memory) as their own struct
-                return [_coerce_instant(d) if d.get("ph") == "i" else _coerce(d) for d in raw
-                        if isinstance(d, dict) and d.get("ph") in ("X", "i")]
-            return [e for e in map(_coerce, raw) if e is not None]
+                wanted = [d for d in raw if isinstance(d, dict) and d.get("ph") in ("X", "i")]
+                out = [e for e in (_coerce_instant(d) if d.get("ph") == "i" else _coerce(d) for d in wanted)
+                       if e is not None]
+            else:
+                wanted = [d for d in raw if isinstance(d, dict)]
+                out = [e for e in map(_coerce, wanted) if e is not None]
+            self.unusable += len(wanted) - len(out)
+            return out
 
     def _parse(self, body: bytes) -> list[Any]:
         body = body.lstrip(WS)
@@ -650,7 +712,15 @@ class RawTraceReader(TraceReader):
         super().__init__(path, chunk_size=chunk_size, read_ahead=read_ahead)
 
     def _decode(self, doc: Any) -> list[Any]:
-        return [e for e in _DECODE_ANY(doc) if isinstance(e, dict)]
+        try:
+            raw = _DECODE_ANY(doc)
+        except msgspec.ValidationError as err:  # a number past a float64 (read as ±inf): left out with its event
+            raw = _lenient(doc, err)
+            events = [e for e in raw if isinstance(e, dict)]
+            out = [e for e in events if _finite(e)]
+            self.unusable += len(events) - len(out)
+            return out
+        return [e for e in raw if isinstance(e, dict)]
 
 
 def _mb(n: int) -> str:

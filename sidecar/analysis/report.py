@@ -90,6 +90,9 @@ def aggregate_trace(
         m = _RANK_IN_NAME.match(Path(path).name)
         meta.rank = int(m.group(1)) if m else None
     agg.events += reader.skipped  # Python stack events: counted, never needed
+    note = reader.unusable_note()
+    if note:
+        agg.limits.append(note)
     agg.epoch_offset_us = trace_epoch_offset_us(reader.meta)
     agg.finish(meta.rank, stage_id=stage_id, replica=replica)
     agg.files = [str(path)]

@@ -123,7 +123,7 @@ def _one_pass(src: Path, out: Path, drop: frozenset[str], window: tuple[float, f
                         continue
                 keep.append(e)
             w.write(keep)
-    return events_in, w.events, w.raw_bytes
+    return events_in + reader.unusable, w.events, w.raw_bytes  # those left out for their numbers too
 
 
 def slim_trace(

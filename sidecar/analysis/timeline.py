@@ -51,6 +51,7 @@ class TimelineReport:
     flows_dropped: int = 0
     trimmed: int = 0  # events outside the window asked for, left out
     errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # events a source held that no profiler writes, left out
 
 
 def _as_int(v: Any) -> int | None:
@@ -239,6 +240,9 @@ def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path, *
                 errors.append(str(err))
             if reader.truncated and reader.error:
                 errors.append(reader.error)
+            note = reader.unusable_note()
+            if note:
+                report.warnings.append(f"{p.file}: {note}")
             report.flows_dropped += rw.flows_dropped
             report.trimmed += rw.trimmed
         report.events, report.raw_bytes = w.events, w.raw_bytes

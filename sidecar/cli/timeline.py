@@ -35,6 +35,8 @@ def timeline(
                        f"clock {p.offset_us:+,.1f} µs  ({escape(p.file)})", hang="  ")
         print_text(console, f"wrote {out}: {report.events:,} events, {report.raw_bytes / 1e6:,.1f} MB of JSON; "
                    "open it in https://ui.perfetto.dev", hang="  ", markup=False)
+    for msg in report.warnings:
+        err_console.print(f"[bold yellow]warning[/]: {escape(msg)}", highlight=False, soft_wrap=True)
     for msg in report.errors:
         err_console.print(f"[bold red]error[/]{escape('[trace_invalid]')}: {escape(msg)}", highlight=False)
     if report.errors:
