@@ -453,3 +453,36 @@ def test_an_event_with_a_number_no_profiler_writes_is_left_out_and_said_and_noth
     code, out, _ = _cli("timeline", str(path), "-o", str(tmp_path / "timeline.json"))
     assert code == 0 and ("1 event left out" in out) == left, out
     _strict((tmp_path / "timeline.json").read_text())
+
+
+# --- values of a type no profiler writes -------------------------------------------------------
+# Found by a seeded fuzz of field values over the committed H100 memory trace (150 files: 21
+# tracebacks in slim and timeline, one in the summary).
+MEMORY_TRACE = Path(__file__).parent / "data" / "cuda_memory" / "cuda_memory_rank0.json.gz"
+ODD_VALUES = {
+    "category_an_object": lambda e: e.update(cat={"a": 1}),
+    "category_an_array": lambda e: e.update(cat=[1, 2]),
+    "pid_an_object": lambda e: e.update(pid={"a": 1}),
+    "tid_an_array": lambda e: e.update(tid=[1, 2]),
+    "phase_an_object": lambda e: e.update(ph={"a": 1}),
+    "memory_event_as_a_complete_event": lambda e: e.update(ph="X", dur=1.0) if e.get("name") == "[memory]" else None,
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_VALUES))
+def test_a_value_of_a_type_no_profiler_writes_is_no_traceback_in_summarize_slim_or_timeline(tmp_path: Path, case: str) -> None:
+    import json
+
+    doc = json.loads(gzip.decompress(MEMORY_TRACE.read_bytes()))
+    events = doc["traceEvents"]
+    for e in events[len(events) // 3 :: 97]:  # every 97th event from a third of the way in: ops, memory, kernels
+        ODD_VALUES[case](e)
+    path = tmp_path / "odd.json"
+    path.write_text(json.dumps(doc))
+    code, out, exc = _cli("summarize", str(path), "--json")
+    assert code == 0 and exc is None, out
+    assert _strict(out)["totals"]["events"] == len(events)
+    for command in ("slim", "timeline"):
+        code, out, exc = _cli(command, str(path), "-o", str(tmp_path / f"{command}.json"))
+        assert code == 0 and exc is None, out
+        _strict((tmp_path / f"{command}.json").read_text())

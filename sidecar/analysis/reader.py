@@ -545,7 +545,9 @@ class TraceReader:
             except msgspec.ValidationError as err:
                 raw = _lenient(doc, err)
             if self.complete_only:  # complete events, and instants (memory) as their own struct
-                wanted = [d for d in raw if isinstance(d, dict) and d.get("ph") in ("X", "i")]
+                events = [d for d in raw if isinstance(d, dict)]
+                wanted = [d for d in events if d.get("ph") in ("X", "i")]
+                self.skipped += len(events) - len(wanted)  # counted, as the typed path's placeholders are
                 out = [e for e in (_coerce_instant(d) if d.get("ph") == "i" else _coerce(d) for d in wanted)
                        if e is not None]
             else:

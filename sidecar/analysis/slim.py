@@ -111,7 +111,8 @@ def _one_pass(src: Path, out: Path, drop: frozenset[str], window: tuple[float, f
                 if e.get("ph") == "M":
                     keep.append(e)
                     continue
-                if e.get("cat") in drop:
+                cat = e.get("cat")
+                if isinstance(cat, str) and cat in drop:
                     continue
                 if window is not None:
                     ts = e.get("ts")

@@ -419,7 +419,7 @@ class Aggregate:
                 self._add_overhead(e.ts, e.ts + e.dur, e.dur)
                 continue
             elif cat == INSTANT:
-                if e.name == MEMORY_EVENT or e.name == OOM_EVENT:
+                if e.ph == "i" and (e.name == MEMORY_EVENT or e.name == OOM_EVENT):  # not an "X" of that category
                     memory.append(e)
                 continue
             elif cat == PROFILER_SPAN:  # when the profiler recorded, not work (sidecar/analysis/starts.py)

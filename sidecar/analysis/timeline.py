@@ -73,6 +73,11 @@ def process_name(src: TraceSource, rank: int | None) -> str:
     return f"{src.label} · rank {rank if rank is not None else 0}{kind}"
 
 
+def _plain(v: Any) -> Any:
+    """A pid or tid as a key: an object or array (no profiler writes one) as its text."""
+    return v if v is None or isinstance(v, (str, int, float)) else str(v)[:200]
+
+
 class _SourceRewriter:
     """Maps one source's (pid, tid) pairs to threads of one output process, shifts ts."""
 
@@ -122,10 +127,10 @@ class _SourceRewriter:
         off = self.proc.offset_us
         for e in events:
             ph = e.get("ph")
-            pid, tid = e.get("pid"), e.get("tid")
+            pid, tid = _plain(e.get("pid")), _plain(e.get("tid"))
             if ph == "M":
                 name = e.get("name")
-                if name in _DROPPED_META:
+                if isinstance(name, str) and name in _DROPPED_META:
                     if name == "process_labels" and isinstance(e.get("args"), dict):
                         lab = e["args"].get("labels")
                         if isinstance(lab, str):
@@ -138,7 +143,7 @@ class _SourceRewriter:
                     self.named.add(t)
                 out.append({**e, "pid": newpid, "tid": t, "args": args, "ts": 0})
                 continue
-            if ph in _FLOW_PHASES:
+            if isinstance(ph, str) and ph in _FLOW_PHASES:
                 fid = e.get("id")
                 if not isinstance(e.get("ts"), (int, float)) or not (isinstance(fid, (int, str)) and not isinstance(fid, bool)):
                     self.flows_dropped += 1
