@@ -220,13 +220,12 @@ class _Dev:
     six unions (compute, comm, compute∪comm, ∪memory, all, busy) and each stream's gaps.
     ``first``/``last`` bound the steady events (the transient is only busy)."""
 
-    __slots__ = ("first", "last", "n", "ts", "te", "rt", "code", "prev", "swept", "gen", "cs", "ce", "tot", "idle",
+    __slots__ = ("first", "last", "ts", "te", "rt", "code", "prev", "swept", "gen", "cs", "ce", "tot", "idle",
                  "sketch", "launches", "shorter", "kernels", "short")
 
     def __init__(self) -> None:
         self.first = math.inf
         self.last = -math.inf
-        self.n = 0  # events held
         self.ts = array("d")
         self.te = array("d")
         self.rt = array("d")  # NaN until the API call is read (every comparison with NaN is false)
@@ -260,8 +259,7 @@ class TraceAttribution:
         self.captures: list[list[float]] = []  # CUDA graph captures: [begin, end], paired by _pair
         self._capture_calls: list[tuple[float, int]] = []  # (when, 1: a begin, -1: an end), in the file's order
         self.devs: dict[int, _Dev] = {}
-        # (device, stream) -> its device, its index * 8, and the appends of the device's arrays
-        self.streams: dict[tuple[int, int], tuple[Any, ...]] = {}
+        self.streams: dict[tuple[int, int], tuple[_Dev, int]] = {}  # (device, stream) -> its device, its index * 8
         # correlation -> GPU events awaiting their API call: (device, index, the device's sweeps, ts, dur)
         self.pending: dict[int, list[tuple[_Dev, int, int, float, float]]] = {}
         self._kinds: dict[str, int] = {}
@@ -282,9 +280,9 @@ class TraceAttribution:
             d = self.devs.get(sk[0])
             if d is None:
                 d = self.devs[sk[0]] = _Dev()
-            st = self.streams[sk] = (d, len(d.prev) * 8, d.ts.append, d.te.append, d.rt.append, d.code.append)
+            st = self.streams[sk] = (d, len(d.prev) * 8)
             d.prev.append(None)
-        d = st[0]
+        d, base = st
         if ts < self._cut:  # the profiler-start transient: the device's busy time only
             t = self.transient
             t[0], t[1], t[2] = min(t[0], ts), max(t[1], te), t[2] + 1
@@ -297,12 +295,11 @@ class TraceAttribution:
                 d.kernels += 1
                 if dur < SHORT_KERNEL_US:
                     d.short += 1
-        i = d.n
-        d.n = i + 1
-        st[2](ts)
-        st[3](te)
-        st[4](_NAN)
-        st[5](st[1] + k)
+        i = len(d.ts)
+        d.ts.append(ts)
+        d.te.append(te)
+        d.rt.append(_NAN)
+        d.code.append(base + k)
         if corr and k != TRANSIENT:
             pending = self.pending
             w = pending.get(corr)
@@ -312,16 +309,16 @@ class TraceAttribution:
             else:
                 w.append((d, i, d.gen, ts, dur))
         if i + 1 >= MAX_GPU_EVENTS:
+            self._pair()
             self.sweep(d)
 
     def sweep(self, d: _Dev) -> None:
         """A device's held events in time order (stable: file order among equal starts): each
         stream's gaps (HTA's idle categories: host wait when the next event's API call started after
-        the gap began, kernel wait when the gap is under 30 µs, else other; a graph capture inside a
-        gap is not idle), then the unions."""
-        if not d.n:
+        the gap began, kernel wait when the gap is under 30 µs, else other; a graph capture, paired
+        by ``_pair`` before, inside a gap is not idle), then the unions."""
+        if not d.ts:
             return
-        self._pair()
         ts, te, rt, code = d.ts.tolist(), d.te, d.rt, d.code
         if min(ts) < d.swept:
             self._limit(f"more than {MAX_GPU_EVENTS:,} GPU events on one device, and later ones start before earlier "
@@ -366,9 +363,7 @@ class TraceAttribution:
                     cs[i], ce[i] = s, e
         d.first, d.last = first, last
         d.swept = max(d.swept, max(te))
-        for a in (d.ts, d.te, d.rt, d.code):  # emptied in place: the streams hold their appends
-            del a[:]
-        d.n = 0
+        d.ts, d.te, d.rt, d.code = array("d"), array("d"), array("d"), array("q")
         d.gen += 1
 
     def _pair(self) -> None:
@@ -417,9 +412,9 @@ class TraceAttribution:
     def finish(self, tables: dict[str, dict[str, list[Any]]]) -> dict[int, DeviceAttribution]:
         """Settle every device (its busy time into ``busy``); ``tables`` (the trace's
         kernel/memcpy/memset rows) give each category's top kernels."""
+        self._pair()  # for the sweeps' gaps and the left-out spans below
         for d in self.devs.values():
             self.sweep(d)
-        self._pair()  # for the left-out spans below (a device swept at the cap holds none now)
         self.pending = {}
         # categories from the trace's own tables (one GPU per trace in practice; a trace with
         # several gives each of them the trace's split)
