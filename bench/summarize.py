@@ -81,9 +81,9 @@ def run_ours(paths: list[str], workers: int = 1) -> dict:
 def run_ours_no_isal(paths: list[str]) -> dict:
     import zlib
 
-    from sidecar.analysis import reader
+    from sidecar.analysis import stream
 
-    reader._inflate = zlib
+    stream._inflate = zlib
     return run_ours(paths)
 
 

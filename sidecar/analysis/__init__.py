@@ -4,8 +4,8 @@
 takes files, session folders and ``TraceSource``s, summarises them in parallel and merges per
 stage, replica and capture, with what held memory where the traces recorded it (``memory``);
 ``summarize_snapshot`` reads a CUDA memory snapshot safely. ``timeline``, ``slim`` and ``diff``
-(submodules) rewrite and compare traces. Loading (``reader``, ``writer``) is apart from
-analysing. Depends on nothing above it.
+(submodules) rewrite and compare traces. Loading (``reader`` over ``stream``, ``scan`` and
+``events``; ``writer``) is apart from analysing. Depends on nothing above it.
 """
 
 from __future__ import annotations

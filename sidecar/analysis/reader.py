@@ -7,7 +7,8 @@ summary needs (chosen by measurement: see docs/summaries.md). Header keys
 (``distributedInfo``, ``deviceProperties``, ...) land in ``meta``. A file that ends early, or
 holds a malformed byte inside its events (a damaged copy), sets ``truncated`` and ``error`` (which
 names the byte) after yielding every complete event before it; unreadable input raises
-``TraceError`` naming the file.
+``TraceError`` naming the file. The bytes come from ``stream`` (gunzip, read-ahead, the file's
+kind), where events lie in them from ``scan``, what a slice decodes to from ``events``.
 
 Limits are part of the contract (docs/summaries.md, "Limits"): at most ``max_bytes`` of
 decompressed JSON, an event boundary at least every ``max_event_bytes``, a header (the keys
@@ -19,117 +20,32 @@ the file holds, and time by the bytes read.
 
 from __future__ import annotations
 
-import json
 import os
-import queue
 import re
-import stat
-import threading
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Annotated, Any, ClassVar, Union
+from typing import IO, Any
 
 import msgspec
 
 from sidecar._child import usable_cores
-from sidecar.analysis.scan import WS, array_closed, last_boundary, python_run
-from sidecar.errors import TraceError, TraceTooLarge
-
-try:  # ISA-L's inflate is 2-3x zlib's; same API (python-isal), optional
-    from isal import isal_zlib as _inflate
-except ImportError:  # pragma: no cover - the fallback is the standard library
-    _inflate = zlib  # type: ignore[assignment]
-
-_INFLATE_ERRORS: tuple[type[BaseException], ...] = (zlib.error, OSError) + (
-    (_inflate.error,) if _inflate is not zlib else ()
+from sidecar.analysis.events import (
+    DECODE,
+    DECODE_ANY,
+    DECODE_COMPLETE,
+    TraceEvent,
+    decode_lenient,
+    decode_raw,
 )
+from sidecar.analysis.scan import WS, array_closed, last_boundary, python_run
+from sidecar.analysis.stream import INFLATE_ERRORS, GunzipStream, ReadAhead, not_regular
+from sidecar.errors import TraceError, TraceTooLarge
 
 CHUNK = 4 << 20  # bytes of raw JSON parsed per batch: big enough to amortise, small for RSS
 MAX_RAW_BYTES = 8 << 30  # decompressed JSON read from one trace (time bound: a few GB/min)
 MAX_EVENT_BYTES = 4 << 20  # no event boundary within this many bytes: not a trace we read
 _HEADER_LIMIT = 1 << 20  # metadata before "traceEvents" larger than this is not a trace
 _MALFORMED = re.compile(r"JSON is malformed: (.*) \(byte (\d+)\)$")  # msgspec's words for a broken byte
-# The numbers a trace's events may hold: a ``ts``/``dur`` within ±2^53 µs (285 years: an epoch-µs
-# timestamp is 2^51), integers the allocator's figures fit (64 bits). An event past them is left
-# out and counted (``unusable``): nothing downstream then meets an infinity or an overflow.
-TIME_LIMIT_US = float(1 << 53)
-_Time = Annotated[float, msgspec.Meta(ge=-TIME_LIMIT_US, le=TIME_LIMIT_US)]
-_I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
-
-
-class EventArgs(msgspec.Struct, gc=False):
-    """The ``args`` keys the summary reads; every other key is skipped by the decoder."""
-
-    external_id: int | None = msgspec.field(default=None, name="External id")
-    correlation: int | None = None
-    device: int | None = None
-    stream: int | None = None
-
-
-class _EventFields(msgspec.Struct, gc=False):
-    cat: str | None = None
-    name: str = ""
-    pid: int | str | None = None
-    tid: int | str | None = None
-    ts: _Time = 0.0
-    dur: _Time = 0.0
-    args: EventArgs | None = None
-
-
-class TraceEvent(_EventFields, gc=False):
-    ph: str = ""
-
-
-_DECODE = msgspec.json.Decoder(list[TraceEvent]).decode
-
-
-class CompleteEvent(_EventFields, tag_field="ph", tag="X", gc=False):
-    """A ``"ph": "X"`` event, for readers that use nothing else (the summary)."""
-
-    ph: ClassVar[str] = "X"
-
-
-class MemoryArgs(msgspec.Struct, gc=False):
-    """The ``args`` of torch's ``[memory]`` / ``[OutOfMemory]`` instant events (profile_memory):
-    the allocator's own figures at that event; a free has negative ``Bytes``."""
-
-    device_type: _I64 | None = msgspec.field(default=None, name="Device Type")
-    device_id: _I64 | None = msgspec.field(default=None, name="Device Id")
-    addr: _I64 | None = msgspec.field(default=None, name="Addr")
-    nbytes: _I64 | None = msgspec.field(default=None, name="Bytes")
-    total_allocated: _I64 | None = msgspec.field(default=None, name="Total Allocated")
-    total_reserved: _I64 | None = msgspec.field(default=None, name="Total Reserved")
-
-
-class InstantEvent(msgspec.Struct, tag_field="ph", tag="i", gc=False):
-    """A ``"ph": "i"`` event, for the summary's reader: torch writes its memory events so (name
-    ``[memory]``). Its category is not decoded: every instant reads as ``cpu_instant_event``, and
-    the summary tells them apart by name."""
-
-    ph: ClassVar[str] = "i"
-    cat: ClassVar[str] = "cpu_instant_event"
-    name: str = ""
-    pid: int | str | None = None
-    tid: int | str | None = None
-    ts: float = 0.0
-    args: MemoryArgs | None = None
-
-
-def _placeholder(ph: str) -> type:
-    """An event of phase ``ph`` decoded to nothing (no strings, no numbers): its phase and a
-    ``cat`` of None, so that a loop over complete events passes it by its category alone."""
-    ns = {"__annotations__": {"ph": ClassVar[str], "cat": ClassVar[None]}, "ph": ph, "cat": None}
-    return type(f"Phase_{ord(ph)}", (msgspec.Struct,), ns, tag_field="ph", tag=ph, gc=False)
-
-
-# Every phase of the Chrome trace format: flows (s, t, f), instants, counters, metadata... decode
-# to empty placeholders (a third of a Kineto trace's events are flows); an unknown phase makes the
-# slice take the untyped path, as any odd event does.
-# Instants ("i") are decoded whole: torch's memory events are instants.
-_PHASES = "B E I C b n e s t f P N O D M V v R c ( )".split()
-_DECODE_COMPLETE = msgspec.json.Decoder(list[Union[(CompleteEvent, InstantEvent, *map(_placeholder, _PHASES))]]).decode  # type: ignore[misc]
-_DECODE_ANY = msgspec.json.Decoder().decode
 _JSONError = msgspec.DecodeError
 
 
@@ -138,196 +54,6 @@ def _malformed(err: BaseException) -> tuple[str, int] | None:
     malformed (not merely cut short: a cut inside a string reads as truncated, with no byte)."""
     m = _MALFORMED.match(str(err))
     return (m.group(1), int(m.group(2))) if m else None
-
-
-def _int_or_none(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and -(1 << 63) <= v < 1 << 63 else None
-
-
-def _time(v: Any) -> float | None:
-    """A ``ts``/``dur`` as a float: 0.0 where it is not a number, None where it is one past the
-    limit (±inf and NaN too): the event is not usable."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return 0.0
-    return float(v) if -TIME_LIMIT_US <= v <= TIME_LIMIT_US else None
-
-
-def _finite(v: Any) -> bool:
-    """No ±inf or NaN anywhere in ``v`` (JSON has none: the standard library makes them of numbers
-    past a float64)."""
-    if isinstance(v, float):
-        return v - v == 0.0
-    if isinstance(v, dict):
-        return all(map(_finite, v.values()))
-    if isinstance(v, list):
-        return all(map(_finite, v))
-    return True
-
-
-def _lenient(doc: Any, err: msgspec.ValidationError) -> list[Any]:
-    """Valid JSON that msgspec refuses even untyped (a number past a float64, ``1e400``): the
-    standard library reads it (such numbers as ±inf, which the coercion leaves out)."""
-    try:
-        raw = json.loads(bytes(doc))
-    except (ValueError, RecursionError):
-        raise err from None
-    return raw if isinstance(raw, list) else []
-
-
-def _coerce_instant(d: dict[str, Any]) -> InstantEvent | None:
-    """Slow path for an instant event (a memory event with odd field types): keep what is usable
-    (None: its ``ts`` or an allocator figure is a number past the limits)."""
-    a = d.get("args")
-    args = None
-    if isinstance(a, dict):
-        vals = [a.get(k) for k in ("Device Type", "Device Id", "Addr", "Bytes", "Total Allocated", "Total Reserved")]
-        if any(isinstance(v, int) and not isinstance(v, bool) and _int_or_none(v) is None for v in vals):
-            return None  # an allocator figure past 64 bits
-        args = MemoryArgs(*map(_int_or_none, vals))
-    ts, pid, tid = _time(d.get("ts")), d.get("pid"), d.get("tid")
-    if ts is None:
-        return None
-    return InstantEvent(
-        name=str(d.get("name", "")),
-        pid=pid if isinstance(pid, (int, str)) else None,
-        tid=tid if isinstance(tid, (int, str)) else None,
-        ts=ts,
-        args=args,
-    )
-
-
-def _coerce(d: Any) -> TraceEvent | None:
-    """Slow path for an event whose fields have unexpected types: keep what is usable (None: its
-    ``ts`` or ``dur`` is a number past the limit)."""
-    if not isinstance(d, dict):
-        return None
-    a = d.get("args")
-    args = None
-    if isinstance(a, dict):
-        args = EventArgs(
-            external_id=_int_or_none(a.get("External id")),
-            correlation=_int_or_none(a.get("correlation")),
-            device=_int_or_none(a.get("device")),
-            stream=_int_or_none(a.get("stream")),
-        )
-    ts, dur = _time(d.get("ts")), _time(d.get("dur"))
-    if ts is None or dur is None:
-        return None
-    pid, tid = d.get("pid"), d.get("tid")
-    return TraceEvent(
-        ph=d.get("ph") if isinstance(d.get("ph"), str) else "",
-        cat=d.get("cat") if isinstance(d.get("cat"), str) else None,
-        name=str(d.get("name", "")),
-        pid=pid if isinstance(pid, (int, str)) else None,
-        tid=tid if isinstance(tid, (int, str)) else None,
-        ts=ts,
-        dur=dur,
-        args=args,
-    )
-
-
-class _GunzipStream:
-    """Decompress a gzip file incrementally (ISA-L when installed, else zlib), so the bytes before
-    a cut-off end are kept (``gzip.GzipFile.read`` drops them when it raises). ``truncated`` is set
-    at such an end."""
-
-    def __init__(self, f: IO[bytes], raw_chunk: int = 1 << 20) -> None:
-        self._f = f
-        self._d = _inflate.decompressobj(wbits=31)
-        self._raw_chunk = raw_chunk
-        self.truncated = False
-
-    def read(self, n: int) -> bytes:
-        out: list[bytes] = []
-        size = 0
-        while size < n:
-            d = self._d
-            if d.eof:  # end of a gzip member: another may follow (concatenated gzip)
-                rest = d.unused_data
-                if not rest:
-                    rest = self._f.read(self._raw_chunk)
-                    if not rest:
-                        break
-                d = self._d = _inflate.decompressobj(wbits=31)
-                inp = rest
-            elif d.unconsumed_tail:
-                inp = d.unconsumed_tail
-            else:
-                inp = self._f.read(self._raw_chunk)
-                if not inp:
-                    self.truncated = True  # the stream stops before its end-of-member marker
-                    break
-            piece = d.decompress(inp, n - size)  # bounded: a 1 MB block can inflate to 100 MB+
-            out.append(piece)
-            size += len(piece)
-        return b"".join(out)
-
-    def close(self) -> None:
-        self._f.close()
-
-
-class _ReadAhead:
-    """Reads (and decompresses) the next chunks in a thread while the caller decodes this one.
-    zlib, ISA-L and file reads release the GIL, so on two cores inflate and decode overlap; the
-    queue holds at most ``depth`` chunks (bounded memory). Errors surface on the caller's read."""
-
-    _END = object()
-
-    def __init__(self, src: Any, chunk: int, depth: int = 2) -> None:
-        self._src = src
-        self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self.truncated = False
-        self._done = False
-        self._t = threading.Thread(target=self._run, args=(chunk,), name="trace-read-ahead", daemon=True)
-        self._t.start()
-
-    def _run(self, chunk: int) -> None:
-        try:
-            while not self._stop.is_set():
-                data = self._src.read(chunk)
-                self._put(data)
-                if not data:
-                    break
-        except BaseException as err:  # handed to the reader, which decides what it means
-            self._put(err)
-
-    def _put(self, item: Any) -> None:
-        while not self._stop.is_set():
-            try:
-                self._q.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def read(self, n: int) -> bytes:
-        if self._done:
-            return b""
-        item = self._q.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if not item:
-            self._done = True
-            self.truncated = getattr(self._src, "truncated", False)
-        return item
-
-    def close(self) -> None:
-        self._stop.set()
-        self._t.join(timeout=5)
-        self._src.close()
-
-
-def not_regular(mode: int) -> str | None:
-    """Why a file of this ``st_mode`` is not read (a folder, FIFO, device, socket), or None for a
-    regular file: the one wording for the reader and for ``control.artifacts.confined``."""
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISDIR(mode):
-        return "is a folder, not a trace file"
-    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
-        "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
-    return f"is {kind}, not a trace file: not read"
 
 
 class TraceReader:
@@ -354,7 +80,7 @@ class TraceReader:
         self.skip_python = skip_python
         # events other than "X" become placeholders with ``cat`` None (the summary's reader)
         self.complete_only = complete_only
-        self._decode_typed = _DECODE_COMPLETE if complete_only else _DECODE
+        self._decode_typed = DECODE_COMPLETE if complete_only else DECODE
         self.skipped = 0  # events counted but not decoded
         self.unusable = 0  # events left out: a number past the limits (TIME_LIMIT_US, 64-bit integers)
         self.chunk_size = chunk_size
@@ -364,7 +90,7 @@ class TraceReader:
         self.events_read = 0
         self.raw_bytes = 0  # bytes of (decompressed) JSON consumed
         self._eof = False
-        self._f: IO[bytes] | _GunzipStream | None = None
+        self._f: IO[bytes] | GunzipStream | None = None
         self._broken: tuple[int, str] | None = None  # the last malformed byte the decoder met (index, what)
 
     def unusable_note(self) -> str | None:
@@ -390,7 +116,7 @@ class TraceReader:
             return b""
         try:
             data = self._f.read(self.chunk_size)
-        except _INFLATE_ERRORS as err:
+        except INFLATE_ERRORS as err:
             self._eof = True
             if self.raw_bytes == 0:
                 raise self._fail(f"cannot decompress: {err}") from None
@@ -450,8 +176,8 @@ class TraceReader:
         except OSError as err:
             f.close()
             raise self._fail(f"cannot be read ({err.strerror or err})") from None
-        src: Any = _GunzipStream(f) if gz else f
-        self._f = _ReadAhead(src, self.chunk_size) if self.read_ahead else src
+        src: Any = GunzipStream(f) if gz else f
+        self._f = ReadAhead(src, self.chunk_size) if self.read_ahead else src
         try:
             yield from self._batches()
         finally:
@@ -500,7 +226,7 @@ class TraceReader:
                     head = buf[buf.find(b"{") + 1 : idx].strip(WS).rstrip(b",")
                     if head:
                         try:
-                            self.meta.update(_DECODE_ANY(b"{" + head + b"}"))
+                            self.meta.update(DECODE_ANY(b"{" + head + b"}"))
                         except (_JSONError, RecursionError, TypeError, ValueError):
                             pass  # metadata is a nicety; the events are what matter
                     self._buf = buf
@@ -518,7 +244,7 @@ class TraceReader:
         if self.truncated:
             raise TraceError(self.error or f"{self.path}: truncated", details={"file": str(self.path)})
         try:
-            doc = _DECODE_ANY(buf)
+            doc = DECODE_ANY(buf)
         except _JSONError as err:
             raise self._fail(f"is not valid JSON ({err})") from None
         except RecursionError:
@@ -540,20 +266,9 @@ class TraceReader:
         try:
             return self._decode_typed(doc)
         except msgspec.ValidationError:  # valid JSON, odd field types: take the slow path
-            try:
-                raw = _DECODE_ANY(doc)
-            except msgspec.ValidationError as err:
-                raw = _lenient(doc, err)
-            if self.complete_only:  # complete events, and instants (memory) as their own struct
-                events = [d for d in raw if isinstance(d, dict)]
-                wanted = [d for d in events if d.get("ph") in ("X", "i")]
-                self.skipped += len(events) - len(wanted)  # counted, as the typed path's placeholders are
-                out = [e for e in (_coerce_instant(d) if d.get("ph") == "i" else _coerce(d) for d in wanted)
-                       if e is not None]
-            else:
-                wanted = [d for d in raw if isinstance(d, dict)]
-                out = [e for e in map(_coerce, wanted) if e is not None]
-            self.unusable += len(wanted) - len(out)
+            out, passed, unusable = decode_lenient(doc, complete_only=self.complete_only)
+            self.skipped += passed  # counted, as the typed path's placeholders are
+            self.unusable += unusable
             return out
 
     def _parse(self, body: bytes) -> list[Any]:
@@ -680,7 +395,7 @@ class TraceReader:
             tail = data[j + 1 :].strip(WS)
             if tail.startswith(b","):
                 try:
-                    extra = _DECODE_ANY(b"{" + tail[1:])
+                    extra = DECODE_ANY(b"{" + tail[1:])
                     if isinstance(extra, dict):
                         self.meta.update(extra)
                 except (_JSONError, RecursionError):
@@ -714,15 +429,9 @@ class RawTraceReader(TraceReader):
         super().__init__(path, chunk_size=chunk_size, read_ahead=read_ahead)
 
     def _decode(self, doc: Any) -> list[Any]:
-        try:
-            raw = _DECODE_ANY(doc)
-        except msgspec.ValidationError as err:  # a number past a float64 (read as ±inf): left out with its event
-            raw = _lenient(doc, err)
-            events = [e for e in raw if isinstance(e, dict)]
-            out = [e for e in events if _finite(e)]
-            self.unusable += len(events) - len(out)
-            return out
-        return [e for e in raw if isinstance(e, dict)]
+        events, unusable = decode_raw(doc)
+        self.unusable += unusable
+        return events
 
 
 def _mb(n: int) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from sidecar.analysis.models import SnapshotBlock, SnapshotDevice, SnapshotSummary
-from sidecar.analysis.reader import not_regular
+from sidecar.analysis.stream import not_regular
 from sidecar.errors import TraceError, TraceTooLarge
 
 MAX_SNAPSHOT_BYTES = 64 << 20  # on disk; a pickle of shared references can load to ~8x that

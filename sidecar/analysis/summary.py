@@ -40,7 +40,7 @@ from sidecar.analysis.memory import (
     merge_device,
 )
 from sidecar.analysis.models import DeviceMemory
-from sidecar.analysis.reader import TraceEvent
+from sidecar.analysis.events import TraceEvent
 from sidecar.analysis.starts import PROFILER_SPAN
 
 # Categories, as Kineto names them.

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sidecar.analysis.reader import not_regular
+from sidecar.analysis.stream import not_regular
 from sidecar.config.models import Stage, StageKind
 from sidecar.control.claims import ClaimRegistry
 from sidecar.control.models import ArtifactFile, SessionFolder, StageVerdict

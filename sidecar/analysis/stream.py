@@ -1,0 +1,124 @@
+"""The bytes of a trace file: gzip inflated incrementally (ISA-L when installed, else zlib), read
+ahead in a thread where a second core can run it, and what kind of file a path is (only regular
+files are read)."""
+
+from __future__ import annotations
+
+import queue
+import stat
+import threading
+import zlib
+from typing import IO, Any
+
+try:  # ISA-L's inflate is 2-3x zlib's; same API (python-isal), optional
+    from isal import isal_zlib as _inflate
+except ImportError:  # pragma: no cover - the fallback is the standard library
+    _inflate = zlib  # type: ignore[assignment]
+
+INFLATE_ERRORS: tuple[type[BaseException], ...] = (zlib.error, OSError) + (
+    (_inflate.error,) if _inflate is not zlib else ()
+)
+
+
+class GunzipStream:
+    """Decompress a gzip file incrementally (ISA-L when installed, else zlib), so the bytes before
+    a cut-off end are kept (``gzip.GzipFile.read`` drops them when it raises). ``truncated`` is set
+    at such an end."""
+
+    def __init__(self, f: IO[bytes], raw_chunk: int = 1 << 20) -> None:
+        self._f = f
+        self._d = _inflate.decompressobj(wbits=31)
+        self._raw_chunk = raw_chunk
+        self.truncated = False
+
+    def read(self, n: int) -> bytes:
+        out: list[bytes] = []
+        size = 0
+        while size < n:
+            d = self._d
+            if d.eof:  # end of a gzip member: another may follow (concatenated gzip)
+                rest = d.unused_data
+                if not rest:
+                    rest = self._f.read(self._raw_chunk)
+                    if not rest:
+                        break
+                d = self._d = _inflate.decompressobj(wbits=31)
+                inp = rest
+            elif d.unconsumed_tail:
+                inp = d.unconsumed_tail
+            else:
+                inp = self._f.read(self._raw_chunk)
+                if not inp:
+                    self.truncated = True  # the stream stops before its end-of-member marker
+                    break
+            piece = d.decompress(inp, n - size)  # bounded: a 1 MB block can inflate to 100 MB+
+            out.append(piece)
+            size += len(piece)
+        return b"".join(out)
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class ReadAhead:
+    """Reads (and decompresses) the next chunks in a thread while the caller decodes this one.
+    zlib, ISA-L and file reads release the GIL, so on two cores inflate and decode overlap; the
+    queue holds at most ``depth`` chunks (bounded memory). Errors surface on the caller's read."""
+
+    _END = object()
+
+    def __init__(self, src: Any, chunk: int, depth: int = 2) -> None:
+        self._src = src
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self.truncated = False
+        self._done = False
+        self._t = threading.Thread(target=self._run, args=(chunk,), name="trace-read-ahead", daemon=True)
+        self._t.start()
+
+    def _run(self, chunk: int) -> None:
+        try:
+            while not self._stop.is_set():
+                data = self._src.read(chunk)
+                self._put(data)
+                if not data:
+                    break
+        except BaseException as err:  # handed to the reader, which decides what it means
+            self._put(err)
+
+    def _put(self, item: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._q.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def read(self, n: int) -> bytes:
+        if self._done:
+            return b""
+        item = self._q.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if not item:
+            self._done = True
+            self.truncated = getattr(self._src, "truncated", False)
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(timeout=5)
+        self._src.close()
+
+
+def not_regular(mode: int) -> str | None:
+    """Why a file of this ``st_mode`` is not read (a folder, FIFO, device, socket), or None for a
+    regular file: the one wording for the reader and for ``control.artifacts.confined``."""
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a folder, not a trace file"
+    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
+        "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+    return f"is {kind}, not a trace file: not read"
