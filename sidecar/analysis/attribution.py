@@ -56,6 +56,7 @@ CPU_BOUND_HOST_WAIT = 0.5  # share of idle time spent waiting on the host
 # them (about 10 s of a busy decode loop); past it each block is swept in turn
 MAX_GPU_EVENTS = 1 << 18
 _MAX_PENDING = 1 << 16  # GPU events waiting for their API call (it follows within a few events)
+_MAX_EARLY = 1 << 16  # launch calls read before their GPU event (one in 34,470 on a 3.3 s H100 capture)
 _MAX_CAPTURE_CALLS = 1 << 16
 _TOP = 5
 _NAN = math.nan
@@ -247,7 +248,8 @@ class _Dev:
 class TraceAttribution:
     """Pass state of one trace. Kineto writes a trace's CPU ops and annotations before its GPU
     events, and each GPU event just before its CUDA API call: the first step is known when the
-    GPU events arrive, and a GPU event waits only for its own API call (``pending``). It writes the
+    GPU events arrive, and a GPU event waits only for its own API call (``pending``; the rare
+    launch call read before its GPU event waits for that, in ``early``). It writes the
     GPU events as CUPTI hands over its buffers: each buffer in time order, the buffers not (a 3.3 s
     H100 capture holds three runs, each reaching back over much of the window), so a device's
     events are held and swept in time order at the end (``MAX_GPU_EVENTS`` at a time)."""
@@ -262,6 +264,8 @@ class TraceAttribution:
         self.streams: dict[tuple[int, int], tuple[_Dev, int]] = {}  # (device, stream) -> its device, its index * 8
         # correlation -> GPU events awaiting their API call: (device, index, the device's sweeps, ts, dur)
         self.pending: dict[int, list[tuple[_Dev, int, int, float, float]]] = {}
+        # correlation -> a launch call read before its GPU event (CUPTI's buffer order): (ts, dur)
+        self.early: dict[int, tuple[float, float]] = {}
         self._kinds: dict[str, int] = {}
         self.transient = [math.inf, -math.inf, 0]  # GPU events before the first step: first, last, count
         self.busy: dict[int, float] = {}  # per device, after finish(): the union of all its GPU events
@@ -300,14 +304,25 @@ class TraceAttribution:
         d.te.append(te)
         d.rt.append(_NAN)
         d.code.append(base + k)
-        if corr and k != TRANSIENT:
+        if corr:
             pending = self.pending
-            w = pending.get(corr)
-            if w is None:
+            if self.early and corr in self.early:  # its launch call came first
+                rts, rdur = self.early.pop(corr)
+                if k != TRANSIENT:
+                    d.rt[i] = rts
+                    self._launched(d, ts, dur, rts, rdur)
+            elif k == TRANSIENT:  # its API call, when it comes, is not an early one
                 if len(pending) < _MAX_PENDING:
-                    pending[corr] = [(d, i, d.gen, ts, dur)]
+                    pending.setdefault(corr, [])
             else:
-                w.append((d, i, d.gen, ts, dur))
+                w = pending.get(corr)
+                if w is not None:
+                    w.append((d, i, d.gen, ts, dur))
+                elif len(pending) < _MAX_PENDING:
+                    pending[corr] = [(d, i, d.gen, ts, dur)]
+                else:
+                    self._limit(f"more than {_MAX_PENDING:,} GPU events awaiting their API call: later ones' launch "
+                                "delays are not counted")
         if i + 1 >= MAX_GPU_EVENTS:
             self._pair()
             self.sweep(d)
@@ -390,24 +405,36 @@ class TraceAttribution:
                 self._limit(f"more than {_MAX_CAPTURE_CALLS:,} CUDA graph capture calls: later captures count as idle")
         waiting = self.pending.pop(corr, None) if corr else None
         if waiting is None:
+            if corr and name in LAUNCH_CALLS:  # read before its GPU event: it waits for that
+                if len(self.early) < _MAX_EARLY:
+                    self.early[corr] = (ts, dur)
+                else:
+                    self._limit(f"more than {_MAX_EARLY:,} launch calls read before their GPU event (or without one): "
+                                "later ones' launch delays are not counted")
             return
         launch = name in LAUNCH_CALLS
         for d, i, gen, gts, gdur in waiting:
             if d.gen == gen:  # else swept already (the cap): its gap was read without the API call
                 d.rt[i] = ts
             if launch:
-                delay = gts - ts - dur
-                sk = d.sketch  # Sketch.add, inlined: one call per launch adds up
-                sk.n += 1
-                if delay < Sketch.MIN:
-                    sk.zeros += 1
-                else:
-                    k = _ceil(_log(delay) * Sketch.INV_LOG)
-                    b = sk.buckets
-                    b[k] = b.get(k, 0) + 1
-                d.launches += 1
-                if gdur < dur:
-                    d.shorter += 1
+                self._launched(d, gts, gdur, ts, dur)
+
+    @staticmethod
+    def _launched(d: _Dev, gts: float, gdur: float, ts: float, dur: float) -> None:
+        """A launch call (at ``ts``, ``dur`` long) and its GPU event (``gts``, ``gdur``): the
+        launch delay into the device's sketch, and whether the kernel ran shorter than its launch."""
+        delay = gts - ts - dur
+        sk = d.sketch
+        sk.n += 1
+        if delay < Sketch.MIN:
+            sk.zeros += 1
+        else:
+            k = _ceil(_log(delay) * Sketch.INV_LOG)
+            b = sk.buckets
+            b[k] = b.get(k, 0) + 1
+        d.launches += 1
+        if gdur < dur:
+            d.shorter += 1
 
     def finish(self, tables: dict[str, dict[str, list[Any]]]) -> dict[int, DeviceAttribution]:
         """Settle every device (its busy time into ``busy``); ``tables`` (the trace's
@@ -415,7 +442,7 @@ class TraceAttribution:
         self._pair()  # for the sweeps' gaps and the left-out spans below
         for d in self.devs.values():
             self.sweep(d)
-        self.pending = {}
+        self.pending, self.early = {}, {}
         # categories from the trace's own tables (one GPU per trace in practice; a trace with
         # several gives each of them the trace's split)
         cats: dict[str, list[Any]] = {}

@@ -26,6 +26,7 @@ from typing import Any
 
 from sidecar.analysis.attribution import (
     CAPTURE_CALLS,
+    LAUNCH_CALLS,
     DeviceAttribution,
     TraceAttribution,
 )
@@ -399,7 +400,7 @@ class Aggregate:
                 a = e.args
                 if a is not None:
                     corr = a.correlation
-                    if corr in att_pending or name in CAPTURE_CALLS:
+                    if corr in att_pending or name in CAPTURE_CALLS or name in LAUNCH_CALLS:
                         att_runtime(name, ts, dur, corr)
                     parent = self._launcher(a.external_id)
                     if parent is not None:
