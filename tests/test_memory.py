@@ -516,6 +516,23 @@ def test_the_memory_finding_says_peak_reserved_who_held_it_and_what_was_free() -
     assert (f.rule, f.severity, f.score) == ("memory_peak", "high", pytest.approx(79.6 / 80))
 
 
+def test_a_cuda_traces_cpu_device_of_a_few_bytes_is_in_the_table_not_the_findings(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from sidecar.cli import app
+
+    run = CliRunner().invoke(app, ["summarize", str(CUDA / "cuda_memory_rank0.json.gz"), "--json"])
+    assert run.exit_code == 0, run.output
+    s = json.loads(run.output)
+    assert sorted((m["device_type"], m["peak_allocated_bytes"]) for m in s["memory"]) == [("cpu", 40), ("cuda", 148777472)]
+    peaks = [f for f in s["findings"] if f["rule"] == "memory_peak"]
+    assert [f["message"].split(":")[0] for f in peaks] == ["the trace"]  # the GPU's; the code before also "the trace (cpu)"
+    assert "141.9 MiB allocated of 166.0 MiB reserved" in peaks[0]["message"]
+    # a CPU trace's own peak (the CPU server's memory profile) is still a finding
+    cpu = DeviceMemory(device_type="cpu", device=0, peak_allocated_bytes=64 << 20)
+    assert [f.rule for f in memory_findings([cpu])] == ["memory_peak"]
+
+
 def test_failed_allocations_are_a_high_finding() -> None:
     m = DeviceMemory(stage_id=0, device_type="cuda", device=0, peak_allocated_bytes=GiB, ooms=2)
     rules = [(f.rule, f.severity) for f in memory_findings([m])]

@@ -23,6 +23,7 @@ MEMORY = 0.10  # memcpy/memset not under compute or communication, share of the 
 STRAGGLER = 1.2  # slowest member / median of its stage
 SKEW_US = 100_000.0  # profiling starts of one stage's ranks and replicas this far apart
 HANDOVER_US = 10_000.0  # a downstream stage's first work this long after its upstream stage's
+_SMALL_PEAK = 1 << 20  # bytes: a device whose peak is under this gets no memory_peak finding (nothing to act on)
 
 
 def _host_bound(d: DeviceStat) -> dict[str, float] | None:
@@ -138,8 +139,8 @@ def _finding(rule: str, figures: dict[str, float], where: str, severity: str | N
 
 def memory_findings(memory: Sequence[DeviceMemory]) -> list[Finding]:
     """Per device with memory events: its peak and who held it (``memory_peak``, scored by the
-    share of the device's memory it held, 0 where the capacity is unknown: a CPU), and failed
-    allocations (``out_of_memory``, score 1)."""
+    share of the device's memory it held, 0 where the capacity is unknown: a CPU; none for a peak
+    under 1 MiB), and failed allocations (``out_of_memory``, score 1)."""
     out: list[Finding] = []
     for m in memory:
         held = m.reserved_at_peak_bytes if m.reserved_at_peak_bytes is not None else m.peak_allocated_bytes
@@ -158,6 +159,8 @@ def memory_findings(memory: Sequence[DeviceMemory]) -> list[Finding]:
         if m.ooms:
             oom = {k: v for k, v in fig.items() if k in ("peak_allocated_bytes", "reserved_at_peak_bytes")}
             out.append(_finding("out_of_memory", {**oom, "ooms": float(m.ooms), "score": 1.0}, where, **keys))
+        if m.peak_allocated_bytes < _SMALL_PEAK and not m.ooms:
+            continue  # nothing to act on (a CUDA trace's CPU device holds a few bytes); the table has it
         score = fig.get("capacity_share", 0.0)
         f = Finding(rule="memory_peak", severity=_severity(score), score=min(1.0, score),
                     message=f"{where}: {word('memory_peak', fig, top.name if top else None)}", figures=fig, **keys)
