@@ -306,3 +306,23 @@ def test_past_the_cap_of_early_launch_calls_the_rest_is_said(tmp_path: Path, mon
     # the memcpy / memset calls stayed after their GPU events; of the kernel launches, 16 waited
     assert b.devices[0].launch.launches == a.devices[0].launch.launches - len(early) + 16
     assert any("more than 16 launch calls read before their GPU event" in w for w in b.warnings)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("steady", [True, False])
+def test_gpu_events_and_their_api_calls_in_any_order_give_the_same_figures(tmp_path: Path, seed: int, steady: bool) -> None:
+    """Every GPU event, flow and API call of host_bound shuffled together (after the CPU ops, as
+    Kineto writes them): each pair is joined whichever comes first."""
+    import random
+
+    rest, groups, doc = _repeated(1)
+    flat = [e for g in groups for e in g]
+    random.Random(seed).shuffle(flat)
+    a = summarize_trace(_write(tmp_path / "in_order.json", doc, rest, groups), steady=steady)
+    (tmp_path / "shuffled.json").write_text(json.dumps({**doc, "traceEvents": rest + flat}))
+    b = summarize_trace(tmp_path / "shuffled.json", steady=steady)
+    da, db = a.devices[0], b.devices[0]
+    assert db.launch.launches == da.launch.launches > 0
+    for field in ("temporal", "idle_breakdown", "launch", "steady"):
+        assert getattr(db, field).model_dump() == pytest.approx(getattr(da, field).model_dump(), rel=1e-9), field
+    assert b.warnings == a.warnings == []
