@@ -706,6 +706,58 @@ def test_the_cli_prints_memory_after_the_verdicts(memory_capture: dict[str, Any]
 
 
 @pytest.mark.slow
+def test_the_diff_route_compares_memory_per_stage(memory_capture: dict[str, Any]) -> None:
+    import httpx
+
+    cid, stage = memory_capture["cap"]["id"], memory_capture["summary"]["stages"][0]
+    with httpx.Client(base_url=memory_capture["url"], timeout=300, trust_env=False) as client:
+        reply = client.get(f"/v1/captures/{cid}/diff/{cid}", params={"top": 5})
+    assert reply.status_code == 200, reply.text
+    [d] = reply.json()["stages"]
+    [m] = d["memory"]
+    peak = stage["memory"][0]["peak_allocated_bytes"]
+    assert (m["stage_id"], m["device_type"], m["peak_allocated_bytes_a"], m["peak_allocated_bytes_b"],
+            m["delta_peak_allocated_bytes"]) == (0, "cpu", peak, peak, 0)
+    assert m["top_live_a"]["name"] == stage["memory"][0]["live_at_peak"][0]["name"]
+    assert len(d["memory_ops"]) == 5 and {o["delta_alloc_bytes"] for o in d["memory_ops"]} == {0}
+
+
+def _doubled(src: Path, dst: Path) -> Path:
+    """``src`` with every CUDA allocation and free twice as large (the allocator's totals too)."""
+    doc = json.loads(gzip.decompress(src.read_bytes()))
+    for e in doc["traceEvents"]:
+        a = e.get("args") or {}
+        if e.get("name") == "[memory]" and a.get("Device Type") == 1:
+            for k in ("Bytes", "Total Allocated", "Total Reserved"):
+                a[k] *= 2
+    dst.write_text(json.dumps(doc))
+    return dst
+
+
+def test_the_diff_cli_ranks_ops_by_the_change_in_memory_they_allocated(tmp_path: Path) -> None:
+    a = CUDA / "cuda_memory_rank0.json.gz"
+    b = _doubled(a, tmp_path / "b.json")
+    run = subprocess.run([sys.executable, "-m", "sidecar", "diff", str(a), str(b), "--json", "--top", "4"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    d = json.loads(run.stdout)["total"]
+    ref = summarize_trace(a, top=1000)
+    [ma] = [m for m in ref.memory if m.device_type == "cuda"]
+    by_type = {m["device_type"]: m for m in d["memory"]}
+    assert by_type["cuda"]["delta_peak_allocated_bytes"] == ma.peak_allocated_bytes
+    assert by_type["cuda"]["reserved_at_peak_bytes_b"] == 2 * ma.reserved_at_peak_bytes
+    assert by_type["cpu"]["delta_peak_allocated_bytes"] == 0
+    # each op's change is its own allocations again: the four that allocated most on the GPU
+    top = sorted((o for o in ref.memory_ops if o.device_type == "cuda"), key=lambda o: (-o.alloc_bytes, o.name))[:4]
+    assert [(o["name"], o["delta_alloc_bytes"]) for o in d["memory_ops"]] == [(o.name, o.alloc_bytes) for o in top]
+    table = subprocess.run([sys.executable, "-m", "sidecar", "diff", str(a), str(b), "--top", "4"],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "160"})
+    assert table.returncode == 0 and "Traceback" not in table.stderr
+    assert "ops by change in memory allocated" in table.stdout
+    assert "141.9 MiB→283.8 MiB" in table.stdout and "+141.9 MiB" in table.stdout
+
+
+@pytest.mark.slow
 def test_the_page_draws_memory_over_the_window_per_stage(memory_capture: dict[str, Any], open_page: Any) -> None:
     m = memory_capture["summary"]["stages"][0]["memory"][0]
     page = open_page(memory_capture["url"])

@@ -1,11 +1,14 @@
-"""Compare two captures (or traces): per stage, which ops and kernels got slower or faster.
+"""Compare two captures (or traces): per stage, which ops and kernels got slower or faster, and
+what holds more or less memory.
 
 ``diff_summaries(a, b)`` works on two ``CaptureSummary`` made with every row (``top`` large),
 ``diff_paths(a_paths, b_paths)`` makes them (streamed, files in parallel) and compares. As in
 HTA's TraceDiff, rows are matched by name and carry both counts and times; here each table is
 ranked by the absolute change in self CPU time (ops) or self device time (ops by GPU time they
 launched, kernels), with the totals of both sides. Stages are matched by stage id; a capture of
-one unnamed trace on each side compares those.
+one unnamed trace on each side compares those. With memory on (``profile_memory``), each device's
+peak, reserved memory and churn on both sides, and ops ranked by the change in bytes they allocated
+(key_averages' memory columns).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 from pydantic import BaseModel, Field
 
 from sidecar.analysis.capture import TraceSource, summarize_paths
-from sidecar.analysis.models import CaptureSummary, GpuStat, OpStat, SummaryBody
+from sidecar.analysis.models import CaptureSummary, DeviceMemory, GpuStat, LiveOp, MemoryOpStat, OpStat, SummaryBody
 
 ALL_ROWS = 1 << 30
 _STEP = re.compile(r"^ProfilerStep#\d+$")
@@ -62,12 +65,50 @@ class TotalsDelta(BaseModel):
     step_mean_us_b: float | None = None
 
 
+class MemoryDelta(BaseModel):
+    """One device's memory on both sides (matched by stage, replica, rank and device; a device on
+    one side only has None on the other). Bytes."""
+
+    stage_id: int | None = None
+    replica: int | None = None
+    rank: int | None = None
+    device_type: str
+    device: int
+    peak_allocated_bytes_a: int | None = None
+    peak_allocated_bytes_b: int | None = None
+    delta_peak_allocated_bytes: int | None = None  # b - a, where both sides have the device
+    reserved_at_peak_bytes_a: int | None = None
+    reserved_at_peak_bytes_b: int | None = None
+    alloc_bytes_per_step_a: float | None = None
+    alloc_bytes_per_step_b: float | None = None
+    ooms_a: int = 0
+    ooms_b: int = 0
+    top_live_a: LiveOp | None = None  # the op holding the most at the peak
+    top_live_b: LiveOp | None = None
+
+
+class MemoryOpDelta(BaseModel):
+    """One op name's memory events on one kind of device, both sides (``MemoryOpStat``)."""
+
+    name: str
+    device_type: str
+    allocs_a: int = 0
+    allocs_b: int = 0
+    alloc_bytes_a: int = 0
+    alloc_bytes_b: int = 0
+    self_bytes_a: int = 0  # allocated - freed (key_averages' self memory)
+    self_bytes_b: int = 0
+    delta_alloc_bytes: int = 0  # b - a
+
+
 class StageDiff(BaseModel):
     stage_id: int | None = None
     totals: TotalsDelta = Field(default_factory=TotalsDelta)
     ops_by_self_cpu: list[OpDelta] = Field(default_factory=list)
     ops_by_self_device: list[OpDelta] = Field(default_factory=list)
     kernels: list[KernelDelta] = Field(default_factory=list)
+    memory: list[MemoryDelta] = Field(default_factory=list)  # per device with memory events on either side
+    memory_ops: list[MemoryOpDelta] = Field(default_factory=list)  # by |change in bytes allocated|
     only_in_a: list[str] = Field(default_factory=list)  # op/kernel names, first few
     only_in_b: list[str] = Field(default_factory=list)
 
@@ -119,6 +160,45 @@ def _kernels(body: SummaryBody) -> dict[tuple[str, str], GpuStat]:
     return out
 
 
+def _memory(a: SummaryBody, b: SummaryBody) -> list[MemoryDelta]:
+    def by_device(body: SummaryBody) -> dict[tuple[object, ...], DeviceMemory]:
+        return {(m.stage_id, m.replica, m.rank, m.device_type, m.device): m for m in body.memory}
+
+    ma, mb = by_device(a), by_device(b)
+    out = []
+    for key in sorted(ma.keys() | mb.keys(), key=lambda k: tuple((v is None, v if v is not None else 0) for v in k)):
+        x, y = ma.get(key), mb.get(key)
+        d = MemoryDelta(stage_id=key[0], replica=key[1], rank=key[2], device_type=key[3], device=key[4])  # type: ignore[arg-type]
+        for side, m in (("a", x), ("b", y)):
+            if m is not None:
+                setattr(d, f"peak_allocated_bytes_{side}", m.peak_allocated_bytes)
+                setattr(d, f"reserved_at_peak_bytes_{side}", m.reserved_at_peak_bytes)
+                setattr(d, f"alloc_bytes_per_step_{side}", m.alloc_bytes_per_step)
+                setattr(d, f"ooms_{side}", m.ooms)
+                setattr(d, f"top_live_{side}", m.live_at_peak[0] if m.live_at_peak else None)
+        if x is not None and y is not None:
+            d.delta_peak_allocated_bytes = y.peak_allocated_bytes - x.peak_allocated_bytes
+        out.append(d)
+    return out
+
+
+def _memory_ops(a: SummaryBody, b: SummaryBody, top: int) -> list[MemoryOpDelta]:
+    def by_op(body: SummaryBody) -> dict[tuple[str, str], MemoryOpStat]:
+        return {(o.name, o.device_type): o for o in body.memory_ops}
+
+    oa, ob = by_op(a), by_op(b)
+    rows = []
+    for key in oa.keys() | ob.keys():
+        x, y = oa.get(key), ob.get(key)
+        d = MemoryOpDelta(name=key[0], device_type=key[1],
+                          allocs_a=x.allocs if x else 0, allocs_b=y.allocs if y else 0,
+                          alloc_bytes_a=x.alloc_bytes if x else 0, alloc_bytes_b=y.alloc_bytes if y else 0,
+                          self_bytes_a=x.self_bytes if x else 0, self_bytes_b=y.self_bytes if y else 0)
+        d.delta_alloc_bytes = d.alloc_bytes_b - d.alloc_bytes_a
+        rows.append(d)
+    return sorted(rows, key=lambda d: (-abs(d.delta_alloc_bytes), d.name, d.device_type))[:top]
+
+
 def diff_bodies(a: SummaryBody, b: SummaryBody, *, top: int = 20, stage_id: int | None = None) -> StageDiff:
     """One stage (or the totals): both sides' rows by name, ranked by |change|."""
     oa, ob = _ops(a), _ops(b)
@@ -150,6 +230,8 @@ def diff_bodies(a: SummaryBody, b: SummaryBody, *, top: int = 20, stage_id: int 
         ops_by_self_cpu=by_cpu,
         ops_by_self_device=by_dev,
         kernels=sorted(kernels, key=lambda d: (-abs(d.delta_us), d.name))[:top],
+        memory=_memory(a, b),
+        memory_ops=_memory_ops(a, b, top),
         only_in_a=sorted((oa.keys() - ob.keys()) | {k[1] for k in ka.keys() - kb.keys()})[:top],
         only_in_b=sorted((ob.keys() - oa.keys()) | {k[1] for k in kb.keys() - ka.keys()})[:top],
     )
@@ -184,4 +266,4 @@ def _label(paths: Sequence[object]) -> str:
     return ", ".join(str(getattr(p, "path", p)) for p in paths)
 
 
-__all__ = ["ALL_ROWS", "CaptureDiff", "KernelDelta", "OpDelta", "StageDiff", "TotalsDelta", "diff_bodies", "diff_paths", "diff_summaries"]
+__all__ = ["ALL_ROWS", "CaptureDiff", "KernelDelta", "MemoryDelta", "MemoryOpDelta", "OpDelta", "StageDiff", "TotalsDelta", "diff_bodies", "diff_paths", "diff_summaries"]

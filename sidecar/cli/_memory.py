@@ -4,9 +4,13 @@ and snapshot.py), as ``summarize`` prints it per stage and ``stop`` / ``capture`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sidecar.analysis.memory import format_bytes
 from sidecar.analysis.models import DeviceMemory, SnapshotSummary
+
+if TYPE_CHECKING:
+    from sidecar.analysis.diff import MemoryDelta, MemoryOpDelta
 from sidecar.cli._app import console
 from sidecar.cli._layout import Column, print_table
 
@@ -23,7 +27,11 @@ def _bytes(n: float | None) -> str:
     return "-" if n is None else format_bytes(n)
 
 
-def _device(m: DeviceMemory) -> str:
+def _signed(n: int | None) -> str:
+    return "-" if n is None else ("+" if n > 0 else "") + format_bytes(n)
+
+
+def _device(m: DeviceMemory | MemoryDelta) -> str:
     where = "·".join(str(v) if v is not None else "-" for v in (m.stage_id, m.replica, m.rank))
     return f"{where} {m.device_type}" + (f":{m.device}" if m.device >= 0 else "")
 
@@ -61,3 +69,25 @@ def print_memory(memory: Sequence[DeviceMemory], snapshots: Sequence[SnapshotSum
                      for d in sn.devices for when, blocks in (("at the stop", d.largest_blocks[:5]),
                                                               ("at the peak", d.live_at_peak[:5]))
                      for b in blocks], keys=2)
+
+
+def print_memory_diff(memory: Sequence[MemoryDelta], ops: Sequence[MemoryOpDelta]) -> None:
+    """``diff``'s memory part (sidecar/analysis/diff.py): per device the peak, reserved memory at
+    it, the churn per step and failed allocations on both sides, with the op holding the most at
+    each side's peak; then ops by the change in bytes they allocated."""
+    if memory:
+        print_table(console, "Memory per stage·replica·rank device, A → B",
+                    [Column("where"), *_right("peak allocated A→B", "Δ peak", "reserved at peak A→B", "alloc / step A→B",
+                                              "OOMs"), Column("most live at the peak A → B", prose=True)],
+                    [[_device(m), f"{_bytes(m.peak_allocated_bytes_a)}→{_bytes(m.peak_allocated_bytes_b)}",
+                      _signed(m.delta_peak_allocated_bytes),
+                      f"{_bytes(m.reserved_at_peak_bytes_a)}→{_bytes(m.reserved_at_peak_bytes_b)}",
+                      f"{_bytes(m.alloc_bytes_per_step_a)}→{_bytes(m.alloc_bytes_per_step_b)}", f"{m.ooms_a}→{m.ooms_b}",
+                      " → ".join(f"{t.name} {_bytes(t.bytes)}" if t else "-" for t in (m.top_live_a, m.top_live_b))]
+                     for m in memory])
+    if ops:
+        print_table(console, "ops by change in memory allocated",
+                    [Column("op"), Column("device"), *_right("allocs A→B"),
+                     *(Column(h, "right", group="bytes") for h in ("allocated A", "B", "Δ"))],
+                    [[o.name, o.device_type, f"{o.allocs_a:,}→{o.allocs_b:,}", _bytes(o.alloc_bytes_a),
+                      _bytes(o.alloc_bytes_b), _signed(o.delta_alloc_bytes)] for o in ops], keys=2)

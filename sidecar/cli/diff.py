@@ -1,4 +1,5 @@
-"""CLI: ``omni-sidecar diff A B [--json]``: which ops and kernels changed between two captures.
+"""CLI: ``omni-sidecar diff A B [--json]``: which ops and kernels changed between two captures, and
+what holds memory on each side (with memory on).
 
 A and B are trace files or folders, or with ``--sidecar URL`` capture ids on a running sidecar
 (its ``GET /v1/captures/{a}/diff/{b}``). Thin over ``sidecar.analysis.diff``."""
@@ -15,6 +16,7 @@ from rich.markup import escape
 from sidecar.analysis.diff import CaptureDiff, StageDiff, diff_paths
 from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console
 from sidecar.cli._layout import Column, print_table, print_text
+from sidecar.cli._memory import print_memory_diff
 from sidecar.client import SidecarUnreachable
 from sidecar.errors import SidecarError
 
@@ -51,6 +53,7 @@ def _print_stage(title: str, s: StageDiff) -> None:
         print_table(console, "kernels / memcpy / memset by change in time", [Column("kind"), Column("name"), *figures],
                     [[k.kind, k.name, f"{k.count_a:,}→{k.count_b:,}", _ms(k.total_us_a), _ms(k.total_us_b),
                       _d(k.delta_us)] for k in s.kernels], keys=2)
+    print_memory_diff(s.memory, s.memory_ops)
 
 
 def _remote(url: str, a: str, b: str, top: int) -> CaptureDiff:
@@ -87,7 +90,7 @@ def diff(
     as_json: bool = typer.Option(False, "--json", help="print the diff as JSON"),
     sidecar: str | None = typer.Option(None, "--sidecar", envvar="OMNI_SIDECAR_URL", help="A and B are capture ids on this sidecar (unless both exist as paths here)"),
 ) -> None:
-    """Per stage: ops and kernels ranked by the change in self CPU and self device time, B − A."""
+    """Per stage: ops and kernels ranked by the change in self CPU and self device time, and memory, B − A."""
     with cli_errors():
         # files win: an exported OMNI_SIDECAR_URL must not turn two trace folders into capture ids
         on_disk = Path(a).exists() and Path(b).exists()
