@@ -27,12 +27,42 @@ async def test_timeline_route_serves_one_process_per_stage(api: AppClient) -> No
 
 
 async def test_diff_route_compares_two_captures_per_stage(api: AppClient) -> None:  # noqa: F811
+    from sidecar.analysis.diff import diff_paths
+    from sidecar.control import artifacts
+
     client = await api()
     a = await _capture(client, [0, 2])
     b = await _capture(client, [0])
     reply = await client.get(f"/v1/captures/{a}/diff/{b}", params={"top": 5}, timeout=60)
     body = reply.json()
     assert (reply.status_code, body["a"], [s["stage_id"] for s in body["stages"]]) == (200, a, [0, 2])
+    # from the captures' one analysis each, shared with their summaries: a diff of the traces read
+    # again with every row is the same
+    controller = client.sidecar_app.state.controller
+    fresh = diff_paths(*(artifacts.trace_files(controller.get(c).verdicts)[0] for c in (a, b)), top=5, label_a=a, label_b=b)
+    assert body == fresh.model_dump(mode="json")
+    assert body["total"]["ops_by_self_cpu"] and body["stages"][0]["kernels"] == []  # CPU traces
+    analyses = controller._summaries.analyses
+    assert analyses == 2  # one per capture
+    again = await client.get(f"/v1/captures/{b}/diff/{a}", params={"top": 3}, timeout=60)
+    summary = await client.get(f"/v1/captures/{a}/summary", params={"top": 7}, timeout=60)
+    assert (again.status_code, summary.status_code, controller._summaries.analyses) == (200, 200, analyses)
+    assert (again.json()["a"], again.json()["b"]) == (b, a)
+
+
+async def test_diff_route_reads_the_traces_again_where_a_summary_table_was_cut(api: AppClient, monkeypatch) -> None:  # noqa: F811
+    from sidecar.analysis.diff import diff_paths
+    from sidecar.api.routes import analysis
+    from sidecar.control import artifacts
+
+    monkeypatch.setattr(analysis, "SUMMARY_TOP_MAX", 1)  # every table with a row is "cut" at one row
+    client = await api()
+    a = await _capture(client, [0, 2])
+    b = await _capture(client, [0])
+    reply = await client.get(f"/v1/captures/{a}/diff/{b}", params={"top": 5}, timeout=60)
+    controller = client.sidecar_app.state.controller
+    fresh = diff_paths(*(artifacts.trace_files(controller.get(c).verdicts)[0] for c in (a, b)), top=5, label_a=a, label_b=b)
+    assert (reply.status_code, reply.json()) == (200, fresh.model_dump(mode="json"))
 
 
 async def test_timeline_of_an_active_capture_is_409(api: AppClient) -> None:  # noqa: F811

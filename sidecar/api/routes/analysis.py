@@ -5,7 +5,8 @@
   most rows the API serves, and cut to ``top`` per request (``sidecar.control.summaries``);
 - ``GET /v1/captures/{id}/timeline``: one Perfetto trace of every stage/replica/rank (built once,
   kept beside the journal's summary);
-- ``GET /v1/captures/{a}/diff/{b}``: two captures compared per stage.
+- ``GET /v1/captures/{a}/diff/{b}?top=N``: two captures compared per stage, from their summaries'
+  one analysis (read again with every row only where a table of one had more than the API serves).
 
 Each runs an analysis or returns trace content, so with ``--token-file`` each needs the bearer
 token, like the mutating routes. Thin: the controller finds the capture and its traces
@@ -28,7 +29,7 @@ from sidecar.api.openapi import responses
 from sidecar.api.responses import SafeJSONResponse
 from sidecar.api.state import TOKEN, Api, ApiState
 from sidecar.control import artifacts
-from sidecar.control.summaries import SUMMARY_TOP, SUMMARY_TOP_MAX
+from sidecar.control.summaries import SUMMARY_TOP, SUMMARY_TOP_MAX, complete
 from sidecar.errors import CaptureNotFound, CaptureNotTerminal, SummaryUnavailable, TraceError, TraceTooLarge
 
 router = APIRouter(tags=["captures"], dependencies=[TOKEN])
@@ -89,10 +90,18 @@ async def capture_timeline(api: Api, capture_id: str) -> FileResponse:
 
 @router.get("/v1/captures/{a}/diff/{b}", summary="Per stage: ops and kernels by change in self CPU / device time (B - A)",
             responses=_RESPONSES)
-async def capture_diff(api: Api, a: str, b: str, top: int = Query(20, ge=1, le=500)) -> SafeJSONResponse:
-    from sidecar.analysis.diff import diff_paths
+async def capture_diff(api: Api, a: str, b: str, top: int = Query(20, ge=1, le=SUMMARY_TOP_MAX)) -> SafeJSONResponse:
+    from sidecar.analysis.diff import diff_paths, diff_summaries
+    from sidecar.analysis.models import CaptureSummary
 
-    pa = _traces(api, a)
-    pb = _traces(api, b)
-    result = await asyncio.to_thread(run_isolated, diff_paths, pa, pb, top=top, label_a=a, label_b=b)
+    # each capture's one analysis, shared with its summary; where a table there was cut (more than
+    # SUMMARY_TOP_MAX names), both captures are read again with every row, in a worker
+    sa = await api.controller.summarize(a, top=SUMMARY_TOP_MAX)
+    sb = await api.controller.summarize(b, top=SUMMARY_TOP_MAX)
+    if complete(sa, SUMMARY_TOP_MAX) and complete(sb, SUMMARY_TOP_MAX):
+        result = await asyncio.to_thread(lambda: diff_summaries(
+            CaptureSummary.model_validate(sa), CaptureSummary.model_validate(sb), top=top, label_a=a, label_b=b))
+    else:
+        result = await asyncio.to_thread(run_isolated, diff_paths, _traces(api, a), _traces(api, b),
+                                         top=top, label_a=a, label_b=b)
     return SafeJSONResponse(api.scrubber.data(result.model_dump(mode="json")))
