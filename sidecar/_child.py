@@ -200,9 +200,11 @@ class Child:
             return None
 
 
-def map_in_children(fn: Callable[..., T], items: Sequence[Any], *, workers: int) -> list[T]:
+def map_in_children(fn: Callable[..., T], items: Sequence[Any], *, workers: int,
+                    on_done: Callable[[int], None] | None = None) -> list[T]:
     """``[fn(item) for item in items]`` over ``workers`` children, each taking the next item as it
-    is free (put the longest first). The first failure ends the others and is raised."""
+    is free (put the longest first). The first failure ends the others and is raised. ``on_done``
+    is called with an item's index as its result comes (from a driver thread)."""
     if not items:
         return []
     todo: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -221,6 +223,8 @@ def map_in_children(fn: Callable[..., T], items: Sequence[Any], *, workers: int)
                     except queue.Empty:
                         return
                     results[i] = child.call(fn, items[i])
+                    if on_done is not None:
+                        on_done(i)
         except BaseException as exc:
             failed.append(exc)
             for other in children:

@@ -431,3 +431,51 @@ def test_cli_summarize_of_a_damaged_trace_shows_the_events_before_the_damage(tra
     doc = json.loads(r.stdout)
     assert (r.returncode, doc["truncated"], f"invalid JSON at byte {at:,}" in doc["errors"][0], doc["totals"]["events"] > 1000,
             "Traceback" in r.stderr) == (1, True, True, True, False), r.stderr
+
+
+def _in_a_terminal(*args: str) -> tuple[int, str]:
+    """``python -m sidecar ARGS`` with a terminal (a pty) as its stdout and stderr: what it drew."""
+    import os
+    import pty
+
+    main, sub = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "sidecar", *args], stdin=sub, stdout=sub, stderr=sub, close_fds=True,
+                            env={**os.environ, "COLUMNS": "120", "TERM": "xterm"})
+    os.close(sub)
+    out = b""
+    try:
+        while chunk := os.read(main, 65536):
+            out += chunk
+    except OSError:  # the pty's end once the child closed it
+        pass
+    finally:
+        os.close(main)
+    return proc.wait(timeout=300), out.decode(errors="replace")
+
+
+def test_summarize_and_diff_say_how_many_trace_files_they_have_read_on_a_terminal(trace_data):
+    files = [str(trace_data / f"{n}.json.gz") for n in ("cuda_small", "host_bound", "cuda_graph")]
+    rc, drawn = _in_a_terminal("summarize", *files, "--top", "2")
+    assert rc == 0 and "summarising 3 trace files: 3 done" in drawn and "Findings" in drawn
+    rc, drawn = _in_a_terminal("diff", files[0], files[1], "--top", "2")
+    assert rc == 0 and "comparing 1 trace file: 1 done" in drawn
+    piped = _cli("summarize", *files, "--top", "2")  # piped: the tables only
+    assert piped.returncode == 0 and "summarising" not in piped.stdout + piped.stderr
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_summary_reports_each_file_read_as_it_ends(trace_data, workers):
+    import threading
+
+    from sidecar.analysis import summarize_paths
+
+    seen: list[tuple[int, int]] = []
+    lock = threading.Lock()
+
+    def on_file(done: int, total: int) -> None:
+        with lock:
+            seen.append((done, total))
+
+    files = [trace_data / f"{n}.json.gz" for n in ("cuda_small", "host_bound", "cuda_graph")]
+    s = summarize_paths(files, workers=workers, on_file=on_file)
+    assert len(s.files) == 3 and seen == [(0, 3), (1, 3), (2, 3), (3, 3)]

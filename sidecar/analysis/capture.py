@@ -11,10 +11,11 @@ file becomes an entry in ``errors``; it never hides the others.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,7 @@ def find_sources(paths: Iterable[str | Path | TraceSource]) -> list[TraceSource]
 
 
 Result = tuple[Aggregate, TraceMeta, int] | TraceError
+Progress = Callable[[int, int], None]  # (files read so far, files in all)
 
 
 def _aggregate(src: TraceSource) -> Result:
@@ -161,18 +163,30 @@ def default_workers(sources: Sequence[TraceSource]) -> int:
     return max(1, min(len(sources), usable_cores()))
 
 
-def aggregate_sources(sources: Sequence[TraceSource], *, workers: int | None = None) -> list[Result]:
+def aggregate_sources(sources: Sequence[TraceSource], *, workers: int | None = None,
+                      on_file: Progress | None = None) -> list[Result]:
     """Aggregate every source, in order; ``workers`` child processes (default:
     ``default_workers``), fresh interpreters (``sidecar._child``: never a fork of the caller, never
     its main module run again), the biggest file first. A child (the server's memory-capped
     analysis worker, ``sidecar.analysis.isolated``) starts none: it aggregates the files one after
-    another, under its own cap."""
+    another, under its own cap. ``on_file(done, total)`` is called before the first file and as
+    each one ends (from another thread where children run them)."""
+    total = len(sources)
+    count = itertools.count(1)
+    tick = (lambda _i: on_file(next(count), total)) if on_file is not None else None
+    if on_file is not None:
+        on_file(0, total)
     n = default_workers(sources) if workers is None else max(1, min(workers, len(sources)))
     if n <= 1 or in_child():
-        return [_aggregate(s) for s in sources]
+        results = []
+        for i, s in enumerate(sources):
+            results.append(_aggregate(s))
+            if tick is not None:
+                tick(i)
+        return results
     # biggest first: the last file to start should be a short one
     order = sorted(range(len(sources)), key=lambda i: -_size(sources[i]))
-    done = dict(zip(order, map_in_children(_aggregate, [sources[i] for i in order], workers=n)))
+    done = dict(zip(order, map_in_children(_aggregate, [sources[i] for i in order], workers=n, on_done=tick)))
     return [done[i] for i in range(len(sources))]
 
 
@@ -288,7 +302,7 @@ def snapshots_beside(sources: Sequence[TraceSource]) -> tuple[list[SnapshotSumma
 
 def summarize_paths(
     paths: Iterable[str | Path | TraceSource], *, top: int = 20, workers: int | None = None,
-    requested_start: float | None = None,
+    requested_start: float | None = None, on_file: Progress | None = None,
 ) -> CaptureSummary:
     """Summaries of every trace under ``paths``: per file, per stage, per replica, and all merged.
 
@@ -300,9 +314,10 @@ def summarize_paths(
     readable ones is reported in ``errors`` (and ``truncated`` where part of it was used).
     ``requested_start`` (epoch seconds) is when the capture was started: each device's
     ``start_skew_us`` is measured from it (else from the earliest device of its stage).
+    ``on_file(done, total)``: files read so far, for a progress line (``aggregate_sources``).
     """
     sources = find_sources(paths)
-    results = aggregate_sources(sources, workers=workers)
+    results = aggregate_sources(sources, workers=workers, on_file=on_file)
     total = Aggregate()
     stages: dict[int | None, Aggregate] = {}
     per_file: list[TraceSummary] = []

@@ -14,7 +14,7 @@ peak, reserved memory and churn on both sides, and ops ranked by the change in b
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, Field
@@ -254,11 +254,13 @@ def diff_summaries(a: CaptureSummary, b: CaptureSummary, *, top: int = 20, label
 def diff_paths(
     a: Iterable[str | Path | TraceSource], b: Iterable[str | Path | TraceSource], *, top: int = 20,
     workers: int | None = None, label_a: str | None = None, label_b: str | None = None,
+    on_file: Callable[[int, int], None] | None = None,
 ) -> CaptureDiff:
-    """Summarise both sides with every row (in parallel per file), then ``diff_summaries``."""
+    """Summarise both sides with every row (in parallel per file), then ``diff_summaries``.
+    ``on_file(done, total)``: A's files read so far, then B's (``summarize_paths``)."""
     a, b = list(a), list(b)
-    sa = summarize_paths(a, top=ALL_ROWS, workers=workers)
-    sb = summarize_paths(b, top=ALL_ROWS, workers=workers)
+    sa = summarize_paths(a, top=ALL_ROWS, workers=workers, on_file=on_file)
+    sb = summarize_paths(b, top=ALL_ROWS, workers=workers, on_file=on_file)
     return diff_summaries(sa, sb, top=top, label_a=label_a or _label(a), label_b=label_b or _label(b))
 
 

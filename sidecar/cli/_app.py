@@ -17,6 +17,7 @@ import typer
 from typer.core import TyperOption
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from sidecar.errors import ConfigUnreadable, SidecarError
 
@@ -52,6 +53,27 @@ TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _dis
 
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # an error line is never broken mid-path or mid-code
+
+def spinner() -> Progress:
+    """The CLI's waiting line: a spinner, what it waits for, the time so far (on a terminal; rich
+    shows nothing when the output is piped)."""
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                    transient=True)
+
+
+@contextlib.contextmanager
+def reading_traces(what: str = "reading") -> Iterator[Callable[[int, int], None]]:
+    """A waiting line while trace files are summarised: ``what`` and the files read so far, as the
+    ``on_file(done, total)`` the summary calls (from another thread where children read them)."""
+    with spinner() as progress:
+        task = progress.add_task(f"{what} the traces", total=None)
+
+        def on_file(done: int, total: int) -> None:
+            progress.update(task, description=f"{what} {total:,} trace file{'s' if total != 1 else ''}: "
+                                              f"{done:,} done")
+
+        yield on_file
+
 
 EXIT_OK = 0
 EXIT_ERROR = 1  # invalid input / failed capture

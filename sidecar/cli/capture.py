@@ -14,9 +14,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 from rich.markup import escape
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from sidecar.cli._app import app, cli_errors, console, ctrl_c_held, parse_stage_list
+from sidecar.cli._app import app, cli_errors, console, ctrl_c_held, parse_stage_list, spinner
 from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
 from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.cli._render import STATE_STYLES, print_plan, print_steps, print_verdict_table, print_verdicts
@@ -125,19 +124,12 @@ def exit_code(cap: Capture) -> int:
     return outcome_exit_code(outcome_of(cap))
 
 
-def _spinner() -> Progress:
-    """The CLI's waiting line: a spinner, what it waits for, the time so far (on a terminal; rich
-    shows nothing when the output is piped)."""
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                    transient=True)
-
-
 def wait_with_progress(client: SidecarClient, capture_id: str, timeout: float | None, quiet: bool) -> Capture:
     """Poll until terminal, showing a spinner with elapsed time and the current state (on a
     terminal; rich shows nothing when the output is piped)."""
     if quiet:
         return client.wait_capture(capture_id, timeout=timeout)
-    with _spinner() as progress:
+    with spinner() as progress:
         task = progress.add_task(f"capture {capture_id}: stopping", total=None)
         return client.wait_capture(
             capture_id, timeout=timeout, poll_s=0.25,
@@ -351,7 +343,7 @@ def _hold(client: SidecarClient, capture_id: str, seconds: float | None, lease: 
     if quiet or seconds is None:
         _heartbeat_until(client, capture_id, seconds, lease)
         return
-    with _spinner() as p:
+    with spinner() as p:
         p.add_task(f"profiling for {seconds:g}s", total=None)
         _heartbeat_until(client, capture_id, seconds, lease)
 
@@ -377,7 +369,7 @@ def plan_with_progress(client: SidecarClient, watcher: SidecarClient, stages: li
             outcome["error"] = exc
 
     thread = threading.Thread(target=run, name="plan", daemon=True)
-    with _spinner() as progress:
+    with spinner() as progress:
         task = progress.add_task("planning: the first probe", total=None)
         thread.start()
         while thread.is_alive():

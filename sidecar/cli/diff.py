@@ -14,7 +14,7 @@ import typer
 from rich.markup import escape
 
 from sidecar.analysis.diff import CaptureDiff, StageDiff, diff_paths
-from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console
+from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console, reading_traces
 from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.cli._memory import print_memory_diff
 from sidecar.client import SidecarUnreachable
@@ -94,7 +94,11 @@ def diff(
     with cli_errors():
         # files win: an exported OMNI_SIDECAR_URL must not turn two trace folders into capture ids
         on_disk = Path(a).exists() and Path(b).exists()
-        result = _remote(sidecar, a, b, top) if sidecar and not on_disk else diff_paths([Path(a)], [Path(b)], top=top)
+        if sidecar and not on_disk:
+            result = _remote(sidecar, a, b, top)
+        else:
+            with reading_traces("comparing") as on_file:
+                result = diff_paths([Path(a)], [Path(b)], top=top, on_file=on_file)
     if as_json:
         console.print_json(json.dumps(result.model_dump(mode="json")))
     else:

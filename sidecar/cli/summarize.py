@@ -22,6 +22,7 @@ from sidecar.cli._app import (
     cli_errors,
     console,
     err_console,
+    reading_traces,
 )
 from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.errors import ConfigUnreadable, SidecarError
@@ -157,7 +158,8 @@ def summarize(
     """Summarise torch.profiler traces: window and steps, top CPU ops, top kernels, GPU idle, per stage."""
     with cli_errors():
         try:
-            summary: CaptureSummary = summarize_paths(paths, top=top, workers=workers)
+            with reading_traces("summarising") as on_file:
+                summary: CaptureSummary = summarize_paths(paths, top=top, workers=workers, on_file=on_file)
         except SidecarError as err:
             _print_error(err)
             raise typer.Exit(EXIT_UNREADABLE if isinstance(err, ConfigUnreadable) else EXIT_ERROR) from None
