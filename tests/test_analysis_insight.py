@@ -453,12 +453,14 @@ def _in_a_terminal(*args: str) -> tuple[int, str]:
     return proc.wait(timeout=300), out.decode(errors="replace")
 
 
-def test_summarize_and_diff_say_how_many_trace_files_they_have_read_on_a_terminal(trace_data):
+def test_summarize_diff_and_timeline_say_how_many_trace_files_they_have_read_on_a_terminal(trace_data, tmp_path):
     files = [str(trace_data / f"{n}.json.gz") for n in ("cuda_small", "host_bound", "cuda_graph")]
     rc, drawn = _in_a_terminal("summarize", *files, "--top", "2")
     assert rc == 0 and "summarising 3 trace files: 3 done" in drawn and "Findings" in drawn
     rc, drawn = _in_a_terminal("diff", files[0], files[1], "--top", "2")
     assert rc == 0 and "comparing 1 trace file: 1 done" in drawn
+    rc, drawn = _in_a_terminal("timeline", *files, "-o", str(tmp_path / "t.json.gz"))
+    assert rc == 0 and "merging 3 trace files: 3 done" in drawn and "wrote " in drawn
     piped = _cli("summarize", *files, "--top", "2")  # piped: the tables only
     assert piped.returncode == 0 and "summarising" not in piped.stdout + piped.stderr
 

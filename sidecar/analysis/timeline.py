@@ -11,7 +11,7 @@ flow ids are made unique per source, and flow events without a usable id or time
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,7 +180,8 @@ def _tell_apart(procs: list[TimelineProcess]) -> None:
 
 def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path, *,
                    clock_offsets_ns: Mapping[str, int] | None = None,
-                   window_ns: tuple[int, int] | None = None) -> TimelineReport:
+                   window_ns: tuple[int, int] | None = None,
+                   on_file: Callable[[int, int], None] | None = None) -> TimelineReport:
     """Merge every trace under ``paths`` into ``out`` (``.json`` or ``.json.gz``).
 
     Sources are ordered by stage, replica, rank. A source that cannot be read is left out and
@@ -188,7 +189,8 @@ def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path, *
     when none is usable. ``clock_offsets_ns`` (by file path): how far each file's host clock is
     ahead of the reference clock (a fleet's, ``sidecar/analysis/aligned.py``); its events move
     back by that much. ``window_ns`` (reference clock, epoch ns) keeps only the events that
-    overlap it (metadata always kept).
+    overlap it (metadata always kept). ``on_file(done, total)``: files merged so far, before the
+    first and after each (as ``summarize_paths`` calls it).
     """
     offsets = {str(k): int(v) for k, v in (clock_offsets_ns or {}).items()}
     sources = find_sources(paths)
@@ -236,6 +238,8 @@ def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path, *
                 {"ph": "M", "name": "process_sort_index", "pid": p.pid, "tid": 0, "ts": 0, "args": {"sort_index": p.pid}},
             ])
         for i, p in enumerate(procs):
+            if on_file is not None:
+                on_file(i, len(procs))
             rw = _SourceRewriter(p, i, window_us=window_us)  # type: ignore[arg-type]
             reader = RawTraceReader(p.file)
             try:
@@ -251,6 +255,8 @@ def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path, *
             report.flows_dropped += rw.flows_dropped
             report.trimmed += rw.trimmed
         report.events, report.raw_bytes = w.events, w.raw_bytes
+    if on_file is not None:
+        on_file(len(procs), len(procs))
     report.processes = procs
     return report
 

@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 
 from sidecar.analysis.timeline import write_timeline
-from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console
+from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console, reading_traces
 from sidecar.cli._layout import print_text
 
 
@@ -24,7 +24,8 @@ def timeline(
 ) -> None:
     """Merge every stage/replica/rank trace into one timeline, each a named process, clocks aligned."""
     with cli_errors():
-        report = write_timeline(paths, out)
+        with reading_traces("merging") as on_file:
+            report = write_timeline(paths, out, on_file=on_file)
     if as_json:
         from dataclasses import asdict
 
