@@ -453,7 +453,7 @@ def _in_a_terminal(*args: str) -> tuple[int, str]:
     return proc.wait(timeout=300), out.decode(errors="replace")
 
 
-def test_summarize_diff_and_timeline_say_how_many_trace_files_they_have_read_on_a_terminal(trace_data, tmp_path):
+def test_summarize_diff_timeline_and_slim_say_what_they_are_reading_on_a_terminal(trace_data, tmp_path):
     files = [str(trace_data / f"{n}.json.gz") for n in ("cuda_small", "host_bound", "cuda_graph")]
     rc, drawn = _in_a_terminal("summarize", *files, "--top", "2")
     assert rc == 0 and "summarising 3 trace files: 3 done" in drawn and "Findings" in drawn
@@ -461,8 +461,13 @@ def test_summarize_diff_and_timeline_say_how_many_trace_files_they_have_read_on_
     assert rc == 0 and "comparing 1 trace file: 1 done" in drawn
     rc, drawn = _in_a_terminal("timeline", *files, "-o", str(tmp_path / "t.json.gz"))
     assert rc == 0 and "merging 3 trace files: 3 done" in drawn and "wrote " in drawn
-    piped = _cli("summarize", *files, "--top", "2")  # piped: the tables only
+    rc, drawn = _in_a_terminal("slim", str(trace_data / "host_bound.json.gz"), "-o", str(tmp_path / "s.json.gz"),
+                               "--max-mb", "1")  # the line's last words are always drawn (rich refreshes at its end)
+    assert rc == 0 and "slim: pass 6: 1.7 MB is over 1 MB, writing it again with the first 37.2 ms" in drawn
+    assert "wrote " in drawn
+    piped = _cli("summarize", *files, "--top", "2")  # piped: the tables only, not even a blank line before them
     assert piped.returncode == 0 and "summarising" not in piped.stdout + piped.stderr
+    assert piped.stdout.startswith("stage ")
 
 
 @pytest.mark.parametrize("workers", [1, 2])

@@ -306,3 +306,15 @@ def test_fleet_capture_shows_its_target_ids_and_paths_whole_in_60_columns(setup)
         cap = json.loads(client.list_captures()[0].model_dump_json())
     values = [f"sidecar={sc.url}", *shown_values(cap, metrics=False)]
     assert (cap["id"] in done.stdout, layout_faults(done.stdout, values, 60)) == (True, NO_FAULTS), done.stdout
+
+
+def test_a_piped_stop_prints_the_verdicts_and_no_blank_line_before_them(setup):
+    # rich's progress line, started and stopped where nothing is drawn, still printed a newline
+    sc, emu = setup
+    with SidecarClient(sc.url, timeout=120) as client:
+        cid = client.start_capture([0]).id
+        emu.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 2}).raise_for_status()
+    done = cli("stop", cid, "--sidecar", sc.url, "--wait", "--timeout", "120")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith(f"capture {cid}"), repr(done.stdout[:120])

@@ -12,7 +12,7 @@ the share of the time that fits.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -134,12 +134,16 @@ def slim_trace(
     drop: Iterable[str] = (),
     window: str | None = None,
     max_mb: float | None = None,
+    on_pass: Callable[[str], None] | None = None,
 ) -> SlimReport:
     """Write a smaller, valid copy of ``src`` to ``out`` (``.json`` / ``.json.gz``). Raises
-    ``TraceError`` for unreadable input, ``SlimWindowInvalid`` for a bad window."""
+    ``TraceError`` for unreadable input, ``SlimWindowInvalid`` for a bad window. ``on_pass(what)``
+    is told what each pass over the trace does, before it starts (for a progress line)."""
     src, out = Path(src), Path(out)
+    tell = on_pass or (lambda _what: None)
     if src.resolve() == out.resolve():
         raise TraceError(f"{out}: the output must not be the input trace", details={"file": str(out)})
+    tell("pass 1: reading the trace's steps and span")
     first, last, steps, raw_in = _scan(src)
     win = parse_window(window, first, steps) if window else None
     header = {k: v for k, v in read_header(src).items() if k != "traceEvents"}
@@ -148,6 +152,7 @@ def slim_trace(
     report = SlimReport(src=str(src), out=str(out), raw_bytes_in=raw_in)
     budget = int(max_mb * 1e6) if max_mb else None
     levels = list(ESCALATION)
+    tell(f"pass 2: writing {out.name}")
     while True:
         if isinstance(header.get("otherData"), dict):
             header["otherData"] = {**header["otherData"], "omni_sidecar_slim": {"dropped": dropped, "window_us": win}}
@@ -155,8 +160,10 @@ def slim_trace(
         report.passes += 1
         if budget is None or report.raw_bytes_out <= budget:
             break
+        over = f"pass {report.passes + 2}: {report.raw_bytes_out / 1e6:,.1f} MB is over {max_mb:,g} MB"
         if levels:
             dropped += [c for c in levels.pop(0) if c not in dropped]
+            tell(f"{over}, writing it again without {', '.join(dropped)}")
             continue
         lo = win[0] if win else (first or 0.0)
         hi = win[1] if win and win[1] != float("inf") else (last or lo)
@@ -165,6 +172,7 @@ def slim_trace(
             break
         keep = (hi - lo) * max(0.05, 0.9 * budget / report.raw_bytes_out)
         win = (lo, lo + keep)
+        tell(f"{over}, writing it again with the first {keep / 1000:,.1f} ms")
     report.dropped_categories = dropped
     report.window_us = win
     return report

@@ -54,25 +54,26 @@ TyperOption.display_type_rich = lambda self, ctx: None if self.is_flag else _dis
 console = Console()
 err_console = Console(stderr=True, soft_wrap=True)  # an error line is never broken mid-path or mid-code
 
-def spinner() -> Progress:
-    """The CLI's waiting line: a spinner, what it waits for, the time so far (on a terminal; rich
-    shows nothing when the output is piped)."""
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
-                    transient=True)
+@contextlib.contextmanager
+def waiting_line(first: str) -> Iterator[Callable[[str], None]]:
+    """The CLI's waiting line on a terminal: a spinner, what it waits for (``first``, then what the
+    yielded function is given; thread-safe), the time so far. When the output is piped, nothing at
+    all (rich's would still end with a blank line)."""
+    if not console.is_terminal:
+        yield lambda _what: None
+        return
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                  transient=True) as progress:
+        task = progress.add_task(first, total=None)
+        yield lambda what: progress.update(task, description=what)
 
 
 @contextlib.contextmanager
 def reading_traces(what: str = "reading") -> Iterator[Callable[[int, int], None]]:
     """A waiting line while trace files are summarised: ``what`` and the files read so far, as the
     ``on_file(done, total)`` the summary calls (from another thread where children read them)."""
-    with spinner() as progress:
-        task = progress.add_task(f"{what} the traces", total=None)
-
-        def on_file(done: int, total: int) -> None:
-            progress.update(task, description=f"{what} {total:,} trace file{'s' if total != 1 else ''}: "
-                                              f"{done:,} done")
-
-        yield on_file
+    with waiting_line(f"{what} the traces") as say:
+        yield lambda done, total: say(f"{what} {total:,} trace file{'s' if total != 1 else ''}: {done:,} done")
 
 
 EXIT_OK = 0

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.markup import escape
 
-from sidecar.cli._app import app, cli_errors, console, ctrl_c_held, parse_stage_list, spinner
+from sidecar.cli._app import app, cli_errors, console, ctrl_c_held, parse_stage_list, waiting_line
 from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
 from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.cli._render import STATE_STYLES, print_plan, print_steps, print_verdict_table, print_verdicts
@@ -129,12 +129,9 @@ def wait_with_progress(client: SidecarClient, capture_id: str, timeout: float | 
     terminal; rich shows nothing when the output is piped)."""
     if quiet:
         return client.wait_capture(capture_id, timeout=timeout)
-    with spinner() as progress:
-        task = progress.add_task(f"capture {capture_id}: stopping", total=None)
-        return client.wait_capture(
-            capture_id, timeout=timeout, poll_s=0.25,
-            on_poll=lambda cap: progress.update(task, description=f"capture {capture_id}: {cap.state.value}"),
-        )
+    with waiting_line(f"capture {capture_id}: stopping") as say:
+        return client.wait_capture(capture_id, timeout=timeout, poll_s=0.25,
+                                   on_poll=lambda cap: say(f"capture {capture_id}: {cap.state.value}"))
 
 
 @app.command()
@@ -343,8 +340,7 @@ def _hold(client: SidecarClient, capture_id: str, seconds: float | None, lease: 
     if quiet or seconds is None:
         _heartbeat_until(client, capture_id, seconds, lease)
         return
-    with spinner() as p:
-        p.add_task(f"profiling for {seconds:g}s", total=None)
+    with waiting_line(f"profiling for {seconds:g}s"):
         _heartbeat_until(client, capture_id, seconds, lease)
 
 
@@ -369,13 +365,12 @@ def plan_with_progress(client: SidecarClient, watcher: SidecarClient, stages: li
             outcome["error"] = exc
 
     thread = threading.Thread(target=run, name="plan", daemon=True)
-    with spinner() as progress:
-        task = progress.add_task("planning: the first probe", total=None)
+    with waiting_line("planning: the first probe") as say:
         thread.start()
         while thread.is_alive():
             thread.join(PLAN_POLL_S)
             if thread.is_alive():
-                progress.update(task, description=_plan_progress(watcher, before))
+                say(_plan_progress(watcher, before))
     if "error" in outcome:
         raise outcome["error"]
     return outcome["plan"]  # type: ignore[no-any-return]

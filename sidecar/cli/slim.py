@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from sidecar.analysis.slim import slim_trace
-from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console
+from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console, waiting_line
 from sidecar.cli._layout import print_text
 
 
@@ -23,7 +23,8 @@ def slim(
     """Write a smaller copy of a trace: fewer categories, one step or time window, a size cap."""
     cats = [c.strip() for c in drop.split(",") if c.strip()]
     with cli_errors():
-        r = slim_trace(trace, out, drop=cats, window=window, max_mb=max_mb)
+        with waiting_line("slim: reading the trace") as say:
+            r = slim_trace(trace, out, drop=cats, window=window, max_mb=max_mb, on_pass=lambda what: say(f"slim: {what}"))
     print_text(
         console,
         f"wrote {out}: {r.events_out:,} of {r.events_in:,} events, "
