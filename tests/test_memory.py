@@ -703,6 +703,27 @@ def test_the_cli_prints_memory_after_the_verdicts(memory_capture: dict[str, Any]
     assert 0 <= verdict < table < live, out
     assert format_bytes(m["peak_allocated_bytes"]) in out[table:live]
     assert m["live_at_peak"][0]["name"] in out[live:]
+    # after a stop, the five ops that allocated most (key_averages' memory columns)
+    ops = out.find("Ops by memory allocated")
+    top = memory_capture["summary"]["stages"][0]["memory_ops"][0]
+    assert live < ops and f"{top['name']} " in out[ops:] and format_bytes(top["alloc_bytes"]) in out[ops:], out
+
+
+def test_summarize_prints_ops_by_memory_allocated_as_the_json_has_them() -> None:
+    from typer.testing import CliRunner
+
+    from sidecar.cli import app
+
+    trace = str(CUDA / "cuda_memory_rank0.json.gz")
+    table = CliRunner().invoke(app, ["summarize", trace, "--top", "4"], env={"COLUMNS": "160"})
+    rows = json.loads(CliRunner().invoke(app, ["summarize", trace, "--top", "4", "--json"]).stdout)["memory_ops"]
+    assert table.exit_code == 0 and len(rows) == 4
+    after = table.stdout[table.stdout.index("Ops by memory allocated"):].splitlines()
+    rule = next(i for i, ln in enumerate(after) if ln.startswith("─"))  # under the header, however the title wraps
+    lines = after[rule + 1 : rule + 5]
+    assert [ln.split()[:2] for ln in lines] == [[r["name"], r["device_type"]] for r in rows]
+    assert [ln.split()[2] for ln in lines] == [f"{r['allocs']:,}" for r in rows]
+    assert format_bytes(rows[0]["alloc_bytes"]) in lines[0] and rows[0]["name"] == "aten::empty"
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from sidecar.analysis.memory import format_bytes
-from sidecar.analysis.models import DeviceMemory, SnapshotSummary
+from sidecar.analysis.models import DeviceMemory, MemoryOpStat, SnapshotSummary
 
 if TYPE_CHECKING:
     from sidecar.analysis.diff import MemoryDelta, MemoryOpDelta
@@ -36,10 +36,12 @@ def _device(m: DeviceMemory | MemoryDelta) -> str:
     return f"{where} {m.device_type}" + (f":{m.device}" if m.device >= 0 else "")
 
 
-def print_memory(memory: Sequence[DeviceMemory], snapshots: Sequence[SnapshotSummary] = ()) -> None:
+def print_memory(memory: Sequence[DeviceMemory], snapshots: Sequence[SnapshotSummary] = (),
+                 ops: Sequence[MemoryOpStat] = ()) -> None:
     """What held memory (sidecar/analysis/memory.py): per device the peak, when, reserved but free
-    then, the churn per step, then what was live at the peak by op; then each CUDA snapshot's
-    segments, largest live blocks and the peak of its history (sidecar/analysis/snapshot.py)."""
+    then, the churn per step, then what was live at the peak by op, and ``ops`` by the bytes they
+    allocated (key_averages' memory columns); then each CUDA snapshot's segments, largest live
+    blocks and the peak of its history (sidecar/analysis/snapshot.py)."""
     if memory:
         print_table(console, "Memory per stage·replica·rank device (torch's memory events)",
                     [Column("where"), *_right("peak allocated", "reserved at peak", "free at peak", "peak at ms", "step",
@@ -56,6 +58,11 @@ def print_memory(memory: Sequence[DeviceMemory], snapshots: Sequence[SnapshotSum
         print_table(console, "Live at the peak, by the op that allocated it",
                     [Column("where"), Column("op"), *_right("bytes", "blocks"), Column("ops around it", prose=True)],
                     rows, keys=2)
+    if ops:
+        print_table(console, "Ops by memory allocated (while innermost; self = allocated − freed)",
+                    [Column("op"), Column("device"), *_right("allocs", "allocated", "frees", "freed", "self")],
+                    [[o.name, o.device_type, f"{o.allocs:,}", _bytes(o.alloc_bytes), f"{o.frees:,}", _bytes(o.freed_bytes),
+                      _signed(o.self_bytes)] for o in ops], keys=2)
     for sn in snapshots:
         print_table(console, f"CUDA memory snapshot {sn.file}",
                     [Column("device"), *_right("segments", "reserved", "allocated", "pending free", "inactive",

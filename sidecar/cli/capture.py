@@ -110,7 +110,7 @@ def print_capture_findings(client: SidecarClient, cap: Capture) -> None:
     except SidecarError:
         return
     print_findings(summary.findings)
-    print_memory(summary.memory, summary.snapshots)  # a memory profile's figures, per device
+    print_memory(summary.memory, summary.snapshots, summary.memory_ops[:5])  # a memory profile's figures, per device
 
 
 def only_expected_unverified(cap: Capture) -> bool:

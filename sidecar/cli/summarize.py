@@ -98,7 +98,7 @@ def _tables(title: str, body: SummaryBody, by: By) -> None:
                     [Column("engine step kind"), *_right("count", "total ms", "mean ms", "share")],
                     [[k.kind, f"{k.count:,}", _ms(k.total_us), _ms(k.mean_us), f"{k.share:.1%}"]
                      for k in body.engine_step_kinds])
-    print_memory(body.memory, getattr(body, "snapshots", []))
+    print_memory(body.memory, getattr(body, "snapshots", []), body.memory_ops)
 
 
 _SEVERITY = {"high": "bold red", "medium": "yellow", "low": "dim", "info": "cyan"}
