@@ -171,18 +171,19 @@ def aggregate_sources(sources: Sequence[TraceSource], *, workers: int | None = N
     analysis worker, ``sidecar.analysis.isolated``) starts none: it aggregates the files one after
     another, under its own cap. ``on_file(done, total)`` is called before the first file and as
     each one ends (from another thread where children run them)."""
-    total = len(sources)
+    tell = on_file or (lambda _done, _total: None)
     count = itertools.count(1)
-    tick = (lambda _i: on_file(next(count), total)) if on_file is not None else None
-    if on_file is not None:
-        on_file(0, total)
+
+    def tick(_index: int) -> None:
+        tell(next(count), len(sources))
+
+    tell(0, len(sources))
     n = default_workers(sources) if workers is None else max(1, min(workers, len(sources)))
     if n <= 1 or in_child():
         results = []
-        for i, s in enumerate(sources):
+        for s in sources:
             results.append(_aggregate(s))
-            if tick is not None:
-                tick(i)
+            tick(0)
         return results
     # biggest first: the last file to start should be a short one
     order = sorted(range(len(sources)), key=lambda i: -_size(sources[i]))

@@ -164,21 +164,21 @@ def _memory(a: SummaryBody, b: SummaryBody) -> list[MemoryDelta]:
     def by_device(body: SummaryBody) -> dict[tuple[object, ...], DeviceMemory]:
         return {(m.stage_id, m.replica, m.rank, m.device_type, m.device): m for m in body.memory}
 
+    def side(m: DeviceMemory | None, s: str) -> dict[str, object]:
+        if m is None:
+            return {}
+        return {f"peak_allocated_bytes_{s}": m.peak_allocated_bytes, f"reserved_at_peak_bytes_{s}": m.reserved_at_peak_bytes,
+                f"alloc_bytes_per_step_{s}": m.alloc_bytes_per_step, f"ooms_{s}": m.ooms,
+                f"top_live_{s}": m.live_at_peak[0] if m.live_at_peak else None}
+
     ma, mb = by_device(a), by_device(b)
     out = []
-    for key in sorted(ma.keys() | mb.keys(), key=lambda k: tuple((v is None, v if v is not None else 0) for v in k)):
+    for key in [*ma, *(k for k in mb if k not in ma)]:  # each side's devices in its summary's order
         x, y = ma.get(key), mb.get(key)
-        d = MemoryDelta(stage_id=key[0], replica=key[1], rank=key[2], device_type=key[3], device=key[4])  # type: ignore[arg-type]
-        for side, m in (("a", x), ("b", y)):
-            if m is not None:
-                setattr(d, f"peak_allocated_bytes_{side}", m.peak_allocated_bytes)
-                setattr(d, f"reserved_at_peak_bytes_{side}", m.reserved_at_peak_bytes)
-                setattr(d, f"alloc_bytes_per_step_{side}", m.alloc_bytes_per_step)
-                setattr(d, f"ooms_{side}", m.ooms)
-                setattr(d, f"top_live_{side}", m.live_at_peak[0] if m.live_at_peak else None)
-        if x is not None and y is not None:
-            d.delta_peak_allocated_bytes = y.peak_allocated_bytes - x.peak_allocated_bytes
-        out.append(d)
+        out.append(MemoryDelta.model_validate({
+            "stage_id": key[0], "replica": key[1], "rank": key[2], "device_type": key[3], "device": key[4],
+            **side(x, "a"), **side(y, "b"),
+            "delta_peak_allocated_bytes": y.peak_allocated_bytes - x.peak_allocated_bytes if x and y else None}))
     return out
 
 
