@@ -18,6 +18,7 @@ from sidecar.control.models import Capture, CaptureState
 from sidecar.control.schedule import HOLD_MAX_S
 
 if TYPE_CHECKING:
+    from sidecar.analysis.diff import CaptureDiff
     from sidecar.analysis.models import CaptureSummary
 from sidecar.errors import CaptureIdAmbiguous, CaptureNotFound, SidecarError, class_for_code
 
@@ -27,6 +28,9 @@ DEFAULT_TIMEOUT = 30.0
 # sidecar's own start timeout is 300 s by default); a short client timeout would abandon it
 START_TIMEOUT = 360.0
 PLAN_TIMEOUT = 3600.0  # a plan is probe captures, each a start, some steps and a verified stop
+# a summary or a diff may analyse a capture's traces first (a large capture's take minutes; later
+# reads of it are served from that one analysis)
+ANALYSIS_TIMEOUT = 600.0
 
 
 class SidecarUnreachable(SidecarError):
@@ -107,6 +111,12 @@ def _summary(response: httpx.Response) -> CaptureSummary:
     from sidecar.analysis.models import CaptureSummary
 
     return CaptureSummary.model_validate(response.json())
+
+
+def _diff(response: httpx.Response) -> CaptureDiff:
+    from sidecar.analysis.diff import CaptureDiff
+
+    return CaptureDiff.model_validate(response.json())
 
 
 def _content(response: httpx.Response) -> bytes:
@@ -213,7 +223,12 @@ class _Calls:
 
     @staticmethod
     def summary(capture_id: str, top: int) -> _Call:
-        return _Call("GET", f"/v1/captures/{capture_id}/summary", _summary, params={"top": top})
+        return _Call("GET", f"/v1/captures/{capture_id}/summary", _summary, params={"top": top},
+                     min_timeout=ANALYSIS_TIMEOUT)
+
+    @staticmethod
+    def diff(a: str, b: str, top: int) -> _Call:
+        return _Call("GET", f"/v1/captures/{a}/diff/{b}", _diff, params={"top": top}, min_timeout=ANALYSIS_TIMEOUT)
 
     @staticmethod
     def download(capture_id: str, relpath: str) -> _Call:
@@ -375,6 +390,10 @@ class AsyncSidecarClient:
     async def summary(self, capture_id: str, top: int = 20) -> CaptureSummary:
         return await self._send(_Calls.summary(capture_id, top))
 
+    async def diff(self, a: str, b: str, top: int = 20) -> CaptureDiff:
+        """Per stage, B − A: ops and kernels by the change in their time, and memory (``top``: 1 to 500 rows)."""
+        return await self._send(_Calls.diff(a, b, top))
+
     async def download(self, capture_id: str, relpath: str) -> bytes:
         return await self._send(_Calls.download(capture_id, relpath))
 
@@ -504,6 +523,10 @@ class SidecarClient:
 
     def summary(self, capture_id: str, top: int = 20) -> CaptureSummary:
         return self._send(_Calls.summary(capture_id, top))
+
+    def diff(self, a: str, b: str, top: int = 20) -> CaptureDiff:
+        """As :meth:`AsyncSidecarClient.diff`."""
+        return self._send(_Calls.diff(a, b, top))
 
     def download(self, capture_id: str, relpath: str) -> bytes:
         return self._send(_Calls.download(capture_id, relpath))

@@ -48,6 +48,12 @@ async def test_diff_route_compares_two_captures_per_stage(api: AppClient) -> Non
     summary = await client.get(f"/v1/captures/{a}/summary", params={"top": 7}, timeout=60)
     assert (again.status_code, summary.status_code, controller._summaries.analyses) == (200, 200, analyses)
     assert (again.json()["a"], again.json()["b"]) == (b, a)
+    import httpx
+
+    from sidecar.client import AsyncSidecarClient
+
+    async with AsyncSidecarClient(str(client.base_url), transport=httpx.ASGITransport(app=client.sidecar_app)) as typed:
+        assert (await typed.diff(a, b, top=5)).model_dump(mode="json") == body  # the client's call is the route's
 
 
 async def test_diff_route_reads_the_traces_again_where_a_summary_table_was_cut(api: AppClient, monkeypatch) -> None:  # noqa: F811

@@ -261,6 +261,19 @@ def test_diff_takes_capture_id_prefixes(setup):
     a, b = (_captured(sc, emu).id for _ in range(2))
     done = cli("diff", a[:-1], b[:-1], "--sidecar", sc.url, "--json")
     assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["a"] == a, done.stdout
+
+
+def test_diff_of_ids_says_the_sidecars_row_limit_before_sending(setup):
+    """More rows than the sidecar serves: a usage error that names the limit and the way round it
+    (the folders), not the route's 422 relayed; the most it serves works."""
+    sc, emu = setup
+    a, b = (_captured(sc, emu).id for _ in range(2))
+    over = cli("diff", a, b, "--sidecar", sc.url, "--top", "501")
+    most = cli("diff", a, b, "--sidecar", sc.url, "--top", "500", "--json")
+    said = " ".join(over.stderr.split())
+    assert (over.returncode, "--top" in said, "at most 500" in said, "capture folders" in said, "422" in said,
+            "Traceback" in over.stderr, most.returncode) == (2, True, True, True, False, False, 0), over.stderr + most.stderr
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,7 @@ from sidecar.analysis.diff import CaptureDiff, StageDiff, diff_paths
 from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console, reading_traces
 from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.cli._memory import print_memory_diff
-from sidecar.client import SidecarUnreachable
-from sidecar.errors import SidecarError
+from sidecar.control.summaries import SUMMARY_TOP_MAX
 
 
 def _ms(us: float | None) -> str:
@@ -57,29 +56,15 @@ def _print_stage(title: str, s: StageDiff) -> None:
 
 
 def _remote(url: str, a: str, b: str, top: int) -> CaptureDiff:
-    import httpx
-
     from sidecar.client import SidecarClient
 
-    headers = {}
-    token = os.environ.get("OMNI_SIDECAR_TOKEN")
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    with SidecarClient(url, token=token) as client:  # ids may be given by a unique start of them
-        a, b = client.resolve_id(a), client.resolve_id(b)
-    try:
-        r = httpx.get(f"{url.rstrip('/')}/v1/captures/{a}/diff/{b}", params={"top": top}, headers=headers, timeout=600)
-    except httpx.HTTPError as err:
-        raise SidecarUnreachable(f"cannot reach the sidecar at {url}: {err}; is `omni-sidecar serve` running?") from None
-    if r.status_code != 200:
-        try:
-            body = r.json()
-            err = body.get("error", body) if isinstance(body, dict) else {}
-            msg, code = err.get("message", r.text), err.get("code", "diff_failed")
-        except ValueError:
-            msg, code = r.text, "diff_failed"
-        raise SidecarError.relay(str(code), f"sidecar answered {r.status_code}: {msg}")
-    return CaptureDiff.model_validate(r.json())
+    if top > SUMMARY_TOP_MAX:  # what the sidecar's route allows: said before anything is sent
+        raise typer.BadParameter(f"at most {SUMMARY_TOP_MAX} rows per table with --sidecar (the most the "
+                                 "sidecar keeps); for more, give the two capture folders instead of ids",
+                                 param_hint="'--top'")
+    with SidecarClient(url, token=os.environ.get("OMNI_SIDECAR_TOKEN")) as client:
+        # ids may be given by a unique start of them
+        return client.diff(client.resolve_id(a), client.resolve_id(b), top)
 
 
 @app.command("diff")
