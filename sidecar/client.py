@@ -20,7 +20,8 @@ from sidecar.control.schedule import HOLD_MAX_S
 if TYPE_CHECKING:
     from sidecar.analysis.diff import CaptureDiff
     from sidecar.analysis.models import CaptureSummary
-from sidecar.errors import CaptureIdAmbiguous, CaptureNotFound, SidecarError, class_for_code
+from sidecar.errors import CaptureIdAmbiguous, CaptureNotFound, SettingInvalid, SidecarError, class_for_code
+from sidecar.urls import http_url, with_scheme
 
 DEFAULT_URL = "http://127.0.0.1:8092"
 DEFAULT_TIMEOUT = 30.0
@@ -72,6 +73,14 @@ def _unreachable(base_url: str, err: httpx.TransportError) -> SidecarUnreachable
         f"sidecar at {base_url} {kind} ({type(err).__name__}); is `omni-sidecar serve` running there?",
         details={"url": base_url, "sent": not isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout))},
     )
+
+
+def _sidecar_url(text: str) -> str:
+    url = http_url(text)
+    if url is None:  # else every call fails as "not reachable", which sends the user to the wrong fix
+        raise SettingInvalid(f"sidecar URL {text!r} is not an http(s) URL; give it with its scheme, e.g. "
+                             f"--sidecar {with_scheme(text, DEFAULT_URL.split('://')[-1])}", details={"url": text})
+    return url
 
 
 def _dropped_read(err: BaseException) -> bool:
@@ -151,6 +160,9 @@ class _Call(NamedTuple):
 
 def match_capture_id(text: str, ids: list[str]) -> str:
     """``text`` itself, or the one id of ``ids`` it is a prefix of."""
+    if not text.strip():  # the start of every id: an unset shell variable, most likely
+        raise CaptureNotFound("an empty capture id; give the id or a unique start of it (`omni-sidecar list` "
+                              "shows them)", details={"prefix": text})
     if text in ids:
         return text
     found = [i for i in ids if i.startswith(text)]
@@ -271,7 +283,7 @@ class AsyncSidecarClient:
         *,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = _sidecar_url(base_url)
         self.timeout = timeout
         self._http = httpx.AsyncClient(
             base_url=self.base_url, headers=_auth_headers(token), timeout=timeout, transport=transport
@@ -409,7 +421,7 @@ class SidecarClient:
         *,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url = _sidecar_url(base_url)
         self.timeout = timeout
         self._http = httpx.Client(base_url=self.base_url, headers=_auth_headers(token), timeout=timeout, transport=transport)
 

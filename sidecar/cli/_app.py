@@ -7,6 +7,7 @@ message (with file:line:col when known) and an exit code, never a traceback.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import signal
 import threading
@@ -132,6 +133,22 @@ def ctrl_c_held() -> Iterator[Callable[[], bool]]:
         signal.signal(signal.SIGINT, previous)
 
 
+def finite(value: float | None) -> float | None:
+    """The check of every float option (``callback=finite``): inf and nan are refused here, named by
+    their option. No duration, size or delay is endless, and JSON carries neither to a sidecar."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def not_blank(value: str | None) -> str | None:
+    """A capture id argument given empty (``stop "$ID"`` with ``ID`` unset) is refused, not read as
+    every capture's start or as "the active one"."""
+    if value is not None and not value.strip():
+        raise typer.BadParameter("an empty capture id; give the id or a unique start of it, or leave it out")
+    return value
+
+
 # One vocabulary: the options several commands take mean the same and default the same everywhere
 # (start, capture, stop and fleet start|stop|capture).
 StagesOpt = Annotated[
@@ -142,11 +159,12 @@ WaitOpt = Annotated[
 ]
 TimeoutOpt = Annotated[
     Optional[float],
-    typer.Option("--timeout", help="stop waiting for the traces after N s (the stop goes on; default: no limit)"),
+    typer.Option("--timeout", callback=finite,
+                 help="stop waiting for the traces after N s (the stop goes on; default: no limit)"),
 ]
 WindowOpt = Annotated[
     Optional[float],
-    typer.Option("--duration", help="profile N s, then stop (default: until Ctrl-C)"),
+    typer.Option("--duration", callback=finite, help="profile N s, then stop (default: until Ctrl-C)"),
 ]
 
 

@@ -28,6 +28,14 @@ WIDE = 10_000  # a --wide table is as wide as its longest value
 MAX_TABLES = 2  # a table split into more parts than this reads better as one block per row
 INDENT = "  "
 _MEASURE = Console(width=WIDE)  # measures and wraps; never prints
+# Control characters in a value (a capture's label, a file name) are shown as escapes, never sent to
+# the terminal: ESC, CR or BEL there would recolour, overwrite or retitle it. Line breaks stay.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(c) not in "\n\t"}
+
+
+def printable(text: str) -> str:
+    """``text`` with its control characters (but line breaks and tabs) written as ``\\xNN``."""
+    return text.translate(_CONTROL)
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,7 @@ class Column:
 
 
 def _text(cell: Cell) -> Text:
-    return cell.copy() if isinstance(cell, Text) else Text(cell)
+    return cell.copy() if isinstance(cell, Text) else Text(printable(cell))
 
 
 def _longest_word(text: str) -> int:
@@ -236,6 +244,6 @@ def print_text(console: Console, text: Cell, *, indent: str = "", hang: str | No
     """A line of prose, wrapped between words to ``console``'s width (``hang``: the indent of the
     lines after the first). A ``str`` is rich markup unless ``markup`` is off; escape values in it."""
     if isinstance(text, str):
-        text = Text.from_markup(text) if markup else Text(text)
+        text = Text.from_markup(printable(text)) if markup else Text(printable(text))
     for line in wrap(text, console.width, indent=indent, hang=hang):
         console.print(line, soft_wrap=True, highlight=False)

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.markup import escape
 
-from sidecar.cli._app import app, cli_errors, console, ctrl_c_held, parse_stage_list, waiting_line
+from sidecar.cli._app import app, cli_errors, console, ctrl_c_held, finite, not_blank, parse_stage_list, waiting_line
 from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
 from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.cli._render import STATE_STYLES, print_plan, print_steps, print_verdict_table, print_verdicts
@@ -37,7 +37,7 @@ TokenFileOpt = Annotated[
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 WideOpt = Annotated[bool, typer.Option("--wide", help="one table row per session folder, as wide as its values")]
 IdArg = Annotated[
-    Optional[str], typer.Argument(help="capture id or a unique start of it (default: the active capture)")
+    Optional[str], typer.Argument(callback=not_blank, help="capture id or a unique start of it (default: the active capture)")
 ]
 # the lease `capture` asks for and heartbeats: a killed CLI leaves a capture recording at most this long
 MAX_CLI_LEASE_S = 60.0
@@ -139,12 +139,12 @@ def start(
     sidecar: SidecarOpt = DEFAULT_URL,
     stages: StagesOpt = None,
     duration: Annotated[
-        Optional[float], typer.Option("--duration", help="the server stops it after N s (default: at `omni-sidecar "
+        Optional[float], typer.Option("--duration", callback=finite, help="the server stops it after N s (default: at `omni-sidecar "
                                       "stop`, or after the sidecar's `OMNI_SIDECAR_MAX_DURATION_S` where it sets one)")
     ] = None,
     lease: Annotated[
         Optional[float],
-        typer.Option("--lease", min=1, help="the server stops it after N s without a heartbeat (default: the "
+        typer.Option("--lease", min=1, callback=finite, help="the server stops it after N s without a heartbeat (default: the "
                      "sidecar's `OMNI_SIDECAR_DEFAULT_LEASE_S`, no lease unless it sets one)"),
     ] = None,
     label: LabelOpt = None,
@@ -218,7 +218,7 @@ def _active_id(client: SidecarClient) -> str:
 @app.command()
 def status(
     capture_id: Annotated[
-        Optional[str], typer.Argument(help="capture id or a unique start of it (default: the newest)")
+        Optional[str], typer.Argument(callback=not_blank, help="capture id or a unique start of it (default: the newest)")
     ] = None,
     sidecar: SidecarOpt = DEFAULT_URL,
     token_file: TokenFileOpt = None,
@@ -277,7 +277,7 @@ def capture(
     timeout: TimeoutOpt = None,
     lease: Annotated[
         float,
-        typer.Option("--lease", min=1, max=MAX_CLI_LEASE_S,
+        typer.Option("--lease", min=1, max=MAX_CLI_LEASE_S, callback=finite,
                      help="the server stops it after N s without a heartbeat (this command sends them)"),
     ] = MAX_CLI_LEASE_S,
     steps: StepsOpt = None,
@@ -392,9 +392,9 @@ def _plan_progress(watcher: SidecarClient, before: set[str]) -> str:
 def plan(
     sidecar: SidecarOpt = DEFAULT_URL,
     stages: StagesOpt = None,
-    budget_mb: Annotated[Optional[float], typer.Option("--budget-mb", min=0.001, help="trace size on disk to fit")] = None,
+    budget_mb: Annotated[Optional[float], typer.Option("--budget-mb", min=0.001, callback=finite, help="trace size on disk to fit")] = None,
     max_stop_s: Annotated[
-        Optional[float], typer.Option("--max-stop-s", min=0.001, help="how long the server's stop may take")
+        Optional[float], typer.Option("--max-stop-s", min=0.001, callback=finite, help="how long the server's stop may take")
     ] = None,
     refine: Annotated[bool, typer.Option(
         "--refine/--no-refine",

@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 from pydantic import ValidationError
 
-from sidecar.cli._app import EXIT_ERROR, app, err_console, parse_stage_list, print_error
+from sidecar.cli._app import EXIT_ERROR, app, err_console, finite, parse_stage_list, print_error
 from sidecar.errors import SidecarError
 
 
@@ -25,28 +25,28 @@ def emulate(
         None, "--diffusion-stages", help="Stage ids to run as diffusion stages, e.g. 1,2."
     ),
     model: str = typer.Option("omni-emulator", "--model", help="Model name served by /v1/models."),
-    step_ms: float = typer.Option(5.0, "--step-ms", help="Minimum wall time of one engine step (ms)."),
+    step_ms: float = typer.Option(5.0, "--step-ms", min=0, callback=finite, help="Minimum wall time of one engine step (ms)."),
     idle_after_request: Optional[str] = typer.Option(
         None, "--idle-after-request", metavar="STAGE=N,...",
         help="Idle iterations a stage's engine runs after each request (nothing scheduled; max_iterations counts them), e.g. 2=1.",
     ),
     gzip_delay: float = typer.Option(
-        0.5, "--gzip-delay", help="Seconds a trace's background gzip waits after the export (models big traces)."
+        0.5, "--gzip-delay", min=0, callback=finite, help="Seconds a trace's background gzip waits after the export (models big traces)."
     ),
     fault_stop_delay: float = typer.Option(
-        0.0, "--fault-stop-delay", help="Test aid: extra seconds inside stop before replying."
+        0.0, "--fault-stop-delay", min=0, callback=finite, help="Test aid: extra seconds inside stop before replying."
     ),
     fault_stop_travel: float = typer.Option(
-        0.0, "--fault-stop-travel", help="Test aid: seconds a stop takes to reach the workers, which record meanwhile."
+        0.0, "--fault-stop-travel", min=0, callback=finite, help="Test aid: seconds a stop takes to reach the workers, which record meanwhile."
     ),
     fault_start_travel: float = typer.Option(
-        0.0, "--fault-start-travel", help="Test aid: seconds a start takes to reach the workers, which step meanwhile unrecorded."
+        0.0, "--fault-start-travel", min=0, callback=finite, help="Test aid: seconds a start takes to reach the workers, which step meanwhile unrecorded."
     ),
     fault_start_delay: float = typer.Option(
-        0.0, "--fault-start-delay", help="Test aid: extra seconds inside start before replying (the workers record)."
+        0.0, "--fault-start-delay", min=0, callback=finite, help="Test aid: extra seconds inside start before replying (the workers record)."
     ),
     fault_metrics_delay: float = typer.Option(
-        0.0, "--fault-metrics-delay", help="Test aid: seconds each /metrics read is held (see --fault-metrics-delay-after)."
+        0.0, "--fault-metrics-delay", min=0, callback=finite, help="Test aid: seconds each /metrics read is held (see --fault-metrics-delay-after)."
     ),
     fault_metrics_delay_after: int = typer.Option(
         0, "--fault-metrics-delay-after", help="Test aid: /metrics reads since the last start answered at once before the delay."
@@ -135,7 +135,8 @@ def emulate(
         )
     except ValidationError as err:  # an out-of-range option value
         for e in err.errors():
-            option = "--" + "-".join(map(str, e["loc"])).replace("_", "-")
+            field = "_".join(map(str, e["loc"]))  # the option's name without its unit: gzip_delay_s is --gzip-delay
+            option = "--" + (field[:-2] if field.endswith("_s") else field).replace("_", "-")
             detail = escape(f"[invalid_option]: {option}: {e['msg']}")
             err_console.print(f"[bold red]error[/]{detail}", highlight=False)
         raise typer.Exit(EXIT_ERROR) from None

@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console, parse_stage_list
+from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console, finite, parse_stage_list
 from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
 from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.cli._render import STATE_STYLES, VERDICT_STYLES, print_verdicts, styled, styled_cell
@@ -71,9 +71,9 @@ SharedOpt = Annotated[bool, typer.Option(
     "--allow-shared-dirs", help="run even where targets share a torch_profiler_dir (their verdicts are then ambiguous)")]
 HostLocalOpt = Annotated[bool, typer.Option(
     "--dirs-host-local", help="the same dir path on different hosts is a different (host-local) folder")]
-BudgetOpt = Annotated[float, typer.Option("--stop-budget", help="seconds each target's stop may take (s)")]
+BudgetOpt = Annotated[float, typer.Option("--stop-budget", min=0.001, callback=finite, help="seconds each target's stop may take (s)")]
 StartTimeoutOpt = Annotated[float, typer.Option(
-    "--start-timeout", help="seconds a target may take to answer an open, a start, a read or a heartbeat")]
+    "--start-timeout", min=0.001, callback=finite, help="seconds a target may take to answer an open, a start, a read or a heartbeat")]
 KindOpt = Annotated[str, typer.Option("--kind", help="torch (trace files) or nsys (profiler: cuda stages)")]
 StartAtOpt = Annotated[Optional[str], typer.Option(
     "--start-at", help="start every target at this wall-clock time: +S (seconds from now), epoch seconds, "
@@ -232,7 +232,7 @@ def start(
     stages: StagesOpt = None,
     duration: Annotated[
         Optional[float],
-        typer.Option("--duration", help="sidecar targets stop by themselves after N s (default: at `fleet stop`)"),
+        typer.Option("--duration", callback=finite, help="sidecar targets stop by themselves after N s (default: at `fleet stop`)"),
     ] = None,
     label: LabelOpt = None,
     deploy_config: DeployOpt = None,
@@ -502,7 +502,7 @@ def archive(
     mode: Annotated[str, typer.Option(
         "--mode", help="named (each trace's process named stage · replica · rank), raw (files unchanged) "
         "or slim (Python stacks dropped, --max-mb per trace)")] = "named",
-    max_mb: Annotated[Optional[float], typer.Option("--max-mb", help="slim: at most this many MB per trace")] = None,
+    max_mb: Annotated[Optional[float], typer.Option("--max-mb", min=1, callback=finite, help="slim: at most this many MB per trace")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Every trace of a fleet capture in one TAR with a perfetto_manifest.json: open it in

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.markup import escape
 
-from sidecar.cli._app import app, cli_errors, err_console
+from sidecar.cli._app import app, cli_errors, err_console, finite
 from sidecar.config.settings import SidecarSettings, default_state_dir
 
 # The defaults the help gives are the settings' own (a flag left out takes the OMNI_SIDECAR_* variable,
@@ -23,6 +23,17 @@ STATE_DIR_HELP = (
     f"`{default_state_dir()}/<upstream host>_<upstream port>-<sidecar port>`, under $XDG_STATE_HOME when set, "
     "else ~/.local/state)"
 )
+
+
+# uvicorn's own names (uvicorn.config.LOG_LEVELS; tests/test_cli_help.py keeps them equal), not
+# imported: the CLI starts without uvicorn until a server runs
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _log_level(value: str) -> str:
+    if value.lower() not in LOG_LEVELS:
+        raise typer.BadParameter(f"{value!r} is not a log level; one of {', '.join(LOG_LEVELS)}")
+    return value.lower()
 
 
 @app.command()
@@ -72,11 +83,12 @@ def serve(
         typer.Option("--stages", help="with --profiler-config and no --deploy-config: the `vllm serve --omni` "
                      "pipeline's stage ids, e.g. 0,1"),
     ] = None,
-    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level: debug, info, warning, error")] = "info",
+    log_level: Annotated[str, typer.Option("--log-level", callback=_log_level,
+                                           help=f"uvicorn log level: {', '.join(LOG_LEVELS)}")] = "info",
     keep: Annotated[Optional[int], typer.Option(
         "--keep", help=f"finished captures kept in history (default {_DEFAULTS['keep']})")] = None,
     keep_days: Annotated[
-        Optional[float], typer.Option("--keep-days", help="drop finished captures older than this many days "
+        Optional[float], typer.Option("--keep-days", callback=finite, help="drop finished captures older than this many days "
                                       "(default: kept whatever their age)")
     ] = None,
     allowed_host: Annotated[

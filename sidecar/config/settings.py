@@ -123,15 +123,15 @@ class SidecarSettings(BaseSettings):
     @classmethod
     def _url_has_scheme(cls, value: str) -> str:
         # "127.0.0.1:8000" parses as scheme "127.0.0.1" and every call then hangs into a 502
-        from urllib.parse import urlsplit
+        from sidecar.urls import http_url, with_scheme
 
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
+        url = http_url(value)
+        if url is None:
             raise ValueError(
                 f"--upstream {value!r} is not an http(s) URL; pass the server's URL with its scheme, "
-                f"e.g. --upstream http://{value.split('://')[-1] or '127.0.0.1:8000'}"
+                f"e.g. --upstream {with_scheme(value)}"
             )
-        return value.rstrip("/")
+        return url
 
     @model_validator(mode="after")
     def _quiet_within_the_collect_bound(self) -> SidecarSettings:

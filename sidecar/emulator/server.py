@@ -24,7 +24,7 @@ from sidecar.emulator.worker import (
     worker_context,
 )
 from sidecar.errors import ConfigError
-from sidecar.errors import NoStages
+from sidecar.errors import NoStages, StageUnknown
 
 logger = logging.getLogger("sidecar.emulator")
 
@@ -48,6 +48,14 @@ def load_deploy(options: EmulatorOptions) -> DeployConfig:
         )
     if not deploy.stages:
         raise NoStages(f"{deploy.path}: no stages (add a top-level `stages:` list)")
+    ids = sorted(s.stage_id for s in deploy.stages)
+    named = {"--diffusion-stages": options.diffusion_stages, "--idle-after-request": list(options.idle_after_request),
+             "--fault-dead-stage": [options.fault_dead_stage], "--fault-die-after-start": [options.fault_die_after_start]}
+    for option, stages in named.items():
+        unknown = [s for s in stages if s is not None and s not in ids]
+        if unknown:  # else the option would do nothing, and a test relying on it would prove nothing
+            raise StageUnknown(f"{option} names stage {unknown[0]}, which {deploy.path} does not have "
+                               f"(its stages: {', '.join(map(str, ids))})", details={"option": option, "stage": unknown[0]})
     return deploy
 
 

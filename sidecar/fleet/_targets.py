@@ -12,6 +12,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from sidecar.errors import TargetDuplicate, TargetInvalid, TargetsEmpty
+from sidecar.urls import http_url
 
 Flavor = Literal["omni", "vllm"]
 
@@ -23,18 +24,15 @@ class TargetKind(str, Enum):
 
 
 def _normalize_url(url: str) -> str:
-    text = str(url).strip()
-    try:
-        parsed = httpx.URL(text)
-    except Exception:  # httpx raises several types for garbage
-        parsed = None
-    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+    normal = http_url(url)
+    if normal is None:
+        text = str(url).strip()
         raise TargetInvalid(
             f"target {text!r} is not an http(s) URL; write e.g. sidecar=http://10.0.0.5:8092 "
             "or upstream=http://10.0.0.5:8091",
             details={"target": text},
         )
-    return text.rstrip("/")
+    return normal
 
 
 class Target(BaseModel):

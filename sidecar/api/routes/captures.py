@@ -54,6 +54,16 @@ def _whole(*bounds: Any) -> Any:
 Whole = _whole()
 
 
+def _plain_text(value: Any) -> Any:
+    """A label is shown in lists and tables: no control characters (an escape sequence there would
+    recolour or retitle a terminal), said with where the first one is."""
+    if isinstance(value, str):
+        bad = next((i for i, c in enumerate(value) if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0), None)
+        if bad is not None:
+            raise ValueError(f"holds a control character ({value[bad]!r} at {bad}); a label is plain text")
+    return value
+
+
 # the stage presets a capture may carry (a set of torch options each: limits.check_profile)
 CAPTURE_PROFILES = tuple(capture_profiles())
 
@@ -65,7 +75,7 @@ class CaptureRequest(BaseModel):
 
     # strict: `true` is not stage 1, "0" is not stage 0
     stages: list[Whole] | None = Field(default=None, description="stage ids; omit for every profiled stage")
-    label: str | None = Field(default=None, max_length=200)
+    label: Annotated[Optional[str], BeforeValidator(_plain_text)] = Field(default=None, max_length=200)
     duration_s: float | None = Field(default=None, gt=0, description="stop automatically after this many seconds")
     lease_s: float | None = Field(default=None, gt=0, description="stop unless a heartbeat arrives within this")
     kind: Literal["torch", "nsys"] = Field(
