@@ -14,6 +14,7 @@ import pytest
 
 from sidecar.cli._layout import printable
 from sidecar._process import free_port
+from tests.fixtures.sidecar import AppClient  # noqa: F401  (the `api` fixture is a plugin)
 from tests.test_cli_help import COMMANDS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,3 +136,13 @@ def test_an_emulator_option_out_of_range_is_named_as_the_cli_spells_it() -> None
 def test_control_characters_in_a_value_are_shown_as_escapes() -> None:
     assert printable("run\x1b[31m red\x07\r\x9b\n\tend") == "run\\x1b[31m red\\x07\\x0d\\x9b\n\tend"
     assert printable("plain — ünïcode") == "plain — ünïcode"
+
+
+async def test_the_api_refuses_a_label_with_control_characters(api: Any) -> None:  # noqa: F811
+    client = await api()
+    reply = await client.post("/v1/captures", json={"stages": [0], "label": "step 3\x1b]0;owned\x07"})
+    err = reply.json()["error"]
+    assert (reply.status_code, err["code"], "control character ('\\x1b' at 6)" in err["message"]) == (
+        422, "request_invalid", True), err
+    listed = (await client.get("/v1/captures")).json()["captures"]
+    assert listed == []  # nothing started
