@@ -146,3 +146,12 @@ async def test_the_api_refuses_a_label_with_control_characters(api: Any) -> None
         422, "request_invalid", True), err
     listed = (await client.get("/v1/captures")).json()["captures"]
     assert listed == []  # nothing started
+
+
+@pytest.mark.parametrize(("value", "why"), [("0,,2", "a stray comma"), ("0,", "a stray comma"), ("", "no stage ids"),
+                                            ("zero", "got 'zero'")])
+def test_a_stage_list_with_an_empty_or_odd_item_is_refused_not_shortened(value: str, why: str) -> None:
+    """'0,,2' was read as [0, 2] and '' as no list: a typo chose the stages."""
+    done = cli("start", "--stages", value, "--sidecar", f"http://127.0.0.1:{free_port()}")
+    said = " ".join(done.stderr.replace("│", " ").split())
+    assert (done.returncode, "'--stages'" in said, why in said, "Traceback" in said) == (2, True, True, False), done.stderr

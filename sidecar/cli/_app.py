@@ -168,14 +168,16 @@ WindowOpt = Annotated[
 ]
 
 
-def parse_stage_list(value: str | None) -> list[int] | None:
+def parse_stage_list(value: str | None, option: str = "--stages") -> list[int] | None:
     """``"0,2"`` → ``[0, 2]``; ``None`` → ``None``. Bad items are a usage error, not a traceback."""
     if value is None:
         return None
-    items = [v.strip() for v in value.split(",") if v.strip() != ""]
+    items = [v.strip() for v in value.split(",")]
     try:
         return [int(v) for v in items]
     except ValueError:
-        raise typer.BadParameter(f"stages must be comma-separated integers, e.g. 0,2 (got {value!r})") from None
+        why = "no stage ids" if not value.strip() else "an empty item: a stray comma?" if "" in items else None
+        raise typer.BadParameter(f"stages must be comma-separated integers, e.g. 0,2 (got {value!r}"
+                                 + (f": {why})" if why else ")"), param_hint=f"'{option}'") from None
 
 

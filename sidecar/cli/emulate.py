@@ -110,7 +110,7 @@ def emulate(
                 port=port,
                 fd=fd,
                 flavor=flavor,  # type: ignore[arg-type]
-                diffusion_stages=parse_stage_list(diffusion_stages) or [],
+                diffusion_stages=parse_stage_list(diffusion_stages, "--diffusion-stages") or [],
                 model=model,
                 step_ms=step_ms,
                 idle_after_request=_stage_counts(idle_after_request),
