@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from typing import Any
 
 from tests.fixtures.sidecar import AppClient, error_of  # noqa: F401  (the `api` fixture is a plugin)
@@ -86,3 +87,34 @@ async def test_summary_route_serves_the_attribution_fields(api: AppClient) -> No
     data = (await client.get(f"/v1/captures/{cid}/summary", timeout=60)).json()
     assert (data["findings"], data["common_window"], data["devices"]) == ([], None, [])
     assert data["totals"]["cpu_ops"] > 0
+
+
+def _add_device_link(controller: Any, cid: str) -> str:
+    """A trace-named link to a device in the capture's first session folder: a rank no one can read."""
+    from pathlib import Path
+
+    session = next(s for v in controller.get(cid).verdicts for s in v.sessions if s.local_path)
+    folder = Path(session.local_path)
+    (folder / "trace_rank7.json.gz").symlink_to("/dev/zero")
+    for f in folder.iterdir():  # a trace touched: the summary made at collection is made again, now
+        if f.name.startswith("trace_rank0"):
+            os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1_000_000))
+    return f"{folder.name}/trace_rank7.json.gz is a device"
+
+
+async def test_summary_route_names_a_trace_named_entry_it_cannot_read(api: AppClient) -> None:  # noqa: F811
+    client = await api()
+    cid = await _capture(client, [0])
+    said = _add_device_link(client.sidecar_app.state.controller, cid)
+    data = (await client.get(f"/v1/captures/{cid}/summary", timeout=60)).json()
+    assert (data["totals"]["cpu_ops"] > 0, [w for w in data["warnings"] if said in w] != []) == (True, True), data["warnings"]
+
+
+async def test_timeline_route_names_what_it_could_not_read_and_its_gzip_names_the_file(api: AppClient) -> None:  # noqa: F811
+    client = await api()
+    cid = await _capture(client, [0])
+    said = _add_device_link(client.sidecar_app.state.controller, cid)
+    reply = await client.get(f"/v1/captures/{cid}/timeline", timeout=60)
+    not_read = json.loads(gzip.decompress(reply.content))["otherData"].get("omni_sidecar_not_read", [])
+    assert (reply.status_code, [m for m in not_read if said in m] != []) == (200, True), not_read
+    assert reply.content[10:reply.content.index(b"\0", 10)] == f"{cid}.timeline.json".encode()  # not ....json.gz.tmp

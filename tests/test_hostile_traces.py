@@ -412,6 +412,8 @@ NUMBERS = {
     "memory_event_time_past_2_53_us": ({"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]", "pid": 1,
                                         "tid": 1, "ts": _BAD, "args": {"Bytes": 8, "Addr": 1, "Device Id": 0,
                                                                        "Device Type": 1}}, "1e308"),
+    "complete_event_of_negative_duration": ({"ph": "X", "cat": "cpu_op", "name": "aten::neg", "pid": 1, "tid": 1,
+                                             "ts": 200.0, "dur": _BAD}, "-0.005"),
     "allocator_figure_past_64_bits": ({"ph": "i", "cat": "cpu_instant_event", "s": "t", "name": "[memory]", "pid": 1, "tid": 1,
                                        "ts": 200.0, "args": {"Bytes": _BAD, "Addr": 1, "Device Id": 0, "Device Type": 1}},
                                       str(10**23)),
@@ -442,8 +444,8 @@ def test_an_event_with_a_number_no_profiler_writes_is_left_out_and_said_and_noth
     assert code == 0 and "Traceback" not in out, out
     got = _strict(out)
     want = _strict(_cli("summarize", str(clean), "--json")[1])
-    assert got["warnings"] == [f"{path}: 1 event left out: a timestamp or duration past ±2^53 µs, or an allocator "
-                               "figure past 64 bits (not a number a profiler writes)"]
+    assert got["warnings"] == [f"{path}: 1 event left out: a timestamp or duration past ±2^53 µs, a negative duration, "
+                               "or an allocator figure past 64 bits (not a number a profiler writes)"]
     assert not got["truncated"] and got["errors"] == []
     for key in ("window", "cpu_ops", "kernels", "devices", "memory"):  # the rest, as if the event were not there
         assert json.dumps(got[key]).replace(str(path), "") == json.dumps(want[key]).replace(str(clean), ""), key

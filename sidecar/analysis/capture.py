@@ -14,9 +14,10 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import stat
 import statistics
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from sidecar.analysis.models import (
 )
 from sidecar.analysis.report import aggregate_trace, summary_body, trace_summary
 from sidecar.analysis.snapshot import SNAPSHOT_FILE, summarize_snapshot
+from sidecar.analysis.stream import look, trace_entries
 from sidecar.analysis.starts import (
     Start,
     common_span,
@@ -103,39 +105,84 @@ def source_of(path: str | Path, *, stage_id: int | None = None, replica: int | N
     )
 
 
-def find_traces(paths: Iterable[str | Path]) -> list[Path]:
-    """Trace files named by ``paths``: files as given, folders searched for ``trace_rank*`` and
-    ``*.pt.trace.json[.gz]``.
+def _trace_named(name: str) -> bool:
+    return bool(_TRACE.match(name) or _VLLM_TRACE.match(name))
+
+
+@dataclass
+class FoundTraces:
+    """What ``locate`` found under some paths: each distinct file once (``sources``), a note per
+    file given more than once (``repeated``), and why each trace-named entry in a folder that is
+    no readable file was not read (``unreadable``: a folder, a device, a broken link, a loop)."""
+
+    sources: list[TraceSource] = field(default_factory=list)
+    repeated: list[str] = field(default_factory=list)
+    unreadable: list[str] = field(default_factory=list)
+
+
+def _folder(p: Path) -> tuple[list[Path], list[str]]:
+    entries, bad = trace_entries(p, _trace_named)
+    problems = [f"{f} {why}" for f, why in bad]
+    hits = [f for f, _ in entries]
+    plain = {f for f in hits if f.suffix == ".json"}
+    hits = [f for f in hits if not (f.suffix == ".gz" and f.with_suffix("") in plain)]
+    if not hits:
+        raise TraceError(f"{p}: no readable trace_rank*.json[.gz] in this folder or below it"
+                         + "".join(f"; {why}" for why in problems), details={"file": str(p), "errors": problems})
+    return hits, problems
+
+
+def locate(paths: Iterable[str | Path | TraceSource]) -> FoundTraces:
+    """The trace files named by ``paths``: files as given, folders searched for ``trace_rank*`` and
+    ``*.pt.trace.json[.gz]``, given ``TraceSource`` kept as they are; a file reached twice (given
+    twice, as ``./a`` and ``a``, through a link, or in a folder also given) is read once.
 
     When both ``trace_rankN.json`` and ``.json.gz`` exist the gzip is still being written (vLLM
-    compresses after replying to stop): the plain file is the complete one.
+    compresses after replying to stop): the plain file is the complete one. ``TraceError`` for a
+    path that does not exist (or is a broken link or a symlink loop) and for a folder with no
+    readable trace.
     """
-    found: list[Path] = []
+    found = FoundTraces()
+    seen: dict[tuple[int, int], list[Path]] = {}
     for raw in paths:
-        p = Path(raw)
-        if p.is_dir():
-            hits = sorted(f for f in p.rglob("*.json*") if f.is_file() and (_TRACE.match(f.name) or _VLLM_TRACE.match(f.name)))
-            plain = {f for f in hits if f.suffix == ".json"}
-            hits = [f for f in hits if not (f.suffix == ".gz" and f.with_suffix("") in plain)]
-            if not hits:
-                raise TraceError(f"{p}: no trace_rank*.json[.gz] in this folder or below it", details={"file": str(p)})
-            found.extend(hits)
-        elif p.exists():
-            found.append(p)
+        if isinstance(raw, TraceSource):
+            candidates = [raw]
         else:
-            raise TraceError(f"{p}: no such file or folder", details={"file": str(p)})
+            p = Path(raw)
+            st, why = look(p)
+            if st is None:
+                raise TraceError(f"{p}: {why}", details={"file": str(p)})
+            if stat.S_ISDIR(st.st_mode):
+                hits, problems = _folder(p)
+                found.unreadable += [w for w in problems if w not in found.unreadable]
+                candidates = [source_of(f) for f in hits]
+            else:
+                candidates = [source_of(p)]  # a FIFO or device given by name: the reader says what it is
+        for src in candidates:
+            sst, _ = look(src.path)
+            key = (sst.st_dev, sst.st_ino) if sst is not None else None
+            if key is not None and key in seen:
+                seen[key].append(src.path)
+                continue
+            if key is not None:
+                seen[key] = [src.path]
+            found.sources.append(src)
+    for names in seen.values():
+        if len(names) > 1:
+            also = sorted({str(n) for n in names[1:]} - {str(names[0])})
+            found.repeated.append(f"{names[0]} given {len(names)} times" + (f" (also as {', '.join(also)})" if also else "")
+                                  + ": read once")
     return found
 
 
+def find_traces(paths: Iterable[str | Path]) -> list[Path]:
+    """The trace files under ``paths``, each once (``locate``)."""
+    return [s.path for s in locate(paths).sources]
+
+
 def find_sources(paths: Iterable[str | Path | TraceSource]) -> list[TraceSource]:
-    """``TraceSource`` per trace under ``paths`` (given sources are kept as they are)."""
-    out: list[TraceSource] = []
-    for p in paths:
-        if isinstance(p, TraceSource):
-            out.append(p)
-        else:
-            out.extend(source_of(f) for f in find_traces([p]))
-    return out
+    """``TraceSource`` per trace under ``paths``, each file once (given sources are kept as they are)."""
+    return locate(paths).sources
 
 
 Result = tuple[Aggregate, TraceMeta, int] | TraceError
@@ -317,19 +364,20 @@ def summarize_paths(
     ``start_skew_us`` is measured from it (else from the earliest device of its stage).
     ``on_file(done, total)``: files read so far, for a progress line (``aggregate_sources``).
     """
-    sources = find_sources(paths)
+    found = locate(paths)
+    sources = found.sources
     results = aggregate_sources(sources, workers=workers, on_file=on_file)
     total = Aggregate()
     stages: dict[int | None, Aggregate] = {}
     per_file: list[TraceSummary] = []
-    errors: list[str] = []
-    warnings: list[str] = []
+    errors: list[str] = list(found.unreadable)  # a rank that cannot be read is said, never lost
+    warnings: list[str] = list(found.repeated)
     failed = [res for res in results if isinstance(res, TraceError)]
     if failed and len(failed) == len(results):
         first = failed[0]
         raise type(first)(
-            "; ".join(str(e) for e in failed),
-            details={**first.details, "errors": [str(e) for e in failed]},
+            "; ".join([str(e) for e in failed] + found.unreadable),
+            details={**first.details, "errors": [str(e) for e in failed] + found.unreadable},
         )
     for src, res in zip(sources, results):
         if isinstance(res, TraceError):

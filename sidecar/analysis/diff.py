@@ -119,6 +119,7 @@ class CaptureDiff(BaseModel):
     stages: list[StageDiff] = Field(default_factory=list)
     total: StageDiff = Field(default_factory=StageDiff)
     errors: list[str] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)  # each side's (a file given twice, events left out)
 
 
 def _totals(a: SummaryBody, b: SummaryBody) -> TotalsDelta:
@@ -248,6 +249,7 @@ def diff_summaries(a: CaptureSummary, b: CaptureSummary, *, top: int = 20, label
     return CaptureDiff(
         a=label_a, b=label_b, stages=stages, total=diff_bodies(a, b, top=top),
         errors=[f"a: {e}" for e in a.errors] + [f"b: {e}" for e in b.errors],
+        warnings=[f"a: {w}" for w in a.warnings] + [f"b: {w}" for w in b.warnings],
     )
 
 

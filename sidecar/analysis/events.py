@@ -3,7 +3,7 @@ the decoders of a slice of events, and the slow path for a slice they refuse (fi
 numbers past a float64), which keeps what is usable and counts what it leaves out.
 
 The numbers an event may hold are part of the contract: a ``ts``/``dur`` within ``TIME_LIMIT_US``,
-an allocator figure within 64 bits. Past them the event is left out and counted, so nothing
+a ``dur`` of a complete event not negative, an allocator figure within 64 bits. Past them the event is left out and counted, so nothing
 downstream meets an infinity or an overflow (docs/summaries.md, "Limits").
 """
 
@@ -19,6 +19,8 @@ import msgspec
 # out and counted (``unusable``): nothing downstream then meets an infinity or an overflow.
 TIME_LIMIT_US = float(1 << 53)
 _Time = Annotated[float, msgspec.Meta(ge=-TIME_LIMIT_US, le=TIME_LIMIT_US)]
+# a duration is never negative: a slice that holds one takes the slow path, which leaves that event out
+_Duration = Annotated[float, msgspec.Meta(ge=0.0, le=TIME_LIMIT_US)]
 _I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 
 
@@ -37,7 +39,7 @@ class _EventFields(msgspec.Struct, gc=False):
     pid: int | str | None = None
     tid: int | str | None = None
     ts: _Time = 0.0
-    dur: _Time = 0.0
+    dur: _Duration = 0.0
     args: EventArgs | None = None
 
 
@@ -161,7 +163,7 @@ def _coerce_instant(d: dict[str, Any]) -> InstantEvent | None:
 
 def _coerce(d: Any) -> TraceEvent | None:
     """Slow path for an event whose fields have unexpected types: keep what is usable (None: its
-    ``ts`` or ``dur`` is a number past the limit)."""
+    ``ts`` or ``dur`` is a number past the limit, or it is a complete event of a negative ``dur``)."""
     if not isinstance(d, dict):
         return None
     a = d.get("args")
@@ -176,6 +178,10 @@ def _coerce(d: Any) -> TraceEvent | None:
     ts, dur = _time(d.get("ts")), _time(d.get("dur"))
     if ts is None or dur is None:
         return None
+    if dur < 0:  # no span ends before it starts: a complete event of one is not usable, elsewhere dur means nothing
+        if d.get("ph") == "X":
+            return None
+        dur = 0.0
     pid, tid = d.get("pid"), d.get("tid")
     return TraceEvent(
         ph=d.get("ph") if isinstance(d.get("ph"), str) else "",

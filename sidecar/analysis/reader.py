@@ -38,7 +38,7 @@ from sidecar.analysis.events import (
     decode_raw,
 )
 from sidecar.analysis.scan import WS, array_closed, last_boundary, python_run
-from sidecar.analysis.stream import INFLATE_ERRORS, GunzipStream, ReadAhead, not_regular
+from sidecar.analysis.stream import INFLATE_ERRORS, GunzipStream, ReadAhead, not_regular, unreadable
 from sidecar.errors import TraceError, TraceTooLarge
 
 CHUNK = 4 << 20  # bytes of raw JSON parsed per batch: big enough to amortise, small for RSS
@@ -82,11 +82,11 @@ class TraceReader:
         self.complete_only = complete_only
         self._decode_typed = DECODE_COMPLETE if complete_only else DECODE
         self.skipped = 0  # events counted but not decoded
-        self.unusable = 0  # events left out: a number past the limits (TIME_LIMIT_US, 64-bit integers)
+        self.unusable = 0  # events left out: a number past the limits (TIME_LIMIT_US, 64-bit integers, dur < 0)
         self.chunk_size = chunk_size
         self.meta: dict[str, Any] = {}
         self.truncated = False
-        self.error: str | None = None
+        self._why = ""
         self.events_read = 0
         self.raw_bytes = 0  # bytes of (decompressed) JSON consumed
         self._eof = False
@@ -98,8 +98,8 @@ class TraceReader:
         if not self.unusable:
             return None
         n = self.unusable
-        return (f"{n:,} event{'s' if n > 1 else ''} left out: a timestamp or duration past ±2^53 µs, or an "
-                "allocator figure past 64 bits (not a number a profiler writes)")
+        return (f"{n:,} event{'s' if n > 1 else ''} left out: a timestamp or duration past ±2^53 µs, a negative "
+                "duration, or an allocator figure past 64 bits (not a number a profiler writes)")
 
     # --- raw input ---------------------------------------------------------------------------
 
@@ -144,20 +144,29 @@ class TraceReader:
     def _truncate(self, why: str) -> None:
         if not self.truncated:
             self.truncated = True
-            self.error = f"{self.path}: {why}; summary covers the {self.events_read} events read before it"
+            self._why = why
+
+    @property
+    def error(self) -> str | None:
+        """Why the read ended early, with the events read before it: worded when asked, so the
+        count includes the events still buffered when the end was met."""
+        if not self.truncated:
+            return None
+        n = self.events_read
+        return f"{self.path}: {self._why}; summary covers the {n:,} event{'' if n == 1 else 's'} read before it"
 
     # --- parsing -----------------------------------------------------------------------------
 
     def _open(self) -> IO[bytes]:
         """The file, opened only once ``stat`` says it is a regular one (opening a FIFO blocks),
         and without blocking, then checked again on the open descriptor (it may have been swapped)."""
+        why = unreadable(self.path)
+        if why is not None:
+            raise self._fail(why)
         try:
-            why = not_regular(os.stat(self.path).st_mode)
-            if why is not None:
-                raise self._fail(why)
             fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
         except FileNotFoundError:
-            raise self._fail("no such file") from None
+            raise self._fail("no such file or folder") from None
         except OSError as err:
             raise self._fail(f"cannot be opened ({err.strerror or err})") from None
         f = os.fdopen(fd, "rb")
@@ -202,7 +211,7 @@ class TraceReader:
             pos = self._find_events(buf)
             buf = self._buf
         else:
-            raise self._fail("is not JSON (expected a Chrome trace object with traceEvents)")
+            raise self._fail(self._not_an_object(buf))
         yield from self._event_slices(buf[pos:])
 
     def _find_events(self, buf: bytes) -> int:
@@ -249,8 +258,22 @@ class TraceReader:
             raise self._fail(f"is not valid JSON ({err})") from None
         except RecursionError:
             raise self._deep() from None
-        keys = ", ".join(list(doc)[:6]) if isinstance(doc, dict) else type(doc).__name__
+        if isinstance(doc, dict) and "traceEvents" in doc:
+            raise self._fail(f"is JSON but not a Chrome trace: traceEvents is not an array (it is {_a(doc['traceEvents'])})")
+        keys = ", ".join(list(doc)[:6]) if isinstance(doc, dict) else _a(doc)
         raise self._fail(f"is JSON but not a Chrome trace: no 'traceEvents' array (top-level keys: {keys})")
+
+    def _not_an_object(self, buf: bytes) -> str:
+        """What a file that starts with neither ``{`` nor ``[`` is: JSON of another kind (a null, a
+        string, a number; decoded only when the whole file is within the header's limit), or not JSON."""
+        while not self._eof and len(buf) <= _HEADER_LIMIT:
+            buf += self._read()
+        if self._eof and not self.truncated:
+            try:
+                return f"is JSON but not a Chrome trace ({_a(DECODE_ANY(buf))}; expected an object with traceEvents)"
+            except (_JSONError, RecursionError):
+                pass
+        return "is not JSON (expected a Chrome trace object with traceEvents)"
 
     def _deep(self) -> TraceError:
         return self._fail("nests JSON deeper than the decoder allows (about 1000 levels); Kineto writes 3 or 4")
@@ -268,6 +291,7 @@ class TraceReader:
         except msgspec.ValidationError:  # valid JSON, odd field types: take the slow path
             out, passed, unusable = decode_lenient(doc, complete_only=self.complete_only)
             self.skipped += passed  # counted, as the typed path's placeholders are
+            self.events_read += passed
             self.unusable += unusable
             return out
 
@@ -432,6 +456,13 @@ class RawTraceReader(TraceReader):
         events, unusable = decode_raw(doc)
         self.unusable += unusable
         return events
+
+
+def _a(value: Any) -> str:
+    """The JSON kind of ``value``, with its article: ``a string``, ``an object``."""
+    kind = {type(None): "a null", bool: "a boolean", str: "a string", int: "a number", float: "a number",
+            dict: "an object", list: "an array"}
+    return kind.get(type(value), f"a {type(value).__name__}")
 
 
 def _mb(n: int) -> str:

@@ -11,14 +11,15 @@ the share of the time that fits.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sidecar.analysis.reader import RawTraceReader, TraceReader, read_header
-from sidecar.analysis.writer import TraceWriter
+from sidecar.analysis.reader import MAX_RAW_BYTES, RawTraceReader, TraceReader, read_header
+from sidecar.analysis.writer import TraceWriter, output_path
 from sidecar.errors import SlimWindowInvalid, TraceError
 
 ESCALATION: tuple[tuple[str, ...], ...] = (
@@ -42,6 +43,17 @@ class SlimReport:
     window_us: tuple[float, float] | None = None  # in the trace's own ts
     passes: int = 0
     fits: bool = True
+
+
+def max_mb_problem(max_mb: float | None) -> str | None:
+    """Why ``max_mb`` is no size cap slim can aim for (not a number, not above 0, or past the most
+    JSON the reader reads), or None. One rule for ``slim_trace`` and the CLI's ``--max-mb``."""
+    if max_mb is None:
+        return None
+    most = MAX_RAW_BYTES / 1e6
+    if not math.isfinite(max_mb) or not 0 < max_mb <= most:
+        return f"give a size in MB above 0 and at most {most:,.0f} (the most JSON a trace may hold); leave it out for no cap"
+    return None
 
 
 def _scan(path: Path) -> tuple[float | None, float | None, dict[int, tuple[float, float]], int]:
@@ -139,10 +151,12 @@ def slim_trace(
     """Write a smaller, valid copy of ``src`` to ``out`` (``.json`` / ``.json.gz``). Raises
     ``TraceError`` for unreadable input, ``SlimWindowInvalid`` for a bad window. ``on_pass(what)``
     is told what each pass over the trace does, before it starts (for a progress line)."""
-    src, out = Path(src), Path(out)
+    src = Path(src)
+    why = max_mb_problem(max_mb)
+    if why is not None:
+        raise TraceError(f"--max-mb {max_mb}: {why}", details={"max_mb": str(max_mb)})
+    out = output_path(out, [src])
     tell = on_pass or (lambda _what: None)
-    if src.resolve() == out.resolve():
-        raise TraceError(f"{out}: the output must not be the input trace", details={"file": str(out)})
     tell("pass 1: reading the trace's steps and span")
     first, last, steps, raw_in = _scan(src)
     win = parse_window(window, first, steps) if window else None
@@ -178,4 +192,4 @@ def slim_trace(
     return report
 
 
-__all__ = ["ESCALATION", "SlimReport", "SlimWindowInvalid", "parse_window", "slim_trace"]
+__all__ = ["ESCALATION", "SlimReport", "SlimWindowInvalid", "max_mb_problem", "parse_window", "slim_trace"]

@@ -4,10 +4,14 @@ files are read)."""
 
 from __future__ import annotations
 
+import errno
+import os
 import queue
 import stat
 import threading
 import zlib
+from collections.abc import Callable
+from pathlib import Path
 from typing import IO, Any
 
 try:  # ISA-L's inflate is 2-3x zlib's; same API (python-isal), optional
@@ -122,3 +126,46 @@ def not_regular(mode: int) -> str | None:
     kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
         "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
     return f"is {kind}, not a trace file: not read"
+
+
+def look(path: str | Path) -> tuple[os.stat_result | None, str | None]:
+    """One ``stat`` of ``path`` (links followed): its result, or None and why it cannot be looked at
+    (gone, a broken link, a symlink loop). The one wording for every reader and writer of traces."""
+    try:
+        return os.stat(path), None
+    except FileNotFoundError:
+        return None, "is a broken symlink (its target is gone)" if os.path.islink(path) else "no such file or folder"
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return None, "is a symlink loop (a link that leads back to itself)"
+        return None, f"cannot be looked at ({err.strerror or err})"
+    except ValueError as err:  # a NUL byte in the name
+        return None, f"cannot be looked at ({err})"
+
+
+def unreadable(path: str | Path) -> str | None:
+    """Why ``path`` is not a trace file that can be read (see ``look`` and ``not_regular``), or None."""
+    st, why = look(path)
+    return why if st is None else not_regular(st.st_mode)
+
+
+def trace_entries(folder: str | Path, named: Callable[[str], bool]) -> tuple[list[tuple[Path, os.stat_result]], list[tuple[Path, str]]]:
+    """Every entry under ``folder`` (links to folders not followed) whose name ``named`` accepts:
+    the regular files (with their ``stat``), and each other one with why it is not read (a folder, a
+    device, a broken link, a symlink loop), so a trace that cannot be read is said, never lost."""
+    files: list[tuple[Path, os.stat_result]] = []
+    problems: list[tuple[Path, str]] = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in sorted(filenames + dirnames):
+            if not named(name):
+                continue
+            full = Path(dirpath) / name
+            st, why = look(full)
+            why = why if st is None else not_regular(st.st_mode)
+            if why is None:
+                files.append((full, st))  # type: ignore[arg-type]
+            else:
+                problems.append((full, why))
+        dirnames[:] = sorted(d for d in dirnames if not os.path.islink(os.path.join(dirpath, d)))
+    files.sort(key=lambda f: f[0])
+    return files, problems

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sidecar.analysis.capture import TraceSource, find_sources
+from sidecar.analysis.capture import TraceSource, locate
 from sidecar.analysis.reader import RawTraceReader, read_header, trace_base_ns
-from sidecar.analysis.writer import TraceWriter
+from sidecar.analysis.writer import TraceWriter, output_path
 from sidecar.errors import TraceError
 
 _FLOW_PHASES = frozenset({"s", "t", "f"})
@@ -51,7 +51,7 @@ class TimelineReport:
     flows_dropped: int = 0
     trimmed: int = 0  # events outside the window asked for, left out
     errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)  # events a source held that no profiler writes, left out
+    warnings: list[str] = field(default_factory=list)  # a file given twice (merged once); events no profiler writes, left out
 
 
 def _as_int(v: Any) -> int | None:
@@ -181,7 +181,8 @@ def _tell_apart(procs: list[TimelineProcess]) -> None:
 def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path, *,
                    clock_offsets_ns: Mapping[str, int] | None = None,
                    window_ns: tuple[int, int] | None = None,
-                   on_file: Callable[[int, int], None] | None = None) -> TimelineReport:
+                   on_file: Callable[[int, int], None] | None = None,
+                   skipped: Iterable[str] = ()) -> TimelineReport:
     """Merge every trace under ``paths`` into ``out`` (``.json`` or ``.json.gz``).
 
     Sources are ordered by stage, replica, rank. A source that cannot be read is left out and
@@ -190,12 +191,18 @@ def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path, *
     ahead of the reference clock (a fleet's, ``sidecar/analysis/aligned.py``); its events move
     back by that much. ``window_ns`` (reference clock, epoch ns) keeps only the events that
     overlap it (metadata always kept). ``on_file(done, total)``: files merged so far, before the
-    first and after each (as ``summarize_paths`` calls it).
+    first and after each (as ``summarize_paths`` calls it). ``out`` is checked first
+    (``output_path``: never a folder or one of the sources). A file given twice is merged once
+    (``warnings``); what could not be read (a trace-named folder entry that is no file, and
+    ``skipped``: the caller's own list) is in ``errors`` and in the output's ``otherData``
+    (``omni_sidecar_not_read``), so a lost rank shows wherever the timeline goes.
     """
     offsets = {str(k): int(v) for k, v in (clock_offsets_ns or {}).items()}
-    sources = find_sources(paths)
+    found = locate(paths)
+    sources = found.sources
+    out = output_path(out, [s.path for s in sources])
     headers: list[tuple[TraceSource, dict[str, Any]]] = []
-    errors: list[str] = []
+    errors: list[str] = list(skipped) + found.unreadable
     for src in sources:
         try:
             headers.append((src, read_header(src.path)))
@@ -214,7 +221,7 @@ def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path, *
     bases = [trace_base_ns(h) for _, h in headers]
     known = [b - k for b, k in zip(bases, skews) if b is not None]
     base = min(known) if known else None
-    report = TimelineReport(out=str(out), base_time_ns=base, errors=errors)
+    report = TimelineReport(out=str(out), base_time_ns=base, errors=errors, warnings=list(found.repeated))
     procs = []
     for i, ((src, head), b, k) in enumerate(zip(headers, bases, skews)):
         rank = _rank(head, src.path)
@@ -231,6 +238,8 @@ def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path, *
         header["baseTimeNanoseconds"] = base
     header["otherData"] = {"omni_sidecar_timeline": [
         {"pid": p.pid, "name": p.name, "file": p.file, "offset_us": p.offset_us} for p in procs]}
+    if errors:
+        header["otherData"]["omni_sidecar_not_read"] = list(errors)
     with TraceWriter(out, header) as w:
         for p in procs:
             w.write([

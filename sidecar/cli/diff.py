@@ -94,6 +94,8 @@ def diff(
                 _print_stage(f"stage {s.stage_id if s.stage_id is not None else '?'}", s)
         else:
             _print_stage("all", result.total)
+    for msg in result.warnings:
+        err_console.print(f"[bold yellow]warning[/]: {escape(msg)}", highlight=False, soft_wrap=True)
     for msg in result.errors:
         err_console.print(f"[bold red]error[/]: {escape(msg)}", highlight=False)
     if result.errors:

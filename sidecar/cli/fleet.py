@@ -23,6 +23,7 @@ from rich.text import Text
 
 from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console, finite, parse_stage_list
 from sidecar.cli._app import StagesOpt, TimeoutOpt, WaitOpt, WindowOpt  # shared options
+from sidecar.cli.slim import size_cap
 from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.cli._render import STATE_STYLES, VERDICT_STYLES, print_verdicts, styled, styled_cell
 from sidecar.control.models import CaptureState, Verdict
@@ -502,7 +503,7 @@ def archive(
     mode: Annotated[str, typer.Option(
         "--mode", help="named (each trace's process named stage · replica · rank), raw (files unchanged) "
         "or slim (Python stacks dropped, --max-mb per trace)")] = "named",
-    max_mb: Annotated[Optional[float], typer.Option("--max-mb", min=1, callback=finite, help="slim: at most this many MB per trace")] = None,
+    max_mb: Annotated[Optional[float], typer.Option("--max-mb", callback=size_cap, help="slim: at most this many MB per trace")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Every trace of a fleet capture in one TAR with a perfetto_manifest.json: open it in

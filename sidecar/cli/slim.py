@@ -7,9 +7,17 @@ from pathlib import Path
 
 import typer
 
-from sidecar.analysis.slim import slim_trace
+from sidecar.analysis.slim import max_mb_problem, slim_trace
 from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console, waiting_line
 from sidecar.cli._layout import print_text
+
+
+def size_cap(value: float | None) -> float | None:
+    """The check of a ``--max-mb`` (``slim``, ``fleet archive``): a usage error before any trace is read."""
+    why = max_mb_problem(value)
+    if why is not None:
+        raise typer.BadParameter(why)
+    return value
 
 
 @app.command("slim")
@@ -18,7 +26,8 @@ def slim(
     out: Path = typer.Option(..., "-o", "--out", help="the smaller trace (.json or .json.gz)"),
     drop: str = typer.Option("", "--drop", help="categories to leave out, e.g. python_function,ac2g"),
     window: str | None = typer.Option(None, "--window", help="step:N (ProfilerStep#N) or START..END in ms from the trace start"),
-    max_mb: float | None = typer.Option(None, "--max-mb", min=1, help="drop more (stacks, flows, API calls, then time) until the JSON fits"),
+    max_mb: float | None = typer.Option(None, "--max-mb", callback=size_cap,
+                                        help="drop more (stacks, flows, API calls, then time) until the JSON fits"),
 ) -> None:
     """Write a smaller copy of a trace: fewer categories, one step or time window, a size cap."""
     cats = [c.strip() for c in drop.split(",") if c.strip()]

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sidecar.analysis.stream import not_regular
+from sidecar.analysis.stream import not_regular, trace_entries
 from sidecar.config.models import Stage, StageKind
 from sidecar.control.claims import ClaimRegistry
 from sidecar.control.models import ArtifactFile, SessionFolder, StageVerdict
@@ -499,6 +499,13 @@ def trace_files(verdicts: list[StageVerdict]) -> tuple[list[Path], list[str]]:
             if s.local_path is None:
                 continue
             folder = Path(s.local_path)
+            listed = {f.name for f in s.files} | {f.name + ".gz" for f in s.files}
+            # a trace-named entry the listing left out (no regular file: a folder, a device, a
+            # broken link, a loop) is said, so a lost rank shows in the summary and the timeline
+            for entry, why in trace_entries(folder, is_trace)[1]:
+                rel = entry.relative_to(folder).as_posix()
+                if rel not in listed:
+                    skipped.append(f"{folder.name}/{rel} {why}")
             for f in s.files:
                 if not is_trace(f.name):
                     continue

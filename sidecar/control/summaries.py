@@ -201,6 +201,9 @@ class SummaryCache:
         # in a memory-capped worker: a hostile trace costs that worker, never the server
         started = cap.started_at.timestamp() if cap.started_at else None  # start_skew_us is measured from it
         files = await asyncio.to_thread(identity, paths)  # before the read: a file rewritten meanwhile is read again
+        # and the entries that cannot be read, listed again after it: one that came before a file's
+        # change is said with the analysis that change brings, never left out of it
+        skipped = (await asyncio.to_thread(artifacts.trace_files, cap.verdicts))[1]
         self.analyses += 1
         result = await asyncio.to_thread(run_isolated, summarize_paths, paths, top=rows, requested_start=started)
         data: dict[str, Any] = result.model_dump(mode="json")

@@ -50,6 +50,11 @@ async def summary(api: Api, capture_id: str,
 
 
 def _traces(api: ApiState, capture_id: str) -> list[Path]:
+    return _traces_and_skipped(api, capture_id)[0]
+
+
+def _traces_and_skipped(api: ApiState, capture_id: str) -> tuple[list[Path], list[str]]:
+    """The capture's readable trace files, and why each other trace of it is not read."""
     cap = api.controller.get(capture_id)  # CaptureNotFound -> 404
     if not cap.terminal:
         raise CaptureNotTerminal(
@@ -64,7 +69,7 @@ def _traces(api: ApiState, capture_id: str) -> list[Path]:
             + "".join(f"; {why}" for why in skipped),
             details={"skipped": skipped},
         )
-    return paths
+    return paths, skipped
 
 
 def _timeline_file(api: ApiState, capture_id: str) -> Path:
@@ -80,11 +85,11 @@ def _timeline_file(api: ApiState, capture_id: str) -> Path:
 async def capture_timeline(api: Api, capture_id: str) -> FileResponse:
     from sidecar.analysis.timeline import write_timeline
 
-    paths = _traces(api, capture_id)
+    paths, skipped = _traces_and_skipped(api, capture_id)
     out = _timeline_file(api, capture_id)
     async with api.timeline_locks.setdefault(capture_id, asyncio.Lock()):
-        if not out.is_file():
-            await asyncio.to_thread(run_isolated, write_timeline, paths, out)
+        if not out.is_file():  # what was not read is named in the file (otherData.omni_sidecar_not_read)
+            await asyncio.to_thread(run_isolated, write_timeline, paths, out, skipped=skipped)
     return FileResponse(out, media_type="application/gzip", filename=f"{capture_id}.timeline.json.gz")
 
 
