@@ -190,3 +190,12 @@ def test_json_that_is_no_trace_says_what_it_is(work: Path, body: str, said: str)
     (work / "j.json").write_text(body)
     code, _, err = _cli("summarize", "j.json", cwd=work)
     assert (code, said in err) == (1, True), err
+
+
+@pytest.mark.parametrize("command", [["summarize", ""], ["timeline", "", "-o", "OUT"], ["slim", "", "-o", "OUT"],
+                                     ["diff", "", "GOOD"], ["diff", "GOOD", " "]])
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(work: Path, command: list[str]) -> None:
+    """``summarize "$DIR"`` with DIR unset read the whole current folder (here: good.json.gz)."""
+    args = [work / "out.json" if a == "OUT" else work / "good.json.gz" if a == "GOOD" else a for a in command]
+    rc, _, err = _cli(*args, cwd=work)
+    assert (rc, "an empty path" in err, "Traceback" in err, (work / "out.json").exists()) == (1, True, False, False), err

@@ -148,6 +148,8 @@ def locate(paths: Iterable[str | Path | TraceSource]) -> FoundTraces:
         if isinstance(raw, TraceSource):
             candidates = [raw]
         else:
+            if not str(raw).strip():  # Path("") is the current folder: an unset variable would read it
+                raise TraceError("an empty path; give a trace file or a capture's folder", details={"file": str(raw)})
             p = Path(raw)
             st, why = look(p)
             if st is None:

@@ -151,6 +151,8 @@ def slim_trace(
     """Write a smaller, valid copy of ``src`` to ``out`` (``.json`` / ``.json.gz``). Raises
     ``TraceError`` for unreadable input, ``SlimWindowInvalid`` for a bad window. ``on_pass(what)``
     is told what each pass over the trace does, before it starts (for a progress line)."""
+    if not str(src).strip():  # Path("") is the current folder
+        raise TraceError("an empty path; give a trace file", details={"file": str(src)})
     src = Path(src)
     why = max_mb_problem(max_mb)
     if why is not None:

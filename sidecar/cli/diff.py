@@ -78,12 +78,12 @@ def diff(
     """Per stage: ops and kernels ranked by the change in self CPU and self device time, and memory, B − A."""
     with cli_errors():
         # files win: an exported OMNI_SIDECAR_URL must not turn two trace folders into capture ids
-        on_disk = Path(a).exists() and Path(b).exists()
+        on_disk = all(p.strip() and Path(p).exists() for p in (a, b))
         if sidecar and not on_disk:
             result = _remote(sidecar, a, b, top)
         else:
             with reading_traces("comparing") as on_file:
-                result = diff_paths([Path(a)], [Path(b)], top=top, on_file=on_file)
+                result = diff_paths([a], [b], top=top, on_file=on_file)
     if as_json:
         console.print_json(json.dumps(result.model_dump(mode="json")))
     else:

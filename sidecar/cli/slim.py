@@ -22,7 +22,7 @@ def size_cap(value: float | None) -> float | None:
 
 @app.command("slim")
 def slim(
-    trace: Path = typer.Argument(..., help="a trace file (.json / .json.gz)"),
+    trace: str = typer.Argument(..., help="a trace file (.json / .json.gz)"),
     out: Path = typer.Option(..., "-o", "--out", help="the smaller trace (.json or .json.gz)"),
     drop: str = typer.Option("", "--drop", help="categories to leave out, e.g. python_function,ac2g"),
     window: str | None = typer.Option(None, "--window", help="step:N (ProfilerStep#N) or START..END in ms from the trace start"),

@@ -149,7 +149,7 @@ def merged_notes(summary: CaptureSummary) -> list[str]:
 
 @app.command("summarize")
 def summarize(
-    paths: list[Path] = typer.Argument(..., help="trace files (.json/.json.gz) or session/capture folders"),
+    paths: list[str] = typer.Argument(..., help="trace files (.json/.json.gz) or session/capture folders"),
     top: int = typer.Option(20, "--top", min=1, help="rows per table"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
     by: By = typer.Option(By.op, "--by", help="op: CPU ops (self CPU / self device); kernel: GPU kernels"),

@@ -18,7 +18,7 @@ from sidecar.cli._layout import print_text
 
 @app.command("timeline")
 def timeline(
-    paths: list[Path] = typer.Argument(..., help="trace files, session folders or a capture's folder"),
+    paths: list[str] = typer.Argument(..., help="trace files, session folders or a capture's folder"),
     out: Path = typer.Option(..., "-o", "--out", help="the merged trace (.json or .json.gz)"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
 ) -> None:
