@@ -99,7 +99,7 @@ def _add_device_link(controller: Any, cid: str) -> str:
     for f in folder.iterdir():  # a trace touched: the summary made at collection is made again, now
         if f.name.startswith("trace_rank0"):
             os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1_000_000))
-    return f"{folder.name}/trace_rank7.json.gz is a device"
+    return f"{folder.name}/trace_rank7.json.gz is a character device"
 
 
 async def test_summary_route_names_a_trace_named_entry_it_cannot_read(api: AppClient) -> None:  # noqa: F811

@@ -155,7 +155,8 @@ def test_a_number_no_profiler_writes_leaves_its_event_out_and_the_summary_says_s
     summary = _get(shared, f"/v1/captures/{cid}/summary?top=5")
     assert summary.status_code == 200, summary.text[:500]
     body = summary.json()
-    assert any("2 events left out: a timestamp or duration past ±2^53 µs, or an allocator figure past 64 bits" in w
+    assert any("2 events left out: a timestamp or duration past ±2^53 µs, a negative duration, or an allocator figure "
+               "past 64 bits" in w
                for w in body["warnings"]), body["warnings"]
     assert not body["truncated"] and body["totals"]["events"] == n  # every other event read
     timeline = _get(shared, f"/v1/captures/{cid}/timeline")

@@ -153,7 +153,7 @@ def _bad_entries(session: Path) -> dict[str, str]:
     (session / "trace_rank3.json.gz").symlink_to("/dev/zero")
     (session / "trace_rank4.json.gz").symlink_to("gone.json.gz")
     return {"trace_rank1.json.gz": "is a folder", "trace_rank2.json.gz": "is a symlink loop",
-            "trace_rank3.json.gz": "is a device", "trace_rank4.json.gz": "is a broken symlink"}
+            "trace_rank3.json.gz": "is a character device", "trace_rank4.json.gz": "is a broken symlink"}
 
 
 def test_trace_named_entries_that_cannot_be_read_are_named_beside_the_readable_rank(work: Path) -> None:
@@ -175,7 +175,7 @@ def test_a_folder_whose_only_trace_is_a_link_to_a_device_names_it(work: Path) ->
     session.mkdir(parents=True)
     (session / "trace_rank0.json.gz").symlink_to("/dev/zero")
     code, _, err = _cli("summarize", "cap", cwd=work)
-    assert (code, "trace_rank0.json.gz is a device" in err, "Traceback" in err) == (1, True, False), err
+    assert (code, "trace_rank0.json.gz is a character device" in err, "Traceback" in err) == (1, True, False), err
 
 
 # --- what a file that is no trace is ------------------------------------------------------------------

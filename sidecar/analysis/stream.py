@@ -7,12 +7,13 @@ from __future__ import annotations
 import errno
 import os
 import queue
-import stat
 import threading
 import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
+
+from sidecar.files import not_a_file
 
 try:  # ISA-L's inflate is 2-3x zlib's; same API (python-isal), optional
     from isal import isal_zlib as _inflate
@@ -119,13 +120,10 @@ class ReadAhead:
 def not_regular(mode: int) -> str | None:
     """Why a file of this ``st_mode`` is not read (a folder, FIFO, device, socket), or None for a
     regular file: the one wording for the reader and for ``control.artifacts.confined``."""
-    if stat.S_ISREG(mode):
+    kind = not_a_file(mode)
+    if kind is None:
         return None
-    if stat.S_ISDIR(mode):
-        return "is a folder, not a trace file"
-    kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
-        "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
-    return f"is {kind}, not a trace file: not read"
+    return f"is {kind}, not a trace file" + ("" if kind == "a folder" else ": not read")
 
 
 def look(path: str | Path) -> tuple[os.stat_result | None, str | None]:

@@ -24,10 +24,13 @@ from sidecar.config.profiles import (
     nsys_report_pattern,
     render_overlay,
     render_stage_overrides,
+    write_overlay,
 )
 from sidecar.config.rules import MAX_IDLE_SHARE, max_iterations_for, validate_deploy
 from sidecar.config.verl import format_replicas, installed_verl, read_verl_config, verl_findings
-from sidecar.errors import ConfigUnreadable, Finding, Severity, SidecarError
+from sidecar.control.models import MAX_ENGINE_STEPS  # the bound of a steps window, as the API has it
+from sidecar.errors import ConfigUnreadable, DeployConfigMissing, Finding, SettingInvalid, Severity, SidecarError
+from sidecar.urls import http_url, with_scheme
 from sidecar.versions import (NEWEST_OMNI, NEWEST_VLLM, PLATFORM_DEVICE, WORKER_PROFILERS, Release, ServerVersion,
                              omni_dialect)
 
@@ -108,7 +111,11 @@ def _target(kind: str, vllm_version: str | None, omni_version: str | None, serve
     given_vllm = _version_option(vllm_version, "--vllm-version")
     _version_option(omni_version, "--omni-version")
     if server is not None:
-        found = _read_server(server, omni_version)
+        url = http_url(server)
+        if url is None:  # else an unreachable "server" would be invented, of a guessed version
+            raise SettingInvalid(f"--server {server!r} is not an http(s) URL; pass the server's URL with its scheme, "
+                                 f"e.g. --server {with_scheme(server)}", key="server", details={"url": server})
+        found = _read_server(url, omni_version)
         if given_vllm is None:
             return found
         kind = found.kind
@@ -198,6 +205,13 @@ def validate(
                 _print_server(target, live=True)
             raise typer.Exit(EXIT_OK)
         try:
+            if deploy_file is None and profiler_config is None:  # the loader's own words name serve's options
+                raise DeployConfigMissing(
+                    "nothing to check: pass the deploy YAML `vllm serve --omni` was started with (`omni-sidecar "
+                    "validate DEPLOY`), or for plain `vllm serve` its --profiler-config JSON; --server URL alone "
+                    "prints what a running server is",
+                    key="deploy_config",
+                )
             deploy = load_server_config(
                 deploy_file,
                 flavor="omni" if deploy_file is not None else "vllm",
@@ -254,7 +268,7 @@ def validate(
                     print_text(console, f"{role} replicas profiled: {format_replicas(plan.requested_replicas(rank_mode))}",
                                hang="  ", markup=False)
             n_err = sum(f.is_error for f in findings)
-            n_warn = len(findings) - n_err
+            n_warn = len(findings) - n_err + len(target.warnings())  # the server's version warnings too
             console.print(
                 f"[{'red' if n_err else 'green'}]{n_err} error(s)[/], {n_warn} warning(s)", highlight=False
             )
@@ -294,10 +308,11 @@ def render(
     deploy_file: Annotated[Path, typer.Argument(metavar="DEPLOY", help="the deploy YAML to start from")],
     profile: Annotated[str, typer.Option("--profile", help=f"preset ({', '.join(list_profiles())}) or a profile YAML")],
     stages: Annotated[Optional[str], typer.Option("--stages", help="stages to profile, e.g. 0,2 (default: all)")] = None,
+    # str, not Path: Path("") is "." and an empty value would pass for the current folder
     out_dir: Annotated[
-        Optional[Path], typer.Option("--dir", help="trace root; each stage writes to `DIR/stage<id>` (default: keep the stage's dir)")
+        Optional[str], typer.Option("--dir", help="trace root; each stage writes to `DIR/stage<id>` (default: keep the stage's dir)")
     ] = None,
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="write the overlay YAML here")] = None,
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the overlay YAML here")] = None,
     stage_overrides: Annotated[
         bool, typer.Option("--stage-overrides", help="print the JSON for `vllm serve --omni --stage-overrides`")
     ] = False,
@@ -309,10 +324,10 @@ def render(
         Optional[str], typer.Option("--host", help="fills {host} in --dir (default: this machine's hostname)")
     ] = None,
     steps: Annotated[
-        Optional[int], typer.Option("--steps", min=1, help="every window of these stages ends itself after about N engine steps: max_iterations N+2 (vLLM counts idle iterations too)")
+        Optional[int], typer.Option("--steps", min=1, max=MAX_ENGINE_STEPS, help="every window of these stages ends itself after about N engine steps: max_iterations N+2 (vLLM counts idle iterations too)")
     ] = None,
     delay_steps: Annotated[
-        Optional[int], typer.Option("--delay-steps", min=0, help="delay_iterations: a window starts recording N engine steps after its start")
+        Optional[int], typer.Option("--delay-steps", min=0, max=MAX_ENGINE_STEPS, help="delay_iterations: a window starts recording N engine steps after its start")
     ] = None,
     idle: Annotated[
         Optional[list[str]], typer.Option(
@@ -341,16 +356,13 @@ def render(
                 console.print(text, highlight=False, soft_wrap=True)
                 _print_nsys_hint(profile, load_deploy_config(deploy_file, platform=platform, stage_overrides=text), None)
                 return
-            target = output if output is not None else Path.cwd() / "overlay.yaml"
-            text = render_overlay(deploy_file, profile, stage_list, out_path=target, **where)  # type: ignore[arg-type]
             if output is None:
+                text = render_overlay(deploy_file, profile, stage_list, out_path=Path.cwd() / "overlay.yaml",
+                                      **where)  # type: ignore[arg-type]
                 console.print(text, highlight=False, soft_wrap=True, markup=False)
                 _print_nsys_hint(profile, None, "<this overlay>")
                 return
-            output.parent.mkdir(parents=True, exist_ok=True)
-            output.write_text(text, encoding="utf-8")
-            # The overlay must load exactly like any deploy file; refuse to leave a broken one behind.
-            rendered = load_deploy_config(output, platform=platform)
+            rendered = write_overlay(deploy_file, profile, stage_list, out_path=output, **where)  # type: ignore[arg-type]
             err_console.print(f"wrote {output} (profile {profile}, stages {stage_list})", highlight=False)
             _print_nsys_hint(profile, rendered, None)
         except SidecarError as err:

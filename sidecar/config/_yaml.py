@@ -3,11 +3,14 @@
 ``load_yaml(path)`` returns plain ``dict``/``list`` subclasses (``MarkedDict``, ``MarkedList``)
 carrying ``Where`` marks, resolves scalars the way OmegaConf does (vLLM-Omni reads deploy files
 with OmegaConf), refuses duplicate keys, and raises ``ConfigUnreadable`` for anything unparsable.
+Its limits are part of the contract: only regular files of at most ``MAX_YAML_BYTES`` are read, and
+nesting deeper than ``MAX_YAML_DEPTH`` is refused before any node is built.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -16,8 +19,35 @@ import yaml
 
 from sidecar.errors import Where
 from sidecar.errors import FileNotFound, FileUnreadable, YamlInvalid
+from sidecar.files import not_a_file
 
 _BaseLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+# A deploy YAML is a few KB and a Hydra dump of a verl config a few hundred; anything near this is
+# the wrong file, and reading it whole would take the memory of the process.
+MAX_YAML_BYTES = 16 * 1024 * 1024
+# Real deploy and verl configs nest fewer than 10 levels. Composing nodes recurses once per level
+# (in C under CSafeLoader, where a deep document overflows the stack: a segfault, not an error).
+MAX_YAML_DEPTH = 64
+
+def yaml_type(value: Any) -> str:
+    """The YAML kind of a loaded value in a user's words ("a mapping", "a list", ...), never the
+    loader's class name."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return f"a {type(value).__name__}"
 
 
 class MarkedDict(dict):
@@ -122,11 +152,36 @@ _MarkedLoader.yaml_implicit_resolvers = {
 }
 
 
+def _check_depth(text: str, file_name: str) -> None:
+    """Refuse nesting deeper than ``MAX_YAML_DEPTH`` from the event stream (a flat loop: the check
+    itself never recurses), before the composer can recurse into it."""
+    loader = _BaseLoader(text)
+    depth = 0
+    try:
+        while (event := loader.get_event()) is not None:
+            if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+                depth += 1
+                if depth > MAX_YAML_DEPTH:
+                    mark = event.start_mark
+                    raise YamlInvalid(
+                        f"nesting deeper than {MAX_YAML_DEPTH} levels of mappings and lists (a deploy or verl "
+                        "config nests fewer than 10); pass the right file, or flatten it",
+                        where=Where(file=file_name, line=mark.line + 1, column=mark.column + 1),
+                        details={"max_depth": MAX_YAML_DEPTH},
+                    )
+            elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+                depth -= 1
+    finally:
+        loader.dispose()
+
+
 def load_yaml_text(text: str, *, file_name: str = "<input>") -> Any:
-    """Parse YAML text with marks; ``ConfigUnreadable`` (with line:col) when it is not YAML."""
+    """Parse YAML text with marks; ``ConfigUnreadable`` (with line:col) when it is not YAML or
+    nests deeper than ``MAX_YAML_DEPTH``."""
     loader = _MarkedLoader(text)
     loader.file_name = file_name
     try:
+        _check_depth(text, file_name)
         return loader.get_single_data()
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
@@ -143,19 +198,38 @@ def load_yaml_text(text: str, *, file_name: str = "<input>") -> Any:
 
 
 def load_yaml(path: str | Path) -> Any:
-    """Read a YAML file with marks; ``ConfigUnreadable`` when missing, unreadable or not YAML."""
+    """Read a YAML file with marks; ``ConfigUnreadable`` when missing, not a regular file, larger
+    than ``MAX_YAML_BYTES``, unreadable or not YAML."""
     p = Path(path)
     where = Where(file=str(p))
     try:
-        text = p.read_text(encoding="utf-8")
+        # One observation: open without blocking (a FIFO would wait for a writer), then fstat what
+        # was opened, so what is read is what was checked.
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise FileNotFound(f"file not found: {p}; check the path", where=where) from None
-    except IsADirectoryError:
-        raise FileUnreadable(f"{p} is a directory; pass a YAML file", where=where) from None
-    except UnicodeDecodeError:
-        raise YamlInvalid(
-            f"{p} is not UTF-8 text; pass a YAML file", where=where
-        ) from None
     except OSError as err:
         raise FileUnreadable(f"cannot read {p}: {err.strerror}", where=where) from None
+    try:
+        kind = not_a_file(os.fstat(fd).st_mode)
+        if kind is not None:
+            raise FileUnreadable(f"{p} is {kind}, not a YAML file; pass the path of a YAML file", where=where,
+                                 details={"kind": kind})
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read(MAX_YAML_BYTES + 1)  # a file can grow after fstat: never read past the cap
+    except OSError as err:
+        raise FileUnreadable(f"cannot read {p}: {err.strerror}", where=where) from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_YAML_BYTES:
+        raise FileUnreadable(
+            f"{p} is larger than {MAX_YAML_BYTES // (1024 * 1024)} MB, the most a YAML file read here may be (a "
+            "deploy YAML is a few KB); pass the right file",
+            where=where,
+            details={"max_bytes": MAX_YAML_BYTES},
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise YamlInvalid(f"{p} is not UTF-8 text; pass a YAML file", where=where) from None
     return load_yaml_text(text, file_name=str(p))

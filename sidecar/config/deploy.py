@@ -17,7 +17,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sidecar.config._yaml import MarkedDict, MarkedList, load_yaml
+from sidecar.config._yaml import MarkedDict, MarkedList, load_yaml, yaml_type
+from sidecar.files import not_a_file
 from sidecar.config.models import DeployConfig, Stage, StageKind
 from sidecar.config.overrides import (
     PROFILER_CONFIG_FLAG,
@@ -186,7 +187,7 @@ def _check_stage_list(doc: MarkedDict, key: str, file: str) -> None:
         return
     if not isinstance(stages, list):
         raise DeployStagesInvalid(
-            f"`{key}` must be a list of stage entries (`- stage_id: 0 ...`), got {type(stages).__name__}",
+            f"`{key}` must be a list of stage entries (`- stage_id: 0 ...`), got {yaml_type(stages)}",
             where=doc.where_of(key, value=True),
             key=key,
         )
@@ -195,7 +196,7 @@ def _check_stage_list(doc: MarkedDict, key: str, file: str) -> None:
         item_where = stages.item_where[i] if isinstance(stages, MarkedList) and i < len(stages.item_where) else None
         if not isinstance(entry, dict):
             raise StageInvalid(
-                f"`{key}[{i}]` must be a mapping with a `stage_id`, got {type(entry).__name__}",
+                f"`{key}[{i}]` must be a mapping with a `stage_id`, got {yaml_type(entry)}",
                 where=item_where or Where(file=file),
                 key=f"{key}[{i}]",
             )
@@ -209,7 +210,7 @@ def _check_stage_list(doc: MarkedDict, key: str, file: str) -> None:
         sid_where = entry.where_of("stage_id", value=True) if isinstance(entry, MarkedDict) else item_where
         if isinstance(sid, bool) or not isinstance(sid, int) or sid < 0:
             raise StageIdInvalid(
-                f"stage_id must be a non-negative integer, got {sid!r} ({type(sid).__name__}); "
+                f"stage_id must be a non-negative integer, got {sid!r} ({yaml_type(sid)}); "
                 f"write e.g. `stage_id: {i}` without quotes",
                 where=sid_where,
                 key=f"{key}[{i}].stage_id",
@@ -227,7 +228,7 @@ def _check_stage_list(doc: MarkedDict, key: str, file: str) -> None:
         for block in ("engine_args", "runtime", "profiler_config"):
             if block in entry and entry[block] is not None and not isinstance(entry[block], dict):
                 raise (ProfilerConfigInvalid if block == "profiler_config" else StageInvalid)(
-                    f"stage {sid}: `{block}` must be a mapping, got {type(entry[block]).__name__}",
+                    f"stage {sid}: `{block}` must be a mapping, got {yaml_type(entry[block])}",
                     where=entry.where_of(block, value=True) if isinstance(entry, MarkedDict) else sid_where,
                     key=f"{key}[{i}].{block}",
                 )
@@ -264,7 +265,7 @@ def _read_document(path: Path) -> MarkedDict:
         )
     if not isinstance(doc, dict):
         raise ConfigNotMapping(
-            f"{path}: the top level must be a mapping (`stages: [...]`), got a {type(doc).__name__}",
+            f"{path}: the top level must be a mapping (`stages: [...]`), got {yaml_type(doc)}",
             where=getattr(doc, "where", None) or where,
         )
     _check_stage_list(doc, "stages", str(path))
@@ -287,7 +288,18 @@ def _resolve(path: Path, chain: list[Path]) -> tuple[MarkedDict, list[Path]]:
             key="base_config",
         )
     base_path = path.parent / base
-    if not base_path.is_file():
+    try:
+        kind = not_a_file(base_path.stat().st_mode)
+    except OSError:
+        kind = "missing"
+    if kind is not None and kind != "missing":
+        raise BaseConfigInvalid(
+            f"base_config {base!r} is {kind} ({base_path}), not a YAML file; name the base deploy YAML, relative "
+            "to the folder of the file that names it",
+            where=base_where,
+            key="base_config",
+        )
+    if kind == "missing":
         raise BaseConfigMissing(
             f"base_config {base!r} not found (looked for {base_path}); the path is relative to the folder "
             "of the file that names it",

@@ -23,6 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from sidecar.config._yaml import yaml_type
 from sidecar.config.profiler import ProfilerConfig
 from sidecar.errors import ProfilerConfigArgInvalid, StageOverridesInvalid, Where
 
@@ -86,7 +87,7 @@ def parse_stage_overrides(value: str | Mapping[str, Any] | None) -> dict[str, di
     if not isinstance(parsed, Mapping):
         raise StageOverridesInvalid(
             f"{STAGE_OVERRIDES_FLAG} must be a JSON object mapping stage id -> overrides, got "
-            f"{type(parsed).__name__}; e.g. '{{\"0\": {{\"profiler_config\": {{...}}}}}}'",
+            f"{yaml_type(parsed)}; e.g. '{{\"0\": {{\"profiler_config\": {{...}}}}}}'",
             key="stage_overrides",
             where=Where(file=STAGE_OVERRIDES_FLAG),
         )
@@ -102,7 +103,7 @@ def parse_stage_overrides(value: str | Mapping[str, Any] | None) -> dict[str, di
         if not isinstance(overrides, Mapping):
             raise StageOverridesInvalid(
                 f"{STAGE_OVERRIDES_FLAG}[\"{stage_id}\"] must be an object of engine keys, got "
-                f"{type(overrides).__name__}: {overrides!r}",
+                f"{yaml_type(overrides)}: {overrides!r}",
                 key=f"stage_overrides[\"{stage_id}\"]",
                 where=Where(file=STAGE_OVERRIDES_FLAG),
             )
@@ -126,7 +127,7 @@ def parse_profiler_config_arg(value: str | Mapping[str, Any] | None) -> dict[str
     parsed = _loads(value, PROFILER_CONFIG_FLAG, ProfilerConfigArgInvalid) if isinstance(value, str) else value
     if not isinstance(parsed, Mapping):
         raise ProfilerConfigArgInvalid(
-            f"{PROFILER_CONFIG_FLAG} must be a JSON object of ProfilerConfig keys, got {type(parsed).__name__}; "
+            f"{PROFILER_CONFIG_FLAG} must be a JSON object of ProfilerConfig keys, got {yaml_type(parsed)}; "
             "e.g. '{\"profiler\": \"torch\", \"torch_profiler_dir\": \"/data/perf\"}'",
             key="profiler_config",
             where=Where(file=PROFILER_CONFIG_FLAG),

@@ -14,7 +14,7 @@ from sidecar.errors import DirPlaceholderUnknown, DirPlaceholderUnset
 __all__ = ["DIR_PLACEHOLDERS", "dir_placeholders", "expand_dir_placeholders"]
 
 DIR_PLACEHOLDERS = ("replica", "host")
-# `{name}` with an identifier inside; other braces (rare in paths) are left alone.
+# `{name}` with an identifier inside; any other brace is refused when a dir is expanded.
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -25,7 +25,8 @@ def dir_placeholders(path: str) -> list[str]:
 
 def expand_dir_placeholders(template: str, *, replica: int | None = None, host: str | None = None) -> str:
     """``template`` with ``{replica}`` (needs ``replica``) and ``{host}`` (``host``, else this
-    machine's hostname) filled in; ``ConfigError`` for a missing value or an unknown placeholder."""
+    machine's hostname) filled in; ``ConfigError`` for a missing value, an unknown placeholder or a
+    brace that is no placeholder (``{0}``, an unclosed ``{replica``)."""
     names = dir_placeholders(template)
     unknown = [n for n in names if n not in DIR_PLACEHOLDERS]
     if unknown:
@@ -43,5 +44,15 @@ def expand_dir_placeholders(template: str, *, replica: int | None = None, host: 
         )
     if replica is not None and (isinstance(replica, bool) or replica < 0):
         raise DirPlaceholderUnset(f"--replica must be a non-negative integer, got {replica!r}", key="replica")
+    # A brace that is no known placeholder (`{0}`, an unclosed `{replica`) would reach the disk as is.
+    stray = _PLACEHOLDER.sub("", template)
+    if "{" in stray or "}" in stray:
+        raise DirPlaceholderUnknown(
+            f"--dir {template!r}: a brace that is no placeholder; the supported ones are "
+            + ", ".join(f"{{{n}}}" for n in DIR_PLACEHOLDERS)
+            + ", each written whole (a path here may hold no other brace)",
+            key="dir",
+            details={"placeholders": [], "supported": list(DIR_PLACEHOLDERS)},
+        )
     values = {"replica": str(replica), "host": host or socket.gethostname()}
     return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from sidecar.config._yaml import MarkedDict, load_yaml
+from sidecar.files import not_a_file
 from sidecar.config.deploy import load_deploy_config, profiler_config_error
 from sidecar.config.models import DeployConfig
 from sidecar.config.placeholders import expand_dir_placeholders
 from sidecar.config.profiler import ProfilerConfig
 from sidecar.config.rules import check_stage_ids
 from sidecar.errors import Where
-from sidecar.errors import ProfileDirMissing, ProfileInvalid, ProfileUnknown, ProfileUnreadable
+from sidecar.errors import ProfileDirMissing, ProfileInvalid, ProfileUnknown, ProfileUnreadable, SettingInvalid
 
 __all__ = [
     "StageProfile",
@@ -33,6 +35,7 @@ __all__ = [
     "render_overlay",
     "render_stage_overrides",
     "stage_profiler_configs",
+    "write_overlay",
 ]
 
 
@@ -114,6 +117,12 @@ def stage_profiler_configs(
     (``max_iterations`` / ``delay_iterations``) bound every window of these stages in engine steps;
     ``stage_iterations`` sets them per stage over that (a fed stage's cap with its idle iterations)."""
     check_stage_ids(deploy, stages, valid=deploy.stage_ids)  # any stage may be given a profiler
+    if out_dir is not None and not str(out_dir).strip():  # Path("") would be "." and scatter traces in the cwd
+        raise ProfileDirMissing(
+            "--dir is empty; pass the trace root, e.g. --dir /data/perf (each stage writes to DIR/stage<id>), or "
+            "leave --dir out to keep each stage's own dir",
+            key="dir",
+        )
     if out_dir is not None:
         out_dir = expand_dir_placeholders(str(out_dir), replica=replica, host=host)
     out: dict[int, dict[str, Any]] = {}
@@ -171,6 +180,78 @@ def render_overlay(
         "# Inherits everything else from base_config; use with `vllm serve <model> --omni --deploy-config <this file>`.\n"
     )
     return header + yaml.safe_dump(doc, sort_keys=False)
+
+
+def _overlay_target(out_path: str | Path, inputs: list[tuple[str, Path]]) -> Path:
+    """Where ``render -o OUT`` may write: the resolved path of a regular file (or none yet) that is
+    none of the files the overlay is made from; ``SettingInvalid`` naming the fix otherwise."""
+    if not str(out_path).strip():
+        raise SettingInvalid("-o is empty; name the overlay file to write, e.g. -o overlay.yaml", key="output")
+    target = Path(out_path).resolve()  # symlinks and ./ spellings: compare the files themselves
+    try:
+        kind = not_a_file(target.stat().st_mode)
+    except OSError:
+        kind = None  # not there yet: the write makes it (or says why it cannot)
+    if kind is not None:
+        raise SettingInvalid(
+            f"-o {out_path}: that is {kind}, not a file; name the overlay file to write"
+            + (f", e.g. -o {Path(out_path) / 'overlay.yaml'}" if kind == "a folder" else ""),
+            key="output",
+        )
+    for what, path in inputs:
+        if path.resolve() == target:
+            raise SettingInvalid(
+                f"-o {out_path} is {what} this overlay is rendered from ({path}); writing there would destroy it"
+                + ("" if what == "the stage profile" else " (and make the overlay its own base_config)")
+                + ": write the overlay to another file, e.g. "
+                + f"-o {Path(out_path).with_name(Path(out_path).stem + '.profiled' + (Path(out_path).suffix or '.yaml'))}",
+                key="output",
+                details={"input": str(path)},
+            )
+    return target
+
+
+def write_overlay(
+    deploy_path: str | Path,
+    profile: str | StageProfile,
+    stages: list[int],
+    *,
+    out_path: str | Path,
+    platform: str | None = "cuda",
+    **render: Any,
+) -> DeployConfig:
+    """Render the overlay (``render_overlay``) and write it to ``out_path``, refusing before anything
+    is written an ``out_path`` that is a folder, a device or one of the files read (the deploy file,
+    its base chain, the profile). The overlay is written beside its place and loaded as a deploy
+    file first, then renamed over it: a failure leaves nothing, half-written or broken, behind."""
+    prof = profile if isinstance(profile, StageProfile) else load_profile(profile)
+    deploy = load_deploy_config(deploy_path, platform=platform)
+    inputs = [("the deploy file", Path(deploy_path))] + [("a base_config", p) for p in deploy.base_chain]
+    if prof.source is not None and Path(prof.source).is_file():
+        inputs.append(("the stage profile", Path(prof.source)))
+    target = _overlay_target(out_path, inputs)
+    text = render_overlay(deploy_path, prof, stages, out_path=target, platform=platform, **render)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as err:
+        raise SettingInvalid(f"-o {out_path}: cannot write there: {err.strerror}", key="output") from None
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # as a plain write would make it (mkstemp's 0600 would hide it from others)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        load_deploy_config(tmp, platform=platform)  # the overlay must load exactly like any deploy file
+        os.replace(tmp, target)
+    except OSError as err:
+        raise SettingInvalid(f"-o {out_path}: cannot write there: {err.strerror}", key="output") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return load_deploy_config(out_path, platform=platform)
 
 
 def render_stage_overrides(

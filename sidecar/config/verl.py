@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from sidecar.config._yaml import MarkedDict, load_yaml
+from sidecar.config._yaml import MarkedDict, load_yaml, yaml_type
 from sidecar.errors import Finding, Severity, Where
 from sidecar.errors import (
     ConfigEmpty,
@@ -251,7 +251,7 @@ def read_verl_config(src: dict[str, Any] | str | Path | Any, *, role: Role = "ro
         root = _to_plain(src)
     if not isinstance(root, dict):
         raise ConfigNotMapping(
-            f"a verl trainer config must be a mapping, got {type(root).__name__}",
+            f"a verl trainer config must be a mapping, got {yaml_type(root)}",
             where=Where(file=source, line=1, column=1) if source else None,
         )
     base = ROLE_PATHS[role]
