@@ -400,9 +400,9 @@ class ServerVersion:
             how = "per-capture bounds, file prefixes" + (" and profiler_kwargs" if self.per_capture_kwargs else "") \
                 + " over HTTP"
         elif self.kind == "omni":
-            how = "per-capture bounds not available over HTTP; deploy caps are"
+            how = "per-capture bounds not available over HTTP; the deploy's max_iterations caps bound a steps window"
         else:
-            how = "per-capture bounds not available; deploy caps are"
+            how = "per-capture bounds not available; the deploy's max_iterations caps bound a steps window"
         return f"{head}: {how}"
 
 

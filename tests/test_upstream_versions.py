@@ -68,7 +68,7 @@ def test_validate_accepts_activities_by_default_and_refuses_them_for_vllm_0_30()
 
 @pytest.mark.parametrize(("flat", "version", "summary"), [
     (True, "0.32.0", "vLLM 0.32.0: per-capture bounds, file prefixes over HTTP"),
-    (False, "0.32.0", "vLLM-Omni 0.32.0rc1 on vLLM 0.32.0: per-capture bounds not available over HTTP; deploy caps are"),
+    (False, "0.32.0", "vLLM-Omni 0.32.0rc1 on vLLM 0.32.0: per-capture bounds not available over HTTP; the deploy's max_iterations caps bound a steps window"),
 ])
 def test_validate_server_prints_what_the_server_is(control_deploy, flat: bool, version: str, summary: str) -> None:
     with FakeOmni(control_deploy) as fake:

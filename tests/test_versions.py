@@ -66,7 +66,7 @@ def test_vllm_omni_takes_no_per_capture_option_over_http_on_any_vllm() -> None:
 
 def test_the_server_line_says_which_way_a_window_is_bounded() -> None:
     assert ServerVersion.of("omni", "0.32.0").describe() == (
-        "vLLM-Omni 0.32.0rc1 on vLLM 0.32.0: per-capture bounds not available over HTTP; deploy caps are")
+        "vLLM-Omni 0.32.0rc1 on vLLM 0.32.0: per-capture bounds not available over HTTP; the deploy's max_iterations caps bound a steps window")
     assert ServerVersion.of("vllm", "0.32.0").describe().startswith("vLLM 0.32.0: per-capture bounds")
 
 

@@ -176,5 +176,5 @@ def test_the_sidecar_knows_its_server_by_version(two_stage: Setup, sidecar: Side
         "omni", VERSION, True, []), server
     said = CliRunner().invoke(app, ["validate", "--server", two_stage.url])
     assert (said.exit_code, " ".join(said.output.split())) == (0, f"server: vLLM-Omni {VERSION} on vLLM {server['vllm']}: "
-            "per-capture bounds not available over HTTP; deploy caps are vLLM-Omni serves its own version nowhere: "
+            "per-capture bounds not available over HTTP; the deploy's max_iterations caps bound a steps window vLLM-Omni serves its own version nowhere: "
             f"{VERSION} is the release made for vLLM {server['vllm']} (--omni-version to name another)"), said.output
