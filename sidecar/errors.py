@@ -640,6 +640,14 @@ class PlanTimeout(CaptureError):
     http_status = 504
 
 
+class StopUnconfirmed(CaptureActive):
+    """An earlier capture's stop was not confirmed by the server (a 5xx, or no answer within the
+    budget), and the stop sent again before this start failed too: those stages may still be
+    recording, so nothing is started. ``details``: ``stages``, ``after`` (that capture), ``upstream``."""
+
+    code = "stop_unconfirmed"
+
+
 class CaptureStopPending(CaptureActive):
     """The previous capture's stop has not been answered by the server (it may still be writing
     traces); the slot stays taken until the server answers or is shown gone. ``details``:

@@ -437,6 +437,30 @@ async def test_stop_500_still_collects_and_blames_the_stage(ctl, fake_omni):
         CaptureState.degraded, Verdict.missing, True, True, True, "stop_server_error")
 
 
+async def test_stages_a_stop_left_unconfirmed_are_stopped_before_the_next_start_also_after_a_restart(
+        ctl, upstream, fake_omni, control_deploy, tmp_path):
+    """The journal keeps what the stop could not confirm: a sidecar restarted between the failed
+    stop and the next start still stops those stages first, and a later confirmed stop clears it."""
+    fake_omni.stop_status = 500
+    failed = await _run(ctl, stages=[0, 2])
+    await ctl.close()
+    fake_omni.stop_status = 200
+    again = CaptureController(upstream, control_deploy, state_dir=tmp_path / "state", settings=FAST)
+    await again.open()
+    try:
+        before = len(fake_omni.stops())
+        first = await _run(again, stages=[0])
+        sweep = fake_omni.stops()[before]
+        second = await _run(again, stages=[0])
+    finally:
+        await again.close()
+    assert [n.code for n in failed.facts].count("stop_unconfirmed") == 1
+    assert (sweep["stages"], [n.figures for n in first.facts if n.code == "stopped_first"]) == (
+        [0, 2], [{"stages": [0, 2], "after": failed.id}])
+    assert [n.code for n in second.facts if n.code == "stopped_first"] == []  # confirmed by then: no second sweep
+    assert len(fake_omni.stops()) == before + 3  # the sweep, then each capture's own stop
+
+
 async def test_idle_window_is_empty_and_still_listed(ctl, fake_omni):
     fake_omni.idle_stages = {0}
     done = await _run(ctl, stages=[0])

@@ -13,6 +13,9 @@ one process-level layer for faults; the rules behind each row are tested in proc
 | stop hangs                       | stopping    | upstream_timeout past the budget; a start is 409     |
 |                                  |             | capture_stop_pending, the slot held                  |
 |   ... then the server answers    | completed   | explicit                                             |
+| stop answers 500 (no worker hit) | degraded    | stop_server_error; the stages noted unconfirmed      |
+|   ... a start, the server still 500s | -        | 409 stop_unconfirmed, nothing started                |
+|   ... a start once the stop works | completed  | its stages stopped first: its trace is its window    |
 | dead stage (start/stop 200)      | degraded    | that stage missing: dead or restarted worker         |
 | worker dies after start          | degraded    | that stage missing: its worker most likely died      |
 | kill -9 in starting/active/...   | completed   | stopped_on_recovery at the next start-up             |
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -225,6 +229,37 @@ def test_stop_hangs(shared: ModuleSidecar) -> None:
     assert (again.status_code, error["code"], error["details"].get("active_id"), starts) == (
         409, "capture_stop_pending", cap.id, 1)  # refused before it reached the server
     assert (final.state.value, final.stop_reason.value) == ("completed", "explicit")
+    assert recording(emu) == NONE_RECORDING
+
+
+def test_stop_500_leaves_the_stages_unconfirmed_and_the_next_start_stops_them_first(shared: ModuleSidecar) -> None:
+    """A stop the server answers 500 may not have reached the workers (this fault reaches none):
+    they record on. Before, the slot was freed, the next start went to stages still recording, and
+    its trace, which held the failed capture's window, was called ok."""
+    emu = shared.emulator
+    emu.set_faults(stop_500=True)
+    with shared.client() as client:
+        first = client.start_capture([0])
+        traffic(emu)
+        failed = stopped(client, first.id)
+        after_first = time.time()
+        left = recording(emu)["0"]
+        refused = httpx.post(f"{shared.url}/v1/captures", json={"stages": [0]}, timeout=HTTP_TIMEOUT)
+        starts = len(upstream_calls(emu, "/start_profile"))
+        emu.set_faults(stop_500=False)
+        second = client.start_capture([0])
+        traffic(emu)
+        done = stopped(client, second.id)
+        window = client.summary(second.id).window
+    assert (failed.state.value, "stop_server_error" in codes(failed), [n.code for n in failed.facts].count(
+        "stop_unconfirmed"), left) == ("degraded", True, 1, True)
+    error = refused.json()["error"]
+    assert (refused.status_code, error["code"], error["details"]["stages"], error["details"]["after"], starts) == (
+        409, "stop_unconfirmed", [0], first.id, 1), error  # the start never reached the server
+    assert ({n.code: n.figures for n in done.facts}.get("stopped_first"), done.state.value,
+            [v.verdict.value for v in done.verdicts]) == ({"stages": [0], "after": first.id}, "completed", ["ok"])
+    # the trace ok'd is this capture's own window, not the failed one's
+    assert window.end_epoch_us is not None and window.end_epoch_us - window.span_us >= after_first * 1e6, window
     assert recording(emu) == NONE_RECORDING
 
 

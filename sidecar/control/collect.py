@@ -469,8 +469,8 @@ def verdict(watch: StageWatch, found: Scan, *, pending: list[str], timed_out: bo
 
 
 def after_stop_error(v: StageVerdict, stop_error: UpstreamError) -> StageVerdict:
-    """A stage without a trace after a failed stop is ``missing`` for that reason (its worker most
-    likely died), whatever the folder shows; ``ok``, ``unverified`` and ``ambiguous`` stand."""
+    """A stage without a trace after a failed stop is ``missing`` for that reason (its worker died,
+    or the stop did not reach it), whatever the folder shows; ``ok``, ``unverified`` and ``ambiguous`` stand."""
     if v.verdict in (Verdict.ok, Verdict.unverified, Verdict.ambiguous, Verdict.partial, Verdict.empty):
         return v
     return v.model_copy(
@@ -479,9 +479,10 @@ def after_stop_error(v: StageVerdict, stop_error: UpstreamError) -> StageVerdict
             "rule": "stop_failed",
             "reason": (
                 f"stage {v.stage_id} wrote no trace and the stop failed on the server "
-                f"({stop_error.message}): its worker most likely died during the window. Check the "
-                f"server log for stage {v.stage_id} (a crash, an OOM kill) and whether the server still "
-                "serves requests; the other stages' traces are kept"
+                f"({stop_error.message}): its worker died during the window, or the stop did not reach it "
+                "and it is still recording (the next start stops it first). Check the server log for stage "
+                f"{v.stage_id} (a crash, an OOM kill, the stop's error) and whether the server still serves "
+                "requests; the other stages' traces are kept"
             ),
         }
     )

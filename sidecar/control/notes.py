@@ -168,6 +168,12 @@ _WORDS: dict[str, Callable[[dict[str, Any], int | None], str]] = {
         f"with second {f['second']} (the previous window's), and a start in that second would reuse its name"),
     "start_at_late": lambda f, _: (
         f"start_at was {_ago(f['late_s'])} past when the capture was ready: its start was sent at once"),
+    "stop_unconfirmed": lambda f, _: (
+        f"the server did not confirm the stop of stages {f['stages']} ({f['why']}): they may still be recording. The "
+        "next start on this server sends the stop again first, and is refused if the server does not answer it"),
+    "stopped_first": lambda f, _: (
+        f"stages {f['stages']} were stopped first: the stop of capture {f['after']} was not confirmed by the server, "
+        "and a start on a stage still recording would take its old window into this capture's trace"),
     "files_changed": lambda f, _: (
         f"files changed since the verdict: {', '.join(f['files'])} (another size, time or inode, or gone): the verdict "
         "describes them as they were when checked; what is on disk now may be another window's (a later start that "
