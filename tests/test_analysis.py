@@ -36,9 +36,21 @@ def test_self_cpu_matches_key_averages_on_cpu_trace(cpu_trace):
     assert all(o is not None and _within(o, r) for o, r in off.values()), off
 
 
-@pytest.mark.parametrize("name", ["cuda_small", "cuda_small_stack"])
+def _key_averages(path: Path) -> dict:
+    """torch's per-key rows: a mapping by key, or (the NCCL job's files) ``rows`` of CPU and CUDA
+    entries, of which the CPU one."""
+    ref = json.loads(path.read_text())
+    if isinstance(ref.get("rows"), list):
+        return {r["key"]: r for r in ref["rows"] if r["device_type"] == "DeviceType.CPU"}
+    return ref
+
+
+# comm_rank, busy_gemm: c10d's record_param_comms holds the annotation nccl:all_reduce, which torch
+# does not count as the op's child; the API calls in it (the op's External id) come off the op. Both
+# came off before: -12 µs of self CPU on comm_rank1 where torch counts 582, 161 of busy_gemm's 450
+@pytest.mark.parametrize("name", ["cuda_small", "cuda_small_stack", "comm_rank0", "comm_rank1", "busy_gemm"])
 def test_self_cpu_matches_key_averages_on_cuda_trace(trace_data, name):
-    ref = json.loads((trace_data / f"{name}.key_averages.json").read_text())
+    ref = _key_averages(trace_data / f"{name}.key_averages.json")
     rows = _all_rows(summarize_trace(trace_data / f"{name}.json.gz", top=100_000))
     # CUPTI's own "Activity Buffer Request" is profiler overhead, reported in totals, not an op
     cpu = {k: v for k, v in ref.items() if v["device_type"] == "DeviceType.CPU" and not k.startswith(("ProfilerStep", "Activity Buffer", "Buffer Flush"))}
