@@ -201,6 +201,40 @@ def test_delay_steps_a_server_never_runs_end_in_steps_not_reached_and_nothing_st
     assert starts == [], starts
 
 
+def test_a_stop_while_a_start_waits_for_its_delay_steps_cancels_it_at_once(
+    shared: ModuleSidecar, sidecar_factory: Any
+) -> None:
+    """No load: the delay never ends by itself (steps_wait_s 600). The stop ends the wait at once,
+    nothing is sent; before, the stop was taken and ignored, and the slot held."""
+    import threading
+
+    sc = sidecar_factory(shared.emulator.url, shared.deploy, env={"OMNI_SIDECAR_STEPS_WAIT_S": "600"})
+    outcome: dict[str, Any] = {}
+
+    def start() -> None:
+        with SidecarClient(sc.url, timeout=600) as client:
+            try:
+                client.start_capture(stages=[0, 2], steps=5, delay_steps=5, steps_bound="count")
+            except SidecarError as exc:
+                outcome["error"] = exc
+
+    waiting = threading.Thread(target=start, daemon=True)
+    waiting.start()
+    with SidecarClient(sc.url, timeout=60) as client:
+        assert poll(lambda: [c.state.value for c in client.list_captures()] == ["starting"], timeout=60)
+        (cap,) = client.list_captures()
+        client.stop_capture(cap.id)
+        final = client.wait_capture(cap.id, timeout=60)
+        waiting.join(timeout=60)
+        again = client.start_capture(stages=[0], duration_s=30)  # the slot is free
+        client.stop_capture(again.id, wait=True, timeout=60)
+    err = outcome.get("error")
+    assert (final.state.value, final.errors[0].code, getattr(err, "code", None), waiting.is_alive()) == (
+        "failed", "start_cancelled", "start_cancelled", False), (final, err)
+    starts = [c for c in emulator_state(shared.emulator)["calls"] if c["path"] == "/start_profile"]
+    assert [c["stages"] for c in starts] == [[0]], starts  # only the second capture's
+
+
 async def test_steps_on_a_server_without_metrics_is_refused_before_any_start(api: AppClient, fake_omni: Any) -> None:
     client = await api()
     reply = await client.post("/v1/captures", json={"stages": [0], "steps": 5, "steps_bound": "count"})

@@ -29,7 +29,7 @@ from sidecar.control import artifacts, budget, limits
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
 from sidecar.control.collect import after_stop_error, collect, found_so_far
-from sidecar.control.journal import CaptureJournal
+from sidecar.control.journal import CaptureJournal, unusable
 from sidecar.control.limits import StepsAsk, check_steps, check_window
 from sidecar.control.models import CLOCKS_MAX, Capture, CaptureKind, CaptureState, ClockRecord, ErrorRecord
 from sidecar.control.models import StageVerdict, StopReason, Verdict
@@ -43,7 +43,8 @@ from sidecar.control.steps import Bound, Read
 from sidecar.control.stopping import send_stop
 from sidecar.control.summaries import SUMMARY_TOP, SummaryCache
 from sidecar.errors import ArtifactNotFound, CaptureActive, CaptureNotFound, CaptureStateError, CaptureStopPending
-from sidecar.errors import SidecarClosing, SidecarError, StageSetMismatch, StartCancelled, StopUnconfirmed
+from sidecar.errors import JournalUnwritable, SidecarClosing, SidecarError, StageSetMismatch, StartCancelled
+from sidecar.errors import StopUnconfirmed
 from sidecar.errors import UpstreamError, UpstreamSessionActive, UpstreamTimeout, UpstreamUnreachable
 from sidecar.scrub import env_secret_values, scrub_secrets
 from sidecar.upstream.metrics import MetricsSnapshot
@@ -446,8 +447,10 @@ class CaptureController:
                 self._open_window(cap, rt)
                 self._changed(cap)
                 await self.flush()  # journaled with the baselines before anything can start upstream
+                if self.journal is not None and not self.journal.path(cap.id).exists():
+                    raise self._unjournaled(cap)
                 if delay_steps and first is not None and "delay_iterations" not in options:
-                    await self._measures.wait_delay(first, cap.stages, delay_steps)
+                    await self._delay(cap, rt, first, delay_steps)
                 if prepared is not None and not prepared.done():
                     prepared.set_result(_copy(cap))
                 if start_at is not None:
@@ -582,6 +585,15 @@ class CaptureController:
         if last is not None and (last.stopped_at is None or any(e.code == "stop_server_error" for e in last.errors)):
             return last
         return None
+
+    def _unjournaled(self, cap: Capture) -> JournalUnwritable:
+        """The start's first record is not on disk: recovery after a crash would not know of it."""
+        assert self.journal is not None
+        why = unusable(self.journal.state_dir, self.journal.dir, OSError(self.journal.last_write_error or "not written"))
+        return JournalUnwritable(
+            f"capture {cap.id} was not started: its journal record could not be written, and without it a crash "
+            f"would leave the server recording with nothing to recover it from. {why.message}",
+            details={**why.details, "capture_id": cap.id})
 
     def _refuse_overlap(self) -> None:
         if not self._busy:
@@ -764,6 +776,26 @@ class CaptureController:
             early = start_at - time.time()
             raise StartCancelled(f"stopped ({rt.pending_stop.value}) {early * 1000:.0f} ms before its start_at: "
                                  "nothing was sent to the server", details={"capture_id": cap.id})
+
+    async def _delay(self, cap: Capture, rt: _Runtime, first: Any, n: int) -> None:
+        """Until the server has run ``n`` steps (a ``delay_steps`` start). A stop meanwhile raises
+        ``StartCancelled`` at once: before, it was taken and ignored, the slot held for up to
+        ``steps_wait_s``, and the start sent when load came, only to be stopped."""
+        rt.wake = asyncio.Event()
+        waiting = asyncio.create_task(self._measures.wait_delay(first, cap.stages, n), name=f"delay-{cap.id}")
+        woken = asyncio.create_task(rt.wake.wait(), name=f"delay-stop-{cap.id}")
+        try:
+            if rt.pending_stop is None:
+                await asyncio.wait({waiting, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            rt.wake = None
+            for task in (waiting, woken):
+                task.cancel()
+            await asyncio.gather(waiting, woken, return_exceptions=True)
+        if rt.pending_stop is not None:
+            raise StartCancelled(f"stopped ({rt.pending_stop.value}) while waiting for the server to run {n} engine "
+                                 "steps before the start: nothing was sent to the server", details={"capture_id": cap.id})
+        waiting.result()  # its refusal (the steps never came within steps_wait_s), if any
 
     async def schedule(self, stages: list[int] | None = None, *, start_at: float, **opts: Any) -> Capture:
         """:meth:`start` at ``start_at``, answered as soon as the capture is prepared (state
