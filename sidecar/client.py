@@ -6,6 +6,7 @@ replies come back as the matching ``SidecarError`` subclass, chosen by the reply
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -20,7 +21,9 @@ from sidecar.control.schedule import HOLD_MAX_S
 if TYPE_CHECKING:
     from sidecar.analysis.diff import CaptureDiff
     from sidecar.analysis.models import CaptureSummary
-from sidecar.errors import CaptureIdAmbiguous, CaptureNotFound, SettingInvalid, SidecarError, class_for_code
+from sidecar.config.settings import token_problem
+from sidecar.errors import CaptureIdAmbiguous, CaptureNotFound, RequestInvalid, SettingInvalid, SidecarError, TokenInvalid
+from sidecar.errors import class_for_code
 from sidecar.urls import http_url, with_scheme
 
 DEFAULT_URL = "http://127.0.0.1:8092"
@@ -63,7 +66,42 @@ def error_from_response(response: httpx.Response) -> SidecarError:
 
 
 def _auth_headers(token: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"} if token else {}
+    """The header that carries ``token``; a token no header can carry is refused here, when the
+    client is built (the rule the server applies to its --token-file)."""
+    if token is None or token == "":  # an empty OMNI_SIDECAR_TOKEN: no token, as it always was
+        return {}
+    why = token_problem(token) if isinstance(token, str) else f"is a {type(token).__name__}, not a string"
+    if why is not None:
+        raise TokenInvalid(f"the sidecar token {why}; pass the token exactly as the sidecar's --token-file holds it",
+                           key="token")
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _capture_id(capture_id: str) -> str:
+    """``capture_id`` as a path segment; an empty one (an unset shell variable, most likely) is
+    refused, not sent (``/v1/captures/`` is the list of captures)."""
+    if not isinstance(capture_id, str) or not capture_id.strip():
+        raise CaptureNotFound(f"an empty capture id ({capture_id!r}); give the id or a unique start of it "
+                              "(`omni-sidecar list` shows them)", details={"prefix": capture_id})
+    return capture_id
+
+
+def _body(fields: dict[str, Any]) -> dict[str, Any]:
+    """A request body of the fields given (None: left out); a number JSON cannot carry (inf, nan)
+    is refused before anything is sent, naming the field."""
+
+    def check(name: str, value: Any) -> None:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RequestInvalid(f"{name} is {value}: JSON carries no inf or nan; pass a finite number",
+                                 key=name, details={"field": name})
+        if isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                check(f"{name}[{i}]", item)
+
+    body = {k: v for k, v in fields.items() if v is not None}
+    for name, value in body.items():
+        check(name, value)
+    return body
 
 
 def _unreachable(base_url: str, err: httpx.TransportError) -> SidecarUnreachable:
@@ -160,9 +198,7 @@ class _Call(NamedTuple):
 
 def match_capture_id(text: str, ids: list[str]) -> str:
     """``text`` itself, or the one id of ``ids`` it is a prefix of."""
-    if not text.strip():  # the start of every id: an unset shell variable, most likely
-        raise CaptureNotFound("an empty capture id; give the id or a unique start of it (`omni-sidecar list` "
-                              "shows them)", details={"prefix": text})
+    _capture_id(text)  # the start of every id: refused
     if text in ids:
         return text
     found = [i for i in ids if i.startswith(text)]
@@ -196,56 +232,54 @@ class _Calls:
         steps: int | None = None, delay_steps: int | None = None, start_at: float | None = None,
         steps_bound: str | None = None, profile: str | None = None,
     ) -> _Call:
-        body: dict[str, Any] = {"stages": stages, "label": label, "duration_s": duration_s, "lease_s": lease_s,
-                                "steps": steps, "delay_steps": delay_steps, "start_at": start_at,
-                                "steps_bound": steps_bound, "profile": profile}
-        body = {k: v for k, v in body.items() if v is not None}
+        body = _body({"stages": stages, "label": label, "duration_s": duration_s, "lease_s": lease_s,
+                      "steps": steps, "delay_steps": delay_steps, "start_at": start_at,
+                      "steps_bound": steps_bound, "profile": profile})
         return _Call("POST", "/v1/captures", _capture, json=body, min_timeout=START_TIMEOUT)
 
     @staticmethod
     def plan(stages: list[int] | None, budget_mb: float | None, max_stop_s: float | None,
              probe_steps: list[int] | None, refine: bool | None = None) -> _Call:
-        body: dict[str, Any] = {"stages": stages, "budget_mb": budget_mb, "max_stop_s": max_stop_s,
-                                "probe_steps": probe_steps, "refine": refine}
-        body = {k: v for k, v in body.items() if v is not None}
+        body = _body({"stages": stages, "budget_mb": budget_mb, "max_stop_s": max_stop_s,
+                      "probe_steps": probe_steps, "refine": refine})
         return _Call("POST", "/v1/plan", _plan, json=body, min_timeout=PLAN_TIMEOUT)
 
     @staticmethod
     def stop_capture(capture_id: str) -> _Call:
-        return _Call("POST", f"/v1/captures/{capture_id}/stop", _capture)
+        return _Call("POST", f"/v1/captures/{_capture_id(capture_id)}/stop", _capture)
 
     @staticmethod
     def get_capture(capture_id: str) -> _Call:
-        return _Call("GET", f"/v1/captures/{capture_id}", _capture)
+        return _Call("GET", f"/v1/captures/{_capture_id(capture_id)}", _capture)
 
     @staticmethod
     def until_started(capture_id: str, timeout: float) -> _Call:
         """The capture once it left ``starting``, held open server-side up to ``timeout`` s (a
         sidecar without ``until`` answers at once: the caller polls then)."""
-        return _Call("GET", f"/v1/captures/{capture_id}", _capture, params={"until": "started", "timeout": timeout},
+        return _Call("GET", f"/v1/captures/{_capture_id(capture_id)}", _capture, params={"until": "started", "timeout": timeout},
                      min_timeout=timeout + 10)
 
     @staticmethod
     def record_clock(capture_id: str, record: dict[str, Any]) -> _Call:
-        return _Call("POST", f"/v1/captures/{capture_id}/clock", _capture, json=record)
+        return _Call("POST", f"/v1/captures/{_capture_id(capture_id)}/clock", _capture, json=record)
 
     @staticmethod
     def heartbeat(capture_id: str) -> _Call:
-        return _Call("POST", f"/v1/captures/{capture_id}/heartbeat", _capture)
+        return _Call("POST", f"/v1/captures/{_capture_id(capture_id)}/heartbeat", _capture)
 
     @staticmethod
     def summary(capture_id: str, top: int) -> _Call:
-        return _Call("GET", f"/v1/captures/{capture_id}/summary", _summary, params={"top": top},
+        return _Call("GET", f"/v1/captures/{_capture_id(capture_id)}/summary", _summary, params={"top": top},
                      min_timeout=ANALYSIS_TIMEOUT)
 
     @staticmethod
     def diff(a: str, b: str, top: int) -> _Call:
-        return _Call("GET", f"/v1/captures/{a}/diff/{b}", _diff, params={"top": top}, min_timeout=ANALYSIS_TIMEOUT)
+        return _Call("GET", f"/v1/captures/{_capture_id(a)}/diff/{_capture_id(b)}", _diff, params={"top": top}, min_timeout=ANALYSIS_TIMEOUT)
 
     @staticmethod
     def download(capture_id: str, relpath: str) -> _Call:
         # a name that is not UTF-8 (as Capture holds it) travels as its bytes, percent-encoded
-        return _Call("GET", f"/v1/captures/{capture_id}/files/{filenames.quoted(relpath) or relpath}", _content)
+        return _Call("GET", f"/v1/captures/{_capture_id(capture_id)}/files/{filenames.quoted(relpath) or relpath}", _content)
 
 
 def _deadline(timeout: float | None) -> float | None:

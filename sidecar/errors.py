@@ -411,7 +411,17 @@ class ArtifactRootInvalid(ConfigError):
 
 
 class TokenFileUnreadable(ConfigError):
+    """A ``--token-file`` that cannot be read, or that holds no usable token (the rule:
+    ``sidecar.config.settings.token_problem``)."""
+
     code = "token_file_unreadable"
+
+
+class TokenInvalid(ConfigError):
+    """A bearer token given to a client that no HTTP header can carry (non-ASCII, whitespace
+    inside, empty, too long): refused when the client is built, not on its first call."""
+
+    code = "token_invalid"
 
 
 class SettingInvalid(ConfigError):
@@ -424,6 +434,15 @@ class StateDirUnusable(ConfigError):
     """The ``--state-dir`` cannot be created or written: no history, no recovery; refuse to start."""
 
     code = "state_dir_unusable"
+
+
+class JournalUnwritable(StateDirUnusable):
+    """A start's first journal record could not be written (the state dir broke while the sidecar
+    ran): nothing is sent upstream, since a crash then would leave the server recording with no
+    record to recover it from. 503: the sidecar, not the request, is at fault."""
+
+    code = "journal_unwritable"
+    http_status = 503
 
 
 class StateDirLocked(ConfigError):
@@ -763,6 +782,13 @@ class FleetInvalid(SidecarError):
 
 class TargetInvalid(FleetInvalid):
     code = "target_invalid"
+
+
+class NotASidecar(TargetInvalid):
+    """A ``sidecar=URL`` target whose server has no sidecar API (``GET /v1/stages`` is not there, or
+    answers something else): most likely a vLLM server, which is an ``upstream=URL`` target."""
+
+    code = "not_a_sidecar"
 
 
 class TargetsEmpty(FleetInvalid):

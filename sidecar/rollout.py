@@ -21,8 +21,9 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field
 
+from sidecar.control.limits import check_window
 from sidecar.errors import FleetError, SidecarError, ValidationFailed
-from sidecar.errors import EngineStepsInvalid, FleetClosed, RanksInvalid, StepsEmpty, StepsInvalid
+from sidecar.errors import EngineStepsInvalid, FleetClosed, LeaseInvalid, RanksInvalid, StepsEmpty, StepsInvalid
 from sidecar.fleet import FanOutResult, Fleet, FleetCapture, Target, TargetError, TargetResult, parse_targets
 
 __all__ = ["DEFAULT_LEASE_S", "RolloutProfiler", "StepResult"]
@@ -188,6 +189,11 @@ class RolloutProfiler:
             raise EngineStepsInvalid(f"engine_steps must be a whole number >= 1, got {engine_steps!r}",
                                      key="engine_steps")
         self.engine_steps = engine_steps
+        if lease_s is not None:  # the controller's own rule on a window's lease, checked before any step
+            if isinstance(lease_s, bool) or not isinstance(lease_s, numbers.Real):
+                raise LeaseInvalid(f"lease_s must be a number of seconds > 0 (or None for no lease), got {lease_s!r}",
+                                   key="lease_s")
+            check_window(None, float(lease_s), max_duration_s=None, default_lease_s=None)
         # Built now so every input error surfaces here; nothing is contacted until a profiled step.
         self._fleet = Fleet(self.targets, stages=stages, **fleet_options)
         self._results: dict[int, StepResult] = {}

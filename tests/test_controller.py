@@ -461,6 +461,23 @@ async def test_stages_a_stop_left_unconfirmed_are_stopped_before_the_next_start_
     assert len(fake_omni.stops()) == before + 3  # the sweep, then each capture's own stop
 
 
+async def test_a_start_whose_journal_record_cannot_be_written_is_not_sent(ctl, fake_omni, tmp_path):
+    """The state dir broke while the sidecar ran (its captures folder is a file now): the start is
+    refused before the server is asked, since a crash would leave it recording with no record."""
+    from sidecar.errors import JournalUnwritable
+
+    captures = tmp_path / "state" / "captures"
+    if captures.exists():
+        captures.rename(tmp_path / "captures.moved")
+    captures.parent.mkdir(parents=True, exist_ok=True)
+    captures.write_text("")
+    with pytest.raises(JournalUnwritable) as err:
+        await ctl.start(stages=[0])
+    cap = ctl.get(err.value.details["capture_id"])
+    assert (fake_omni.starts(), fake_omni.stops(), cap.state, err.value.http_status, str(captures) in err.value.message) == (
+        [], [], CaptureState.failed, 503, True), err.value.message
+
+
 async def test_idle_window_is_empty_and_still_listed(ctl, fake_omni):
     fake_omni.idle_stages = {0}
     done = await _run(ctl, stages=[0])

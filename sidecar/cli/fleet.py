@@ -128,13 +128,14 @@ def _start_at(text: str | None) -> float | None:
     return None if text is None else check_start_at(parse_start_at(text))
 
 
-def _print(fc: Any, as_json: bool, wide: bool = False) -> None:
+def _print(fc: Any, as_json: bool, wide: bool = False, *, nothing_recording: list[str] | None = None) -> None:
     if as_json:  # `fleet archive` / `fleet timeline` / `fleet skew` read this back
         console.print_json(json.dumps({
             "label": fc.label, "ok": fc.ok, "outcome": fc.traces.value, "stages": fc.stages, "start_at": fc.start_at,
             "released_at": fc.released_at, "key": fc.key, "lease_s": fc.lease_s,
             "targets": [{**r.model_dump(mode="json"), "folders": r.folders, "outcome_of_traces": r.traces.value}
                         for r in fc.targets.values()],
+            **({"nothing_recording": nothing_recording} if nothing_recording is not None else {}),
         }))
         return
     if len(fc.targets) > ROWS_MAX:
@@ -293,18 +294,33 @@ def stop(
         fleet = _fleet(targets, None, deploy_config, flavor, token_file, state_dir, stop_budget_s=stop_budget,
                        start_timeout_s=start_timeout)
 
-        async def run() -> Any:
+        async def run() -> tuple[Any, list[str]]:
             await fleet.open()
             try:
                 fc = await fleet.live()
-                return await fleet.stop(fc, wait_artifacts=wait, artifact_timeout_s=timeout)
+                # a target with nothing recording has nothing to stop: a no-op, as vLLM's
+                # /stop_profile without a session; a target that could not be asked stays a failure
+                idle = [n for n, r in fc.targets.items() if _nothing_recording(r)]
+                fc = fc.model_copy(update={"targets": {n: r for n, r in fc.targets.items() if n not in idle}})
+                if fc.targets:
+                    fc = await fleet.stop(fc, wait_artifacts=wait, artifact_timeout_s=timeout)
+                return fc, idle
             finally:
                 await fleet.close()
 
         with _owning_state_dir(fleet):
-            fc = asyncio.run(run())
-        _print(fc, as_json, wide)
+            fc, idle = asyncio.run(run())
+        if as_json or fc.targets:
+            _print(fc, as_json, wide, nothing_recording=idle)
+        if idle and not as_json:
+            print_text(console, f"nothing was recording on {len(idle)} target(s), nothing to stop there: "
+                       f"{escape(', '.join(idle))}", hang="    ")
         _exit(fc, as_json)
+
+
+def _nothing_recording(r: Any) -> bool:
+    """``Fleet.live`` found no live capture on this target (it answered: not an error reading it)."""
+    return r.capture_id is None and r.error is not None and r.error.code == "capture_not_found"
 
 
 @fleet_app.command("capture")

@@ -9,6 +9,7 @@ from pathlib import Path
 import json
 import os
 import re
+import stat
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -188,19 +189,72 @@ class SidecarSettings(BaseSettings):
             )
 
     def read_token(self) -> str | None:
-        """The bearer token from ``token_file`` (None when not configured)."""
-        if self.token_file is None:
-            return None
+        """The bearer token from ``token_file`` (None when not configured), by :func:`read_token_file`."""
+        return None if self.token_file is None else read_token_file(self.token_file)
+
+
+# What a bearer token may be (the one rule: the server at start, the CLI and the client): printable
+# ASCII without whitespace (what every HTTP client can send in a header), at most TOKEN_MAX_BYTES.
+TOKEN_MAX_BYTES = 4096
+# A token file is read up to this: a token, a trailing newline and some slack, never a whole large file.
+TOKEN_FILE_MAX_BYTES = TOKEN_MAX_BYTES + 1024
+
+
+def token_problem(token: str) -> str | None:
+    """Why ``token`` cannot be a bearer token, or None when it can."""
+    if not token:
+        return "is empty"
+    if len(token) > TOKEN_MAX_BYTES:
+        return f"is {len(token)} characters long, above the limit of {TOKEN_MAX_BYTES}"
+    bad = next((c for c in token if not "!" <= c <= "~"), None)
+    if bad is not None:
+        kind = "whitespace" if bad.isspace() else "not printable ASCII"
+        return (f"has {bad!r} ({kind}) at position {token.index(bad) + 1}: a token is printable ASCII without "
+                "spaces or line breaks inside (what an HTTP header can carry)")
+    return None
+
+
+def read_token_file(path: Path) -> str:
+    """The token in ``path`` (surrounding whitespace, e.g. a trailing newline, stripped), read
+    with a size bound from a regular file only; ``TokenFileUnreadable`` naming the file and the fix."""
+    shown = str(path)
+    make = f"e.g. `openssl rand -hex 32 > {shown}`"
+
+    def refuse(why: str, fix: str) -> TokenFileUnreadable:
+        return TokenFileUnreadable(f"--token-file {shown} {why}; {fix}", key="token_file", details={"file": shown})
+
+    try:
+        # O_NONBLOCK: a FIFO given as the token file must not hang the start-up at open
+        fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise refuse("does not exist", f"create it ({make}) or drop the flag") from None
+    except OSError as exc:
+        raise refuse(f"cannot be opened ({exc.strerror or exc})",
+                     f"make it readable for this user (uid {os.getuid()}) or drop the flag") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise refuse("is a folder, not a file", f"pass the path of the file that holds the token ({make})")
+        if not stat.S_ISREG(mode):
+            raise refuse("is not a regular file (a FIFO, socket or device)",
+                         f"write the token into a regular file ({make}) and pass that")
         try:
-            token = self.token_file.expanduser().read_text().strip()
+            raw = os.read(fd, TOKEN_FILE_MAX_BYTES + 1)
         except OSError as exc:
-            raise TokenFileUnreadable(
-                f"cannot read --token-file {self.token_file}: {exc.strerror}; create it or drop the flag",
-                key="token_file",
-            ) from None
-        if not token:
-            raise TokenFileUnreadable(
-                f"--token-file {self.token_file} is empty; write a token into it or drop the flag",
-                key="token_file",
-            )
-        return token
+            raise refuse(f"cannot be read ({exc.strerror or exc})", "check the file, or drop the flag") from None
+    finally:
+        os.close(fd)
+    if len(raw) > TOKEN_FILE_MAX_BYTES:
+        raise refuse(f"is larger than {TOKEN_FILE_MAX_BYTES} bytes: no token file is that large (a token is at most "
+                     f"{TOKEN_MAX_BYTES} bytes)", f"pass the file that holds only the token ({make})")
+    try:
+        token = raw.decode("ascii").strip()
+    except UnicodeDecodeError as exc:
+        raise refuse(f"holds a byte that is not ASCII (0x{raw[exc.start]:02x} at byte {exc.start + 1}): a token is "
+                     "printable ASCII", f"write a new token into it ({make})") from None
+    if not token:
+        raise refuse("is empty", "write a token into it or drop the flag")
+    why = token_problem(token)
+    if why is not None:
+        raise refuse(f"holds a token that {why}", f"write a new token into it ({make})")
+    return token

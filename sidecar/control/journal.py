@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import socket
+import stat
 import tempfile
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,6 +63,46 @@ class _suppress_oserror:
         return isinstance(exc, OSError)
 
 
+def unusable(state_dir: Path, target: Path, exc: OSError, *, folder: bool = True) -> StateDirUnusable:
+    """Why ``target`` (the state dir, or a folder or file in it: ``folder`` says which belongs
+    there) could not be made or written, naming the path at fault and its fix. Decided from one
+    ``stat`` per path, from the top down: the first that is a file where a folder belongs (or a
+    folder where the lock file belongs) is the fault; else the deepest folder there is cannot be
+    written by this user."""
+    uid = os.getuid()
+    at_fault = state_dir
+    what = f"cannot be written by this user ({exc.strerror or exc})"
+    fix = (f"make it writable for this user (uid {uid}), e.g. `mkdir -p {state_dir} && chown -R {uid} "
+           f"{state_dir}`, or pass another --state-dir")
+    for p in [*reversed(target.parents), target]:
+        try:
+            is_dir = stat.S_ISDIR(os.stat(p).st_mode)
+        except FileNotFoundError:
+            break  # nothing below it exists: its parent is the deepest folder there is
+        except OSError as err:  # a folder above it cannot be searched
+            at_fault, what = p, f"cannot be read by this user ({err.strerror or err})"
+            break
+        if p == target and not folder:
+            if is_dir:
+                at_fault, what = p, "a folder where the sidecar's lock file belongs"
+                fix = f"remove that folder (`rmdir {p}`) or pass another --state-dir"
+            else:
+                at_fault = p
+            break
+        if not is_dir:
+            at_fault, what = p, "a file where a folder belongs"
+            fix = ("--state-dir names a folder: pass one (it is created if missing)" if p == state_dir
+                   else f"move {p} away (the sidecar makes it a folder) or pass another --state-dir")
+            break
+        at_fault = p
+    return StateDirUnusable(
+        f"--state-dir {state_dir} is not usable: {at_fault} {'is ' if what.startswith('a ') else ''}{what}; "
+        f"the sidecar keeps its capture journal and lock there. Fix: {fix}",
+        key="state_dir",
+        details={"state_dir": str(state_dir), "path": str(at_fault)},
+    )
+
+
 class StateDirLock:
     """The claim of one live sidecar on its state dir: an exclusive ``flock`` on
     ``<state_dir>/lock``, a file that names the owner (pid, host, upstream, port). The kernel
@@ -87,8 +128,11 @@ class StateDirLock:
         host), or raise ``StateDirLocked`` naming the live owner."""
         if self._fd is not None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise unusable(self.path.parent, self.path, exc, folder=False) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -206,14 +250,7 @@ class CaptureJournal:
             atomic_write_text(probe, "ok")
             probe.unlink()
         except OSError as exc:
-            raise StateDirUnusable(
-                f"--state-dir {self.state_dir} is not usable ({exc.strerror or exc}): the sidecar keeps its "
-                f"capture journal there. Create it writable for this user (uid {os.getuid()}), e.g. "
-                f"`mkdir -p {self.state_dir} && chown {os.getuid()} {self.state_dir}`, or pass another "
-                "--state-dir",
-                key="state_dir",
-                details={"state_dir": str(self.state_dir)},
-            ) from None
+            raise unusable(self.state_dir, self.dir, exc) from None
 
     def health(self) -> dict[str, Any]:
         return {

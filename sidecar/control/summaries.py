@@ -10,6 +10,7 @@ changes a verdict.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -17,6 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
 
 from sidecar.control import artifacts
 from sidecar.control.journal import CaptureJournal, atomic_write_text
@@ -43,6 +46,32 @@ FILES_KEY = "summary_files"
 # Summaries kept in memory (the rest are read back from their file): a summary with every table
 # at SUMMARY_TOP_MAX rows for every file of a large capture is tens of MB.
 MEMORY_CAPTURES = 8
+
+
+# Every summary ever written had these (a file without them is not one, whatever else it holds).
+_ALWAYS = ("window", "totals")
+_FILES = TypeAdapter(dict[str, list[int]])
+
+
+def read_cached(text: str) -> tuple[int, dict[str, list[int]] | None, dict[str, Any]]:
+    """A cached summary file's (rows per table, files read, the summary), checked as the journal
+    checks its files: the summary must validate as a ``CaptureSummary`` and hold no key the model
+    does not have (``ValueError`` / ``ValidationError`` otherwise). A summary written before a
+    field existed lacks it and is still served (the model's default), so old caches stay valid."""
+    from sidecar.analysis.models import CaptureSummary
+
+    data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    rows, files = data.pop(ROWS_KEY, SUMMARY_TOP), data.pop(FILES_KEY, None)
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"{ROWS_KEY} is not a whole number >= 1: {rows!r}")
+    strange = sorted(set(data) - set(CaptureSummary.model_fields))
+    missing = [k for k in _ALWAYS if k not in data]
+    if strange or missing:
+        raise ValueError(f"not a capture summary (keys it has no field for: {strange}; missing: {missing})")
+    summary = CaptureSummary.model_validate(data).model_dump(mode="json")
+    return rows, None if files is None else _FILES.validate_python(files), summary
 
 
 def _bodies(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -119,6 +148,7 @@ class SummaryCache:
         self._data: OrderedDict[str, Analysis] = OrderedDict()  # capture id -> its analysis, most recent last
         self._locks: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self.quarantined: list[str] = []  # summary files set aside as ``.bad``
         self.analyses = 0  # analyses started: one per capture (and per replacement of its traces), whatever ``top``s
 
     def _file(self, capture_id: str) -> Path | None:
@@ -133,19 +163,31 @@ class SummaryCache:
         return held
 
     def _load(self, capture_id: str) -> tuple[int, dict[str, list[int]] | None, dict[str, Any]] | None:
-        """The capture's summary file: (rows per table, files read, the summary), or None."""
+        """The capture's summary file: (rows per table, files read, the summary), or None (no file,
+        or one that is no summary: set aside as ``<name>.bad``, as the journal does, and the
+        capture is analysed again)."""
         path = self._file(capture_id)
         if path is None:
             return None
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
             return None
-        if not isinstance(data, dict):
-            return None
-        rows, files = data.pop(ROWS_KEY, SUMMARY_TOP), data.pop(FILES_KEY, None)
-        return (rows if isinstance(rows, int) and rows > 0 else SUMMARY_TOP,
-                files if isinstance(files, dict) else None, data)
+        except (OSError, ValueError) as exc:  # unreadable or not UTF-8
+            return self._set_aside(path, exc)
+        try:
+            return read_cached(text)
+        except (ValueError, TypeError, ValidationError) as exc:
+            return self._set_aside(path, exc)
+
+    def _set_aside(self, path: Path, exc: BaseException) -> None:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        log.warning("summaries: %s cannot be used (%s); quarantined as %s.bad, the capture is analysed again",
+                    path, reason, path.name)
+        self.quarantined.append(path.name)
+        with contextlib.suppress(OSError):
+            os.replace(path, path.with_name(path.name + ".bad"))
+        return None
 
     def _held(self, capture_id: str, loaded: tuple[int, dict[str, list[int]] | None, dict[str, Any]] | None,
               ) -> Analysis | None:

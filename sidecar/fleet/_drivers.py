@@ -18,7 +18,7 @@ import httpx
 from sidecar.config.models import DeployConfig, Stage, StageKind
 from sidecar.config.profiler import ProfilerConfig
 from sidecar.control.models import Capture, CaptureState, StopReason
-from sidecar.errors import CaptureNotFound, KindUnsupported, RequestInvalid
+from sidecar.errors import CaptureNotFound, KindUnsupported, NotASidecar, RequestInvalid, SidecarError
 from sidecar.fleet._clocks import MORE, SAMPLES, ClockOffset, clock_record, exchange
 from sidecar.fleet._release import Gate, Release, gated_start
 from sidecar.fleet._targets import Target
@@ -113,7 +113,25 @@ class SidecarDriver:
         self.client = AsyncSidecarClient(target.url, token=target.token, timeout=timeout_s, transport=transport)
 
     async def open(self) -> DeployConfig | None:
-        return deploy_from_stages_reply(await self.client.stages())
+        try:
+            reply = await self.client.stages()
+        except SidecarError as exc:
+            status = exc.details.get("status")
+            # a sidecar answers every error with its own code; a bare 404/405 is a server without the route
+            if exc.code == f"http_{status}" and status in (404, 405):
+                raise self._not_a_sidecar(f"{status} on /v1/stages") from None
+            raise
+        try:
+            return deploy_from_stages_reply(reply)
+        except (AttributeError, KeyError, TypeError, ValueError):  # pydantic's ValidationError is a ValueError
+            raise self._not_a_sidecar("its /v1/stages is not a sidecar's stage list") from None
+
+    def _not_a_sidecar(self, seen: str) -> NotASidecar:
+        return NotASidecar(
+            f"{self.target.url} is not an omni-sidecar ({seen}); a vLLM or vLLM-Omni server is "
+            f"`upstream={self.target.url}` (with --deploy-config), a sidecar is the URL of `omni-sidecar serve`",
+            details={"target": self.target.name, "url": self.target.url},
+        )
 
     # a live capture is always among a sidecar's newest (one at a time; a late start is the newest)
     NEWEST = 8

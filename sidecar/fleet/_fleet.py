@@ -163,6 +163,16 @@ class Fleet:
             isinstance(stages, (str, bytes)) or not isinstance(stages, (list, tuple))
         ):
             raise FleetStagesInvalid(f"stages must be a list of stage ids, got {stages!r}")
+        if stages is not None:
+            # What needs no deploy is refused here, before any profiled step; the rest of the rule
+            # (each stage known and profiled) is select_stages' once each target's deploy is read.
+            bad = [s for s in stages if isinstance(s, bool) or not isinstance(s, int)]
+            dupes = sorted({s for s in stages if s not in bad and list(stages).count(s) > 1})
+            if not stages or bad or dupes:
+                why = ("is empty: nothing would be profiled (None profiles every torch-profiled stage)" if not stages
+                       else f"holds {bad}, which are not integer stage ids" if bad
+                       else f"lists stage ids more than once: {dupes}; list each stage once")
+                raise FleetStagesInvalid(f"stages {list(stages)} {why}", key="stages", details={"stages": list(stages)})
         if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
                                             or max_concurrency < 1):
             raise ConcurrencyInvalid(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
@@ -222,6 +232,7 @@ class Fleet:
         # starts past their deadline, left to land: an in-process controller's start is waited for at
         # close (cut short, the controller would stop a server whose start is still in flight)
         self._late: dict[asyncio.Future[Any], bool] = {}  # -> in process
+        self._unopened: set[str] = set()  # targets whose open failed (this open)
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -239,6 +250,7 @@ class Fleet:
             raise
 
     async def _open(self) -> None:
+        self._unopened = {t.name for t in self.targets}  # until each one's open answered
         for t in self.targets:
             if t.kind is TargetKind.ray:
                 self._drivers[t.name] = self._make_driver(t, stop_budget_s=self.stop_budget_s)  # type: ignore[misc]
@@ -261,9 +273,10 @@ class Fleet:
                 problems[name] = error_of(res)
             elif res is not None:
                 deploys[name] = res
+        self._unopened = set(problems)  # nothing was sent to them: nothing to sweep there at close
         if problems:
             raise FleetError(
-                f"{len(problems)} of {len(self.targets)} targets cannot be reached: "
+                f"{len(problems)} of {len(self.targets)} targets cannot be used: "
                 + ", ".join(f"{n} ({e.code}: {e.message})" for n, e in problems.items()),
                 details={"targets": [{"target": n, "outcome": TargetOutcome.not_started.value,
                                       "error": e.model_dump()} for n, e in problems.items()]},
@@ -287,7 +300,8 @@ class Fleet:
             await asyncio.wait(landing, timeout=self.stop_budget_s)
         if self._opened and self._drivers and not keep_live:
             try:
-                swept = await _uncancellable(self._leases.sweep(()))
+                opened = [n for n in self._drivers if n not in self._unopened]
+                swept = await _uncancellable(self._leases.sweep((), opened))
             except Exception as exc:  # closing must go on: the leases are the safety net
                 log.warning("fleet %s: the closing sweep failed: %s", self.key, exc)
             else:

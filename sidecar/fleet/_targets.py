@@ -146,6 +146,11 @@ def parse_targets(
     an empty session folder)."""
     if isinstance(targets, str):
         targets = [t for t in targets.split(",") if t.strip()]
+    elif isinstance(targets, (bytes, Target)) or not isinstance(targets, Iterable):
+        raise TargetInvalid(
+            f"targets must be a list of replicas (URLs such as sidecar=http://10.0.0.5:8092, or Target objects) "
+            f"or one comma-separated string of them, got {targets!r}", details={"targets": repr(targets)},
+        )
     parsed = [
         Target.parse(t, deploy_config=deploy_config, flavor=flavor, platform=platform, token=token) for t in targets
     ]
