@@ -7,6 +7,10 @@ server."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import httpx
 import pytest
 
@@ -82,24 +86,46 @@ async def test_a_session_left_open_by_another_client_is_refused_named_and_never_
     assert "409" in err.value.message and "another client started it" in err.value.message
 
 
-async def test_a_session_this_sidecar_left_open_is_stopped_and_the_start_sent_again(vllm032, control_deploy,
-                                                                                   tmp_path):
-    state = tmp_path / "state"
+async def _left_open(vllm032: Any, control_deploy: Any, state: Path) -> Any:
+    """A capture whose stop the server answered 500: vLLM >= 0.32 keeps its session open then."""
     async with UpstreamServer(vllm032.url, flavor=Flavor.vllm, stop_budget_s=0.3, retry_wait_max_s=0.05) as up, \
             CaptureController(up, control_deploy, state_dir=state, settings=FAST, claims=ClaimRegistry()) as c:  # fmt: skip
         left = await c.start(stages=[0])
-        vllm032.stop_status = 500  # its stop fails: vLLM keeps the session open then
+        vllm032.stop_status = 500
         await c.stop(left.id)
         left = await c.wait(left.id, timeout=20)
     vllm032.stop_status = 200
-    # a later sidecar on the same journal finds the server's session is that capture's
+    return left
+
+
+async def test_a_session_this_sidecar_left_open_is_stopped_before_the_next_start(vllm032, control_deploy, tmp_path):
+    state = tmp_path / "state"
+    left = await _left_open(vllm032, control_deploy, state)
+    # a later sidecar on the same journal reads the stop as unconfirmed: it stops the stage first
+    async with UpstreamServer(vllm032.url, flavor=Flavor.vllm) as up, \
+            CaptureController(up, control_deploy, state_dir=state, settings=FAST, claims=ClaimRegistry()) as c:  # fmt: skip
+        done = await _run(c, stages=[0])
+    (first,) = done.fact("stopped_first")
+    assert ([e.code for e in left.errors], first.figures["after"], done.state) == (
+        ["stop_server_error"], left.id, CaptureState.completed), done.facts
+    assert [c["path"] for c in vllm032.calls[-3:]] == ["/stop_profile", "/start_profile", "/stop_profile"]
+
+
+async def test_a_session_left_open_by_an_older_journal_is_stopped_on_the_servers_409(vllm032, control_deploy, tmp_path):
+    """A journal written before stops were noted unconfirmed: the server's 409 tells the session is
+    open, the journal tells it is this sidecar's, and it is stopped and the start sent again."""
+    state = tmp_path / "state"
+    left = await _left_open(vllm032, control_deploy, state)
+    record = state / "captures" / f"{left.id}.json"
+    data = json.loads(record.read_text())
+    data["facts"] = [f for f in data["facts"] if f["code"] != "stop_unconfirmed"]
+    record.write_text(json.dumps(data))
     async with UpstreamServer(vllm032.url, flavor=Flavor.vllm) as up, \
             CaptureController(up, control_deploy, state_dir=state, settings=FAST, claims=ClaimRegistry()) as c:  # fmt: skip
         done = await _run(c, stages=[0])
     (reopened,) = done.fact("session_reopened")
-    assert ([e.code for e in left.errors], reopened.figures["previous"], done.state) == (
-        ["stop_server_error"], left.id, CaptureState.completed), done.facts
-    assert [c["path"] for c in vllm032.calls[-3:]] == ["/stop_profile", "/start_profile", "/stop_profile"]
+    assert (reopened.figures["previous"], done.state, done.fact("stopped_first")) == (left.id, CaptureState.completed, [])
+    assert [c["path"] for c in vllm032.calls[-4:]] == ["/start_profile", "/stop_profile", "/start_profile", "/stop_profile"]
 
 
 # --- the HTTP surface: GET /v1/stages and /metrics say what the server is ---------------------------

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.config.models import DeployConfig, StageKind
-from sidecar.config.rules import select_stages, steps_bounded_by_server
+from sidecar.config.rules import select_stages, server_bounded_stages, steps_bounded_by_server
 from sidecar.control import artifacts, budget, limits
 from sidecar.control.artifacts import StageWatch, Window
 from sidecar.control.claims import CLAIMS, ClaimRegistry
@@ -418,6 +418,10 @@ class CaptureController:
             if steps is not None and bound is not Bound.per_capture:
                 cap.facts.extend(note("server_bound", sid, **f)
                                  for sid, f in steps_bounded_by_server(self.deploy, cap.stages, steps))
+            elif steps is None:  # a window in time: the server's own iteration bounds still end its trace
+                cap.facts.extend(note("window_capped", sid, max_iterations=pc.max_iterations,
+                                      delay_iterations=pc.delay_iterations)
+                                 for sid, pc in server_bounded_stages(self.deploy, cap.stages))
             rt = self._rt[cap.id] = _Runtime()
             rt.watches = self._watches(cap.stages, shared_stages)
             artifacts.name_files(rt.watches, options.get("profile_prefix"))  # type: ignore[arg-type]

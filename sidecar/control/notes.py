@@ -155,6 +155,17 @@ def _version_unknown(f: dict[str, Any]) -> str:
     return f"the server did not say its {f['what']} version (GET /version): it is treated as {f['assumed']}"
 
 
+def _window_capped(f: dict[str, Any], sid: int | None) -> str:
+    cap, delay = f["max_iterations"], f["delay_iterations"]
+    skip = f" after skipping {delay}" if delay > 0 else ""
+    keys = ", ".join(k for k in (f"max_iterations {cap}" if cap > 0 else "", f"delay_iterations {delay}" if delay > 0 else "") if k)
+    if cap > 0:
+        return (f"stage {sid} records at most {cap} engine iterations{skip} from the start, however long the window "
+                f"({keys} in its deploy; idle iterations count): under load its trace holds only the window's first steps")
+    return (f"stage {sid} skips its first {delay} engine iterations from the start ({keys} in its deploy; idle "
+            "iterations count): its trace leaves out the window's first steps")
+
+
 _WORDS: dict[str, Callable[[dict[str, Any], int | None], str]] = {
     "text": lambda f, _: str(f.get("text", "")),
     "budget_over": lambda f, _: (
@@ -163,6 +174,7 @@ _WORDS: dict[str, Callable[[dict[str, Any], int | None], str]] = {
         "steps, or lighter profiler flags on the server (torch_profiler_with_stack / record_shapes off), or raise "
         "OMNI_SIDECAR_BUDGET_MB"),
     "server_bound": _server_bound,
+    "window_capped": lambda f, sid: _window_capped(f, sid),
     "folder_second_wait": lambda f, _: (
         f"start waited {f['wait_s']:.2f}s for the next second: a session folder of this capture's stages is named "
         f"with second {f['second']} (the previous window's), and a start in that second would reuse its name"),

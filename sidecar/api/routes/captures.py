@@ -54,6 +54,9 @@ def _whole(*bounds: Any) -> Any:
 Whole = _whole()
 
 
+PLAIN_TEXT = "^[^\\u0000-\\u001f\\u007f-\\u009f]*$"  # JSON Schema's (ECMA 262) spelling of _plain_text's rule
+
+
 def _plain_text(value: Any) -> Any:
     """A label is shown in lists and tables: no control characters (an escape sequence there would
     recolour or retitle a terminal), said with where the first one is."""
@@ -75,7 +78,9 @@ class CaptureRequest(BaseModel):
 
     # strict: `true` is not stage 1, "0" is not stage 0
     stages: list[Whole] | None = Field(default=None, description="stage ids; omit for every profiled stage")
-    label: Annotated[Optional[str], BeforeValidator(_plain_text)] = Field(default=None, max_length=200)
+    label: Annotated[Optional[str], BeforeValidator(_plain_text)] = Field(
+        default=None, max_length=200, description="plain text: no control characters",
+        json_schema_extra={"pattern": PLAIN_TEXT})  # said in the schema; refused by _plain_text, with where
     duration_s: float | None = Field(default=None, gt=0, description="stop automatically after this many seconds")
     lease_s: float | None = Field(default=None, gt=0, description="stop unless a heartbeat arrives within this")
     kind: Literal["torch", "nsys"] = Field(
