@@ -7,6 +7,7 @@ degraded/failed or any error, 3 for traces not checked yet (still collecting at 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from pathlib import Path
@@ -322,16 +323,27 @@ def capture(
         raise typer.Exit(exit_code(cap))
 
 
+END_POLL_S = 0.5  # how often a held window looks whether the server ended it
+
+
 def _heartbeat_until(client: SidecarClient, capture_id: str, seconds: float | None, lease: float) -> None:
     """Heartbeat every third of the lease until ``seconds`` pass (None: forever) or the capture is
-    no longer active (the server's duration ended it, or someone stopped it)."""
+    no longer active (the server's duration or a ``steps`` window ended it, or someone stopped it),
+    looked at every ``END_POLL_S``: a window the server ended is said then, not at the next heartbeat."""
     from sidecar.errors import CaptureStateError
 
-    end = None if seconds is None else time.monotonic() + seconds
+    now = time.monotonic()
+    end = None if seconds is None else now + seconds
+    beat = now + lease / 3
     while end is None or time.monotonic() < end:
-        time.sleep(lease / 3 if end is None else max(0.0, min(lease / 3, end - time.monotonic())))
+        left = math.inf if end is None else end - time.monotonic()
+        time.sleep(max(0.0, min(END_POLL_S, left, beat - time.monotonic())))
         try:
-            client.heartbeat(capture_id)
+            if time.monotonic() >= beat:
+                client.heartbeat(capture_id)
+                beat = time.monotonic() + lease / 3
+            elif client.get_capture(capture_id).state is not CaptureState.active:
+                return
         except CaptureStateError:
             return
 
