@@ -126,6 +126,28 @@ async def test_a_server_whose_stop_never_answers_is_sent_it_and_the_fleet_return
         assert _unstopped(stubs) == [0]
 
 
+async def test_a_stop_its_target_gave_up_on_before_the_fan_outs_deadline_is_a_stop_timeout(tmp_path):
+    """The target's own stop budget (0.5 s) ends before the fan-out's (30 s): it holds the stop,
+    `stopping` with upstream_timeout. That was reported `stopped` (and `stop_timeout` only when the
+    fan-out's deadline came first: the verl group's Ray test, both budgets 3 s, went either way)."""
+    from sidecar.config import load_deploy_config
+    from sidecar.fleet._drivers import UpstreamDriver
+
+    with StubFleet(2, mode="upstream", root=tmp_path, faults={0: "hang_stop"}) as stubs:
+        targets = [Target.ray(u, flavor="omni") for u in stubs.urls]
+        deploys = {t.name: load_deploy_config(d) for t, d in zip(targets, write_deploys(tmp_path, 2))}
+
+        def drivers(target: Target, *, stop_budget_s: float) -> UpstreamDriver:
+            return UpstreamDriver(target, deploys[target.name], stop_budget_s=0.5, settings=FAST, state_dir=None)
+
+        async with Fleet(targets, stages=[0], drivers=drivers, stop_budget_s=30) as fleet:
+            fc = await fleet.stop(await fleet.start(), wait_artifacts=False)
+            hung, other = (fc.targets[t.name] for t in targets)
+            stubs.reset(faults={})  # the held stop is answered now: the fleet closes
+    assert (hung.outcome, hung.error.code, hung.ok, other.outcome) == (
+        TargetOutcome.stop_timeout, "stop_timeout", False, TargetOutcome.stopped)
+
+
 async def test_a_dead_target_whose_stop_cannot_be_sent_names_its_lease(tmp_path):
     with StubFleet(2, mode="sidecar", root=tmp_path, faults={1: "die_after_start"}) as stubs:
         async with Fleet([Target.sidecar(u) for u in stubs.urls], stop_budget_s=5, lease_s=30) as fleet:

@@ -699,7 +699,9 @@ class Fleet:
             if swept is not None:
                 r = r.model_copy(update={"sweep": swept})
             took = loop.time() - t0
-            if not stop_answered(cap):
+            # unanswered: by this fan-out's deadline, or by the target's own stop budget first (it then
+            # holds the stop, `stopping` with upstream_timeout): the same outcome whichever came first
+            if not stop_answered(cap) or cap.state is CaptureState.stopping:
                 return r.with_capture(cap, outcome=TargetOutcome.stop_timeout, stop_s=took, error=TargetError(
                     code="stop_timeout",
                     message=f"the stop was sent and its server did not answer it within {self.stop_budget_s:g}s; "
