@@ -10,7 +10,6 @@ nesting deeper than ``MAX_YAML_DEPTH`` is refused before any node is built.
 from __future__ import annotations
 
 import copy
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import yaml
 
 from sidecar.errors import Where
 from sidecar.errors import FileNotFound, FileUnreadable, YamlInvalid
-from sidecar.files import not_a_file
+from sidecar.files import FileProblem, read_bounded
 
 _BaseLoader: type[yaml.SafeLoader] = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
@@ -203,31 +202,21 @@ def load_yaml(path: str | Path) -> Any:
     p = Path(path)
     where = Where(file=str(p))
     try:
-        # One observation: open without blocking (a FIFO would wait for a writer), then fstat what
-        # was opened, so what is read is what was checked.
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise FileNotFound(f"file not found: {p}; check the path", where=where) from None
-    except OSError as err:
-        raise FileUnreadable(f"cannot read {p}: {err.strerror}", where=where) from None
-    try:
-        kind = not_a_file(os.fstat(fd).st_mode)
-        if kind is not None:
-            raise FileUnreadable(f"{p} is {kind}, not a YAML file; pass the path of a YAML file", where=where,
-                                 details={"kind": kind})
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read(MAX_YAML_BYTES + 1)  # a file can grow after fstat: never read past the cap
-    except OSError as err:
-        raise FileUnreadable(f"cannot read {p}: {err.strerror}", where=where) from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_YAML_BYTES:
-        raise FileUnreadable(
-            f"{p} is larger than {MAX_YAML_BYTES // (1024 * 1024)} MB, the most a YAML file read here may be (a "
-            "deploy YAML is a few KB); pass the right file",
-            where=where,
-            details={"max_bytes": MAX_YAML_BYTES},
-        )
+        data = read_bounded(p, MAX_YAML_BYTES)
+    except FileProblem as exc:
+        if exc.kind == "missing":
+            raise FileNotFound(f"file not found: {p}; check the path", where=where) from None
+        if exc.kind == "not_a_file":
+            raise FileUnreadable(f"{p} is {exc.what}, not a YAML file; pass the path of a YAML file", where=where,
+                                 details={"kind": exc.what}) from None
+        if exc.kind == "too_large":
+            raise FileUnreadable(
+                f"{p} is larger than {MAX_YAML_BYTES // (1024 * 1024)} MB, the most a YAML file read here may be (a "
+                "deploy YAML is a few KB); pass the right file",
+                where=where,
+                details={"max_bytes": MAX_YAML_BYTES},
+            ) from None
+        raise FileUnreadable(f"{p} {exc.why}", where=where) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

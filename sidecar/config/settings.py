@@ -9,7 +9,6 @@ from pathlib import Path
 import json
 import os
 import re
-import stat
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -17,6 +16,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from sidecar.errors import ArtifactRootInvalid, TokenFileUnreadable
 from sidecar.errors import SettingInvalid
+from sidecar.files import FileProblem, read_bounded
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
@@ -224,29 +224,20 @@ def read_token_file(path: Path) -> str:
         return TokenFileUnreadable(f"--token-file {shown} {why}; {fix}", key="token_file", details={"file": shown})
 
     try:
-        # O_NONBLOCK: a FIFO given as the token file must not hang the start-up at open
-        fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise refuse("does not exist", f"create it ({make}) or drop the flag") from None
-    except OSError as exc:
-        raise refuse(f"cannot be opened ({exc.strerror or exc})",
-                     f"make it readable for this user (uid {os.getuid()}) or drop the flag") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise refuse("is a folder, not a file", f"pass the path of the file that holds the token ({make})")
-        if not stat.S_ISREG(mode):
-            raise refuse("is not a regular file (a FIFO, socket or device)",
-                         f"write the token into a regular file ({make}) and pass that")
-        try:
-            raw = os.read(fd, TOKEN_FILE_MAX_BYTES + 1)
-        except OSError as exc:
-            raise refuse(f"cannot be read ({exc.strerror or exc})", "check the file, or drop the flag") from None
-    finally:
-        os.close(fd)
-    if len(raw) > TOKEN_FILE_MAX_BYTES:
-        raise refuse(f"is larger than {TOKEN_FILE_MAX_BYTES} bytes: no token file is that large (a token is at most "
-                     f"{TOKEN_MAX_BYTES} bytes)", f"pass the file that holds only the token ({make})")
+        raw = read_bounded(Path(path).expanduser(), TOKEN_FILE_MAX_BYTES)
+    except FileProblem as exc:
+        if exc.kind == "missing":
+            raise refuse("does not exist", f"create it ({make}) or drop the flag") from None
+        if exc.kind == "unopenable":
+            raise refuse(exc.why, f"make it readable for this user (uid {os.getuid()}) or drop the flag") from None
+        if exc.what == "a folder":
+            raise refuse("is a folder, not a file", f"pass the path of the file that holds the token ({make})") from None
+        if exc.kind == "not_a_file":
+            raise refuse(f"is not a regular file ({exc.what})", f"write the token into a regular file ({make}) and pass that") from None
+        if exc.kind == "too_large":
+            raise refuse(f"is larger than {TOKEN_FILE_MAX_BYTES} bytes: no token file is that large (a token is at most "
+                         f"{TOKEN_MAX_BYTES} bytes)", f"pass the file that holds only the token ({make})") from None
+        raise refuse(exc.why, "check the file, or drop the flag") from None
     try:
         token = raw.decode("ascii").strip()
     except UnicodeDecodeError as exc:
