@@ -40,11 +40,10 @@ from sidecar.control.pacing import Direct, Pacing
 from sidecar.control.schedule import check_start_at, wait_until
 from sidecar.control.settings import ControlSettings
 from sidecar.control.steps import Bound, Read
-from sidecar.control.stopping import send_stop
+from sidecar.control.stopping import Unconfirmed, send_stop
 from sidecar.control.summaries import SUMMARY_TOP, SummaryCache
 from sidecar.errors import ArtifactNotFound, CaptureActive, CaptureNotFound, CaptureStateError, CaptureStopPending
 from sidecar.errors import JournalUnwritable, SidecarClosing, SidecarError, StageSetMismatch, StartCancelled
-from sidecar.errors import StopUnconfirmed
 from sidecar.errors import UpstreamError, UpstreamSessionActive, UpstreamTimeout, UpstreamUnreachable
 from sidecar.scrub import env_secret_values, scrub_secrets
 from sidecar.upstream.metrics import MetricsSnapshot
@@ -152,9 +151,7 @@ class CaptureController:
         self._opened = False
         self._closed = False
         self.last_plan: budget.Plan | None = None  # the latest ``plan``: what a ``steps`` start is predicted by
-        # stage id -> the capture whose stop the server did not confirm (a 5xx, no answer): the stage
-        # may still be recording, so the next start stops it first (a no-op where it is idle)
-        self._unconfirmed: dict[int, str] = {}
+        self._unconfirmed = Unconfirmed()  # stages whose stop the server did not confirm
 
     # --- lifecycle ------------------------------------------------------------------------
 
@@ -198,7 +195,7 @@ class CaptureController:
             self._changed(cap)
             recovered.append(_copy(cap))
         for cap in sorted(self._captures.values(), key=lambda c: (c.created_at, c.id)):
-            self._track_stop(cap)
+            self._unconfirmed.track(cap)
         if recovered:
             ids = [c.id for c in recovered]
             log.warning("recovering captures left live by a previous run: %s", ", ".join(ids))
@@ -210,48 +207,6 @@ class CaptureController:
     async def _recover(self, ids: list[str]) -> None:
         for cid in ids:
             await self._run_stop(cid)
-
-    def _track_stop(self, cap: Capture) -> None:
-        """What a journaled capture says of its stages' recording: swept first, then its own stop
-        confirmed (stopped) or not (``stop_unconfirmed``)."""
-        for n in cap.facts:
-            if n.code == "stopped_first":
-                self._confirmed(n.figures.get("stages", []))
-        if any(n.code == "stop_unconfirmed" for n in cap.facts):
-            self._unconfirmed.update(dict.fromkeys(cap.stages, cap.id))
-        elif cap.stopped_at is not None:
-            self._confirmed(cap.stages)
-
-    def _unconfirm(self, cap: Capture, why: str) -> None:
-        cap.facts.append(note("stop_unconfirmed", stages=list(cap.stages), why=why))
-        self._unconfirmed.update(dict.fromkeys(cap.stages, cap.id))
-
-    def _confirmed(self, stages: list[int]) -> None:
-        for sid in stages:
-            self._unconfirmed.pop(sid, None)
-
-    async def _stop_unconfirmed(self) -> tuple[list[int], str] | None:
-        """Before a start: the stages an earlier stop left unconfirmed, stopped again (a stop is a
-        no-op where nothing records). A stage still recording would otherwise carry its old window
-        into the new capture's trace, and the verdict would call that trace ok. ``StopUnconfirmed``
-        (nothing started) when the server fails this stop too."""
-        if not self._unconfirmed:
-            return None
-        stages = sorted(self._unconfirmed)
-        after = self._unconfirmed[stages[-1]]
-        try:
-            await self.upstream.stop_profile(
-                stages, budget_s=min(self.settings.rollback_budget_s, self.upstream.stop_budget_s))
-        except UpstreamError as exc:
-            raise StopUnconfirmed(
-                f"stages {stages} may still be recording on {self.upstream.base_url}: the server did not confirm the "
-                f"stop of capture {after}, and the stop sent again now failed too ({exc.code}: {exc.message}). "
-                "Nothing was started. Check the server (its log; a restart ends every recording), or POST "
-                f"/stop_profile {{\"stages\": {stages}}} there, then start again",
-                details={"stages": stages, "after": after, "upstream": self.upstream.base_url, "cause": exc.code},
-            ) from None
-        self._confirmed(stages)
-        return stages, after
 
     async def close(self) -> None:
         """Stop the active capture (reason ``shutdown``) and wait for its stop within
@@ -393,7 +348,8 @@ class CaptureController:
         first = await self._measures.step_counter(selected) if counted else None  # only: has it a counter?
         async with self._start_lock:
             self._refuse_overlap()
-            swept = await self._stop_unconfirmed()
+            swept = await self._unconfirmed.sweep(
+                self.upstream, min(self.settings.rollback_budget_s, self.upstream.stop_budget_s))
             secret_values = env_secret_values()  # read once: the environment scan is most of a start's CPU
             cap = Capture(
                 id=_new_id(),
@@ -560,35 +516,19 @@ class CaptureController:
 
     async def _send_start(self, cap: Capture, options: dict[str, object],
                           before_send: Callable[[], Awaitable[None]] | None = None) -> None:
-        """The start, with its per-capture options. A 409 (vLLM >= 0.32: a session still open) from
-        this sidecar's own earlier window (started, its stop never answered) is stopped and the start
-        sent again, said in the capture; from anyone else's it is refused, named (never stopped here)."""
+        """The start, with its per-capture options. A 409 (vLLM >= 0.32: a session still open) is
+        not this sidecar's: the windows whose stop it did not see confirmed were stopped again just
+        before (``Unconfirmed.sweep``). It is refused, named, and never stopped here."""
         try:
             await self.upstream.start_profile(cap.stages, before_send=before_send, options=options)
-            return
         except UpstreamSessionActive as exc:
-            own = self._left_open(cap)
-            if own is None:
-                exc.message = (
-                    f"{exc.message}. The session open on {self.upstream.base_url} is not this sidecar's (no capture "
-                    "it journaled was left open there): another client started it (a POST /start_profile by hand, "
-                    "another sidecar or trainer on this server). Stop it there (POST /stop_profile) and start again")
-                exc.details["open_session"] = "not this sidecar's"
-                raise
-            exc.details["open_session"] = own.id
-        await self.upstream.stop_profile(own.stages, budget_s=min(self.settings.rollback_budget_s,
-                                                                  self.upstream.stop_budget_s))
-        cap.facts.append(note("session_reopened", previous=own.id, stages=own.stages))
-        await self.upstream.start_profile(cap.stages, options=options)
-
-    def _left_open(self, cap: Capture) -> Capture | None:
-        """This sidecar's newest started window on ``cap``'s server, if its stop may have left the
-        server's session open: never answered, or answered with an error (vLLM keeps the session then)."""
-        last = next((c for c in self.list() if c.id != cap.id and c.terminal and c.started_at is not None
-                     and scrub_secrets(c.upstream) == scrub_secrets(cap.upstream)), None)
-        if last is not None and (last.stopped_at is None or any(e.code == "stop_server_error" for e in last.errors)):
-            return last
-        return None
+            exc.message = (
+                f"{exc.message}. The session open on {self.upstream.base_url} is not this sidecar's (every window it "
+                "journaled there was stopped, or stopped again just now): another client started it (a POST "
+                "/start_profile by hand, another sidecar or trainer on this server). Stop it there (POST "
+                "/stop_profile) and start again")
+            exc.details["open_session"] = "not this sidecar's"
+            raise
 
     def _unjournaled(self, cap: Capture) -> JournalUnwritable:
         """The start's first record is not on disk: recovery after a crash would not know of it."""
@@ -679,7 +619,7 @@ class CaptureController:
                 cap.stages, budget_s=min(self.settings.rollback_budget_s, self.upstream.stop_budget_s)
             )
             cap.stopped_at = _now()
-            self._confirmed(cap.stages)
+            self._unconfirmed.confirmed(cap.stages)
         except UpstreamTimeout as stop_exc:
             # Unanswered, like a normal stop past its budget: the server may still be recording or
             # writing, so the slot stays taken until it answers or is shown gone.
@@ -696,7 +636,7 @@ class CaptureController:
             self._error(cap, f"rollback_{stop_exc.code}",
                         f"rollback stop failed: {stop_exc.message}; the profiler may still be running "
                         f"on stages {cap.stages}: POST /stop_profile {{\"stages\": {cap.stages}}} by hand")
-            self._unconfirm(cap, f"{stop_exc.code}: {stop_exc.message}")
+            self._unconfirmed.unconfirm(cap, f"{stop_exc.code}: {stop_exc.message}")
         finally:
             if not held:
                 self.claims.close_window(cap.id, time.time())
@@ -714,17 +654,17 @@ class CaptureController:
             outcome, detail = "internal_error", exc
         if outcome == "answered":
             cap.stopped_at = _now()
-            self._confirmed(cap.stages)
+            self._unconfirmed.confirmed(cap.stages)
         elif outcome == "gone":
             self._error(cap, "upstream_gone", f"the server went away during the rollback stop: {detail}")
             self._unconfirmed.clear()
         elif isinstance(detail, SidecarError):
             self._error(cap, f"rollback_{detail.code}", f"rollback stop failed: {detail.message}; POST "
                         f"/stop_profile {{\"stages\": {cap.stages}}} by hand")
-            self._unconfirm(cap, f"{detail.code}: {detail.message}")
+            self._unconfirmed.unconfirm(cap, f"{detail.code}: {detail.message}")
         else:
             self._error(cap, "internal_error", f"{type(detail).__name__}: {detail}")
-            self._unconfirm(cap, f"internal_error: {detail}")
+            self._unconfirmed.unconfirm(cap, f"internal_error: {detail}")
         self.claims.close_window(cap.id, time.time())
         self._finish(cap, CaptureState.failed)
 
@@ -943,11 +883,11 @@ class CaptureController:
             outcome, detail = await self._send_stop(cap, rt, hold=collect)
             self.claims.close_window(cap.id, time.time())
             if outcome == "answered":
-                self._confirmed(cap.stages)
+                self._unconfirmed.confirmed(cap.stages)
             elif outcome == "gone":  # a server that went away records nothing any more
                 self._unconfirmed.clear()
             else:
-                self._unconfirm(cap, f"{detail.code}: {detail.message}")
+                self._unconfirmed.unconfirm(cap, f"{detail.code}: {detail.message}")
             if outcome == "gone":
                 self._error(
                     cap,

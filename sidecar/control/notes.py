@@ -209,6 +209,7 @@ _WORDS: dict[str, Callable[[dict[str, Any], int | None], str]] = {
         f"vLLM-Omni {f['omni'] or '(none made for it)'} runs on vLLM {f['vllm']}: vLLM-Omni must match vLLM's "
         f"major.minor (it warns of this in its own log only); fix: {f['fix']}"),
     "start_options": lambda f, _: _start_options(f),
+    # written by sidecars before the stop of unconfirmed windows moved before the start; still in journals
     "session_reopened": lambda f, _: (
         f"the server answered the start with 409 (a profiling session still open): it was this sidecar's own, "
         f"capture {f['previous']}'s, whose stop the server never answered; the sidecar stopped it (stages "

@@ -5,6 +5,8 @@ own (docs/design.md §3): an unanswered stop is not a failed one. :func:`send_st
 the upstream's stop budget and, when ``hold``, sends it again (the server answers a repeat once
 its first stop is done) until it is answered or the server has been unreachable for
 ``gone_after_s`` (:func:`gone`). No capture state here: the controller publishes the outcome.
+:class:`Unconfirmed` is the one record of the stages whose stop the server did not confirm (they may
+still be recording), and the stop sent again before the next start.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
-from sidecar.errors import UpstreamError, UpstreamTimeout, UpstreamUnreachable
+from sidecar.control.models import Capture
+from sidecar.control.notes import note
+from sidecar.errors import StopUnconfirmed, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from sidecar.upstream.server import UpstreamServer
 
 Outcome = Literal["answered", "server_error", "failed", "gone"]
@@ -100,4 +104,60 @@ async def send_stop(upstream: UpstreamServer, stages: list[int], *, hold: bool, 
                     await task
 
 
-__all__ = ["Outcome", "gone", "is_server_error", "send_stop"]
+class Unconfirmed:
+    """Stage id -> the capture whose stop the server did not confirm (a 5xx, no answer, a failed
+    rollback): the stage may still be recording, so the next start stops it first (``sweep``; a no-op
+    where it is idle). Rebuilt from the journal (``track``), so a restart keeps it."""
+
+    def __init__(self) -> None:
+        self.stages: dict[int, str] = {}
+
+    def track(self, cap: Capture) -> None:
+        """What a journaled capture says of its stages' recording: swept first, then its own stop
+        confirmed (stopped) or not (``stop_unconfirmed``; in a journal written before that note, a
+        stop answered 5xx, which vLLM >= 0.32 answers with its session still open)."""
+        for n in cap.facts:
+            if n.code == "stopped_first":
+                self.confirmed(n.figures.get("stages", []))
+        if any(n.code == "stop_unconfirmed" for n in cap.facts) or (
+                cap.started_at is not None and any(e.code == "stop_server_error" for e in cap.errors)):
+            self.stages.update(dict.fromkeys(cap.stages, cap.id))
+        elif cap.stopped_at is not None:
+            self.confirmed(cap.stages)
+
+    def unconfirm(self, cap: Capture, why: str) -> None:
+        cap.facts.append(note("stop_unconfirmed", stages=list(cap.stages), why=why))
+        self.stages.update(dict.fromkeys(cap.stages, cap.id))
+
+    def confirmed(self, stages: list[int]) -> None:
+        for sid in stages:
+            self.stages.pop(sid, None)
+
+    def clear(self) -> None:
+        """The server went away: a server that is gone records nothing any more."""
+        self.stages.clear()
+
+    async def sweep(self, upstream: UpstreamServer, budget_s: float) -> tuple[list[int], str] | None:
+        """Before a start: the unconfirmed stages stopped again, and the capture whose stop left them
+        so (None: there were none). A stage still recording would otherwise carry its old window into
+        the new capture's trace, and the verdict would call that trace ok. ``StopUnconfirmed``
+        (nothing started) when the server fails this stop too."""
+        if not self.stages:
+            return None
+        stages = sorted(self.stages)
+        after = self.stages[stages[-1]]
+        try:
+            await upstream.stop_profile(stages, budget_s=budget_s)
+        except UpstreamError as exc:
+            raise StopUnconfirmed(
+                f"stages {stages} may still be recording on {upstream.base_url}: the server did not confirm the "
+                f"stop of capture {after}, and the stop sent again now failed too ({exc.code}: {exc.message}). "
+                "Nothing was started. Check the server (its log; a restart ends every recording), or POST "
+                f"/stop_profile {{\"stages\": {stages}}} there, then start again",
+                details={"stages": stages, "after": after, "upstream": upstream.base_url, "cause": exc.code},
+            ) from None
+        self.confirmed(stages)
+        return stages, after
+
+
+__all__ = ["Outcome", "Unconfirmed", "gone", "is_server_error", "send_stop"]
