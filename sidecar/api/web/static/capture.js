@@ -253,9 +253,23 @@ function totalsLine(body) {
   return el("p", { class: "totals muted", text: parts.join(" · ") });
 }
 
+// Which process a device belongs to: every stage process calls its GPU cuda:0, so the stage (and
+// the replica and rank where the summary knows them) is what tells two devices apart. Worded as
+// the findings word a place (sidecar/analysis/findings.py, _where): "stage 1 · rank 0 · cuda:0".
+function deviceLabel(d, device) {
+  const parts = [d.stage_id === null || d.stage_id === undefined ? "unknown stage" : `stage ${d.stage_id}`];
+  if (d.replica !== null && d.replica !== undefined) parts.push(`replica ${d.replica}`);
+  if (d.rank !== null && d.rank !== undefined) parts.push(`rank ${d.rank}`);
+  parts.push(device);
+  return parts.join(" · ");
+}
+
+// the summary's `devices` are GPUs (kernel and memcpy events), torch's "cuda" on NVIDIA and ROCm alike
+const gpuLabel = (d) => deviceLabel(d, `cuda:${d.device}`);
+
 function deviceRows(devices) {
   return (devices || []).map((d) => ({
-    label: (d.rank !== null && d.rank !== undefined ? `rank ${d.rank} · ` : "") + `device ${d.device}`,
+    label: gpuLabel(d),
     idle_share: d.idle_share,
     busyText: us(d.busy_us),
   }));
@@ -285,14 +299,6 @@ const IDLE = [
   { key: "other_share", name: "other", cls: "seg-elsewhere" },
 ];
 
-function whereLabel(d) {
-  const parts = [];
-  if (d.replica !== null && d.replica !== undefined) parts.push(`rep ${d.replica}`);
-  if (d.rank !== null && d.rank !== undefined) parts.push(`rank ${d.rank}`);
-  parts.push(`GPU ${d.device}`);
-  return parts.join(" · ");
-}
-
 // the summary's ranked findings (sidecar/analysis/findings.py words them), shown first
 function findingsList(findings) {
   if (!findings || !findings.length) return null;
@@ -307,8 +313,8 @@ function whyCharts(devices) {
   const rows = (devices || []).filter((d) => d.temporal);
   if (!rows.length) return [];
   return [
-    stackedChart("Where the steady window went", rows.map((d) => ({ label: whereLabel(d), shares: d.temporal })), TEMPORAL),
-    stackedChart("Why the GPU was idle", rows.filter((d) => d.idle_breakdown).map((d) => ({ label: whereLabel(d), shares: d.idle_breakdown })), IDLE),
+    stackedChart("Where the steady window went", rows.map((d) => ({ label: gpuLabel(d), shares: d.temporal })), TEMPORAL),
+    stackedChart("Why the GPU was idle", rows.filter((d) => d.idle_breakdown).map((d) => ({ label: gpuLabel(d), shares: d.idle_breakdown })), IDLE),
   ].filter(Boolean);
 }
 
@@ -316,11 +322,7 @@ function whyCharts(devices) {
 // peak marked) and reserved (dashed) over the window, one colour per device; then what was live
 // at each device's peak, by the op that allocated it
 function memoryLabel(m) {
-  const parts = [];
-  if (m.replica !== null && m.replica !== undefined) parts.push(`rep ${m.replica}`);
-  if (m.rank !== null && m.rank !== undefined) parts.push(`rank ${m.rank}`);
-  parts.push(m.device >= 0 ? `${m.device_type}:${m.device}` : m.device_type);
-  return parts.join(" · ");
+  return deviceLabel(m, m.device >= 0 ? `${m.device_type}:${m.device}` : m.device_type);
 }
 
 function memoryCharts(memory) {

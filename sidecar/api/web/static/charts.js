@@ -22,6 +22,14 @@ function clip(s, n) {
   return s.length <= n ? s : s.slice(0, n - 1) + "…";
 }
 
+// a label column as wide as the longest label needs (11.5 px monospace: about 7 units a
+// character), between min and max; a longer label is clipped there and read whole in its tooltip
+const CHAR_W = 7;
+function labelColumn(rows, min, max) {
+  const longest = Math.max(0, ...rows.map((r) => String(r.label).length));
+  return Math.min(max, Math.max(min, 12 + CHAR_W * longest));
+}
+
 function figure(title, node, note) {
   return el("figure", { class: "chart" }, el("figcaption", { text: title }), node, note ? el("p", { class: "chart-note muted", text: note }) : null);
 }
@@ -59,8 +67,9 @@ export function barChart(title, rows, { fmt = String, cls = "bar-cpu", width = 5
 }
 
 // rows: [{label, busy_us, idle_share}] → one 100 % bar per device: busy (coloured) vs idle
-export function busyIdleChart(title, rows, { width = 560, labelWidth = 150 } = {}) {
+export function busyIdleChart(title, rows, { width = 560, labelWidth } = {}) {
   if (!rows.length) return null;
+  labelWidth = labelWidth ?? labelColumn(rows, 150, 300);
   const rowH = 26;
   const barW = width - labelWidth - 170;
   const height = 4 + rows.length * rowH + 18;
@@ -70,7 +79,7 @@ export function busyIdleChart(title, rows, { width = 560, labelWidth = 150 } = {
     const busy = Math.min(1, Math.max(0, 1 - (r.idle_share ?? 0)));
     const g = svg("g", { class: "bar-row" });
     g.append(svg("title", {}, document.createTextNode(`${r.label}: busy ${(busy * 100).toFixed(1)} %, idle ${((1 - busy) * 100).toFixed(1)} %`)));
-    g.append(text(labelWidth - 8, y + 17, r.label, { class: "bar-label", "text-anchor": "end" }));
+    g.append(text(labelWidth - 8, y + 17, clip(r.label, Math.floor((labelWidth - 12) / CHAR_W)), { class: "bar-label", "text-anchor": "end" }));
     g.append(svg("rect", { class: "bar bar-idle", x: labelWidth, y: y + 4, width: barW, height: rowH - 8, rx: 3 }));
     g.append(svg("rect", { class: "bar bar-busy", x: labelWidth, y: y + 4, width: Math.max(1, busy * barW).toFixed(1), height: rowH - 8, rx: 3 }));
     g.append(text(labelWidth + barW + 8, y + 17, `${(busy * 100).toFixed(0)} % busy · ${r.busyText}`, { class: "bar-value" }));
@@ -86,9 +95,10 @@ export function busyIdleChart(title, rows, { width = 560, labelWidth = 150 } = {
 
 // rows: [{label, shares: {key: 0..1}}], parts: [{key, name, cls}] → one 100 % bar per row, its
 // segments in the order of parts (what the summary's `temporal` / `idle_breakdown` split)
-export function stackedChart(title, rows, parts, { width = 560, labelWidth = 150 } = {}) {
+export function stackedChart(title, rows, parts, { width = 560, labelWidth } = {}) {
   rows = rows.filter((r) => parts.some((p) => (r.shares[p.key] ?? 0) > 0));
   if (!rows.length) return null;
+  labelWidth = labelWidth ?? labelColumn(rows, 150, 300);
   const rowH = 26;
   const barW = width - labelWidth - 12;
   const height = 4 + rows.length * rowH + 20;
@@ -96,7 +106,8 @@ export function stackedChart(title, rows, parts, { width = 560, labelWidth = 150
   rows.forEach((r, i) => {
     const y = 4 + i * rowH;
     const g = svg("g", { class: "bar-row" });
-    g.append(text(labelWidth - 8, y + 17, r.label, { class: "bar-label", "text-anchor": "end" }));
+    g.append(svg("title", {}, document.createTextNode(r.label)));
+    g.append(text(labelWidth - 8, y + 17, clip(r.label, Math.floor((labelWidth - 12) / CHAR_W)), { class: "bar-label", "text-anchor": "end" }));
     g.append(svg("rect", { class: "bar-track", x: labelWidth, y: y + 4, width: barW, height: rowH - 8, rx: 3 }));
     let x = labelWidth;
     for (const p of parts) {
@@ -110,12 +121,14 @@ export function stackedChart(title, rows, parts, { width = 560, labelWidth = 150
     }
     root.append(g);
   });
-  let lx = labelWidth;
+  // under the bars, moved left where a wide label column would push it past the edge
+  const legendW = parts.reduce((w, p) => w + 22 + p.name.length * CHAR_W, 0) - 8;
+  let lx = Math.max(0, Math.min(labelWidth, width - legendW));
   const ly = height - 6;
   for (const p of parts) {
     root.append(svg("rect", { class: `seg ${p.cls}`, x: lx, y: ly - 9, width: 10, height: 10, rx: 2 }));
     root.append(text(lx + 14, ly, p.name, { class: "legend" }));
-    lx += 22 + p.name.length * 7;
+    lx += 22 + p.name.length * CHAR_W;
   }
   return figure(title, root);
 }
