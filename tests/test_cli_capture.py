@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from sidecar.cli import app
 from sidecar.client import SidecarClient
 from tests.fixtures.emulator import EmulatorPool, make_deploy
 from tests.fixtures.terminal import ctrl_c_as_in_a_terminal
+from tests.fixtures.waits import poll
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()
@@ -284,6 +287,51 @@ def test_capture_duration_is_sent_to_the_server(sidecar: str, emu_url: str) -> N
     ok = all(v["verdict"] == "ok" for v in cap["verdicts"])
     got = (cap["duration_s"], cap["stop_reason"], cap["lease_s"] <= 60, result.exit_code)
     assert got == (1.0, "duration", True, 0 if ok else 1), result.output
+
+
+class _Output:
+    """Everything a child writes, read as it comes: a terminal's progress line is redrawn in place
+    and never ends a line, so it is read in chunks (terminal escapes dropped)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        self._out = proc.stdout
+        self._chunks: list[bytes] = []
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        while chunk := self._out.read1(4096):  # type: ignore[attr-defined]
+            self._chunks.append(chunk)
+
+    def text(self) -> str:
+        return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(self._chunks).decode(errors="replace"))
+
+
+def test_capture_shows_its_wait_for_delay_steps_on_a_terminal(sidecar: str) -> None:
+    # No load: the start waits for its 5 engine steps (state `starting`) until the test stops it. The
+    # terminal is told what the command waits for and since when; before, nothing at all.
+    env = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "200"}  # rich: a terminal
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0", "--delay-steps", "5"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    shown = _Output(proc)
+    try:
+        with SidecarClient(sidecar, timeout=30) as client:
+            def waiting() -> list[Any]:
+                return [c for c in client.list_captures(2) if c.state.value == "starting" and c.delay_steps == 5]
+
+            assert poll(waiting), shown.text()
+            (cap,) = waiting()
+            line = f"capture {cap.id}: waiting for 5 engine steps before the start"
+            said = poll(lambda: line in shown.text(), timeout=30)
+            client.stop_capture(cap.id)  # ends the wait at once: nothing was sent upstream
+            proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert said, shown.text()
 
 
 def test_every_verdict_has_a_colour_in_the_table() -> None:

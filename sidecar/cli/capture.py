@@ -10,8 +10,9 @@ import json
 import math
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Optional, TypeVar
 
 import typer
 from rich.markup import escape
@@ -27,6 +28,8 @@ from sidecar.control.models import Capture, CaptureState, Verdict
 from sidecar.control.outcome import Outcome, outcome_of
 from sidecar.control.outcome import exit_code as outcome_exit_code
 from sidecar.errors import SidecarError
+
+T = TypeVar("T")
 
 SidecarOpt = Annotated[
     str, typer.Option("--sidecar", envvar="OMNI_SIDECAR_URL", help="URL of a running `omni-sidecar serve`")
@@ -135,6 +138,31 @@ def wait_with_progress(client: SidecarClient, capture_id: str, timeout: float | 
                                    on_poll=lambda cap: say(f"capture {capture_id}: {cap.state.value}"))
 
 
+DELAY_POLL_S = 0.5  # how often a delayed start's waiting line asks for its capture
+
+
+def start_with_progress(client: SidecarClient, watcher: SidecarClient, stages: list[int] | None, *,
+                        delay_steps: int | None, quiet: bool, **opts: Any) -> Capture:
+    """``client.start_capture``; with ``delay_steps``, showing on a terminal what it waits for and the
+    time: the start is answered once the server has run them (minutes on an idle server, up to the
+    sidecar's ``steps_wait_s``). ``watcher`` (a second client) finds the capture meanwhile."""
+    if quiet or not delay_steps:
+        return client.start_capture(stages, delay_steps=delay_steps, **opts)
+    waiting = f"waiting for {delay_steps} engine steps before the start"
+    return _while_saying(lambda: client.start_capture(stages, delay_steps=delay_steps, **opts), waiting,
+                         lambda: _delay_progress(watcher, delay_steps, waiting), DELAY_POLL_S, name="start")
+
+
+def _delay_progress(watcher: SidecarClient, delay_steps: int, waiting: str) -> str:
+    try:  # one capture at a time: a start waiting for its delay is the newest, state starting
+        newest = watcher.list_captures(2)
+    except SidecarError:  # a progress line never fails the start
+        return waiting
+    ours = [c for c in newest if c.state is CaptureState.starting and c.delay_steps == delay_steps]
+    # the record says which capture waits, not how many steps ran so far (the sidecar keeps no count)
+    return f"capture {ours[0].id}: {waiting}" if ours else waiting
+
+
 @app.command()
 def start(
     sidecar: SidecarOpt = DEFAULT_URL,
@@ -158,11 +186,11 @@ def start(
     as_json: JsonOpt = False,
 ) -> None:
     """Start a capture on the sidecar (one at a time; the stage set is fixed now)."""
-    with cli_errors(), _client(sidecar, token_file) as client:
+    with cli_errors(), _client(sidecar, token_file) as client, _client(sidecar, token_file) as watcher:
         at = None if start_at is None else _on_sidecar_clock(client, start_at)
-        cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease,
-                                   steps=steps, delay_steps=delay_steps, start_at=at,
-                                   steps_bound="count" if count_steps else None, profile=profile)
+        cap = start_with_progress(client, watcher, parse_stage_list(stages), delay_steps=delay_steps, quiet=as_json,
+                                  label=label, duration_s=duration, lease_s=lease, steps=steps, start_at=at,
+                                  steps_bound="count" if count_steps else None, profile=profile)
         if as_json:
             console.print_json(cap.model_dump_json())
         elif cap.start_at is not None and cap.state.value == "starting":
@@ -293,13 +321,13 @@ def capture(
 
     The window is the server's: it gets the duration and a lease this command heartbeats, so a
     killed CLI leaves nothing recording (the lease runs out within --lease seconds)."""
-    with cli_errors(), _client(sidecar, token_file) as client:
+    with cli_errors(), _client(sidecar, token_file) as client, _client(sidecar, token_file) as watcher:
         cap = None
         try:
             with ctrl_c_held() as interrupted:  # Ctrl-C during the start stops the capture once it has one
-                cap = client.start_capture(parse_stage_list(stages), label=label, duration_s=duration, lease_s=lease,
-                                           steps=steps, delay_steps=delay_steps,
-                                           steps_bound="count" if count_steps else None, profile=profile)
+                cap = start_with_progress(client, watcher, parse_stage_list(stages), delay_steps=delay_steps,
+                                          quiet=as_json, label=label, duration_s=duration, lease_s=lease, steps=steps,
+                                          steps_bound="count" if count_steps else None, profile=profile)
             if not as_json:
                 print_text(console, f"capture [bold]{cap.id}[/] {cap.state.value}: stages {escape(str(cap.stages))}")
             if interrupted():
@@ -368,24 +396,31 @@ def plan_with_progress(client: SidecarClient, watcher: SidecarClient, stages: li
     if quiet:
         return client.plan(stages, **opts)
     before = {c.id for c in watcher.list_captures(PLAN_SEEN)}
+    return _while_saying(lambda: client.plan(stages, **opts), "planning: the first probe",
+                         lambda: _plan_progress(watcher, before), PLAN_POLL_S, name="plan")
+
+
+def _while_saying(call: Callable[[], T], first: str, progress: Callable[[], str], poll_s: float, *, name: str) -> T:
+    """``call()`` in a thread while the waiting line says ``first``, then ``progress()`` every
+    ``poll_s``; its result, or what it raised, raised here in the caller's thread."""
     outcome: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            outcome["plan"] = client.plan(stages, **opts)
+            outcome["value"] = call()
         except BaseException as exc:  # raised in the caller's thread below
             outcome["error"] = exc
 
-    thread = threading.Thread(target=run, name="plan", daemon=True)
-    with waiting_line("planning: the first probe") as say:
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with waiting_line(first) as say:
         thread.start()
         while thread.is_alive():
-            thread.join(PLAN_POLL_S)
+            thread.join(poll_s)
             if thread.is_alive():
-                say(_plan_progress(watcher, before))
+                say(progress())
     if "error" in outcome:
         raise outcome["error"]
-    return outcome["plan"]  # type: ignore[no-any-return]
+    return outcome["value"]  # type: ignore[no-any-return]
 
 
 def _plan_progress(watcher: SidecarClient, before: set[str]) -> str:
