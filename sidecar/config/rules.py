@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from sidecar.config.models import DeployConfig, ProfilerConfig, Stage
@@ -15,24 +16,27 @@ from sidecar.errors import Finding, Severity, StageNotCuda, StageSelectionError,
 from sidecar.errors import StageDuplicate, StageNotProfiled, StageNotTorch, StageUnknown, StagesEmpty
 
 __all__ = [
-    "IDLE_ITERATIONS", "MAX_IDLE_SHARE", "capped_by_server", "max_iterations_for", "select_stages", "validate_deploy", "selection_finding",
+    "IDLE_ITERATIONS", "MAX_IDLE_SHARE", "capped_by_server", "check_stage_list", "max_iterations_for", "select_stages", "validate_deploy", "selection_finding",
     "server_bounded_stages", "steps_bounded_by_server", "server_window_end", "server_window_ends",
 ]
 
 
-def check_stage_ids(deploy: DeployConfig, stages: list[int], *, valid: list[int]) -> None:
-    """The part of the stage-list rule every caller shares (capture, render): non-empty, integers,
-    each once, each a stage of ``deploy``. ``valid`` is what the error messages offer instead."""
+def check_stage_list(stages: Sequence[Any], *, valid: list[int] | None = None) -> None:
+    """The part of the stage-list rule that needs no deploy: non-empty, integers (a bool is no
+    stage id), each once. ``valid`` is what the messages offer instead; None where no deploy is read
+    yet (a fleet, before it reads its targets'): the rest of the rule is ``check_stage_ids``'."""
+    offer = "" if valid is None else f" (valid: {valid})"
     if len(stages) == 0:
         raise StagesEmpty(
             "the stage list is empty: the server would profile nothing and still answer SUCCESS; "
-            f"name at least one stage (valid: {valid}) or omit `stages` for all of them",
+            f"name at least one stage{offer} or omit `stages` for all of them",
             details={"stages": [], "valid": valid},
         )
     bad_type = [s for s in stages if isinstance(s, bool) or not isinstance(s, int)]
     if bad_type:
         raise StageUnknown(
-            f"stage ids must be integers, got {bad_type}; valid: {valid}",
+            f"stage ids must be integers, got {bad_type}; "
+            + (f"valid: {valid}" if valid is not None else "list them as integers, e.g. [0, 2]"),
             details={"stages": bad_type, "valid": valid},
         )
     dupes = sorted(sid for sid, n in Counter(stages).items() if n > 1)
@@ -41,6 +45,12 @@ def check_stage_ids(deploy: DeployConfig, stages: list[int], *, valid: list[int]
             f"stage ids listed more than once: {dupes}; list each stage once",
             details={"stages": dupes, "valid": valid},
         )
+
+
+def check_stage_ids(deploy: DeployConfig, stages: list[int], *, valid: list[int]) -> None:
+    """The part of the stage-list rule every caller shares (capture, render): ``check_stage_list``
+    and each a stage of ``deploy``. ``valid`` is what the error messages offer instead."""
+    check_stage_list(stages, valid=valid)
     unknown = [s for s in stages if deploy.stage(s) is None]
     if unknown:
         raise StageUnknown(

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from sidecar.config.models import DeployConfig
-from sidecar.config.rules import select_stages
+from sidecar.config.rules import check_stage_list, select_stages
 from sidecar.config.sharing import RENDER_FIX, shared_dir_groups, shared_profiler_dirs
 from sidecar.control.models import Capture, CaptureState, StopReason
 from sidecar.errors import (
@@ -164,15 +164,12 @@ class Fleet:
         ):
             raise FleetStagesInvalid(f"stages must be a list of stage ids, got {stages!r}")
         if stages is not None:
-            # What needs no deploy is refused here, before any profiled step; the rest of the rule
-            # (each stage known and profiled) is select_stages' once each target's deploy is read.
-            bad = [s for s in stages if isinstance(s, bool) or not isinstance(s, int)]
-            dupes = sorted({s for s in stages if s not in bad and list(stages).count(s) > 1})
-            if not stages or bad or dupes:
-                why = ("is empty: nothing would be profiled (None profiles every torch-profiled stage)" if not stages
-                       else f"holds {bad}, which are not integer stage ids" if bad
-                       else f"lists stage ids more than once: {dupes}; list each stage once")
-                raise FleetStagesInvalid(f"stages {list(stages)} {why}", key="stages", details={"stages": list(stages)})
+            # The shared rule's part that needs no deploy is applied here, before any profiled step;
+            # the rest (each stage known and profiled) is select_stages' once each target's deploy is read.
+            try:
+                check_stage_list(stages)
+            except StageSelectionError as err:
+                raise FleetStagesInvalid(err.message, key="stages", details={"stages": list(stages)}) from None
         if max_concurrency is not None and (isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int)
                                             or max_concurrency < 1):
             raise ConcurrencyInvalid(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
