@@ -239,6 +239,18 @@ def test_cli_slim_and_diff(trace_data, tmp_path):
     assert (r.returncode, d.returncode, len(json.loads(d.stdout)["total"]["kernels"])) == (0, 0, 3)
 
 
+def test_cli_diff_totals_the_annotations_its_rows_hold(trace_data):
+    # the self CPU rows hold annotations (gloo:all_reduce) beside the ops: the header totals both,
+    # each apart; it gave the ops' total alone above rows larger than it
+    a, b = trace_data / "fleet_rank0.json.gz", trace_data / "fleet_rank1.json.gz"
+    d = json.loads(_cli("diff", str(a), str(b), "--json").stdout)["total"]["totals"]
+    want = [sum(o.self_us for o in summarize_trace(p, top=1000).annotations) for p in (a, b)]
+    text = " ".join(_cli("diff", str(a), str(b)).stdout.split())  # as one line, however the terminal wraps it
+    assert ([d["annotation_self_us_a"], d["annotation_self_us_b"]], "of annotations" in text) == (
+        [pytest.approx(w) for w in want], True), text[:400]
+    assert want[0] > 0
+
+
 def test_cli_slim_bad_window_exits_1(trace_data, tmp_path):
     r = _cli("slim", str(trace_data / "cuda_small.json.gz"), "-o", str(tmp_path / "s.json"), "--window", "soon")
     assert (r.returncode, "slim_window_invalid" in r.stderr, "Traceback" in r.stderr) == (1, True, False)

@@ -53,6 +53,8 @@ class TotalsDelta(BaseModel):
     span_us_b: float = 0.0
     cpu_op_self_us_a: float = 0.0
     cpu_op_self_us_b: float = 0.0
+    annotation_self_us_a: float | None = None  # the rows of ops_by_self_cpu include annotations: their total
+    annotation_self_us_b: float | None = None
     kernel_us_a: float = 0.0
     kernel_us_b: float = 0.0
     gpu_us_a: float = 0.0  # kernels + memcpy + memset
@@ -129,6 +131,7 @@ def _totals(a: SummaryBody, b: SummaryBody) -> TotalsDelta:
     return TotalsDelta(
         span_us_a=a.window.span_us, span_us_b=b.window.span_us,
         cpu_op_self_us_a=a.totals.cpu_op_self_us, cpu_op_self_us_b=b.totals.cpu_op_self_us,
+        annotation_self_us_a=a.totals.annotation_self_us, annotation_self_us_b=b.totals.annotation_self_us,
         kernel_us_a=a.totals.kernel_us, kernel_us_b=b.totals.kernel_us,
         gpu_us_a=gpu(a), gpu_us_b=gpu(b), kernels_a=a.totals.kernels, kernels_b=b.totals.kernels,
         cpu_ops_a=a.totals.cpu_ops, cpu_ops_b=b.totals.cpu_ops,

@@ -228,6 +228,9 @@ class Totals(BaseModel):
     bytes_raw: int = 0
     cpu_ops: int = 0
     cpu_op_self_us: float = 0.0
+    # self CPU of user annotations (record_function, ProfilerStep#N): time in them outside any op;
+    # None in a summary made before it was counted
+    annotation_self_us: float | None = None
     kernels: int = 0
     kernel_us: float = 0.0
     memcpy_us: float = 0.0

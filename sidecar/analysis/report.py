@@ -156,6 +156,7 @@ def summary_body(agg: Aggregate, top: int) -> dict[str, Any]:
             bytes_raw=agg.bytes_raw,
             cpu_ops=sum(r[1] for r in t[OP].values()),
             cpu_op_self_us=sum(r[3] for r in t[OP].values()),
+            annotation_self_us=sum(r[3] for r in t[ANNOTATION].values()),
             kernels=sum(r[1] for r in t[KERNEL].values()),
             kernel_us=kernel_us,
             memcpy_us=memcpy_us,

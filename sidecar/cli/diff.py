@@ -33,13 +33,14 @@ def _print_stage(title: str, s: StageDiff) -> None:
     print_text(
         console,
         f"[bold]{escape(title)}[/]: window {_ms(t.span_us_a)} → {_ms(t.span_us_b)} ms; self CPU of ops "
-        f"{_ms(t.cpu_op_self_us_a)} → {_ms(t.cpu_op_self_us_b)} ms; GPU {_ms(t.gpu_us_a)} → {_ms(t.gpu_us_b)} ms; "
+        f"{_ms(t.cpu_op_self_us_a)} → {_ms(t.cpu_op_self_us_b)} ms, of annotations {_ms(t.annotation_self_us_a)} → "
+        f"{_ms(t.annotation_self_us_b)} ms; GPU {_ms(t.gpu_us_a)} → {_ms(t.gpu_us_b)} ms; "
         f"kernels {t.kernels_a:,} → {t.kernels_b:,}; step {_ms(t.step_mean_us_a)} → {_ms(t.step_mean_us_b)} ms",
         hang="  ",
     )
     # A, B and their difference stay in one table when a narrow terminal splits it
     figures = [Column("count A→B", "right"), *(Column(h, "right", group="ms") for h in ("ms A", "B", "Δ"))]
-    print_table(console, "ops by change in self CPU time",
+    print_table(console, "ops and annotations by change in self CPU time",
                 [Column("op"), *figures[:1], Column("self CPU ms A", "right", group="ms"), *figures[2:]],
                 [[o.name, f"{o.count_a:,}→{o.count_b:,}", _ms(o.self_us_a), _ms(o.self_us_b), _d(o.delta_self_us)]
                  for o in s.ops_by_self_cpu])
