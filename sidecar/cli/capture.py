@@ -25,6 +25,7 @@ from sidecar.cli._render import print_window_metrics, styled, styled_cell
 from sidecar.client import DEFAULT_URL, SidecarClient
 from sidecar.control.budget import PROBE_LABEL, Plan
 from sidecar.control.models import Capture, CaptureState, Verdict
+from sidecar.control.budget import MIN_BUDGET_MB, MIN_STOP_S
 from sidecar.control.outcome import Outcome, outcome_of
 from sidecar.control.outcome import exit_code as outcome_exit_code
 from sidecar.errors import SidecarError
@@ -439,9 +440,9 @@ def _plan_progress(watcher: SidecarClient, before: set[str]) -> str:
 def plan(
     sidecar: SidecarOpt = DEFAULT_URL,
     stages: StagesOpt = None,
-    budget_mb: Annotated[Optional[float], typer.Option("--budget-mb", min=0.001, callback=finite, help="trace size on disk to fit")] = None,
+    budget_mb: Annotated[Optional[float], typer.Option("--budget-mb", min=MIN_BUDGET_MB, callback=finite, help="trace size on disk to fit")] = None,
     max_stop_s: Annotated[
-        Optional[float], typer.Option("--max-stop-s", min=0.001, callback=finite, help="how long the server's stop may take")
+        Optional[float], typer.Option("--max-stop-s", min=MIN_STOP_S, callback=finite, help="how long the server's stop may take")
     ] = None,
     refine: Annotated[bool, typer.Option(
         "--refine/--no-refine",
