@@ -334,6 +334,35 @@ def test_capture_shows_its_wait_for_delay_steps_on_a_terminal(sidecar: str) -> N
     assert said, shown.text()
 
 
+def test_ctrl_c_while_a_delayed_start_waits_cancels_it_at_once(sidecar: str) -> None:
+    # Ctrl-C is held while a start is in flight (so no capture is left unknown); for a start that
+    # waits for its steps that was minutes of a dead key. Now it stops the waiting capture: the
+    # start is cancelled, nothing was sent upstream, and the command ends.
+    env = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "200"}  # rich: a terminal
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0", "--delay-steps", "7"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    shown = _Output(proc)
+    try:
+        with SidecarClient(sidecar, timeout=30) as client:
+            def waiting() -> list[Any]:
+                return [c for c in client.list_captures(2) if c.state.value == "starting" and c.delay_steps == 7]
+
+            assert poll(waiting), shown.text()
+            (cap,) = waiting()
+            assert poll(lambda: f"capture {cap.id}: waiting" in shown.text(), timeout=30), shown.text()
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait(timeout=60)
+            cap = client.get_capture(cap.id)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (rc != 0, cap.state.value, [e.code for e in cap.errors], cap.started_at) == (
+        True, "failed", ["start_cancelled"], None), shown.text()
+    assert "start cancelled by Ctrl-C" in shown.text() and "Traceback" not in shown.text(), shown.text()
+
+
 def test_every_verdict_has_a_colour_in_the_table() -> None:
     from sidecar.cli._render import VERDICT_STYLES
     from sidecar.control.models import Verdict

@@ -6,6 +6,7 @@ degraded/failed or any error, 3 for traces not checked yet (still collecting at 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import threading
@@ -143,25 +144,41 @@ DELAY_POLL_S = 0.5  # how often a delayed start's waiting line asks for its capt
 
 
 def start_with_progress(client: SidecarClient, watcher: SidecarClient, stages: list[int] | None, *,
-                        delay_steps: int | None, quiet: bool, **opts: Any) -> Capture:
+                        delay_steps: int | None, quiet: bool, interrupted: Callable[[], bool] = lambda: False,
+                        **opts: Any) -> Capture:
     """``client.start_capture``; with ``delay_steps``, showing on a terminal what it waits for and the
     time: the start is answered once the server has run them (minutes on an idle server, up to the
-    sidecar's ``steps_wait_s``). ``watcher`` (a second client) finds the capture meanwhile."""
+    sidecar's ``steps_wait_s``). ``watcher`` (a second client) finds the capture meanwhile; once
+    ``interrupted()`` (a held Ctrl-C), it stops that capture, which cancels the start (nothing was
+    sent upstream): the start then raises ``start_cancelled``."""
     if quiet or not delay_steps:
         return client.start_capture(stages, delay_steps=delay_steps, **opts)
     waiting = f"waiting for {delay_steps} engine steps before the start"
+    cancelled: list[str] = []
+
+    def progress() -> str:
+        cid = _delayed_capture(watcher, delay_steps)
+        if cid is None:
+            return waiting
+        if interrupted() and not cancelled:
+            with contextlib.suppress(SidecarError):  # already started or ended: the caller stops it then
+                watcher.stop_capture(cid)
+                cancelled.append(cid)
+        return f"capture {cid}: " + ("Ctrl-C: cancelling the start" if cancelled else waiting)
+
     return _while_saying(lambda: client.start_capture(stages, delay_steps=delay_steps, **opts), waiting,
-                         lambda: _delay_progress(watcher, delay_steps, waiting), DELAY_POLL_S, name="start")
+                         progress, DELAY_POLL_S, name="start")
 
 
-def _delay_progress(watcher: SidecarClient, delay_steps: int, waiting: str) -> str:
-    try:  # one capture at a time: a start waiting for its delay is the newest, state starting
+def _delayed_capture(watcher: SidecarClient, delay_steps: int) -> str | None:
+    """The capture whose start waits for its delay (one capture at a time: the newest, state
+    ``starting``), or None. The record says which capture waits, not how many steps ran so far."""
+    try:
         newest = watcher.list_captures(2)
     except SidecarError:  # a progress line never fails the start
-        return waiting
+        return None
     ours = [c for c in newest if c.state is CaptureState.starting and c.delay_steps == delay_steps]
-    # the record says which capture waits, not how many steps ran so far (the sidecar keeps no count)
-    return f"capture {ours[0].id}: {waiting}" if ours else waiting
+    return ours[0].id if ours else None
 
 
 @app.command()
@@ -326,9 +343,19 @@ def capture(
         cap = None
         try:
             with ctrl_c_held() as interrupted:  # Ctrl-C during the start stops the capture once it has one
-                cap = start_with_progress(client, watcher, parse_stage_list(stages), delay_steps=delay_steps,
-                                          quiet=as_json, label=label, duration_s=duration, lease_s=lease, steps=steps,
-                                          steps_bound="count" if count_steps else None, profile=profile)
+                try:
+                    cap = start_with_progress(client, watcher, parse_stage_list(stages), delay_steps=delay_steps,
+                                              quiet=as_json, interrupted=interrupted, label=label, duration_s=duration,
+                                              lease_s=lease, steps=steps, steps_bound="count" if count_steps else None,
+                                              profile=profile)
+                except SidecarError as err:
+                    if err.code == "start_cancelled" and interrupted():  # Ctrl-C ended a delayed start's wait
+                        if not as_json:
+                            print_text(console, f"capture {err.details.get('capture_id', '')}: start cancelled by "
+                                                "Ctrl-C while it waited for its steps; nothing was sent upstream",
+                                       markup=False)
+                        raise KeyboardInterrupt from None
+                    raise
             if not as_json:
                 print_text(console, f"capture [bold]{cap.id}[/] {cap.state.value}: stages {escape(str(cap.stages))}")
             if interrupted():
