@@ -308,29 +308,36 @@ class _Output:
         return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", b"".join(self._chunks).decode(errors="replace"))
 
 
-def test_capture_shows_its_wait_for_delay_steps_on_a_terminal(sidecar: str) -> None:
-    # No load: the start waits for its 5 engine steps (state `starting`) until the test stops it. The
-    # terminal is told what the command waits for and since when; before, nothing at all.
-    env = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "200"}  # rich: a terminal
+@contextlib.contextmanager
+def _delayed_capture(sidecar: str, steps: int) -> Iterator[tuple[subprocess.Popen[bytes], _Output, SidecarClient, Any]]:
+    """``capture --delay-steps STEPS`` on a terminal (rich told so), on an emulator with no load: its
+    start waits (state ``starting``) until the test ends it; the process, its output, a client, the
+    capture. The process is killed if the test leaves it running."""
+    env = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "200"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0", "--delay-steps", "5"],
+        [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0", "--delay-steps", str(steps)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
     shown = _Output(proc)
     try:
         with SidecarClient(sidecar, timeout=30) as client:
             def waiting() -> list[Any]:
-                return [c for c in client.list_captures(2) if c.state.value == "starting" and c.delay_steps == 5]
+                return [c for c in client.list_captures(2) if c.state.value == "starting" and c.delay_steps == steps]
 
             assert poll(waiting), shown.text()
-            (cap,) = waiting()
-            line = f"capture {cap.id}: waiting for 5 engine steps before the start"
-            said = poll(lambda: line in shown.text(), timeout=30)
-            client.stop_capture(cap.id)  # ends the wait at once: nothing was sent upstream
-            proc.wait(timeout=60)
+            yield proc, shown, client, waiting()[0]
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_capture_shows_its_wait_for_delay_steps_on_a_terminal(sidecar: str) -> None:
+    # The terminal is told what the command waits for and since when; before, nothing at all.
+    with _delayed_capture(sidecar, 5) as (proc, shown, client, cap):
+        line = f"capture {cap.id}: waiting for 5 engine steps before the start"
+        said = poll(lambda: line in shown.text(), timeout=30)
+        client.stop_capture(cap.id)  # ends the wait at once: nothing was sent upstream
+        proc.wait(timeout=60)
     assert said, shown.text()
 
 
@@ -338,26 +345,11 @@ def test_ctrl_c_while_a_delayed_start_waits_cancels_it_at_once(sidecar: str) -> 
     # Ctrl-C is held while a start is in flight (so no capture is left unknown); for a start that
     # waits for its steps that was minutes of a dead key. Now it stops the waiting capture: the
     # start is cancelled, nothing was sent upstream, and the command ends.
-    env = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "200"}  # rich: a terminal
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0", "--delay-steps", "7"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
-    shown = _Output(proc)
-    try:
-        with SidecarClient(sidecar, timeout=30) as client:
-            def waiting() -> list[Any]:
-                return [c for c in client.list_captures(2) if c.state.value == "starting" and c.delay_steps == 7]
-
-            assert poll(waiting), shown.text()
-            (cap,) = waiting()
-            assert poll(lambda: f"capture {cap.id}: waiting" in shown.text(), timeout=30), shown.text()
-            proc.send_signal(signal.SIGINT)
-            rc = proc.wait(timeout=60)
-            cap = client.get_capture(cap.id)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    with _delayed_capture(sidecar, 7) as (proc, shown, client, cap):
+        assert poll(lambda: f"capture {cap.id}: waiting" in shown.text(), timeout=30), shown.text()
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+        cap = client.get_capture(cap.id)
     assert (rc != 0, cap.state.value, [e.code for e in cap.errors], cap.started_at) == (
         True, "failed", ["start_cancelled"], None), shown.text()
     assert "start cancelled by Ctrl-C" in shown.text() and "Traceback" not in shown.text(), shown.text()
