@@ -47,7 +47,7 @@ export function barChart(title, rows, { fmt = String, cls = "bar-cpu", width = 5
   const root = svg("svg", {
     class: "chart-svg",
     viewBox: `0 0 ${width} ${height}`,
-    width: "100%",
+    width,  // its own size at most (.chart-svg: max-width 100%): a lone chart in a row is not blown up
     role: "img",
     "aria-label": title,
     preserveAspectRatio: "xMinYMin meet",
@@ -73,7 +73,7 @@ export function busyIdleChart(title, rows, { width = 560, labelWidth } = {}) {
   const rowH = 26;
   const barW = width - labelWidth - 170;
   const height = 4 + rows.length * rowH + 18;
-  const root = svg("svg", { class: "chart-svg", viewBox: `0 0 ${width} ${height}`, width: "100%", role: "img", "aria-label": title });
+  const root = svg("svg", { class: "chart-svg", viewBox: `0 0 ${width} ${height}`, width, role: "img", "aria-label": title });
   rows.forEach((r, i) => {
     const y = 4 + i * rowH;
     const busy = Math.min(1, Math.max(0, 1 - (r.idle_share ?? 0)));
@@ -102,7 +102,7 @@ export function stackedChart(title, rows, parts, { width = 560, labelWidth } = {
   const rowH = 26;
   const barW = width - labelWidth - 12;
   const height = 4 + rows.length * rowH + 20;
-  const root = svg("svg", { class: "chart-svg stacked", viewBox: `0 0 ${width} ${height}`, width: "100%", role: "img", "aria-label": title });
+  const root = svg("svg", { class: "chart-svg stacked", viewBox: `0 0 ${width} ${height}`, width, role: "img", "aria-label": title });
   rows.forEach((r, i) => {
     const y = 4 + i * rowH;
     const g = svg("g", { class: "bar-row" });
@@ -150,7 +150,7 @@ export function lineChart(title, series, { xFmt = String, yFmt = String, width =
   const yMax = Math.max(...ys) || 1;
   const px = (x) => left + (x1 > x0 ? ((x - x0) / (x1 - x0)) * plotW : plotW / 2);
   const py = (y) => top + plotH - (y / yMax) * plotH;
-  const root = svg("svg", { class: "chart-svg line-chart", viewBox: `0 0 ${width} ${height}`, width: "100%", role: "img", "aria-label": title });
+  const root = svg("svg", { class: "chart-svg line-chart", viewBox: `0 0 ${width} ${height}`, width, role: "img", "aria-label": title });
   for (const f of [0, 0.5, 1]) {
     const y = py(f * yMax);
     root.append(svg("line", { class: "grid-line", x1: left, x2: left + plotW, y1: y.toFixed(1), y2: y.toFixed(1) }));
