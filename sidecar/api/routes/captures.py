@@ -114,12 +114,10 @@ class PlanRequest(BaseModel):
 
     stages: list[Whole] | None = Field(default=None, min_length=1,
                                        description="stage ids; omit for every profiled stage")
-    # The bounds' minimums are the plan's own rule (control/budget.run_plan: 422 plan_invalid, naming it)
-    budget_mb: float | None = Field(default=None,
-                                    description=f"trace size on disk the window must fit, at least {MIN_BUDGET_MB:g} "
-                                                "(the smallest trace a window writes is a few kB)")
-    max_stop_s: float | None = Field(default=None,
-                                     description=f"how long the server's stop may take, at least {MIN_STOP_S:g}")
+    budget_mb: float | None = Field(default=None, ge=MIN_BUDGET_MB,
+                                    description="trace size on disk the window must fit (the smallest trace a window "
+                                                "writes is a few kB)")
+    max_stop_s: float | None = Field(default=None, ge=MIN_STOP_S, description="how long the server's stop may take")
     probe_steps: list[_whole(Field(ge=1, le=MAX_PROBE_STEPS))] = Field(default=[1, 2], min_length=1, max_length=4,
                                          description="engine steps of each probe capture")
     refine: bool = Field(default=True, description="a plan 8x or more beyond its longest probe probes once more, "
