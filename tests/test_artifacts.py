@@ -356,7 +356,7 @@ async def test_trace_paths_follow_a_late_gzip(tmp_path):
     verdicts = await _collect(w, collect_timeout_s=0.2)  # listed as .json
     (folder / "trace_rank0.json.gz").write_bytes(gzip.compress(BUSY))
     os.unlink(folder / "trace_rank0.json")
-    assert artifacts.trace_paths(verdicts) == [folder / "trace_rank0.json.gz"]
+    assert artifacts.trace_files(verdicts)[0] == [folder / "trace_rank0.json.gz"]
 
 
 async def test_folder_reused_by_a_start_in_the_same_second_counts_as_new(tmp_path):

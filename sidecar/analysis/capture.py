@@ -72,11 +72,6 @@ class TraceSource:
         return f"{st} · replica {self.replica if self.replica is not None else 0}"
 
 
-def stage_of(path: Path) -> int | None:
-    """Stage id from the session folder holding ``path`` (or from ``path`` if it is one)."""
-    return source_of(path).stage_id
-
-
 def source_of(path: str | Path, *, stage_id: int | None = None, replica: int | None = None) -> TraceSource:
     """A ``TraceSource`` for ``path``, the stage/replica/kind read from its folder names unless
     given."""
@@ -175,11 +170,6 @@ def locate(paths: Iterable[str | Path | TraceSource]) -> FoundTraces:
             found.repeated.append(f"{names[0]} given {len(names)} times" + (f" (also as {', '.join(also)})" if also else "")
                                   + ": read once")
     return found
-
-
-def find_traces(paths: Iterable[str | Path]) -> list[Path]:
-    """The trace files under ``paths``, each once (``locate``)."""
-    return [s.path for s in locate(paths).sources]
 
 
 def find_sources(paths: Iterable[str | Path | TraceSource]) -> list[TraceSource]:

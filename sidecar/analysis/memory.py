@@ -69,14 +69,6 @@ class ThreadOps:
         self.parents = array("i")
         self.at = (-1, float("-inf"))  # where the last lookup ended: (op index, the time looked up)
 
-    def innermost(self, ts: float) -> int:
-        """The index of the innermost op open at ``ts`` (ends inclusive), or -1."""
-        i = bisect_right(self.starts, ts) - 1
-        ends, parents = self.ends, self.parents
-        while i >= 0 and ends[i] < ts:
-            i = parents[i]
-        return i
-
     def stack(self, i: int) -> list[str]:
         """Names of op ``i`` and the ops enclosing it, outermost first (the innermost ``MAX_STACK``)."""
         out: list[str] = []

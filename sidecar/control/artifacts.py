@@ -520,11 +520,6 @@ def trace_files(verdicts: list[StageVerdict]) -> tuple[list[Path], list[str]]:
     return out, skipped
 
 
-def trace_paths(verdicts: list[StageVerdict]) -> list[Path]:
-    """``trace_files`` without the reasons."""
-    return trace_files(verdicts)[0]
-
-
 def resolve_artifact(verdicts: list[StageVerdict], relpath: str, copies_root: Path | None = None) -> Path | None:
     """``<session folder name>/<file>`` → a local file inside that session folder (or this
     capture's copy of it under ``copies_root``), or None when it is not one (absolute, ``..``, a

@@ -256,10 +256,6 @@ class UpstreamServer:
         except MetricsUnavailable:
             return "omni" if self.flavor is Flavor.omni else "vllm"
 
-    def forget_version(self) -> None:
-        """Identify the server again at the next :meth:`identify` (it may have been restarted)."""
-        self._version = None
-
     async def warm(self) -> bool:
         """Open a connection before it is needed (one ``GET /health``, best effort), so a later
         start pays no TCP connect. False when the server did not answer."""
