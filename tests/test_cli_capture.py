@@ -309,13 +309,14 @@ class _Output:
 
 
 @contextlib.contextmanager
-def _delayed_capture(sidecar: str, steps: int) -> Iterator[tuple[subprocess.Popen[bytes], _Output, SidecarClient, Any]]:
-    """``capture --delay-steps STEPS`` on a terminal (rich told so), on an emulator with no load: its
+def _delayed_capture(sidecar: str, steps: int, command: str = "capture",
+                     ) -> Iterator[tuple[subprocess.Popen[bytes], _Output, SidecarClient, Any]]:
+    """``COMMAND --delay-steps STEPS`` (capture or start) on a terminal (rich told so), on an emulator with no load: its
     start waits (state ``starting``) until the test ends it; the process, its output, a client, the
     capture. The process is killed if the test leaves it running."""
     env = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "200"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0", "--delay-steps", str(steps)],
+        [sys.executable, "-m", "sidecar", command, "--sidecar", sidecar, "--stages", "0", "--delay-steps", str(steps)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
     shown = _Output(proc)
@@ -341,11 +342,13 @@ def test_capture_shows_its_wait_for_delay_steps_on_a_terminal(sidecar: str) -> N
     assert said, shown.text()
 
 
-def test_ctrl_c_while_a_delayed_start_waits_cancels_it_at_once(sidecar: str) -> None:
+@pytest.mark.parametrize(("command", "steps"), [("capture", 7), ("start", 9)])
+def test_ctrl_c_while_a_delayed_start_waits_cancels_it_at_once(sidecar: str, command: str, steps: int) -> None:
     # Ctrl-C is held while a start is in flight (so no capture is left unknown); for a start that
-    # waits for its steps that was minutes of a dead key. Now it stops the waiting capture: the
-    # start is cancelled, nothing was sent upstream, and the command ends.
-    with _delayed_capture(sidecar, 7) as (proc, shown, client, cap):
+    # waits for its steps that was minutes of a dead key (capture), or it left a capture that would
+    # start later unknown to anyone (start). Now it stops the waiting capture: the start is
+    # cancelled, nothing was sent upstream, and the command ends.
+    with _delayed_capture(sidecar, steps, command) as (proc, shown, client, cap):
         assert poll(lambda: f"capture {cap.id}: waiting" in shown.text(), timeout=30), shown.text()
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(timeout=60)

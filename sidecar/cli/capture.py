@@ -170,6 +170,21 @@ def start_with_progress(client: SidecarClient, watcher: SidecarClient, stages: l
                          progress, DELAY_POLL_S, name="start")
 
 
+def _start_or_cancel(client: SidecarClient, watcher: SidecarClient, stages: list[int] | None, *, quiet: bool,
+                     interrupted: Callable[[], bool], **opts: Any) -> Capture:
+    """``start_with_progress``; a delayed start that Ctrl-C cancelled (nothing was sent upstream) is
+    said and ends the command as Ctrl-C does."""
+    try:
+        return start_with_progress(client, watcher, stages, quiet=quiet, interrupted=interrupted, **opts)
+    except SidecarError as err:
+        if err.code == "start_cancelled" and interrupted():
+            if not quiet:
+                print_text(console, f"capture {err.details.get('capture_id', '')}: start cancelled by Ctrl-C while it "
+                                    "waited for its steps; nothing was sent upstream", markup=False)
+            raise KeyboardInterrupt from None
+        raise
+
+
 def _delayed_capture(watcher: SidecarClient, delay_steps: int) -> str | None:
     """The capture whose start waits for its delay (one capture at a time: the newest, state
     ``starting``), or None. The record says which capture waits, not how many steps ran so far."""
@@ -206,9 +221,14 @@ def start(
     """Start a capture on the sidecar (one at a time; the stage set is fixed now)."""
     with cli_errors(), _client(sidecar, token_file) as client, _client(sidecar, token_file) as watcher:
         at = None if start_at is None else _on_sidecar_clock(client, start_at)
-        cap = start_with_progress(client, watcher, parse_stage_list(stages), delay_steps=delay_steps, quiet=as_json,
-                                  label=label, duration_s=duration, lease_s=lease, steps=steps, start_at=at,
-                                  steps_bound="count" if count_steps else None, profile=profile)
+        with ctrl_c_held() as interrupted:  # held: a capture started is never left unknown (its id is printed)
+            cap = _start_or_cancel(client, watcher, parse_stage_list(stages), delay_steps=delay_steps, quiet=as_json,
+                                   interrupted=interrupted, label=label, duration_s=duration, lease_s=lease,
+                                   steps=steps, start_at=at, steps_bound="count" if count_steps else None,
+                                   profile=profile)
+        if interrupted() and not as_json:
+            print_text(console, f"Ctrl-C came as the start was answered: capture {cap.id} is {cap.state.value}; "
+                                f"`omni-sidecar stop {cap.id}` ends it", markup=False)
         if as_json:
             console.print_json(cap.model_dump_json())
         elif cap.start_at is not None and cap.state.value == "starting":
@@ -343,19 +363,10 @@ def capture(
         cap = None
         try:
             with ctrl_c_held() as interrupted:  # Ctrl-C during the start stops the capture once it has one
-                try:
-                    cap = start_with_progress(client, watcher, parse_stage_list(stages), delay_steps=delay_steps,
-                                              quiet=as_json, interrupted=interrupted, label=label, duration_s=duration,
-                                              lease_s=lease, steps=steps, steps_bound="count" if count_steps else None,
-                                              profile=profile)
-                except SidecarError as err:
-                    if err.code == "start_cancelled" and interrupted():  # Ctrl-C ended a delayed start's wait
-                        if not as_json:
-                            print_text(console, f"capture {err.details.get('capture_id', '')}: start cancelled by "
-                                                "Ctrl-C while it waited for its steps; nothing was sent upstream",
-                                       markup=False)
-                        raise KeyboardInterrupt from None
-                    raise
+                cap = _start_or_cancel(client, watcher, parse_stage_list(stages), delay_steps=delay_steps,
+                                       quiet=as_json, interrupted=interrupted, label=label, duration_s=duration,
+                                       lease_s=lease, steps=steps, steps_bound="count" if count_steps else None,
+                                       profile=profile)
             if not as_json:
                 print_text(console, f"capture [bold]{cap.id}[/] {cap.state.value}: stages {escape(str(cap.stages))}")
             if interrupted():
