@@ -264,6 +264,14 @@ def test_diff_takes_capture_id_prefixes(setup):
     assert json.loads(done.stdout)["a"] == a, done.stdout
 
 
+def test_diff_of_ids_says_on_a_terminal_what_it_waits_for(setup):
+    # the sidecar analyses each capture once, up to minutes for a large one: the terminal is told
+    sc, emu = setup
+    a, b = (_captured(sc, emu).id for _ in range(2))
+    done = cli("diff", a, b, "--sidecar", sc.url, terminal=True, columns=200)
+    assert (done.returncode, f"comparing {a} and {b} on the sidecar" in done.stdout) == (0, True), (done.stdout, done.stderr)
+
+
 def test_diff_of_ids_says_the_sidecars_row_limit_before_sending(setup):
     """More rows than the sidecar serves: a usage error that names the limit and the way round it
     (the folders), not the route's 422 relayed; the most it serves works."""

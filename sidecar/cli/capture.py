@@ -112,7 +112,8 @@ def print_capture_findings(client: SidecarClient, cap: Capture) -> None:
     from sidecar.cli.summarize import print_findings, print_memory
 
     try:
-        summary = client.summary(cap.id)
+        with waiting_line(f"capture {cap.id}: the findings (the sidecar analyses a capture's traces once)"):
+            summary = client.summary(cap.id)
     except SidecarError:
         return
     print_findings(summary.findings)

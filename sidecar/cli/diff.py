@@ -14,7 +14,7 @@ import typer
 from rich.markup import escape
 
 from sidecar.analysis.diff import CaptureDiff, StageDiff, diff_paths
-from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console, reading_traces
+from sidecar.cli._app import EXIT_ERROR, app, cli_errors, console, err_console, reading_traces, waiting_line
 from sidecar.cli._layout import Column, print_table, print_text
 from sidecar.cli._memory import print_memory_diff
 from sidecar.control.summaries import SUMMARY_TOP_MAX
@@ -65,7 +65,9 @@ def _remote(url: str, a: str, b: str, top: int) -> CaptureDiff:
                                  param_hint="'--top'")
     with SidecarClient(url, token=os.environ.get("OMNI_SIDECAR_TOKEN")) as client:
         # ids may be given by a unique start of them
-        return client.diff(client.resolve_id(a), client.resolve_id(b), top)
+        ids = client.resolve_id(a), client.resolve_id(b)
+        with waiting_line(f"comparing {ids[0]} and {ids[1]} on the sidecar (it analyses each capture's traces once)"):
+            return client.diff(*ids, top)
 
 
 @app.command("diff")
