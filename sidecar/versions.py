@@ -190,11 +190,14 @@ class OmniDialect:
 _O030 = OmniDialect(Release.parse("0.30.0"), (0, 30))  # type: ignore[arg-type]
 _O031 = OmniDialect(Release.parse("0.31.0rc1"), (0, 31),  # type: ignore[arg-type]
                     stage_keys_added=("model_runner", "hsdp_weight_load_strategy"),
-                    top_keys_added=("cuda_mps", "speech_cache"), stage_keys_removed=("auxiliary_text_encoder",))
+                    top_keys_added=("cuda_mps", "speech_cache"))
+# 0.31.0rc1's StageDeployConfig still has auxiliary_text_encoder; 0.32.0rc1 has it nowhere, so the
+# key lands in the stage's engine extras and is refused at start-up as any unknown key is.
 _O032 = OmniDialect(Release.parse("0.32.0rc1"), (0, 32), bounds_in_process=True,  # type: ignore[arg-type]
                     stage_keys_added=("attention_backend", "moe_backend", "linear_backend", "enable_cuda_graph_decode",
                                       "vae_encode_fast_path"),
-                    top_keys_added=("weight_transfer_config",), diffusion_stages=True)
+                    top_keys_added=("weight_transfer_config",), stage_keys_removed=("auxiliary_text_encoder",),
+                    diffusion_stages=True)
 OMNI_DIALECTS: tuple[OmniDialect, ...] = (_O030, _O031, _O032)
 NEWEST_OMNI = OMNI_DIALECTS[-1]
 OLDEST_OMNI = OMNI_DIALECTS[0]
@@ -278,6 +281,12 @@ def omni_deploy_keys_unknown(dialect: OmniDialect) -> list[tuple[str, str, str]]
             out += [("stage", k, str(d.release)) for k in d.stage_keys_added]
             out += [("top", k, str(d.release)) for k in d.top_keys_added]
     return out
+
+
+def omni_deploy_keys_removed(dialect: OmniDialect) -> list[tuple[str, str]]:
+    """The stage keys a vLLM-Omni release no longer has (an older one did): ``(key, the release that
+    dropped it)``, for this release and those before it."""
+    return [(k, str(d.release)) for d in OMNI_DIALECTS if d.release <= dialect.release for k in d.stage_keys_removed]
 
 
 def major_minor_pair(vllm: Release | None, omni: Release | None) -> bool:
@@ -437,6 +446,7 @@ __all__ = [
     "VllmDialect",
     "is_table_file",
     "major_minor_pair",
+    "omni_deploy_keys_removed",
     "omni_deploy_keys_unknown",
     "omni_dialect",
     "omni_for_vllm",

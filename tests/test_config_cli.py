@@ -172,7 +172,7 @@ def test_render_idle_gives_a_fed_stage_the_iterations_it_idles(qwen25_deploy: Pa
     (["--steps", "20", "--idle", "x=1/2"], "--idle takes STAGE=IDLE/ITERATIONS"),
     (["--steps", "20", "--idle", "2=4/22"], "stage 2 is not one this renders"),
     (["--steps", "20", "--idle", "1=9/22"], "a cap allows for at most 0.33"),
-    (["--steps", "20", "--idle", "1=-1/22"], "a cap allows for at most 0.33"),
+    (["--steps", "20", "--idle", "1=-1/22"], "a count from 0 up to the iterations, or a share from 0 to 1"),
 ])
 def test_render_idle_refuses_what_it_cannot_use_and_names_the_form(
     qwen25_deploy: Path, tmp_path: Path, args: list[str], said: str

@@ -294,6 +294,10 @@ def _idle_caps(values: list[str], steps: int | None, stages: list[int]) -> dict[
                                      f"stage 1, as a capture's note gives it), or STAGE=SHARE, e.g. 1=0.23; got {value!r}") from None
         if sid not in stages:
             raise typer.BadParameter(f"--idle {value}: stage {sid} is not one this renders (--stages {stages})")
+        if not 0.0 <= frac <= 1.0:  # nan too: a negative count, or more idle than run, is a typo
+            raise typer.BadParameter(
+                f"--idle {value}: the idle iterations are a count from 0 up to the iterations, or a share from 0 to 1; "
+                "write e.g. 1=5/22 or 1=0.23")
         try:
             out[sid] = {"max_iterations": max_iterations_for(steps, frac)}  # type: ignore[arg-type]
         except ValueError:

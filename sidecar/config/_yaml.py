@@ -99,7 +99,12 @@ class _MarkedLoader(_BaseLoader):  # type: ignore[misc, valid-type]
         data = MarkedDict()
         data.where = self._where(node)
         yield data
+        # A key written in this mapping overrides one a merge key (`<<: *anchor`) brings in, as
+        # YAML's merge rule and OmegaConf's loader (what vLLM-Omni reads deploy files with) have it;
+        # only a key written twice here is a duplicate. flatten_mapping puts the merged pairs first.
+        explicit = {id(k) for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge"}
         self.flatten_mapping(node)
+        written: set[Any] = set()
         for key_node, value_node in node.value:
             key = self.construct_object(key_node, deep=True)
             try:
@@ -108,13 +113,17 @@ class _MarkedLoader(_BaseLoader):  # type: ignore[misc, valid-type]
                 raise yaml.constructor.ConstructorError(
                     "while constructing a mapping", node.start_mark, "found an unhashable key", key_node.start_mark
                 ) from None
-            if key in data:
+            if id(key_node) not in explicit:
+                pass  # merged: a later merge, or a key written here, wins
+            elif key in written:
                 raise yaml.constructor.ConstructorError(
                     "while constructing a mapping",
                     node.start_mark,
                     f"found duplicate key {key!r}",
                     key_node.start_mark,
                 )
+            else:
+                written.add(key)
             data[key] = self.construct_object(value_node, deep=True)
             data.key_where[key] = self._where(key_node)
             data.value_where[key] = self._where(value_node)

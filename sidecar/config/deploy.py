@@ -57,7 +57,8 @@ from sidecar.errors import (
     StageOverridesInvalid,
     Where,
 )
-from sidecar.versions import OmniDialect, VllmDialect, omni_deploy_keys_unknown, worker_refusal
+from sidecar.versions import (OmniDialect, VllmDialect, omni_deploy_keys_removed, omni_deploy_keys_unknown,
+                              worker_refusal)
 
 __all__ = [
     "PLATFORMS",
@@ -458,7 +459,24 @@ def _build_stage(stage: dict[str, Any], file: str) -> tuple[Stage, list[Finding]
                 details={"stage_id": sid, "vllm_error": err.errors()[0].get("msg"), "source": source},
             ) from None
         raw_dir = raw_pc.get("torch_profiler_dir")
-        if isinstance(raw_dir, str) and raw_dir and not _is_uri_path(raw_dir) and not os.path.isabs(
+        if isinstance(raw_dir, str) and "${" in raw_dir:
+            # vLLM-Omni reads the file with OmegaConf and resolves interpolations in the server's own
+            # environment: the dir the traces land in is not the text the sidecar reads.
+            findings.append(
+                Finding(
+                    code="profiler_dir_interpolation",
+                    severity=Severity.warning,
+                    message=(
+                        f"torch_profiler_dir {raw_dir!r} holds an OmegaConf interpolation: vLLM-Omni resolves it "
+                        "in the server's environment, so the sidecar cannot tell where the traces land and would "
+                        "look in a folder literally named so; write the path itself (render --dir DIR writes one)"
+                    ),
+                    stage_id=sid,
+                    key="profiler_config.torch_profiler_dir",
+                    where=marks.get("profiler_config.torch_profiler_dir") or pc_where,
+                )
+            )
+        elif isinstance(raw_dir, str) and raw_dir and not _is_uri_path(raw_dir) and not os.path.isabs(
             os.path.expanduser(raw_dir)
         ):
             findings.append(
@@ -825,6 +843,13 @@ def _deploy_keys_findings(deploy: DeployConfig, omni: OmniDialect) -> list[Findi
                 code="deploy_key_version", severity=Severity.error, stage_id=stage.stage_id, key=key,
                 where=stage.where, message=f"`{key}` is a stage key of vLLM-Omni {stage_keys[key]}: {omni.name} "
                 f"refuses it at start-up; drop it, or run vLLM-Omni {stage_keys[key]} or later"))
+    removed = dict(omni_deploy_keys_removed(omni))
+    for stage in deploy.stages:
+        for key in sorted(set(stage.extras) & set(removed)):
+            out.append(Finding(
+                code="deploy_key_version", severity=Severity.error, stage_id=stage.stage_id, key=key,
+                where=stage.where, message=f"`{key}` is no stage key of {omni.name} (vLLM-Omni {removed[key]} dropped it): it "
+                f"refuses it at start-up as an unknown key; drop it, or run a vLLM-Omni before {removed[key]}"))
     if deploy.path is not None and top_keys:
         doc = resolve_deploy(deploy.path)
         for key in sorted(set(doc) & set(top_keys)):

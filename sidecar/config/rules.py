@@ -266,21 +266,16 @@ def _stage_findings(stage: Stage, window_iterations: int | None) -> list[Finding
             "max_iterations",
             "max_iterations is 0 (unbounded): the trace grows until stop; set e.g. `max_iterations: 64`",
         )
-    if pc.delay_iterations > 0:
-        if window_iterations is not None and pc.delay_iterations >= window_iterations:
-            warn(
-                "delay_exceeds_window",
-                "delay_iterations",
-                f"delay_iterations={pc.delay_iterations} is not below the capture window of {window_iterations} "
-                "iterations: the trace will be empty; lower delay_iterations",
-            )
-        elif pc.max_iterations and pc.delay_iterations >= pc.max_iterations:
-            warn(
-                "delay_exceeds_window",
-                "delay_iterations",
-                f"delay_iterations={pc.delay_iterations} is not below max_iterations={pc.max_iterations}: a short "
-                "capture records nothing before stop; lower delay_iterations",
-            )
+    # max_iterations is no window to compare the delay with: vLLM counts it from the end of the delay
+    # (vllm/profiler/wrapper.py step(): recording starts at iteration delay_iterations, and stops
+    # once max_iterations iterations were recorded), so delay 40 with max 8 traces iterations 40-48.
+    if window_iterations is not None and 0 < window_iterations <= pc.delay_iterations:
+        warn(
+            "delay_exceeds_window",
+            "delay_iterations",
+            f"delay_iterations={pc.delay_iterations} is not below the capture window of {window_iterations} "
+            "iterations: the trace will be empty; lower delay_iterations",
+        )
     if (pc.delay_iterations > 0 or pc.max_iterations > 0) and not pc.ignore_frontend:
         warn(
             "frontend_overhead",
