@@ -836,20 +836,16 @@ def _deploy_keys_findings(deploy: DeployConfig, omni: OmniDialect) -> list[Findi
     unknown = omni_deploy_keys_unknown(omni)
     stage_keys = {k: since for scope, k, since in unknown if scope == "stage"}
     top_keys = {k: since for scope, k, since in unknown if scope == "top"}
-    out: list[Finding] = []
-    for stage in deploy.stages:
-        for key in sorted(set(stage.extras) & set(stage_keys)):
-            out.append(Finding(
-                code="deploy_key_version", severity=Severity.error, stage_id=stage.stage_id, key=key,
-                where=stage.where, message=f"`{key}` is a stage key of vLLM-Omni {stage_keys[key]}: {omni.name} "
-                f"refuses it at start-up; drop it, or run vLLM-Omni {stage_keys[key]} or later"))
     removed = dict(omni_deploy_keys_removed(omni))
-    for stage in deploy.stages:
-        for key in sorted(set(stage.extras) & set(removed)):
-            out.append(Finding(
-                code="deploy_key_version", severity=Severity.error, stage_id=stage.stage_id, key=key,
-                where=stage.where, message=f"`{key}` is no stage key of {omni.name} (vLLM-Omni {removed[key]} dropped it): it "
-                f"refuses it at start-up as an unknown key; drop it, or run a vLLM-Omni before {removed[key]}"))
+    # what the release says of a key it does not have: added later, or dropped before
+    why = {**{k: (f"`{k}` is a stage key of vLLM-Omni {v}: {omni.name} refuses it at start-up; drop it, or run "
+                  f"vLLM-Omni {v} or later") for k, v in stage_keys.items()},
+           **{k: (f"`{k}` is no stage key of {omni.name} (vLLM-Omni {v} dropped it): it refuses it at start-up as an "
+                  f"unknown key; drop it, or run a vLLM-Omni before {v}") for k, v in removed.items()}}
+    out: list[Finding] = [
+        Finding(code="deploy_key_version", severity=Severity.error, stage_id=stage.stage_id, key=key,
+                where=stage.where, message=why[key])
+        for stage in deploy.stages for key in sorted(set(stage.extras) & set(why))]
     if deploy.path is not None and top_keys:
         doc = resolve_deploy(deploy.path)
         for key in sorted(set(doc) & set(top_keys)):
