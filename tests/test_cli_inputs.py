@@ -56,6 +56,13 @@ def test_no_float_option_takes_a_number_that_is_not_finite(name: str, option: st
     assert option in err.format_message() or getattr(getattr(err, "param", None), "opts", [None])[0] == option, err
 
 
+@pytest.mark.parametrize("name", ["stop", "capture", "fleet stop", "fleet capture"])
+def test_a_negative_timeout_is_refused_as_its_options_bad_value(name: str) -> None:
+    # --timeout -1 read as "do not wait" and exited 3 (not checked yet)
+    err = _usage_error(name, ["--timeout", "-1"])
+    assert err is not None and getattr(err, "exit_code", None) == 2, (name, err)
+
+
 def test_a_float_the_cli_refuses_is_said_once_in_a_real_run() -> None:
     port = free_port()  # nothing listens there: the run must end before any request
     done = cli("start", "--duration", "inf", "--sidecar", f"http://127.0.0.1:{port}")

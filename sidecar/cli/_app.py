@@ -159,7 +159,7 @@ WaitOpt = Annotated[
 ]
 TimeoutOpt = Annotated[
     Optional[float],
-    typer.Option("--timeout", callback=finite,
+    typer.Option("--timeout", min=0, callback=finite,
                  help="stop waiting for the traces after N s (the stop goes on; default: no limit)"),
 ]
 WindowOpt = Annotated[

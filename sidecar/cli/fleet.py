@@ -83,7 +83,7 @@ StartAtOpt = Annotated[Optional[str], typer.Option(
 ROWS_MAX = 16
 
 
-def _fleet(targets: str, stages: str | None, deploy_config: Path | None, flavor: str,
+def _fleet(targets: str | list[Any], stages: str | None, deploy_config: Path | None, flavor: str,
            token_file: Path | None, state_dir: Path | None, allow_shared_dirs: bool = False,
            dirs_host_local: bool = False, stop_budget_s: float = 1800.0,
            start_timeout_s: float = START_TIMEOUT_S) -> Any:
@@ -252,6 +252,9 @@ def start(
     """Start on every target at once; all or nothing (a failure stops the ones that started)."""
     with cli_errors():
         at = _start_at(start_at)
+        if duration is not None and not duration > 0:
+            raise FleetDurationInvalid(f"--duration must be > 0 seconds, got {duration}; leave it out to end the "
+                                       "window with `omni-sidecar fleet stop`")
         fleet = _fleet(targets, stages, deploy_config, flavor, token_file, state_dir, allow_shared_dirs,
                        dirs_host_local, start_timeout_s=start_timeout)
         upstream = [t.name for t in fleet.targets if t.kind.value == "upstream"]
@@ -291,22 +294,34 @@ def stop(
 ) -> None:
     """Stop the live capture on every target at once, each within its own budget."""
     with cli_errors():
-        fleet = _fleet(targets, None, deploy_config, flavor, token_file, state_dir, stop_budget_s=stop_budget,
-                       start_timeout_s=start_timeout)
+        def make(which: str | list[Any]) -> Any:
+            return _fleet(which, None, deploy_config, flavor, token_file, state_dir, stop_budget_s=stop_budget,
+                          start_timeout_s=start_timeout)
+
+        fleet = make(targets)
 
         async def run() -> tuple[Any, list[str]]:
-            await fleet.open()
+            # A target that cannot be opened holds no other's stop back: the others are stopped
+            # (a `fleet start` window has no lease: left alone it records until its --duration, or on).
+            reachable, down = fleet, await _open_reachable(fleet)
+            if down:
+                reachable = make([t for t in fleet.targets if t.name not in down])
+                await reachable.open()
             try:
-                fc = await fleet.live()
+                fc = await reachable.live()
                 # a target with nothing recording has nothing to stop: a no-op, as vLLM's
                 # /stop_profile without a session; a target that could not be asked stays a failure
                 idle = [n for n, r in fc.targets.items() if _nothing_recording(r)]
                 fc = fc.model_copy(update={"targets": {n: r for n, r in fc.targets.items() if n not in idle}})
                 if fc.targets:
-                    fc = await fleet.stop(fc, wait_artifacts=wait, artifact_timeout_s=timeout)
+                    fc = await reachable.stop(fc, wait_artifacts=wait, artifact_timeout_s=timeout)
+                if down:
+                    every = {**fc.targets, **down}
+                    fc = fc.model_copy(update={"targets": {t.name: every[t.name] for t in fleet.targets
+                                                           if t.name in every}})
                 return fc, idle
             finally:
-                await fleet.close()
+                await reachable.close()
 
         with _owning_state_dir(fleet):
             fc, idle = asyncio.run(run())
@@ -316,6 +331,27 @@ def stop(
             print_text(console, f"nothing was recording on {len(idle)} target(s), nothing to stop there: "
                        f"{escape(', '.join(idle))}", hang="    ")
         _exit(fc, as_json)
+
+
+async def _open_reachable(fleet: Any) -> dict[str, Any]:
+    """Open ``fleet``; where some targets cannot be opened (down, not a sidecar, no answer), each
+    of them as a ``stop_not_sent`` result saying that nothing was stopped there and how to stop it
+    later, and the fleet left closed (reopen it over the others). Raised as it is when none opens."""
+    from sidecar.errors import FleetError
+    from sidecar.fleet import TargetError, TargetOutcome, TargetResult
+
+    try:
+        await fleet.open()
+    except FleetError as err:
+        failed = {t["target"]: t["error"] for t in err.details.get("targets", []) if isinstance(t, dict)}
+        if not failed or len(failed) >= len(fleet.targets):
+            raise
+        kinds = {t.name: t.kind for t in fleet.targets}
+        return {name: TargetResult(target=name, kind=kinds[name], outcome=TargetOutcome.stop_not_sent, error=TargetError(
+            code=e["code"], message=f"{e['message']}; nothing was stopped there (the other targets were): once it "
+                                    f"answers, `omni-sidecar fleet stop --targets {name}`"))
+                for name, e in failed.items() if name in kinds}
+    return {}
 
 
 def _nothing_recording(r: Any) -> bool:
@@ -464,6 +500,14 @@ def _exit_on_trace_errors(errors: list[str]) -> None:
         raise typer.Exit(EXIT_ERROR)
 
 
+def _output(out: Path, result: Path) -> Path:
+    """``-o``: a file to write, never a folder nor the fleet result it is made from (that would
+    overwrite the only record of which trace is whose)."""
+    from sidecar.analysis.writer import output_path
+
+    return output_path(out, [result])
+
+
 def _alignment_json(al: Any) -> dict[str, Any]:
     from pydantic import TypeAdapter
 
@@ -498,7 +542,8 @@ def fleet_timeline_cmd(
     from sidecar.fleet import fleet_timeline, load_fleet_result
 
     with cli_errors():
-        report, al = fleet_timeline(load_fleet_result(result), out, common_window=common_window)
+        fc = load_fleet_result(result)
+        report, al = fleet_timeline(fc, _output(out, result), common_window=common_window)
     if as_json:
         from dataclasses import asdict
 
@@ -527,7 +572,8 @@ def archive(
     from sidecar.fleet import fleet_archive, load_fleet_result
 
     with cli_errors():
-        report = fleet_archive(load_fleet_result(result), out, mode=mode, max_mb=max_mb)  # type: ignore[arg-type]
+        fc = load_fleet_result(result)
+        report = fleet_archive(fc, _output(out, result), mode=mode, max_mb=max_mb)  # type: ignore[arg-type]
     if as_json:
         from dataclasses import asdict
 
@@ -543,8 +589,8 @@ def archive(
 @fleet_app.command("stragglers")
 def stragglers_cmd(
     result: ResultArg,
-    k: Annotated[int, typer.Option("-k", help="how many of the slowest replicas")] = 3,
-    top: Annotated[int, typer.Option("--top", help="ops per diff")] = 10,
+    k: Annotated[int, typer.Option("-k", min=0, help="how many of the slowest replicas")] = 3,
+    top: Annotated[int, typer.Option("--top", min=0, help="ops per diff")] = 10,
     as_json: JsonOpt = False,
 ) -> None:
     """The slowest replicas of one step against the median replica: wall time on the fleet's
@@ -560,6 +606,7 @@ def stragglers_cmd(
         for row, s in zip(body["slowest"], st.slowest):
             row["diff"] = None if s.diff is None else s.diff.model_dump(mode="json")
         console.print_json(json.dumps(body))
+        _exit_on_trace_errors(st.errors)
         return
     print_text(console, f"median replica {st.median_replica}: {st.median_wall_ms:.3f} ms of {st.replicas} replicas",
                markup=False)
@@ -570,3 +617,4 @@ def stragglers_cmd(
         for op in (stage.ops_by_self_cpu if stage else [])[:top]:
             print_text(console, f"{op.name}: {op.delta_self_us:+,.1f} µs self CPU ({op.count_a} → {op.count_b} calls)",
                        indent="  ", hang="    ", markup=False)
+    _exit_on_trace_errors(st.errors)

@@ -155,6 +155,20 @@ CLOCKS_MAX = 8
 MAX_ENGINE_STEPS = 1_000_000
 
 
+LABEL_MAX = 200  # characters of a capture's label (the API's bound)
+
+
+def label_problem(label: str) -> str | None:
+    """What makes ``label`` no capture label (None: nothing): a label is shown in lists, tables and
+    terminals, so no control characters (an escape sequence there would recolour or retitle a
+    terminal), said with where the first one is. Its length is ``LABEL_MAX``, checked by the API's
+    schema (and cut by a fleet that appends its key)."""
+    bad = next((i for i, c in enumerate(label) if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0), None)
+    if bad is None:
+        return None
+    return f"holds a control character ({label[bad]!r} at {bad}); a label is plain text"
+
+
 class Capture(BaseModel):
     id: str
     label: str | None = None

@@ -23,7 +23,7 @@ _EXPORTS = {
     ),
     "sidecar.fleet._targets": ("Target", "TargetKind", "parse_targets"),
     "sidecar.fleet._view": (
-        "align_fleet", "fleet_archive", "fleet_sources", "fleet_stragglers", "fleet_timeline",
+        "FleetStragglers", "align_fleet", "fleet_archive", "fleet_sources", "fleet_stragglers", "fleet_timeline",
         "load_fleet_result",
     ),
 }

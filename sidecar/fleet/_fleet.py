@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import secrets
 import time
@@ -23,12 +24,13 @@ from typing import Any, TypeVar
 from sidecar.config.models import DeployConfig
 from sidecar.config.rules import check_stage_list, select_stages
 from sidecar.config.sharing import RENDER_FIX, shared_dir_groups, shared_profiler_dirs
-from sidecar.control.models import Capture, CaptureState, StopReason
+from sidecar.control.models import Capture, CaptureState, StopReason, label_problem
 from sidecar.errors import (
     BudgetInvalid,
     ConcurrencyInvalid,
     FlavorsMixed,
     FleetClosed,
+    FleetDurationInvalid,
     FleetError,
     FleetInvalid,
     FleetKeyInvalid,
@@ -415,6 +417,7 @@ class Fleet:
         ``steps``: each target's capture stops itself after that many engine steps of its server."""
         if kind not in ("torch", "nsys"):
             raise KindInvalid(f"kind must be 'torch' or 'nsys', got {kind!r}")
+        _check_window(label, duration_s)
         lease_s = self.lease_s if lease_s is _DEFAULT else lease_s
         at = check_start_at(start_at, max_ahead_s=self.start_at_max_s)
         tagged = keyed_label(label, self.key)
@@ -825,6 +828,25 @@ class Fleet:
             await _uncancellable(self.stop(fc, wait_artifacts=False))
             raise
         return await _uncancellable(self._stop(fc, wait_artifacts, artifact_timeout_s, ended=True))
+
+
+def _check_window(label: str | None, duration_s: float | None) -> None:
+    """What every target would refuse (the sidecar API's bounds, the controller's), refused once
+    here before anything is sent, in the caller's words: sent, each target would answer a bare
+    ``request_invalid`` after the others had started."""
+    if duration_s is not None and (isinstance(duration_s, bool) or not isinstance(duration_s, (int, float))
+                                   or not math.isfinite(duration_s) or not duration_s > 0):
+        raise FleetDurationInvalid(f"duration_s must be a finite number of seconds above 0, got {duration_s!r} "
+                                   "(--duration S on the CLI); leave it out to stop the window yourself")
+    if label is None:
+        return
+    if not isinstance(label, str):
+        raise FleetInvalid.relay("label_invalid", f"label must be text, got {type(label).__name__}",
+                                 key="label")
+    why = label_problem(label)
+    if why is not None:
+        raise FleetInvalid.relay("label_invalid", f"label {why} shown in lists and tables: drop the newline, tab or "
+                                 "escape", key="label")
 
 
 async def _clock_of(d: Driver, *, by: float | None = None, more: int = MORE,

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from sidecar.control.models import Capture, CaptureState, StopReason
+from sidecar.control.models import LABEL_MAX, Capture, CaptureState, StopReason
 from sidecar.errors import TargetNoAnswer
 from sidecar.fleet._drivers import Driver
 from sidecar.fleet._results import (
@@ -33,7 +33,6 @@ log = logging.getLogger("sidecar.fleet")
 
 R = TypeVar("R")
 _KEYED = re.compile(r"\[fleet:([A-Za-z0-9_.-]{1,64})\]$")
-LABEL_MAX = 200  # the sidecar API's bound on a label
 _LIVE = (CaptureState.starting, CaptureState.active)
 
 

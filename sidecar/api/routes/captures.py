@@ -17,7 +17,7 @@ from sidecar.api.responses import SafeJSONResponse
 from sidecar.api.state import TOKEN, Api
 from sidecar.control.budget import MAX_PROBE_STEPS, MIN_BUDGET_MB, MIN_STOP_S
 from sidecar.control.limits import capture_profiles
-from sidecar.control.models import MAX_ENGINE_STEPS, ClockRecord
+from sidecar.control.models import LABEL_MAX, MAX_ENGINE_STEPS, ClockRecord, label_problem
 from sidecar.control.schedule import HOLD_MAX_S
 from sidecar.errors import (CaptureActive, PlanInvalid, PlanTimeout, PlanUnmeasurable, ProfileNotPerCapture,
                             StepsUnbounded)
@@ -60,10 +60,9 @@ PLAIN_TEXT = "^[^\\u0000-\\u001f\\u007f-\\u009f]*$"  # JSON Schema's (ECMA 262) 
 def _plain_text(value: Any) -> Any:
     """A label is shown in lists and tables: no control characters (an escape sequence there would
     recolour or retitle a terminal), said with where the first one is."""
-    if isinstance(value, str):
-        bad = next((i for i, c in enumerate(value) if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0), None)
-        if bad is not None:
-            raise ValueError(f"holds a control character ({value[bad]!r} at {bad}); a label is plain text")
+    why = label_problem(value) if isinstance(value, str) else None
+    if why is not None:
+        raise ValueError(why)
     return value
 
 
@@ -79,7 +78,7 @@ class CaptureRequest(BaseModel):
     # strict: `true` is not stage 1, "0" is not stage 0
     stages: list[Whole] | None = Field(default=None, description="stage ids; omit for every profiled stage")
     label: Annotated[Optional[str], BeforeValidator(_plain_text)] = Field(
-        default=None, max_length=200, description="plain text: no control characters",
+        default=None, max_length=LABEL_MAX, description="plain text: no control characters",
         json_schema_extra={"pattern": PLAIN_TEXT})  # said in the schema; refused by _plain_text, with where
     duration_s: float | None = Field(default=None, gt=0, description="stop automatically after this many seconds")
     lease_s: float | None = Field(default=None, gt=0, description="stop unless a heartbeat arrives within this")
