@@ -11,6 +11,7 @@ import json
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 from typer.testing import CliRunner
 
@@ -53,6 +54,32 @@ def test_fleet_stop_with_one_target_down_still_stops_the_others(replica_factory,
     assert outcomes == {f"sidecar={side.url}": ("stopped", None),
                         f"sidecar={dead}": ("stop_not_sent", "sidecar_unreachable")}, stopped.output
     assert stopped.exit_code == 1  # a target could not be stopped: never 0
+
+
+@pytest.mark.slow
+def test_fleet_stop_with_its_key_leaves_another_clients_capture_recording(replica_factory, sidecar_factory, tmp_path):
+    # `fleet stop` stopped whatever was live on each target, another client's capture too; with
+    # the key `fleet start` prints, it stops that window only and says what it left
+    r1, r2 = replica_factory(2, stages=(0, 1))
+    ours, theirs = sidecar_factory(r1.url, r1.deploy), sidecar_factory(r2.url, r2.deploy)
+    runner, state = CliRunner(), ["--state-dir", str(tmp_path / "st")]
+    started = runner.invoke(app, ["fleet", "start", "--targets", ours.url, "--stages", "0", *state])
+    assert started.exit_code == 0 and "fleet key " in started.stdout, started.output
+    key = started.stdout.split("fleet key ", 1)[1].split(":", 1)[0]
+    with SidecarClient(theirs.url, timeout=30) as client:
+        other = client.start_capture([0], label="someone else's")
+        httpx.post(f"{r1.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                          "max_tokens": 2}, timeout=60).raise_for_status()
+        stopped = runner.invoke(app, ["fleet", "stop", "--targets", f"{ours.url},{theirs.url}", "--key", key,
+                                      "--json", *state])
+        still = client.get_capture(other.id)
+        client.stop_capture(other.id, wait=True, timeout=60)
+    result = json.loads(stopped.stdout)
+    assert (stopped.exit_code, [t["target"] for t in result["targets"]], list(result["not_this_fleets"]),
+            still.state) == (0, [f"sidecar={ours.url}"], [f"sidecar={theirs.url}"], CaptureState.active), stopped.output
+    assert result["targets"][0]["outcome"] == "stopped" and r1.profiling() == {0: False, 1: False}
+    bad = runner.invoke(app, ["fleet", "stop", "--targets", ours.url, "--key", "no key!", *state])
+    assert (bad.exit_code, "--key" in bad.output) == (2, True), bad.output
 
 
 # --- input refused before anything is sent ------------------------------------------------------------

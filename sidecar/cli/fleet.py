@@ -128,7 +128,8 @@ def _start_at(text: str | None) -> float | None:
     return None if text is None else check_start_at(parse_start_at(text))
 
 
-def _print(fc: Any, as_json: bool, wide: bool = False, *, nothing_recording: list[str] | None = None) -> None:
+def _print(fc: Any, as_json: bool, wide: bool = False, *, nothing_recording: list[str] | None = None,
+           not_this_fleets: dict[str, str] | None = None) -> None:
     if as_json:  # `fleet archive` / `fleet timeline` / `fleet skew` read this back
         console.print_json(json.dumps({
             "label": fc.label, "ok": fc.ok, "outcome": fc.traces.value, "stages": fc.stages, "start_at": fc.start_at,
@@ -136,6 +137,7 @@ def _print(fc: Any, as_json: bool, wide: bool = False, *, nothing_recording: lis
             "targets": [{**r.model_dump(mode="json"), "folders": r.folders, "outcome_of_traces": r.traces.value}
                         for r in fc.targets.values()],
             **({"nothing_recording": nothing_recording} if nothing_recording is not None else {}),
+            **({"not_this_fleets": not_this_fleets} if not_this_fleets is not None else {}),
         }))
         return
     if len(fc.targets) > ROWS_MAX:
@@ -276,6 +278,9 @@ def start(
         with _owning_state_dir(fleet):
             fc = asyncio.run(run())
         _print(fc, as_json, wide)
+        if not as_json and fc.key:
+            print_text(console, f"fleet key {fc.key}: `omni-sidecar fleet stop --targets ... --key {fc.key}` stops "
+                       "this window and no other client's", hang="    ", markup=False)
 
 
 @fleet_app.command("stop")
@@ -291,6 +296,9 @@ def stop(
     stop_budget: BudgetOpt = 1800.0,
     start_timeout: StartTimeoutOpt = START_TIMEOUT_S,
     wide: WideOpt = False,
+    key: Annotated[Optional[str], typer.Option(
+        "--key", help="stop only the captures of the fleet with this key (`fleet start` prints it); "
+                      "another client's capture is left recording")] = None,
 ) -> None:
     """Stop the live capture on every target at once, each within its own budget."""
     with cli_errors():
@@ -298,7 +306,14 @@ def stop(
             return _fleet(which, None, deploy_config, flavor, token_file, state_dir, stop_budget_s=stop_budget,
                           start_timeout_s=start_timeout)
 
+        if key is not None:
+            from sidecar.fleet._leases import key_problem
+
+            why = key_problem(key)
+            if why is not None:
+                raise typer.BadParameter(why, param_hint="'--key'")
         fleet = make(targets)
+        others: dict[str, str] = {}  # target -> the live capture left alone (not this fleet's)
 
         async def run() -> tuple[Any, list[str]]:
             # A target that cannot be opened holds no other's stop back: the others are stopped
@@ -308,11 +323,15 @@ def stop(
                 reachable = make([t for t in fleet.targets if t.name not in down])
                 await reachable.open()
             try:
-                fc = await reachable.live()
+                fc = await reachable.live(key=key)
                 # a target with nothing recording has nothing to stop: a no-op, as vLLM's
-                # /stop_profile without a session; a target that could not be asked stays a failure
+                # /stop_profile without a session; a target that could not be asked stays a failure.
+                # With --key, another's live capture is left recording, and said.
                 idle = [n for n, r in fc.targets.items() if _nothing_recording(r)]
-                fc = fc.model_copy(update={"targets": {n: r for n, r in fc.targets.items() if n not in idle}})
+                others.update({n: r.error.message for n, r in fc.targets.items()
+                               if r.error is not None and r.error.code == "capture_not_this_fleets"})
+                fc = fc.model_copy(update={"targets": {n: r for n, r in fc.targets.items()
+                                                       if n not in idle and n not in others}})
                 if fc.targets:
                     fc = await reachable.stop(fc, wait_artifacts=wait, artifact_timeout_s=timeout)
                 if down:
@@ -326,10 +345,13 @@ def stop(
         with _owning_state_dir(fleet):
             fc, idle = asyncio.run(run())
         if as_json or fc.targets:
-            _print(fc, as_json, wide, nothing_recording=idle)
+            _print(fc, as_json, wide, nothing_recording=idle, not_this_fleets=others if key is not None else None)
         if idle and not as_json:
             print_text(console, f"nothing was recording on {len(idle)} target(s), nothing to stop there: "
                        f"{escape(', '.join(idle))}", hang="    ")
+        if others and not as_json:
+            print_text(console, f"left recording on {len(others)} target(s), not fleet {key}'s: " + "; ".join(
+                f"{name}: {why}" for name, why in others.items()), hang="    ", markup=False)
         _exit(fc, as_json)
 
 

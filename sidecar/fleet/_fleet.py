@@ -61,7 +61,7 @@ from sidecar.fleet._drivers import (
     UpstreamDriver,
     stop_answered,
 )
-from sidecar.fleet._leases import Leases, keyed_label, swept_text, with_sweep, within
+from sidecar.fleet._leases import Leases, key_of, key_problem, keyed_label, swept_text, with_sweep, within
 from sidecar.fleet._release import START_AT_MAX_S, Release, check_start_at
 from sidecar.fleet._results import (
     FleetCapture,
@@ -85,7 +85,6 @@ START_TIMEOUT_S = 30.0
 # Each capture's lease by default: a fleet process that dies leaves a target recording at most
 # this long after its last renewal (it renews every third of it while it holds the window).
 FLEET_LEASE_S = 60.0
-_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _DEFAULT: Any = object()  # Fleet.start(lease_s=...) not given: the fleet's lease
 
 
@@ -180,9 +179,8 @@ class Fleet:
                             ("lease_s", 1.0 if lease_s is None else lease_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise BudgetInvalid(f"{name} must be a positive number of seconds, got {value!r}")
-        if key is not None and not (isinstance(key, str) and _KEY.fullmatch(key)):
-            raise FleetKeyInvalid(f"key must be 1-64 letters, digits, '_', '.' or '-', got {key!r}",
-                                  details={"key": repr(key)})
+        if key is not None and key_problem(key) is not None:
+            raise FleetKeyInvalid(str(key_problem(key)), details={"key": repr(key)})
         self.key = key or secrets.token_hex(6)
         self.lease_s = lease_s
         self.stop_budget_s = stop_budget_s
@@ -787,10 +785,12 @@ class Fleet:
 
         await self._each([r for r in fc.targets.values() if r.outcome is TargetOutcome.started and r.capture_id], one)
 
-    async def live(self, *, label: str | None = None) -> FleetCapture:
+    async def live(self, *, label: str | None = None, key: str | None = None) -> FleetCapture:
         """The live capture of every target (for a stop from another process: a sidecar's
         non-terminal capture, or one an upstream's journal in ``state_dir`` shows live). Targets
-        without one are ``not_started`` with error ``capture_not_found``."""
+        without one are ``not_started`` with error ``capture_not_found``; with ``key``, a live
+        capture whose label does not carry that fleet key (another client's, another fleet's) is
+        ``not_started`` with ``capture_not_this_fleets``, so a stop leaves it recording."""
 
         deadline = asyncio.get_running_loop().time() + self.start_timeout_s
 
@@ -803,6 +803,10 @@ class Fleet:
             if cap is None:
                 return base.model_copy(update={"outcome": TargetOutcome.not_started, "error": TargetError(
                     code="capture_not_found", message="no live capture on this target")})
+            if key is not None and key_of(cap.label) != key:
+                return base.model_copy(update={"outcome": TargetOutcome.not_started, "error": TargetError(
+                    code="capture_not_this_fleets", message=f"capture {cap.id} is live here, but it is not fleet "
+                    f"{key}'s (its label: {cap.label!r}): left recording")})
             return base.with_capture(cap)
 
         results = await self._each(self.targets, one)

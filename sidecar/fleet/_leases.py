@@ -36,6 +36,16 @@ _KEYED = re.compile(r"\[fleet:([A-Za-z0-9_.-]{1,64})\]$")
 _LIVE = (CaptureState.starting, CaptureState.active)
 
 
+_KEY = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # what a fleet key is (the label's mark above)
+
+
+def key_problem(key: object) -> str | None:
+    """What makes ``key`` no fleet key (None: nothing)."""
+    if isinstance(key, str) and _KEY.fullmatch(key):
+        return None
+    return f"key must be 1-64 letters, digits, '_', '.' or '-', got {key!r}"
+
+
 def keyed_label(label: str | None, key: str) -> str:
     """The label a fleet's capture carries: the caller's, then ``[fleet:KEY]`` (what its sweep
     looks for on every target), within the API's bound on a label."""
@@ -186,4 +196,4 @@ class Leases:
         return out
 
 
-__all__ = ["LABEL_MAX", "Leases", "key_of", "keyed_label", "swept_text", "with_sweep", "within"]
+__all__ = ["LABEL_MAX", "Leases", "key_of", "key_problem", "keyed_label", "swept_text", "with_sweep", "within"]
