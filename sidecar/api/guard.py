@@ -7,10 +7,18 @@
   ``application/x-www-form-urlencoded``, and ``text/plain`` are exactly what an HTML form on any
   web page can send without a preflight, so they are refused, not read as JSON.
 - A body is at most ``max_body`` bytes (413), whether announced by ``Content-Length`` or streamed.
+
+And every request gets an answer when the server shuts down under it: on SIGTERM uvicorn stops
+accepting, waits ``timeout_graceful_shutdown`` for the requests in flight, then cancels them and
+only then runs the lifespan's shutdown (which stops the active capture). A request that waits on a
+capture (``POST .../stop?wait=true``, ``POST /stop_profile``, ``GET ...?until=started``, a start
+the server has not answered yet) answered uvicorn's plain-text ``500 Internal Server Error`` then;
+it is answered 503 ``sidecar_closing``, naming what becomes of the capture.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
@@ -19,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sidecar.api.errors import error_response
 from sidecar.config.settings import is_loopback
-from sidecar.errors import BodyTooLarge, HostNotAllowed, MediaTypeUnsupported, SidecarError
+from sidecar.errors import BodyTooLarge, HostNotAllowed, MediaTypeUnsupported, SidecarClosing, SidecarError
 
 MAX_BODY = 1024 * 1024  # 1 MiB: the largest real body is a few hundred bytes
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
@@ -114,6 +122,22 @@ class RequestGuard:
         except _BodyTooLarge:
             if not started:
                 await error_response(self._too_large())(scope, receive, send)
+        except asyncio.CancelledError:  # the server's shutdown ended the request (module docstring)
+            if started:  # a reply under way cannot be replaced: the connection ends as it would have
+                raise
+            uncancel = getattr(asyncio.current_task(), "uncancel", None)  # Python >= 3.11
+            if uncancel is not None:
+                uncancel()  # answered, not cancelled: the server closes the connection after the reply
+            await error_response(_closing(scope.get("path", "")))(scope, receive, send)
+
+
+def _closing(path: str) -> SidecarClosing:
+    return SidecarClosing(
+        f"the sidecar is shutting down and ended this request ({path}) while it was still waiting. A capture "
+        "it was waiting on is stopped during the shutdown, or, if its stop is still unanswered then, at the next "
+        "start-up from the journal: read its outcome with GET /v1/captures/{id} once the sidecar is back",
+        details={"path": path},
+    )
 
 
 class _BodyTooLarge(StarletteHTTPException):
