@@ -19,6 +19,7 @@ from sidecar.errors import (
     CaptureError,
     CaptureNotFound,
     CaptureStateError,
+    SidecarClosing,
     StageSelectionError,
     UpstreamError,
     UpstreamTimeout,
@@ -49,6 +50,27 @@ async def _run(ctl, **kw):
     cap = await ctl.start(**kw)
     await ctl.stop(cap.id)
     return await ctl.wait(cap.id, timeout=20)
+
+
+async def test_a_start_that_waited_while_the_controller_closed_sends_nothing(ctl, fake_omni):
+    # start() checked closing on entry only: a start still waiting for the server's version when
+    # close() ran (a fleet closes its controllers in process) was then sent, after the shutdown
+    asked, release = asyncio.Event(), asyncio.Event()
+    version = ctl._version
+
+    async def slow_version():
+        asked.set()
+        await release.wait()
+        return await version()
+
+    ctl._version = slow_version
+    start = asyncio.create_task(ctl.start(stages=[0]))
+    await asked.wait()
+    await ctl.close()
+    release.set()
+    with pytest.raises(SidecarClosing):
+        await start
+    assert (fake_omni.starts(), ctl.list()) == ([], [])
 
 
 # --- happy path ---------------------------------------------------------------------------

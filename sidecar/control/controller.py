@@ -325,8 +325,7 @@ class CaptureController:
         prepared and waiting (see :meth:`schedule`). A stop meanwhile cancels it: nothing is sent.
         ``profile``: a stage preset's torch options for this capture only (vLLM >= 0.33's
         ``profiler_kwargs``; refused on other servers, naming the restart: limits.check_profile)."""
-        if self._closed:
-            raise SidecarClosing("the sidecar is shutting down; start the capture after restart")
+        self._refuse_closing()
         kind = CaptureKind(kind)
         duration_s, lease_s = check_window(duration_s, lease_s, max_duration_s=self.settings.max_duration_s,
                                            default_lease_s=self.settings.default_lease_s)
@@ -347,6 +346,7 @@ class CaptureController:
         counted = steps is not None or delay_steps is not None
         first = await self._measures.step_counter(selected) if counted else None  # only: has it a counter?
         async with self._start_lock:
+            self._refuse_closing()  # again: close() may have run while this start waited (the version, a counter)
             self._refuse_overlap()
             swept = await self._unconfirmed.sweep(
                 self.upstream, min(self.settings.rollback_budget_s, self.upstream.stop_budget_s))
@@ -538,6 +538,10 @@ class CaptureController:
             f"capture {cap.id} was not started: its journal record could not be written, and without it a crash "
             f"would leave the server recording with nothing to recover it from. {why.message}",
             details={**why.details, "capture_id": cap.id})
+
+    def _refuse_closing(self) -> None:
+        if self._closed:
+            raise SidecarClosing("the sidecar is shutting down; start the capture after restart")
 
     def _refuse_overlap(self) -> None:
         if not self._busy:
