@@ -109,3 +109,12 @@ def test_render_idle_that_is_no_share_names_the_form(tmp_path: Path, idle: str) 
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "a count from 0 up to the iterations, or a share from 0 to 1" in proc.stderr
     assert "idling more" not in proc.stderr
+
+
+def test_a_trace_dir_holding_a_nul_byte_is_refused(tmp_path: Path) -> None:
+    # no path holds a NUL: the worker could make no folder and would write no trace; it validated clean
+    path = tmp_path / "nul.yaml"
+    path.write_text(f'stages:\n  - stage_id: 0\n    profiler_config: {{{PC}, torch_profiler_dir: "/tmp/p\\0x"}}\n')
+    proc = cli("validate", path, "--json")
+    codes = [f["code"] for f in report(proc)["findings"]]
+    assert (proc.returncode, "profiler_dir_invalid" in codes) == (1, True), (proc.returncode, codes)

@@ -345,6 +345,18 @@ def validate_deploy(
                     where=_w(stage, "torch_profiler_dir"),
                 )
             )
+        if "\x00" in (stage.profiler_dir or ""):
+            findings.append(
+                Finding(
+                    code="profiler_dir_invalid",
+                    severity=Severity.error,
+                    message=(f"torch_profiler_dir {stage.profiler_dir!r} holds a NUL byte, which no path can: the "
+                             "worker fails to make the folder and writes no trace; write the folder's path"),
+                    stage_id=stage.stage_id,
+                    key="profiler_config.torch_profiler_dir",
+                    where=_w(stage, "torch_profiler_dir"),
+                )
+            )
     if stages is None and not allow_cuda and not deploy.torch_stages and any(
         s.profiler == "cuda" for s in deploy.stages
     ):
