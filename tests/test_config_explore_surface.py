@@ -118,3 +118,18 @@ def test_a_trace_dir_holding_a_nul_byte_is_refused(tmp_path: Path) -> None:
     proc = cli("validate", path, "--json")
     codes = [f["code"] for f in report(proc)["findings"]]
     assert (proc.returncode, "profiler_dir_invalid" in codes) == (1, True), (proc.returncode, codes)
+
+
+@pytest.mark.parametrize(("written", "said"), [
+    ("${oc.env:PERF_DIR}/s0", "holds an OmegaConf interpolation"),
+    ("/tmp/{0}/s0", "stage 0's torch_profiler_dir"),
+])
+def test_render_names_the_kept_dir_it_cannot_use_not_a_dir_option_never_given(tmp_path: Path, written: str,
+                                                                              said: str) -> None:
+    # without --dir each stage keeps its own dir; one render cannot use was blamed on "--dir"
+    path = tmp_path / "kept.yaml"
+    path.write_text(f'stages:\n  - stage_id: 0\n    profiler_config: {{{PC}, torch_profiler_dir: "{written}"}}\n')
+    proc = cli("render", path, "--profile", "light", "-o", tmp_path / "out.yaml")
+    said_all = " ".join(proc.stderr.split())
+    assert (proc.returncode, said in said_all, "--dir '" in said_all, "Traceback" in proc.stderr,
+            (tmp_path / "out.yaml").exists()) == (1, True, False, False, False), proc.stderr

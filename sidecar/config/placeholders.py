@@ -23,22 +23,24 @@ def dir_placeholders(path: str) -> list[str]:
     return list(dict.fromkeys(_PLACEHOLDER.findall(path)))
 
 
-def expand_dir_placeholders(template: str, *, replica: int | None = None, host: str | None = None) -> str:
+def expand_dir_placeholders(template: str, *, replica: int | None = None, host: str | None = None,
+                            what: str = "--dir") -> str:
     """``template`` with ``{replica}`` (needs ``replica``) and ``{host}`` (``host``, else this
     machine's hostname) filled in; ``ConfigError`` for a missing value, an unknown placeholder or a
-    brace that is no placeholder (``{0}``, an unclosed ``{replica``)."""
+    brace that is no placeholder (``{0}``, an unclosed ``{replica``). ``what`` names the template in
+    the messages (``--dir``, or a kept stage dir)."""
     names = dir_placeholders(template)
     unknown = [n for n in names if n not in DIR_PLACEHOLDERS]
     if unknown:
         raise DirPlaceholderUnknown(
-            f"--dir {template!r}: unknown placeholder {{{unknown[0]}}}; the supported ones are "
+            f"{what} {template!r}: unknown placeholder {{{unknown[0]}}}; the supported ones are "
             + ", ".join(f"{{{n}}}" for n in DIR_PLACEHOLDERS),
             key="dir",
             details={"placeholders": unknown},
         )
     if "replica" in names and replica is None:
         raise DirPlaceholderUnset(
-            f"--dir {template!r} holds {{replica}}: pass --replica N (the index of the server this overlay is for, "
+            f"{what} {template!r} holds {{replica}}: pass --replica N (the index of the server this overlay is for, "
             "0, 1, ...), one render per replica",
             key="replica",
         )
@@ -48,7 +50,7 @@ def expand_dir_placeholders(template: str, *, replica: int | None = None, host: 
     stray = _PLACEHOLDER.sub("", template)
     if "{" in stray or "}" in stray:
         raise DirPlaceholderUnknown(
-            f"--dir {template!r}: a brace that is no placeholder; the supported ones are "
+            f"{what} {template!r}: a brace that is no placeholder; the supported ones are "
             + ", ".join(f"{{{n}}}" for n in DIR_PLACEHOLDERS)
             + ", each written whole (a path here may hold no other brace)",
             key="dir",

@@ -133,8 +133,14 @@ def stage_profiler_configs(
                 pc["torch_profiler_dir"] = os.path.join(os.path.abspath(os.path.expanduser(str(out_dir))), f"stage{sid}")
             else:
                 existing = deploy.stage(sid).profiler_dir  # type: ignore[union-attr]
+                if existing and "${" in existing:
+                    raise ProfileDirMissing(
+                        f"stage {sid}'s torch_profiler_dir {existing!r} holds an OmegaConf interpolation, which only "
+                        "the server resolves (in its environment): the sidecar could not tell where the traces land. "
+                        "Pass --dir DIR (each stage writes to DIR/stage<id>)", key="torch_profiler_dir")
                 if existing:
-                    existing = expand_dir_placeholders(existing, replica=replica, host=host)
+                    existing = expand_dir_placeholders(existing, replica=replica, host=host,
+                                                       what=f"stage {sid}'s torch_profiler_dir")
                 if not existing:
                     raise ProfileDirMissing(
                         f"stage {sid} has no torch_profiler_dir to keep; pass --dir DIR "
