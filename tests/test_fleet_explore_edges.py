@@ -202,3 +202,20 @@ def test_archive_and_timeline_never_write_over_the_result_or_into_a_folder(fleet
     assert (over.exit_code, into.exit_code) == (1, 1), over.output + into.output
     assert into.exception is None or isinstance(into.exception, SystemExit), into.exception  # no traceback
     assert "trace_invalid" in over.output and "folder" in into.output
+
+
+@pytest.mark.slow
+def test_stragglers_does_not_rank_a_replica_missing_a_stage(fleet_result, tmp_path):
+    # replica 1's stage 1 traces gone: its wall spans stage 0 alone and read short, so it was ranked
+    # (and could be the median) against replicas whose wall spans both stages
+    doc, second = _second(fleet_result)
+    for v in second["verdicts"]:
+        if v["stage_id"] == 1:
+            for s in v["sessions"]:
+                shutil.rmtree(s["path"])
+    out = _analyse(fleet_result, ["stragglers", "--json"], tmp_path)
+    body = json.loads(out.stdout)
+    assert (body["replicas"], body["median_replica"], [line.split(":")[0] for line in body["left_out"]]) == (
+        1, 0, ["replica 1"]), out.output
+    text = " ".join(_analyse(fleet_result, ["stragglers"], tmp_path).output.split())
+    assert "not ranked: replica 1: no trace of stage 1" in text, text

@@ -196,6 +196,8 @@ class Stragglers:
     median_wall_ms: float
     replicas: int
     slowest: list[ReplicaStraggler] = field(default_factory=list)
+    # replicas not ranked: without a trace of every stage the others have, their wall reads short
+    left_out: list[str] = field(default_factory=list)
 
 
 def _walls(spans: Sequence[TraceSpan]) -> dict[int | None, dict[int | None, tuple[int, int]]]:
@@ -214,8 +216,15 @@ def stragglers(sources: Sequence[FleetSource], alignment: Alignment, *, k: int =
                diff_ops: bool = True) -> Stragglers:
     """For one step (one capture): the ``k`` slowest replicas by wall time against the median
     replica (the lower median), the stage where each loses the most, and (``diff_ops``) the diff
-    of its top ops against the median replica's (``sidecar.analysis.diff.diff_paths``)."""
+    of its top ops against the median replica's (``sidecar.analysis.diff.diff_paths``). Only the
+    replicas with a trace of every stage are ranked; the others are ``left_out``, said."""
     walls = _walls(alignment.spans)
+    every = set().union(*(set(w) for w in walls.values())) if walls else set()
+    left_out = {rep: sorted(every - set(w), key=lambda s: (s is None, s or 0)) for rep, w in walls.items()
+                if set(w) != every}
+    walls = {rep: w for rep, w in walls.items() if rep not in left_out}
+    said = [f"replica {rep}: no trace of stage {', '.join(map(str, missing))} (the other replicas have one): not "
+            "ranked, its wall would read short" for rep, missing in sorted(left_out.items(), key=lambda kv: str(kv[0]))]
 
     def wall(rep: int | None) -> int:
         st = walls[rep].values()
@@ -223,10 +232,10 @@ def stragglers(sources: Sequence[FleetSource], alignment: Alignment, *, k: int =
 
     ranked = sorted(walls, key=wall)
     if not ranked:
-        return Stragglers(median_replica=None, median_wall_ms=0.0, replicas=0)
+        return Stragglers(median_replica=None, median_wall_ms=0.0, replicas=0, left_out=said)
     med = ranked[(len(ranked) - 1) // 2]
     med_wall = wall(med)
-    out = Stragglers(median_replica=med, median_wall_ms=med_wall / 1e6, replicas=len(ranked))
+    out = Stragglers(median_replica=med, median_wall_ms=med_wall / 1e6, replicas=len(ranked), left_out=said)
     by_replica: dict[int | None, list[FleetSource]] = {}
     for fs in sources:
         by_replica.setdefault(fs.source.replica, []).append(fs)

@@ -632,6 +632,8 @@ def stragglers_cmd(
         return
     print_text(console, f"median replica {st.median_replica}: {st.median_wall_ms:.3f} ms of {st.replicas} replicas",
                markup=False)
+    for line in st.left_out:
+        print_text(console, f"not ranked: {line}", hang="  ", markup=False)
     for s in st.slowest:
         print_text(console, f"replica {s.replica} ({s.target}): {s.wall_ms:.3f} ms, {s.excess_ms:+.3f} ms; "
                    f"most in stage {s.stage_id} ({s.stage_excess_ms:+.3f} ms)", hang="  ", markup=False)
