@@ -50,7 +50,7 @@ def check_start_at(start_at: float | datetime | None, *, max_ahead_s: float = ST
             details={"start_at": start_at, "now": now})
     if ahead > max_ahead_s:
         raise StartAtInvalid(
-            f"start_at {shown} is {ahead:.0f}s ahead, more than the {max_ahead_s:g}s a start may be scheduled "
+            f"start_at {shown} is {ahead:.6g}s ahead, more than the {max_ahead_s:g}s a start may be scheduled "
             "ahead (its slot is held until then); start nearer the time",
             details={"start_at": start_at, "now": now, "max_ahead_s": max_ahead_s})
     return float(start_at)
