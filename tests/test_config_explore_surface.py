@@ -133,3 +133,16 @@ def test_render_names_the_kept_dir_it_cannot_use_not_a_dir_option_never_given(tm
     said_all = " ".join(proc.stderr.split())
     assert (proc.returncode, said in said_all, "--dir '" in said_all, "Traceback" in proc.stderr,
             (tmp_path / "out.yaml").exists()) == (1, True, False, False, False), proc.stderr
+
+
+def test_the_front_end_warning_is_for_plain_vllm_only(tmp_path: Path) -> None:
+    # vLLM-Omni's start reaches its stages alone and never reads ignore_frontend: the advice to set
+    # it was noise on every Omni deploy with iteration bounds; plain `vllm serve` profiles its front end
+    pc = "profiler: torch, torch_profiler_with_stack: false, max_iterations: 4, torch_profiler_dir: /tmp/fe"
+    path = tmp_path / "omni.yaml"
+    path.write_text(f"stages:\n  - stage_id: 0\n    profiler_config: {{{pc}}}\n")
+    omni = [f["code"] for f in report(cli("validate", path, "--json"))["findings"]]
+    plain = [f["code"] for f in report(cli("validate", "--profiler-config", json.dumps(
+        {"profiler": "torch", "torch_profiler_dir": "/tmp/fe", "max_iterations": 4,
+         "torch_profiler_with_stack": False}), "--json"))["findings"]]
+    assert ("frontend_overhead" in omni, "frontend_overhead" in plain) == (False, True), (omni, plain)

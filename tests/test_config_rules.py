@@ -105,12 +105,17 @@ def test_schedule_fields_are_flagged_as_ignored(write_deploy) -> None:
     assert (f.code, f.key) == ("schedule_ignored", "profiler_config.warmup_iterations")
 
 
-def test_frontend_overhead_warning(write_deploy) -> None:
+def test_frontend_overhead_warning_is_plain_vllms(write_deploy) -> None:
+    # plain `vllm serve` profiles its front end unless ignore_frontend; vLLM-Omni profiles its stages only
+    from sidecar.config.deploy import deploy_from_profiler_config
+
+    pc = {"profiler": "torch", "torch_profiler_dir": "/tmp/d", "torch_profiler_with_stack": False, "max_iterations": 5}
     path = write_deploy(
         "stages:\n  - stage_id: 0\n    profiler_config: {profiler: torch, torch_profiler_dir: /tmp/d, "
         "torch_profiler_with_stack: false, max_iterations: 5}\n"
     )
-    assert [f.code for f in validate_deploy(load_deploy_config(path))] == ["frontend_overhead"]
+    assert [f.code for f in validate_deploy(load_deploy_config(path))] == []
+    assert [f.code for f in validate_deploy(deploy_from_profiler_config(pc))] == ["frontend_overhead"]
 
 
 def test_legacy_file_keeps_its_warning_in_validation(deploy_data: Path) -> None:

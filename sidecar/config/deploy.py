@@ -730,7 +730,7 @@ def deploy_from_profiler_config(
         built.append(s)
         findings.extend(f)
     return DeployConfig(path=None, platform="", stages=built, findings=findings, stage_overrides=overrides,
-                        profiler_config_arg=pc)  # fmt: skip
+                        profiler_config_arg=pc, plain_vllm=stage_ids is None)  # fmt: skip
 
 
 def load_server_config(

@@ -101,6 +101,9 @@ class DeployConfig(BaseModel):
     # vLLM-Omni merges (every field); None when not given. ``path`` is None for plain vLLM.
     stage_overrides: dict[str, dict[str, Any]] | None = None
     profiler_config_arg: dict[str, Any] | None = None
+    # plain `vllm serve` (one engine): its API process profiles its front end too, unless
+    # ignore_frontend; vLLM-Omni profiles its stages only and never reads ignore_frontend
+    plain_vllm: bool = False
 
     def stage(self, stage_id: int) -> Stage | None:
         return next((s for s in self.stages if s.stage_id == stage_id), None)

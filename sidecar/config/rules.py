@@ -236,7 +236,7 @@ def _w(stage: Stage, key: str) -> Where | None:
     return stage.marks.get(f"profiler_config.{key}") or stage.marks.get("profiler_config") or stage.where
 
 
-def _stage_findings(stage: Stage, window_iterations: int | None) -> list[Finding]:
+def _stage_findings(stage: Stage, window_iterations: int | None, *, plain_vllm: bool) -> list[Finding]:
     pc = stage.profiler_config
     assert pc is not None
     out: list[Finding] = []
@@ -276,7 +276,9 @@ def _stage_findings(stage: Stage, window_iterations: int | None) -> list[Finding
             f"delay_iterations={pc.delay_iterations} is not below the capture window of {window_iterations} "
             "iterations: the trace will be empty; lower delay_iterations",
         )
-    if (pc.delay_iterations > 0 or pc.max_iterations > 0) and not pc.ignore_frontend:
+    # plain vLLM only: vLLM-Omni's start reaches its stages alone (AsyncOmni.start_profile is a
+    # collective_rpc to the stages) and never reads ignore_frontend, so there it is no advice
+    if plain_vllm and (pc.delay_iterations > 0 or pc.max_iterations > 0) and not pc.ignore_frontend:
         warn(
             "frontend_overhead",
             "ignore_frontend",
@@ -387,5 +389,5 @@ def validate_deploy(
     for sid in dict.fromkeys(targets):
         stage = deploy.stage(sid)
         if stage is not None and stage.profiler == "torch":
-            findings.extend(_stage_findings(stage, window_iterations))
+            findings.extend(_stage_findings(stage, window_iterations, plain_vllm=deploy.plain_vllm))
     return findings
