@@ -364,9 +364,14 @@ class ServerVersion:
 
     @property
     def mismatched(self) -> bool:
-        """vLLM-Omni on a vLLM of another major.minor (it warns of it itself, in its log only)."""
-        return self.kind == "omni" and self.vllm is not None and (
-            (self.omni is not None and self.omni.line != self.vllm.line) or omni_for_vllm(self.vllm) is None)
+        """vLLM-Omni on a vLLM of another major.minor (it warns of it itself, in its log only); where
+        the server does not say its vLLM-Omni, a vLLM no vLLM-Omni is made for. A vLLM-Omni newer than
+        the table on the vLLM of its own line is no mismatch (its version is unknown: said apart)."""
+        if self.kind != "omni" or self.vllm is None:
+            return False
+        if self.omni is not None:
+            return self.omni.line != self.vllm.line
+        return omni_for_vllm(self.vllm) is None
 
     def warnings(self) -> list[dict[str, Any]]:
         """Facts (a code and its figures) a reader should see: a version the table does not know,

@@ -146,3 +146,13 @@ def test_the_front_end_warning_is_for_plain_vllm_only(tmp_path: Path) -> None:
         {"profiler": "torch", "torch_profiler_dir": "/tmp/fe", "max_iterations": 4,
          "torch_profiler_with_stack": False}), "--json"))["findings"]]
     assert ("frontend_overhead" in omni, "frontend_overhead" in plain) == (False, True), (omni, plain)
+
+
+def test_a_vllm_omni_newer_than_the_table_is_checked_on_the_vllm_of_its_own_line() -> None:
+    # --omni-version 0.33.0 was checked on vLLM 0.32 (the nearest known Omni's) and then called a
+    # mismatched pair: a newer vLLM-Omni runs on the vLLM of its own major.minor
+    proc = cli("validate", DEPLOY, "--omni-version", "0.33.0", "--json")
+    body = report(proc)
+    codes = [w["code"] for w in body["server"]["warnings"]]
+    assert (body["server"]["vllm"], "version_mismatch" in codes, "version_unknown" in codes) == (
+        "0.33.0", False, True), body["server"]

@@ -121,8 +121,9 @@ def _target(kind: str, vllm_version: str | None, omni_version: str | None, serve
         kind = found.kind
     if given_vllm is not None:
         line = given_vllm.line
-    elif kind == "omni":  # the vLLM of the vLLM-Omni named, or of the newest
-        line = (omni_dialect(Release.parse(omni_version)) if omni_version else NEWEST_OMNI).vllm_line
+    elif kind == "omni":  # the vLLM of the vLLM-Omni named (its major.minor: one the table does not know
+        # yet runs on the vLLM of its own line, not the nearest known's), or of the newest
+        line = Release.parse(omni_version).line if omni_version else NEWEST_OMNI.vllm_line
     else:
         line = NEWEST_VLLM.line
     vllm = str(given_vllm) if given_vllm is not None else f"{line[0]}.{line[1]}.0"
