@@ -10,8 +10,10 @@ import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
+from urllib.parse import quote
 
 import httpx
+import pydantic
 
 from sidecar.control import filenames
 from sidecar.control.budget import Plan
@@ -43,6 +45,13 @@ class SidecarUnreachable(SidecarError):
     code = "sidecar_unreachable"
 
 
+class SidecarReplyInvalid(SidecarError):
+    """The sidecar's URL answered, but not as the sidecar does (not JSON, or not the shape of the
+    route's reply): most often a proxy or another service at that address."""
+
+    code = "sidecar_reply_invalid"
+
+
 class WaitTimeout(SidecarError):
     """``wait_capture`` gave up before the capture became terminal; it is still running."""
 
@@ -55,6 +64,8 @@ def error_from_response(response: httpx.Response) -> SidecarError:
         payload = response.json().get("error") or {}
     except (ValueError, AttributeError):
         payload = {}
+    if not isinstance(payload, dict):  # {"error": "text"}: another service's shape, not the sidecar's
+        payload = {"message": payload} if isinstance(payload, str) else {}
     code = str(payload.get("code") or f"http_{response.status_code}")
     message = str(payload.get("message") or f"HTTP {response.status_code} from {response.request.url}")
     details = payload.get("details") if isinstance(payload.get("details"), dict) else {}
@@ -78,12 +89,17 @@ def _auth_headers(token: str | None) -> dict[str, str]:
 
 
 def _capture_id(capture_id: str) -> str:
-    """``capture_id`` as a path segment; an empty one (an unset shell variable, most likely) is
-    refused, not sent (``/v1/captures/`` is the list of captures)."""
+    """``capture_id`` as one percent-encoded path segment; an empty one (an unset shell variable,
+    most likely) is refused, not sent (``/v1/captures/`` is the list of captures), and so is one no
+    URL segment can carry (``/``, ``.``, ``..``): sent as it is, ``a#b``, ``a?x`` or ``b/../a``
+    would address capture ``a``."""
     if not isinstance(capture_id, str) or not capture_id.strip():
         raise CaptureNotFound(f"an empty capture id ({capture_id!r}); give the id or a unique start of it "
                               "(`omni-sidecar list` shows them)", details={"prefix": capture_id})
-    return capture_id
+    if "/" in capture_id or capture_id in (".", ".."):
+        raise CaptureNotFound(f"no capture id is {capture_id!r} (ids hold no '/' and are not '.' or '..'); "
+                              "`omni-sidecar list` shows them", details={"prefix": capture_id})
+    return quote(capture_id, safe="")
 
 
 def _body(fields: dict[str, Any]) -> dict[str, Any]:
@@ -138,8 +154,23 @@ def _may_resend(call: _Call, err: BaseException) -> bool:
 # --- the API as data: both clients send these and parse the replies the same way ---------------
 
 
+def _reply_invalid(response: httpx.Response, exc: BaseException) -> SidecarReplyInvalid:
+    ctype = response.headers.get("content-type", "no content-type")
+    what = "is not JSON" if isinstance(exc, ValueError) and not isinstance(exc, pydantic.ValidationError) \
+        else "is not the sidecar's reply to that route"
+    return SidecarReplyInvalid(
+        f"{response.request.method} {response.request.url} answered {response.status_code} ({ctype}), "
+        f"and the body {what} ({type(exc).__name__}); is that URL the sidecar itself "
+        "(`omni-sidecar serve`), not a proxy or another service?",
+        details={"url": str(response.request.url), "status": response.status_code, "content_type": ctype},
+    )
+
+
 def _json(response: httpx.Response) -> Any:
-    return response.json()
+    data = response.json()
+    if not isinstance(data, dict):  # every such route answers an object
+        raise TypeError(f"a JSON {type(data).__name__}, not an object")
+    return data
 
 
 def _capture(response: httpx.Response) -> Capture:
@@ -193,7 +224,11 @@ class _Call(NamedTuple):
     def reply(self, response: httpx.Response) -> Any:
         if response.is_error:
             raise error_from_response(response)
-        return self.parse(response)
+        try:
+            return self.parse(response)
+        except (ValueError, KeyError, TypeError, AttributeError, pydantic.ValidationError) as exc:
+            # pydantic's ValidationError and json's decode error are ValueErrors; named for the reader
+            raise _reply_invalid(response, exc) from None
 
 
 def match_capture_id(text: str, ids: list[str]) -> str:
@@ -578,4 +613,5 @@ class SidecarClient:
         return self._send(_Calls.download(capture_id, relpath))
 
 
-__all__ = ["AsyncSidecarClient", "SidecarClient", "SidecarUnreachable", "WaitTimeout", "error_from_response"]
+__all__ = ["AsyncSidecarClient", "SidecarClient", "SidecarReplyInvalid", "SidecarUnreachable", "WaitTimeout",
+           "error_from_response"]

@@ -23,7 +23,8 @@ from pydantic import BaseModel, Field
 
 from sidecar.control.limits import check_window
 from sidecar.errors import FleetError, SidecarError, ValidationFailed
-from sidecar.errors import EngineStepsInvalid, FleetClosed, LeaseInvalid, RanksInvalid, StepsEmpty, StepsInvalid
+from sidecar.errors import BudgetInvalid, EngineStepsInvalid, FleetClosed, LeaseInvalid, RanksInvalid, StepsEmpty
+from sidecar.errors import StepsInvalid
 from sidecar.fleet import FanOutResult, Fleet, FleetCapture, Target, TargetError, TargetResult, parse_targets
 
 __all__ = ["DEFAULT_LEASE_S", "RolloutProfiler", "StepResult"]
@@ -52,6 +53,13 @@ class StepResult(BaseModel, FanOutResult):
     def ok(self) -> bool:
         # unlike a fleet capture, a step with no target profiled is not a success
         return self.error is None and bool(self.targets) and super().ok
+
+
+def _shown(values: list[int], most: int = 10) -> str:
+    """``values`` in a message, the first ``most`` of them: a bad range of a million steps is
+    named, not printed."""
+    head = ", ".join(map(str, values[:most]))
+    return f"[{head}, ... ({len(values)} in all)]" if len(values) > most else f"[{head}]"
 
 
 def _as_step(value: Any, what: str) -> int:
@@ -85,10 +93,22 @@ class _LoopThread:
         if threading.current_thread() is self.thread:
             coro.close()
             raise RuntimeError("RolloutProfiler's own loop cannot wait on itself; use `async with prof.astep(n)`")
-        return self.submit(coro).result()
+        return self._submit_open(coro).result()
+
+    def _submit_open(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if self.loop.is_closed() or not self.thread.is_alive():
+            coro.close()
+            raise FleetClosed("this RolloutProfiler is closed (prof.close() ran): nothing more is sent; "
+                              "its closing sweep stopped what its windows had started")
+        return self.submit(coro)
+
+    @property
+    def here(self) -> bool:
+        """True on the loop's own thread (an ``on_result`` callback): it cannot block on itself."""
+        return threading.current_thread() is self.thread
 
     async def arun(self, coro: Coroutine[Any, Any, T], *, shield: bool = False) -> T:
-        fut = asyncio.wrap_future(self.submit(coro))
+        fut = asyncio.wrap_future(self._submit_open(coro))
         # A cancelled caller must not cancel a stop: the profiler would be left running.
         return await (asyncio.shield(fut) if shield else fut)
 
@@ -174,12 +194,19 @@ class RolloutProfiler:
         if not self.steps:
             raise StepsEmpty("steps is empty: nothing would be profiled; pass e.g. steps=[1]")
         if min(self.steps) < 1:
-            raise StepsInvalid(f"steps are 1-based training steps (as verl's global_steps), got {sorted(self.steps)}")
+            bad = sorted(s for s in self.steps if s < 1)
+            raise StepsInvalid(f"steps are 1-based training steps (as verl's global_steps); {_shown(bad)} "
+                               "name no step: drop them, or count from 1", details={"steps": bad[:10]})
         self.ranks = self._select(len(all_targets), ranks, all_ranks)
         self.targets = [all_targets[r] for r in self.ranks]
         self.stages = stages
         self.strict = strict
         self.wait_artifacts = wait_artifacts
+        if artifact_timeout_s is not None and (isinstance(artifact_timeout_s, bool)
+                                               or not isinstance(artifact_timeout_s, numbers.Real)
+                                               or not artifact_timeout_s > 0):
+            raise BudgetInvalid(f"artifact_timeout_s must be a positive number of seconds (or None to wait as "
+                                f"long as the check takes), got {artifact_timeout_s!r}", key="artifact_timeout_s")
         self.artifact_timeout_s = artifact_timeout_s
         self.lease_s = lease_s
         self.label_prefix = label_prefix
@@ -207,15 +234,23 @@ class RolloutProfiler:
     def _select(n: int, ranks: list[int] | None, all_ranks: bool) -> list[int]:
         if all_ranks or ranks is None:
             return list(range(n))
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+            raise RanksInvalid(f"ranks must be a list of replica indices (0-based, into targets), e.g. [0, 1]; "
+                               f"got {ranks!r}", details={"ranks": repr(ranks), "targets": n})
+        ranks = list(ranks)
         if len(ranks) == 0:
             raise RanksInvalid("ranks is empty: no target would be profiled; leave ranks out to profile every "
                                "target, or name some", details={"ranks": [], "targets": n})
-        chosen = [_as_step(r, "each of ranks") for r in ranks]
+        wrong = [r for r in ranks if isinstance(r, bool) or not isinstance(r, numbers.Integral)]
+        if wrong:
+            raise RanksInvalid(f"ranks are replica indices (0-based integers, into targets); got {wrong[0]!r} of "
+                               f"type {type(wrong[0]).__name__}", details={"ranks": repr(ranks)[:200], "targets": n})
+        chosen = [int(r) for r in ranks]
         bad = [r for r in chosen if not 0 <= r < n]
         if bad:
             raise RanksInvalid(
-                f"ranks {bad} name no replica: there are {n} targets (ranks 0..{n - 1}, in the order given)",
-                details={"ranks": chosen, "targets": n},
+                f"ranks {_shown(bad)} name no replica: there are {n} targets (ranks 0..{n - 1}, in the order given)",
+                details={"ranks": bad[:10], "targets": n},
             )
         return sorted(set(chosen))
 
@@ -292,6 +327,12 @@ class RolloutProfiler:
 
     def wait(self, timeout: float | None = None) -> dict[int, StepResult]:
         """Wait for background artifact checks (``wait_artifacts=False``), then :meth:`results`."""
+        if self._loop is not None and self._loop.here:
+            # on_result runs on the profiler's own loop: blocking it on itself would hang (until the
+            # timeout) the very checks waited for
+            log.warning("RolloutProfiler.wait() from on_result (the profiler's own thread) cannot wait; "
+                        "returning the results as they are")
+            return self.results()
         if self._loop is not None and self._checks:
             try:
                 self._loop.submit(self._await_checks(timeout)).result(None if timeout is None else timeout + 5)
@@ -308,6 +349,15 @@ class RolloutProfiler:
             self._closed = True
         if self._loop is None:
             return
+        if self._loop.here:
+            # from on_result: this thread is the loop the close must run on; finish on a thread of
+            # its own (not a daemon: the interpreter waits for it at exit)
+            threading.Thread(target=self._close_now, args=(timeout,), name="omni-sidecar-rollout-close").start()
+            return
+        self._close_now(timeout)
+
+    def _close_now(self, timeout: float | None) -> None:
+        assert self._loop is not None
         self.wait(timeout)
         try:
             self._loop.submit(self._fleet.close()).result(timeout)
@@ -330,7 +380,12 @@ class RolloutProfiler:
                 _at_exit(_close_at_exit, weakref.ref(self))
             return self._loop
 
-    async def _astart(self, step: int) -> tuple[StepResult, FleetCapture]:
+    async def _astart(self, step: int) -> FleetCapture | None:
+        """None: the step is profiled already (two ``prof.step(n)`` taken before either block ran:
+        this loop runs one at a time, so the second finds the first's result here)."""
+        if step in self._results:
+            log.debug("step %d was profiled already; not profiling it again", step)
+            return None
         label = f"{self.label_prefix}{step}"
         result = StepResult(step=step, label=label)
         self._results[step] = result
@@ -354,8 +409,16 @@ class RolloutProfiler:
             self._results[step] = result.model_copy(update={
                 "error": TargetError(code="internal_error", message=f"{type(exc).__name__}: {exc}")})
             raise
+        except asyncio.CancelledError:
+            # the caller gave up on the start (a timeout around `async with`): the fleet rolled back
+            # what had started; the step says so, and its result is final
+            self._results[step] = result.model_copy(update={"error": TargetError(
+                code="start_cancelled", message=f"step {step}: the start was cancelled by the caller; the "
+                                                "replicas that had started were stopped; generation ran unprofiled")})
+            self._final(step)
+            raise
         self._results[step] = result.model_copy(update={"targets": dict(fc.targets)})
-        return self._results[step], fc  # the fleet renews the leases until the stop
+        return fc  # the fleet renews the leases until the stop
 
     async def _await_checks(self, timeout: float | None = None) -> None:
         """The background checks, for at most ``timeout`` (default: one artifact timeout and the
@@ -448,15 +511,29 @@ class _Step:
         self.fc: FleetCapture | None = None
 
     def _start_failed(self, exc: Exception) -> StepResult:
+        if self.step not in self.prof._results:  # refused before the start ran (a closed profiler)
+            code = exc.code if isinstance(exc, SidecarError) else "internal_error"
+            self.prof._results[self.step] = StepResult(
+                step=self.step, label=f"{self.prof.label_prefix}{self.step}",
+                error=TargetError(code=code, message=str(exc)))
         if self.prof.strict:
             self.prof._final(self.step)
             raise exc
         self.prof._start_failed(self.step, exc)
         return self.prof._results[self.step]
 
+    def _started(self, fc: FleetCapture | None) -> StepResult | None:
+        self.fc = fc
+        # None: profiled already (the block runs unprofiled, as for a step not chosen)
+        return None if fc is None else self.prof._results[self.step]
+
     def _stopped(self, outcome: StepResult | Exception, exc: BaseException | None) -> Literal[False]:
         """``outcome``: the stop's result, or what it raised. The block's own exception ``exc``
         always wins: it propagates unchanged (return False) whatever the stop did."""
+        if isinstance(outcome, FleetClosed):
+            outcome = FleetClosed(f"step {self.step}: the RolloutProfiler was closed while this step's window was "
+                                  "open; its closing sweep stopped the captures, whose traces are not checked: "
+                                  "close the profiler after the last `with prof.step(n)` block")
         if isinstance(outcome, Exception):
             self.prof._stop_failed(self.step, outcome)
             if self.prof.strict and exc is None:
@@ -471,13 +548,13 @@ class _Step:
 class _SyncStep(_Step):
     __slots__ = ()
 
-    def __enter__(self) -> StepResult:
+    def __enter__(self) -> StepResult | None:
         loop = self.prof._ensure_loop()
         try:
-            _, self.fc = loop.run(self.prof._astart(self.step))
+            fc = loop.run(self.prof._astart(self.step))
         except Exception as exc:
             return self._start_failed(exc)
-        return self.prof._results[self.step]
+        return self._started(fc)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> Literal[False]:
@@ -493,13 +570,13 @@ class _SyncStep(_Step):
 class _AsyncStep(_Step):
     __slots__ = ()
 
-    async def __aenter__(self) -> StepResult:
+    async def __aenter__(self) -> StepResult | None:
         loop = self.prof._ensure_loop()
         try:
-            _, self.fc = await loop.arun(self.prof._astart(self.step))
+            fc = await loop.arun(self.prof._astart(self.step))
         except Exception as exc:
             return self._start_failed(exc)
-        return self.prof._results[self.step]
+        return self._started(fc)
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> Literal[False]:

@@ -208,3 +208,12 @@ def test_a_write_whose_connection_was_dropped_is_not_resent(drops_first: _DropsF
     with SidecarClient(drops_first.url, timeout=10) as client, pytest.raises(SidecarUnreachable):
         client.start_capture([0])
     assert [line.split()[0] for line in drops_first.lines] == ["POST"], drops_first.lines
+
+
+@pytest.mark.parametrize("suffix", ["#x", "?until=started", "/../{id}"])
+def test_an_id_with_url_characters_addresses_no_other_capture(client: SidecarClient, suffix: str) -> None:
+    cap = client.start_capture([0])  # sent as it was, `<id>#x` and `other/../<id>` reached this capture
+    asked = f"other{suffix.format(id=cap.id)}" if "{id}" in suffix else cap.id + suffix
+    with pytest.raises(CaptureNotFound):
+        client.stop_capture(asked)
+    assert client.get_capture(cap.id).state.value == "active"
