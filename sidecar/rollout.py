@@ -11,6 +11,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import itertools
 import logging
 import numbers
 import threading
@@ -32,6 +33,7 @@ __all__ = ["DEFAULT_LEASE_S", "RolloutProfiler", "StepResult"]
 # A hook's window is bounded by default: a trainer that dies mid-step leaves no profiler running
 # past this (its heartbeats stop). Generous: a rollout step takes minutes; heartbeats keep it open.
 DEFAULT_LEASE_S = 120.0
+MAX_STEPS = 100_000  # training steps one profiler may list (each profiled writes traces on every replica)
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +192,11 @@ class RolloutProfiler:
         all_targets = parse_targets(targets, **parse_opts)
         if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
             raise StepsInvalid(f"steps must be a list of training steps, e.g. [1, 5]; got {steps!r}")
-        self.steps: frozenset[int] = frozenset(_as_step(s, "each of steps") for s in steps)
+        listed = list(itertools.islice(steps, MAX_STEPS + 1))  # a range(1, 10**12) is not expanded
+        if len(listed) > MAX_STEPS:
+            raise StepsInvalid(f"steps lists more than {MAX_STEPS:,} training steps: each profiled step writes traces "
+                               "on every replica; profile a few chosen ones, e.g. steps=range(10, 1000, 100)")
+        self.steps: frozenset[int] = frozenset(_as_step(s, "each of steps") for s in listed)
         if not self.steps:
             raise StepsEmpty("steps is empty: nothing would be profiled; pass e.g. steps=[1]")
         if min(self.steps) < 1:
