@@ -832,6 +832,13 @@ class FleetDurationInvalid(FleetInvalid):
     code = "duration_invalid"
 
 
+class LabelInvalid(FleetInvalid):
+    """A label (or a rollout's label prefix) each target would refuse: not text, or holding a
+    control character (``control.models.label_problem``)."""
+
+    code = "label_invalid"
+
+
 class FleetResultInvalid(FleetInvalid):
     """A file given as a fleet result is not one (``fleet archive``, ``fleet timeline``)."""
 

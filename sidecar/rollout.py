@@ -27,6 +27,7 @@ from sidecar.errors import FleetError, SidecarError, ValidationFailed
 from sidecar.errors import BudgetInvalid, EngineStepsInvalid, FleetClosed, LeaseInvalid, RanksInvalid, StepsEmpty
 from sidecar.errors import StepsInvalid
 from sidecar.fleet import FanOutResult, Fleet, FleetCapture, Target, TargetError, TargetResult, parse_targets
+from sidecar.fleet._fleet import check_label
 
 __all__ = ["DEFAULT_LEASE_S", "RolloutProfiler", "StepResult"]
 
@@ -215,6 +216,7 @@ class RolloutProfiler:
                                 f"long as the check takes), got {artifact_timeout_s!r}", key="artifact_timeout_s")
         self.artifact_timeout_s = artifact_timeout_s
         self.lease_s = lease_s
+        check_label(label_prefix, "label_prefix")
         self.label_prefix = label_prefix
         self.on_result = on_result
         if engine_steps is not None and (isinstance(engine_steps, bool) or not isinstance(engine_steps, int)

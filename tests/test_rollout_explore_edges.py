@@ -132,3 +132,13 @@ def test_close_from_on_result_does_not_hang_and_closes(fake_replica_factory):
     with prof.step(2) as res:  # closed: step 2 runs unprofiled
         assert res is None
     assert len(replica.calls("/start_profile")) == 1
+
+
+@pytest.mark.parametrize("prefix", ["step\n", 5, "\x1b[31m"])
+def test_a_label_prefix_every_target_would_refuse_is_refused_at_construction(prefix):
+    # it reached every sidecar as a start's label, refused there (422) at the first profiled step
+    from sidecar.errors import LabelInvalid
+
+    with pytest.raises(LabelInvalid) as info:
+        RolloutProfiler(UNREACHABLE, steps=[1], label_prefix=prefix)
+    assert info.value.message.startswith("label_prefix "), info.value.message

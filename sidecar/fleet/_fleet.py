@@ -34,6 +34,7 @@ from sidecar.errors import (
     FleetError,
     FleetInvalid,
     FleetKeyInvalid,
+    LabelInvalid,
     FleetStagesInvalid,
     KindInvalid,
     ProfilerDirShared,
@@ -844,13 +845,16 @@ def _check_window(label: str | None, duration_s: float | None) -> None:
                                    "(--duration S on the CLI); leave it out to stop the window yourself")
     if label is None:
         return
+    check_label(label, "label")
+
+
+def check_label(label: object, name: str) -> None:
+    """``LabelInvalid`` where ``label`` is one every target would refuse (the API's rule)."""
     if not isinstance(label, str):
-        raise FleetInvalid.relay("label_invalid", f"label must be text, got {type(label).__name__}",
-                                 key="label")
+        raise LabelInvalid(f"{name} must be text, got {type(label).__name__}", key=name)
     why = label_problem(label)
     if why is not None:
-        raise FleetInvalid.relay("label_invalid", f"label {why} shown in lists and tables: drop the newline, tab or "
-                                 "escape", key="label")
+        raise LabelInvalid(f"{name} {why} shown in lists and tables: drop the newline, tab or escape", key=name)
 
 
 async def _clock_of(d: Driver, *, by: float | None = None, more: int = MORE,
