@@ -82,6 +82,7 @@ class _LoopThread:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
+        self._pending: set[concurrent.futures.Future[Any]] = set()  # calls submitted and not answered yet
         self.thread = threading.Thread(target=self._main, name="omni-sidecar-rollout", daemon=True)
         self.thread.start()
 
@@ -90,7 +91,10 @@ class _LoopThread:
         self.loop.run_forever()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+        return fut
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         if threading.current_thread() is self.thread:
@@ -122,6 +126,12 @@ class _LoopThread:
         self.thread.join(timeout)
         if not self.thread.is_alive():
             self.loop.close()
+        # A call still waited on (a block's stop, sent as close() began on another thread) is never
+        # answered once the loop is stopped: said to its caller instead of leaving it waiting forever.
+        for fut in list(self._pending):
+            if not fut.done():
+                fut.set_exception(FleetClosed("this RolloutProfiler was closed (prof.close()) while this call "
+                                              "waited; its closing sweep stopped what its windows had started"))
 
 
 def _at_exit(fn: Callable[..., None], *args: Any) -> None:

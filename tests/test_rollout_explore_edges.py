@@ -142,3 +142,28 @@ def test_a_label_prefix_every_target_would_refuse_is_refused_at_construction(pre
     with pytest.raises(LabelInvalid) as info:
         RolloutProfiler(UNREACHABLE, steps=[1], label_prefix=prefix)
     assert info.value.message.startswith("label_prefix "), info.value.message
+
+
+def test_a_block_exiting_while_another_thread_closes_the_profiler_does_not_hang(fake_replica_factory):
+    # the block's stop was sent to the profiler's loop as close() began on another thread: the loop
+    # stopped under it and the block waited forever
+    import threading
+
+    (replica,) = fake_replica_factory(1)
+    replica.fake.stop_delay = 60.0  # the server holds the stop: the block is still exiting when close() runs
+    prof = _profiler([replica], steps=[1])
+    done = threading.Event()
+
+    def trainer() -> None:
+        with prof.step(1):
+            pass
+        done.set()
+
+    worker = threading.Thread(target=trainer, daemon=True)
+    worker.start()
+    assert poll(lambda: replica.calls("/stop_profile"), timeout=30)
+    prof.close(timeout=2)
+    replica.fake.stop_delay = 0
+    assert done.wait(60), "the block's exit hung after close()"
+    res = prof.results()[1]
+    assert res.error is not None and not res.ok, res
