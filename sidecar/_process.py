@@ -39,6 +39,14 @@ def listening_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
+def inherited_socket(fd: int) -> socket.socket:
+    """The listening socket a launcher handed over as ``fd`` (see ``ManagedProcess``), its family and
+    type read from the descriptor, kept from this server's own children."""
+    sock = socket.socket(fileno=fd)
+    sock.set_inheritable(False)
+    return sock
+
+
 def serve_uvicorn(app: Any, *, host: str, port: int, fd: int | None, **config: Any) -> Any:
     """Run ``app`` under uvicorn until SIGINT/SIGTERM, on ``fd`` (a listening socket a launcher
     handed over, see ``ManagedProcess``) or else bound to ``host:port``. Returns the server (its
@@ -49,9 +57,7 @@ def serve_uvicorn(app: Any, *, host: str, port: int, fd: int | None, **config: A
     if fd is None:
         server.run()
     else:
-        sock = socket.socket(fileno=fd)  # family and type read from the descriptor
-        sock.set_inheritable(False)  # the server's own children do not keep the port
-        server.run(sockets=[sock])
+        server.run(sockets=[inherited_socket(fd)])
     return server
 
 

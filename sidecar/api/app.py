@@ -3,12 +3,14 @@ routes onto ``CaptureController`` calls and errors onto one status table (``erro
 lives here: stage selection, retries, the state machine and artifact confinement are the
 controller's. The factory only wires: the shared state (``state.ApiState`` on ``app.state.api``),
 the lifespan (``controller.open()``, recovery, at start-up; ``controller.close()``, which stops the
-active capture, at shutdown), the middleware, the error handlers, the OpenAPI document and the
+active capture, at shutdown: begun by ``begin_shutdown`` as soon as the server starts shutting down,
+awaited by the lifespan), the middleware, the error handlers, the OpenAPI document and the
 routers (``sidecar.api.routes``, one per resource, and the page, ``sidecar.api.web``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -49,12 +51,25 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        # SIGTERM lands here (uvicorn): stop the active capture before the process exits
-        await api.controller.close()
+        # SIGTERM lands here (uvicorn), after the requests' grace: the stop of the active capture
+        # ``omni-sidecar serve`` began when the shutdown did (begin_shutdown) ends before the exit
+        await begin_shutdown(app)
         stop_analyses()  # a summary in flight must not hold the exit (its caller gets 503)
         if api.upstream is not None:
             with contextlib.suppress(Exception):
                 await api.upstream.aclose()
+
+
+def begin_shutdown(app: FastAPI) -> asyncio.Task[None]:
+    """Begin ``controller.close()`` now, once (stop the active capture, reason ``shutdown``; refuse new
+    starts); the lifespan's shutdown awaits the same task. ``omni-sidecar serve`` calls it when the
+    server starts shutting down, before uvicorn gives the requests in flight their grace: a client
+    waiting on the capture (``stop?wait=true``, a held ``GET``, a start waiting for its steps) then
+    gets the capture's end, and only one still waiting when the grace ends is answered 503."""
+    api: ApiState = app.state.api
+    if api.closing is None:
+        api.closing = asyncio.get_running_loop().create_task(api.controller.close(), name="sidecar-shutdown")
+    return api.closing
 
 
 def create_app(
@@ -119,4 +134,5 @@ def build_app(settings: SidecarSettings, deploy: DeployConfig) -> FastAPI:
     return create_app(controller, deploy, settings, upstream=upstream)
 
 
-__all__ = ["CaptureRequest", "CompatProfileRequest", "PlanRequest", "build_app", "create_app", "lifespan"]
+__all__ = ["CaptureRequest", "CompatProfileRequest", "PlanRequest", "begin_shutdown", "build_app", "create_app",
+           "lifespan"]

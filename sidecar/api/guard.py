@@ -8,12 +8,12 @@
   web page can send without a preflight, so they are refused, not read as JSON.
 - A body is at most ``max_body`` bytes (413), whether announced by ``Content-Length`` or streamed.
 
-And every request gets an answer when the server shuts down under it: on SIGTERM uvicorn stops
-accepting, waits ``timeout_graceful_shutdown`` for the requests in flight, then cancels them and
-only then runs the lifespan's shutdown (which stops the active capture). A request that waits on a
-capture (``POST .../stop?wait=true``, ``POST /stop_profile``, ``GET ...?until=started``, a start
-the server has not answered yet) answered uvicorn's plain-text ``500 Internal Server Error`` then;
-it is answered 503 ``sidecar_closing``, naming what becomes of the capture.
+And every request gets an answer when the server shuts down under it: on SIGTERM ``omni-sidecar
+serve`` begins the active capture's stop (``app.begin_shutdown``), uvicorn stops accepting, waits
+``timeout_graceful_shutdown`` for the requests in flight, then cancels those still running. A
+request still waiting on a capture then (``POST .../stop?wait=true``, ``POST /stop_profile``, ``GET
+...?until=started``, a start the server has not answered yet) answered uvicorn's plain-text ``500
+Internal Server Error``; it is answered 503 ``sidecar_closing``, naming what becomes of the capture.
 """
 
 from __future__ import annotations

@@ -38,6 +38,8 @@ class ApiState:
     stages: dict[str, Any]  # GET /v1/stages: the deploy is fixed for the app's lifetime, so built once
     # one builder per capture's timeline at a time, however many requests ask for it
     timeline_locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    # the controller's close, once begun (app.begin_shutdown): the shutdown signal and the lifespan share it
+    closing: asyncio.Task[None] | None = None
 
     def capture_json(self, cap: Capture) -> dict[str, Any]:
         return self.scrubber.data(cap.model_dump(mode="json"))

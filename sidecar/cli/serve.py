@@ -1,5 +1,6 @@
-"""CLI: ``omni-sidecar serve`` — validate the deploy YAML (refuse errors, print warnings), take
-the state dir (one live sidecar per dir), then run the HTTP API under uvicorn. Flags override
+"""CLI: ``omni-sidecar serve`` — validate the settings and the deploy YAML (refuse errors, print
+warnings), bind the port, take the state dir (one live sidecar per dir), then run the HTTP API under
+uvicorn until SIGINT, SIGTERM or SIGHUP (the active capture's stop begins at once). Flags override
 ``OMNI_SIDECAR_*`` environment settings.
 """
 
@@ -101,13 +102,9 @@ def serve(
     A setting left out takes its `OMNI_SIDECAR_*` environment variable (e.g. `OMNI_SIDECAR_PORT`),
     else the default shown."""
     with cli_errors():
-        from sidecar.config.deploy import load_server_config
-        from sidecar.config.rules import validate_deploy
-        from sidecar.config.settings import SidecarSettings
         from pydantic import ValidationError
 
-        from sidecar.control.journal import CaptureJournal, StateDirLock
-        from sidecar.errors import SettingInvalid, ValidationFailed
+        from sidecar.errors import SettingInvalid
         from sidecar.scrub import scrub_secrets
 
         if upstream is None and not os.environ.get("OMNI_SIDECAR_UPSTREAM_URL"):
@@ -134,56 +131,188 @@ def serve(
             "keep_days": keep_days,
             "allowed_hosts": allowed_host or None,
         }
-        try:
-            settings = SidecarSettings(**{k: v for k, v in given.items() if v is not None})
-        except ValidationError as err:  # a flag or env value out of range or malformed
-            first = err.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ())) or "settings"
-            raise SettingInvalid(
-                scrub_secrets(f"invalid setting {where}: {first.get('msg', err)}"), key=where
-            ) from None
+
+        def settings_of(values: dict[str, Any]) -> SidecarSettings:
+            try:
+                return SidecarSettings(**{k: v for k, v in values.items() if v is not None})
+            except ValidationError as err:  # a flag or env value out of range or malformed
+                first = err.errors()[0]
+                where = ".".join(str(p) for p in first.get("loc", ())) or "settings"
+                raise SettingInvalid(
+                    scrub_secrets(f"invalid setting {where}{_named(where, given)}: {first.get('msg', err)}"), key=where
+                ) from None
+
+        settings = settings_of(given)
         token = settings.read_token()  # an unreadable token file must stop start-up, not open the routes
-        settings.check_exposure(token)  # beyond loopback, mutating routes need a token
-        state = Path(settings.state_dir or ".")  # never None: the settings fill it in per sidecar
-        CaptureJournal(state).check_writable()  # no journal = no history and no recovery
-        # A legacy `stage_args:` file is refused: a 0.30 server cannot have started with it.
-        deploy = load_server_config(
-            settings.deploy_config,
-            flavor=settings.flavor,
-            platform=settings.platform,
-            stage_overrides=settings.stage_overrides,
-            profiler_config=settings.profiler_config,
-            stages=settings.stages,
-        )
-        findings = validate_deploy(deploy)  # includes the loader's own findings
-        errors = [f for f in findings if f.is_error]
-        if errors:
-            raise ValidationFailed(
-                f"{settings.deploy_config or 'the server config'} is not a valid deploy for profiling; fix the errors "
-                "below (`omni-sidecar validate` with the same --deploy-config / --stage-overrides / "
-                "--profiler-config checks it)",
-                findings=errors,
-            )
-        for finding in findings:
-            err_console.print(f"[yellow]{escape(str(finding))}[/]", highlight=False)
-
-        # Held while this sidecar runs (the kernel drops it even on kill -9): a second sidecar on
-        # this dir would recover, and so stop, the captures this one runs.
-        lock = StateDirLock(state)
-        lock.acquire(upstream=scrub_secrets(settings.upstream_url), port=settings.port)
+        settings.check_exposure(token)  # beyond loopback, mutating routes need a token (checked before it binds)
+        deploy = _deploy_of(settings)
+        # Bound (or taken over from --fd) before anything starts: a port in use is refused here, not
+        # after start-up ran the journal's recovery; and --port 0 is the port the OS picked in the
+        # state dir's name, the lock and the banner, not 0.
+        sock = _listening(settings.host, settings.port, fd)
         try:
-            from sidecar._process import serve_uvicorn
-            from sidecar.api.app import build_app
-
-            fastapi_app = build_app(settings, deploy)
-            err_console.print(
-                f"omni-sidecar: upstream {scrub_secrets(settings.upstream_url)}, deploy {settings.deploy_config or '(--profiler-config)'}, "
-                f"http://{settings.host}:{settings.port} (docs at /docs), state {settings.state_dir}",
-                highlight=False,
-            )
-            # a short graceful window: a client blocked on ?wait=true must not delay the shutdown
-            # stop of the active capture (lifespan shutdown runs after connections close)
-            serve_uvicorn(fastapi_app, host=settings.host, port=settings.port, fd=fd, log_level=log_level,
-                          timeout_graceful_shutdown=5)
+            bound = sock.getsockname()
+            if isinstance(bound, tuple) and bound[1] != settings.port:
+                settings = settings_of({**given, "port": bound[1]})
+            _serve_on(sock, settings, deploy, log_level=log_level)
         finally:
-            lock.release()
+            sock.close()
+
+
+# The flag of each setting whose name differs from its field's (the others: --field-name)
+_FLAGS = {"upstream_url": "--upstream", "artifact_roots": "--artifact-root", "allowed_hosts": "--allowed-host"}
+
+
+def _named(field: str, flags: dict[str, Any]) -> str:
+    """`` (--keep-days or OMNI_SIDECAR_KEEP_DAYS)``: where a setting is given, so the message names
+    what to change (a value from the environment is otherwise nowhere on the command line)."""
+    if field not in SidecarSettings.model_fields:
+        return ""
+    env = f"OMNI_SIDECAR_{field.upper()}"
+    return f" ({_FLAGS.get(field, '--' + field.replace('_', '-'))} or {env})" if field in flags else f" ({env})"
+
+
+def _listening(host: str, port: int, fd: int | None) -> Any:
+    """The listening socket: ``fd`` (a launcher's, systemd's), else ``host:port`` bound now."""
+    import errno
+
+    from sidecar._process import inherited_socket, listening_socket
+    from sidecar.errors import SettingInvalid
+
+    if fd is not None:
+        try:
+            return inherited_socket(fd)
+        except OSError as exc:
+            raise SettingInvalid(f"--fd {fd} is not an open socket ({exc.strerror}): pass the descriptor of a "
+                                 "listening socket this process inherited, or leave --fd out", key="fd") from None
+    bare = host.strip("[]")  # "[::1]" is how a URL writes the address ::1
+    try:
+        return listening_socket(bare, port)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            why = (f"--port {port} on {host} is in use by another process ({exc.strerror}): pick another --port (--port 0 takes a "
+                   f"free one), or stop what listens there (`ss -ltnp 'sport = :{port}'` names it)")
+        elif exc.errno == errno.EACCES:
+            why = f"--port {port} needs privileges this user lacks (ports below 1024): pick a --port above 1023"
+        else:
+            why = (f"--host {host} cannot be listened on ({exc.strerror or exc}): pass an address of this machine, "
+                   "e.g. --host 127.0.0.1")
+        raise SettingInvalid(why, key="port" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else "host",
+                             details={"host": host, "port": port}) from None
+
+
+def _deploy_of(settings: SidecarSettings) -> Any:
+    """The server's config as the sidecar reads it, refused on errors; its warnings printed."""
+    from sidecar.config.deploy import load_server_config
+    from sidecar.config.rules import validate_deploy
+    from sidecar.errors import ValidationFailed
+
+    deploy_config = settings.deploy_config
+    # A legacy `stage_args:` file is refused: a 0.30 server cannot have started with it.
+    deploy = load_server_config(
+        deploy_config,
+        flavor=settings.flavor,
+        platform=settings.platform,
+        stage_overrides=settings.stage_overrides,
+        profiler_config=settings.profiler_config,
+        stages=settings.stages,
+    )
+    findings = validate_deploy(deploy)  # includes the loader's own findings
+    errors = [f for f in findings if f.is_error]
+    if errors:
+        raise ValidationFailed(
+            f"{deploy_config or 'the server config'} is not a valid deploy for profiling; fix the errors "
+            "below (`omni-sidecar validate` with the same --deploy-config / --stage-overrides / "
+            "--profiler-config checks it)",
+            findings=errors,
+        )
+    for finding in findings:
+        err_console.print(f"[yellow]{escape(str(finding))}[/]", highlight=False)
+    return deploy
+
+
+def _serve_on(sock: Any, settings: SidecarSettings, deploy: Any, *, log_level: str) -> None:
+    """Check the journal, take the state dir, then serve on ``sock`` until a shutdown signal."""
+    from sidecar.control.journal import CaptureJournal, StateDirLock
+    from sidecar.scrub import scrub_secrets
+
+    deploy_config = settings.deploy_config
+    state = Path(settings.state_dir or ".")  # never None: the settings fill it in per sidecar
+    CaptureJournal(state).check_writable()  # no journal = no history and no recovery
+    # Held while this sidecar runs (the kernel drops it even on kill -9): a second sidecar on
+    # this dir would recover, and so stop, the captures this one runs.
+    lock = StateDirLock(state)
+    lock.acquire(upstream=scrub_secrets(settings.upstream_url), port=settings.port)
+    try:
+        from sidecar.api.app import build_app
+
+        fastapi_app = build_app(settings, deploy)
+        where = f"[{settings.host.strip('[]')}]" if ":" in settings.host else settings.host
+        err_console.print(
+            f"omni-sidecar: upstream {scrub_secrets(settings.upstream_url)}, deploy {deploy_config or '(--profiler-config)'}, "
+            f"http://{where}:{settings.port} (docs at /docs), state {settings.state_dir}",
+            highlight=False,
+        )
+        _run_server(fastapi_app, sock, host=settings.host, port=settings.port, log_level=log_level)
+    finally:
+        lock.release()
+
+
+# Requests in flight get this long once the shutdown begins. Short: the active capture's stop has
+# begun already (begin_shutdown), and a client still waiting then is answered 503 sidecar_closing.
+GRACE_S = 5
+
+
+def _run_server(app: Any, sock: Any, *, host: str, port: int, log_level: str) -> None:
+    """uvicorn on the listening socket ``sock`` (``host:port``) until SIGINT, SIGTERM or SIGHUP, with
+    the sidecar's shutdown order: the active capture's stop begins as the shutdown does, before the
+    requests' grace (uvicorn runs the lifespan's shutdown only after it); a second Ctrl-C cuts the
+    grace short, never that stop (bounded by close_timeout_s)."""
+    import contextlib
+    import signal
+    import socket
+    import threading
+    from collections.abc import Iterator
+
+    import uvicorn
+
+    from sidecar.api.app import begin_shutdown
+
+    hangup = getattr(signal, "SIGHUP", None)
+
+    class SidecarServer(uvicorn.Server):
+        hung_up = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.hung_up = self.hung_up or sig == hangup
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # A closed terminal or ssh session (SIGHUP) would kill the process at once, the profiler
+            # left recording upstream; it shuts down like SIGTERM. Left alone when SIGHUP is not at its
+            # default (nohup ignores it), and re-raised after, as uvicorn does with the signals it handles.
+            own = (hangup is not None and threading.current_thread() is threading.main_thread()
+                   and signal.getsignal(hangup) is signal.SIG_DFL)
+            if own:
+                signal.signal(hangup, self.handle_exit)
+            try:
+                with super().capture_signals():
+                    yield
+            finally:
+                if own:
+                    signal.signal(hangup, signal.SIG_DFL)
+            if own and self.hung_up:
+                signal.raise_signal(hangup)
+
+        async def shutdown(self, sockets: Optional[list[socket.socket]] = None) -> None:
+            begin_shutdown(app)
+            await super().shutdown(sockets)
+            if self.force_exit:  # uvicorn skips the lifespan's shutdown then: the capture's stop with it
+                err_console.print("omni-sidecar: forced exit: not waiting for requests; still stopping the active "
+                                  "capture (kill -9 leaves it to recovery at the next start)", highlight=False)
+                await self.lifespan.shutdown()
+
+    server = SidecarServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                          timeout_graceful_shutdown=GRACE_S))
+    server.run(sockets=[sock])

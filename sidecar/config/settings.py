@@ -48,6 +48,9 @@ def default_state_dir(upstream_url: str | None = None, port: int | None = None) 
     return base / f"{key}-{port}"
 
 
+KEEP_DAYS_MAX = 365_000  # 1000 years: now minus this is still a date
+
+
 def parse_artifact_root(text: str) -> tuple[str, str]:
     """``SERVER_PATH=LOCAL_PATH`` (the ``--artifact-root`` flag) → ``(server, local)``."""
     server, sep, local = text.partition("=")
@@ -61,7 +64,9 @@ def parse_artifact_root(text: str) -> tuple[str, str]:
 
 
 class SidecarSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="OMNI_SIDECAR_", extra="ignore")
+    # inf and nan are refused in every float setting, as the CLI's float flags refuse them: no timeout,
+    # duration or age is endless (an OMNI_SIDECAR_KEEP_DAYS=inf stopped start-up with a traceback)
+    model_config = SettingsConfigDict(env_prefix="OMNI_SIDECAR_", extra="ignore", allow_inf_nan=False)
 
     # upstream
     upstream_url: str = "http://127.0.0.1:8000"
@@ -115,7 +120,7 @@ class SidecarSettings(BaseSettings):
     close_timeout_s: float = Field(default=60, ge=0)  # how long shutdown waits for a stop
     # history retention: finished captures beyond the newest `keep`, or older than `keep_days`, are dropped
     keep: int | None = Field(default=1000, ge=0)
-    keep_days: float | None = Field(default=None, gt=0)
+    keep_days: float | None = Field(default=None, gt=0)  # at most KEEP_DAYS_MAX (_keep_days_in_range)
     # a `steps` capture that the latest plan predicts above this many MB is refused (or warned about)
     budget_mb: float | None = Field(default=None, gt=0)
     budget_action: Literal["refuse", "warn"] = "refuse"
@@ -160,7 +165,16 @@ class SidecarSettings(BaseSettings):
                 return json.loads(value)
             value = [p for p in value.split(",") if p.strip()]
         if isinstance(value, (list, tuple)):
-            return dict(parse_artifact_root(str(p)) for p in value)
+            roots: dict[str, str] = {}
+            for server, local in (parse_artifact_root(str(p)) for p in value):
+                if roots.get(server, local) != local:  # the last one silently won
+                    raise ArtifactRootInvalid(
+                        f"--artifact-root {server} is given twice, as {roots[server]} and as {local}: a server path "
+                        "is mounted in one place here; keep the one that holds its traces",
+                        key="artifact_roots",
+                    )
+                roots[server] = local
+            return roots
         return value
 
     @field_validator("stages", mode="before")
@@ -173,10 +187,33 @@ class SidecarSettings(BaseSettings):
         except ValueError:
             raise ValueError(f"--stages {value!r} is not a comma-separated list of stage ids, e.g. --stages 0,1") from None
 
+    @field_validator("keep_days")
+    @classmethod
+    def _keep_days_in_range(cls, value: float | None) -> float | None:
+        # the journal drops captures finished before now - keep_days: a date before year 1 cannot be
+        # made, and start-up failed with an OverflowError traceback
+        if value is not None and value > KEEP_DAYS_MAX:
+            raise ValueError(f"--keep-days {value:g} is more than {KEEP_DAYS_MAX:,} days (1000 years); leave it "
+                             "unset to keep finished captures whatever their age")
+        return value
+
     @field_validator("allowed_hosts", mode="before")
     @classmethod
     def _hosts_from_csv(cls, value: object) -> object:
         return [h.strip() for h in value.split(",") if h.strip()] if isinstance(value, str) else value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _hosts_are_names(cls, value: list[str]) -> list[str]:
+        # A URL (or a name with a path) never equals a request's Host name: every client using it
+        # would be refused 403 host_not_allowed, with nothing said at start-up.
+        for host in value:
+            name = host.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
+            if host != "*" and (host != name or not name or any(c in host for c in ' "<>\\{}|^`')):
+                example = f" (e.g. --allowed-host {name})" if name and name != host else ""
+                raise ValueError(f"--allowed-host {host!r} is not a host name: give the name clients reach the "
+                                 f"sidecar by, without scheme or path{example}; '*' accepts any")
+        return value
 
     def check_exposure(self, token: str | None) -> None:
         """A sidecar reachable beyond loopback must require a bearer token on mutating routes."""
