@@ -73,6 +73,22 @@ async def test_a_start_that_waited_while_the_controller_closed_sends_nothing(ctl
     assert (fake_omni.starts(), ctl.list()) == ([], [])
 
 
+async def test_a_start_waiting_for_its_steps_when_the_controller_closes_ends_for_the_shutdown(ctl, fake_omni):
+    # a stop asked for while the start waited is why it ended: it read `rollback`, as if the start failed
+    ctl._measures.step_counter = _never_counting  # type: ignore[method-assign]
+    start = asyncio.create_task(ctl.start(stages=[0], delay_steps=5))
+    assert await apoll(lambda: ctl.list(), timeout=10)
+    await ctl.close()
+    with pytest.raises(CaptureError):
+        await start
+    (cap,) = ctl.list()
+    assert (cap.state, cap.stop_reason, fake_omni.starts()) == (CaptureState.failed, StopReason.shutdown, [])
+
+
+async def _never_counting(_stages):
+    return object()
+
+
 # --- happy path ---------------------------------------------------------------------------
 
 

@@ -432,7 +432,8 @@ class CaptureController:
                 else:
                     log.exception("capture %s: start failed unexpectedly before it was sent", cap.id)
                     code, message = "internal_error", f"{type(exc).__name__}: {exc}"
-                await self._rollback(cap, code, message, delivered=False)
+                # a stop asked for meanwhile (its caller's, the lease's, the shutdown's) is why it ended
+                await self._rollback(cap, code, message, delivered=False, reason=rt.pending_stop)
                 if isinstance(exc, SidecarError):
                     exc.details.setdefault("capture_id", cap.id)
                 raise
@@ -596,9 +597,10 @@ class CaptureController:
         if cap.started_at is not None:
             self.claims.mark_started(cap.id, cap.started_at.timestamp())
 
-    async def _rollback(self, cap: Capture, code: str, message: str, *, delivered: bool) -> None:
+    async def _rollback(self, cap: Capture, code: str, message: str, *, delivered: bool,
+                        reason: StopReason | None = None) -> None:
         self._error(cap, code, message)
-        cap.stop_reason = StopReason.rollback
+        cap.stop_reason = reason or StopReason.rollback
         if not delivered:
             # Never delivered: nothing started upstream, and a stop would only wait out the budget.
             self._finish(cap, CaptureState.failed)
