@@ -318,6 +318,7 @@ def _delayed_capture(sidecar: str, steps: int, command: str = "capture",
     proc = subprocess.Popen(
         [sys.executable, "-m", "sidecar", command, "--sidecar", sidecar, "--stages", "0", "--delay-steps", str(steps)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+        preexec_fn=ctrl_c_as_in_a_terminal,  # a shell's & (CI) would leave it ignoring the test's Ctrl-C
     )  # fmt: skip
     shown = _Output(proc)
     try:

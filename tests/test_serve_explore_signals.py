@@ -33,6 +33,10 @@ LOG_DEFECTS = ("Exception in ASGI application", "Task was destroyed but it is pe
 @pytest.fixture
 def own(tmp_path: Path, shared_emulator_factory: Callable[..., Any], sidecar_factory: Callable[..., Any]) -> Any:
     """(emulator, sidecar): a sidecar of this test's own (the test ends it) on the pooled emulator."""
+    return _own(tmp_path, shared_emulator_factory, sidecar_factory)
+
+
+def _own(tmp_path: Path, shared_emulator_factory: Callable[..., Any], sidecar_factory: Callable[..., Any]) -> Any:
     deploy = make_deploy(tmp_path, STAGES)
     emu = shared_emulator_factory(deploy, extra_args=THREAD)
     sidecar = sidecar_factory(emu.url, deploy, state_dir=tmp_path / "state", env=ENV, log_path=tmp_path / "sidecar.log")
@@ -141,10 +145,17 @@ def test_a_second_ctrl_c_cuts_the_grace_short_and_still_stops_the_capture_withou
     assert [d for d in LOG_DEFECTS if d in log] == [], log[-3000:]
 
 
-def test_sighup_stops_the_active_capture_before_exit(own: Any) -> None:
+def test_sighup_stops_the_active_capture_before_exit(tmp_path: Path, shared_emulator_factory: Callable[..., Any],
+                                                    sidecar_factory: Callable[..., Any]) -> None:
     # A closed terminal or ssh session sends SIGHUP: it killed the sidecar at once, the profiler
     # left recording on the server (until a next sidecar's recovery, if any).
-    emu, sidecar = own
+    # Started with SIGHUP as a terminal leaves it: under nohup (how CI here is launched) the child
+    # would inherit SIG_IGN, which the sidecar rightly leaves alone.
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        emu, sidecar = _own(tmp_path, shared_emulator_factory, sidecar_factory)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
     with httpx.Client(base_url=sidecar.url, timeout=HTTP_TIMEOUT) as http:
         cid = http.post("/v1/captures", json={"stages": [0, 2]}).json()["id"]
     assert profiling(emu)
@@ -154,3 +165,4 @@ def test_sighup_stops_the_active_capture_before_exit(own: Any) -> None:
     final = journaled(sidecar, cid)
     assert (final["state"] in TERMINAL, final["stop_reason"]) == (True, "shutdown")
     assert sidecar.returncode == -signal.SIGHUP  # re-raised after the shutdown, as uvicorn does with SIGTERM
+
