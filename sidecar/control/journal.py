@@ -63,6 +63,15 @@ class _suppress_oserror:
         return isinstance(exc, OSError)
 
 
+def set_aside(path: Path, exc: BaseException, *, what: str, after: str = "") -> None:
+    """A state-dir file that cannot be used (a journal record, a cached summary), renamed
+    ``<name>.bad`` with a warning naming why (``after``: what happens instead), never fatal."""
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    log.warning("%s: %s cannot be used (%s); quarantined as %s.bad%s", what, path, reason, path.name, after)
+    with _suppress_oserror():
+        os.replace(path, path.with_name(path.name + ".bad"))
+
+
 def unusable(state_dir: Path, target: Path, exc: OSError, *, folder: bool = True) -> StateDirUnusable:
     """Why ``target`` (the state dir, or a folder or file in it: ``folder`` says which belongs
     there) could not be made or written, naming the path at fault and its fix. Decided from one
@@ -315,11 +324,8 @@ class CaptureJournal:
             try:
                 out.append(_check_entry(p, json.loads(p.read_text(encoding="utf-8"))))
             except (OSError, ValueError, TypeError, KeyError, ValidationError) as exc:
-                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                log.warning("journal: %s cannot be used (%s); quarantined as %s.bad", p, reason, p.name)
+                set_aside(p, exc, what="journal")
                 self.quarantined.append(p.name)
-                with _suppress_oserror():
-                    os.replace(p, p.with_name(p.name + ".bad"))
         out.sort(key=lambda e: (e.capture.created_at, e.capture.id))
         dropped = set(self.expired([e.capture for e in out]))
         return [e for e in out if e.capture.id not in dropped]

@@ -10,7 +10,6 @@ changes a verdict.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -22,7 +21,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from sidecar.control import artifacts
-from sidecar.control.journal import CaptureJournal, atomic_write_text
+from sidecar.control.journal import CaptureJournal, atomic_write_text, set_aside
 from sidecar.control.models import Capture
 from sidecar.errors import CaptureNotTerminal, SummaryUnavailable
 
@@ -181,12 +180,8 @@ class SummaryCache:
             return self._set_aside(path, exc)
 
     def _set_aside(self, path: Path, exc: BaseException) -> None:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        log.warning("summaries: %s cannot be used (%s); quarantined as %s.bad, the capture is analysed again",
-                    path, reason, path.name)
+        set_aside(path, exc, what="summaries", after=", the capture is analysed again")
         self.quarantined.append(path.name)
-        with contextlib.suppress(OSError):
-            os.replace(path, path.with_name(path.name + ".bad"))
         return None
 
     def _held(self, capture_id: str, loaded: tuple[int, dict[str, list[int]] | None, dict[str, Any]] | None,
