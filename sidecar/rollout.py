@@ -24,10 +24,10 @@ from pydantic import BaseModel, Field
 
 from sidecar.control.limits import check_window
 from sidecar.errors import FleetError, SidecarError, ValidationFailed
-from sidecar.errors import BudgetInvalid, EngineStepsInvalid, FleetClosed, LeaseInvalid, RanksInvalid, StepsEmpty
+from sidecar.errors import EngineStepsInvalid, FleetClosed, LeaseInvalid, RanksInvalid, StepsEmpty
 from sidecar.errors import StepsInvalid
 from sidecar.fleet import FanOutResult, Fleet, FleetCapture, Target, TargetError, TargetResult, parse_targets
-from sidecar.fleet._fleet import check_label
+from sidecar.fleet._fleet import check_label, check_seconds
 
 __all__ = ["DEFAULT_LEASE_S", "RolloutProfiler", "StepResult"]
 
@@ -219,11 +219,8 @@ class RolloutProfiler:
         self.stages = stages
         self.strict = strict
         self.wait_artifacts = wait_artifacts
-        if artifact_timeout_s is not None and (isinstance(artifact_timeout_s, bool)
-                                               or not isinstance(artifact_timeout_s, numbers.Real)
-                                               or not artifact_timeout_s > 0):
-            raise BudgetInvalid(f"artifact_timeout_s must be a positive number of seconds (or None to wait as "
-                                f"long as the check takes), got {artifact_timeout_s!r}", key="artifact_timeout_s")
+        if artifact_timeout_s is not None:
+            check_seconds(artifact_timeout_s, "artifact_timeout_s", none=" (or None to wait as long as the check takes)")
         self.artifact_timeout_s = artifact_timeout_s
         self.lease_s = lease_s
         check_label(label_prefix, "label_prefix")

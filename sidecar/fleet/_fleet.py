@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import numbers
 import re
 import secrets
 import time
@@ -178,8 +179,7 @@ class Fleet:
         self.stages = None if stages is None else list(stages)
         for name, value in (("start_timeout_s", start_timeout_s), ("stop_budget_s", stop_budget_s),
                             ("lease_s", 1.0 if lease_s is None else lease_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise BudgetInvalid(f"{name} must be a positive number of seconds, got {value!r}")
+            check_seconds(value, name)
         if key is not None and key_problem(key) is not None:
             raise FleetKeyInvalid(str(key_problem(key)), details={"key": repr(key)})
         self.key = key or secrets.token_hex(6)
@@ -846,6 +846,13 @@ def _check_window(label: str | None, duration_s: float | None) -> None:
     if label is None:
         return
     check_label(label, "label")
+
+
+def check_seconds(value: object, name: str, *, none: str = "") -> None:
+    """``BudgetInvalid`` unless ``value`` is a positive number of seconds (``none``: what None, which
+    the caller takes, means there)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise BudgetInvalid(f"{name} must be a positive number of seconds{none}, got {value!r}", key=name)
 
 
 def check_label(label: object, name: str) -> None:
