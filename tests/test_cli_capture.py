@@ -309,14 +309,15 @@ class _Output:
 
 
 @contextlib.contextmanager
-def _delayed_capture(sidecar: str, steps: int, command: str = "capture",
+def _delayed_capture(sidecar: str, steps: int, command: str = "capture", *extra: str,
                      ) -> Iterator[tuple[subprocess.Popen[bytes], _Output, SidecarClient, Any]]:
     """``COMMAND --delay-steps STEPS`` (capture or start) on a terminal (rich told so), on an emulator with no load: its
     start waits (state ``starting``) until the test ends it; the process, its output, a client, the
     capture. The process is killed if the test leaves it running."""
     env = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "200"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sidecar", command, "--sidecar", sidecar, "--stages", "0", "--delay-steps", str(steps)],
+        [sys.executable, "-m", "sidecar", command, "--sidecar", sidecar, "--stages", "0", "--delay-steps", str(steps),
+         *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
         preexec_fn=ctrl_c_as_in_a_terminal,  # a shell's & (CI) would leave it ignoring the test's Ctrl-C
     )  # fmt: skip
@@ -357,6 +358,16 @@ def test_ctrl_c_while_a_delayed_start_waits_cancels_it_at_once(sidecar: str, com
     assert (rc != 0, cap.state.value, [e.code for e in cap.errors], cap.started_at) == (
         True, "failed", ["start_cancelled"], None), shown.text()
     assert "start cancelled by Ctrl-C" in shown.text() and "Traceback" not in shown.text(), shown.text()
+
+
+def test_ctrl_c_cancels_a_delayed_start_with_json_output_too(sidecar: str) -> None:
+    # --json shows no waiting line; the wait was not polled then, and a held Ctrl-C did nothing
+    with _delayed_capture(sidecar, 11, "capture", "--json") as (proc, shown, client, cap):
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=60)
+        cap = client.get_capture(cap.id)
+    assert (rc != 0, cap.state.value, [e.code for e in cap.errors]) == (True, "failed", ["start_cancelled"]), \
+        shown.text()
 
 
 def test_every_verdict_has_a_colour_in_the_table() -> None:

@@ -152,8 +152,9 @@ def start_with_progress(client: SidecarClient, watcher: SidecarClient, stages: l
     sidecar's ``steps_wait_s``). ``watcher`` (a second client) finds the capture meanwhile; once
     ``interrupted()`` (a held Ctrl-C), it stops that capture, which cancels the start (nothing was
     sent upstream): the start then raises ``start_cancelled``."""
-    if quiet or not delay_steps:
+    if not delay_steps:
         return client.start_capture(stages, delay_steps=delay_steps, **opts)
+    # polled with --json too (no line then): a held Ctrl-C must still cancel the wait
     waiting = f"waiting for {delay_steps} engine steps before the start"
     cancelled: list[str] = []
 
@@ -168,7 +169,7 @@ def start_with_progress(client: SidecarClient, watcher: SidecarClient, stages: l
         return f"capture {cid}: " + ("Ctrl-C: cancelling the start" if cancelled else waiting)
 
     return _while_saying(lambda: client.start_capture(stages, delay_steps=delay_steps, **opts), waiting,
-                         progress, DELAY_POLL_S, name="start")
+                         progress, DELAY_POLL_S, name="start", quiet=quiet)
 
 
 def _start_or_cancel(client: SidecarClient, watcher: SidecarClient, stages: list[int] | None, *, quiet: bool,
@@ -440,9 +441,11 @@ def plan_with_progress(client: SidecarClient, watcher: SidecarClient, stages: li
                          lambda: _plan_progress(watcher, before), PLAN_POLL_S, name="plan")
 
 
-def _while_saying(call: Callable[[], T], first: str, progress: Callable[[], str], poll_s: float, *, name: str) -> T:
+def _while_saying(call: Callable[[], T], first: str, progress: Callable[[], str], poll_s: float, *, name: str,
+                  quiet: bool = False) -> T:
     """``call()`` in a thread while the waiting line says ``first``, then ``progress()`` every
-    ``poll_s``; its result, or what it raised, raised here in the caller's thread."""
+    ``poll_s`` (``quiet``: called, no line shown); its result, or what it raised, raised here in the
+    caller's thread."""
     outcome: dict[str, Any] = {}
 
     def run() -> None:
@@ -452,7 +455,7 @@ def _while_saying(call: Callable[[], T], first: str, progress: Callable[[], str]
             outcome["error"] = exc
 
     thread = threading.Thread(target=run, name=name, daemon=True)
-    with waiting_line(first) as say:
+    with (contextlib.nullcontext(lambda _what: None) if quiet else waiting_line(first)) as say:
         thread.start()
         while thread.is_alive():
             thread.join(poll_s)
