@@ -129,6 +129,20 @@ async def test_start_dropped_after_it_was_read_is_ambiguous_and_not_sent_again(f
     assert len(fake_omni.starts()) == 1
 
 
+async def test_a_start_after_the_server_closed_an_idle_connection_is_sent_once_on_a_fresh_one(fake_omni):
+    # The server closes a pooled connection while this loop is busy (a sidecar reading traces
+    # after a stop): the start that comes next must not go out on it, where it would be lost with
+    # its effect unknown (a plan's probe start on a real vLLM-Omni 0.32rc1, in CI). The close is
+    # made while the loop cannot run, so the client has not seen it when the start is sent.
+    async with UpstreamServer(fake_omni.url) as up:
+        await up.stop_profile([0])  # its connection is pooled, idle
+        fake_omni.close_idle()
+        await up.start_profile([0])
+        fake_omni.close_idle()
+        await up.start_profile([0])
+    assert [c["path"] for c in fake_omni.calls] == ["/stop_profile", "/start_profile", "/start_profile"]
+
+
 @pytest.mark.parametrize(("error", "as_httpx"), [
     (lambda a: a.ConnectionTimeoutError("connect"), httpx.ConnectTimeout),
     (lambda a: a.ClientConnectorError(_Key(), ConnectionRefusedError(111, "refused")), httpx.ConnectError),
@@ -220,5 +234,7 @@ async def test_a_server_without_metrics_keeps_its_connection_for_the_next_call(f
         with pytest.raises(MetricsUnavailable, match="answered 404"):
             await server.metrics()
         await server.stop_profile([0])
-        await server.start_profile([0])
-    assert fake_omni.connections == 1, fake_omni.connections
+        await server.stop_profile([0])
+        assert fake_omni.connections == 1, fake_omni.connections
+        await server.start_profile([0])  # a start goes on a connection of its own, always
+    assert fake_omni.connections == 2, fake_omni.connections

@@ -26,9 +26,14 @@ if TYPE_CHECKING:
     import aiohttp
 
 # Below uvicorn's 5 s keep-alive (vLLM's API server), so a pooled connection is dropped here
-# before the server closes it under a request in flight.
+# before the server closes it under a request in flight. Not a guarantee: a loop busy when the
+# server's close arrives sees it only after its next request took the connection.
 KEEPALIVE_S = 4.0
 MAX_CONNECTIONS = 100
+# A request extension: True sends the request on a connection of its own, closed after it. For a
+# request that must not be sent twice (a start): on a pooled connection the server has closed, it
+# is lost with its effect unknown, where aiohttp sends an idempotent one again by itself.
+FRESH_CONNECTION = "sidecar.fresh_connection"
 
 
 def _httpx_error(exc: BaseException) -> httpx.HTTPError | None:
@@ -75,28 +80,39 @@ class _Body(httpx.AsyncByteStream):
 
 
 class AiohttpTransport(httpx.AsyncBaseTransport):
-    """One aiohttp session, opened on the first request (inside the running loop) and closed by
-    :meth:`aclose`: at most ``limit`` connections, idle ones kept ``keepalive_s``. No proxy from
+    """One pooled aiohttp session, opened on the first request (inside the running loop) and closed
+    by :meth:`aclose`: at most ``limit`` connections, idle ones kept ``keepalive_s``; and one without
+    a pool for requests marked :data:`FRESH_CONNECTION`. No proxy from
     the environment, no redirects, no decompression (httpx decodes). Every session verifies TLS
     with aiohttp's one default context, built once per process."""
 
     def __init__(self, *, limit: int = MAX_CONNECTIONS, keepalive_s: float = KEEPALIVE_S) -> None:
         self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None  # for FRESH_CONNECTION requests: no pool
         self._limit = limit
         self._keepalive_s = keepalive_s
 
-    def _open(self) -> aiohttp.ClientSession:
+    def _open(self, *, pooled: bool) -> aiohttp.ClientSession:
         import aiohttp
 
-        connector = aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=self._keepalive_s)
+        connector = (aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=self._keepalive_s) if pooled
+                     else aiohttp.TCPConnector(limit=self._limit, force_close=True))
         return aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False,
                                      skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"))
+
+    def _session_for(self, request: httpx.Request) -> aiohttp.ClientSession:
+        if request.extensions.get(FRESH_CONNECTION):
+            if self._fresh is None:
+                self._fresh = self._open(pooled=False)
+            return self._fresh
+        if self._session is None:
+            self._session = self._open(pooled=True)
+        return self._session
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         import aiohttp
 
-        if self._session is None:
-            self._session = self._open()
+        session = self._session_for(request)
         timeout: dict[str, Any] = request.extensions.get("timeout", {})
         data: Any
         try:
@@ -107,7 +123,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         # httpx has made the URL's user:password its Authorization header; aiohttp refuses both at once
         url = request.url.copy_with(userinfo=b"") if request.url.userinfo else request.url
         with _as_httpx():
-            response = await self._session.request(
+            response = await session.request(
                 request.method, str(url), headers=headers, data=data,
                 allow_redirects=False, compress=None,
                 timeout=aiohttp.ClientTimeout(total=None, connect=timeout.get("pool"),
@@ -120,6 +136,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                               request=request, extensions=extensions)
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            session, self._session = self._session, None
+        sessions = [s for s in (self._session, self._fresh) if s is not None]
+        self._session = self._fresh = None
+        for session in sessions:
             await session.close()
