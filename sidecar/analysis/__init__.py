@@ -16,7 +16,7 @@ from sidecar._lazy import lazy_exports
 # one submodule of sidecar.analysis does not import the others
 _EXPORTS = {
     "sidecar.analysis.capture": (
-        "TraceSource", "find_sources", "source_of", "stragglers",
+        "TraceSource", "source_of", "stragglers",
         "summarize_paths",
     ),
     "sidecar.analysis.models": (

@@ -172,11 +172,6 @@ def locate(paths: Iterable[str | Path | TraceSource]) -> FoundTraces:
     return found
 
 
-def find_sources(paths: Iterable[str | Path | TraceSource]) -> list[TraceSource]:
-    """``TraceSource`` per trace under ``paths``, each file once (given sources are kept as they are)."""
-    return locate(paths).sources
-
-
 Result = tuple[Aggregate, TraceMeta, int] | TraceError
 Progress = Callable[[int, int], None]  # (files read so far, files in all)
 
