@@ -483,6 +483,13 @@ class UpstreamTimeout(UpstreamError):
     code = "upstream_timeout"
 
 
+class UpstreamNotHttp(UpstreamError):
+    """What answered at the upstream address is not an HTTP server (another service on that port):
+    no profiler can have started there, and asking again will not change it."""
+
+    code = "upstream_not_http"
+
+
 class MetricsUnavailable(UpstreamError):
     """The server's ``/metrics`` could not be read (not served, failed, not Prometheus text)."""
 

@@ -11,12 +11,16 @@ import pytest
 
 from sidecar.errors import MetricsUnavailable, StageSelectionError, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from sidecar.upstream.server import Flavor, UpstreamServer, UpstreamTimeouts
-from sidecar.upstream.transport import AiohttpTransport
+from sidecar.upstream.transport import AiohttpTransport, NotHttp
 
 
 
 class _Key:  # aiohttp's ConnectionKey, as much of it as ClientConnectorError's message reads
     host, port, ssl = "127.0.0.1", 1, False
+
+
+class _Request:  # aiohttp's RequestInfo, as much of it as ClientResponseError's message reads
+    real_url = "http://127.0.0.1:1/start_profile"
 
 
 def _free_port() -> int:
@@ -150,6 +154,7 @@ async def test_a_start_after_the_server_closed_an_idle_connection_is_sent_once_o
     (lambda a: a.ServerDisconnectedError(), httpx.RemoteProtocolError),
     (lambda a: a.ClientOSError(104, "reset"), httpx.RemoteProtocolError),
     (lambda a: a.ClientPayloadError("cut"), httpx.ReadError),
+    (lambda a: a.ClientResponseError(_Request(), (), status=400, message="Bad status line"), NotHttp),  # another service
 ])
 def test_aiohttp_errors_become_httpx_errors_by_what_they_say_of_delivery(error, as_httpx):
     import aiohttp

@@ -44,7 +44,7 @@ from sidecar.control.stopping import Unconfirmed, send_stop
 from sidecar.control.summaries import SUMMARY_TOP, SummaryCache
 from sidecar.errors import ArtifactNotFound, CaptureActive, CaptureNotFound, CaptureStateError, CaptureStopPending
 from sidecar.errors import JournalUnwritable, SidecarClosing, SidecarError, StageSetMismatch, StartCancelled
-from sidecar.errors import UpstreamError, UpstreamSessionActive, UpstreamTimeout, UpstreamUnreachable
+from sidecar.errors import UpstreamError, UpstreamNotHttp, UpstreamSessionActive, UpstreamTimeout, UpstreamUnreachable
 from sidecar.scrub import env_secret_values, scrub_secrets
 from sidecar.upstream.metrics import MetricsSnapshot
 from sidecar.upstream.server import Flavor, UpstreamServer
@@ -472,8 +472,9 @@ class CaptureController:
     async def _start_failed(self, cap: Capture, rt: _Runtime, exc: BaseException) -> None:
         """The start was sent and did not succeed: roll back what the server may have started."""
         if isinstance(exc, UpstreamError):
-            # a 409 started nothing of this capture's: no stop for it (that would end another's session)
-            delivered = not isinstance(exc, (UpstreamUnreachable, UpstreamSessionActive))
+            # a 409 started nothing of this capture's: no stop for it (that would end another's session);
+            # a reply that is not HTTP came from another service, where no profiler runs
+            delivered = not isinstance(exc, (UpstreamUnreachable, UpstreamSessionActive, UpstreamNotHttp))
             await self._rollback(cap, exc.code, exc.message, delivered=delivered)
             exc.details.setdefault("capture_id", cap.id)
         elif isinstance(exc, asyncio.CancelledError):

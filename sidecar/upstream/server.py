@@ -27,10 +27,10 @@ from tenacity import (
 )
 
 from sidecar.errors import MetricsUnavailable, UpstreamError, UpstreamSessionActive, UpstreamTimeout
-from sidecar.errors import StagesEmpty, StagesInvalid, UpstreamUnreachable
+from sidecar.errors import StagesEmpty, StagesInvalid, UpstreamNotHttp, UpstreamUnreachable
 from sidecar.upstream.metrics import KEPT_SAMPLES, MAX_METRICS_BYTES, STEP_SAMPLES, Labels, MetricsSnapshot
 from sidecar.upstream.metrics import MetricsUnreadable, parse_metrics, step_counts
-from sidecar.upstream.transport import FRESH_CONNECTION, AiohttpTransport
+from sidecar.upstream.transport import FRESH_CONNECTION, AiohttpTransport, NotHttp
 from sidecar.versions import ServerVersion
 
 _T = TypeVar("_T")
@@ -175,6 +175,8 @@ class UpstreamServer:
                 reason=f"upstream {self.base_url} is not reachable ({type(exc).__name__}); "
                 "check that `vllm serve` is running and --upstream points at it",
             )
+        except NotHttp as exc:
+            return ProbeResult(healthy=False, profiler_mounted=None, reason=self._not_http(f"{self.base_url}/health", exc))
         except httpx.HTTPError as exc:
             return ProbeResult(
                 healthy=False,
@@ -456,6 +458,11 @@ class UpstreamServer:
             extensions[FRESH_CONNECTION] = True
         return httpx.Request("POST", self._url(path), content=data, headers=headers, extensions=extensions)
 
+    @staticmethod
+    def _not_http(url: str, exc: NotHttp) -> str:
+        return (f"{url} answered with something that is not HTTP ({exc}): another service listens there. "
+                "Point --upstream at the address `vllm serve` listens on (http://host:port; https:// where it serves TLS)")
+
     async def _post(self, path: str, body: dict[str, Any] | None, timeout: httpx.Timeout, *, fresh: bool = False) -> None:
         await self._send(self._request(path, body, timeout, fresh=fresh))
 
@@ -479,6 +486,8 @@ class UpstreamServer:
                 "Check that the server is running and --upstream is right",
                 details={"url": url},
             ) from None
+        except NotHttp as exc:
+            raise UpstreamNotHttp(self._not_http(url, exc), details={"url": url}) from None
         except httpx.TimeoutException as exc:
             raise UpstreamTimeout(
                 f"{url} did not answer within {read:g}s ({exc.__class__.__name__}); the request "

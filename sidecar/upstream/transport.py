@@ -10,7 +10,8 @@ aiohttp's errors are turned into httpx's by what they say about delivery, the on
 ``server.py`` decides on: refused or not connected in time is ``ConnectError``/``ConnectTimeout``
 (never delivered: a start may be sent again); a read that timed out is ``ReadTimeout``; a
 connection dropped after the request went out is ``RemoteProtocolError`` (delivered or not,
-nobody knows). httpx-aiohttp (PyPI) maps a dropped connection to ``ConnectTimeout``, which would
+nobody knows); a reply that is not HTTP is ``NotHttp`` (a ``RemoteProtocolError``: whatever
+answered is not the server). httpx-aiohttp (PyPI) maps a dropped connection to ``ConnectTimeout``, which would
 have a start sent twice, so the mapping is this module's.
 """
 
@@ -36,10 +37,22 @@ MAX_CONNECTIONS = 100
 FRESH_CONNECTION = "sidecar.fresh_connection"
 
 
+class NotHttp(httpx.RemoteProtocolError):
+    """The peer answered bytes that are not an HTTP response: another service on the port."""
+
+
+def _not_http(exc: aiohttp.ClientResponseError) -> NotHttp:
+    # aiohttp's parser message spans lines and draws a caret under the byte it stopped at
+    lines = (line.strip() for line in str(exc.message).splitlines())
+    return NotHttp(" ".join(line for line in lines if line.strip("^"))[:300])
+
+
 def _httpx_error(exc: BaseException) -> httpx.HTTPError | None:
     import aiohttp
 
     message = str(exc) or type(exc).__name__
+    if isinstance(exc, aiohttp.ClientResponseError):  # the reply did not parse (no raise_for_status here)
+        return _not_http(exc)
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return httpx.ConnectTimeout(message)
     if isinstance(exc, aiohttp.ClientConnectorError):  # refused, unresolvable: nothing was sent

@@ -1,0 +1,112 @@
+"""An upstream address where another service answers (an SSH daemon, a TLS port given as
+``http://``), through a real ``omni-sidecar serve`` and the CLI: ``/readyz`` says what answered and
+what to fix, a start fails at once as ``upstream_not_http`` with nothing rolled back (no profiler
+runs there), and a stop is not retried for its budget. Before, each was a dropped connection
+"with its effect unknown": the start's rollback stop was sent again for the whole stop budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sidecar._child import child_env
+from sidecar.api.launcher import SidecarProcess
+from tests.fixtures.emulator import make_deploy
+
+pytestmark = pytest.mark.slow
+
+BANNER = b"SSH-2.0-OpenSSH_9.6\r\n"
+TIMEOUT = 120  # far below the stop budget set below: a reply that waited it out fails the test
+
+
+class NotHttpServer:
+    """A TCP service on 127.0.0.1 that answers every connection with an SSH banner and records
+    the first line of what it was sent."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(None)
+        self.received: list[bytes] = []
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed: the test is over
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:  # as sshd: the banner first, then whatever the client says
+            conn.settimeout(10)
+            try:
+                conn.sendall(BANNER)
+                self.received.append(conn.recv(4096).split(b"\r\n", 1)[0])
+            except OSError:
+                pass
+
+    def __enter__(self) -> NotHttpServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept (a close alone does not, on Linux)
+        self.sock.close()
+        self._thread.join(timeout=30)
+        assert not self._thread.is_alive(), "the service's accept loop did not end"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NotHttpServer, SidecarProcess]]:
+    root = tmp_path_factory.mktemp("not-http")
+    deploy = make_deploy(root, {0: {"profiler": "torch"}})
+    env = {"OMNI_SIDECAR_STOP_BUDGET_S": "1800", "OMNI_SIDECAR_ROLLBACK_BUDGET_S": "1800"}
+    with NotHttpServer() as upstream, SidecarProcess(upstream.url, deploy, state_dir=root / "state", env=env) as sc:
+        yield upstream, sc
+
+
+def test_readyz_names_what_answered_and_what_to_fix(served: tuple[NotHttpServer, SidecarProcess]) -> None:
+    upstream, sc = served
+    reply = httpx.get(f"{sc.url}/readyz", timeout=TIMEOUT)
+    error = reply.json()["error"]
+    assert (reply.status_code, error["code"]) == (503, "upstream_not_ready"), reply.text
+    assert "not HTTP" in error["message"] and "SSH-2.0-OpenSSH_9.6" in error["message"], error
+    assert "--upstream" in error["message"], error
+
+
+def test_a_start_fails_at_once_and_sends_no_rollback_stop(served: tuple[NotHttpServer, SidecarProcess]) -> None:
+    upstream, sc = served
+    reply = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]}, timeout=TIMEOUT)
+    error = reply.json()["error"]
+    assert (reply.status_code, error["code"]) == (502, "upstream_not_http"), reply.text
+    cap = httpx.get(f"{sc.url}/v1/captures/{error['details']['capture_id']}", timeout=TIMEOUT).json()
+    assert (cap["state"], [e["code"] for e in cap["errors"]]) == ("failed", ["upstream_not_http"]), cap
+    assert not any(line.startswith(b"POST /stop_profile") for line in upstream.received), upstream.received
+    # the slot is free: the next start is refused the same way, not 409 for the failed one
+    again = httpx.post(f"{sc.url}/v1/captures", json={"stages": [0]}, timeout=TIMEOUT)
+    assert (again.status_code, again.json()["error"]["code"]) == (502, "upstream_not_http"), again.text
+
+
+def test_the_cli_start_says_so_in_one_line(served: tuple[NotHttpServer, SidecarProcess]) -> None:
+    _, sc = served
+    proc = subprocess.run([sys.executable, "-m", "sidecar", "start", "--sidecar", sc.url, "--stages", "0"],
+                          capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL,
+                          env=child_env({"COLUMNS": "400"}))
+    out = proc.stdout + proc.stderr
+    assert (proc.returncode, "Traceback" in out, "upstream_not_http" in out) == (1, False, True), out
+    assert "another service listens there" in out, out
