@@ -107,3 +107,35 @@ def test_ctrl_c_mid_capture_shuts_everything_down_and_cleans_up(tmp_path: Path) 
             pass
     left = [p.name for p in tmp_path.glob("omni-sidecar-demo-*")]
     assert (proc.returncode, len(urls), still_up, len(started), left) == (130, 2, [], 1, []), seen
+
+
+@pytest.mark.parametrize("case", ["a_file", "foreign_folder", "cannot_create"])
+def test_an_out_the_demo_would_clobber_or_cannot_write_is_refused_before_anything_starts(tmp_path: Path, case: str) -> None:
+    # the demo writes deploy.yaml, traces/, state/ and two logs into --out: a user's own deploy.yaml
+    # there was replaced, and a file or an unwritable path ended in a traceback
+    out = tmp_path / "out"
+    if case == "a_file":
+        out.write_text("mine")
+    elif case == "foreign_folder":
+        out.mkdir()
+        (out / "deploy.yaml").write_text("mine")
+    else:
+        (tmp_path / "ro").mkdir(mode=0o500)
+        out = tmp_path / "ro" / "out" if os.geteuid() != 0 else tmp_path / "afile" / "out"
+        (tmp_path / "afile").write_text("")
+    proc = subprocess.run([*demo_command(), "--out", str(out)], capture_output=True, text=True, timeout=120, env=ENV)
+    said = " ".join(proc.stderr.split())
+    assert (proc.returncode, "Traceback" in said, "--out" in said) == (2, False, True), proc.stdout + proc.stderr
+    assert "starting the emulated" not in proc.stdout, proc.stdout
+    if case == "foreign_folder":
+        assert (sorted(p.name for p in out.iterdir()), (out / "deploy.yaml").read_text()) == (["deploy.yaml"], "mine")
+    elif case == "a_file":
+        assert out.read_text() == "mine"
+
+
+def test_an_out_an_earlier_demo_wrote_is_taken_again(demo_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    from sidecar.cli.demo import MARKER, out_folder
+
+    _, out = demo_run
+    assert (out / MARKER).is_file()
+    assert out_folder(out) == out  # the rule --out is checked with: an earlier demo's folder passes

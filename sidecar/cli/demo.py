@@ -24,6 +24,7 @@ DEMO_STAGES = [0, 2]
 DEMO_REQUESTS = 4
 BASE_DEPLOY = "qwen2_5_omni.yaml"
 DEMO_PROFILE = "light"  # stacks off, gzip on, bounded window: small traces, a fast stop
+MARKER = ".omni-sidecar-demo"  # in an --out folder: a demo wrote it, and may write it again
 
 
 def find_base_deploy() -> Path:
@@ -89,10 +90,32 @@ def print_summary(summary: CaptureSummary, top: int = 5) -> None:
                     [[op.name, str(op.count), f"{op.self_us / 1000:.2f}"] for op in stage.cpu_ops[:top]])
 
 
+def out_folder(value: Path | None) -> Path | None:
+    """``--out``: a folder to create, an empty one, or one an earlier demo wrote (its marker). Any
+    other is refused before anything starts: the demo writes ``deploy.yaml``, ``traces/``,
+    ``state/`` and two logs there and would replace a file of the user's by those names."""
+    if value is None:
+        return None
+    if value.exists() and not value.is_dir():
+        raise typer.BadParameter(f"{value} is a file, not a folder; give a new or empty folder (or one an earlier "
+                                 "demo wrote)")
+    try:
+        value.mkdir(parents=True, exist_ok=True)
+        entries = sorted(e.name for e in value.iterdir())
+    except OSError as err:
+        raise typer.BadParameter(f"{value} cannot be used ({err.strerror or err}); give a folder this user can write")
+    if entries and MARKER not in entries:
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        raise typer.BadParameter(f"{value} holds files of its own ({shown}); the demo writes deploy.yaml, traces/, "
+                                 "state/ and logs there: give a new or empty folder")
+    return value
+
+
 @app.command()
 def demo(
     out: Annotated[
-        Optional[Path], typer.Option("--out", help="keep everything (deploy, traces, state, logs) in this folder")
+        Optional[Path], typer.Option("--out", callback=out_folder, help="keep everything (deploy, traces, state, "
+                                     "logs) in this folder: a new or empty one, or an earlier demo's")
     ] = None,
     keep: Annotated[bool, typer.Option("--keep", help="keep the temporary folder instead of deleting it")] = False,
 ) -> None:
@@ -104,9 +127,8 @@ def demo(
         from sidecar.control.models import CaptureState, Verdict
         from sidecar.emulator.launcher import EmulatorProcess
 
-        workdir = Path(out) if out else Path(tempfile.mkdtemp(prefix="omni-sidecar-demo-"))
-        workdir.mkdir(parents=True, exist_ok=True)
-        workdir = workdir.resolve()
+        workdir = Path(out).resolve() if out else Path(tempfile.mkdtemp(prefix="omni-sidecar-demo-"))
+        (workdir / MARKER).touch()
         keep = keep or out is not None
         ok = False
         try:
