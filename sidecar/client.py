@@ -599,6 +599,10 @@ class SidecarClient:
         ``CaptureIdAmbiguous`` listing the candidates otherwise): ids are long to type."""
         return match_capture_id(text, [c.id for c in self.list_captures()])
 
+    def record_clock(self, capture_id: str, record: dict[str, Any]) -> Capture:
+        """Keep a fleet's clock measurement with the capture (``POST /v1/captures/{id}/clock``)."""
+        return self._send(_Calls.record_clock(capture_id, record))
+
     def heartbeat(self, capture_id: str) -> Capture:
         return self._send(_Calls.heartbeat(capture_id))
 

@@ -10,7 +10,7 @@ import pytest
 
 from sidecar.api.launcher import SidecarProcess, free_port
 from sidecar.client import AsyncSidecarClient, SidecarClient, SidecarUnreachable, WaitTimeout
-from sidecar.errors import CaptureActive, CaptureNotFound, StageSelectionError
+from sidecar.errors import CaptureActive, CaptureNotFound, SidecarError, StageSelectionError
 from tests.fixtures.emulator import EmulatorPool, make_deploy
 
 pytestmark = pytest.mark.slow
@@ -217,3 +217,21 @@ def test_an_id_with_url_characters_addresses_no_other_capture(client: SidecarCli
     with pytest.raises(CaptureNotFound):
         client.stop_capture(asked)
     assert client.get_capture(cap.id).state.value == "active"
+
+
+def test_the_sync_and_async_clients_have_the_same_calls() -> None:
+    # "Sync twin": the sync client had no record_clock, so a script keeping a clock measurement
+    # with its capture had to open an event loop for it
+    def calls(cls: type) -> set[str]:
+        return {m for m in dir(cls) if not m.startswith("_")} - {"close", "aclose"}
+
+    assert calls(SidecarClient) == calls(AsyncSidecarClient)
+
+
+def test_a_clock_record_is_kept_with_the_capture_by_the_sync_client(client: SidecarClient) -> None:
+    cap = client.start_capture([0])
+    kept = client.record_clock(cap.id, {"phase": "start", "offset_ns": 1500, "error_ns": 200, "at_ns": 7})
+    assert [(c.phase, c.offset_ns, c.error_ns) for c in kept.clocks] == [("start", 1500, 200)], kept.clocks
+    with pytest.raises(SidecarError) as refused:  # the sidecar's rule, raised as its typed error
+        client.record_clock(cap.id, {"phase": "middle", "offset_ns": 0, "error_ns": 0, "at_ns": 0})
+    assert refused.value.code == "request_invalid", refused.value
