@@ -4,6 +4,7 @@ test leaves no capture running). Error replies must come back as typed SidecarEr
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -226,6 +227,8 @@ def test_the_sync_and_async_clients_have_the_same_calls() -> None:
         return {m for m in dir(cls) if not m.startswith("_")} - {"close", "aclose"}
 
     assert calls(SidecarClient) == calls(AsyncSidecarClient)
+    api = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    assert not {m for m in calls(SidecarClient) if f"`{m}(" not in api}, "client calls docs/api.md does not name"
 
 
 def test_a_clock_record_is_kept_with_the_capture_by_the_sync_client(client: SidecarClient) -> None:
