@@ -238,8 +238,8 @@ class UpstreamDriver:
 
     async def open(self) -> DeployConfig | None:
         self._recovered = [c.id for c in await self.controller.open()]
-        # A connection made now is one the start does not pay for (TCP connect, pool setup):
-        # best effort, an unreachable server is reported by the start itself.
+        # The pool opened now is one the start's preparation does not pay for: best effort, an
+        # unreachable server is reported by the start itself.
         await self.upstream.warm()
         return self.deploy
 
