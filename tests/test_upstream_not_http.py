@@ -1,6 +1,6 @@
 """An upstream address where another service answers (an SSH daemon, a TLS port given as
-``http://``), through a real ``omni-sidecar serve`` and the CLI: ``/readyz`` says what answered and
-what to fix, a start fails at once as ``upstream_not_http`` with nothing rolled back (no profiler
+``http://``, an HTTP server that is not vLLM), through a real ``omni-sidecar serve`` and the CLI:
+``/readyz`` says what answered and what to fix, a start fails at once as ``upstream_not_http`` with nothing rolled back (no profiler
 runs there), and a stop is not retried for its budget. Before, each was a dropped connection
 "with its effect unknown": the start's rollback stop was sent again for the whole stop budget.
 """
@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -110,3 +111,31 @@ def test_the_cli_start_says_so_in_one_line(served: tuple[NotHttpServer, SidecarP
     out = proc.stdout + proc.stderr
     assert (proc.returncode, "Traceback" in out, "upstream_not_http" in out) == (1, False, True), out
     assert "another service listens there" in out, out
+
+
+class _NotFound(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_error(404)
+
+    do_POST = do_GET
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_readyz_tells_an_http_server_that_is_not_vllm_from_one_still_loading(tmp_path: Path) -> None:
+    # vLLM and vLLM-Omni serve /health from their first moment; a 404 there was "still loading"
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}})
+    other = ThreadingHTTPServer(("127.0.0.1", 0), _NotFound)
+    thread = threading.Thread(target=other.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with SidecarProcess(f"http://127.0.0.1:{other.server_address[1]}", deploy, state_dir=tmp_path / "state") as sc:
+            reply = httpx.get(f"{sc.url}/readyz", timeout=TIMEOUT)
+    finally:
+        other.shutdown()
+        other.server_close()
+    error = reply.json()["error"]
+    assert (reply.status_code, error["code"]) == (503, "upstream_not_ready"), reply.text
+    assert "not vLLM" in error["message"] and "--upstream" in error["message"], error
+    assert "loading" not in error["message"], error

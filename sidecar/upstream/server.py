@@ -184,6 +184,13 @@ class UpstreamServer:
                 reason=f"upstream {self.base_url}/health did not answer ({type(exc).__name__}); the server "
                 "may be busy (a stop flushing traces) or hung",
             )
+        if health.status_code == 404:  # every vLLM (and vLLM-Omni) API server serves /health
+            return ProbeResult(
+                healthy=False,
+                profiler_mounted=None,
+                reason=f"upstream {self.base_url}/health answered 404: an HTTP server that is not vLLM listens "
+                "there. Point --upstream at the address `vllm serve` listens on",
+            )
         if health.status_code != 200:
             return ProbeResult(
                 healthy=False,
