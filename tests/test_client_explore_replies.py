@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import http.server
 import json
-import threading
 from collections.abc import Iterator
 
 import pytest
 
 from sidecar.client import AsyncSidecarClient, SidecarClient, SidecarReplyInvalid
 from sidecar.errors import SidecarError
+from tests.fixtures.http import serving
 
 # path -> (status, content type, body)
 REPLIES = {
@@ -42,15 +42,8 @@ class _Other(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def other_url() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Other)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
+    with serving(_Other) as url:
+        yield url
 
 
 @pytest.mark.parametrize(("call", "path"), [

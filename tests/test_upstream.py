@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 
 import httpx
 import pytest
 
 from sidecar.errors import MetricsUnavailable, StageSelectionError, UpstreamError, UpstreamTimeout, UpstreamUnreachable
 from sidecar.upstream.server import Flavor, UpstreamServer, UpstreamTimeouts
-from sidecar.upstream.transport import AiohttpTransport, NotHttp
+from sidecar.upstream.transport import AiohttpTransport, NotHttp, TlsRefused
 
 
 
 class _Key:  # aiohttp's ConnectionKey, as much of it as ClientConnectorError's message reads
-    host, port, ssl = "127.0.0.1", 1, False
+    host, port, ssl, is_ssl = "127.0.0.1", 1, False, False
 
 
 class _Request:  # aiohttp's RequestInfo, as much of it as ClientResponseError's message reads
@@ -155,6 +156,8 @@ async def test_a_start_after_the_server_closed_an_idle_connection_is_sent_once_o
     (lambda a: a.ClientOSError(104, "reset"), httpx.RemoteProtocolError),
     (lambda a: a.ClientPayloadError("cut"), httpx.ReadError),
     (lambda a: a.ClientResponseError(_Request(), (), status=400, message="Bad status line"), NotHttp),  # another service
+    (lambda a: a.ClientConnectorCertificateError(_Key(), ssl.SSLCertVerificationError(1, "self-signed")), TlsRefused),
+    (lambda a: a.ClientConnectorSSLError(_Key(), ssl.SSLError(1, "wrong version number")), TlsRefused),
 ])
 def test_aiohttp_errors_become_httpx_errors_by_what_they_say_of_delivery(error, as_httpx):
     import aiohttp

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -22,6 +22,7 @@ import pytest
 from sidecar._child import child_env
 from sidecar.api.launcher import SidecarProcess
 from tests.fixtures.emulator import make_deploy
+from tests.fixtures.http import serving
 
 pytestmark = pytest.mark.slow
 
@@ -126,15 +127,8 @@ class _NotFound(BaseHTTPRequestHandler):
 def test_readyz_tells_an_http_server_that_is_not_vllm_from_one_still_loading(tmp_path: Path) -> None:
     # vLLM and vLLM-Omni serve /health from their first moment; a 404 there was "still loading"
     deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}})
-    other = ThreadingHTTPServer(("127.0.0.1", 0), _NotFound)
-    thread = threading.Thread(target=other.serve_forever, daemon=True)
-    thread.start()
-    try:
-        with SidecarProcess(f"http://127.0.0.1:{other.server_address[1]}", deploy, state_dir=tmp_path / "state") as sc:
-            reply = httpx.get(f"{sc.url}/readyz", timeout=TIMEOUT)
-    finally:
-        other.shutdown()
-        other.server_close()
+    with serving(_NotFound) as other, SidecarProcess(other, deploy, state_dir=tmp_path / "state") as sc:
+        reply = httpx.get(f"{sc.url}/readyz", timeout=TIMEOUT)
     error = reply.json()["error"]
     assert (reply.status_code, error["code"]) == (503, "upstream_not_ready"), reply.text
     assert "not vLLM" in error["message"] and "--upstream" in error["message"], error

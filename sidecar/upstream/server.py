@@ -30,7 +30,7 @@ from sidecar.errors import MetricsUnavailable, UpstreamError, UpstreamSessionAct
 from sidecar.errors import StagesEmpty, StagesInvalid, UpstreamNotHttp, UpstreamUnreachable
 from sidecar.upstream.metrics import KEPT_SAMPLES, MAX_METRICS_BYTES, STEP_SAMPLES, Labels, MetricsSnapshot
 from sidecar.upstream.metrics import MetricsUnreadable, parse_metrics, step_counts
-from sidecar.upstream.transport import FRESH_CONNECTION, AiohttpTransport, NotHttp
+from sidecar.upstream.transport import FRESH_CONNECTION, AiohttpTransport, NotHttp, TlsRefused
 from sidecar.versions import ServerVersion
 
 _T = TypeVar("_T")
@@ -167,6 +167,8 @@ class UpstreamServer:
         timeout = httpx.Timeout(self.timeouts.probe, connect=min(self.timeouts.connect, self.timeouts.probe))
         try:
             health = await self._client.get("/health", timeout=timeout)
+        except TlsRefused as exc:
+            return ProbeResult(healthy=False, profiler_mounted=None, reason=self._tls(f"{self.base_url}/health", exc))
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             return ProbeResult(
                 healthy=False,
@@ -469,6 +471,15 @@ class UpstreamServer:
         return httpx.Request("POST", self._url(path), content=data, headers=headers, extensions=extensions)
 
     @staticmethod
+    def _tls(url: str, exc: TlsRefused) -> str:
+        if exc.certificate:
+            return (f"{url}: the server's TLS certificate was not accepted ({exc}); nothing was sent. For a "
+                    "self-signed certificate, start the sidecar with SSL_CERT_FILE=<the server's certificate or "
+                    "its CA, PEM>")
+        return (f"{url}: the TLS handshake failed ({exc}); nothing was sent. If the server serves plain HTTP, "
+                "use http:// in --upstream")
+
+    @staticmethod
     def _not_http(url: str, exc: NotHttp) -> str:
         return (f"{url} answered with something that is not HTTP ({exc}): another service listens there. "
                 "Point --upstream at the address `vllm serve` listens on (http://host:port; https:// where it serves TLS)")
@@ -489,6 +500,8 @@ class UpstreamServer:
                 await resp.aread()
             finally:
                 await resp.aclose()
+        except TlsRefused as exc:
+            raise UpstreamUnreachable(self._tls(url, exc), details={"url": url, "tls": str(exc)}) from None
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             self._version = None  # a server that comes back may be another version
             raise UpstreamUnreachable(

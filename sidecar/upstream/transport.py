@@ -10,7 +10,7 @@ aiohttp's errors are turned into httpx's by what they say about delivery, the on
 ``server.py`` decides on: refused or not connected in time is ``ConnectError``/``ConnectTimeout``
 (never delivered: a start may be sent again); a read that timed out is ``ReadTimeout``; a
 connection dropped after the request went out is ``RemoteProtocolError`` (delivered or not,
-nobody knows); a reply that is not HTTP is ``NotHttp`` (a ``RemoteProtocolError``: whatever
+nobody knows); a failed TLS handshake is ``TlsRefused`` (a ``ConnectError``: nothing was sent); a reply that is not HTTP is ``NotHttp`` (a ``RemoteProtocolError``: whatever
 answered is not the server). httpx-aiohttp (PyPI) maps a dropped connection to ``ConnectTimeout``, which would
 have a start sent twice, so the mapping is this module's.
 """
@@ -47,12 +47,34 @@ def _not_http(exc: aiohttp.ClientResponseError) -> NotHttp:
     return NotHttp(" ".join(line for line in lines if line.strip("^"))[:300])
 
 
+class TlsRefused(httpx.ConnectError):
+    """The TLS handshake failed (a certificate not trusted, a server that does not speak TLS):
+    nothing was sent. ``certificate``: the certificate was what was refused."""
+
+    def __init__(self, message: str, *, certificate: bool) -> None:
+        super().__init__(message)
+        self.certificate = certificate
+
+
+def _tls_refused(exc: aiohttp.ClientSSLError) -> TlsRefused:
+    import aiohttp
+
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        cert = exc.certificate_error
+        return TlsRefused(str(getattr(cert, "verify_message", "") or getattr(cert, "reason", "") or cert),
+                          certificate=True)
+    cause = exc.os_error if isinstance(exc, aiohttp.ClientConnectorError) else exc
+    return TlsRefused(str(getattr(cause, "reason", "") or cause), certificate=False)
+
+
 def _httpx_error(exc: BaseException) -> httpx.HTTPError | None:
     import aiohttp
 
     message = str(exc) or type(exc).__name__
     if isinstance(exc, aiohttp.ClientResponseError):  # the reply did not parse (no raise_for_status here)
         return _not_http(exc)
+    if isinstance(exc, aiohttp.ClientSSLError):
+        return _tls_refused(exc)
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return httpx.ConnectTimeout(message)
     if isinstance(exc, aiohttp.ClientConnectorError):  # refused, unresolvable: nothing was sent
