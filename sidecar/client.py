@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import ssl
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -120,13 +121,34 @@ def _body(fields: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def _tls_failure(err: BaseException) -> ssl.SSLError | None:
+    """The TLS error under a failed connect (httpx chains it below httpcore's), if that was it."""
+    cause: BaseException | None = err
+    while cause is not None:
+        if isinstance(cause, ssl.SSLError):
+            return cause
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 def _unreachable(base_url: str, err: httpx.TransportError) -> SidecarUnreachable:
-    kind = "timed out" if isinstance(err, httpx.TimeoutException) else "is not reachable"
     # ``sent``: False where no connection was made, so the request never reached the sidecar
+    details = {"url": base_url, "sent": not isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout))}
+    tls = _tls_failure(err) if isinstance(err, httpx.ConnectError) else None
+    if isinstance(tls, ssl.SSLCertVerificationError):
+        return SidecarUnreachable(
+            f"sidecar at {base_url}: its TLS certificate was not accepted ({tls.verify_message or tls.reason}); "
+            "nothing was sent. For a self-signed certificate, set SSL_CERT_FILE=<its certificate or CA, PEM> "
+            "for this process", details=details)
+    if tls is not None:
+        return SidecarUnreachable(
+            f"sidecar at {base_url}: the TLS handshake failed ({tls.reason or tls}); nothing was sent. "
+            "`omni-sidecar serve` serves plain HTTP: use http:// unless a TLS proxy is in front of it",
+            details=details)
+    kind = "timed out" if isinstance(err, httpx.TimeoutException) else "is not reachable"
     return SidecarUnreachable(
         f"sidecar at {base_url} {kind} ({type(err).__name__}); is `omni-sidecar serve` running there?",
-        details={"url": base_url, "sent": not isinstance(err, (httpx.ConnectError, httpx.ConnectTimeout))},
-    )
+        details=details)
 
 
 def _sidecar_url(text: str) -> str:

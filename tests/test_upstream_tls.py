@@ -1,5 +1,6 @@
-"""An ``https://`` upstream, through a real ``omni-sidecar serve``: vLLM serves TLS with
-``--ssl-keyfile/--ssl-certfile``, often self-signed. A certificate the sidecar does not trust is
+"""An ``https://`` upstream, through a real ``omni-sidecar serve``, and an ``https://`` sidecar (a
+TLS proxy in front of one), through the CLI: vLLM serves TLS with ``--ssl-keyfile/--ssl-certfile``,
+often self-signed. A certificate the sidecar does not trust is
 said as such, with the fix (``SSL_CERT_FILE``), and the fix works; ``https://`` to a server that
 serves plain HTTP names ``http://``. Before, both were "could not connect (ConnectError); check that
 the server is running", about a server that was running.
@@ -8,6 +9,7 @@ the server is running", about a server that was running.
 from __future__ import annotations
 
 import subprocess
+import sys
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
@@ -15,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sidecar._child import child_env
 from sidecar.api.launcher import SidecarProcess
 from tests.fixtures.emulator import make_deploy
 from tests.fixtures.http import serving
@@ -37,7 +40,8 @@ class _Vllm(BaseHTTPRequestHandler):
         self.wfile.write(b"{}")
 
     def do_GET(self) -> None:
-        self._reply(200 if self.path == "/health" else 405 if self.path == "/start_profile" else 404)
+        # /health: vLLM's; /healthz: a sidecar's, for the client's side
+        self._reply(200 if self.path in ("/health", "/healthz") else 405 if self.path == "/start_profile" else 404)
 
     def do_POST(self) -> None:
         type(self).posts.append(self.path)
@@ -96,3 +100,24 @@ def test_https_to_a_plain_http_server_names_http(http_vllm: str, tmp_path: Path)
         ready = httpx.get(f"{sc.url}/readyz", timeout=TIMEOUT)
     said = ready.json()["error"]["message"]
     assert ready.status_code == 503 and "TLS handshake failed" in said and "use http://" in said, ready.text
+
+
+def _cli_status(url: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sidecar", "status", "20261207-000000-abcdef", "--sidecar", url],
+                          capture_output=True, text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL,
+                          env=child_env({"COLUMNS": "400", **(env or {})}))
+
+
+@pytest.mark.parametrize("case", ["self_signed", "plain_http"])
+def test_the_cli_names_a_tls_failure_of_a_sidecar_url_with_its_fix(https_vllm: str, http_vllm: str, case: str) -> None:
+    url = https_vllm if case == "self_signed" else http_vllm.replace("http://", "https://")
+    proc = _cli_status(url)
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert (proc.returncode, "Traceback" in said, "nothing was sent" in said) == (1, False, True), said
+    assert ("SSL_CERT_FILE" if case == "self_signed" else "use http://") in said, said
+
+
+def test_with_ssl_cert_file_the_cli_reaches_the_sidecar(https_vllm: str, cert: tuple[Path, Path]) -> None:
+    # past TLS: the stand-in has no such capture, and answers so (404), which the CLI reports as such
+    said = " ".join((lambda p: p.stdout + p.stderr)(_cli_status(https_vllm, {"SSL_CERT_FILE": str(cert[1])})).split())
+    assert ("TLS" in said, "not reachable" in said, "HTTP 404" in said) == (False, False, True), said
