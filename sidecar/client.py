@@ -171,8 +171,10 @@ def _may_resend(call: _Call, err: BaseException) -> bool:
     return call.method == "GET" and _dropped_read(err)
 
 
-
-
+# Idle connections are dropped here after 4 s, before the sidecar's uvicorn closes them (5 s): at
+# httpx's default (5 s, the same) a write could go out on a connection the server was closing, and
+# a write is never resent. The upstream client keeps the same margin (sidecar/upstream/transport.py).
+_LIMITS = httpx.Limits(keepalive_expiry=4.0)
 # --- the API as data: both clients send these and parse the replies the same way ---------------
 
 
@@ -377,7 +379,7 @@ class AsyncSidecarClient:
         self.base_url = _sidecar_url(base_url)
         self.timeout = timeout
         self._http = httpx.AsyncClient(
-            base_url=self.base_url, headers=_auth_headers(token), timeout=timeout, transport=transport
+            base_url=self.base_url, headers=_auth_headers(token), timeout=timeout, transport=transport, limits=_LIMITS
         )
 
     async def __aenter__(self) -> AsyncSidecarClient:
@@ -514,7 +516,8 @@ class SidecarClient:
     ) -> None:
         self.base_url = _sidecar_url(base_url)
         self.timeout = timeout
-        self._http = httpx.Client(base_url=self.base_url, headers=_auth_headers(token), timeout=timeout, transport=transport)
+        self._http = httpx.Client(base_url=self.base_url, headers=_auth_headers(token), timeout=timeout, transport=transport,
+                                  limits=_LIMITS)
 
     def __enter__(self) -> SidecarClient:
         return self
