@@ -249,11 +249,22 @@ def diff_summaries(a: CaptureSummary, b: CaptureSummary, *, top: int = 20, label
     empty = SummaryBody()
     for sid in sorted(sa.keys() | sb.keys(), key=lambda v: (v is None, v or 0)):
         stages.append(diff_bodies(sa.get(sid, empty), sb.get(sid, empty), top=top, stage_id=sid))
+    warnings = [f"a: {w}" for w in a.warnings] + [f"b: {w}" for w in b.warnings]
+    if sa and sb and not sa.keys() & sb.keys():
+        warnings.append(
+            f"no stage is on both sides (A: {_stage_names(sa)}; B: {_stage_names(sb)}): each stage is "
+            "compared with nothing, only the total compares A with B. A trace file outside a session "
+            "folder has no stage: give both sides the same way (session or capture folders, or files)")
     return CaptureDiff(
         a=label_a, b=label_b, stages=stages, total=diff_bodies(a, b, top=top),
         errors=[f"a: {e}" for e in a.errors] + [f"b: {e}" for e in b.errors],
-        warnings=[f"a: {w}" for w in a.warnings] + [f"b: {w}" for w in b.warnings],
+        warnings=warnings,
     )
+
+
+def _stage_names(stages: dict[int | None, object]) -> str:
+    ids = sorted(stages, key=lambda v: (v is None, v or 0))
+    return "stage " + ", ".join("?" if sid is None else str(sid) for sid in ids)
 
 
 def diff_paths(

@@ -171,11 +171,27 @@ class _SourceRewriter:
 
 def _tell_apart(procs: list[TimelineProcess]) -> None:
     """Processes of one name (the same stage, replica and rank from several captures, merged from a
-    stage dir) get their session folder's name appended, so a timeline never shows two alike."""
+    stage dir) get their session folder's name appended, so a timeline never shows two alike; where
+    that folder is one they share (two bare files side by side), their file name, and where neither
+    tells them apart, as much of their path as does."""
     names = Counter(p.name for p in procs)
-    for p in procs:
-        if names[p.name] > 1:
-            p.name = f"{p.name} · {Path(p.file).parent.name}"
+    clash = [p for p in procs if names[p.name] > 1]
+    base = {id(p): p.name for p in clash}
+
+    def tags(p: TimelineProcess) -> list[str]:
+        parts = Path(p.file).parts
+        return [Path(p.file).parent.name, Path(p.file).name,
+                *("/".join(parts[-k:]) for k in range(2, len(parts) + 1))]
+
+    left = clash
+    for depth in range(max((len(tags(p)) for p in clash), default=0)):
+        for p in left:
+            t = tags(p)
+            p.name = f"{base[id(p)]} · {t[min(depth, len(t) - 1)]}"
+        names = Counter(p.name for p in procs)
+        left = [p for p in left if names[p.name] > 1]
+        if not left:
+            return
 
 
 def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path, *,

@@ -56,6 +56,12 @@ def _print_stage(title: str, s: StageDiff) -> None:
     print_memory_diff(s.memory, s.memory_ops)
 
 
+def _one_sided(s: StageDiff) -> bool:
+    """A stage found in A only or B only (compared with an empty side)."""
+    t = s.totals
+    return not (t.span_us_a or t.cpu_ops_a or t.kernels_a) or not (t.span_us_b or t.cpu_ops_b or t.kernels_b)
+
+
 def _remote(url: str, a: str, b: str, top: int) -> CaptureDiff:
     from sidecar.client import SidecarClient
 
@@ -70,18 +76,24 @@ def _remote(url: str, a: str, b: str, top: int) -> CaptureDiff:
             return client.diff(*ids, top)
 
 
+def _path_like(text: str) -> bool:
+    """``text`` names a file, not a capture id: it has a folder separator or a trace's suffix."""
+    return "/" in text or os.sep in text or text.endswith((".json", ".json.gz", ".gz"))
+
+
 @app.command("diff")
 def diff(
     a: str = typer.Argument(..., help="capture A: a trace file or folder (or a capture id, or its unique start, with --sidecar)"),
     b: str = typer.Argument(..., help="capture B, the same way"),
     top: int = typer.Option(20, "--top", min=1, help="rows per table"),
     as_json: bool = typer.Option(False, "--json", help="print the diff as JSON"),
-    sidecar: str | None = typer.Option(None, "--sidecar", envvar="OMNI_SIDECAR_URL", help="A and B are capture ids on this sidecar (unless both exist as paths here)"),
+    sidecar: str | None = typer.Option(None, "--sidecar", envvar="OMNI_SIDECAR_URL", help="A and B are capture ids on this sidecar (unless both are paths here)"),
 ) -> None:
     """Per stage: ops and kernels ranked by the change in self CPU and self device time, and memory, B − A."""
     with cli_errors():
-        # files win: an exported OMNI_SIDECAR_URL must not turn two trace folders into capture ids
-        on_disk = all(p.strip() and Path(p).exists() for p in (a, b))
+        # files win: an exported OMNI_SIDECAR_URL must not turn two trace folders into capture ids,
+        # nor a mistyped path beside a real one (a capture id has no "/" and no trace suffix)
+        on_disk = all(p.strip() and (Path(p).exists() or _path_like(p)) for p in (a, b))
         if sidecar and not on_disk:
             result = _remote(sidecar, a, b, top)
         else:
@@ -95,6 +107,8 @@ def diff(
         if len(result.stages) > 1:
             for s in result.stages:
                 _print_stage(f"stage {s.stage_id if s.stage_id is not None else '?'}", s)
+            if all(_one_sided(s) for s in result.stages):  # no stage to compare: A with B as a whole
+                _print_stage("all", result.total)
         else:
             _print_stage("all", result.total)
     for msg in result.warnings:
