@@ -48,7 +48,14 @@ def _key_averages(path: Path) -> dict:
 # comm_rank, busy_gemm: c10d's record_param_comms holds the annotation nccl:all_reduce, which torch
 # does not count as the op's child; the API calls in it (the op's External id) come off the op. Both
 # came off before: -12 µs of self CPU on comm_rank1 where torch counts 582, 161 of busy_gemm's 450
-@pytest.mark.parametrize("name", ["cuda_small", "cuda_small_stack", "comm_rank0", "comm_rank1", "busy_gemm"])
+# fleet_rank0/1: torch reads gloo's all-reduce as async (begun on the main thread, ended on gloo's:
+# self CPU 0, a child of nothing) and charges the record_function around it, grad_allreduce, less
+# self CPU than its same-thread children leave (docs/summaries.md: the one row known to differ)
+APART = {"fleet_rank0": {"grad_allreduce"}, "fleet_rank1": {"grad_allreduce"}}
+
+
+@pytest.mark.parametrize("name", ["cuda_small", "cuda_small_stack", "comm_rank0", "comm_rank1", "busy_gemm",
+                                  "fleet_rank0", "fleet_rank1"])
 def test_self_cpu_matches_key_averages_on_cuda_trace(trace_data, name):
     ref = _key_averages(trace_data / f"{name}.key_averages.json")
     rows = _all_rows(summarize_trace(trace_data / f"{name}.json.gz", top=100_000))
@@ -56,7 +63,8 @@ def test_self_cpu_matches_key_averages_on_cuda_trace(trace_data, name):
     cpu = {k: v for k, v in ref.items() if v["device_type"] == "DeviceType.CPU" and not k.startswith(("ProfilerStep", "Activity Buffer", "Buffer Flush"))}
     top10 = sorted(cpu, key=lambda k: -cpu[k]["self_cpu_us"])[:10]
     off = {k: (rows[k].self_us if k in rows else None, cpu[k]["self_cpu_us"]) for k in top10}
-    assert all(o is not None and _within(o, r) for o, r in off.values()), off
+    differ = {k for k, (o, r) in off.items() if o is None or not _within(o, r)}
+    assert differ == APART.get(name, set()), off
 
 
 @pytest.mark.parametrize("name", ["cuda_small", "cuda_small_stack"])
