@@ -9,11 +9,21 @@ import { stagesView } from "./stages.js";
 
 const AUTH_REQUIRED = authRequired();
 
+// a hand-typed or cut URL may hold a broken %-escape: the id is then taken as it is (the API
+// answers capture_not_found) rather than the page stopping on "Loading…"
+function decoded(part) {
+  try {
+    return decodeURIComponent(part);
+  } catch {
+    return part;
+  }
+}
+
 function route() {
   const base = new URL(document.baseURI).pathname;
   const path = location.pathname.startsWith(base) ? location.pathname.slice(base.length) : location.pathname.replace(/^\//, "");
   const m = /^captures\/([^/]+)\/?$/.exec(path);
-  if (m) return { view: "capture", id: decodeURIComponent(m[1]) };
+  if (m) return { view: "capture", id: decoded(m[1]) };
   if (path === "stages" || path === "stages/") return { view: "stages" };
   return { view: "captures" };
 }

@@ -29,6 +29,7 @@ export async function captureView(main, id) {
   clear(main, el("p", { class: "crumbs" }, el("a", { href: "./", text: "Captures" }), " / ", el("span", { class: "mono", text: id })), head, stages, windowMetrics, summary);
   let shownState = null;
   let summaryLoaded = false;
+  const stopNotice = el("div", { id: "stop-notice" }); // a failed Stop, kept across the head's re-renders
   const load = async () => {
     let cap;
     try {
@@ -38,7 +39,7 @@ export async function captureView(main, id) {
       return null;
     }
     document.title = `omni-sidecar · ${cap.label || cap.id}`;
-    renderHead(head, cap, load);
+    renderHead(head, cap, load, stopNotice);
     // files and buttons only change with the state; re-rendering them would reset Perfetto's status line
     if (cap.state !== shownState || LIVE.has(cap.state)) {
       renderStages(stages, cap);
@@ -64,7 +65,7 @@ function fact(name, value) {
   return el("div", { class: "fact" }, el("dt", { text: name }), el("dd", {}, value));
 }
 
-function renderHead(card, cap, reload) {
+function renderHead(card, cap, reload, notice) {
   const live = LIVE.has(cap.state);
   const stop =
     live && cap.state !== "stopping" && cap.state !== "collecting"
@@ -74,10 +75,11 @@ function renderHead(card, cap, reload) {
           text: "Stop capture",
           onclick: async (e) => {
             e.target.disabled = true;
+            clear(notice);
             try {
               await stopCapture(cap.id);
             } catch (err) {
-              card.append(errorBox(err));
+              clear(notice, errorBox(err));
             }
             reload();
           },
@@ -91,9 +93,10 @@ function renderHead(card, cap, reload) {
     el(
       "div",
       { class: "card-head" },
-      el("h2", {}, cap.label || "Capture ", el("span", { class: "mono muted", text: cap.label ? ` ${cap.id}` : cap.id })),
+      el("h2", { class: "cap-title" }, cap.label || "Capture ", el("span", { class: "mono muted", text: cap.label ? ` ${cap.id}` : cap.id })),
       el("div", { class: "head-actions" }, stateBadge(cap.state), stop),
     ),
+    notice,
     el(
       "dl",
       { class: "facts" },
@@ -166,7 +169,7 @@ function sessionTable(cap, sid, session) {
     "div",
     { class: "session" },
     el("div", { class: "session-path mono small", title: session.local_path || session.path, text: session.path }),
-    !session.files.length ? el("p", { class: "muted small", text: "This session folder holds no file." }) : el(
+    !session.files.length ? el("p", { class: "muted small", text: "This session folder holds no file." }) : el("div", { class: "table-wrap" }, el(
       "table",
       { class: "files" },
       el("thead", {}, el("tr", {}, el("th", { text: "File" }), el("th", { class: "num", text: "Size" }), el("th", { text: "" }))),
@@ -197,13 +200,13 @@ function sessionTable(cap, sid, session) {
           return el(
             "tr",
             {},
-            el("td", { class: "mono" }, f.name),
+            el("td", { class: "mono file-name" }, f.name),
             el("td", { class: "num", text: bytes(f.size) }),
             el("td", { class: "file-actions" }, downloadLink(href, f.name.split("/").pop(), status), open),
           );
         }),
       ),
-    ),
+    )),
     status,
   );
 }

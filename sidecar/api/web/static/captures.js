@@ -43,8 +43,15 @@ async function startForm(card, onStarted) {
       errors ? el("span", { class: "badge finding-error", text: `${errors} error${errors > 1 ? "s" : ""}` }) : null,
     );
   });
-  const mode = (value, ...content) =>
-    el("label", { class: "mode" }, el("input", { type: "radio", name: "mode", value, checked: value === "manual" }), ...content);
+  // a mode's own field (duration, lease, steps, "count them") picks that mode when it is clicked or
+  // changed: typing a duration must not leave the capture running until stopped
+  const mode = (value, ...content) => {
+    const radio = el("input", { type: "radio", name: "mode", value, checked: value === "manual" });
+    const pick = (evt) => {
+      if (evt.target !== radio && evt.target.tagName === "INPUT") radio.checked = true;
+    };
+    return el("label", { class: "mode", oninput: pick, onchange: pick, onclick: pick }, radio, ...content);
+  };
   const duration = el("input", { type: "number", name: "duration_s", min: "0.1", step: "any", value: "10", class: "num", "aria-label": "duration in seconds" });
   const lease = el("input", { type: "number", name: "lease_s", min: "1", step: "any", value: "60", class: "num", "aria-label": "lease in seconds" });
   const steps = stepsMode();
@@ -115,14 +122,20 @@ class CaptureList {
     this.body = el("tbody", { id: "captures-body" });
     this.pager = el("div", { class: "pager" });
     this.notice = el("div", { id: "list-notice" });
+    this.stopNotice = el("div", { id: "stop-notice" }); // a failed Stop: kept until the next Stop, not wiped by the refresh
     card.append(
       el("div", { class: "card-head" }, el("h2", { text: "Captures" }), el("span", { class: "muted", id: "list-meta" })),
       this.notice,
+      this.stopNotice,
       el(
-        "table",
-        { class: "captures", id: "captures" },
-        el("thead", {}, el("tr", {}, ["Capture", "State", "Stages", "Window", "Verdicts", ""].map((h) => el("th", { text: h })))),
-        this.body,
+        "div",
+        { class: "table-wrap" },
+        el(
+          "table",
+          { class: "captures", id: "captures" },
+          el("thead", {}, el("tr", {}, ["Capture", "State", "Stages", "Window", "Verdicts", ""].map((h) => el("th", { text: h })))),
+          this.body,
+        ),
       ),
       this.pager,
     );
@@ -197,10 +210,11 @@ class CaptureList {
 
   async stop(evt, c) {
     evt.target.disabled = true;
+    clear(this.stopNotice);
     try {
       await stopCapture(c.id);
     } catch (e) {
-      clear(this.notice, errorBox(e));
+      clear(this.stopNotice, errorBox(e, el("div", { class: "muted small", text: `while stopping ${c.id}` })));
     }
     await this.refresh();
     this.poll();

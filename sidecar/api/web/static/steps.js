@@ -81,6 +81,6 @@ export function windowCard(card, cap) {
   );
   card.append(
     el("p", { class: "muted small", text: `${(wm.seconds ?? 0).toFixed(1)} s between the scrapes of the server's /metrics` }),
-    el("table", { class: "table", id: "window-metrics" }, el("thead", {}, el("tr", {}, cols.map((c) => el("th", { text: c })))), el("tbody", {}, rows)),
+    el("div", { class: "table-wrap" }, el("table", { class: "table", id: "window-metrics" }, el("thead", {}, el("tr", {}, cols.map((c) => el("th", { text: c })))), el("tbody", {}, rows))),
   );
 }
