@@ -85,6 +85,13 @@ def test_the_gzip_header_names_the_written_file_not_its_temporary_name(work: Pat
     assert data[10:data.index(b"\0", 10)] == b"small.json"
 
 
+@pytest.mark.parametrize("command", ["slim", "timeline"])
+def test_an_output_named_gz_in_capitals_is_gzip(work: Path, command: str) -> None:
+    # OUT.JSON.GZ held plain JSON under a gzip name: what reads it by its name (gzip -d, zcat) fails
+    code, _, err = _cli(command, "good.json.gz", "-o", "SMALL.JSON.GZ", cwd=work)
+    assert (code, (work / "SMALL.JSON.GZ").read_bytes()[:2]) == (0, b"\x1f\x8b"), err
+
+
 # --- symlink loops, --max-mb ----------------------------------------------------------------------
 
 

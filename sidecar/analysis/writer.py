@@ -70,7 +70,7 @@ class TraceWriter:
             self._raw = open(self._tmp, "wb")
             # the gzip header names the final file, not the temporary one it is written as
             self._f = _gzip.GzipFile(filename=str(self.path), mode="wb", compresslevel=self.level,
-                                     fileobj=self._raw) if self.path.suffix == ".gz" else self._raw
+                                     fileobj=self._raw) if self.path.suffix.lower() == ".gz" else self._raw
             head = _ENCODE(self.header)
             self._put(head[:-1] + (b', "traceEvents": [\n' if len(head) > 2 else b'"traceEvents": [\n'))
         except OSError as err:
