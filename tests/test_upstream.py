@@ -139,13 +139,15 @@ async def test_a_start_after_the_server_closed_an_idle_connection_is_sent_once_o
     # after a stop): the start that comes next must not go out on it, where it would be lost with
     # its effect unknown (a plan's probe start on a real vLLM-Omni 0.32rc1, in CI). The close is
     # made while the loop cannot run, so the client has not seen it when the start is sent.
+    async def released() -> None:  # a fan-out's release: the held start's last byte goes now
+        pass
+
     async with UpstreamServer(fake_omni.url) as up:
-        await up.stop_profile([0])  # its connection is pooled, idle
-        fake_omni.close_idle()
-        await up.start_profile([0])
-        fake_omni.close_idle()
-        await up.start_profile([0])
-    assert [c["path"] for c in fake_omni.calls] == ["/stop_profile", "/start_profile", "/start_profile"]
+        for held in (None, released):  # a sidecar's start, a fleet's start held to its last byte
+            await up.stop_profile([0])  # its connection is pooled, idle
+            fake_omni.close_idle()
+            await up.start_profile([0], before_send=held)
+    assert [c["path"] for c in fake_omni.calls] == ["/stop_profile", "/start_profile"] * 2
 
 
 @pytest.mark.parametrize(("error", "as_httpx"), [
