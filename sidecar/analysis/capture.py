@@ -335,6 +335,73 @@ def snapshots_beside(sources: Sequence[TraceSource]) -> tuple[list[SnapshotSumma
     return out, errors
 
 
+def _recorded(agg: Aggregate) -> tuple[float, float] | None:
+    """When one file recorded, epoch µs: its profiler spans (else its first and last work) over its
+    devices; its own clock's window where the trace has no epoch."""
+    spans = [agg.profiling_epochs.get(k, v) for k, v in agg.epochs.items()]
+    if spans:
+        return min(a for a, _ in spans), max(b for _, b in spans)
+    if agg.start is not None and agg.end is not None:
+        return agg.start, agg.end
+    return None
+
+
+def _span_text(us: float) -> str:
+    s = us / 1e6
+    if s >= 3600:
+        return f"{s / 3600:,.1f} h"
+    if s >= 60:
+        return f"{s / 60:,.1f} min"
+    if s >= 1:
+        return f"{s:,.1f} s"
+    return f"{us / 1000:,.1f} ms"
+
+
+def apart_windows(files: Sequence[tuple[TraceSource, Aggregate]]) -> list[str]:
+    """A warning per set of files that are merged as one recording but were not recorded at one
+    time: files merged into one device (same stage, replica, rank and GPU), and files with no stage
+    (no session folder names one: bare traces, taken as the ranks of one job), whose recording
+    windows do not overlap. Files that do belong together (one capture's session folders, the
+    ranks of one job) overlap, and get none; the figures are never changed."""
+    groups: dict[Any, list[int]] = {}
+    for i, (src, agg) in enumerate(files):
+        keys = {("device", k[:4]) for k in agg.epochs} or {("device", (src.stage_id, src.replica, None, None))}
+        if src.stage_id is None:
+            keys.add(("bare",))
+        for key in keys:
+            if i not in groups.setdefault(key, []):
+                groups[key].append(i)
+    out: list[str] = []
+    seen: set[tuple[int, ...]] = set()
+    for members in groups.values():
+        timed = sorted((w, i) for i in members if (w := _recorded(files[i][1])) is not None)
+        if len(timed) < 2 or tuple(sorted(i for _, i in timed)) in seen:
+            continue
+        clusters: list[tuple[float, float, list[int]]] = []
+        for (lo, hi), i in timed:
+            if clusters and lo <= clusters[-1][1]:
+                c_lo, c_hi, idx = clusters[-1]
+                clusters[-1] = (c_lo, max(c_hi, hi), idx + [i])
+            else:
+                clusters.append((lo, hi, [i]))
+        if len(clusters) < 2:
+            continue
+        seen.add(tuple(sorted(i for _, i in timed)))
+        parts = []
+        for n, (lo, hi, idx) in enumerate(clusters):
+            names = ", ".join(str(files[i][0].path) for i in idx)
+            gap = "" if n == 0 else f", {_span_text(lo - clusters[n - 1][1])} after the one before"
+            parts.append(f"{names} ({_span_text(hi - lo)}{gap})")
+        whole = clusters[-1][1] - clusters[0][0]
+        out.append(
+            f"these traces do not come from one window: {len(clusters)} recordings that never overlap, "
+            + "; ".join(parts)
+            + f". They are merged here as one recording whose window spans {_span_text(whole)}, so the window, "
+            "GPU busy/idle shares and stragglers mix them: summarise each on its own, or give the session "
+            "folders of one capture")
+    return out
+
+
 def summarize_paths(
     paths: Iterable[str | Path | TraceSource], *, top: int = 20, workers: int | None = None,
     requested_start: float | None = None, on_file: Progress | None = None,
@@ -376,6 +443,8 @@ def summarize_paths(
         per_file.append(ts)
         stages.setdefault(src.stage_id, Aggregate()).merge(agg)
         total.merge(agg)
+    read = [(src, res[0]) for src, res in zip(sources, results) if not isinstance(res, TraceError)]
+    warnings += apart_windows(read)
     body = summary_body(total, top)
     body["errors"] = errors + body["errors"]
     body["warnings"] = warnings

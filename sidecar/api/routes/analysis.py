@@ -53,8 +53,8 @@ def _traces(api: ApiState, capture_id: str) -> list[Path]:
     return _traces_and_skipped(api, capture_id)[0]
 
 
-def _traces_and_skipped(api: ApiState, capture_id: str) -> tuple[list[Path], list[str]]:
-    """The capture's readable trace files, and why each other trace of it is not read."""
+def _terminal(api: ApiState, capture_id: str) -> Any:
+    """The capture, once terminal: ``CaptureNotFound`` (404), ``CaptureNotTerminal`` (409)."""
     cap = api.controller.get(capture_id)  # CaptureNotFound -> 404
     if not cap.terminal:
         raise CaptureNotTerminal(
@@ -62,6 +62,12 @@ def _traces_and_skipped(api: ApiState, capture_id: str) -> tuple[list[Path], lis
             f"(wait with POST /v1/captures/{capture_id}/stop?wait=true)",
             details={"state": cap.state.value},
         )
+    return cap
+
+
+def _traces_and_skipped(api: ApiState, capture_id: str) -> tuple[list[Path], list[str]]:
+    """The capture's readable trace files, and why each other trace of it is not read."""
+    cap = _terminal(api, capture_id)
     paths, skipped = artifacts.trace_files(cap.verdicts)  # confined: what a download may read
     if not paths:
         raise SummaryUnavailable(
@@ -85,11 +91,13 @@ def _timeline_file(api: ApiState, capture_id: str) -> Path:
 async def capture_timeline(api: Api, capture_id: str) -> FileResponse:
     from sidecar.analysis.timeline import write_timeline
 
-    paths, skipped = _traces_and_skipped(api, capture_id)
+    _terminal(api, capture_id)
     out = _timeline_file(api, capture_id)
-    async with api.timeline_locks.setdefault(capture_id, asyncio.Lock()):
-        if not out.is_file():  # what was not read is named in the file (otherData.omni_sidecar_not_read)
-            await asyncio.to_thread(run_isolated, write_timeline, paths, out, skipped=skipped)
+    if not out.is_file():  # built once: it outlives the traces, as the summary does
+        paths, skipped = _traces_and_skipped(api, capture_id)
+        async with api.timeline_locks.setdefault(capture_id, asyncio.Lock()):
+            if not out.is_file():  # what was not read is named in the file (otherData.omni_sidecar_not_read)
+                await asyncio.to_thread(run_isolated, write_timeline, paths, out, skipped=skipped)
     return FileResponse(out, media_type="application/gzip", filename=f"{capture_id}.timeline.json.gz")
 
 

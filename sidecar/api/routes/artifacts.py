@@ -4,17 +4,27 @@ trace content, so with ``--token-file`` it needs the bearer token like the mutat
 
 from __future__ import annotations
 
+import mimetypes
 import os
 from urllib.parse import unquote_to_bytes
 
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse
+from starlette.exceptions import HTTPException
 
 from sidecar.api.openapi import responses
 from sidecar.api.state import TOKEN, Api
 from sidecar.control import filenames
+from sidecar.errors import ArtifactNotFound
 
 router = APIRouter(tags=["captures"])
+
+try:  # Starlette that answers Range requests (0.39 on) reads them with these; older ones send the whole file
+    from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
+
+    _RANGES: tuple[type[Exception], type[Exception]] | None = (MalformedRangeHeader, RangeNotSatisfiable)
+except ImportError:  # pragma: no cover
+    _RANGES = None
 
 
 def _raw_relpath(request: Request, capture_id: str, relpath: str) -> str:
@@ -29,6 +39,46 @@ def _raw_relpath(request: Request, capture_id: str, relpath: str) -> str:
     return os.fsdecode(path[at + len(head):]) if at >= 0 else relpath
 
 
+def _media_type(name: str) -> str | None:
+    """What the file is, as sent: ``trace_rank0.json.gz`` is gzip bytes, never JSON (the server
+    sends no ``Content-Encoding``). None: guessed from the name."""
+    kind, encoding = mimetypes.guess_type(name)
+    if encoding == "gzip":
+        return "application/gzip"
+    if encoding is not None:
+        return "application/octet-stream"
+    return kind
+
+
+def _check_range(request: Request, size: int) -> None:
+    """A ``Range`` the file cannot answer, in the API's error shape: past the end, 416 with
+    ``Content-Range: bytes */size``; one that is not a byte range this server reads (another unit,
+    no range in it, a start after its end) is ignored, as RFC 9110 lets it: the whole file, 200."""
+    value = request.headers.get("range")
+    if value is None or _RANGES is None:
+        return
+    malformed, unsatisfiable = _RANGES
+    try:
+        FileResponse._parse_range_header(value, size)  # type: ignore[attr-defined]
+    except unsatisfiable:
+        raise HTTPException(416, f"range {value!r} is past the end of the file ({size} bytes)",
+                            headers={"Content-Range": f"bytes */{size}"}) from None
+    except malformed:
+        request.scope["headers"] = [(k, v) for k, v in request.scope["headers"] if k.lower() != b"range"]
+
+
+def _send(api: Api, request: Request, capture_id: str, relpath: str) -> FileResponse:
+    path = api.controller.artifact_path(capture_id, _raw_relpath(request, capture_id, relpath))
+    try:
+        st = os.stat(path)
+    except OSError:  # gone since it was resolved: a 404 as any other, never the response's 500
+        raise ArtifactNotFound(f"{relpath!r} of capture {capture_id} is gone",
+                               details={"capture_id": capture_id, "path": relpath}) from None
+    _check_range(request, st.st_size)
+    return FileResponse(path, filename=filenames.shown(path.name), media_type=_media_type(path.name),
+                        stat_result=st)
+
+
 @router.get(
     "/v1/captures/{capture_id}/files/{relpath:path}",
     dependencies=[TOKEN],
@@ -41,5 +91,10 @@ def _raw_relpath(request: Request, capture_id: str, relpath: str) -> str:
     response_class=FileResponse,
 )
 async def download(api: Api, request: Request, capture_id: str, relpath: str) -> FileResponse:
-    path = api.controller.artifact_path(capture_id, _raw_relpath(request, capture_id, relpath))
-    return FileResponse(path, filename=filenames.shown(path.name))
+    return _send(api, request, capture_id, relpath)
+
+
+# HEAD: the size and type of a download without its bytes (what a download manager asks first)
+@router.head("/v1/captures/{capture_id}/files/{relpath:path}", dependencies=[TOKEN], include_in_schema=False)
+async def download_head(api: Api, request: Request, capture_id: str, relpath: str) -> FileResponse:
+    return _send(api, request, capture_id, relpath)
