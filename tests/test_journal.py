@@ -113,6 +113,26 @@ def test_retention_keeps_the_newest_finished_and_every_live_capture(tmp_path):
         ["live", "c3", "c4"], ["c3", "c4", "live"])
 
 
+def test_retention_deletes_everything_kept_for_a_capture_it_drops(tmp_path):
+    # its summaries, and its timeline (tens of MB), one left half-written by a SIGTERM and a summary
+    # set aside as unreadable: only "{id}.*json" went, and the state dir grew without bound
+    from datetime import timedelta
+
+    j = CaptureJournal(tmp_path, keep=1)
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    kept = tmp_path / "summaries"
+    kept.mkdir(parents=True, exist_ok=True)
+    names = ["{}.json", "{}.top50.json", "{}.timeline.json.gz", "{}.timeline.json.gz.tmp", "{}.json.bad"]
+    for cid in ("old", "new"):
+        for name in names:
+            (kept / name.format(cid)).write_bytes(b"x")
+    j.write(_cap("old", state=CaptureState.completed, created_at=t0))
+    j.write(_cap("new", state=CaptureState.completed, created_at=t0 + timedelta(minutes=1)))
+    assert [e.capture.id for e in j.load()] == ["new"]
+    j.drain()
+    assert sorted(p.name for p in kept.iterdir()) == sorted(name.format("new") for name in names)
+
+
 def test_retention_by_age(tmp_path):
     j = CaptureJournal(tmp_path, keep_days=7)
     old = datetime(2020, 1, 1, tzinfo=timezone.utc)

@@ -358,7 +358,7 @@ class CaptureJournal:
             for cid in ids:
                 self._written[self.path(cid)] = seq  # an older write still queued does not bring it back
                 summaries = self.state_dir / "summaries"
-                for p in (self.path(cid), *summaries.glob(f"{cid}.*json")):
+                for p in (self.path(cid), *summaries.glob(f"{cid}.*")):
                     with _suppress_oserror():
                         p.unlink()
 
