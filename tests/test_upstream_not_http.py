@@ -53,11 +53,16 @@ class NotHttpServer:
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
     def _answer(self, conn: socket.socket) -> None:
-        with conn:  # as sshd: the banner first, then whatever the client says
-            conn.settimeout(10)
+        # As sshd: the banner first, then it reads until the client hangs up. Closed with the
+        # request unread, the socket would answer with a reset that can overtake the banner.
+        with conn:
+            conn.settimeout(30)
             try:
                 conn.sendall(BANNER)
-                self.received.append(conn.recv(4096).split(b"\r\n", 1)[0])
+                first = conn.recv(4096)
+                self.received.append(first.split(b"\r\n", 1)[0])
+                while first and conn.recv(4096):
+                    pass
             except OSError:
                 pass
 
