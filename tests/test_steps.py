@@ -28,7 +28,7 @@ from sidecar.control.models import CaptureState
 from sidecar.errors import BudgetExceeded, SidecarError
 from sidecar.upstream.metrics import KEPT_FAMILIES, MetricsUnreadable, engine_steps, parse_metrics, quantile, step_counts, steps_since, window_metrics
 from tests.fixtures.emulator import EmulatorPool, emulator_state, make_deploy
-from tests.fixtures.sidecar import AppClient, ModuleSidecar, error_of
+from tests.fixtures.sidecar import AppClient, ModuleSidecar, error_of, start_in_background
 from tests.fixtures.load import steady_load
 from tests.fixtures.waits import poll
 
@@ -206,20 +206,9 @@ def test_a_stop_while_a_start_waits_for_its_delay_steps_cancels_it_at_once(
 ) -> None:
     """No load: the delay never ends by itself (steps_wait_s 600). The stop ends the wait at once,
     nothing is sent; before, the stop was taken and ignored, and the slot held."""
-    import threading
-
     sc = sidecar_factory(shared.emulator.url, shared.deploy, env={"OMNI_SIDECAR_STEPS_WAIT_S": "600"})
-    outcome: dict[str, Any] = {}
-
-    def start() -> None:
-        with SidecarClient(sc.url, timeout=600) as client:
-            try:
-                client.start_capture(stages=[0, 2], steps=5, delay_steps=5, steps_bound="count")
-            except SidecarError as exc:
-                outcome["error"] = exc
-
-    waiting = threading.Thread(target=start, daemon=True)
-    waiting.start()
+    waiting, outcome = start_in_background(sc.url, timeout=600, stages=[0, 2], steps=5, delay_steps=5,
+                                           steps_bound="count")
     with SidecarClient(sc.url, timeout=60) as client:
         assert poll(lambda: [c.state.value for c in client.list_captures()] == ["starting"], timeout=60)
         (cap,) = client.list_captures()

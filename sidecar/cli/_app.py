@@ -12,7 +12,7 @@ import re
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from typer.core import TyperOption
@@ -117,16 +117,25 @@ def cli_errors() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def ctrl_c_held() -> Iterator[Callable[[], bool]]:
+def ctrl_c_held(*, again_leaves: bool = False) -> Iterator[Callable[[], bool]]:
     """Hold Ctrl-C while a request that starts something is in flight, and say afterwards whether it
     came. Raised in the middle of the request, it would leave a capture the sidecar started and this
-    command never learnt the id of, recording until its lease ran out. Where Ctrl-C is ignored (a
-    shell's ``&``) or this is not the main thread, nothing changes."""
+    command never learnt the id of, recording until its lease ran out. ``again_leaves``: a second
+    Ctrl-C is Ctrl-C as usual (KeyboardInterrupt), for a user who will not wait for the first to be
+    acted on. Where Ctrl-C is ignored (a shell's ``&``) or this is not the main thread, nothing changes."""
     came = threading.Event()
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield came.is_set
         return
-    previous = signal.signal(signal.SIGINT, lambda *_: came.set())
+    previous = signal.getsignal(signal.SIGINT)
+
+    def held(*_: Any) -> None:
+        if again_leaves and came.is_set():
+            signal.signal(signal.SIGINT, previous)
+            raise KeyboardInterrupt
+        came.set()
+
+    signal.signal(signal.SIGINT, held)
     try:
         yield came.is_set
     finally:

@@ -430,22 +430,49 @@ PLAN_SEEN = 16  # the newest captures it asks for: well above the probes of one 
 
 
 def plan_with_progress(client: SidecarClient, watcher: SidecarClient, stages: list[int] | None, *, quiet: bool,
+                       interrupted: Callable[[], bool] = lambda: False, stopped: list[str] | None = None,
                        **opts: Any) -> Plan:
     """``client.plan``, showing on a terminal which probe runs (its steps and state) and the time:
     a plan waits for each probe's steps, a minute or more on a slow or idle server. ``watcher`` (a
-    second client) lists the captures the plan starts meanwhile."""
-    if quiet:
-        return client.plan(stages, **opts)
-    before = {c.id for c in watcher.list_captures(PLAN_SEEN)}
-    return _while_saying(lambda: client.plan(stages, **opts), "planning: the first probe",
-                         lambda: _plan_progress(watcher, before), PLAN_POLL_S, name="plan")
+    second client) lists the captures the plan starts meanwhile; once ``interrupted()`` (a held
+    Ctrl-C) it stops the plan's running probe (kept in ``stopped``), which ends the plan on the
+    sidecar (a plan whose probe someone stopped is cancelled): before, the CLI exited and the plan
+    went on probing, holding the capture slot."""
+    stopped = [] if stopped is None else stopped
+    try:
+        before = {c.id for c in watcher.list_captures(PLAN_SEEN)}
+    except SidecarError:
+        before = set()
+
+    def progress() -> str:
+        if interrupted():
+            _stop_probes(watcher, before, stopped)
+            return "planning: Ctrl-C: stopping the plan's probe (Ctrl-C again: leave it to the sidecar)"
+        return _plan_progress(watcher, before)
+
+    return _while_saying(lambda: client.plan(stages, **opts), "planning: the first probe", progress,
+                         PLAN_POLL_S, name="plan", quiet=quiet, wake=interrupted)
+
+
+def _stop_probes(watcher: SidecarClient, before: set[str], stopped: list[str]) -> None:
+    """Stop every probe capture the plan started (those not in ``before``) that is still live."""
+    try:
+        live = [c for c in watcher.list_captures(PLAN_SEEN)
+                if c.id not in before and (c.label or "").startswith(PROBE_LABEL) and not c.terminal]
+    except SidecarError:
+        return
+    for cap in live:
+        with contextlib.suppress(SidecarError):  # ended meanwhile
+            watcher.stop_capture(cap.id)
+            if cap.id not in stopped:
+                stopped.append(cap.id)
 
 
 def _while_saying(call: Callable[[], T], first: str, progress: Callable[[], str], poll_s: float, *, name: str,
-                  quiet: bool = False) -> T:
+                  quiet: bool = False, wake: Callable[[], bool] | None = None) -> T:
     """``call()`` in a thread while the waiting line says ``first``, then ``progress()`` every
-    ``poll_s`` (``quiet``: called, no line shown); its result, or what it raised, raised here in the
-    caller's thread."""
+    ``poll_s`` (``quiet``: called, no line shown; ``wake()`` true: at once, not after ``poll_s``);
+    its result, or what it raised, raised here in the caller's thread."""
     outcome: dict[str, Any] = {}
 
     def run() -> None:
@@ -458,7 +485,12 @@ def _while_saying(call: Callable[[], T], first: str, progress: Callable[[], str]
     with (contextlib.nullcontext(lambda _what: None) if quiet else waiting_line(first)) as say:
         thread.start()
         while thread.is_alive():
-            thread.join(poll_s)
+            if wake is None:
+                thread.join(poll_s)
+            else:  # in short waits, so a held Ctrl-C is acted on at once
+                until = time.monotonic() + poll_s
+                while thread.is_alive() and time.monotonic() < until and not wake():
+                    thread.join(min(0.05, max(until - time.monotonic(), 0.0)))
             if thread.is_alive():
                 say(progress())
     if "error" in outcome:
@@ -498,8 +530,20 @@ def plan(
     The server must be serving (a probe waits for its steps). The profiler flags are the
     server's, fixed at its start: the plan measures those it runs with."""
     with cli_errors(), _client(sidecar, token_file) as client, _client(sidecar, token_file) as watcher:
-        result = plan_with_progress(client, watcher, parse_stage_list(stages), quiet=as_json, budget_mb=budget_mb,
-                                    max_stop_s=max_stop_s, refine=refine)
+        stopped: list[str] = []
+        with ctrl_c_held(again_leaves=True) as interrupted:  # Ctrl-C stops the probe the plan runs: the plan ends on the sidecar
+            try:
+                result = plan_with_progress(client, watcher, parse_stage_list(stages), quiet=as_json,
+                                            interrupted=interrupted, stopped=stopped, budget_mb=budget_mb,
+                                            max_stop_s=max_stop_s, refine=refine)
+            except SidecarError:
+                if not interrupted():
+                    raise
+                if not as_json:
+                    print_text(console, "plan cancelled by Ctrl-C: " + (
+                        f"its probe {', '.join(stopped)} was stopped; " if stopped else "") + "nothing was planned",
+                        markup=False)
+                raise KeyboardInterrupt from None
     if as_json:
         console.print_json(result.model_dump_json())
         return

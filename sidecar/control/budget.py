@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from sidecar.config.rules import IDLE_ITERATIONS, capped_by_server, server_window_ends
 from sidecar.control.artifacts import is_trace
-from sidecar.control.models import MAX_ENGINE_STEPS, Capture, CaptureState
+from sidecar.control.models import MAX_ENGINE_STEPS, Capture, CaptureState, StopReason
 from sidecar.control.notes import ends_text as window_ends_text
 from sidecar.errors import BudgetExceeded, PlanInvalid, PlanTimeout, PlanUnmeasurable
 
@@ -307,6 +307,16 @@ async def _probe_and_plan(controller: Prober, chosen: list[int], running: list[s
         running.append(cap.id)
         done = await controller.wait(cap.id)
         running.remove(cap.id)
+        reason = getattr(done, "stop_reason", None)  # a Prober's capture (a test's stand-in may have none)
+        if reason in CANCELLING:
+            # someone else stopped the probe (the CLI's Ctrl-C, `omni-sidecar stop`, the sidecar's
+            # shutdown): the plan ends here. Before, it went on with its next probes, holding the
+            # capture slot for minutes after the caller had gone, and kept what they measured.
+            raise PlanUnmeasurable(
+                f"probe {done.id} ({n} step(s)) was stopped ({reason.value}) before its steps ended: the "
+                f"plan was cancelled after {len(probes)} probe(s), nothing planned; plan again",
+                details={"capture_id": done.id, "stop_reason": reason.value, "completed": len(probes),
+                         "cancelled": True})
         if done.state is not CaptureState.completed:  # what it wrote is not a measure of a window
             skipped[done.id] = done.state.value
             return
@@ -474,6 +484,8 @@ def _refining_steps(planned: int, probes: list[Probe]) -> int | None:
     return n if n >= 2 * longest else None
 
 
+# a probe stopped so was stopped by someone else: the plan ends (its own stops are the steps')
+CANCELLING = (StopReason.explicit, StopReason.shutdown)
 SPREAD = 1.25  # whole-window probes whose sizes differ by more: the note says why they may
 WHOLE_PROBES = 3  # probes of the server's whole window, where the plan is that window
 REPROBES = 2  # longer probes after the asked ones, when a stage's probes give no line
