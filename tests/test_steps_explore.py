@@ -75,6 +75,29 @@ def test_ctrl_c_during_a_plan_stops_its_probe_and_ends_the_plan(tmp_path: Path, 
     assert "Traceback" not in text, text
 
 
+def test_a_plan_whose_client_is_killed_stops_its_probe_and_frees_the_slot(tmp_path: Path, emulator: Any,
+                                                                         sidecar_factory: Any) -> None:
+    # Before: a killed CLI (kill -9, a second Ctrl-C, a dropped curl) left the plan running on the
+    # sidecar, its probe recording until its stall bound, then the next probes, the slot held.
+    sc = sidecar_factory(emulator.url, tmp_path / "deploy.yaml", env=STALL)
+    env = {**os.environ, "OMNI_SIDECAR_URL": sc.url, "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "sidecar", "plan", "--stages", "0,2"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with SidecarClient(sc.url, timeout=60) as client:
+            assert poll(lambda: [c.state.value for c in _probes(client)] == ["active"], timeout=60)
+            proc.kill()
+            proc.wait(timeout=60)
+            assert poll(lambda: all(c.terminal for c in client.list_captures()), timeout=60), client.list_captures()
+            probes = _probes(client)
+            again = client.start_capture(stages=[0], duration_s=30)  # the slot is free
+            client.stop_capture(again.id, wait=True, timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert [(p.stop_reason.value if p.stop_reason else None) for p in probes] == ["explicit"], probes
+
+
 def test_a_plan_whose_probe_is_stopped_over_http_ends_at_once_and_plans_nothing(tmp_path: Path, emulator: Any,
                                                                                sidecar_factory: Any) -> None:
     # Before: the plan took the stopped probe as skipped and went on probing (2 more probes).

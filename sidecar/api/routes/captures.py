@@ -6,9 +6,10 @@ A JSON ``null`` body is no body: every field takes its default.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any, Literal, Optional
 
-from fastapi import APIRouter, Body, Query
+from fastapi import APIRouter, Body, Query, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from sidecar.api.openapi import error as openapi_error
@@ -154,11 +155,29 @@ async def start_capture(api: Api, req: Annotated[Optional[CaptureRequest], Body(
                         409: openapi_error(CaptureActive, PlanUnmeasurable),
                         422: openapi_error(RequestInvalid, StageSelectionError, StepsUnavailable, PlanInvalid),
                         504: openapi_error(PlanTimeout)})
-async def plan(api: Api, req: Annotated[Optional[PlanRequest], Body()] = None) -> SafeJSONResponse:
+async def plan(api: Api, request: Request, req: Annotated[Optional[PlanRequest], Body()] = None) -> SafeJSONResponse:
     req = req or PlanRequest()
-    result = await api.controller.plan(req.stages, budget_mb=req.budget_mb, max_stop_s=req.max_stop_s,
-                                       probe_steps=tuple(req.probe_steps), refine=req.refine)
-    return SafeJSONResponse(api.scrubber.data(result.model_dump(mode="json")))
+    work = asyncio.ensure_future(api.controller.plan(req.stages, budget_mb=req.budget_mb, max_stop_s=req.max_stop_s,
+                                                     probe_steps=tuple(req.probe_steps), refine=req.refine))
+    gone = asyncio.ensure_future(_hung_up(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():  # the client hung up (or this request was cancelled): the plan's probe is stopped
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise PlanUnmeasurable("the client hung up while the plan ran: its probe was stopped, nothing planned",
+                               details={"cancelled": True})
+    return SafeJSONResponse(api.scrubber.data(work.result().model_dump(mode="json")))
+
+
+async def _hung_up(request: Request) -> None:
+    """Returns once the client has closed its connection. A plan runs for minutes; without this a
+    killed CLI or a dropped curl left it probing, holding the capture slot, to its end."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @router.get("/v1/plan", summary="The latest plan, and its prediction for `steps`")
