@@ -15,6 +15,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -138,3 +139,35 @@ def test_readyz_tells_an_http_server_that_is_not_vllm_from_one_still_loading(tmp
     assert (reply.status_code, error["code"]) == (503, "upstream_not_ready"), reply.text
     assert "not vLLM" in error["message"] and "--upstream" in error["message"], error
     assert "loading" not in error["message"], error
+
+
+async def test_a_banner_parsed_before_the_request_is_written_is_still_said(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The schedule CI met under load: the banner arrives and is parsed (aiohttp's parser then
+    closes the connection) before the request is written, so the write fails as a reset. Held
+    here as a condition: the request waits until the parser has failed. Before, /readyz said
+    "did not answer (RemoteProtocolError)" and a start was "sent, its effect unknown"."""
+    import asyncio
+
+    import aiohttp
+
+    from sidecar.errors import UpstreamNotHttp
+    from sidecar.upstream.server import UpstreamServer
+
+    written_late: list[bool] = []
+    send = aiohttp.ClientRequest.send
+
+    async def after_the_parse(self: aiohttp.ClientRequest, conn: Any) -> aiohttp.ClientResponse:
+        async with asyncio.timeout(30):
+            while conn.protocol.exception() is None:
+                await asyncio.sleep(0)
+        written_late.append(True)
+        return await send(self, conn)
+
+    monkeypatch.setattr(aiohttp.ClientRequest, "send", after_the_parse)
+    with NotHttpServer() as upstream:
+        async with UpstreamServer(upstream.url, stop_budget_s=1800) as server:
+            probe = await server.probe()
+            assert "not HTTP" in (probe.reason or "") and "SSH-2.0-OpenSSH_9.6" in (probe.reason or ""), probe
+            with pytest.raises(UpstreamNotHttp, match="SSH-2.0-OpenSSH_9.6"):
+                await server.start_profile([0])
+    assert len(written_late) >= 2, written_late  # the schedule was the one meant

@@ -18,6 +18,7 @@ have a start sent twice, so the mapping is this module's.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,29 @@ def _not_http(exc: aiohttp.ClientResponseError) -> NotHttp:
     # aiohttp's parser message spans lines and draws a caret under the byte it stopped at
     lines = (line.strip() for line in str(exc.message).splitlines())
     return NotHttp(" ".join(line for line in lines if line.strip("^"))[:300])
+
+
+@functools.cache
+def _request_class() -> type[aiohttp.ClientRequest]:
+    import aiohttp
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    class Request(aiohttp.ClientRequest):
+        """aiohttp's request, keeping a reply that did not parse when it came first. A service that
+        speaks first (an SSH daemon's banner) may be parsed before the request is written: the
+        parser closes the connection and the write fails as a reset, the banner lost."""
+
+        async def send(self, conn: Any) -> aiohttp.ClientResponse:
+            try:
+                return await super().send(conn)
+            except aiohttp.ClientConnectionError:  # a reset write, a dropped connection
+                parsed = conn.protocol.exception() if conn.protocol is not None else None
+                if isinstance(parsed, HttpProcessingError):
+                    raise aiohttp.ClientResponseError(self.request_info, (), status=parsed.code or 400,
+                                                      message=str(parsed.message)) from parsed
+                raise
+
+    return Request
 
 
 class TlsRefused(httpx.ConnectError):
@@ -133,6 +157,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         connector = (aiohttp.TCPConnector(limit=self._limit, keepalive_timeout=self._keepalive_s) if pooled
                      else aiohttp.TCPConnector(limit=self._limit, force_close=True))
         return aiohttp.ClientSession(connector=connector, auto_decompress=False, trust_env=False,
+                                     request_class=_request_class(),
                                      skip_auto_headers=("User-Agent", "Accept-Encoding", "Content-Type"))
 
     def _session_for(self, request: httpx.Request) -> aiohttp.ClientSession:
