@@ -344,6 +344,27 @@ def test_capture_shows_its_wait_for_delay_steps_on_a_terminal(sidecar: str) -> N
     assert said, shown.text()
 
 
+def test_capture_shows_its_steps_window_and_the_time_so_far_on_a_terminal(sidecar: str) -> None:
+    # A steps window on an idle server waits for load; before, its terminal showed no line and no
+    # time (only a window of seconds had one), so a wait of minutes looked like a hang.
+    env = {**os.environ, "TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1", "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sidecar", "capture", "--sidecar", sidecar, "--stages", "0", "--steps", "40",
+         "--count-steps"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+        preexec_fn=ctrl_c_as_in_a_terminal)  # fmt: skip
+    shown = _Output(proc)
+    try:
+        line = re.compile(r"capture (\S+): profiling until the server has run 40 engine steps\s+\d+:\d\d:\d\d")
+        said = poll(lambda: line.search(shown.text()) is not None, timeout=60)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert said, shown.text()
+    assert ("stopping" in shown.text(), "Traceback" in shown.text(), rc in (0, 1)) == (True, False, True), shown.text()
+
+
 @pytest.mark.parametrize(("command", "steps"), [("capture", 7), ("start", 9)])
 def test_ctrl_c_while_a_delayed_start_waits_cancels_it_at_once(sidecar: str, command: str, steps: int) -> None:
     # Ctrl-C is held while a start is in flight (so no capture is left unknown); for a start that

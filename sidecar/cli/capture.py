@@ -377,7 +377,7 @@ def capture(
                 console.print(f"profiling until the server has run {steps} engine steps; press Ctrl-C to stop")
             elif duration is None and not as_json:
                 console.print("profiling; press Ctrl-C to stop")
-            _hold(client, cap.id, duration, lease, quiet=as_json)
+            _hold(client, cap.id, duration, lease, quiet=as_json, steps=steps)
         except KeyboardInterrupt:
             if cap is None:  # before the start was sent: nothing to stop
                 raise
@@ -417,11 +417,16 @@ def _heartbeat_until(client: SidecarClient, capture_id: str, seconds: float | No
             return
 
 
-def _hold(client: SidecarClient, capture_id: str, seconds: float | None, lease: float, quiet: bool) -> None:
-    if quiet or seconds is None:
+def _hold(client: SidecarClient, capture_id: str, seconds: float | None, lease: float, quiet: bool,
+          steps: int | None = None) -> None:
+    """Heartbeat the window until it ends, on a terminal with a line saying what it waits for and
+    for how long (a steps window on an idle server may wait minutes)."""
+    if quiet:
         _heartbeat_until(client, capture_id, seconds, lease)
         return
-    with waiting_line(f"profiling for {seconds:g}s"):
+    what = (f"profiling for {seconds:g}s" if seconds is not None else
+            f"profiling until the server has run {steps} engine steps" if steps is not None else "profiling")
+    with waiting_line(f"capture {capture_id}: {what}"):
         _heartbeat_until(client, capture_id, seconds, lease)
 
 
