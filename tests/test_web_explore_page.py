@@ -144,3 +144,52 @@ def test_a_capture_url_with_a_broken_percent_escape_says_not_found(web_stack: We
     page.goto("/captures/%E0%A4%A")
     expect(page.locator("#capture-head .error-box")).to_be_visible()
     assert page.locator("#main").inner_text() != "Loading…"
+
+
+def test_a_right_to_left_label_reads_right_to_left_beside_its_id(web_stack: WebStack, open_page: Any) -> None:
+    # A label in Hebrew or Arabic was laid out left to right: its words and digits came out in the
+    # wrong order, and on the capture page the id after it was pulled into its run.
+    label = "שלב 3 ארוך"
+    cap = web_stack.capture(label)
+    page = open_page(web_stack.url)
+    page.goto("/?limit=3")
+    shown = page.locator(f'#captures-body tr[data-id="{cap["id"]}"] .cap-label')
+    shown.wait_for()
+    assert (shown.inner_text(), shown.evaluate("e => getComputedStyle(e).direction")) == (label, "rtl")
+    page.goto(f"/captures/{cap['id']}")
+    title = page.locator("#capture-head .cap-title")
+    title.wait_for()
+    isolated = title.locator("bdi")
+    assert (isolated.inner_text(), isolated.evaluate("e => getComputedStyle(e).direction")) == (label, "rtl")
+    assert title.evaluate("e => getComputedStyle(e).direction") == "ltr" and cap["id"] in title.inner_text()
+
+
+def test_older_stays_on_its_page_when_the_refresh_before_it_answers_late(web_stack: WebStack, open_page: Any) -> None:
+    # The list refreshes itself every few seconds. A refresh of page 1 still in flight when "Older"
+    # was clicked answered after page 2 and was drawn over it: page 2's label over page 1's rows
+    # until the next refresh.
+    older, newer = web_stack.capture("pager older"), web_stack.capture("pager newer")
+    page = open_page(web_stack.url)
+    page.goto("/?limit=1")
+    page.locator(f'#captures-body tr[data-id="{newer["id"]}"]').wait_for()
+    seen: list[Any] = []  # the list's requests from here on, in order: each held but the second
+
+    def route(r: Any) -> None:
+        seen.append(r)
+        if len(seen) == 2:
+            r.continue_()
+
+    page.route("**/v1/captures?*", route)
+    try:
+        assert wait_for(lambda: len(seen) == 1, timeout=60, page=page)  # the page's own refresh of page 1: held
+        page.locator("button", has_text="Older").click()  # the second: page 2, answered
+        page.locator(f'#captures-body tr[data-id="{older["id"]}"]').wait_for()
+        seen[0].continue_()  # page 1's answer, late; the refresh that asked for it then sets the next timer
+        assert wait_for(lambda: len(seen) == 3, timeout=60, page=page)  # that next refresh: held
+        rows = page.locator("#captures-body tr").evaluate_all("rows => rows.map((r) => r.dataset.id)")
+        assert (rows, "page 2" in page.locator(".pager").inner_text()) == ([older["id"]], True)
+    finally:
+        page.unroute("**/v1/captures?*")
+        for r in seen[2:]:
+            with contextlib.suppress(Exception):
+                r.continue_()

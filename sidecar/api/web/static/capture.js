@@ -93,7 +93,9 @@ function renderHead(card, cap, reload, notice) {
     el(
       "div",
       { class: "card-head" },
-      el("h2", { class: "cap-title" }, cap.label || "Capture ", el("span", { class: "mono muted", text: cap.label ? ` ${cap.id}` : cap.id })),
+      // a label is the user's text, in any script: isolated so a right-to-left one reads as written
+      el("h2", { class: "cap-title" }, cap.label ? el("bdi", { class: "cap-title-label", text: cap.label }) : "Capture ",
+        el("span", { class: "mono muted", text: cap.label ? ` ${cap.id}` : cap.id })),
       el("div", { class: "head-actions" }, stateBadge(cap.state), stop),
     ),
     notice,

@@ -118,6 +118,7 @@ class CaptureList {
     this.card = card;
     this.cursors = [null]; // the `before` of each page seen so far; the last is the current page
     this.page = null;
+    this.asked = 0; // refreshes asked for so far
     this.timer = null;
     this.body = el("tbody", { id: "captures-body" });
     this.pager = el("div", { class: "pager" });
@@ -142,13 +143,19 @@ class CaptureList {
   }
 
   async refresh() {
+    // Refreshes overlap (the timer's, a click's): only the last one asked for is drawn, so a slow
+    // answer for the page before "Older" is not drawn over the page it went to.
+    const asked = ++this.asked;
+    let page;
     try {
-      this.page = await listCaptures({ limit: PAGE_SIZE, before: this.cursors[this.cursors.length - 1] });
-      clear(this.notice);
+      page = await listCaptures({ limit: PAGE_SIZE, before: this.cursors[this.cursors.length - 1] });
     } catch (e) {
-      clear(this.notice, errorBox(e));
+      if (asked === this.asked) clear(this.notice, errorBox(e));
       return;
     }
+    if (asked !== this.asked) return;
+    this.page = page;
+    clear(this.notice);
     this.render();
   }
 
@@ -198,7 +205,7 @@ class CaptureList {
         "td",
         { class: "cap-id" },
         el("a", { href: `captures/${c.id}`, text: c.id }),
-        c.label ? el("div", { class: "cap-label", text: c.label }) : null,
+        c.label ? el("div", { class: "cap-label", dir: "auto", text: c.label }) : null,
       ),
       el("td", {}, stateBadge(c.state), c.kind && c.kind !== "torch" ? el("span", { class: "tag", text: c.kind }) : null),
       el("td", { class: "mono", text: c.stages.join(", ") }),
