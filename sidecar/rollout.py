@@ -76,6 +76,17 @@ def _as_step(value: Any, what: str) -> int:
     return int(value)
 
 
+UNWIND_S = 5.0  # how long the tasks a close cancels get to unwind (one that will not is left)
+
+
+async def _cancel_the_rest(wait_s: float) -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=wait_s)
+
+
 class _LoopThread:
     """A private event loop on a daemon thread: lets sync callers (a plain trainer loop, or a
     thread that already runs its own loop) drive the async fleet without touching their loop."""
@@ -122,6 +133,12 @@ class _LoopThread:
     def close(self, timeout: float = 10.0) -> None:
         if self.loop.is_closed():
             return
+        if self.thread.is_alive() and not self.here:
+            # What still runs (a fleet close that was given up on, a stop the server holds) is
+            # cancelled and let unwind, as asyncio.run does: its connections are closed, not
+            # destroyed pending with the loop. A stop already sent is not undone by it.
+            with contextlib.suppress(Exception):
+                asyncio.run_coroutine_threadsafe(_cancel_the_rest(UNWIND_S), self.loop).result(UNWIND_S + 1)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout)
         if not self.thread.is_alive():
