@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
+from fastapi.routing import APIRoute
 
 import sidecar
 from sidecar.analysis.isolated import stop_all as stop_analyses
@@ -119,6 +120,9 @@ def create_app(
     for router in ROUTERS:
         app.include_router(router)
     app.include_router(web.router)  # the web page: /, /captures/{id}, /stages, /web/* (sidecar/api/web)
+    for route in app.routes:  # HEAD is GET without the body (RFC 9110 9.3.2: `curl -I`, load balancers); the
+        if isinstance(route, APIRoute) and "GET" in route.methods:  # server leaves the body out; FastAPI adds none
+            route.methods.add("HEAD")
     return app
 
 

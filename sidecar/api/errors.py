@@ -87,6 +87,17 @@ def install_error_handlers(app: FastAPI, scrubber: Scrubber) -> None:
             for e in err.errors()
         ]
         first = errors[0] if errors else {"loc": [], "msg": "invalid request"}
+        if first.get("type") == "json_invalid":  # no JSON at all: say why (sidecar/api/bodies.py), not "decode error"
+            why = (err.errors()[0].get("ctx") or {}).get("error") or first["msg"]
+            first["msg"] = why
+            return error_response(
+                RequestInvalid(
+                    f"the body is not JSON the API reads: {why}. Send one JSON object, e.g. curl -H "
+                    """'content-type: application/json' -d '{"stages": [0]}' (see /docs for the request schema)""",
+                    details={"errors": [first]},
+                ),
+                scrubber=scrubber,
+            )
         where = ".".join(str(p) for p in first["loc"] if p != "body") or "body"
         return error_response(
             RequestInvalid(
@@ -98,6 +109,9 @@ def install_error_handlers(app: FastAPI, scrubber: Scrubber) -> None:
 
     async def http_error(request: Request, err: Exception) -> SafeJSONResponse:
         assert isinstance(err, StarletteHTTPException)
+        carried = getattr(err, "error", None)  # the guard's streamed-body limit carries its own error
+        if isinstance(carried, SidecarError):
+            return error_response(carried, scrubber=scrubber)
         message = err.detail if isinstance(err.detail, str) else "request failed"
         if err.status_code == 404 and message == "Not Found":
             message = "no such route; see /docs for the API"

@@ -106,7 +106,7 @@ class RequestGuard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_body:
-                    raise _BodyTooLarge()
+                    raise _BodyTooLarge(self._too_large())
             return message
 
         started = False
@@ -142,10 +142,12 @@ def _closing(path: str) -> SidecarClosing:
 
 class _BodyTooLarge(StarletteHTTPException):
     """A streamed body passed the limit: raised out of ``receive``; FastAPI lets HTTP exceptions
-    through its body parsing, so the app's handler answers 413 (or this middleware does)."""
+    through its body parsing, so the app's handler answers 413 with ``error``, the limit and its
+    details as an announced body gets them (or this middleware does)."""
 
-    def __init__(self) -> None:
-        super().__init__(413, "the body is larger than the API accepts")
+    def __init__(self, error: BodyTooLarge) -> None:
+        super().__init__(413, error.message)
+        self.error = error
 
 
 __all__ = ["MAX_BODY", "RequestGuard"]

@@ -129,6 +129,19 @@ def _nullable_body(op: dict[str, Any]) -> None:
         body["schema"] = {"anyOf": [{"$ref": model["$ref"]}, {"type": "null"}]}
 
 
+def _documented(routes: Iterable[Any]) -> list[Any]:
+    """The routes as the document shows them: the HEAD every GET route answers (app.py) is that GET
+    without its body, not an operation of its own."""
+    shown = []
+    for route in routes:
+        methods = getattr(route, "methods", None)
+        if methods and {"GET", "HEAD"} <= methods:
+            route = copy.copy(route)
+            route.methods = methods - {"HEAD"}
+        shown.append(route)
+    return shown
+
+
 def install_docs(app: FastAPI, stage_ids: list[int] | None = None, nullable_bodies: Iterable[str] = ()) -> None:
     """``/docs`` (Swagger UI from the package) and an ``/openapi.json`` that names the error shape.
     ``stage_ids``: the ids a request may name (the deploy's torch stages), so the document says
@@ -139,7 +152,7 @@ def install_docs(app: FastAPI, stage_ids: list[int] | None = None, nullable_bodi
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(
-                title=app.title, version=app.version, description=app.description, routes=app.routes
+                title=app.title, version=app.version, description=app.description, routes=_documented(app.routes)
             )
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
             comps["SidecarErrorReply"] = ERROR_SCHEMA

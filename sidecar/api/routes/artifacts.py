@@ -92,9 +92,3 @@ def _send(api: Api, request: Request, capture_id: str, relpath: str) -> FileResp
 )
 async def download(api: Api, request: Request, capture_id: str, relpath: str) -> FileResponse:
     return _send(api, request, capture_id, relpath)
-
-
-# HEAD: the size and type of a download without its bytes (what a download manager asks first)
-@router.head("/v1/captures/{capture_id}/files/{relpath:path}", dependencies=[TOKEN], include_in_schema=False)
-async def download_head(api: Api, request: Request, capture_id: str, relpath: str) -> FileResponse:
-    return _send(api, request, capture_id, relpath)

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Optional
 from fastapi import APIRouter, Body, Query, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from sidecar.api.bodies import JsonBodyRoute
 from sidecar.api.openapi import error as openapi_error
 from sidecar.api.openapi import responses
 from sidecar.api.responses import SafeJSONResponse
@@ -36,7 +37,7 @@ from sidecar.errors import (
 
 LATEST_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, the last second a date can show
 
-router = APIRouter(tags=["captures"])
+router = APIRouter(tags=["captures"], route_class=JsonBodyRoute)
 
 
 def _a_number(value: Any) -> Any:
@@ -201,7 +202,8 @@ async def list_captures(
     api: Api,
     limit: int = Query(100, ge=1, le=1000, description="at most this many captures"),
     before: Optional[str] = Query(
-        None, max_length=128, description="only captures older than this capture id (the previous page's next_before)"
+        None, min_length=1, max_length=128,
+        description="only captures older than this capture id (the previous page's next_before)"
     ),
 ) -> SafeJSONResponse:
     caps = api.controller.list()

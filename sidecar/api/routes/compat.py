@@ -9,6 +9,7 @@ from typing import Optional
 from fastapi import APIRouter, Body
 from pydantic import BaseModel, StrictInt, field_validator
 
+from sidecar.api.bodies import JsonBodyRoute
 from sidecar.api.openapi import error as openapi_error
 from sidecar.api.openapi import responses
 from sidecar.api.responses import SafeJSONResponse
@@ -16,7 +17,7 @@ from sidecar.api.state import TOKEN, Api
 from sidecar.control.models import CaptureState
 from sidecar.errors import RequestInvalid, SidecarClosing, StageSelectionError, StageSetMismatch, UpstreamUnreachable
 
-router = APIRouter(tags=["compat"], dependencies=[TOKEN])
+router = APIRouter(tags=["compat"], dependencies=[TOKEN], route_class=JsonBodyRoute)
 
 
 class CompatProfileRequest(BaseModel):
