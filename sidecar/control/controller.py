@@ -158,7 +158,9 @@ class CaptureController:
     async def open(self) -> list[Capture]:
         """Load the journal. A capture left live by a crashed sidecar is stopped upstream (its
         own stage set) in the background with ``stop_reason=stopped_on_recovery``; the recovered
-        captures are returned in state ``stopping`` (``wait`` on them to see the outcome)."""
+        captures are returned in state ``stopping`` (``wait`` on them to see the outcome). One whose
+        ``start_at`` is still ahead was never sent: it ends ``failed`` (``start_cancelled``) here,
+        nothing stopped; a rollback's stop is sent again and it stays ``failed`` (``rollback``)."""
         if self._opened:
             return []
         self._opened = True
@@ -185,12 +187,24 @@ class CaptureController:
                 cap.stop_reason = StopReason.stopped_on_recovery
                 self._finish(cap, CaptureState.failed)
                 continue
+            if cap.state is CaptureState.starting and cap.start_at is not None and cap.start_at > _now():
+                # A scheduled start is sent at its start_at, never before: nothing reached the server.
+                self._error(cap, "start_cancelled",
+                            f"the sidecar ended (killed or crashed) {(cap.start_at - _now()).total_seconds():.0f}s "
+                            f"before this capture's start_at {cap.start_at.isoformat()}: nothing was sent to the "
+                            "server. Start the capture again")
+                cap.stop_reason = StopReason.stopped_on_recovery
+                self._finish(cap, CaptureState.failed)
+                log.warning("capture %s was scheduled for %s when the previous run ended: nothing was sent; failed",
+                            cap.id, cap.start_at.isoformat())
+                continue
             if not rt.watches:
                 rt.watches = self._watches(cap.stages)  # no baseline: every session folder counts
             self._open_window(cap, rt)
             self._busy.append(cap.id)
             cap.state = CaptureState.stopping
-            cap.stop_reason = StopReason.stopped_on_recovery
+            if cap.stop_reason is not StopReason.rollback:  # a failed start's undoing stays one
+                cap.stop_reason = StopReason.stopped_on_recovery
             cap.stop_requested_at = _now()
             self._changed(cap)
             recovered.append(_copy(cap))
@@ -206,7 +220,9 @@ class CaptureController:
 
     async def _recover(self, ids: list[str]) -> None:
         for cid in ids:
-            await self._run_stop(cid)
+            # A rollback's stop is sent again and the capture stays failed, as its start did: its
+            # files are not a capture's window (the rollback's own path never collects them).
+            await self._run_stop(cid, collect=self._captures[cid].stop_reason is not StopReason.rollback)
 
     async def close(self) -> None:
         """Stop the active capture (reason ``shutdown``) and wait for its stop within
@@ -223,6 +239,10 @@ class CaptureController:
                 self._stop_while_starting(cid, StopReason.shutdown)
         waits = [self._rt[cid].done.wait() for cid in list(self._busy)]
         if waits:
+            # A server flushing traces takes minutes to answer a stop: say what the exit waits for.
+            log.warning("shutdown: waiting up to %.0fs for the stop of capture %s (the server may be writing its "
+                        "traces); a stop still running then is recovered at the next start",
+                        self.settings.close_timeout_s, ", ".join(self._busy))
             try:
                 await asyncio.wait_for(asyncio.gather(*waits), self.settings.close_timeout_s)
             except asyncio.TimeoutError:
@@ -944,6 +964,13 @@ class CaptureController:
             if rt.metrics_before is not None:  # beside the collect, not before it
                 rt.metrics_after = asyncio.create_task(self._measures.scrape(), name=f"metrics-after-{cap.id}")
             verdicts = await self._collect(cap, rt)
+            if cap.started_at is None and not any(v.sessions for v in verdicts):
+                # Recovered from `starting`: the start was never answered, and no stage wrote a thing
+                # (no session folder; a trace folder the server never made reads as not visible).
+                self._error(cap, "start_interrupted", self._interrupted_start(cap))
+                cap.verdicts = verdicts
+                self._finish(cap, CaptureState.failed)
+                return
             if stop_error is not None:
                 verdicts = [after_stop_error(v, stop_error) for v in verdicts]
             await self._measures.settle(cap, rt.metrics_before, rt.metrics_after)
@@ -962,6 +989,18 @@ class CaptureController:
             self._finish(cap, CaptureState.failed)
         finally:
             published()  # every way out (a failed or abandoned stop's outcome is published by now)
+
+    @staticmethod
+    def _interrupted_start(cap: Capture) -> str:
+        if cap.delay_steps:
+            waiting = f"waiting for the server to run {cap.delay_steps} engine steps before its start"
+        elif cap.start_at is not None:
+            waiting = f"waiting for its start_at {cap.start_at.isoformat()}"
+        else:
+            waiting = "its start not yet answered by the server"
+        return (f"the sidecar ended (killed or crashed) while this capture was starting ({waiting}) and no stage "
+                "wrote a trace for it: its start most likely never reached the server. The stop was sent anyway, "
+                "so nothing records there; start the capture again")
 
     async def wait(self, capture_id: str, timeout: float | None = None) -> Capture:
         """Until the capture is terminal, or ``timeout`` seconds (then its current snapshot)."""

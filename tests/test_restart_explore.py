@@ -1,0 +1,190 @@
+"""A sidecar that dies (kill -9) or is stopped (SIGTERM) at each moment of a capture's life, then
+restarted on the same state dir over the same emulator: the capture's end is truthful and nothing
+is left recording upstream (the emulator's ``GET /emulator/state``).
+
+The exploratory pass covered: kill -9 while a start is in flight (its reply held), while a
+``delay_steps`` start waits for engine steps, while a ``start_at`` start waits for its time, in
+``active`` (a lease, a counted ``steps`` window), ``stopping`` (the stop unanswered; a failed
+start's rollback unanswered), ``collecting``; SIGTERM while a delayed start waits, while a start is
+in flight and while a stop flushes; two sidecars on one state dir; a journal edited by hand (cut
+off, an unknown state, unknown keys, a stray temp file); a restart against a server that is down.
+The rows already covered elsewhere (tests/test_faults.py's kill -9 matrix, tests/test_races_process.py,
+tests/test_serve_explore_signals.py, tests/test_journal.py's lock) are not repeated; the tests here
+are the defects the pass found:
+
+- a scheduled start killed before its time was recovered ``degraded`` (its stages "unverified" or
+  "missing", blaming a dead worker), though nothing had been sent: now ``failed``,
+  ``start_cancelled``, with no call to the server;
+- a delayed start killed while it waited for engine steps, likewise: now ``failed``,
+  ``start_interrupted``, saying the start most likely never reached the server;
+- a failed start killed while its rollback stop was unanswered was recovered as a capture of its
+  own (``stopped_on_recovery``, its traces checked as a window's: ``degraded``, ``completed`` had
+  work run meanwhile): now it stays ``failed`` (``rollback``), as it ends without the kill;
+- SIGTERM while a stop flushes waited in silence: now the log says what the exit waits for, and
+  for how long at most.
+
+Every wait is a poll or a request with a timeout, never a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sidecar.client import SidecarClient
+from sidecar.errors import SidecarError
+from tests.fixtures.emulator import emulator_state, make_deploy
+from tests.fixtures.sidecar import start_in_background
+from tests.fixtures.waits import poll
+
+pytestmark = pytest.mark.slow
+
+STAGES = {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}}
+THREAD = ["--workers", "thread"]  # trace contents do not matter here: thread workers start in ~1 s
+FAST = {
+    "OMNI_SIDECAR_COLLECT_TIMEOUT_S": "8",
+    "OMNI_SIDECAR_CLOSE_TIMEOUT_S": "20",
+    "OMNI_SIDECAR_STOP_BUDGET_S": "4",
+    "OMNI_SIDECAR_STOP_TIMEOUT_S": "2",
+}
+NONE_RECORDING = {"0": False, "1": False, "2": False}
+HTTP_TIMEOUT = 120
+WAIT = 90
+
+
+@pytest.fixture
+def stack(tmp_path: Path, shared_emulator_factory: Callable[..., Any], sidecar_factory: Callable[..., Any]) -> Any:
+    """``stack(env={...})`` → (emulator, sidecar, restart): the pooled emulator and a sidecar whose
+    ``restart()`` starts another on the same state dir (each with its own log)."""
+
+    def make(env: dict[str, str] | None = None) -> tuple[Any, Any, Callable[[], Any]]:
+        deploy = make_deploy(tmp_path, STAGES)
+        emu = shared_emulator_factory(deploy, extra_args=THREAD)
+        logs = iter(range(100))
+
+        def restart() -> Any:
+            return sidecar_factory(emu.url, deploy, state_dir=tmp_path / "state", env={**FAST, **(env or {})},
+                                   log_path=tmp_path / f"sidecar-{next(logs)}.log")
+
+        return emu, restart(), restart
+
+    return make
+
+
+def client_of(sc: Any) -> SidecarClient:
+    return SidecarClient(sc.url, timeout=HTTP_TIMEOUT)
+
+
+def journaled(sc: Any, cid: str) -> dict[str, Any] | None:
+    """The capture as its journal file holds it now (written off the request path)."""
+    try:
+        return json.loads((Path(sc.state_dir) / "captures" / f"{cid}.json").read_text())  # type: ignore[no-any-return]
+    except (OSError, ValueError):
+        return None
+
+
+def recording(emu: Any) -> dict[str, bool]:
+    return {sid: st["profiling"] for sid, st in emulator_state(emu)["stages"].items()}
+
+
+def profile_calls(emu: Any) -> list[tuple[str, Any]]:
+    return [(c["path"], c["status"]) for c in emulator_state(emu)["calls"]
+            if c["method"] == "POST" and c["path"] in ("/start_profile", "/stop_profile")]
+
+
+def traffic(emu: Any) -> None:
+    emu.http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+
+def ended(cap: Any) -> tuple[str, str | None, list[str]]:
+    return cap.state.value, cap.stop_reason.value if cap.stop_reason else None, [e.code for e in cap.errors]
+
+
+def starting_id(sc: Any) -> str | None:
+    """The id of the capture a start request in flight made, once it is journaled ``starting``."""
+    with client_of(sc) as client:
+        caps = [c for c in client.list_captures() if c.state.value == "starting"]
+    return caps[0].id if caps and (journaled(sc, caps[0].id) or {}).get("state") == "starting" else None
+
+
+def test_a_scheduled_start_killed_before_its_time_ends_failed_with_nothing_sent(stack: Any) -> None:
+    emu, sc, restart = stack()
+    with client_of(sc) as client:
+        cid = client.start_capture([0, 2], start_at=time.time() + 60).id
+    assert poll(lambda: (journaled(sc, cid) or {}).get("state") == "starting")
+    sc.kill()
+    again = restart()
+    with client_of(again) as client:
+        final = client.wait_capture(cid, timeout=WAIT, poll_s=0.1)
+        # the slot is free, and the next start records its own window
+        nxt = client.start_capture([0, 2])
+        traffic(emu)
+        client.stop_capture(nxt.id)
+        after = client.wait_capture(nxt.id, timeout=WAIT, poll_s=0.1)
+    assert ended(final) == ("failed", "stopped_on_recovery", ["start_cancelled"]), final.errors
+    assert "nothing was sent to the server" in final.errors[0].message
+    assert final.verdicts == []  # no stage is blamed for a start that never went out
+    assert profile_calls(emu) == [("/start_profile", 200), ("/stop_profile", 200)]  # the next capture's only
+    assert (after.state.value, recording(emu)) == ("completed", NONE_RECORDING)
+
+
+def test_a_delayed_start_killed_while_waiting_for_engine_steps_ends_failed_saying_so(stack: Any) -> None:
+    # the server is idle: the start waits for 50 engine steps that never come
+    emu, sc, restart = stack()
+    start_in_background(sc.url, timeout=HTTP_TIMEOUT, stages=[0, 2], delay_steps=50)
+    assert poll(lambda: starting_id(sc) is not None)
+    cid = starting_id(sc)
+    assert cid is not None
+    sc.kill()
+    again = restart()
+    with client_of(again) as client:
+        final = client.wait_capture(cid, timeout=WAIT, poll_s=0.1)
+        nxt = client.start_capture([0, 2], duration_s=1)
+        traffic(emu)
+        after = client.wait_capture(nxt.id, timeout=WAIT, poll_s=0.1)
+    assert ended(final) == ("failed", "stopped_on_recovery", ["start_interrupted"]), [(v.verdict, v.reason) for v in final.verdicts]
+    assert "waiting for the server to run 50 engine steps" in final.errors[0].message
+    assert [c for c in profile_calls(emu) if c[0] == "/start_profile"] == [("/start_profile", 200)]  # the next one's
+    assert (after.state.value, recording(emu)) == ("completed", NONE_RECORDING)
+
+
+def test_a_failed_start_killed_during_its_rollback_stays_failed(stack: Any) -> None:
+    # The start is held past the sidecar's start timeout (the server records meanwhile): a failed,
+    # ambiguous start, rolled back with a stop the server never answers. The sidecar dies then.
+    emu, sc, restart = stack(env={"OMNI_SIDECAR_START_TIMEOUT_S": "1"})
+    emu.set_faults(start_delay_s=4, hang_stop=True)
+    with client_of(sc) as client:
+        with pytest.raises(SidecarError) as refused:
+            client.start_capture([0, 2])
+    cid = refused.value.details["capture_id"]
+    assert poll(lambda: (journaled(sc, cid) or {}).get("stop_reason") == "rollback")
+    assert poll(lambda: ("/stop_profile", None) in profile_calls(emu))  # the rollback's stop, unanswered
+    sc.kill()
+    emu.set_faults(start_delay_s=0, hang_stop=False)  # the held replies go to a sidecar that is gone
+    again = restart()
+    with client_of(again) as client:
+        final = client.wait_capture(cid, timeout=WAIT, poll_s=0.1)
+    # its start failed: recovering its rollback does not turn it into a window of its own
+    assert ended(final)[:2] == ("failed", "rollback"), (final.state, final.errors, final.verdicts)
+    assert "upstream_timeout" in ended(final)[2]
+    assert recording(emu) == NONE_RECORDING
+
+
+def test_sigterm_while_a_stop_flushes_says_in_the_log_what_the_exit_waits_for(stack: Any) -> None:
+    emu, sc, _ = stack(env={"OMNI_SIDECAR_STOP_TIMEOUT_S": "15", "OMNI_SIDECAR_STOP_BUDGET_S": "15"})
+    emu.set_faults(stop_delay_s=3)  # the server flushes its traces for 3 s before it answers the stop
+    with client_of(sc) as client:
+        cid = client.start_capture([0, 2]).id
+        traffic(emu)
+        client.stop_capture(cid)
+    assert poll(lambda: ("/stop_profile", None) in profile_calls(emu))  # the stop is on the server
+    sc.stop(grace=60)  # SIGTERM, and the exit
+    log = sc.log_path.read_text()
+    assert f"shutdown: waiting up to 20s for the stop of capture {cid}" in log, log[-2000:]
+    # bounded and kept: the stop ended within the bound, the capture is journaled whole
+    assert ((journaled(sc, cid) or {}).get("state"), recording(emu)) == ("completed", NONE_RECORDING)
