@@ -28,7 +28,7 @@ def check_window(duration_s: float | None, lease_s: float | None, *, max_duratio
     """The window's ``(duration_s, lease_s)`` as the sidecar runs it: a bounded sidecar never
     leaves a window open-ended; refused out of range."""
     if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
-        raise DurationInvalid(f"duration_s must be > 0 seconds, got {duration_s}", key="duration_s")
+        raise DurationInvalid(f"duration_s must be a finite number of seconds above 0, got {duration_s}", key="duration_s")
     if max_duration_s is not None:
         if duration_s is None:
             duration_s = max_duration_s
@@ -40,7 +40,7 @@ def check_window(duration_s: float | None, lease_s: float | None, *, max_duratio
     if lease_s is None:
         lease_s = default_lease_s
     elif not (lease_s > 0 and math.isfinite(lease_s)):
-        raise LeaseInvalid(f"lease_s must be > 0 seconds, got {lease_s}", key="lease_s")
+        raise LeaseInvalid(f"lease_s must be a finite number of seconds above 0, got {lease_s}", key="lease_s")
     return duration_s, lease_s
 
 
