@@ -12,7 +12,12 @@ the actor is the in-process :class:`~sidecar.fleet._drivers.UpstreamDriver` on t
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hashlib
+import shutil
 import tempfile
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,12 +69,16 @@ class NodeProfiler:
     a failure is data, never an exception crossing Ray."""
 
     def __init__(self, servers: dict[str, tuple[str, dict[str, Any] | str, str]], *, stop_budget_s: float = 1800.0,
-                 control: dict[str, Any] | None = None) -> None:
+                 control: dict[str, Any] | None = None, journal: str | None = None) -> None:
         # name -> (url, deploy, flavor); ``deploy`` a mapping (written here) or a deploy YAML's path on
         # this node. Given at construction, which Ray runs before any method: an async actor runs its
         # methods in no guaranteed order, so a separate ``add`` could come after the ``open`` it was
         # meant for (seen in CI under load: open failed with KeyError, its add not yet run).
         self._servers = dict(servers)
+        # ``journal``: the run's id. Each server's controller journals under a folder of this node
+        # named by it and the server, so an actor started to replace a dead one (RayNodes.replace)
+        # finds the captures the dead one left live and stops them when it opens them.
+        self.journal = journal
         self.stop_budget_s = stop_budget_s
         self.control = control or {}
         self._drivers: dict[str, Any] = {}
@@ -77,6 +86,12 @@ class NodeProfiler:
 
     def ready(self) -> bool:
         return True
+
+    def _state_dir(self, name: str) -> Path | None:
+        if self.journal is None:
+            return None
+        digest = hashlib.sha1(name.encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / f"omni-sidecar-node-{self.journal}" / digest
 
     async def _call(self, work: Callable[[], Awaitable[Any]]) -> tuple[str, Any]:
         try:
@@ -99,10 +114,16 @@ class NodeProfiler:
                 path.write_text(yaml.safe_dump(deploy, sort_keys=False))
             config = load_deploy_config(path)
             target = Target.upstream(url, path, flavor=flavor)  # type: ignore[arg-type]
+            state_dir = self._state_dir(name)
+            if state_dir is not None:
+                state_dir.mkdir(parents=True, exist_ok=True)
             driver = UpstreamDriver(target, config, stop_budget_s=self.stop_budget_s,
-                                    settings=ControlSettings(**self.control), state_dir=None)
+                                    settings=ControlSettings(**self.control), state_dir=state_dir)
             await driver.open()
             self._drivers[name] = driver
+            # what a dead actor left recording on this server is stopped before this one is used
+            for cid in driver._recovered:
+                await driver.wait(cid, self.stop_budget_s)
             return config
 
         return await self._call(work)
@@ -172,6 +193,11 @@ class NodeProfiler:
                 folder = self._dirs.pop(name, None)
                 if folder is not None:
                     folder.cleanup()
+                state_dir = self._state_dir(name)
+                if state_dir is not None and not keep_live:
+                    shutil.rmtree(state_dir, ignore_errors=True)
+                    with contextlib.suppress(OSError):
+                        state_dir.parent.rmdir()  # the run's folder, once its last server is closed
             return len(self._servers)  # servers this actor still holds
 
         return await self._call(work)
@@ -191,16 +217,50 @@ class Placement:
 
 class RayNodeDriver:
     """The fleet's driver for one ``ray`` target: each call goes to its node's :class:`NodeProfiler`,
-    naming the target. Closing the last target an actor holds ends the actor."""
+    naming the target. Closing the last target an actor holds ends the actor. A call that finds
+    the actor dead has :class:`RayNodes` start another on the node (it stops what the dead one
+    left recording) and fails, saying so; a call after ``ray.shutdown()`` fails without starting
+    a new local cluster (what Ray does for a call with none running)."""
 
-    def __init__(self, target: Target, actor: Any, top: int = TOP_OPS) -> None:
+    def __init__(self, target: Target, actor: Any, top: int = TOP_OPS, nodes: RayNodes | None = None) -> None:
         self.target = target
         self.actor = actor
         self.top = top
+        self.nodes = nodes
         self.top_ops: dict[str, dict[str, Any]] = {}  # capture id -> top ops per stage
 
+    async def _remote(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        import ray
+        from ray.exceptions import ActorDiedError
+
+        if not ray.is_initialized():
+            raise _errors.FleetError.relay(
+                "ray_not_running",
+                "Ray is not running (ray.shutdown() ran before this profiler was closed): its "
+                "node actors ended with the cluster; close the profiler before shutting Ray down")
+        actor = self.actor
+        try:
+            return raise_reply(await getattr(actor, method).remote(*args, **kwargs))
+        except ActorDiedError as exc:
+            why = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            node = self.nodes.placements[self.target.name].node_id if self.nodes else "?"
+            if self.nodes is None:
+                raise _errors.FleetError.relay(
+                    "node_profiler_died", f"its node profiler actor died ({why})") from None
+            try:
+                await self.nodes.replace(actor)
+            except _errors.SidecarError as err:
+                raise _errors.FleetError.relay(
+                    "node_profiler_died", f"its node profiler actor on node {node} died ({why}) "
+                    f"and none could replace it: {err.message}") from None
+            raise _errors.FleetError.relay(
+                "node_profiler_died",
+                f"its node profiler actor on node {node} died during {method} ({why}); a new one "
+                "was started there and stopped what the dead one had left recording; this call was not retried "
+                "(the window's traces are not checked)") from None
+
     async def open(self) -> DeployConfig | None:
-        return raise_reply(await self.actor.open.remote(self.target.name))  # type: ignore[no-any-return]
+        return await self._remote("open", self.target.name)  # type: ignore[no-any-return]
 
     async def start(self, stages, label, duration_s, lease_s, kind="torch", release=None,  # type: ignore[no-untyped-def]
                     steps=None) -> Capture:
@@ -209,11 +269,11 @@ class RayNodeDriver:
         name = self.target.name
 
         async def send(start_at: float | None = None) -> Capture:
-            return raise_reply(await self.actor.start.remote(name, stages, label, duration_s, lease_s, kind,  # type: ignore[no-any-return]
-                                                             start_at=start_at, steps=steps))
+            return await self._remote("start", name, stages, label, duration_s, lease_s, kind,  # type: ignore[no-any-return]
+                                      start_at=start_at, steps=steps)
 
         async def started(cid: str) -> Capture:
-            return raise_reply(await self.actor.wait_started.remote(name, cid))  # type: ignore[no-any-return]
+            return await self._remote("wait_started", name, cid)  # type: ignore[no-any-return]
 
         async def cancel(cid: str) -> Capture:
             return await self.stop(cid, StopReason.rollback)
@@ -222,32 +282,32 @@ class RayNodeDriver:
                                  clock=self.clock)
 
     async def stop(self, capture_id: str, reason: StopReason) -> Capture:
-        return raise_reply(await self.actor.stop.remote(self.target.name, capture_id, reason.value))  # type: ignore[no-any-return]
+        return await self._remote("stop", self.target.name, capture_id, reason.value)  # type: ignore[no-any-return]
 
     async def stopped(self, capture_id: str) -> Capture:
-        return raise_reply(await self.actor.stopped.remote(self.target.name, capture_id))  # type: ignore[no-any-return]
+        return await self._remote("stopped", self.target.name, capture_id)  # type: ignore[no-any-return]
 
     async def get(self, capture_id: str) -> Capture:
-        return raise_reply(await self.actor.get.remote(self.target.name, capture_id))  # type: ignore[no-any-return]
+        return await self._remote("get", self.target.name, capture_id)  # type: ignore[no-any-return]
 
     async def wait(self, capture_id: str, timeout: float | None) -> Capture:
-        cap, ops = raise_reply(await self.actor.wait.remote(self.target.name, capture_id, timeout, self.top))
+        cap, ops = await self._remote("wait", self.target.name, capture_id, timeout, self.top)
         self.top_ops[capture_id] = ops
         return cap  # type: ignore[no-any-return]
 
     async def heartbeat(self, capture_id: str) -> None:
-        raise_reply(await self.actor.heartbeat.remote(self.target.name, capture_id))
+        await self._remote("heartbeat", self.target.name, capture_id)
 
     async def live(self) -> Capture | None:
-        return raise_reply(await self.actor.live.remote(self.target.name))  # type: ignore[no-any-return]
+        return await self._remote("live", self.target.name)  # type: ignore[no-any-return]
 
     async def captures(self) -> list[Capture]:
-        return raise_reply(await self.actor.captures.remote(self.target.name))  # type: ignore[no-any-return]
+        return await self._remote("captures", self.target.name)  # type: ignore[no-any-return]
 
     async def clock(self, more: int = MORE, samples: int = SAMPLES) -> ClockOffset:
         # The node's controller reads the node's clock, not the trainer's: exchanged like a sidecar's.
         async def read() -> tuple[int, int]:
-            real, mono = raise_reply(await self.actor.clock.remote())
+            real, mono = await self._remote("clock")
             return int(real), int(mono)
 
         return await exchange(read, more=more, samples=samples)
@@ -259,7 +319,14 @@ class RayNodeDriver:
             return  # the cluster is gone and its actors with it; a call would start a new local one
         left = 0
         try:
-            left = raise_reply(await self.actor.close.remote(self.target.name, keep_live))
+            for _ in range(2):  # once more on the actor that replaced a dead one (it holds this server now)
+                actor = self.actor
+                try:
+                    left = await self._remote("close", self.target.name, keep_live)
+                    break
+                except _errors.FleetError:
+                    if self.actor is actor:
+                        break
         finally:
             if not left:
                 ray.kill(self.actor)
@@ -281,12 +348,18 @@ class RayNodes:
         self.per_actor = per_actor
         self.drivers: dict[str, RayNodeDriver] = {}
         self._launched: dict[str, Any] = {}
+        self.run_id = uuid.uuid4().hex[:12]  # names the node controllers' journals (NodeProfiler.journal)
+        self._stop_budget_s = 1800.0
+        # id(dead actor) -> (it, its replacement): once per dead actor; the handle is kept so that
+        # its id is not reused by another object (a later replacement's) while it is a key here
+        self._replacing: dict[int, tuple[Any, asyncio.Future[Any]]] = {}
 
     def _actors(self, targets: list[Target], stop_budget_s: float) -> dict[str, Any]:
         """One actor per node (or per ``per_actor`` targets of a node), each told its targets."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        self._stop_budget_s = stop_budget_s
         by_node: dict[str, list[Target]] = {}
         for t in targets:
             by_node.setdefault(self.placements[t.name].node_id, []).append(t)
@@ -298,9 +371,42 @@ class RayNodes:
                 actor = ray.remote(num_cpus=0)(NodeProfiler).options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
                 ).remote({t.name: (t.url, self.placements[t.name].deploy, t.flavor) for t in mine},
-                         stop_budget_s=stop_budget_s, control=self.control)
+                         stop_budget_s=stop_budget_s, control=self.control, journal=self.run_id)
                 out.update(dict.fromkeys((t.name for t in mine), actor))
         return out
+
+    async def replace(self, dead: Any, timeout_s: float = 120.0) -> Any:
+        """A new actor on the node of ``dead`` for the targets it held, each server opened there
+        (its journal: what the dead one left recording is stopped). Once per dead actor, whichever
+        of its drivers asks first; the others wait for the same one. Raises ``TargetNoAnswer`` when
+        none comes up within ``timeout_s`` (the node itself is gone)."""
+        key = id(dead)
+        if key not in self._replacing:
+            self._replacing[key] = (dead, asyncio.ensure_future(self._replace(dead, timeout_s)))
+        return await asyncio.shield(self._replacing[key][1])
+
+    async def _replace(self, dead: Any, timeout_s: float) -> Any:
+        import ray
+
+        drivers = [d for d in self.drivers.values() if d.actor is dead]
+        targets = [d.target for d in drivers]
+        if not targets:
+            return None
+        actor = self._actors(targets, self._stop_budget_s)[targets[0].name]
+        try:
+            await asyncio.wait_for(actor.ready.remote(), timeout_s)
+        except Exception as exc:  # not up: the node is gone, or has no room for a process
+            ray.kill(actor)
+            raise _errors.TargetNoAnswer(
+                f"no node profiler came up on node {self.placements[targets[0].name].node_id} within {timeout_s:g}s "
+                f"({type(exc).__name__}); is the node alive?", details={"targets": [t.name for t in targets]},
+            ) from None
+        for d in drivers:
+            d.actor = actor
+        for t in targets:  # each server opened: its journal's live captures stopped before it is used
+            with contextlib.suppress(_errors.SidecarError):  # a server gone too: its own calls say so
+                raise_reply(await actor.open.remote(t.name))
+        return actor
 
     def launch(self, targets: list[Target], *, stop_budget_s: float, timeout_s: float = 300.0) -> None:
         """Start the actors of every target now and wait (at most ``timeout_s``) until each is up:
@@ -325,7 +431,7 @@ class RayNodes:
 
     def __call__(self, target: Target, *, stop_budget_s: float) -> RayNodeDriver:
         actor = self._launched.pop(target.name, None) or self._actors([target], stop_budget_s)[target.name]
-        driver = self.drivers[target.name] = RayNodeDriver(target, actor, self.top)
+        driver = self.drivers[target.name] = RayNodeDriver(target, actor, self.top, nodes=self)
         return driver
 
     def top_ops(self, target: str, capture_id: str | None) -> dict[str, Any]:

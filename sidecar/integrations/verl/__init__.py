@@ -170,17 +170,26 @@ def attach(agent_loop_manager: Any, config: Any, trainer: Any, *, entry: str | N
     rank_mode = support.rank_mode
     plan = read_verl_config(config, role=hook.role)
     n = max((int(getattr(r, "replica_rank", i)) + 1 for m in managers for i, r in enumerate(replicas_of(m))), default=0)
-    findings = [f for f in verl_findings(plan, n_replicas=n, rank_mode=rank_mode, trainer=entry) if f.is_error]
+    every = verl_findings(plan, n_replicas=n, rank_mode=rank_mode, trainer=entry)
+    findings = [f for f in every if f.is_error]
     if findings:
         _refuse(hook, findings[0].code, "; ".join(f.message for f in findings), findings)
         return None
+    for f in every:  # e.g. a resume past the profiled steps: said at trainer start, not dropped
+        log.warning("omni-sidecar: %s", f.message)
     chosen = plan.requested_replicas(rank_mode)
     base = ROLE_PATHS[hook.role]
     if hook.role == "reward" and not hook.targets:
         _refuse(hook, "verl_reward_not_followed",
                 "verl drives no step-scoped profiling of reward-model servers (their profiler block is "
-                f"verl-omni's `{base}`); name the reward servers' sidecars in `+{CONFIG_KEY}.targets=[...]`")
+                f"verl-omni's `{base}`); name the reward servers' sidecars in `'+{CONFIG_KEY}.targets=[\"sidecar=URL\",...]'`")
         return None
+    reached = _reached_steps(plan.steps, trainer)
+    if not reached:
+        _refuse(hook, "verl_steps_unreachable", _unreached_message(plan.steps, trainer, none=True))
+        return None
+    if reached != sorted(set(plan.steps)):
+        log.warning("omni-sidecar: %s", _unreached_message(plan.steps, trainer, none=False))
     common: dict[str, Any] = dict(
         strict=hook.strict, wait_artifacts=hook.wait_artifacts, lease_s=hook.lease_s,
         artifact_timeout_s=hook.collect_timeout_s + 60, start_timeout_s=hook.start_timeout_s,
@@ -195,7 +204,7 @@ def attach(agent_loop_manager: Any, config: Any, trainer: Any, *, entry: str | N
         if not ray.is_initialized():
             _refuse(hook, "verl_no_ray", "Ray is not initialized: the sidecar checks each replica's traces on its "
                     "node through the Ray cluster verl runs on; start the trainer through verl (it runs ray.init), "
-                    f"or name sidecar targets in `+{CONFIG_KEY}.targets=[...]`")
+                    f"or name sidecar targets in `'+{CONFIG_KEY}.targets=[\"sidecar=URL\",...]'`")
             return None
         try:
             replicas = discover(managers, chosen, hook.flavor)
@@ -233,13 +242,40 @@ def attach(agent_loop_manager: Any, config: Any, trainer: Any, *, entry: str | N
         # The replicas verl's rule chose, every one profiled: the rule was applied above.
         prof = RolloutProfiler(targets, plan.steps, stages, drivers=nodes, **common)
     rollout_hook = RolloutHook(trainer=trainer, managers=managers, profiler=prof, save_path=plan.trace_dir,
-                               nodes=nodes, last_step=max(plan.steps) if plan.steps else None,
+                               nodes=nodes, last_step=max(reached),
                                wait_timeout_s=hook.collect_timeout_s + 60 + hook.start_timeout_s)
     prof.on_result = rollout_hook._done
     rollout_hook.install()
     log.info("omni-sidecar: follows verl's rollout profiling at steps %s on replicas %s (%s); verl's own "
              "engine start/stop is replaced", plan.steps, format_replicas(chosen), support.describe())
     return rollout_hook
+
+
+def _trainer_span(trainer: Any) -> tuple[int, int | None]:
+    """The steps this run of ``trainer`` can still reach: after ``global_steps`` (a v1 trainer has
+    loaded its checkpoint before it builds the manager; v0 sets it in ``fit``) up to
+    ``total_training_steps`` (both set by verl's trainers before this point; unknown: unbounded)."""
+    def whole(value: Any) -> int | None:
+        return int(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+    done = whole(getattr(trainer, "global_steps", None)) or 0
+    return done, whole(getattr(trainer, "total_training_steps", None))
+
+
+def _reached_steps(steps: list[int], trainer: Any) -> list[int]:
+    done, total = _trainer_span(trainer)
+    return sorted({s for s in steps if s > done and (total is None or s <= total)})
+
+
+def _unreached_message(steps: list[int], trainer: Any, *, none: bool) -> str:
+    done, total = _trainer_span(trainer)
+    span = f"steps {done + 1}..{total}" if total is not None else f"steps from {done + 1}"
+    resumed = f" (resumed from a checkpoint at step {done})" if done else ""
+    never = sorted({s for s in steps if s <= done or (total is not None and s > total)})
+    head = (f"global_profiler.steps {sorted(set(steps))}: none is reached" if none
+            else f"global_profiler.steps {never} are never reached, so not profiled")
+    return (f"{head}: this run trains {span}{resumed} (trainer.total_training_steps={total}); name steps in "
+            f"that range{', or set `trainer.resume_mode=disable`' if done else ''}")
 
 
 # --- the classes verl loads by name ---------------------------------------------------------

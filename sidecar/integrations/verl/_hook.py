@@ -31,7 +31,7 @@ log = logging.getLogger("sidecar.integrations.verl")
 # --- finding verl's objects -----------------------------------------------------------------
 
 # What the hook reads on verl's objects (tests/verl/test_seams.py checks each on verl's own classes).
-TRAINER_READS = ("llm_server_manager", "global_steps")  # v1 also `_rollout_server_managers()`
+TRAINER_READS = ("llm_server_manager", "global_steps", "total_training_steps")  # v1 also `_rollout_server_managers()`
 MANAGER_READS = ("get_replicas", "start_profile", "stop_profile")  # LLMServerManager
 REPLICA_READS = ("replica_rank", "servers", "server_address")  # RolloutReplica
 SERVER_READS = ("profiler_controller", "replica_rank")  # vLLMHttpServer, inside its actor
@@ -186,8 +186,9 @@ class RolloutHook:
     profiler: RolloutProfiler
     save_path: str | None
     nodes: RayNodes | None = None
-    # The last step verl profiles: its check is waited for (bounded) before verl's stop returns,
-    # so its result is on disk before a run that ends right after it exits.
+    # The last step this run reaches and profiles: its check is waited for (bounded) before verl's
+    # stop returns, so its result is on disk before a run that ends right after it exits; then the
+    # profiler is closed (its node actors ended, nothing left for an exit after ray.shutdown()).
     last_step: int | None = None
     wait_timeout_s: float | None = None
     top_ops: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -245,7 +246,7 @@ class RolloutHook:
             cm.__exit__(None, None, None)  # strict: a failed stop raises into verl here
         finally:
             if self.last_step is not None and step is not None and step >= self.last_step:
-                self.profiler.wait(self.wait_timeout_s)
+                self.profiler.close(self.wait_timeout_s)  # waits for the check first
 
     def _done(self, result: StepResult) -> None:
         """``on_result``: the step's result on disk (where verl writes its profiles), one log line."""
