@@ -94,9 +94,10 @@ _CTX_GEN = re.compile(r"^execute_(?:\d+_)?context_(\d+)(?:\([^)]*\))?_generation
 
 
 DeviceKey = tuple[int | None, int | None, int | None, int]  # (stage, replica, rank, device)
+SpanKey = tuple[int | None, int | None, int | None, int | None]  # (stage, replica, rank, device; None: the host)
 
 
-def _widen(spans: dict[DeviceKey, tuple[float, float]], other: dict[DeviceKey, tuple[float, float]]) -> None:
+def _widen(spans: dict[SpanKey, tuple[float, float]], other: dict[SpanKey, tuple[float, float]]) -> None:
     """Each device's (first, last) in ``spans`` widened by ``other``'s."""
     for k, (lo, hi) in other.items():
         mine = spans.get(k)
@@ -132,9 +133,10 @@ class Aggregate:
         # (stage, replica, rank, device type, device id) -> what held its memory, after finish()
         self.memory: dict[tuple[Any, ...], DeviceMemory] = {}
         self.memory_ops: dict[tuple[str, str], list[int]] = {}  # (op, device type) -> [allocs, bytes, frees, bytes]
-        self.epochs: dict[DeviceKey, tuple[float, float]] = {}  # first and last event, epoch µs
+        # first and last event, epoch µs, per GPU; per host (device None) in a trace with no GPU
+        self.epochs: dict[SpanKey, tuple[float, float]] = {}
         self.profiling: tuple[float, float] | None = None  # this trace's Kineto profiler span (ts, end)
-        self.profiling_epochs: dict[DeviceKey, tuple[float, float]] = {}  # that span per device, epoch µs
+        self.profiling_epochs: dict[SpanKey, tuple[float, float]] = {}  # that span per device, epoch µs
         self.epoch_offset_us: float | None = None  # baseTimeNanoseconds / 1000 of this trace
         self.end_epoch_us: float | None = None  # the last event's end, epoch µs (the latest of merged traces)
         # per-trace state, dropped by finish()
@@ -481,6 +483,14 @@ class Aggregate:
             k[0] += 1
             k[1] += dur
 
+    def _epochs_of(self, key: SpanKey) -> None:
+        """This trace's first and last event and its profiler span, on the hosts' clock, as ``key``'s."""
+        if self.epoch_offset_us is None or self.start is None or self.end is None:
+            return
+        self.epochs[key] = (self.epoch_offset_us + self.start, self.epoch_offset_us + self.end)
+        if self.profiling is not None:
+            self.profiling_epochs[key] = (self.epoch_offset_us + self.profiling[0], self.epoch_offset_us + self.profiling[1])
+
     def finish(self, rank: int | None = None, *, stage_id: int | None = None, replica: int | None = None) -> None:
         """End of one trace: settle device unions, key devices by (stage, replica, rank), drop
         pass state."""
@@ -507,11 +517,11 @@ class Aggregate:
             self.devices[(stage_id, replica, rank, dev)] = [busy, span]
         for dev, a in attributed.items():
             self.attribution[(stage_id, replica, rank, dev)] = a
-            if self.epoch_offset_us is not None and self.start is not None and self.end is not None:
-                self.epochs[(stage_id, replica, rank, dev)] = (self.epoch_offset_us + self.start, self.epoch_offset_us + self.end)
-                if self.profiling is not None:
-                    self.profiling_epochs[(stage_id, replica, rank, dev)] = (
-                        self.epoch_offset_us + self.profiling[0], self.epoch_offset_us + self.profiling[1])
+            self._epochs_of((stage_id, replica, rank, dev))
+        if not attributed:
+            # No GPU: a CPU trace (plain vLLM or vLLM-Omni on CPU) still says when its host started
+            # recording and worked, so its stage's start skew and the pipeline's hand-overs are known
+            self._epochs_of((stage_id, replica, rank, None))
         self._att = TraceAttribution(steady=self._att.steady)
         for (dev, stream), v in self._stream_of.items():
             self.streams[(stage_id, replica, rank, dev, stream)] = v
