@@ -116,6 +116,11 @@ async def test_idle_window_is_empty_no_request_ran(ctl):
     done = await _capture(ctl, [0], busy=False)
     assert (done.state, done.verdict(0).verdict, done.verdict(0).reason.startswith("no request ran")) == (
         CaptureState.degraded, Verdict.empty, True)
+    # the trace is named as it is on disk (a gzipped one was named without its .gz)
+    (session,) = done.verdict(0).sessions
+    traces = [f.name for f in session.files if f.name.endswith((".json", ".json.gz"))]
+    assert traces and all(f"/{name} records no op" in done.verdict(0).reason for name in traces), (
+        traces, done.verdict(0).reason)
 
 
 _CRASHER = textwrap.dedent(

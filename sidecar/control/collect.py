@@ -105,10 +105,16 @@ class TraceLook:
     why: str | None = None
     folder_rank: int | None = None  # LLM: rank<N> in the folder name
     replica: int | None = None  # diffusion: rep_<R> in the folder name
+    read: str | None = None  # the file read (``.gz`` or not), where one was
 
     @property
     def label(self) -> str:
         return f"{self.folder}/{self.name}"
+
+    @property
+    def shown(self) -> str:
+        """The folder and the file as it is on disk."""
+        return f"{self.folder}/{self.read or self.name}"
 
 
 def _traces(watch: StageWatch, found: Scan) -> dict[tuple[str, str], tuple[SessionFolder, list[ArtifactFile]]]:
@@ -183,7 +189,7 @@ def _look(watch: StageWatch, s: SessionFolder, label: str, name: str, files: lis
     state, why = trace_has_work(path)
     if why is not None:  # the reader names the local path; the reason names the session folder
         why = f"{label}/{path.name}: {why.removeprefix(f'{path}: ').removeprefix(f'{path.name}: ')}"
-    return TraceLook(**look, state=state, why=why)
+    return TraceLook(**look, state=state, why=why, read=path.name)
 
 
 def _relisted(watch: StageWatch, found: Scan) -> Scan:
@@ -425,7 +431,7 @@ def _words(watch: StageWatch, found: Scan, d: Decision, *, pending: list[str], t
     if timed_out and pending:
         extra.append(f"gzip had not finished within {collect_timeout_s:g}s for {', '.join(pending)}; the traces "
                      "are uncompressed or still being compressed")
-    idle = [t.label for t in d.counted if t.state is TraceState.idle]
+    idle = [t.shown for t in d.counted if t.state is TraceState.idle]
     if r is Rule.extra:
         names = ", ".join(t.label for t in d.counted)
         return "; ".join([(
@@ -434,8 +440,8 @@ def _words(watch: StageWatch, found: Scan, d: Decision, *, pending: list[str], t
             "second start in the window, another client, or another server writing here)"), *extra]) + skipped
     if r is Rule.idle:
         return "; ".join([(
-            f"no request ran in the window: {', '.join(idle)} record no op and no kernel (the traces are "
-            "still listed and downloadable); send requests that reach this stage while the capture is "
+            f"no request ran in the window: {', '.join(idle)} record{'s' if len(idle) == 1 else ''} no op and no "
+            "kernel (the traces are still listed and downloadable); send requests that reach this stage while the capture is "
             "active, and check delay_iterations / max_iterations"), *extra]) + skipped
     if idle:
         extra.append(f"no op ran in {', '.join(idle)} (idle)")

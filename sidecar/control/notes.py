@@ -67,9 +67,11 @@ def _steps_ended(f: dict[str, Any]) -> str:
         slow = (f" The server's /metrics answered slowly (up to {gap:.1f}s between two reads: a busy server, or a "
                 "machine short of CPU), and what its engines ran meanwhile counted at once."
                 if counted > steps and gap >= SLOW_READ_S else "")
-        return (f"the sidecar counted {counted} of the {steps} steps asked and sent the stop (a best-effort count: the "
-                "engines step on while the stop travels, so the traces hold more; each stage's steps_traced says how "
-                f"many).{slow} For exactly {steps}, let the server end the window: restart it with the profiler config "
+        return (f"the sidecar counted {counted} of the {steps} steps asked and sent the stop (a best-effort count from "
+                "the read before the start was sent: steps run while the start reached the stages count though a "
+                "trace may not hold them, and the engines step on while the stop travels, so a trace may hold fewer "
+                f"or more; each stage's steps_traced says how many).{slow} For exactly {steps}, let the server end the "
+                "window: restart it with the profiler config "
                 f"`omni-sidecar render --steps {steps}` writes")
     still = f"{f['still_s']:.1f}s"
     if by == "stage_stalled":

@@ -16,9 +16,11 @@ A window is bounded one of three ways (:class:`Bound`):
   ``delay_iterations``: vLLM >= 0.32), with no deploy cap; the stop then waits as for
   ``server_cap``, each stage's end being the steps (plus the delay).
 - ``count``: asked for by name (best effort): the sidecar stops once the count reaches the steps.
-  The stop travels while the engines step on, so the trace holds more (on the real servers with
-  no cap, 5 asked traced 33 on vLLM 0.30, 20 asked traced 225 on vLLM 0.32); the capture then says
-  how many steps each trace holds.
+  The stop travels while the engines step on, so the trace often holds more (on the real servers with
+  no cap, 5 asked traced 33 on vLLM 0.30, 20 asked traced 225 on vLLM 0.32); but the count runs
+  from the read before the start, so steps run while a slow start reaches the stages count too (on
+  vLLM-Omni 0.32rc1, 10 asked and 13 counted at the first read after the answer: traces of 2 and 4).
+  The capture then says how many steps each trace holds.
 """
 
 from __future__ import annotations

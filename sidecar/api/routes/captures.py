@@ -95,7 +95,8 @@ class CaptureRequest(BaseModel):
         default=None,
         description="what ends a `steps` window: `server` (default: every stage's own max_iterations cap, as "
                     "`omni-sidecar render --steps N` writes it; refused where there is none) or `count` (the "
-                    "sidecar's best-effort count of /metrics, asked for by name: the traces hold more)")
+                    "sidecar's best-effort count of /metrics, asked for by name: a trace may hold more or fewer; each "
+                    "verdict's steps_traced says)")
     start_at: Annotated[float, Field(ge=0, le=LATEST_TIME), BeforeValidator(_a_number)] | None = Field(
         default=None,
         description="epoch seconds on this sidecar's clock (GET /v1/clock): the start is sent then, and the "
