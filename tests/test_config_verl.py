@@ -74,6 +74,32 @@ def test_resume_mode_auto_warns() -> None:
     assert (f.code, f.is_error) == ("verl_resume_enabled", False)
 
 
+def test_a_profiled_step_that_verls_rollout_skip_may_serve_from_its_cache_is_warned() -> None:
+    # verl's skip.rollout loads a step's rollout from a cache dump when one is there: no request
+    # reaches the servers, and the window was found `empty` only after the run
+    cfg = yaml.safe_load(yaml.safe_dump(GOOD))
+    cfg["global_profiler"]["steps"] = [1, 3]
+    cfg["skip"] = {"rollout": {"enable": True, "steps": [3, 4]}, "async_rollout": {"enable": False, "steps": [1]}}
+    findings = verl_findings(read_verl_config(cfg))
+    (f,) = [f for f in findings if f.code == "verl_steps_rollout_skipped"]
+    assert (f.is_error, f.key, "[3]" in f.message, "skip.rollout.enable=False" in f.message) == (
+        False, "skip.rollout.steps", True, True), f
+    cfg["skip"]["rollout"]["enable"] = False  # off: nothing skipped, nothing said
+    assert "verl_steps_rollout_skipped" not in [f.code for f in verl_findings(read_verl_config(cfg))]
+
+
+def test_validate_warns_of_a_profiled_step_the_rollout_skip_may_serve(qwen25_deploy: Path, tmp_path: Path) -> None:
+    from tests.test_config_cli import run
+
+    data = yaml.safe_load(yaml.safe_dump(GOOD))
+    data["global_profiler"]["steps"] = [2]
+    data["skip"] = {"rollout_tq": {"enable": True, "steps": [2]}}
+    cfg = tmp_path / "ppo.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    report = json.loads(run("validate", qwen25_deploy, "--verl-config", cfg, "--json").stdout)
+    assert "verl_steps_rollout_skipped" in json.dumps(report), report
+
+
 def test_reward_role_reads_its_own_block_and_dir() -> None:
     plan = read_verl_config(GOOD, role="reward")
     assert (plan.enable, plan.tool, plan.trace_dir) == (False, "torch", "/tmp/prof/reward_model")

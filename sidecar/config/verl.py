@@ -88,6 +88,9 @@ class VerlProfilerPlan(BaseModel):
     # ``omni_sidecar.trainer``: the entry point module, when the user names it (the composed config
     # does not say which one runs it).
     trainer_entry: str | None = None
+    # verl's rollout skip (``skip.<name>.steps`` with ``enable``): name -> its steps, whose rollout
+    # verl loads from its cache dump when one is there (no request reaches the servers)
+    skipped: dict[str, list[int]] = Field(default_factory=dict)
     source: str | None = None
     # Where each dotted key was written, for findings (only when read from a file).
     marks: dict[str, Where] = Field(default_factory=dict, repr=False, exclude=True)
@@ -136,6 +139,10 @@ class VerlProfilerPlan(BaseModel):
         if self.save_path is None:
             return None
         return str(Path(self.save_path) / "reward_model") if self.role == "reward" else self.save_path
+
+
+# verl 0.9.1's rollout skip blocks (verl/utils/skip/config.py: SkipManagerConfig)
+SKIP_BLOCKS = ("rollout", "async_rollout", "rollout_tq")
 
 
 def format_replicas(replicas: list[int] | None) -> str:
@@ -284,6 +291,10 @@ def read_verl_config(src: dict[str, Any] | str | Path | Any, *, role: Role = "ro
     if isinstance(gpus, int) and isinstance(nodes, int) and gpus > 0 and nodes > 0:
         n_gpus = gpus * nodes
     entry = value(f"{CONFIG_KEY}.trainer")
+    skipped: dict[str, list[int]] = {}
+    for name in SKIP_BLOCKS:
+        if value(f"skip.{name}.enable") is True:
+            skipped[name] = _as_int_list(value(f"skip.{name}.steps"), f"skip.{name}.steps", marks.get(f"skip.{name}.steps"))
     plan = VerlProfilerPlan(
         role=role,
         steps=steps,
@@ -306,6 +317,7 @@ def read_verl_config(src: dict[str, Any] | str | Path | Any, *, role: Role = "ro
         n_gpus=n_gpus,
         use_v1=_as_bool(value("trainer.use_v1", True), "trainer.use_v1", marks.get("trainer.use_v1")),
         trainer_entry=None if entry is None else str(entry),
+        skipped=skipped,
         source=source,
         marks=marks,
     )
@@ -369,6 +381,14 @@ def verl_findings(
     entry = trainer or plan.trainer_entry
     if entry is not None and entry in NO_STEP_PROFILING:
         add("verl_no_step_profiling", f"{CONFIG_KEY}.trainer", NO_STEP_PROFILING[entry])
+    for name, steps in plan.skipped.items() if plan.role == "rollout" else ():
+        both = sorted(set(plan.steps) & set(steps))
+        if both:
+            add("verl_steps_rollout_skipped", f"skip.{name}.steps",
+                f"global_profiler.steps {both} are in skip.{name}.steps too: on such a step verl loads the rollout "
+                "from its cache dump when one is there, so no request reaches the rollout servers and their traces "
+                f"record nothing (verdict empty); profile other steps, or set `skip.{name}.enable=False`",
+                Severity.warning)
     if plan.resume_mode != "disable":
         add(
             "verl_resume_enabled",
