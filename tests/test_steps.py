@@ -24,7 +24,7 @@ from sidecar.config import load_deploy_config
 from sidecar.config.rules import capped_by_server
 from sidecar.control.budget import Probe, check_budget, make_plan, run_plan
 from sidecar.client import SidecarClient
-from sidecar.control.models import CaptureState
+from sidecar.control.models import CaptureState, StopReason
 from sidecar.errors import BudgetExceeded, SidecarError
 from sidecar.upstream.metrics import KEPT_FAMILIES, MetricsUnreadable, engine_steps, parse_metrics, quantile, step_counts, steps_since, window_metrics
 from tests.fixtures.emulator import EmulatorPool, emulator_state, make_deploy
@@ -366,7 +366,8 @@ class _ScriptedProbes:
         started = datetime(2026, 12, 3, tzinfo=timezone.utc) if self.window_s is not None else None
         asked = started + timedelta(seconds=self.window_s) if started is not None else None  # type: ignore[arg-type]
         return SimpleNamespace(id=capture_id, verdicts=verdicts, steps=self.asked[-1], steps_counted=None,
-                               started_at=started, stop_requested_at=asked, stopped_at=None, state=state)
+                               started_at=started, stop_requested_at=asked, stopped_at=None, state=state,
+                               stop_reason=StopReason.steps)
 
 
 @pytest.mark.parametrize(("traced", "asked", "noted"), [

@@ -307,7 +307,7 @@ async def _probe_and_plan(controller: Prober, chosen: list[int], running: list[s
         running.append(cap.id)
         done = await controller.wait(cap.id)
         running.remove(cap.id)
-        reason = getattr(done, "stop_reason", None)  # a Prober's capture (a test's stand-in may have none)
+        reason = done.stop_reason
         if reason in CANCELLING:
             # someone else stopped the probe (the CLI's Ctrl-C, `omni-sidecar stop`, the sidecar's
             # shutdown): the plan ends here. Before, it went on with its next probes, holding the

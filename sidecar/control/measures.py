@@ -20,7 +20,7 @@ from sidecar.control.notes import note
 from sidecar.control.settings import ControlSettings
 from sidecar.control.steps import Bound, Decision, Read, StepsWindow, idle_fix, steps_traced
 from sidecar.control.summaries import SummaryCache
-from sidecar.errors import MetricsUnavailable, SidecarError, StepsNotReached, StepsUnavailable
+from sidecar.errors import MetricsUnavailable, SidecarError, StepsUnavailable
 from sidecar.upstream.metrics import Labels, MetricsSnapshot, WindowMetrics, engine_steps, window_metrics
 from sidecar.upstream.server import UpstreamServer
 
@@ -80,36 +80,9 @@ class WindowMeasures:
         return Read(at, engine_steps(snap) if isinstance(snap, MetricsSnapshot) else None), snap
 
     async def wait_delay(self, first: dict[Labels, int], stages: list[int], n: int) -> None:
-        """Until the server has run ``n`` steps since ``first`` (a ``delay_steps`` start). Refused
-        at ``steps_wait_s`` as ``StepsNotReached``; where the counter could not be read at the end,
-        the refusal says so (and why), not that the server ran none: before, a server whose /metrics
-        had gone slow or away was reported to have run 0 steps, with "send load to it"."""
-        failed: dict[str, Any] = {"since": None, "why": None}  # the counter's reads failing, since when
-
-        async def step_counts() -> dict[Labels, int]:
-            t0 = time.monotonic()
-            try:
-                counts = await self.upstream.step_counts()
-            except MetricsUnavailable as exc:
-                failed["why"], failed["since"] = exc.message, failed["since"] or t0
-                raise
-            failed["since"] = failed["why"] = None
-            return counts
-
-        try:
-            await window.wait_steps(window.reader(step_counts), first, stages, n, wait_s=self.settings.steps_wait_s,
-                                    poll_s=self.settings.steps_poll_s)
-        except StepsNotReached as exc:
-            if failed["since"] is None:
-                raise
-            unread = time.monotonic() - failed["since"]
-            counted = exc.details.get("counted", 0)
-            raise StepsNotReached(
-                f"the server's step counter could not be read for the last {unread:.0f}s of the "
-                f"{self.settings.steps_wait_s:g}s this start waited for {n} delay_steps ({failed['why']}): "
-                f"{counted} were counted before, what ran since is unknown; check the server and its /metrics, "
-                "or ask for duration_s instead of steps",
-                details={**exc.details, "unreadable_s": round(unread, 3), "why": failed["why"]}) from None
+        """Until the server has run ``n`` steps since ``first`` (a ``delay_steps`` start)."""
+        await window.wait_steps(self.reader(), first, stages, n, wait_s=self.settings.steps_wait_s,
+                                poll_s=self.settings.steps_poll_s)
 
     async def count(self, cap: Capture, base: Read | None, answered_at: float) -> Decision:
         """A ``steps`` window: its counter read and fed to the policy until it says stop; its end is

@@ -63,6 +63,7 @@ class Read:
 
     at: float
     counts: Mapping[Labels, int] | None
+    error: str | None = None  # why the read failed, when it did
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ def reader(step_counts: Callable[[], Awaitable[dict[Labels, int]]], *,
         try:
             counts: dict[Labels, int] | None = await step_counts()
         except MetricsUnavailable as exc:
-            counts = None
             log.debug("a step counter read failed after %.0f ms: %s", (clock() - t0) * 1000, exc.message)
+            return Read(at=(t0 + clock()) / 2, counts=None, error=exc.message)
         return Read(at=(t0 + clock()) / 2, counts=counts)
 
     return read
@@ -57,19 +57,33 @@ async def count_window(window: StepsWindow, read: ReadCounts, *, poll_s: float,
 
 async def wait_steps(read: ReadCounts, base: Mapping[Labels, int], stages: list[int], n: int, *,
                      wait_s: float, poll_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-    """Until the server has run ``n`` steps since ``base`` (a ``delay_steps`` start), within ``wait_s``."""
+    """Until the server has run ``n`` steps since ``base`` (a ``delay_steps`` start), within ``wait_s``.
+    Refused as ``StepsNotReached``; where the counter could not be read at the end, the refusal says
+    so and why, not that the server ran none (a server whose /metrics went slow or away)."""
     deadline = clock() + wait_s
     ran = 0
+    unread_since: float | None = None  # the counter's reads failing, since when
     while True:
+        t0 = clock()
         got = await read()
         if got.counts is not None:
+            unread_since = None
             ran = steps_since(base, got.counts, stages)
             if ran >= n:
                 return
+        elif unread_since is None:
+            unread_since = t0
         if clock() >= deadline:
+            details: dict[str, Any] = {"delay_steps": n, "counted": ran}
+            if unread_since is None:
+                raise StepsNotReached(f"the server ran {ran} of the {n} delay_steps within {wait_s:g}s; send load "
+                                      "to it, or ask for fewer delay_steps", details=details)
+            unread = clock() - unread_since
             raise StepsNotReached(
-                f"the server ran {ran} of the {n} delay_steps within {wait_s:g}s; send load to it, or ask for fewer "
-                "delay_steps", details={"delay_steps": n, "counted": ran})
+                f"the server's step counter could not be read for the last {unread:.0f}s of the {wait_s:g}s this "
+                f"start waited for {n} delay_steps ({got.error}): {ran} were counted before, what ran since is "
+                "unknown; check the server and its /metrics, or ask for duration_s instead of steps",
+                details={**details, "unreadable_s": round(unread, 3), "why": got.error})
         await asyncio.sleep(poll_s)
 
 

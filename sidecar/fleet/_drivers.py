@@ -232,12 +232,12 @@ class UpstreamDriver:
         self.controller = CaptureController(self.upstream, deploy, state_dir=state_dir, settings=settings,
                                             pacing=FLEET_PACING)
         self.deploy = deploy
-        self._recovered: list[str] = []  # captures journaled live by an earlier process, stopped at open
+        self.recovered: list[str] = []  # captures journaled live by an earlier process, stopped at open
         self._started: list[str] = []  # the captures this driver started, oldest first
         self._timed: dict[str, Release] = {}  # a scheduled start's own gate, until it was sent
 
     async def open(self) -> DeployConfig | None:
-        self._recovered = [c.id for c in await self.controller.open()]
+        self.recovered = [c.id for c in await self.controller.open()]
         # The pool opened now is one the start's preparation does not pay for: best effort, an
         # unreachable server is reported by the start itself.
         await self.upstream.warm()
@@ -326,15 +326,15 @@ class UpstreamDriver:
         # After open(), a capture journaled live by an earlier process (``fleet start``) is being
         # stopped by recovery; that stop can finish before this read: it is still the one asked for.
         active = self.controller.active
-        if active is None and self._recovered:
-            return self.controller.get(self._recovered[-1])
+        if active is None and self.recovered:
+            return self.controller.get(self.recovered[-1])
         return active
 
     async def captures(self) -> list[Capture]:
         # the live one (a start still in flight too) and the newest this driver started: not the
         # controller's whole journal, copied for each of a thousand targets at every stop
         active = self.controller.active
-        ids = [*self._started[-SidecarDriver.NEWEST:], *self._recovered, *([active.id] if active else [])]
+        ids = [*self._started[-SidecarDriver.NEWEST:], *self.recovered, *([active.id] if active else [])]
         found = {}
         for cid in ids:
             with contextlib.suppress(CaptureNotFound):  # past the journal's retention

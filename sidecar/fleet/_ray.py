@@ -122,7 +122,7 @@ class NodeProfiler:
             await driver.open()
             self._drivers[name] = driver
             # what a dead actor left recording on this server is stopped before this one is used
-            for cid in driver._recovered:
+            for cid in driver.recovered:
                 await driver.wait(cid, self.stop_budget_s)
             return config
 
