@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from sidecar.control.journal import CaptureJournal, atomic_write_text
+from sidecar.control.journal import CaptureJournal, StateDirLock, atomic_write_text
 from sidecar.scrub import scrub_secrets
 from sidecar.control.models import Capture, CaptureState
 
@@ -236,3 +236,26 @@ def test_a_state_dir_held_by_a_live_process_is_refused_naming_its_pid_and_taken_
         owner = lock.owner()
     assert (info.value.details["owner_pid"], "http://127.0.0.1:8091" in info.value.message, owner["pid"]) == (
         holder.pid, True, os.getpid())
+
+
+def test_taking_a_state_dir_removes_only_what_a_write_killed_midway_left(tmp_path):
+    # a fleet's state dir holds one journal per server, a level down
+    for folder in ("captures", "summaries", "127.0.0.1_8000/captures"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / ".c0.json.ab_12xyz.tmp").write_text("{")
+        (tmp_path / folder / "c0.json").write_text("{}")
+    (tmp_path / "captures" / ".probe-77").write_text("ok")
+    (tmp_path / "captures" / "c1.json.tmp").write_text("mine")  # not a name the writer makes
+    lock = StateDirLock(tmp_path)
+    lock.acquire()
+    try:
+        assert sorted(lock.swept) == ["127.0.0.1_8000/captures/.c0.json.ab_12xyz.tmp", "captures/.c0.json.ab_12xyz.tmp",
+                                      "captures/.probe-77", "summaries/.c0.json.ab_12xyz.tmp"]
+        left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+        assert left == ["127.0.0.1_8000/captures/c0.json", "captures/c0.json", "captures/c1.json.tmp", "lock", "summaries/c0.json"]
+        assert "removed 4 temp files left by a sidecar that died mid-write" in (lock.swept_note() or "")
+    finally:
+        lock.release()
+    again = StateDirLock(tmp_path)
+    with again:
+        assert again.swept == [] and again.swept_note() is None

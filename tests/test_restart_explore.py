@@ -22,6 +22,8 @@ are the defects the pass found:
   work run meanwhile): now it stays ``failed`` (``rollback``), as it ends without the kill;
 - SIGTERM while a stop flushes waited in silence: now the log says what the exit waits for, and
   for how long at most.
+- a kill -9 during a journal write left its temp file in the state dir for good (one per crash):
+  the next sidecar on the dir now removes what the writer leaves, and nothing else.
 
 Every wait is a poll or a request with a timeout, never a fixed sleep.
 """
@@ -188,3 +190,28 @@ def test_sigterm_while_a_stop_flushes_says_in_the_log_what_the_exit_waits_for(st
     assert f"shutdown: waiting up to 20s for the stop of capture {cid}" in log, log[-2000:]
     # bounded and kept: the stop ended within the bound, the capture is journaled whole
     assert ((journaled(sc, cid) or {}).get("state"), recording(emu)) == ("completed", NONE_RECORDING)
+
+
+def test_a_restart_removes_the_temp_files_a_write_killed_midway_left_and_nothing_else(stack: Any) -> None:
+    # What kill -9 during an atomic write leaves: the writer's temp file (mkstemp's
+    # ".<name>.XXXXXXXX.tmp") and the writability probe, beside the records; a file of the user's
+    # that only looks alike is kept, and so is every record.
+    emu, sc, restart = stack()
+    with client_of(sc) as client:
+        cid = client.start_capture([0, 2]).id
+        traffic(emu)
+        client.stop_capture(cid)
+        client.wait_capture(cid, timeout=WAIT, poll_s=0.1)
+    sc.kill()
+    captures = Path(sc.state_dir) / "captures"
+    left = [captures / f".{cid}.json.k3x_9q2a.tmp", captures / ".probe-4242"]
+    kept = [captures / "notes.tmp", captures / f".{cid}.json.tmp", captures / ".probe-me"]
+    for p in left + kept:
+        p.write_text('{"id": "cut off')
+    again = restart()
+    assert [p.name for p in left if p.exists()] == []
+    assert [p.name for p in kept if not p.exists()] == []
+    with client_of(again) as client:
+        assert client.get_capture(cid).state.value == "completed"
+    log = again.log_path.read_text()
+    assert "removed 2 temp files left by a sidecar that died mid-write" in log, log[-2000:]

@@ -114,11 +114,12 @@ def _owning_state_dir(fleet: Any) -> Iterator[None]:
 
     lock = StateDirLock(Path(fleet.state_dir))
     lock.acquire(command="omni-sidecar fleet")
+    if lock.swept_note():
+        err_console.print(f"omni-sidecar: {lock.swept_note()}", highlight=False, markup=False)
     try:
         yield
     finally:
         lock.release()
-
 
 
 def _start_at(text: str | None) -> float | None:

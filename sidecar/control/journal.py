@@ -31,6 +31,11 @@ from sidecar.scrub import Scrubber
 log = logging.getLogger(__name__)
 
 _CAPTURE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# what a writer killed mid-write leaves: atomic_write_text's temp file (mkstemp's ".<name>.XXXXXXXX.tmp")
+# and check_writable's probe (".probe-<pid>"), in the folders the journal writes (also one level
+# down: a fleet's state dir holds one per server)
+_LEFTOVER = re.compile(r"^\.(?:.+\.[a-z0-9_]{8}\.tmp|probe-\d+)$")
+_WRITTEN_FOLDERS = ("captures", "summaries", "*/captures", "*/summaries")
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -123,6 +128,7 @@ class StateDirLock:
     def __init__(self, state_dir: Path) -> None:
         self.path = Path(state_dir).expanduser() / "lock"
         self._fd: int | None = None
+        self.swept: list[str] = []  # temp files the last acquire removed (see _sweep)
 
     def owner(self) -> dict[str, Any]:
         """What the lock file says about its owner ({} when it says nothing readable)."""
@@ -155,6 +161,29 @@ class StateDirLock:
         os.pwrite(fd, text.encode(), 0)
         os.fsync(fd)
         self._fd = fd
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove the temp files a writer killed mid-write left (the dir is this process's now, so
+        none is being written): never a record, only the names ``atomic_write_text`` makes. What
+        went is kept in ``swept`` (relative paths) and worded by ``swept_note``."""
+        state_dir = self.path.parent
+        for folder in _WRITTEN_FOLDERS:
+            for d in state_dir.glob(folder):
+                with _suppress_oserror():
+                    for entry in os.scandir(d):
+                        if _LEFTOVER.match(entry.name) and entry.is_file(follow_symlinks=False):
+                            with _suppress_oserror():
+                                os.unlink(entry.path)
+                                self.swept.append(os.path.relpath(entry.path, state_dir))
+
+    def swept_note(self) -> str | None:
+        """What ``acquire`` removed, in a line for the start-up output, or None."""
+        if not self.swept:
+            return None
+        n, names = len(self.swept), sorted(self.swept)
+        return (f"state dir {self.path.parent}: removed {n} temp file{'' if n == 1 else 's'} left by a sidecar that "
+                f"died mid-write ({', '.join(names[:5])}{', ...' if n > 5 else ''}); every record is kept")
 
     def release(self) -> None:
         if self._fd is None:
