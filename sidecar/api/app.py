@@ -84,7 +84,8 @@ def create_app(
     token = settings.read_token() if settings is not None else None
     register_secret(token)  # the journal and error records scrub it too, not only replies
     scrubber = Scrubber([token] if token else [])
-    metrics = Metrics(controller.state_counts, server=lambda: getattr(upstream, "version", None))
+    metrics = Metrics(controller.state_counts, server=lambda: getattr(upstream, "version", None),
+                      subscribe=controller.subscribe)
 
     app = FastAPI(
         title="omni-sidecar",

@@ -1,12 +1,15 @@
 """Prometheus metrics served at ``GET /metrics``: request counts and latencies per route
-template, and capture counts per state read from the controller at scrape time (so they are
-right after a restart too). Every label set is bounded: route templates (or ``<unmatched>``),
-known methods (others are ``OTHER``), status codes. Each app has its own registry.
+template; the captures in history per state, read from the controller at scrape time (right after
+a restart too, and pruned with it by ``--keep``); and the captures that ended in this process per
+terminal state, a counter (from 0 at each start, as Prometheus counters are) that pruning never
+lowers, for alerts. Every label set is bounded: route templates (or ``<unmatched>``), known methods
+(others are ``OTHER``), status codes, capture states. Each app has its own registry.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -19,6 +22,10 @@ from sidecar.control.models import CaptureState
 
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 _LIVE = [s.value for s in CaptureState if not s.terminal]
+_TERMINAL = [s for s in CaptureState if s.terminal]
+# A finished capture still changes (a fleet's clock record, notes): its end is counted once, by id.
+# History holds at most --keep finished captures, so the ids of the newest this many ends suffice.
+_ENDS_REMEMBERED = 65_536
 
 
 class _CaptureCollector(Collector):
@@ -27,7 +34,8 @@ class _CaptureCollector(Collector):
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         by_state = dict(self._counts())  # counts, not copies of every capture
-        family = GaugeMetricFamily("omni_sidecar_captures", "Captures known to the sidecar, by state", labels=["state"])
+        family = GaugeMetricFamily("omni_sidecar_captures", "Captures in the sidecar's history (the newest --keep "
+                                   "finished ones and the live one), by state", labels=["state"])
         for state in CaptureState:
             family.add_metric([state.value], by_state.get(state.value, 0))
         yield family
@@ -51,8 +59,32 @@ class _ServerCollector(Collector):
         yield info
 
 
+class _CaptureEnds:
+    """Counts each capture's end once, from the controller's change notifications."""
+
+    def __init__(self, counter: Counter) -> None:
+        self._counter = counter
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        for state in _TERMINAL:  # every state present from the first scrape: increase() sees the first end
+            counter.labels(state.value)
+
+    def __call__(self, capture: Any) -> None:
+        if not capture.state.terminal or capture.id in self._seen:
+            return
+        self._seen[capture.id] = None
+        if len(self._seen) > _ENDS_REMEMBERED:
+            self._seen.popitem(last=False)
+        self._counter.labels(capture.state.value).inc()
+
+
 class Metrics:
-    def __init__(self, state_counts: Callable[[], Mapping[str, int]], server: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        state_counts: Callable[[], Mapping[str, int]],
+        server: Callable[[], Any] | None = None,
+        *,
+        subscribe: Callable[[Callable[[Any], Any]], Any] | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "omni_sidecar_http_requests",
@@ -67,6 +99,15 @@ class Metrics:
             registry=self.registry,
         )
         self.registry.register(_CaptureCollector(state_counts))
+        self.capture_ends = Counter(
+            "omni_sidecar_capture_ends",
+            "Captures that ended since this sidecar started, by terminal state (history pruned by --keep "
+            "never lowers it)",
+            ["state"],
+            registry=self.registry,
+        )
+        if subscribe is not None:  # the controller's change notifications
+            subscribe(_CaptureEnds(self.capture_ends))
         if server is not None:
             self.registry.register(_ServerCollector(server))
 
