@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import math
+import numbers
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 import pydantic
@@ -38,6 +39,7 @@ PLAN_TIMEOUT = 3600.0  # a plan is probe captures, each a start, some steps and 
 # a summary or a diff may analyse a capture's traces first (a large capture's take minutes; later
 # reads of it are served from that one analysis)
 ANALYSIS_TIMEOUT = 600.0
+PAGE_MAX = 1000  # the most captures GET /v1/captures sends in one page
 
 
 class SidecarUnreachable(SidecarError):
@@ -103,22 +105,31 @@ def _capture_id(capture_id: str) -> str:
     return quote(capture_id, safe="")
 
 
-def _body(fields: dict[str, Any]) -> dict[str, Any]:
-    """A request body of the fields given (None: left out); a number JSON cannot carry (inf, nan)
-    is refused before anything is sent, naming the field."""
-
-    def check(name: str, value: Any) -> None:
-        if isinstance(value, float) and not math.isfinite(value):
+def _json_value(name: str, value: Any) -> Any:
+    """``value`` as JSON carries it: a numpy number (stage ids from an array or a DataFrame) as the
+    int or float it holds; what JSON cannot carry (inf, nan, a set, an array, a datetime) is refused
+    here, naming the field, before anything is sent (the sidecar's schema judges the rest)."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        if not math.isfinite(number := float(value)):
             raise RequestInvalid(f"{name} is {value}: JSON carries no inf or nan; pass a finite number",
                                  key=name, details={"field": name})
-        if isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                check(f"{name}[{i}]", item)
+        return number
+    if isinstance(value, (list, tuple)):
+        return [_json_value(f"{name}[{i}]", item) for i, item in enumerate(value)]
+    kind = type(value).__name__
+    listed = isinstance(value, Iterable) and not isinstance(value, (bytes, bytearray, Mapping))
+    fix = "a list (list(...) of it)" if listed else "a number or a string, as help() of the call says"
+    raise RequestInvalid(f"{name} is a {kind}, which a JSON request cannot carry; pass {fix}",
+                         key=name, details={"field": name, "type": kind})
 
-    body = {k: v for k, v in fields.items() if v is not None}
-    for name, value in body.items():
-        check(name, value)
-    return body
+
+def _body(fields: dict[str, Any]) -> dict[str, Any]:
+    """A request body of the fields given (None: left out), each as JSON carries it (``_json_value``)."""
+    return {k: _json_value(k, v) for k, v in fields.items() if v is not None}
 
 
 def _tls_failure(err: BaseException) -> ssl.SSLError | None:
@@ -155,7 +166,13 @@ def _sidecar_url(text: str) -> str:
     url = http_url(text)
     if url is None:  # else every call fails as "not reachable", which sends the user to the wrong fix
         raise SettingInvalid(f"sidecar URL {text!r} is not an http(s) URL; give it with its scheme, e.g. "
-                             f"--sidecar {with_scheme(text, DEFAULT_URL.split('://')[-1])}", details={"url": text})
+                             f"{with_scheme(text, DEFAULT_URL.split('://')[-1])}", details={"url": text})
+    parts = urlsplit(url)
+    if parts.query or parts.fragment or url.endswith(("?", "#")):
+        # every call appends its route to the base URL: `host:8092?x=1/healthz` reaches no route
+        base = parts._replace(query="", fragment="").geturl().rstrip("/")
+        raise SettingInvalid(f"sidecar URL {text!r} has a query or a fragment, which its routes cannot follow; "
+                             f"give the sidecar's address alone, e.g. {base}", details={"url": text})
     return url
 
 
@@ -207,6 +224,20 @@ def _plan(response: httpx.Response) -> Plan:
 
 def _captures(response: httpx.Response) -> list[Capture]:
     return [Capture.model_validate(c) for c in response.json()["captures"]]
+
+
+class _IdPage(NamedTuple):
+    ids: list[str]
+    next_before: str | None  # None: the oldest page
+
+
+def _id_page(response: httpx.Response) -> _IdPage:
+    data = _json(response)
+    ids = [c["id"] for c in data["captures"]]
+    if not all(isinstance(i, str) for i in ids):
+        raise TypeError("a capture id that is not a string")
+    after = data.get("next_before")  # a sidecar from before pages: one page
+    return _IdPage(ids, after if isinstance(after, str) and after in ids[-1:] else None)
 
 
 def _summary(response: httpx.Response) -> CaptureSummary:
@@ -284,6 +315,11 @@ class _Calls:
     @staticmethod
     def newest_captures(limit: int) -> _Call:
         return _Call("GET", "/v1/captures", _captures, params={"limit": limit})
+
+    @staticmethod
+    def capture_ids(before: str | None) -> _Call:
+        """One page of capture ids, newest first, older than ``before`` (the most the sidecar sends)."""
+        return _Call("GET", "/v1/captures", _id_page, params={"limit": PAGE_MAX, **({"before": before} if before else {})})
 
     @staticmethod
     def start_capture(
@@ -366,7 +402,10 @@ def _wait_over(cap: Capture, timeout: float | None, deadline: float | None, *, s
 
 
 class AsyncSidecarClient:
-    """Async client. Use as ``async with AsyncSidecarClient(url) as c: ...`` or call ``aclose()``."""
+    """Async client. Use as ``async with AsyncSidecarClient(url) as c: ...`` or call ``aclose()``.
+    Its connections belong to the event loop that runs it: made once and driven by one
+    ``asyncio.run`` after another, it opens new ones in each (the last run's died with its loop);
+    from two loops running at once it refuses (a client per loop, or ``SidecarClient``)."""
 
     def __init__(
         self,
@@ -378,9 +417,11 @@ class AsyncSidecarClient:
     ) -> None:
         self.base_url = _sidecar_url(base_url)
         self.timeout = timeout
-        self._http = httpx.AsyncClient(
+        self._new_http = lambda: httpx.AsyncClient(
             base_url=self.base_url, headers=_auth_headers(token), timeout=timeout, transport=transport, limits=_LIMITS
         )
+        self._http = self._new_http()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop self._http's connections belong to
 
     async def __aenter__(self) -> AsyncSidecarClient:
         return self
@@ -389,31 +430,52 @@ class AsyncSidecarClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        await self._http_here().aclose()
+
+    def _http_here(self) -> httpx.AsyncClient:
+        """The connection pool for the running loop. httpx's connections (and its pool's locks) are
+        bound to the loop that opened them: reused from another one they fail deep in httpcore with
+        ``Event loop is closed`` or ``bound to a different event loop``."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None or self._loop is loop:
+            self._loop = loop
+            return self._http
+        if self._loop.is_running():
+            raise RuntimeError(
+                "this AsyncSidecarClient is in use on another event loop, which still runs (another thread's); "
+                "make one client per loop (`async with AsyncSidecarClient(url) as c:` inside the coroutine), "
+                "or use SidecarClient from code that is not async")
+        if not self._http.is_closed:  # an earlier asyncio.run: its connections ended with its loop
+            self._http = self._new_http()
+        self._loop = loop
+        return self._http
 
     async def _send(self, call: _Call) -> Any:
         # The fleet's client: a thousand targets send a thousand of these at once, so an absolute
         # URL (httpx parses a relative one twice, against its base). Both clients resend inline:
         # one resend, no retry policy to build per request.
-        url, kwargs = self.base_url + call.path, call.send_kwargs(self.timeout)
+        url, kwargs, http = self.base_url + call.path, call.send_kwargs(self.timeout), self._http_here()
         try:
             try:
-                response = await self._http.request(call.method, url, **kwargs)
+                response = await http.request(call.method, url, **kwargs)
             except httpx.TransportError as err:
                 if not _may_resend(call, err):
                     raise
-                response = await self._http.request(call.method, url, **kwargs)
+                response = await http.request(call.method, url, **kwargs)
         except httpx.TransportError as err:
             raise _unreachable(self.base_url, err) from None
         return call.reply(response)
 
     async def healthz(self) -> dict[str, Any]:
+        """As :meth:`SidecarClient.healthz`."""
         return await self._send(_Calls.healthz)
 
     async def readyz(self) -> dict[str, Any]:
+        """As :meth:`SidecarClient.readyz`."""
         return await self._send(_Calls.readyz)
 
     async def stages(self) -> dict[str, Any]:
+        """As :meth:`SidecarClient.stages`."""
         return await self._send(_Calls.stages)
 
     async def clock(self) -> dict[str, Any]:
@@ -432,9 +494,11 @@ class AsyncSidecarClient:
         steps_bound: str | None = None,
         profile: str | None = None,
     ) -> Capture:
-        """Start a capture; ``steps``: a window of that many engine steps, ended by the server's own
-        cap (``omni-sidecar render --steps N``), or with ``steps_bound="count"`` by the sidecar's
-        best-effort count (``delay_steps``: the start waits for that many first). ``start_at``
+        """Start a capture of ``stages`` (None: every profiled stage) and return it. It records until
+        ``stop_capture``, ``duration_s`` seconds, or a ``lease_s`` without a ``heartbeat``: a script
+        that may die before its stop gives one of them. ``steps``: a window of that many engine
+        steps, ended by the server's own cap (``omni-sidecar render --steps N``), or with
+        ``steps_bound="count"`` by the sidecar's best-effort count (``delay_steps``: the start waits for that many first). ``start_at``
         (epoch seconds on the sidecar's clock): the start is sent then, and this returns once it is
         prepared (state ``starting``); ``wait_started`` waits for the server's answer. ``profile``:
         a stage preset's torch options for this capture only (plain vLLM 0.33 or newer)."""
@@ -455,6 +519,7 @@ class AsyncSidecarClient:
         return cap
 
     async def get_capture(self, capture_id: str) -> Capture:
+        """As :meth:`SidecarClient.get_capture`."""
         return await self._send(_Calls.get_capture(capture_id))
 
     async def wait_capture(self, capture_id: str, timeout: float | None = None, poll_s: float = 0.5) -> Capture:
@@ -478,21 +543,29 @@ class AsyncSidecarClient:
                 delay = min(delay * 1.5, 1.0)
 
     async def list_captures(self, limit: int | None = None) -> list[Capture]:
-        """Captures, newest first (``limit``: only that many: a live capture is always among the newest)."""
+        """Captures, newest first: the newest 100 (the sidecar's page), or ``limit`` of them (at most
+        1000); a live capture is always among the newest. ``resolve_id`` looks through them all."""
         return await self._send(_Calls.list_captures if limit is None else _Calls.newest_captures(limit))
 
     async def resolve_id(self, text: str) -> str:
         """As :meth:`SidecarClient.resolve_id`."""
-        return match_capture_id(text, [c.id for c in await self.list_captures()])
+        ids, page = [], _IdPage([], None)
+        while (page := await self._send(_Calls.capture_ids(page.next_before))).ids:
+            ids += page.ids
+            if page.next_before is None:
+                break
+        return match_capture_id(text, ids)
 
     async def record_clock(self, capture_id: str, record: dict[str, Any]) -> Capture:
         """Keep a fleet's clock measurement with the capture (``POST /v1/captures/{id}/clock``)."""
         return await self._send(_Calls.record_clock(capture_id, record))
 
     async def heartbeat(self, capture_id: str) -> Capture:
+        """As :meth:`SidecarClient.heartbeat`."""
         return await self._send(_Calls.heartbeat(capture_id))
 
     async def summary(self, capture_id: str, top: int = 20) -> CaptureSummary:
+        """As :meth:`SidecarClient.summary`."""
         return await self._send(_Calls.summary(capture_id, top))
 
     async def diff(self, a: str, b: str, top: int = 20) -> CaptureDiff:
@@ -500,11 +573,15 @@ class AsyncSidecarClient:
         return await self._send(_Calls.diff(a, b, top))
 
     async def download(self, capture_id: str, relpath: str) -> bytes:
+        """As :meth:`SidecarClient.download`."""
         return await self._send(_Calls.download(capture_id, relpath))
 
 
 class SidecarClient:
-    """Sync twin of ``AsyncSidecarClient`` (same methods, same errors, same ``_Calls``)."""
+    """Sync twin of ``AsyncSidecarClient``: the same methods, not awaited, and the same errors. Use
+    as ``with SidecarClient(url) as c: ...`` or call ``close()``. One client may be shared by
+    threads. A call blocks its thread, also inside a running event loop (a notebook cell): there,
+    ``AsyncSidecarClient`` keeps the loop free."""
 
     def __init__(
         self,
@@ -542,12 +619,15 @@ class SidecarClient:
         return call.reply(response)
 
     def healthz(self) -> dict[str, Any]:
+        """The sidecar is alive: ``status``, ``version``, ``active_capture`` (its id or None), ``journal``."""
         return self._send(_Calls.healthz)
 
     def readyz(self) -> dict[str, Any]:
+        """The upstream answers and its profiler endpoints are mounted (``UpstreamNotReady`` otherwise)."""
         return self._send(_Calls.readyz)
 
     def stages(self) -> dict[str, Any]:
+        """The deploy's stages: profiler kind and folder, findings, and what the server is (``server``)."""
         return self._send(_Calls.stages)
 
     def clock(self) -> dict[str, Any]:
@@ -566,9 +646,11 @@ class SidecarClient:
         steps_bound: str | None = None,
         profile: str | None = None,
     ) -> Capture:
-        """Start a capture; ``steps``: a window of that many engine steps, ended by the server's own
-        cap (``omni-sidecar render --steps N``), or with ``steps_bound="count"`` by the sidecar's
-        best-effort count (``delay_steps``: the start waits for that many first). ``start_at``
+        """Start a capture of ``stages`` (None: every profiled stage) and return it. It records until
+        ``stop_capture``, ``duration_s`` seconds, or a ``lease_s`` without a ``heartbeat``: a script
+        that may die before its stop gives one of them. ``steps``: a window of that many engine
+        steps, ended by the server's own cap (``omni-sidecar render --steps N``), or with
+        ``steps_bound="count"`` by the sidecar's best-effort count (``delay_steps``: the start waits for that many first). ``start_at``
         (epoch seconds on the sidecar's clock): the start is sent then, and this returns once it is
         prepared (state ``starting``); ``wait_started`` waits for the server's answer. ``profile``:
         a stage preset's torch options for this capture only (plain vLLM 0.33 or newer)."""
@@ -589,6 +671,7 @@ class SidecarClient:
         return cap
 
     def get_capture(self, capture_id: str) -> Capture:
+        """The capture as it is now (``CaptureNotFound`` for an unknown id)."""
         return self._send(_Calls.get_capture(capture_id))
 
     def wait_capture(self, capture_id: str, timeout: float | None = None, poll_s: float = 0.5,
@@ -616,22 +699,31 @@ class SidecarClient:
                 delay = min(delay * 1.5, 1.0)
 
     def list_captures(self, limit: int | None = None) -> list[Capture]:
-        """Captures, newest first (``limit``: only that many: a live capture is always among the newest)."""
+        """Captures, newest first: the newest 100 (the sidecar's page), or ``limit`` of them (at most
+        1000); a live capture is always among the newest. ``resolve_id`` looks through them all."""
         return self._send(_Calls.list_captures if limit is None else _Calls.newest_captures(limit))
 
     def resolve_id(self, text: str) -> str:
-        """The capture whose id is ``text`` or starts with it (``CaptureNotFound`` /
-        ``CaptureIdAmbiguous`` listing the candidates otherwise): ids are long to type."""
-        return match_capture_id(text, [c.id for c in self.list_captures()])
+        """The capture whose id is ``text`` or starts with it, among every capture the sidecar
+        keeps (``CaptureNotFound`` / ``CaptureIdAmbiguous`` listing the candidates otherwise): ids
+        are long to type."""
+        ids, page = [], _IdPage([], None)
+        while (page := self._send(_Calls.capture_ids(page.next_before))).ids:
+            ids += page.ids
+            if page.next_before is None:
+                break
+        return match_capture_id(text, ids)
 
     def record_clock(self, capture_id: str, record: dict[str, Any]) -> Capture:
         """Keep a fleet's clock measurement with the capture (``POST /v1/captures/{id}/clock``)."""
         return self._send(_Calls.record_clock(capture_id, record))
 
     def heartbeat(self, capture_id: str) -> Capture:
+        """Renew the capture's lease (``lease_s``): without one in time it stops itself."""
         return self._send(_Calls.heartbeat(capture_id))
 
     def summary(self, capture_id: str, top: int = 20) -> CaptureSummary:
+        """Top ops per stage of a finished capture (``CaptureNotTerminal`` while it records; ``top``: 1 to 500)."""
         return self._send(_Calls.summary(capture_id, top))
 
     def diff(self, a: str, b: str, top: int = 20) -> CaptureDiff:
@@ -639,6 +731,7 @@ class SidecarClient:
         return self._send(_Calls.diff(a, b, top))
 
     def download(self, capture_id: str, relpath: str) -> bytes:
+        """One trace file's bytes; ``relpath`` is ``<session folder name>/<file name>`` as the verdicts list them."""
         return self._send(_Calls.download(capture_id, relpath))
 
 
