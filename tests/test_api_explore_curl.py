@@ -125,3 +125,21 @@ def test_an_empty_before_is_refused_not_an_empty_page(served: ModuleSidecar) -> 
     err: dict[str, Any] = error_of(reply)
     assert (reply.status_code, err["code"]) == (422, "request_invalid"), reply.text
     assert "before" in err["message"]
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    pytest.param("/v1/captures", b'{"stages": [0], "duration_s": "10"}', "duration_s", id="duration-string"),
+    pytest.param("/v1/captures", b'{"stages": [0], "duration_s": true}', "duration_s", id="duration-true"),
+    pytest.param("/v1/captures", b'{"stages": [0], "lease_s": "30"}', "lease_s", id="lease-string"),
+    pytest.param("/v1/plan", b'{"stages": [0], "budget_mb": "50"}', "budget_mb", id="budget-string"),
+    pytest.param("/v1/plan", b'{"stages": [0], "max_stop_s": true}', "max_stop_s", id="max-stop-true"),
+])  # fmt: skip
+def test_seconds_and_megabytes_are_json_numbers_not_strings_or_booleans(served: ModuleSidecar, path: str,
+                                                                        body: bytes, field: str) -> None:
+    # as stages, steps and start_at are: "10" is not 10 seconds, true is not 1
+    reply = post(served, path, body, {**JSON, **AUTH})
+    err = error_of(reply)
+    assert (reply.status_code, err["code"]) == (422, "request_invalid"), reply.text
+    assert field in err["message"] and "must be a JSON number" in err["message"], err["message"]
+    assert served.client().healthz()["active_capture"] is None
+    assert starts_sent(served) == 0

@@ -56,6 +56,11 @@ def _whole(*bounds: Any) -> Any:
 Whole = _whole()
 
 
+def _number(*bounds: Any) -> Any:
+    """A JSON number (never a bool or a string: "10" is not 10 seconds) within ``bounds``."""
+    return Annotated[(float, *bounds, BeforeValidator(_a_number))]
+
+
 PLAIN_TEXT = "^[^\\u0000-\\u001f\\u007f-\\u009f]*$"  # JSON Schema's (ECMA 262) spelling of _plain_text's rule
 
 
@@ -82,8 +87,8 @@ class CaptureRequest(BaseModel):
     label: Annotated[Optional[str], BeforeValidator(_plain_text)] = Field(
         default=None, max_length=LABEL_MAX, description="plain text: no control characters",
         json_schema_extra={"pattern": PLAIN_TEXT})  # said in the schema; refused by _plain_text, with where
-    duration_s: float | None = Field(default=None, gt=0, description="stop automatically after this many seconds")
-    lease_s: float | None = Field(default=None, gt=0, description="stop unless a heartbeat arrives within this")
+    duration_s: _number(Field(gt=0)) | None = Field(default=None, description="stop automatically after this many seconds")
+    lease_s: _number(Field(gt=0)) | None = Field(default=None, description="stop unless a heartbeat arrives within this")
     kind: Literal["torch", "nsys"] = Field(
         default="torch", description="torch: trace files the sidecar checks; nsys: `profiler: cuda` stages"
     )
@@ -116,10 +121,10 @@ class PlanRequest(BaseModel):
 
     stages: list[Whole] | None = Field(default=None, min_length=1,
                                        description="stage ids; omit for every profiled stage")
-    budget_mb: float | None = Field(default=None, ge=MIN_BUDGET_MB,
+    budget_mb: _number(Field(ge=MIN_BUDGET_MB)) | None = Field(default=None,
                                     description="trace size on disk the window must fit (the smallest trace a window "
                                                 "writes is a few kB)")
-    max_stop_s: float | None = Field(default=None, ge=MIN_STOP_S, description="how long the server's stop may take")
+    max_stop_s: _number(Field(ge=MIN_STOP_S)) | None = Field(default=None, description="how long the server's stop may take")
     probe_steps: list[_whole(Field(ge=1, le=MAX_PROBE_STEPS))] = Field(default=[1, 2], min_length=1, max_length=4,
                                          description="engine steps of each probe capture")
     refine: bool = Field(default=True, description="a plan 8x or more beyond its longest probe probes once more, "
