@@ -215,3 +215,30 @@ def test_a_restart_removes_the_temp_files_a_write_killed_midway_left_and_nothing
         assert client.get_capture(cid).state.value == "completed"
     log = again.log_path.read_text()
     assert "removed 2 temp files left by a sidecar that died mid-write" in log, log[-2000:]
+
+
+def test_the_log_says_each_capture_start_and_end_once_formatted_recovered_ones_too(stack: Any) -> None:
+    # An operator reads serve's log: the sidecar's own lines went out bare (no level) or not at all
+    # (info), and a capture's end left no line; a recovered one had two that disagreed.
+    emu, sc, restart = stack()
+    with client_of(sc) as client:
+        done = client.start_capture([0, 2], label="warm-up").id
+        traffic(emu)
+        client.stop_capture(done)
+        assert client.wait_capture(done, timeout=WAIT, poll_s=0.1).state.value == "completed"
+        left = client.start_capture([0, 2]).id
+    assert poll(lambda: f"capture {done} (warm-up) completed (stop: explicit)" in sc.log_path.read_text())
+    sc.kill()
+    again = restart()
+    with client_of(again) as client:
+        final = client.wait_capture(left, timeout=WAIT, poll_s=0.1)
+    first, second = sc.log_path.read_text(), again.log_path.read_text()
+    assert f"INFO:     capture {done} (warm-up) started: stages 0, 2" in first, first[-3000:]
+    assert f"INFO:     capture {left} started: stages 0, 2" in first
+    assert poll(lambda: f"capture {left} {final.state.value} (stop: stopped_on_recovery)" in again.log_path.read_text())
+    second = again.log_path.read_text()
+    ends = [ln for ln in second.splitlines() if f"capture {left} {final.state.value}" in ln]
+    assert len(ends) == 1 and ends[0].startswith("WARNING:" if final.state.value != "completed" else "INFO:"), second[-3000:]
+    assert "was left active by a previous run" not in second
+    assert "WARNING:  recovering captures left live by a previous run: " + left in second  # the controller's, formatted
+    assert done not in second  # history loaded at start-up is not logged again

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
@@ -43,12 +44,42 @@ if TYPE_CHECKING:
 log = logging.getLogger("sidecar.api")
 
 
+class CaptureLog:
+    """One log line when a capture starts recording and one when it ends (``WARNING`` for an end
+    that is not ``completed``: its stop reason and first error or non-ok stage), from the
+    controller's change notifications: what an operator reads in ``serve``'s log, recovered
+    captures included. The controller itself logs only what goes wrong inside it."""
+
+    REMEMBERED = 4096  # captures whose last line is kept, to say each once
+
+    def __init__(self) -> None:
+        self._said: OrderedDict[str, str] = OrderedDict()
+
+    def __call__(self, cap: Any) -> None:
+        phase = "ended" if cap.state.terminal else "started" if cap.state.value == "active" else None
+        if phase is None or self._said.get(cap.id) == phase:
+            return
+        self._said[cap.id] = phase
+        self._said.move_to_end(cap.id)
+        if len(self._said) > self.REMEMBERED:
+            self._said.popitem(last=False)
+        label = f" ({cap.label})" if cap.label else ""
+        if phase == "started":
+            log.info("capture %s%s started: stages %s", cap.id, label, ", ".join(map(str, cap.stages)))
+            return
+        why = [f"{e.code}: {e.message}" for e in cap.errors[:1]]
+        why += [f"stage {v.stage_id} {v.verdict.value}: {v.reason}" for v in cap.verdicts
+                if v.verdict is not None and v.verdict.value != "ok"][: 1 - len(why)]
+        reason = cap.stop_reason.value if cap.stop_reason else "none"
+        level = logging.INFO if cap.state.value == "completed" else logging.WARNING
+        log.log(level, "capture %s%s %s (stop: %s)%s", cap.id, label, cap.state.value, reason,
+                f"; {why[0]}" if why else "")
+
+
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     api: ApiState = app.state.api
-    recovered = await api.controller.open()
-    for cap in recovered or []:
-        log.warning("capture %s was left active by a previous run; stopped on recovery", cap.id)
+    await api.controller.open()  # recovered captures: their ends are logged as any other's (CaptureLog)
     try:
         yield
     finally:
@@ -86,6 +117,7 @@ def create_app(
     scrubber = Scrubber([token] if token else [])
     metrics = Metrics(controller.state_counts, server=lambda: getattr(upstream, "version", None),
                       subscribe=controller.subscribe)
+    controller.subscribe(CaptureLog())
 
     app = FastAPI(
         title="omni-sidecar",

@@ -265,6 +265,19 @@ def _serve_on(sock: Any, settings: SidecarSettings, deploy: Any, *, log_level: s
 GRACE_S = 5
 
 
+def _log_config(log_level: str) -> dict[str, Any]:
+    """uvicorn's logging, with the sidecar's own loggers (``sidecar.*``: capture starts and ends,
+    recovery, the journal) through its handler, format and ``--log-level``; without them Python
+    printed their warnings bare and dropped the rest."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["sidecar"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    return config
+
+
 def _run_server(app: Any, sock: Any, *, host: str, port: int, log_level: str) -> None:
     """uvicorn on the listening socket ``sock`` (``host:port``) until SIGINT, SIGTERM or SIGHUP, with
     the sidecar's shutdown order: the active capture's stop begins as the shutdown does, before the
@@ -315,6 +328,6 @@ def _run_server(app: Any, sock: Any, *, host: str, port: int, log_level: str) ->
                                   "capture (kill -9 leaves it to recovery at the next start)", highlight=False)
                 await self.lifespan.shutdown()
 
-    server = SidecarServer(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+    server = SidecarServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, log_config=_log_config(log_level),
                                           timeout_graceful_shutdown=GRACE_S))
     server.run(sockets=[sock])
