@@ -23,6 +23,8 @@ class StageKind(str, Enum):
 
 
 class Stage(BaseModel):
+    """One stage of a deploy YAML as the sidecar reads it: its id, what it runs, and its profiler config."""
+
     model_config = ConfigDict(frozen=True)
 
     stage_id: int
@@ -89,6 +91,9 @@ def _product(values: Any) -> int:
 
 
 class DeployConfig(BaseModel):
+    """A vLLM-Omni deploy YAML (or a plain vLLM server's one stage) as the sidecar reads it: its stages,
+    each with its profiler config (``sidecar.config.load_deploy_config`` reads and validates one)."""
+
     model_config = ConfigDict(frozen=True)
 
     path: Path | None = None

@@ -126,6 +126,8 @@ class _Rules(BaseModel):
 
 
 class ProfilerConfig(_Rules):
+    """A stage's ``profiler_config`` (vLLM's ``ProfilerConfig`` keys, every supported version's), checked
+    by vLLM's own rules when made; the sidecar's discrete-mode rules are ``sidecar.config.rules``."""
 
     profiler: ProfilerKind | None = None
     torch_profiler_dir: str = ""

@@ -108,6 +108,10 @@ class SessionFolder(BaseModel):
 
 
 class StageVerdict(BaseModel):
+    """What one stage wrote in a capture's window: its verdict (``ok``, ``empty``, ``missing``, ...; None
+    until collecting ends), the trace session folders found, and for a verdict that is not ``ok`` the
+    reason (what happened, what to do) and the rule that decided it."""
+
     stage_id: int
     profiler_dir: str | None = None
     verdict: Verdict | None = None  # None until collecting has finished
@@ -170,6 +174,10 @@ def label_problem(label: str) -> str | None:
 
 
 class Capture(BaseModel):
+    """One capture: a profiling window over some stages of one server, from its start request to its
+    terminal state (``completed``, ``degraded``, ``failed``), with what ended it (``stop_reason``), a
+    verdict per stage and the errors met. What ``GET /v1/captures/{id}`` returns."""
+
     id: str
     label: str | None = None
     upstream: str
