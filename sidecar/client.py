@@ -12,7 +12,7 @@ import ssl
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import httpx
 import pydantic
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 from sidecar.config.settings import token_problem
 from sidecar.errors import CaptureIdAmbiguous, CaptureNotFound, RequestInvalid, SettingInvalid, SidecarError, TokenInvalid
 from sidecar.errors import class_for_code
-from sidecar.urls import http_url, with_scheme
+from sidecar.urls import http_url, with_scheme, without_query
 
 DEFAULT_URL = "http://127.0.0.1:8092"
 DEFAULT_TIMEOUT = 30.0
@@ -167,10 +167,8 @@ def _sidecar_url(text: str) -> str:
     if url is None:  # else every call fails as "not reachable", which sends the user to the wrong fix
         raise SettingInvalid(f"sidecar URL {text!r} is not an http(s) URL; give it with its scheme, e.g. "
                              f"{with_scheme(text, DEFAULT_URL.split('://')[-1])}", details={"url": text})
-    parts = urlsplit(url)
-    if parts.query or parts.fragment or url.endswith(("?", "#")):
-        # every call appends its route to the base URL: `host:8092?x=1/healthz` reaches no route
-        base = parts._replace(query="", fragment="").geturl().rstrip("/")
+    base = without_query(url)
+    if base is not None:
         raise SettingInvalid(f"sidecar URL {text!r} has a query or a fragment, which its routes cannot follow; "
                              f"give the sidecar's address alone, e.g. {base}", details={"url": text})
     return url

@@ -1,6 +1,7 @@
 """The one rule for a URL a user gives (the server, a sidecar, a fleet target): http or https with a
-host. ``127.0.0.1:8000`` without its scheme would otherwise reach nothing (httpx refuses it, or reads
-the host as a scheme) and be reported as a server that does not answer."""
+host, and no query or fragment (``without_query``). ``127.0.0.1:8000`` without its scheme would
+otherwise reach nothing (httpx refuses it, or reads the host as a scheme) and be reported as a server
+that does not answer."""
 
 from __future__ import annotations
 
@@ -18,6 +19,16 @@ def http_url(text: str) -> str | None:
     if parts.scheme not in ("http", "https") or not host:
         return None
     return value.rstrip("/")
+
+
+def without_query(url: str) -> str | None:
+    """``url`` without its query and fragment where it has either (a ``?`` or ``#`` alone too), else
+    None. A base URL takes neither: every call appends its route to it, and ``host:8000?x=1/healthz``
+    reaches no route, so such a URL is refused naming this one."""
+    parts = urlsplit(url)
+    if not (parts.query or parts.fragment or "?" in url or "#" in url):
+        return None
+    return parts._replace(query="", fragment="").geturl().rstrip("/?#")
 
 
 def with_scheme(text: str, default: str = "127.0.0.1:8000") -> str:

@@ -162,3 +162,21 @@ def test_a_stage_list_with_an_empty_or_odd_item_is_refused_not_shortened(value: 
     done = cli("start", "--stages", value, "--sidecar", f"http://127.0.0.1:{free_port()}")
     said = " ".join(done.stderr.replace("│", " ").split())
     assert (done.returncode, "'--stages'" in said, why in said, "Traceback" in said) == (2, True, True, False), done.stderr
+
+
+@pytest.mark.parametrize(("command", "flag"), [
+    (["serve"], "--upstream"),
+    (["validate"], "--server"),
+    (["fleet", "start"], "--targets"),
+    (["list"], "--sidecar"),
+])  # fmt: skip
+def test_a_url_with_a_query_or_fragment_is_refused_naming_the_address_alone(command: list[str], flag: str) -> None:
+    # every call appends its route to the URL: "host:port?x=1/start_profile" reaches nothing, and was
+    # reported as a server or sidecar that does not answer (or not the sidecar)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/?token=x#top"
+    done = cli(*command, flag, f"sidecar={url}" if flag == "--targets" else url)
+    said = " ".join(done.stderr.split())
+    fix = ("" if flag in ("--targets", "--sidecar") else f"{flag} ") + f"http://127.0.0.1:{port}"
+    assert ("has a query or a fragment" in said, f"e.g. {fix}" in said, f"e.g. {fix}/" in said, "Traceback" in said,
+            "unreachable" in said, done.returncode) == (True, True, False, False, False, 1), done.stderr

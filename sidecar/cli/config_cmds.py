@@ -30,7 +30,7 @@ from sidecar.config.rules import MAX_IDLE_SHARE, max_iterations_for, validate_de
 from sidecar.config.verl import format_replicas, installed_verl, read_verl_config, verl_findings
 from sidecar.control.models import MAX_ENGINE_STEPS  # the bound of a steps window, as the API has it
 from sidecar.errors import ConfigUnreadable, DeployConfigMissing, Finding, SettingInvalid, Severity, SidecarError
-from sidecar.urls import http_url, with_scheme
+from sidecar.urls import http_url, with_scheme, without_query
 from sidecar.versions import (NEWEST_OMNI, NEWEST_VLLM, PLATFORM_DEVICE, WORKER_PROFILERS, Release, ServerVersion,
                              omni_dialect)
 
@@ -115,6 +115,9 @@ def _target(kind: str, vllm_version: str | None, omni_version: str | None, serve
         if url is None:  # else an unreachable "server" would be invented, of a guessed version
             raise SettingInvalid(f"--server {server!r} is not an http(s) URL; pass the server's URL with its scheme, "
                                  f"e.g. --server {with_scheme(server)}", key="server", details={"url": server})
+        if (base := without_query(url)) is not None:
+            raise SettingInvalid(f"--server {server!r} has a query or a fragment, which the server's routes cannot "
+                                 f"follow; pass its address alone, e.g. --server {base}", key="server", details={"url": server})
         found = _read_server(url, omni_version)
         if given_vllm is None:
             return found

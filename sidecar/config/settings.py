@@ -129,7 +129,7 @@ class SidecarSettings(BaseSettings):
     @classmethod
     def _url_has_scheme(cls, value: str) -> str:
         # "127.0.0.1:8000" parses as scheme "127.0.0.1" and every call then hangs into a 502
-        from sidecar.urls import http_url, with_scheme
+        from sidecar.urls import http_url, with_scheme, without_query
 
         url = http_url(value)
         if url is None:
@@ -137,6 +137,9 @@ class SidecarSettings(BaseSettings):
                 f"--upstream {value!r} is not an http(s) URL; pass the server's URL with its scheme, "
                 f"e.g. --upstream {with_scheme(value)}"
             )
+        if (base := without_query(url)) is not None:
+            raise ValueError(f"--upstream {value!r} has a query or a fragment, which the server's routes cannot "
+                             f"follow; pass its address alone, e.g. --upstream {base}")
         return url
 
     @model_validator(mode="after")

@@ -12,7 +12,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from sidecar.errors import TargetDuplicate, TargetInvalid, TargetsEmpty
-from sidecar.urls import http_url
+from sidecar.urls import http_url, without_query
 
 Flavor = Literal["omni", "vllm"]
 
@@ -32,6 +32,9 @@ def _normalize_url(url: str) -> str:
             "or upstream=http://10.0.0.5:8091",
             details={"target": text},
         )
+    if (base := without_query(normal)) is not None:
+        raise TargetInvalid(f"target {str(url).strip()!r} has a query or a fragment, which no route can follow; "
+                            f"write its address alone, e.g. {base}", details={"target": str(url).strip()})
     return normal
 
 
