@@ -164,6 +164,9 @@ def test_families_follow_the_conventions_and_labels_stay_bounded(start: Callable
             assert route is None or route == "<unmatched>" or route.startswith("/"), route
             assert "\n" not in "".join(labels.values())
     assert families["omni_sidecar_http_request_seconds"].type == "histogram"
+    # a stop?wait=true or a held GET lasts minutes: buckets past the library's default 10 s
+    bounds = {s.labels["le"] for s in families["omni_sidecar_http_request_seconds"].samples if s.name.endswith("_bucket")}
+    assert {"10.0", "60.0", "600.0", "+Inf"} <= bounds, bounds
     assert {s.labels["route"] for s in families["omni_sidecar_http_requests"].samples} >= {"<unmatched>"}
     log = Path(sidecar.log_path).read_text()
     assert TOKEN not in log

@@ -26,6 +26,9 @@ _TERMINAL = [s for s in CaptureState if s.terminal]
 # A finished capture still changes (a fleet's clock record, notes): its end is counted once, by id.
 # History holds at most --keep finished captures, so the ids of the newest this many ends suffice.
 _ENDS_REMEMBERED = 65_536
+# prometheus_client's default buckets end at 10 s; a stop?wait=true, a start that waits for its
+# steps or a first summary lasts minutes: past 10 s they would all read "+Inf"
+LATENCY_BUCKETS = (*Histogram.DEFAULT_BUCKETS[:-1], 30.0, 60.0, 120.0, 300.0, 600.0, float("inf"))
 
 
 class _CaptureCollector(Collector):
@@ -96,6 +99,7 @@ class Metrics:
             "omni_sidecar_http_request_seconds",
             "HTTP request latency, by route template",
             ["route", "method"],
+            buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
         self.registry.register(_CaptureCollector(state_counts))
