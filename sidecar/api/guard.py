@@ -2,11 +2,16 @@
 
 - ``Host`` (and ``Origin`` when sent) name an allowed host: loopback names by default, more with
   ``--allowed-host`` (``*``: any). A DNS-rebinding page arrives with its own host name; a
-  cross-site page with its own origin.
+  cross-site page with its own origin. A loopback ``Origin`` is this sidecar's own page only on the
+  ``Host``'s port: a page of another server on this host (a notebook, a dev server) can send a
+  body-less ``POST`` (start, stop) without a preflight, so it is refused like another site's.
 - A mutating request's body is ``application/json`` (415 otherwise). curl's ``-d`` default,
   ``application/x-www-form-urlencoded``, and ``text/plain`` are exactly what an HTML form on any
   web page can send without a preflight, so they are refused, not read as JSON.
 - A body is at most ``max_body`` bytes (413), whether announced by ``Content-Length`` or streamed.
+
+Every reply says ``X-Content-Type-Options: nosniff`` and ``X-Frame-Options: DENY`` (no browser
+renders a reply as another type, no other site frames ``/docs`` or the page).
 
 And every request gets an answer when the server shuts down under it: on SIGTERM ``omni-sidecar
 serve`` begins the active capture's stop (``app.begin_shutdown``), uvicorn stops accepting, waits
@@ -31,6 +36,8 @@ from sidecar.errors import BodyTooLarge, HostNotAllowed, MediaTypeUnsupported, S
 
 MAX_BODY = 1024 * 1024  # 1 MiB: the largest real body is a few hundred bytes
 MUTATING = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+DEFAULT_PORTS = {"http": 80, "https": 443}
+REPLY_HEADERS = ((b"x-content-type-options", b"nosniff"), (b"x-frame-options", b"DENY"))
 
 
 def _hostname(value: str) -> str:
@@ -39,6 +46,16 @@ def _hostname(value: str) -> str:
     if value.startswith("["):
         return value[1 : value.find("]")] if "]" in value else value
     return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def _port(host: str, scheme: str) -> int | None:
+    """The port of a ``Host`` value (the scheme's default when it names none); None: not a port."""
+    tail = host.strip()
+    tail = tail[tail.find("]") + 1 :] if tail.startswith("[") else tail
+    if tail.count(":") != 1:
+        return DEFAULT_PORTS.get(scheme)
+    port = tail.rsplit(":", 1)[1]
+    return int(port) if port.isdigit() else None
 
 
 class RequestGuard:
@@ -52,6 +69,18 @@ class RequestGuard:
     def _allowed(self, name: str) -> bool:
         return self.any_host or is_loopback(name) or name in self.hosts
 
+    def _origin_allowed(self, origin: str, host: str | None) -> bool:
+        """A name given with --allowed-host (any port), or a loopback name on the port the request
+        came to: this sidecar's own page, whichever loopback name it was opened by."""
+        try:
+            parts = urlsplit(origin)
+            name, port = parts.hostname or "", parts.port or DEFAULT_PORTS.get(parts.scheme)
+        except ValueError:  # a port that is not a number
+            return False
+        if self.any_host or name in self.hosts:
+            return True
+        return is_loopback(name) and host is not None and port is not None and port == _port(host, parts.scheme)
+
     def _check(self, scope: Scope) -> SidecarError | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host")
@@ -63,11 +92,12 @@ class RequestGuard:
                 details={"host": host},
             )
         origin = headers.get("origin")
-        if origin is not None and (origin == "null" or not self._allowed(urlsplit(origin).hostname or "")):
+        if origin is not None and (origin == "null" or not self._origin_allowed(origin, host)):
             return HostNotAllowed(
-                f"Origin {origin!r} is not allowed (a page of another site); call the API from a "
-                "script or from a page served by an allowed host (--allowed-host NAME)",
-                details={"origin": origin},
+                f"Origin {origin!r} is not allowed (a page of another site, or of another server on this "
+                "host: a loopback page on another port than the sidecar's); call the API from a script or "
+                "from the sidecar's own page, or add the page's host name with --allowed-host NAME",
+                details={"origin": origin, "host": host},
             )
         if scope.get("method") in MUTATING:
             ctype = headers.get("content-type", "").split(";")[0].strip().lower()
@@ -94,6 +124,7 @@ class RequestGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        send = _with_reply_headers(send)
         refused = self._check(scope)
         if refused is not None:
             await error_response(refused)(scope, receive, send)
@@ -129,6 +160,20 @@ class RequestGuard:
             if uncancel is not None:
                 uncancel()  # answered, not cancelled: the server closes the connection after the reply
             await error_response(_closing(scope.get("path", "")))(scope, receive, send)
+
+
+def _with_reply_headers(send: Send) -> Send:
+    """``send`` that adds ``REPLY_HEADERS`` to the reply's start where a route has not set them."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", []))
+            present = {k.lower() for k, _ in headers}
+            headers += [(k, v) for k, v in REPLY_HEADERS if k not in present]
+            message = {**message, "headers": headers}
+        await send(message)
+
+    return sending
 
 
 def _closing(path: str) -> SidecarClosing:

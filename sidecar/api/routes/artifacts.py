@@ -19,6 +19,11 @@ from sidecar.errors import ArtifactNotFound
 
 router = APIRouter(tags=["captures"])
 
+# A file is whatever was written into a session folder (a `.html` or `.svg` too): as an attachment,
+# sandboxed (and unsniffed, as every reply: sidecar/api/guard.py) it is never a page of the
+# sidecar's origin, whose scripts could call the API.
+DOWNLOAD_HEADERS = {"Content-Security-Policy": "default-src 'none'; sandbox"}
+
 try:  # Starlette that answers Range requests (0.39 on) reads them with these; older ones send the whole file
     from starlette.responses import MalformedRangeHeader, RangeNotSatisfiable
 
@@ -76,7 +81,7 @@ def _send(api: Api, request: Request, capture_id: str, relpath: str) -> FileResp
                                details={"capture_id": capture_id, "path": relpath}) from None
     _check_range(request, st.st_size)
     return FileResponse(path, filename=filenames.shown(path.name), media_type=_media_type(path.name),
-                        stat_result=st)
+                        stat_result=st, headers=DOWNLOAD_HEADERS)
 
 
 @router.get(

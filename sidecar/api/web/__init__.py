@@ -27,9 +27,8 @@ CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; base-uri 'self'; form-action 'none'; frame-ancestors 'none'"
 )
-SECURITY_HEADERS = {
+SECURITY_HEADERS = {  # nosniff and no framing: every reply's (sidecar/api/guard.py)
     "Content-Security-Policy": CSP,
-    "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
 }
 
