@@ -1,11 +1,13 @@
 """Secrets never leave the sidecar: the values of secret-named environment variables (HF_TOKEN,
 ...), registered values (the bearer token), credentials in URLs and credential-shaped text are
 replaced by ``***`` in
-everything it writes (journal, error records) or serves (every HTTP reply). One rule, used by all.
+everything it writes (journal, error records, ``serve``'s log lines: ``ScrubLogs``) or serves
+(every HTTP reply). One rule, used by all.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterable
@@ -77,3 +79,18 @@ class Scrubber:
         if isinstance(value, (list, tuple)):
             return [self.data(v) for v in value]
         return value
+
+
+class ScrubLogs(logging.Filter):
+    """A log handler's filter: the record's message and its string arguments scrubbed, so a token
+    sent in a URL (``?token=...``, a capture id) never reaches uvicorn's access log or any other
+    line. Arguments keep their places and types (uvicorn's access formatter reads them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = scrub_secrets(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(scrub_secrets(a) if isinstance(a, str) else a for a in record.args)
+        elif isinstance(record.args, dict):
+            record.args = {k: scrub_secrets(v) if isinstance(v, str) else v for k, v in record.args.items()}
+        return True

@@ -171,3 +171,19 @@ def test_families_follow_the_conventions_and_labels_stay_bounded(start: Callable
     log = Path(sidecar.log_path).read_text()
     assert TOKEN not in log
     assert "Traceback" not in log, log
+
+
+def test_a_token_sent_in_a_url_never_reaches_the_log(start: Callable[..., tuple[Any, Any]]) -> None:
+    # curl 'http://sidecar/v1/captures?token=...' (a guess at how to pass it), or pasted as an id:
+    # uvicorn's access line logged the URL as it came
+    _, sidecar = start()
+    with httpx.Client(base_url=sidecar.url, timeout=60) as http:
+        http.get("/v1/captures", params={"token": TOKEN})
+        http.get(f"/v1/captures/{TOKEN}")
+        http.get("/healthz", params={"api_key": "not-the-token-but-a-key"})
+        http.get("/healthz", params={"marker": "after-the-secrets"})
+    log_path = Path(sidecar.log_path)
+    assert poll(lambda: "after-the-secrets" in log_path.read_text())  # every line above is written
+    log = log_path.read_text()
+    assert TOKEN not in log and "not-the-token-but-a-key" not in log, log
+    assert '"GET /v1/captures?token=*** HTTP/1.1" 200' in log, log  # a read: open without the token

@@ -267,14 +267,18 @@ GRACE_S = 5
 
 def _log_config(log_level: str) -> dict[str, Any]:
     """uvicorn's logging, with the sidecar's own loggers (``sidecar.*``: capture starts and ends,
-    recovery, the journal) through its handler, format and ``--log-level``; without them Python
-    printed their warnings bare and dropped the rest."""
+    recovery, the journal) through its handler, format and ``--log-level`` (without them Python
+    printed their warnings bare and dropped the rest), every line scrubbed of secrets."""
     import copy
 
     from uvicorn.config import LOGGING_CONFIG
 
     config = copy.deepcopy(LOGGING_CONFIG)
     config["loggers"]["sidecar"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    # secrets never reach a log line: a token in a URL's query or path is scrubbed (sidecar/scrub.py)
+    config["filters"] = {**config.get("filters", {}), "scrub": {"()": "sidecar.scrub.ScrubLogs"}}
+    for handler in config["handlers"].values():
+        handler["filters"] = [*handler.get("filters", []), "scrub"]
     return config
 
 
