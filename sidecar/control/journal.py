@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import stat
 import tempfile
@@ -383,15 +384,44 @@ class CaptureJournal:
         return ids
 
     def _delete_files(self, ids: list[str], seq: int) -> None:
+        """A dropped capture's record, the files cached for it in ``summaries/`` (``<id>.*``: its
+        summary, timeline, a ``.bad`` one) and its copies in ``artifacts/<id>/`` (the tables plain
+        vLLM rewrites at every stop). ``summaries/`` is listed once for the whole batch: a start-up
+        that drops thousands listed it once per capture."""
+        dropped = set(ids)
         with self._io:
             for cid in ids:
                 self._written[self.path(cid)] = seq  # an older write still queued does not bring it back
-                summaries = self.state_dir / "summaries"
-                for p in (self.path(cid), *summaries.glob(f"{cid}.*")):
-                    with _suppress_oserror():
-                        p.unlink()
+                with _suppress_oserror():
+                    self.path(cid).unlink()
+                shutil.rmtree(self.state_dir / "artifacts" / cid, ignore_errors=True)
+            with _suppress_oserror():
+                for entry in os.scandir(self.state_dir / "summaries"):
+                    if _owner(entry.name, dropped) is not None:
+                        with _suppress_oserror():
+                            os.unlink(entry.path)
 
     # Summaries are cached beside the journal, not in it: they can be large and are recomputable.
     def summary_path(self, capture_id: str) -> Path:
         self.path(capture_id)  # validates the id
         return self.state_dir / "summaries" / f"{capture_id}.json"
+
+    def write_summary(self, capture_id: str, text: str) -> bool:
+        """Cache a capture's summary (blocking), unless retention dropped the capture meanwhile (its
+        record is gone): a summary that outlived its capture's record was never deleted. False then."""
+        path = self.summary_path(capture_id)
+        with self._io:  # deletions run under it too: the record is either there or its files are gone
+            if not self.path(capture_id).is_file():
+                return False
+            atomic_write_text(path, text)
+        return True
+
+
+def _owner(name: str, ids: set[str]) -> str | None:
+    """The capture of ``ids`` a file in ``summaries/`` belongs to (``<id>.<anything>``), or None."""
+    dot = name.find(".")
+    while dot > 0:
+        if name[:dot] in ids:
+            return name[:dot]
+        dot = name.find(".", dot + 1)
+    return None

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import TypeAdapter, ValidationError
 
 from sidecar.control import artifacts
-from sidecar.control.journal import CaptureJournal, atomic_write_text, set_aside
+from sidecar.control.journal import CaptureJournal, set_aside
 from sidecar.control.models import Capture
 from sidecar.errors import CaptureNotTerminal, SummaryUnavailable
 
@@ -216,7 +216,10 @@ class SummaryCache:
             if held is None or not held.serves(top) or await asyncio.to_thread(_replaced_since, held, cap):
                 # a caller in process may ask past the API's bound: then that many rows, kept instead
                 rows = max(top, SUMMARY_TOP_MAX)
-                held = self._keep(cap.id, rows, *await self._compute(cap, rows))
+                files, data = await self._compute(cap, rows)
+                if not await self._store(cap.id, rows, files, data):  # dropped by retention meanwhile
+                    return cut(data, top)
+                held = self._keep(cap.id, rows, files, data)
         return cut(held.data, top)
 
     async def _compute(self, cap: Capture, rows: int) -> tuple[dict[str, list[int]], dict[str, Any]]:
@@ -245,13 +248,23 @@ class SummaryCache:
         result = await asyncio.to_thread(run_isolated, summarize_paths, paths, top=rows, requested_start=started)
         data: dict[str, Any] = result.model_dump(mode="json")
         data["warnings"] = skipped + data.get("warnings", [])
-        path = self._file(cap.id)
-        if path is not None:
-            try:
-                await asyncio.to_thread(atomic_write_text, path, json.dumps({**data, ROWS_KEY: rows, FILES_KEY: files}))
-            except OSError as exc:  # the summary is served anyway; only its cache is lost
-                log.warning("capture %s: cannot cache the summary in %s: %s", cap.id, path, exc)
         return files, data
+
+    async def _store(self, capture_id: str, rows: int, files: dict[str, list[int]], data: dict[str, Any]) -> bool:
+        """Cache a new analysis in its file; False when the capture left the history while it was
+        analysed (retention: its files are deleted, and a summary written now would stay for good)."""
+        if self.journal is None:
+            return True
+        text = json.dumps({**data, ROWS_KEY: rows, FILES_KEY: files})
+        try:
+            kept = await asyncio.to_thread(self.journal.write_summary, capture_id, text)
+        except OSError as exc:  # the summary is served anyway; only its cache is lost
+            log.warning("capture %s: cannot cache the summary in %s: %s", capture_id, self._file(capture_id), exc)
+            return True
+        if not kept:
+            log.info("capture %s: summary not cached: the capture left the history (retention) while it was "
+                     "analysed", capture_id)
+        return kept
 
     def schedule(self, cap: Capture) -> None:
         """Analyse the capture in the background (the default summary is a cut of it)."""
