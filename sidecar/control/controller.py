@@ -1007,14 +1007,14 @@ class CaptureController:
         cap = self.get(capture_id)
         if cap.terminal:
             return cap
-        rt = self._rt[capture_id]
+        record, rt = self._captures[capture_id], self._rt[capture_id]
         try:
             await asyncio.wait_for(rt.done.wait(), timeout)
         except asyncio.TimeoutError:
             pass
         if self.journal is not None:
             await self.journal.flush()  # a terminal capture is on disk when wait returns
-        return self.get(capture_id)
+        return _copy(record)  # the capture waited for, also where retention dropped it as it ended (--keep 0)
 
     async def wait_started(self, capture_id: str, timeout: float | None = None) -> Capture:
         """Until the capture has left ``starting`` (a scheduled start answered, or failed), or
@@ -1100,6 +1100,9 @@ class CaptureController:
         self._changed(cap)
         if rt is not None:
             rt.done.set()
+            # the folder listings its start took: a capture kept in history held them (the server's
+            # profiler dirs hold weeks of session folders: ~5 MB a capture at 20,000 of them)
+            rt.watches = []
         self._retain()
 
     def _retain(self) -> None:
