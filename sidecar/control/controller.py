@@ -289,8 +289,20 @@ class CaptureController:
 
     def list(self) -> list[Capture]:
         """Every capture this sidecar knows (journal history included), newest first."""
+        return self.page()[0]
+
+    def page(self, limit: int | None = None, before: str | None = None) -> tuple[list[Capture], str | None]:
+        """The captures this sidecar knows (journal history included), newest first: the newest
+        ``limit`` (None: all) older than capture ``before`` (an id past retention: by id, which sorts
+        by creation time), and the id the next page starts before (None: this is the oldest). Only
+        the page is copied: the web page asks every few seconds, the history holds a thousand."""
         caps = sorted(self._captures.values(), key=lambda c: (c.created_at, c.id), reverse=True)
-        return [_copy(c) for c in caps]
+        if before is not None:
+            ref = self._captures.get(before)
+            caps = ([c for c in caps if (c.created_at, c.id) < (ref.created_at, ref.id)] if ref is not None
+                    else [c for c in caps if c.id < before])
+        page = caps if limit is None else caps[:limit]
+        return [_copy(c) for c in page], page[-1].id if page and len(caps) > len(page) else None
 
     @property
     def active(self) -> Capture | None:

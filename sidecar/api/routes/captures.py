@@ -212,19 +212,8 @@ async def list_captures(
         description="only captures older than this capture id (the previous page's next_before)"
     ),
 ) -> SafeJSONResponse:
-    caps = api.controller.list()
-    if before is not None:
-        ref = next((c for c in caps if c.id == before), None)
-        if ref is not None:
-            key = (ref.created_at, ref.id)
-            caps = [c for c in caps if (c.created_at, c.id) < key]
-        else:  # an id past retention: ids sort by creation time
-            caps = [c for c in caps if c.id < before]
-    page = caps[:limit]
-    more = len(caps) > limit
-    return SafeJSONResponse(
-        {"captures": [api.capture_json(c) for c in page], "next_before": page[-1].id if more and page else None}
-    )
+    page, next_before = api.controller.page(limit, before)
+    return SafeJSONResponse({"captures": [api.capture_json(c) for c in page], "next_before": next_before})
 
 
 @router.get(
