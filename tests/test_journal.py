@@ -259,3 +259,30 @@ def test_taking_a_state_dir_removes_only_what_a_write_killed_midway_left(tmp_pat
     again = StateDirLock(tmp_path)
     with again:
         assert again.swept == [] and again.swept_note() is None
+
+
+def test_a_cache_file_built_for_a_capture_dropped_meanwhile_is_not_adopted(tmp_path):
+    # a timeline is built beside the summaries while retention may drop its capture (--keep): a file
+    # written after retention deleted the capture's files stayed in summaries/ for good
+    j = CaptureJournal(tmp_path, keep=1)
+    t0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
+    caps = [_cap(f"c{i}", state=CaptureState.completed, created_at=t0.replace(hour=i)) for i in range(2)]
+    j.write(caps[0])
+    j.drain()
+    kept, dropped = j.building("c0", "c0.timeline.json.gz"), j.building("c0", "c0.timeline.json.gz")
+    for p in (kept, dropped):
+        p.write_bytes(b"gz")
+    assert kept.parent != dropped.parent and kept.parent.name.startswith(".building-")
+    assert j.adopt("c0", kept) == tmp_path / "summaries" / "c0.timeline.json.gz"
+    j.write(caps[1])
+    j.expired(caps)  # c0 leaves the history: its record and cached files go
+    j.drain()
+    assert not (tmp_path / "summaries" / "c0.timeline.json.gz").exists()
+    assert j.adopt("c0", dropped) is None and dropped.exists()  # the caller serves it once...
+    CaptureJournal.discard(dropped)  # ...then discards it
+    assert sorted(p.name for p in (tmp_path / "summaries").iterdir()) == []
+    # one left by a crash mid-build goes with the next sidecar's sweep
+    (tmp_path / "summaries" / ".building-0a1b2c3d").mkdir()
+    (tmp_path / "summaries" / ".building-0a1b2c3d" / "c1.timeline.json.gz").write_bytes(b"gz")
+    with StateDirLock(tmp_path) as lock:
+        assert lock.swept == ["summaries/.building-0a1b2c3d"]

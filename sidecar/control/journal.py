@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import socket
 import stat
@@ -32,10 +33,11 @@ from sidecar.scrub import Scrubber
 log = logging.getLogger(__name__)
 
 _CAPTURE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-# what a writer killed mid-write leaves: atomic_write_text's temp file (mkstemp's ".<name>.XXXXXXXX.tmp")
-# and check_writable's probe (".probe-<pid>"), in the folders the journal writes (also one level
-# down: a fleet's state dir holds one per server)
-_LEFTOVER = re.compile(r"^\.(?:.+\.[a-z0-9_]{8}\.tmp|probe-\d+)$")
+# what a writer killed mid-write leaves: atomic_write_text's temp file (mkstemp's ".<name>.XXXXXXXX.tmp"),
+# the folder a cache file is built in (``building``: ".building-XXXXXXXX") and check_writable's probe
+# (".probe-<pid>"), in the folders the journal writes (also one level down: a fleet's state dir
+# holds one per server)
+_LEFTOVER = re.compile(r"^\.(?:.+\.[a-z0-9_]{8}\.tmp|probe-\d+|building-[0-9a-f]{8})$")
 _WRITTEN_FOLDERS = ("captures", "summaries", "*/captures", "*/summaries")
 
 
@@ -173,10 +175,14 @@ class StateDirLock:
             for d in state_dir.glob(folder):
                 with _suppress_oserror():
                     for entry in os.scandir(d):
-                        if _LEFTOVER.match(entry.name) and entry.is_file(follow_symlinks=False):
-                            with _suppress_oserror():
+                        if not _LEFTOVER.match(entry.name) or entry.is_symlink():
+                            continue
+                        with _suppress_oserror():
+                            if entry.is_dir():
+                                shutil.rmtree(entry.path)
+                            else:
                                 os.unlink(entry.path)
-                                self.swept.append(os.path.relpath(entry.path, state_dir))
+                            self.swept.append(os.path.relpath(entry.path, state_dir))
 
     def swept_note(self) -> str | None:
         """What ``acquire`` removed, in a line for the start-up output, or None."""
@@ -405,6 +411,32 @@ class CaptureJournal:
     def summary_path(self, capture_id: str) -> Path:
         self.path(capture_id)  # validates the id
         return self.state_dir / "summaries" / f"{capture_id}.json"
+
+    def building(self, capture_id: str, name: str) -> Path:
+        """Where to build the file a capture's ``summaries/<name>`` caches (under its own name, which
+        a gzip header names, in a hidden folder of ``summaries/`` that retention passes over and a
+        restart's sweep removes if left) before ``adopt`` moves it there."""
+        self.path(capture_id)  # validates the id
+        folder = self.state_dir / "summaries" / f".building-{secrets.token_hex(4)}"
+        folder.mkdir(parents=True)
+        return folder / name
+
+    def adopt(self, capture_id: str, built: Path) -> Path | None:
+        """``built`` (from ``building``) moved to ``summaries/``, unless retention dropped the capture
+        meanwhile: None then, and ``built`` stays the caller's (to serve once, then ``discard``).
+        Under the I/O lock retention deletes under: the record is there, or its files are gone."""
+        target = self.state_dir / "summaries" / built.name
+        with self._io:
+            if not self.path(capture_id).is_file():
+                return None
+            os.replace(built, target)
+        self.discard(built)
+        return target
+
+    @staticmethod
+    def discard(built: Path) -> None:
+        """The folder ``built`` was made in (``building``), with whatever is left in it."""
+        shutil.rmtree(built.parent, ignore_errors=True)
 
     def write_summary(self, capture_id: str, text: str) -> bool:
         """Cache a capture's summary (blocking), unless retention dropped the capture meanwhile (its

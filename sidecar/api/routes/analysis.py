@@ -22,6 +22,7 @@ from typing import Any
 
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
+from starlette.background import BackgroundTask
 
 from sidecar.analysis.isolated import run_isolated
 from sidecar.api.openapi import error as openapi_error
@@ -29,6 +30,7 @@ from sidecar.api.openapi import responses
 from sidecar.api.responses import SafeJSONResponse
 from sidecar.api.state import TOKEN, Api, ApiState
 from sidecar.control import artifacts
+from sidecar.control.journal import CaptureJournal
 from sidecar.control.summaries import SUMMARY_TOP, SUMMARY_TOP_MAX, complete
 from sidecar.errors import CaptureNotFound, CaptureNotTerminal, SummaryUnavailable, TraceError, TraceTooLarge
 
@@ -84,21 +86,39 @@ def _timeline_file(api: ApiState, capture_id: str) -> Path:
     return folder / f"{capture_id}.timeline.json.gz"
 
 
+async def _build_timeline(api: ApiState, capture_id: str, out: Path) -> Path:
+    """Build the capture's timeline as ``out`` (kept beside its summary), or, where retention
+    dropped the capture while it was built, as a file served once and then removed."""
+    from sidecar.analysis.timeline import write_timeline
+
+    paths, skipped = _traces_and_skipped(api, capture_id)
+    journal = getattr(api.controller, "journal", None)
+    built = journal.building(capture_id, out.name) if journal is not None else out
+    # what was not read is named in the file (otherData.omni_sidecar_not_read)
+    await asyncio.to_thread(run_isolated, write_timeline, paths, built, skipped=skipped)
+    if journal is None:
+        return out
+    return await asyncio.to_thread(journal.adopt, capture_id, built) or built
+
+
 @router.get("/v1/captures/{capture_id}/timeline", summary="One Perfetto trace of every stage, replica and rank",
             responses={**_RESPONSES, 200: {"description": "the merged trace",
                                            "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}}}},
             response_class=FileResponse)
 async def capture_timeline(api: Api, capture_id: str) -> FileResponse:
-    from sidecar.analysis.timeline import write_timeline
-
     _terminal(api, capture_id)
-    out = _timeline_file(api, capture_id)
+    out = served = _timeline_file(api, capture_id)
     if not out.is_file():  # built once: it outlives the traces, as the summary does
-        paths, skipped = _traces_and_skipped(api, capture_id)
-        async with api.timeline_locks.setdefault(capture_id, asyncio.Lock()):
-            if not out.is_file():  # what was not read is named in the file (otherData.omni_sidecar_not_read)
-                await asyncio.to_thread(run_isolated, write_timeline, paths, out, skipped=skipped)
-    return FileResponse(out, media_type="application/gzip", filename=f"{capture_id}.timeline.json.gz")
+        lock = api.timeline_locks.setdefault(capture_id, asyncio.Lock())
+        try:
+            async with lock:
+                if not out.is_file():
+                    served = await _build_timeline(api, capture_id, out)
+        finally:
+            if not lock.locked():  # no request waits on it: one lock per capture being built, not per capture ever
+                api.timeline_locks.pop(capture_id, None)
+    gone = None if served == out else BackgroundTask(CaptureJournal.discard, served)  # its capture left the history
+    return FileResponse(served, media_type="application/gzip", filename=f"{capture_id}.timeline.json.gz", background=gone)
 
 
 @router.get("/v1/captures/{a}/diff/{b}", summary="Per stage: ops and kernels by change in self CPU / device time (B - A)",
