@@ -441,12 +441,12 @@ class CaptureJournal:
     def write_summary(self, capture_id: str, text: str) -> bool:
         """Cache a capture's summary (blocking), unless retention dropped the capture meanwhile (its
         record is gone): a summary that outlived its capture's record was never deleted. False then."""
-        path = self.summary_path(capture_id)
-        with self._io:  # deletions run under it too: the record is either there or its files are gone
-            if not self.path(capture_id).is_file():
-                return False
-            atomic_write_text(path, text)
-        return True
+        built = self.building(capture_id, self.summary_path(capture_id).name)
+        try:
+            atomic_write_text(built, text)
+            return self.adopt(capture_id, built) is not None
+        finally:
+            self.discard(built)
 
 
 def _owner(name: str, ids: set[str]) -> str | None:
