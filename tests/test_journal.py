@@ -286,3 +286,16 @@ def test_a_cache_file_built_for_a_capture_dropped_meanwhile_is_not_adopted(tmp_p
     (tmp_path / "summaries" / ".building-0a1b2c3d" / "c1.timeline.json.gz").write_bytes(b"gz")
     with StateDirLock(tmp_path) as lock:
         assert lock.swept == ["summaries/.building-0a1b2c3d"]
+
+
+def test_what_the_journal_keeps_per_file_written_is_bounded(tmp_path):
+    # a sidecar's life of captures: one entry per capture ever written grew without end
+    from sidecar.control.journal import _WRITTEN_MAX
+
+    j = CaptureJournal(tmp_path)
+    for i in range(_WRITTEN_MAX + 50):
+        j._note_written(tmp_path / f"c{i}.json", i)
+    j.write(_cap("c-last", state=CaptureState.completed))
+    j.drain()
+    assert len(j._written) == _WRITTEN_MAX and j.path("c-last") in j._written
+    assert [e.capture.id for e in j.load()] == ["c-last"]

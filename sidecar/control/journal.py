@@ -19,6 +19,7 @@ import socket
 import stat
 import tempfile
 import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -38,6 +39,7 @@ _CAPTURE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 # (".probe-<pid>"), in the folders the journal writes (also one level down: a fleet's state dir
 # holds one per server)
 _LEFTOVER = re.compile(r"^\.(?:.+\.[a-z0-9_]{8}\.tmp|probe-\d+|building-[0-9a-f]{8})$")
+_WRITTEN_MAX = 4096
 _WRITTEN_FOLDERS = ("captures", "summaries", "*/captures", "*/summaries")
 
 
@@ -279,7 +281,10 @@ class CaptureJournal:
         self._lock = threading.Lock()
         self._io = threading.Lock()  # this journal's files are written one at a time
         self._seq = 0
-        self._written: dict[Path, int] = {}  # per file, the newest write on disk
+        # per file, the newest write on disk (or deletion), for the newest _WRITTEN_MAX files: a write
+        # queued behind a newer one of its file is never 4,096 files old; one entry per capture ever
+        # written grew by ~300 bytes a capture for the sidecar's life
+        self._written: OrderedDict[Path, int] = OrderedDict()
 
     def path(self, capture_id: str) -> Path:
         if not _CAPTURE_ID.match(capture_id):
@@ -326,12 +331,18 @@ class CaptureJournal:
                 if self._written.get(path, 0) > seq:
                     return  # a newer state of this capture is on disk already
                 atomic_write_text(path, text)
-                self._written[path] = seq
+                self._note_written(path, seq)
         except OSError as exc:
             # The capture goes on; losing history is better than leaving a profiler running.
             self.write_errors += 1
             self.last_write_error = f"{path.name}: {exc.strerror or exc}"
             log.error("journal: cannot write %s: %s", path, exc)
+
+    def _note_written(self, path: Path, seq: int) -> None:
+        self._written[path] = seq
+        self._written.move_to_end(path)
+        while len(self._written) > _WRITTEN_MAX:
+            self._written.popitem(last=False)
 
     async def flush(self) -> None:
         """Until every write handed over so far is on disk (or failed and counted)."""
@@ -397,7 +408,7 @@ class CaptureJournal:
         dropped = set(ids)
         with self._io:
             for cid in ids:
-                self._written[self.path(cid)] = seq  # an older write still queued does not bring it back
+                self._note_written(self.path(cid), seq)  # an older write still queued does not bring it back
                 with _suppress_oserror():
                     self.path(cid).unlink()
                 shutil.rmtree(self.state_dir / "artifacts" / cid, ignore_errors=True)
