@@ -144,3 +144,20 @@ def test_a_downloaded_file_is_never_a_page_of_the_sidecar(web_stack: WebStack, h
     assert reply.headers.get("x-content-type-options") == "nosniff"
     csp = reply.headers.get("content-security-policy", "")
     assert "sandbox" in csp and "default-src 'none'" in csp, dict(reply.headers)
+
+
+@pytest.mark.parametrize(("mode", "warned"), [(0o644, True), (0o640, True), (0o600, False), (0o400, False)])
+def test_a_token_file_others_can_read_is_warned_at_start(tmp_path: Path, shared_emulator_factory: Callable[..., Any],
+                                                        sidecar_factory: Callable[..., Any], mode: int, warned: bool) -> None:
+    from tests.fixtures.emulator import make_deploy
+
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}})
+    token = tmp_path / "token"
+    token.write_text("tok-perm-0123456789\n")
+    token.chmod(mode)
+    emu = shared_emulator_factory(deploy, extra_args=["--workers", "thread"])
+    sc = sidecar_factory(emu.url, deploy, token_file=token, log_path=tmp_path / "sidecar.log")
+    log = (tmp_path / "sidecar.log").read_text()
+    said = f"--token-file {token} can be read by other users of this host (mode {mode:03o})"
+    assert (said in log, f"chmod 600 {token}" in log) == (warned, warned), log[-2000:]
+    assert httpx.get(f"{sc.url}/healthz", timeout=30).status_code == 200  # a warning: it serves

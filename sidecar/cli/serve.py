@@ -253,8 +253,9 @@ def _serve_on(sock: Any, settings: SidecarSettings, deploy: Any, *, log_level: s
             f"http://{where}:{settings.port} (docs at /docs), state {settings.state_dir}",
             highlight=False,
         )
-        if lock.swept_note():
-            err_console.print(f"omni-sidecar: {lock.swept_note()}", highlight=False)
+        for note in (lock.swept_note(), settings.token_file_note()):
+            if note:
+                err_console.print(f"omni-sidecar: {escape(note)}", highlight=False)
         _run_server(fastapi_app, sock, host=settings.host, port=settings.port, log_level=log_level)
     finally:
         lock.release()

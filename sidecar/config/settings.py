@@ -228,6 +228,21 @@ class SidecarSettings(BaseSettings):
                 key="host",
             )
 
+    def token_file_note(self) -> str | None:
+        """A warning where ``token_file`` can be read by other users of this host (group or world
+        bits), who could then read the token: ``serve`` prints it at start. None otherwise."""
+        if self.token_file is None:
+            return None
+        try:
+            mode = Path(self.token_file).expanduser().stat().st_mode & 0o777
+        except OSError:
+            return None  # reading it says what is wrong with it
+        if not mode & 0o077:
+            return None
+        return (f"--token-file {self.token_file} can be read by other users of this host (mode {mode:03o}), who can "
+                f"then start and stop captures: `chmod 600 {self.token_file}` (a Kubernetes secret volume: "
+                "defaultMode: 0400)")
+
     def read_token(self) -> str | None:
         """The bearer token from ``token_file`` (None when not configured), by :func:`read_token_file`."""
         return None if self.token_file is None else read_token_file(self.token_file)
