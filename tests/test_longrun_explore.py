@@ -129,3 +129,17 @@ def test_memory_does_not_grow_with_the_old_session_folders_of_each_kept_capture(
         grown = rss().rss - before
     # 16 captures held ~80 MB of listings before; what is left is the allocator's (1 to 12 MiB measured)
     assert grown < 32 << 20, f"RSS grew {grown / 2**20:.1f} MiB over 16 captures"
+
+
+def test_keep_days_drops_old_captures_from_an_idle_sidecars_list(
+        tmp_path: Path, shared_emulator_factory: Callable[..., Any], sidecar_factory: Callable[..., Any]) -> None:
+    # retention ran at start-up and as a capture ended: an idle sidecar listed a capture past
+    # --keep-days (and kept its files) until the next capture ended, maybe weeks later
+    deploy = make_deploy(tmp_path, {0: {"profiler": "torch"}, 1: None, 2: {"profiler": "torch"}})
+    emu = shared_emulator_factory(deploy, extra_args=THREAD)
+    sc = sidecar_factory(emu.url, deploy, extra_args=["--keep-days", "0.00003"])  # 2.6 s
+    with httpx.Client(base_url=sc.url, timeout=HTTP_TIMEOUT) as client:
+        cid = _capture(client)
+        assert poll(lambda: client.get("/v1/captures").json()["captures"] == [], timeout=60)
+        assert client.get(f"/v1/captures/{cid}").status_code == 404
+    assert poll(lambda: not (sc.state_dir / "captures" / f"{cid}.json").exists(), timeout=30)

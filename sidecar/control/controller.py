@@ -295,7 +295,10 @@ class CaptureController:
         """The captures this sidecar knows (journal history included), newest first: the newest
         ``limit`` (None: all) older than capture ``before`` (an id past retention: by id, which sorts
         by creation time), and the id the next page starts before (None: this is the oldest). Only
-        the page is copied: the web page asks every few seconds, the history holds a thousand."""
+        the page is copied: the web page asks every few seconds, the history holds a thousand.
+        With ``keep_days`` the history is pruned first: age drops captures without any ending."""
+        if self.journal is not None and self.journal.keep_days is not None:
+            self._retain()
         caps = sorted(self._captures.values(), key=lambda c: (c.created_at, c.id), reverse=True)
         if before is not None:
             ref = self._captures.get(before)
