@@ -27,6 +27,23 @@ async def test_timeline_route_serves_one_process_per_stage(api: AppClient) -> No
     assert (reply.status_code, names) == (200, ["stage 0 · replica 0 · rank 0 (llm)", "stage 2 · replica 0 · rank 0 (llm)"])
 
 
+async def test_timeline_of_one_stage_holds_that_stage_only_and_says_it_is_slim(api: AppClient) -> None:  # noqa: F811
+    # the page's "Open in Perfetto" of a trace over 64 MiB asks for this; the route ignored ?stage=
+    # and sent the whole merged timeline of every stage (docs/web.md promised a slim one, or 404)
+    client = await api()
+    cid = await _capture(client, [0, 2])
+    reply = await client.get(f"/v1/captures/{cid}/timeline", params={"stage": 2}, timeout=60)
+    doc = json.loads(gzip.decompress(reply.content))
+    names = sorted(e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name")
+    assert (reply.status_code, names) == (200, ["stage 2 · replica 0 · rank 0 (llm)"]), reply.text[:300]
+    assert "omni_sidecar_slim" in doc["otherData"]
+    assert f'filename="{cid}.timeline.stage2.json.gz"' in reply.headers["content-disposition"]
+    whole = json.loads(gzip.decompress((await client.get(f"/v1/captures/{cid}/timeline", timeout=60)).content))
+    assert len([e for e in whole["traceEvents"] if e.get("name") == "process_name"]) == 2  # each cached apart
+    unknown = await client.get(f"/v1/captures/{cid}/timeline", params={"stage": 1}, timeout=60)
+    assert (unknown.status_code, unknown.json()["error"]["code"]) == (422, "stage_unknown"), unknown.text
+
+
 async def test_diff_route_compares_two_captures_per_stage(api: AppClient) -> None:  # noqa: F811
     from sidecar.analysis.diff import diff_paths
     from sidecar.control import artifacts

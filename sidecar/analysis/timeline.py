@@ -286,4 +286,23 @@ def write_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path, *
     return report
 
 
-__all__ = ["TimelineProcess", "TimelineReport", "process_name", "trace_base_ns", "write_timeline"]
+def write_slim_timeline(paths: Iterable[str | Path | TraceSource], out: str | Path, *, max_mb: float,
+                        skipped: Iterable[str] = ()) -> TimelineReport:
+    """``write_timeline`` of ``paths`` (one stage's traces, say), then the result made to fit
+    ``max_mb`` of JSON by ``slim_trace`` (Python stack events, flows, CUDA API calls, then the
+    window's tail go first; what went is in ``otherData.omni_sidecar_slim``). Written as ``out``;
+    the merged file in between is a temporary beside it."""
+    from sidecar.analysis.slim import slim_trace
+
+    out = Path(out)
+    merged = out.with_name(f".{out.name}.merged.json")
+    try:
+        report = write_timeline(paths, merged, skipped=skipped)
+        slim_trace(merged, out, max_mb=max_mb)
+    finally:
+        merged.unlink(missing_ok=True)
+    return report
+
+
+__all__ = ["TimelineProcess", "TimelineReport", "process_name", "trace_base_ns",
+           "write_slim_timeline", "write_timeline"]

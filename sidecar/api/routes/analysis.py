@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse
@@ -32,9 +32,19 @@ from sidecar.api.state import TOKEN, Api, ApiState
 from sidecar.control import artifacts
 from sidecar.control.journal import CaptureJournal
 from sidecar.control.summaries import SUMMARY_TOP, SUMMARY_TOP_MAX, complete
-from sidecar.errors import CaptureNotFound, CaptureNotTerminal, SummaryUnavailable, TraceError, TraceTooLarge
+from sidecar.errors import (
+    CaptureNotFound,
+    CaptureNotTerminal,
+    StageUnknown,
+    SummaryUnavailable,
+    TraceError,
+    TraceTooLarge,
+)
 
 router = APIRouter(tags=["captures"], dependencies=[TOKEN])
+# one stage's timeline for the page's "Open in Perfetto" of a large trace: Perfetto's in-browser
+# JSON import is slow far above this much JSON
+SLIM_TIMELINE_MB = 256.0
 
 # what a capture's analysis raises (the capture, its state, its traces), for the OpenAPI document
 _RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -67,58 +77,72 @@ def _terminal(api: ApiState, capture_id: str) -> Any:
     return cap
 
 
-def _traces_and_skipped(api: ApiState, capture_id: str) -> tuple[list[Path], list[str]]:
-    """The capture's readable trace files, and why each other trace of it is not read."""
+def _traces_and_skipped(api: ApiState, capture_id: str, stage: int | None = None) -> tuple[list[Path], list[str]]:
+    """The capture's readable trace files (``stage``: that stage's only), and why each other trace
+    of it is not read."""
     cap = _terminal(api, capture_id)
-    paths, skipped = artifacts.trace_files(cap.verdicts)  # confined: what a download may read
+    verdicts = [v for v in cap.verdicts if stage is None or v.stage_id == stage]
+    if stage is not None and not verdicts:
+        raise StageUnknown(f"capture {capture_id} has no stage {stage}; its stages: {', '.join(map(str, cap.stages))}",
+                           details={"stage": stage, "stages": cap.stages})
+    paths, skipped = artifacts.trace_files(verdicts)  # confined: what a download may read
     if not paths:
         raise SummaryUnavailable(
-            f"capture {capture_id} has no readable trace (state {cap.state.value}); see its verdicts"
-            + "".join(f"; {why}" for why in skipped),
+            f"capture {capture_id} has no readable trace{'' if stage is None else f' of stage {stage}'} (state "
+            f"{cap.state.value}); see its verdicts" + "".join(f"; {why}" for why in skipped),
             details={"skipped": skipped},
         )
     return paths, skipped
 
 
-def _timeline_file(api: ApiState, capture_id: str) -> Path:
+def _timeline_file(api: ApiState, capture_id: str, stage: int | None) -> Path:
     journal = getattr(api.controller, "journal", None)
     folder = journal.summary_path(capture_id).parent if journal is not None else Path(tempfile.gettempdir()) / "omni-sidecar"
-    return folder / f"{capture_id}.timeline.json.gz"
+    return folder / f"{capture_id}.timeline{'' if stage is None else f'.stage{stage}'}.json.gz"
 
 
-async def _build_timeline(api: ApiState, capture_id: str, out: Path) -> Path:
-    """Build the capture's timeline as ``out`` (kept beside its summary), or, where retention
-    dropped the capture while it was built, as a file served once and then removed."""
-    from sidecar.analysis.timeline import write_timeline
+async def _build_timeline(api: ApiState, capture_id: str, out: Path, stage: int | None) -> Path:
+    """Build the capture's timeline (``stage``: that stage's, slim) as ``out`` (kept beside its
+    summary), or, where retention dropped the capture while it was built, as a file served once and
+    then removed."""
+    from sidecar.analysis.timeline import write_slim_timeline, write_timeline
 
-    paths, skipped = _traces_and_skipped(api, capture_id)
+    paths, skipped = _traces_and_skipped(api, capture_id, stage)
     journal = getattr(api.controller, "journal", None)
     built = journal.building(capture_id, out.name) if journal is not None else out
     # what was not read is named in the file (otherData.omni_sidecar_not_read)
-    await asyncio.to_thread(run_isolated, write_timeline, paths, built, skipped=skipped)
+    if stage is None:
+        await asyncio.to_thread(run_isolated, write_timeline, paths, built, skipped=skipped)
+    else:
+        await asyncio.to_thread(run_isolated, write_slim_timeline, paths, built, max_mb=SLIM_TIMELINE_MB, skipped=skipped)
     if journal is None:
         return out
     return await asyncio.to_thread(journal.adopt, capture_id, built) or built
 
 
 @router.get("/v1/captures/{capture_id}/timeline", summary="One Perfetto trace of every stage, replica and rank",
-            responses={**_RESPONSES, 200: {"description": "the merged trace",
+            responses={**_RESPONSES, 422: openapi_error(TraceError, TraceTooLarge, StageUnknown),
+                       200: {"description": "the merged trace",
                                            "content": {"application/gzip": {"schema": {"type": "string", "format": "binary"}}}}},
             response_class=FileResponse)
-async def capture_timeline(api: Api, capture_id: str) -> FileResponse:
+async def capture_timeline(
+    api: Api, capture_id: str,
+    stage: Optional[int] = Query(None, ge=0, description="one stage's traces only, made to fit "
+                                 f"{SLIM_TIMELINE_MB:g} MB of JSON (the page's Open in Perfetto for a large trace)"),
+) -> FileResponse:
     _terminal(api, capture_id)
-    out = served = _timeline_file(api, capture_id)
+    out = served = _timeline_file(api, capture_id, stage)
     if not out.is_file():  # built once: it outlives the traces, as the summary does
-        lock = api.timeline_locks.setdefault(capture_id, asyncio.Lock())
+        lock = api.timeline_locks.setdefault(out.name, asyncio.Lock())
         try:
             async with lock:
                 if not out.is_file():
-                    served = await _build_timeline(api, capture_id, out)
+                    served = await _build_timeline(api, capture_id, out, stage)
         finally:
-            if not lock.locked():  # no request waits on it: one lock per capture being built, not per capture ever
-                api.timeline_locks.pop(capture_id, None)
+            if not lock.locked():  # no request waits on it: one lock per timeline being built, not per one ever
+                api.timeline_locks.pop(out.name, None)
     gone = None if served == out else BackgroundTask(CaptureJournal.discard, served)  # its capture left the history
-    return FileResponse(served, media_type="application/gzip", filename=f"{capture_id}.timeline.json.gz", background=gone)
+    return FileResponse(served, media_type="application/gzip", filename=out.name, background=gone)
 
 
 @router.get("/v1/captures/{a}/diff/{b}", summary="Per stage: ops and kernels by change in self CPU / device time (B - A)",
