@@ -242,3 +242,14 @@ def test_the_log_says_each_capture_start_and_end_once_formatted_recovered_ones_t
     assert "was left active by a previous run" not in second
     assert "WARNING:  recovering captures left live by a previous run: " + left in second  # the controller's, formatted
     assert done not in second  # history loaded at start-up is not logged again
+
+
+def test_the_log_level_has_its_environment_twin(stack: Any) -> None:
+    # every other flag has one (docs/api.md); OMNI_SIDECAR_LOG_LEVEL=warning printed the INFO lines
+    emu, sc, _ = stack(env={"OMNI_SIDECAR_LOG_LEVEL": "warning"})
+    with client_of(sc) as client:
+        cid = client.start_capture([0, 2]).id
+        client.stop_capture(cid)
+        client.wait_capture(cid, timeout=WAIT, poll_s=0.1)
+    log = sc.log_path.read_text()
+    assert "INFO:" not in log and "omni-sidecar: upstream" in log, log[-2000:]

@@ -84,7 +84,7 @@ def serve(
         typer.Option("--stages", help="with --profiler-config and no --deploy-config: the `vllm serve --omni` "
                      "pipeline's stage ids, e.g. 0,1"),
     ] = None,
-    log_level: Annotated[str, typer.Option("--log-level", callback=_log_level,
+    log_level: Annotated[str, typer.Option("--log-level", callback=_log_level, envvar="OMNI_SIDECAR_LOG_LEVEL",
                                            help=f"uvicorn log level: {', '.join(LOG_LEVELS)}")] = "info",
     keep: Annotated[Optional[int], typer.Option(
         "--keep", help=f"finished captures kept in history (default {_DEFAULTS['keep']})")] = None,
