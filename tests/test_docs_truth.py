@@ -77,7 +77,7 @@ def test_every_flag_a_documented_command_line_uses_is_one_its_command_takes(cli_
 
 # Variables that are no sidecar setting: read by the CLI / client, the test fixtures or the tools' scripts
 NOT_SETTINGS = {"OMNI_SIDECAR_URL", "OMNI_SIDECAR_TOKEN", "OMNI_SIDECAR_CACHE", "OMNI_SIDECAR_CHROMIUM",
-                "OMNI_SIDECAR_SCREENSHOT_DIR"}
+                "OMNI_SIDECAR_SCREENSHOT_DIR", "OMNI_SIDECAR_LOG_LEVEL"}  # serve's --log-level: not a setting
 
 
 def test_every_environment_variable_the_docs_name_is_read() -> None:
