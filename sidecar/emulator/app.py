@@ -51,10 +51,17 @@ class ResetRequest(BaseModel):
 
 
 class ServerMetrics:
-    """The ``vllm:`` families of the real server's ``/metrics`` that the sidecar reads (tests/data/
-    metrics/ holds the real ones): one ``vllm:iteration_tokens_total`` observation per engine step,
-    requests, tokens and the request latency. vLLM labels an engine ``engine``, vLLM-Omni ``stage``
-    and ``replica``."""
+    """The families of the real server's ``/metrics`` that the sidecar reads (sidecar/upstream/
+    metrics.py; tests/data/metrics/ holds the real ones, tests/omni/test_emulator_fidelity.py checks
+    them against the real server): per engine one ``vllm:iteration_tokens_total`` observation per
+    engine step, requests by ``finished_reason``, tokens, and the request latencies (time to first
+    token, inter-token, queue, e2e); vLLM labels an engine ``engine``, vLLM-Omni ``stage`` and
+    ``replica``. vLLM-Omni also serves its own ``vllm_omni:`` families: the pipeline's e2e latency,
+    the final stage's generation time (its results are the ones the API server sees) and each
+    hand-over's send time."""
+
+    # vLLM declares every reason's counter at start-up (0.0 on an idle server)
+    FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
 
     def __init__(self, flavor: str, model: str) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -64,19 +71,39 @@ class ServerMetrics:
         self.steps_run: dict[int, int] = {}  # engine steps per stage so far (the call log's ``steps``)
         self.omni = flavor == "omni"
         labels = ["model_name", "stage", "replica"] if self.omni else ["model_name", "engine"]
+        reg = {"registry": self.registry}
         self.steps = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-                               labels, buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384),
-                               registry=self.registry)
+                               labels, buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384), **reg)
         self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                               [*labels, "finished_reason"], registry=self.registry)
-        self.prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels,
-                              registry=self.registry)
-        self.generation = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
-                                  registry=self.registry)
+                               [*labels, "finished_reason"], **reg)
+        self.prompt = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, **reg)
+        self.generation = Counter("vllm:generation_tokens", "Number of generation tokens processed.", labels, **reg)
+        request_buckets = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             labels, buckets=(0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                                              50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0),
-                             registry=self.registry)
+                             labels, buckets=request_buckets, **reg)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=(0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                                               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0), **reg)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             labels, buckets=(0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                                              5.0, 7.5, 10.0, 20.0, 40.0, 80.0), **reg)
+        self.queue = Histogram("vllm:request_queue_time_seconds",
+                               "Histogram of time spent in WAITING phase for request.", labels,
+                               buckets=request_buckets, **reg)
+        if self.omni:  # vllm_omni/metrics/definitions.py
+            seconds = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+            self.omni_e2e = Histogram("vllm_omni:e2e_request_latency_s", "Pipeline-global end-to-end request "
+                                      "latency in seconds (user arrival to complete response).", ["model_name"],
+                                      buckets=seconds, **reg)
+            self.stage_gen = Histogram("vllm_omni:stage_gen_time_s", "Per-stage generation time in seconds for "
+                                       "diffusion / image stages.", ["model_name", "stage", "stage_type"],
+                                       buckets=seconds, **reg)
+            self.transfer_tx = Histogram("vllm_omni:transfer_tx_s", "Sender-side time in seconds (serialize + "
+                                         "submit to connector).",
+                                         ["model_name", "from_stage", "to_stage", "from_replica", "to_replica"],
+                                         buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                                                  10.0, 60.0), **reg)
 
     def _labels(self, stage: StageRuntime, replica: int) -> dict[str, str]:
         if self.omni:
@@ -86,14 +113,20 @@ class ServerMetrics:
     def declare(self, stages: list[StageRuntime]) -> None:
         """Every engine's samples from start-up, at 0, as the real server shows them when idle
         (tests/data/metrics/*-0.prom): a steps window started before the first request finds its
-        counter."""
+        counter, and an idle window finished no request (0, not unknown)."""
         for stage in stages:
             for worker in stage.workers:
                 labels = self._labels(stage, worker.spec.replica)
-                for family in (self.steps, self.prompt, self.generation, self.e2e):
+                for family in (self.steps, self.prompt, self.generation, self.e2e, self.ttft, self.itl, self.queue):
                     family.labels(**labels)
+                for reason in self.FINISHED_REASONS:
+                    self.success.labels(**labels, finished_reason=reason)
+        if self.omni:
+            self.omni_e2e.labels(model_name=self.model)
 
-    def request_done(self, stage: StageRuntime, replica: int, steps: int, seconds: float) -> None:
+    def request_done(self, stage: StageRuntime, replica: int, steps: int, seconds: float, queued: float) -> None:
+        """One request's ``steps`` on a stage replica, ``seconds`` from its first step to its
+        last, after ``queued`` seconds waiting (the steps are taken as equally long)."""
         self.steps_run[stage.stage_id] = self.steps_run.get(stage.stage_id, 0) + steps
         labels = self._labels(stage, replica)
         hist = self.steps.labels(**labels)
@@ -102,7 +135,26 @@ class ServerMetrics:
         self.prompt.labels(**labels).inc(1)
         self.generation.labels(**labels).inc(steps)
         self.success.labels(**labels, finished_reason="length").inc()
-        self.e2e.labels(**labels).observe(seconds)
+        self.e2e.labels(**labels).observe(queued + seconds)
+        self.queue.labels(**labels).observe(queued)
+        per_step = seconds / max(steps, 1)
+        self.ttft.labels(**labels).observe(queued + per_step)
+        itl = self.itl.labels(**labels)
+        for _ in range(steps - 1):
+            itl.observe(per_step)
+
+    def pipeline_done(self, hops: list[tuple[StageRuntime, int]], seconds: float) -> None:
+        """vLLM-Omni's own families for one request through ``hops`` (each stage and the replica
+        that ran it, in order): the API server sees only the final stage's result."""
+        if not self.omni or not hops:
+            return
+        self.omni_e2e.labels(model_name=self.model).observe(seconds)
+        last, _ = hops[-1]
+        self.stage_gen.labels(model_name=self.model, stage=str(last.stage_id), stage_type=last.kind).observe(
+            seconds)
+        for (src, src_rep), (dst, dst_rep) in zip(hops, hops[1:]):
+            self.transfer_tx.labels(model_name=self.model, from_stage=str(src.stage_id), to_stage=str(dst.stage_id),
+                                    from_replica=str(src_rep), to_replica=str(dst_rep)).observe(0.0005)
 
     def render(self) -> bytes:
         from prometheus_client import generate_latest
@@ -187,15 +239,17 @@ class Emulator:
                             error,
                         )
 
-    async def dispatch_steps(self, stage: StageRuntime, n: int) -> dict[str, Any]:
-        """Hand one request's steps to a stage, once no control call is in progress."""
+    async def dispatch_steps(self, stage: StageRuntime, n: int) -> tuple[dict[str, Any], int]:
+        """Hand one request's steps to a stage, once no control call is in progress: the
+        worker's reply and the replica that ran them."""
+        arrived = time.monotonic()
         async with self.control:
             worker = stage.next_worker()
         t0 = time.monotonic()
         reply = await worker.call("steps", n=n)
         if reply.get("ok"):
-            self.metrics.request_done(stage, worker.spec.replica, n, time.monotonic() - t0)
-        return reply
+            self.metrics.request_done(stage, worker.spec.replica, n, time.monotonic() - t0, t0 - arrived)
+        return reply, worker.spec.replica
 
     async def apply_faults(self, update: dict[str, Any]) -> Faults:
         was_hanging = self.faults.hang_stop
@@ -500,16 +554,20 @@ def build_app(emu: Emulator) -> FastAPI:
     async def chat(request: ChatRequest) -> JSONResponse:
         max_tokens = request.max_tokens or 8
         tokens: list[int] = []
+        hops: list[tuple[StageRuntime, int]] = []
+        t0 = time.monotonic()
         try:
             for stage in emu.stages:
                 n = (request.num_inference_steps or 4) if stage.kind == "diffusion" else max_tokens
-                reply = await emu.dispatch_steps(stage, n)
+                reply, replica = await emu.dispatch_steps(stage, n)
                 if not reply["ok"]:
                     raise RuntimeError(reply["error"])
+                hops.append((stage, replica))
                 if not tokens:
                     tokens = reply["result"]
         except (WorkerDead, RuntimeError) as e:
             return _error_response(f"EngineCore encountered an issue: {e}", 500)
+        emu.metrics.pipeline_done(hops, time.monotonic() - t0)
         content = "".join(chr(ord("a") + t % 26) for t in tokens)
         return JSONResponse(
             {
