@@ -303,6 +303,7 @@ class Scan:
 
     visible: bool
     dir_exists: bool = True
+    not_a_folder: bool = False  # a file stands at the folder's path: seen, and nothing can be written there
     sessions: list[SessionFolder] = field(default_factory=list)
     # New entries this capture does not take, with why (outside the window, another capture's).
     skipped: list[str] = field(default_factory=list)
@@ -427,6 +428,10 @@ def scan(watch: StageWatch, window: Window | None = None, claims: ClaimRegistry 
         # visible we can see the server's files, so the stage made nothing (missing); if not, the
         # path is probably not mounted here (unverified).
         return Scan(visible=watch.local_dir.parent.is_dir(), dir_exists=False)
+    except NotADirectoryError:
+        # Seen, not hidden: the server cannot make its folder there either (vLLM warns "Can't create
+        # directory" and still answers 200), so the stage wrote nothing (missing, not unverified).
+        return Scan(visible=True, dir_exists=False, not_a_folder=True)
     except OSError:
         return Scan(visible=False)
     if watch.flat:

@@ -400,6 +400,10 @@ def _words(watch: StageWatch, found: Scan, d: Decision, *, pending: list[str], t
                 "folder names carry no server identity: these traces may be the other server's (or overwritten "
                 "by it). Give each server its own torch_profiler_dir (`omni-sidecar render --dir` per replica)"
                 + skipped)
+    if found.not_a_folder:
+        return (f"{where} is a file, not a folder: the server could not write stage {watch.stage_id}'s traces there "
+                "(plain vLLM warns \"Can't create directory\" and still answers 200). Move the file away, or give "
+                "torch_profiler_dir another path, and capture again")
     if r is Rule.no_flat_trace:
         return (f"no new *.pt.trace.json[.gz] in {where} after stop: the worker did not start its profiler, "
                 "exported nothing, or died (a dead or restarted worker: the server still answers 200); check "

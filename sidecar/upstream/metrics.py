@@ -199,14 +199,26 @@ def quantile(buckets: Mapping[float, float], q: float) -> float | None:
     return prev_bound
 
 
+def _bounded_quantile(buckets: Mapping[float, float], q: float, count: int, total: float) -> float | None:
+    """``quantile`` no higher than the observations' sum allows: the k-th smallest of ``count``
+    non-negative durations (k = ceil(q * count)) is at most ``total / (count - k + 1)``. Without it a
+    window whose requests all sit in vLLM's first latency bucket (0.3 s: queue times of microseconds)
+    reads p50 0.15 s and p95 0.285 s whatever they took."""
+    value = quantile(buckets, q)
+    if value is None or count <= 0 or total < 0:
+        return value
+    k = min(count, max(1, math.ceil(q * count - 1e-9)))
+    return min(value, total / (count - k + 1))
+
+
 def _delta_hist(before: _Histogram | None, after: _Histogram) -> Latency:
     b = before or _Histogram()
     buckets = {le: after.buckets[le] - b.buckets.get(le, 0.0) for le in after.buckets}
     count = int(round(after.count - b.count))
     total = after.sum - b.sum
     return Latency(count=count, sum_s=total, mean_s=total / count if count > 0 else None,
-                   p50_s=quantile(buckets, 0.5) if count > 0 else None,
-                   p95_s=quantile(buckets, 0.95) if count > 0 else None)
+                   p50_s=_bounded_quantile(buckets, 0.5, count, total) if count > 0 else None,
+                   p95_s=_bounded_quantile(buckets, 0.95, count, total) if count > 0 else None)
 
 
 def window_metrics(before: MetricsSnapshot, after: MetricsSnapshot) -> WindowMetrics:

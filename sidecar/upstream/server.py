@@ -170,6 +170,7 @@ class UpstreamServer:
         except TlsRefused as exc:
             return ProbeResult(healthy=False, profiler_mounted=None, reason=self._tls(f"{self.base_url}/health", exc))
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            self._version = None  # what comes back on this port may be another server (another version)
             return ProbeResult(
                 healthy=False,
                 profiler_mounted=None,
@@ -214,9 +215,7 @@ class UpstreamServer:
             return ProbeResult(
                 healthy=True,
                 profiler_mounted=False,
-                reason="the profiler endpoints are not mounted: no stage of the server's deploy config "
-                "sets profiler_config.profiler; add one (e.g. profiler: torch with torch_profiler_dir) "
-                "and restart the server",
+                reason=f"the profiler endpoints are not mounted: {self._not_mounted()}",
             )
         return ProbeResult(
             healthy=True,
@@ -224,6 +223,14 @@ class UpstreamServer:
             reason=f"GET /start_profile answered {mounted.status_code} (expected 405 when mounted, "
             "404 when not); is --upstream a vLLM-Omni server?",
         )
+
+    def _not_mounted(self) -> str:
+        """Why a server serves no profiler routes, and the fix, in the words of the way it was started."""
+        if self.flavor is Flavor.vllm:
+            return ("`vllm serve` was started without a profiler (no --profiler-config); restart it with e.g. "
+                    "--profiler-config '{\"profiler\": \"torch\", \"torch_profiler_dir\": \"/data/perf\"}'")
+        return ("no stage of the server's deploy config sets profiler_config.profiler; add one (e.g. profiler: "
+                "torch with torch_profiler_dir) and restart the server")
 
     async def identify(self) -> ServerVersion:
         """What the server is (kept until a call finds it unreachable): its vLLM version from
@@ -543,7 +550,7 @@ class UpstreamServer:
             )
         hint = ""
         if resp.status_code == 404:
-            hint = "; the profiler endpoints are not mounted (no stage sets profiler_config.profiler)"
+            hint = f"; the profiler endpoints are not mounted: {self._not_mounted()}"
         raise UpstreamError(
             f"POST {url} answered {resp.status_code}: {detail}{hint}",
             details={"status": resp.status_code, "body": text, "url": url},
