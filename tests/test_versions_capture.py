@@ -84,6 +84,7 @@ async def test_a_session_left_open_by_another_client_is_refused_named_and_never_
     assert (cap.state, err.value.details["open_session"], vllm032.stops(), vllm032.session_open) == (
         CaptureState.failed, "not this sidecar's", [], True)
     assert "409" in err.value.message and "another client started it" in err.value.message
+    assert ".." not in err.value.message  # vLLM's own text ends with its period
 
 
 async def _left_open(vllm032: Any, control_deploy: Any, state: Path) -> Any:

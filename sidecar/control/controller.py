@@ -560,7 +560,7 @@ class CaptureController:
             await self.upstream.start_profile(cap.stages, before_send=before_send, options=options)
         except UpstreamSessionActive as exc:
             exc.message = (
-                f"{exc.message}. The session open on {self.upstream.base_url} is not this sidecar's (every window it "
+                f"{exc.message.rstrip('.')}. The session open on {self.upstream.base_url} is not this sidecar's (every window it "
                 "journaled there was stopped, or stopped again just now): another client started it (a POST "
                 "/start_profile by hand, another sidecar or trainer on this server). Stop it there (POST "
                 "/stop_profile) and start again")
