@@ -96,3 +96,14 @@ def test_vllm_omnis_own_families_are_in_the_windows_server_metrics() -> None:
     seen = {short: {where: lat.count for where, lat in by.items()} for short, by in window.omni.items()}
     assert seen == {"stage_gen": {"1": 5}, "transfer_tx": {"0->1": 5}, "e2e": {"": 5}}, seen
     assert sorted((e.stage, e.replica) for e in window.engines) == [("0", "0"), ("1", "0")]
+
+
+@pytest.mark.parametrize("flat", [True, False])
+def test_validate_server_says_when_the_server_serves_no_profiler_routes(control_deploy, flat: bool) -> None:
+    # a CI gate of `validate --server` passed in silence against a server no capture can run on
+    with FakeOmni(control_deploy) as fake:
+        fake.flat, fake.version, fake.mounted = flat, "0.32.0", False
+        code, output, report = _validate("--server", fake.url)
+    (warning,) = report["server"]["warnings"]
+    assert (code, warning["code"]) == (0, "profiler_not_mounted"), output
+    assert ("--profiler-config" if flat else "profiler_config.profiler") in warning["why"], warning

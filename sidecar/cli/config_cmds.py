@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, NamedTuple, Optional
 
 import typer
 from rich.markup import escape
@@ -88,28 +88,50 @@ def _version_option(value: str | None, flag: str) -> Release | None:
     return release
 
 
-def _read_server(url: str, omni_version: str | None) -> ServerVersion:
-    """What the server at ``url`` is (sidecar.upstream.server.UpstreamServer.identify)."""
+class _Target(NamedTuple):
+    """The versions a deploy is checked for and, for a live server (``--server``), why it serves
+    no profiler routes now (None: it does, or no server was asked)."""
+
+    version: ServerVersion
+    unmounted: str | None = None
+
+    def warnings(self) -> list[dict[str, Any]]:
+        """The version's warnings, and the server's missing profiler routes: a capture there fails
+        until it is restarted with a profiler (which the config checked may be the one to give it)."""
+        out = self.version.warnings()
+        if self.unmounted is not None:
+            out.append({"code": "profiler_not_mounted", "why": self.unmounted})
+        return out
+
+
+def _read_server(url: str, omni_version: str | None) -> _Target:
+    """What the server at ``url`` is (sidecar.upstream.server.UpstreamServer.identify), and whether
+    it serves the profiler routes."""
     import asyncio
 
-    from sidecar.upstream.server import UpstreamServer
+    from sidecar.upstream.server import Flavor, UpstreamServer
 
-    async def read() -> ServerVersion:
+    async def read() -> _Target:
         async with UpstreamServer(url) as upstream:
             upstream.omni_version = omni_version
             probe = await upstream.probe()
             if not probe.reachable:
                 raise typer.BadParameter(f"--server: {probe.reason}")
-            return await upstream.identify()
+            version = await upstream.identify()
+            if probe.profiler_mounted is False and version.kind == "vllm":
+                upstream.flavor = Flavor.vllm  # its fix in a plain vLLM's words (--profiler-config)
+                probe = await upstream.probe()
+            return _Target(version, probe.reason if probe.healthy and probe.profiler_mounted is False else None)
 
     return asyncio.run(read())
 
 
-def _target(kind: str, vllm_version: str | None, omni_version: str | None, server: str | None) -> ServerVersion:
+def _target(kind: str, vllm_version: str | None, omni_version: str | None, server: str | None) -> _Target:
     """The versions a deploy is checked for: the server's own (``--server``), or the ones named, or
     the newest known vLLM (and the vLLM-Omni made for it)."""
     given_vllm = _version_option(vllm_version, "--vllm-version")
     _version_option(omni_version, "--omni-version")
+    unmounted = None
     if server is not None:
         url = http_url(server)
         if url is None:  # else an unreachable "server" would be invented, of a guessed version
@@ -121,7 +143,7 @@ def _target(kind: str, vllm_version: str | None, omni_version: str | None, serve
         found = _read_server(url, omni_version)
         if given_vllm is None:
             return found
-        kind = found.kind
+        kind, unmounted = found.version.kind, found.unmounted
     if given_vllm is not None:
         line = given_vllm.line
     elif kind == "omni":  # the vLLM of the vLLM-Omni named (its major.minor: one the table does not know
@@ -130,7 +152,7 @@ def _target(kind: str, vllm_version: str | None, omni_version: str | None, serve
     else:
         line = NEWEST_VLLM.line
     vllm = str(given_vllm) if given_vllm is not None else f"{line[0]}.{line[1]}.0"
-    return ServerVersion.of(kind, vllm, omni_version)  # type: ignore[arg-type]
+    return _Target(ServerVersion.of(kind, vllm, omni_version), unmounted)  # type: ignore[arg-type]
 
 
 def _env_findings() -> list[Finding]:
@@ -144,14 +166,15 @@ def _env_findings() -> list[Finding]:
                             "(profiler: torch, torch_profiler_dir) instead")]
 
 
-def _print_server(version: ServerVersion, *, live: bool) -> None:
+def _print_server(target: _Target, *, live: bool) -> None:
     from sidecar.control.notes import note, word
 
+    version = target.version
     print_text(console, ("server: " if live else "checked for: ") + version.describe(), hang="  ", markup=False)
     if live and version.kind == "omni" and not version.omni_told and version.omni is not None:
         print_text(console, f"  vLLM-Omni serves its own version nowhere: {version.omni} is the release made for vLLM "
                    f"{version.vllm} (--omni-version to name another)", hang="    ", markup=False)
-    for w in version.warnings():
+    for w in target.warnings():
         code = str(w.pop("code"))
         print_text(console, Text(f"  warning[{code}]: {word(note(code, **w))}", style="yellow"), hang="    ")
 
@@ -203,7 +226,7 @@ def validate(
         target = _target("omni" if deploy_file is not None else "vllm", vllm_version, omni_version, server)
         if server is not None and deploy_file is None and profiler_config is None:
             if as_json:
-                console.print_json(json.dumps({"ok": True, "server": {**target.figures(), "summary": target.describe(),
+                console.print_json(json.dumps({"ok": True, "server": {**target.version.figures(), "summary": target.version.describe(),
                                                                       "warnings": target.warnings()}}))
             else:
                 _print_server(target, live=True)
@@ -225,7 +248,7 @@ def validate(
                 allow_legacy=allow_legacy,
             )
             findings = validate_deploy(deploy, stages=stage_list, allow_cuda=nsys)
-            findings += version_findings(deploy, target.dialect, target.omni_dialect,
+            findings += version_findings(deploy, target.version.dialect, target.version.omni_dialect,
                                          device or PLATFORM_DEVICE.get(platform)) + _env_findings()
             plan = None
             if verl_config is not None:
@@ -256,7 +279,7 @@ def validate(
                 "verl_version": support.model_dump(mode="json") | {"summary": support.describe()} if plan else None,
                 # the replicas verl profiles: indices, "all", or null when it profiles none
                 "verl_replicas": (plan.requested_replicas(rank_mode) or "all") if plan and plan.enable else None,
-                "server": {**target.figures(), "summary": target.describe(), "warnings": target.warnings(),
+                "server": {**target.version.figures(), "summary": target.version.describe(), "warnings": target.warnings(),
                            "live": server is not None},
             }
             console.print_json(json.dumps(report))

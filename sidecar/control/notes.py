@@ -207,6 +207,9 @@ _WORDS: dict[str, Callable[[dict[str, Any], int | None], str]] = {
     "idle_render": lambda f, _: _idle_render(f),
     "server_version": lambda f, _: _server_version(f),
     "version_unknown": lambda f, _: _version_unknown(f),
+    "profiler_not_mounted": lambda f, _: (
+        f"{f['why']}; until then no capture can run there (the config checked here may be the one that gives it a "
+        "profiler)"),
     "version_mismatch": lambda f, _: (
         f"vLLM-Omni {f['omni'] or '(none made for it)'} runs on vLLM {f['vllm']}: vLLM-Omni must match vLLM's "
         f"major.minor (it warns of this in its own log only); fix: {f['fix']}"),
