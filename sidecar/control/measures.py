@@ -100,6 +100,7 @@ class WindowMeasures:
                               behind=list(decision.behind), still_s=round(decision.still_s, 3),
                               start_s=round(answered_at - base.at, 3) if base is not None else None,
                               read_gap_s=round(policy.read_gap_s, 3),
+                              per_capture=bool((cap.server or {}).get("per_capture_bounds")),
                               ends={str(s): n for s, n in (ends or {}).items()}, margin=policy.margin,
                               max_s=policy.max_s))
         if self.settings.steps_record_dir:

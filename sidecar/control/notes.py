@@ -71,8 +71,9 @@ def _steps_ended(f: dict[str, Any]) -> str:
                 "the read before the start was sent: steps run while the start reached the stages count though a "
                 "trace may not hold them, and the engines step on while the stop travels, so a trace may hold fewer "
                 f"or more; each stage's steps_traced says how many).{slow} For exactly {steps}, let the server end the "
-                "window: restart it with the profiler config "
-                f"`omni-sidecar render --steps {steps}` writes")
+                + ("window: leave steps_bound out (this server ends a steps window itself, per capture)"
+                   if f.get("per_capture") else
+                   f"window: restart it with the profiler config `omni-sidecar render --steps {steps}` writes"))
     still = f"{f['still_s']:.1f}s"
     if by == "stage_stalled":
         behind = ", ".join(f"{_stage(s)} had counted {f['per_stage'].get(s, 0) - f['heads'].get(s, 0)}"

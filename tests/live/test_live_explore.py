@@ -82,6 +82,22 @@ def test_a_file_where_the_trace_folder_should_be_leaves_the_stage_missing(live: 
     assert (cap["state"], verdict["verdict"]) == ("degraded", "missing"), verdict
 
 
+def test_a_counted_steps_window_on_a_server_that_bounds_its_own_says_to_leave_the_count_out(
+        live: dict[str, Any], sidecar: Any) -> None:
+    # vLLM >= 0.32 ends a steps window itself, per capture: the advice for exactly N was to restart
+    # the server with a rendered profiler config, which it does not need
+    from sidecar.control.notes import word
+
+    with SidecarClient(sidecar.url, timeout=300) as client:
+        cid = client.start_capture(steps=4, steps_bound="count").id
+        complete(live["server"].url, n=2)
+        cap = client.wait_capture(cid, timeout=300)
+    (ended,) = cap.fact("steps_ended")
+    assert (cap.steps_ended_by.value, ended.figures["per_capture"]) == ("steps", True), cap.facts
+    said = word(ended)
+    assert "leave steps_bound out" in said and "restart it" not in said, said
+
+
 def test_a_server_gone_is_forgotten_once_a_probe_finds_it_unreachable(live: dict[str, Any], sidecar: Any) -> None:
     # What answers on that port next may be another vLLM (an upgrade): its version is asked again.
     with httpx.Client(base_url=sidecar.url, timeout=60) as client:
